@@ -1,0 +1,83 @@
+"""megatron_tuning: deterministic, reproducible Triton autotuning for distributed jobs.
+
+Start it once per process, after ``torch.distributed.init_process_group`` (if any)::
+
+    import megatron_tuning
+    handle = megatron_tuning.init_deterministic_tuning()   # policy from MEGATRON_TUNING_* env
+    ...
+    handle.close()   # or use ``with`` — restores Triton's autotuner
+"""
+
+from __future__ import annotations
+
+import logging
+
+from .decisions import Decision, get_decisions, write_decisions
+from .errors import (
+    AgreementTimeoutError,
+    BenchmarkForbiddenError,
+    BlockSizeOverrideError,
+    DivergenceError,
+    MegatronTuningError,
+    PolicyError,
+    StaleEntryError,
+    TableError,
+    TableMissError,
+    UnsupportedTritonError,
+)
+from .policy import TuningPolicy
+from .selection import (
+    arch_tag,
+    autotune_configs,
+    chaos_choice,
+    cheapest,
+    config_data,
+    config_signature,
+    deterministic_choice,
+    estimate_config_cost,
+    filter_configs_by_block_sizes,
+    kernel_module,
+    kernel_name,
+    reset_warnings,
+    tuning_key,
+    warn_if_mamba_env_ignored,
+)
+from .session import TuningHandle, init_deterministic_tuning
+
+__version__ = "0.1.0"
+
+logging.getLogger(__name__).addHandler(logging.NullHandler())
+
+__all__ = [
+    "AgreementTimeoutError",
+    "BenchmarkForbiddenError",
+    "BlockSizeOverrideError",
+    "Decision",
+    "DivergenceError",
+    "MegatronTuningError",
+    "PolicyError",
+    "StaleEntryError",
+    "TableError",
+    "TableMissError",
+    "TuningHandle",
+    "TuningPolicy",
+    "UnsupportedTritonError",
+    "__version__",
+    "arch_tag",
+    "autotune_configs",
+    "chaos_choice",
+    "cheapest",
+    "config_data",
+    "config_signature",
+    "deterministic_choice",
+    "estimate_config_cost",
+    "filter_configs_by_block_sizes",
+    "get_decisions",
+    "init_deterministic_tuning",
+    "kernel_module",
+    "kernel_name",
+    "reset_warnings",
+    "tuning_key",
+    "warn_if_mamba_env_ignored",
+    "write_decisions",
+]

@@ -1,0 +1,178 @@
+"""The project's exception hierarchy.
+
+Every error the library raises on purpose derives from ``MegatronTuningError``. Each
+subclass carries structured fields (so callers and tests can inspect them without
+parsing text) and a message that names the thing that went wrong and the fix.
+Errors are picklable: ``__reduce__`` rebuilds them from their fields, so they survive
+multiprocessing and torch.distributed elastic error files.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+
+class MegatronTuningError(Exception):
+    """Root of every error raised on purpose by megatron_tuning."""
+
+
+class PolicyError(MegatronTuningError, ValueError):
+    """A policy field or ``MEGATRON_TUNING_*`` environment variable has a bad value."""
+
+    def __init__(self, name: str, value: object, allowed: str) -> None:
+        self.name = name
+        self.value = value
+        self.allowed = allowed
+        super().__init__(f"Unable to use {name}={value!r}: expected {allowed}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.name, self.value, self.allowed))
+
+
+class UnsupportedTritonError(MegatronTuningError, RuntimeError):
+    """The installed Triton lacks something the interception relies on."""
+
+
+class TableMissError(MegatronTuningError, LookupError):
+    """``on_miss='error'``: no usable table entry for this kernel and key."""
+
+    def __init__(self, kernel: str, key: str, reason: str = "no table entry") -> None:
+        self.kernel = kernel
+        self.key = key
+        self.reason = reason
+        super().__init__(
+            f"No tuned config for kernel {kernel} with key {key} ({reason}). "
+            "Add an entry to a tuning table (see `python -m megatron_tuning show`), "
+            "or set MEGATRON_TUNING_ON_MISS=min_cost to fall back to the cheapest config."
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.kernel, self.key, self.reason))
+
+
+class BlockSizeOverrideError(MegatronTuningError, ValueError):
+    """An explicit block-size override matches none of a kernel's live configs."""
+
+    def __init__(self, kernel: str, override: Mapping[str, object], available: Sequence[str]) -> None:
+        self.kernel = kernel
+        self.override = dict(override)
+        self.available = list(available)
+        wanted = ", ".join(f"{k}={v!r}" for k, v in sorted(self.override.items()))
+        listing = "; ".join(self.available) or "(none)"
+        super().__init__(
+            f"Block-size override {wanted} matches no live config of kernel {kernel}. "
+            f"Live configs: {listing}. Change MEGATRON_TUNING_BLOCK_SIZES (or the policy's "
+            "block_sizes) to values one of these configs has."
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.kernel, self.override, self.available))
+
+
+class BenchmarkForbiddenError(MegatronTuningError, RuntimeError):
+    """Something tried to benchmark an in-scope kernel under a policy that never measures."""
+
+    def __init__(self, kernel: str, mode: str) -> None:
+        self.kernel = kernel
+        self.mode = mode
+        super().__init__(
+            f"Refusing to benchmark kernel {kernel}: policy mode {mode!r} never measures. "
+            "This means a launch bypassed the deterministic choice (please report it), or "
+            "code called the autotuner's benchmark directly. Use mode 'record' or 'tune' "
+            "to measure."
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.kernel, self.mode))
+
+
+class TableError(MegatronTuningError, ValueError):
+    """A tuning table file is unreadable, corrupt, or of the wrong schema."""
+
+    def __init__(self, path: str, problem: str) -> None:
+        self.path = str(path)
+        self.problem = problem
+        super().__init__(f"Tuning table {self.path}: {problem}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.path, self.problem))
+
+
+class StaleEntryError(MegatronTuningError, RuntimeError):
+    """Strict mode: a table entry was tuned for another kernel source or Triton version."""
+
+    def __init__(self, kernel: str, key: str, path: str, detail: str) -> None:
+        self.kernel = kernel
+        self.key = key
+        self.path = path
+        self.detail = detail
+        super().__init__(
+            f"Table entry for kernel {kernel} key {key} in {path} is stale: {detail}. "
+            "Re-tune this kernel, or unset MEGATRON_TUNING_STRICT to use the entry anyway."
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.kernel, self.key, self.path, self.detail))
+
+
+class DivergenceError(MegatronTuningError, RuntimeError):
+    """Ranks chose different configs for the same (kernel, key).
+
+    ``signatures`` maps each rank that reported to the config signature it chose.
+    """
+
+    def __init__(self, kernel: str, key: str, signatures: Mapping[int, str], detail: str = "") -> None:
+        self.kernel = kernel
+        self.key = key
+        self.signatures = {int(r): s for r, s in signatures.items()}
+        self.detail = detail
+        super().__init__(_divergence_message(kernel, key, self.signatures, detail))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.kernel, self.key, self.signatures, self.detail))
+
+
+class AgreementTimeoutError(MegatronTuningError, TimeoutError):
+    """An agreement check waited too long for some ranks."""
+
+    def __init__(self, what: str, missing_ranks: Sequence[int], timeout_s: float) -> None:
+        self.what = what
+        self.missing_ranks = sorted(int(r) for r in missing_ranks)
+        self.timeout_s = float(timeout_s)
+        super().__init__(
+            f"Agreement check for {what} timed out after {self.timeout_s:g}s waiting for "
+            f"rank(s) {self.missing_ranks}. Those ranks did not reach this kernel: use "
+            "agreement mode 'store' (tolerates ranks that never launch a kernel) or give "
+            "'allgather' a group whose ranks run identical kernels in identical order."
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.what, self.missing_ranks, self.timeout_s))
+
+
+def _divergence_message(kernel: str, key: str, signatures: Mapping[int, str], detail: str) -> str:
+    groups: dict[str, list[int]] = {}
+    for rank in sorted(signatures):
+        groups.setdefault(signatures[rank], []).append(rank)
+    lines = [f"Ranks launched different configs for kernel {kernel} with key {key}:"]
+    for signature, ranks in sorted(groups.items(), key=lambda item: item[1][0]):
+        lines.append(f"  Rank(s) {ranks} ran {signature}")
+    if len(groups) >= 2:
+        (first, _), (second, _) = sorted(groups.items(), key=lambda item: item[1][0])[:2]
+        lines.append("  diff: " + _signature_diff(first, second))
+    if detail:
+        lines.append(f"  {detail}")
+    lines.append(
+        "  Pin this kernel with a tuning table (MEGATRON_TUNING_TABLE) or make every rank use "
+        "the same policy and table."
+    )
+    return "\n".join(lines)
+
+
+def _signature_diff(first: str, second: str) -> str:
+    """Field-by-field difference of two ``config_signature`` strings."""
+    a = dict(part.split("=", 1) for part in first.split(", ") if "=" in part)
+    b = dict(part.split("=", 1) for part in second.split(", ") if "=" in part)
+    changed = [f"{k}: {a.get(k, '-')} -> {b.get(k, '-')}" for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)]
+    return "; ".join(changed) or "(signatures differ only in formatting)"

@@ -1,0 +1,348 @@
+"""The Triton adapter: the only module that touches Triton's private autotuner internals.
+
+``install(policy)`` patches ``triton.runtime.autotuner.Autotuner`` at class level:
+
+* ``run``: for in-scope kernels under ``deterministic``/``chaos``/``tune`` the config is chosen
+  at the first use of each key (after the kernel's own pruning), recorded in the decision log,
+  and launched the way Triton's cache-hit path launches: ``Config.pre_hook`` then ``fn.run``.
+  Autotuner-level ``reset_to_zero``/``restore_value``/``pre_hook``/``post_hook`` only protect
+  benchmarking, so they do not run when nothing is benchmarked (as on Triton's hit path).
+  Under ``record`` Triton autotunes as usual and its winner is recorded. Out-of-scope kernels
+  and mode ``off`` go to Triton's own ``run`` untouched.
+* ``_bench``: raises ``BenchmarkForbiddenError`` for in-scope kernels under non-measuring
+  policies, so a key mismatch can never fall back to timing silently.
+* ``__init__`` (only on releases that resolve the benchmarker eagerly, 3.2/3.3): passes a lazy
+  benchmarker so kernels can be decorated without a GPU driver (interpreter mode).
+
+``uninstall()`` restores the original attributes exactly. Contract tests in
+``tests/test_triton_contract.py`` pin every private attribute used here.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import threading
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .decisions import Decision, decision_log
+from .errors import BenchmarkForbiddenError, UnsupportedTritonError
+from .policy import TuningPolicy
+from .selection import (
+    ConfigTable,
+    arch_tag,
+    as_config_table,
+    chaos_index,
+    choose_deterministically,
+    config_data,
+    config_signature,
+    current_rank,
+    kernel_id,
+    kernel_module,
+    kernel_source_hash,
+    order_by_cost,
+    tuning_key,
+)
+
+logger = logging.getLogger(__name__)
+
+MIN_TRITON = (3, 3)
+_STATE_ATTR = "_megatron_tuning_state"
+
+# measure(autotuner, candidates, args, kwargs, kernel, key) -> (config, timings)
+Measure = Callable[[Any, list[Any], tuple[Any, ...], dict[str, Any], str, str], tuple[Any, dict[str, Any]]]
+
+
+@dataclass(frozen=True)
+class _Installation:
+    policy: TuningPolicy
+    table: ConfigTable | None
+    measure: Measure | None
+    generation: int
+    arch: str
+
+
+@dataclass
+class _AutotunerState:
+    """Per-autotuner cache, valid for one installation generation."""
+
+    generation: int
+    in_scope: bool
+    kernel: str
+    key_index: tuple[tuple[str, int], ...]
+    arg_count: int
+    pins: dict[tuple[Any, ...], Any] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    source_hash: str | None = None
+
+
+_lock = threading.RLock()
+_installation: _Installation | None = None
+_generation = 0
+_originals: dict[str, Any] = {}
+_touched: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def _autotuner_class() -> Any:
+    from triton.runtime.autotuner import Autotuner
+
+    return Autotuner
+
+
+def triton_version() -> tuple[int, int]:
+    import triton
+
+    major, minor = triton.__version__.split(".")[:2]
+    return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
+
+
+def check_triton_contract() -> None:
+    """Raise ``UnsupportedTritonError`` unless Triton has every attribute the patch relies on."""
+    import triton
+
+    if triton_version() < MIN_TRITON:
+        raise UnsupportedTritonError(
+            f"megatron_tuning needs Triton >= {MIN_TRITON[0]}.{MIN_TRITON[1]}, found {triton.__version__}; "
+            "upgrade Triton (pip install -U triton).")
+    autotuner = _autotuner_class()
+    missing = [name for name in ("run", "_bench", "prune_configs", "__init__") if not hasattr(autotuner, name)]
+    init_params = inspect.signature(autotuner.__init__).parameters
+    missing += [f"__init__({p})" for p in ("fn", "arg_names", "configs", "key", "do_bench") if p not in init_params]
+    if not hasattr(triton.Config, "all_kwargs"):
+        missing.append("Config.all_kwargs")
+    if missing:
+        raise UnsupportedTritonError(
+            f"Triton {triton.__version__} changed the autotuner internals megatron_tuning patches "
+            f"(missing: {', '.join(missing)}). Pin a supported Triton or upgrade megatron_tuning.")
+
+
+def installed() -> bool:
+    return _installation is not None
+
+
+def current_policy() -> TuningPolicy | None:
+    installation = _installation
+    return None if installation is None else installation.policy
+
+
+def install(policy: TuningPolicy, *, table: Any = None, measure: Measure | None = None) -> None:
+    """Patch Triton's Autotuner for ``policy``. Idempotent; a second call replaces the policy.
+
+    ``table`` provides ``lookup`` (``selection.ConfigTable``) or is a ``{(kernel, key): config}``
+    mapping. ``measure`` is required in mode ``tune``.
+    """
+    global _installation, _generation
+    if policy.mode == "tune" and measure is None:
+        raise ValueError("policy mode 'tune' needs a measure function (see megatron_tuning.tuner)")
+    check_triton_contract()
+    with _lock:
+        if not _originals:
+            _patch()
+        _generation += 1
+        _installation = _Installation(policy, as_config_table(table), measure, _generation, arch_tag())
+    logger.debug("interception installed: %s", policy.describe())
+
+
+def uninstall() -> None:
+    """Restore Triton's Autotuner exactly as it was before ``install``."""
+    global _installation
+    with _lock:
+        _installation = None
+        if not _originals:
+            return
+        autotuner = _autotuner_class()
+        for name, original in _originals.items():
+            setattr(autotuner, name, original)
+        _originals.clear()
+        for instance in list(_touched):
+            instance.__dict__.pop(_STATE_ATTR, None)
+    logger.debug("interception uninstalled")
+
+
+def _patch() -> None:
+    autotuner = _autotuner_class()
+    for name in ("run", "_bench", "__init__"):
+        _originals[name] = autotuner.__dict__[name]
+    autotuner.run = _make_run(_originals["run"])
+    autotuner._bench = _make_bench(_originals["_bench"])
+    if not isinstance(inspect.getattr_static(autotuner, "do_bench", None), functools.cached_property):
+        autotuner.__init__ = _make_init(_originals["__init__"])
+    else:
+        del _originals["__init__"]
+
+
+class _LazyBenchmarker:
+    """Resolves Triton's default benchmarker at first use instead of at decoration."""
+
+    def __call__(self, kernel_call: Any, quantiles: Any = None, **kwargs: Any) -> Any:
+        from triton.runtime.driver import driver
+
+        return driver.active.get_benchmarker()(kernel_call, quantiles=quantiles, **kwargs)
+
+
+def _make_init(original: Any) -> Any:
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        bound = signature.bind(self, *args, **kwargs)
+        legacy = any(bound.arguments.get(name) for name in ("warmup", "rep", "use_cuda_graph"))
+        if bound.arguments.get("do_bench") is None and not legacy:
+            bound.arguments["do_bench"] = _LazyBenchmarker()
+        original(*bound.args, **bound.kwargs)
+
+    return __init__
+
+
+def _make_bench(original: Any) -> Any:
+    @functools.wraps(original)
+    def _bench(self: Any, *args: Any, **kwargs: Any) -> Any:
+        installation = _installation
+        if installation is not None and not installation.policy.measures:
+            state = _state_for(self, installation)
+            if state.in_scope:
+                raise BenchmarkForbiddenError(state.kernel, installation.policy.mode)
+        return original(self, *args, **kwargs)
+
+    return _bench
+
+
+def _state_for(autotuner: Any, installation: _Installation) -> _AutotunerState:
+    state = autotuner.__dict__.get(_STATE_ATTR)
+    if state is not None and state.generation == installation.generation:
+        return state
+    arg_names = list(autotuner.arg_names)
+    kernel = kernel_id(autotuner)
+    state = _AutotunerState(
+        generation=installation.generation,
+        in_scope=installation.policy.in_scope(kernel_module(autotuner)),
+        kernel=kernel,
+        key_index=tuple((name, arg_names.index(name)) for name in autotuner.keys if name in arg_names),
+        arg_count=len(arg_names),
+    )
+    autotuner.__dict__[_STATE_ATTR] = state
+    _touched.add(autotuner)
+    if not state.in_scope:
+        decision_log().record(Decision(kernel=kernel, key="*", signature="", source="out_of_scope",
+                                       arch=installation.arch, rank=current_rank()))
+    return state
+
+
+def _raw_key(state: _AutotunerState, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    """Hot-path cache key: the same values and dtypes as Triton's key, without building text."""
+    count = len(args)
+    values = [args[i] if i < count else kwargs.get(name) for name, i in state.key_index]
+    values.extend(a.dtype for a in args if hasattr(a, "dtype"))
+    if kwargs:
+        values.extend(v.dtype for v in kwargs.values() if hasattr(v, "dtype"))
+    return tuple(values)
+
+
+def _make_run(original: Any) -> Any:
+    @functools.wraps(original)
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        installation = _installation
+        if installation is None or installation.policy.mode == "off":
+            return original(self, *args, **kwargs)
+        state = self.__dict__.get(_STATE_ATTR)
+        if state is None or state.generation != installation.generation:
+            state = _state_for(self, installation)
+        if not state.in_scope:
+            return original(self, *args, **kwargs)
+        if installation.policy.mode == "record":
+            return _record_run(original, self, state, installation, args, kwargs)
+        raw = _raw_key(state, args, kwargs)
+        config = state.pins.get(raw)
+        if config is None:
+            config = _decide(self, state, installation, raw, args, kwargs)
+        # Triton's cache-hit launch: Config.pre_hook sees the full argument dict, then fn.run.
+        self.best_config = config
+        if config.pre_hook is not None:
+            config.pre_hook({**dict(zip(self.arg_names, args)), **kwargs, **config.all_kwargs()})
+        return self.fn.run(*args, **kwargs, **config.all_kwargs())
+
+    return run
+
+
+def _live_candidates(autotuner: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    """The kernel's own pruning (early_config_prune, perf_model/top_k), as Triton applies it."""
+    if len(autotuner.configs) <= 1:
+        return list(autotuner.configs)
+    autotuner.nargs = dict(zip(autotuner.arg_names, args))  # prune_configs reads self.nargs
+    try:
+        return list(autotuner.prune_configs(kwargs))
+    finally:
+        autotuner.nargs = None
+
+
+def _decide(autotuner: Any, state: _AutotunerState, installation: _Installation, raw: tuple[Any, ...],
+            args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    with state.lock:
+        config = state.pins.get(raw)
+        if config is not None:
+            return config
+        policy = installation.policy
+        key = tuning_key(autotuner, args, kwargs)
+        candidates = _live_candidates(autotuner, args, kwargs)
+        rank = current_rank()
+        timings = None
+        origin = None
+        if policy.mode == "chaos":
+            ordered = order_by_cost(candidates)
+            config = ordered[chaos_index(state.kernel, key, rank, len(ordered))]
+            source = "chaos"
+        elif policy.mode == "tune" and len(candidates) > 1:
+            assert installation.measure is not None
+            config, timings = installation.measure(autotuner, candidates, args, kwargs, state.kernel, key)
+            source = "tuned"
+        else:
+            choice = choose_deterministically(autotuner, candidates, key, table=installation.table,
+                                              on_miss=policy.on_miss, block_sizes=policy.block_sizes)
+            config, source, origin = choice.config, choice.source, choice.origin
+        if state.source_hash is None:
+            state.source_hash = kernel_source_hash(autotuner)
+        decision = Decision(kernel=state.kernel, key=key, signature=config_signature(config), source=source,
+                            config=config_data(config), arch=installation.arch, rank=rank, origin=origin,
+                            source_hash=state.source_hash, timings=timings)
+        logger.info("kernel %s key %s -> %s (%s%s)", state.kernel, key, decision.signature, source,
+                    f" from {origin}" if origin else "")
+        decision_log().record(decision)  # listeners (agreement) may raise: then nothing is pinned
+        state.pins[raw] = config
+        return config
+
+
+def _record_run(original: Any, autotuner: Any, state: _AutotunerState, installation: _Installation,
+                args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Record mode: Triton autotunes as usual; record its winner and timings once per key."""
+    raw = _raw_key(state, args, kwargs)
+    if raw in state.pins:
+        return original(autotuner, *args, **kwargs)
+    timings_before = autotuner.__dict__.get("configs_timings")
+    result = original(autotuner, *args, **kwargs)
+    with state.lock:
+        if raw in state.pins:
+            return result
+        config = autotuner.best_config
+        timings_after = autotuner.__dict__.get("configs_timings")
+        timings: dict[str, Any] | None = None
+        if timings_after is not None and timings_after is not timings_before:
+            timings = {
+                "candidates": {config_signature(c): [float(x) for x in _as_list(t)] for c, t in timings_after.items()},
+                "bench_time_s": getattr(autotuner, "bench_time", None),
+            }
+        if state.source_hash is None:
+            state.source_hash = kernel_source_hash(autotuner)
+        decision_log().record(Decision(
+            kernel=state.kernel, key=tuning_key(autotuner, args, kwargs), signature=config_signature(config),
+            source="recorded", config=config_data(config), arch=installation.arch, rank=current_rank(),
+            source_hash=state.source_hash, timings=timings))
+        state.pins[raw] = config
+    return result
+
+
+def _as_list(timing: Any) -> list[Any]:
+    return list(timing) if isinstance(timing, (list, tuple)) else [timing]

@@ -1,0 +1,171 @@
+"""What the library does: the tuning policy.
+
+A ``TuningPolicy`` is a frozen, validated value. Build it in code, or from the
+``MEGATRON_TUNING_*`` environment with ``TuningPolicy.from_env()`` (read when called,
+never at import). Every rank of a job must use the same policy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from . import env
+from .errors import PolicyError
+
+MODES = ("off", "deterministic", "chaos", "record", "tune")
+ON_MISS = ("min_cost", "error")
+AGREEMENT_MODES = ("store", "allgather", "off")
+STALE_ENTRIES = ("use", "miss", "error")
+
+# Modes in which the interception chooses without measuring; benchmarking is an error there.
+NON_MEASURING_MODES = ("deterministic", "chaos")
+
+ENV_MODE = "MEGATRON_TUNING_MODE"
+ENV_SCOPE = "MEGATRON_TUNING_SCOPE"
+ENV_ON_MISS = "MEGATRON_TUNING_ON_MISS"
+ENV_TABLE = "MEGATRON_TUNING_TABLE"
+ENV_AGREEMENT = "MEGATRON_TUNING_AGREEMENT"
+ENV_AGREEMENT_TIMEOUT = "MEGATRON_TUNING_AGREEMENT_TIMEOUT"
+ENV_STRICT = "MEGATRON_TUNING_STRICT"
+ENV_STALE_ENTRIES = "MEGATRON_TUNING_STALE_ENTRIES"
+ENV_BLOCK_SIZES = "MEGATRON_TUNING_BLOCK_SIZES"
+ENV_RECORD_DIR = "MEGATRON_TUNING_RECORD_DIR"
+ENV_DECISION_LOG = "MEGATRON_TUNING_DECISION_LOG"
+ENV_SHIPPED_TABLES = "MEGATRON_TUNING_SHIPPED_TABLES"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TuningPolicy:
+    """How in-scope Triton autotuners choose their config."""
+
+    mode: str = "deterministic"
+    """off: stock Triton. deterministic: table entry, else a static rule; never measures.
+    chaos: a different pick per rank on purpose (positive control for the agreement check).
+    record: Triton autotunes as usual and every winner is recorded. tune: the noise-aware tuner."""
+
+    scope: tuple[str, ...] = ()
+    """Module prefixes of the kernels to pin (``pkg`` covers ``pkg`` and ``pkg.sub``); empty = all."""
+
+    on_miss: str = "min_cost"
+    """No usable table entry: ``min_cost`` launches the cheapest live config, ``error`` raises."""
+
+    tables: tuple[str, ...] = ()
+    """Table files searched before ``MEGATRON_TUNING_TABLE`` and the shipped tables; earlier wins."""
+
+    use_shipped_tables: bool = True
+    """Search the tables shipped in the package's ``configs/<arch>/`` after the others."""
+
+    agreement: str = "store"
+    """Cross-rank check at first use of each (kernel, key): store, allgather, or off."""
+
+    agreement_timeout_s: float = 300.0
+    """How long an ``allgather`` check waits for missing ranks before naming them."""
+
+    strict: bool = False
+    """Raise instead of warn on stale table entries (same as ``stale_entries='error'``)."""
+
+    stale_entries: str = "use"
+    """An entry tuned for another kernel source or Triton version: use (warn once), miss, or error."""
+
+    block_sizes: tuple[tuple[str, int], ...] = ()
+    """Explicit block-size override, e.g. ``(("BLOCK_SIZE_M", 64),)``; applies to kernels having those names."""
+
+    record_dir: str | None = None
+    """Where record/tune mode writes per-rank results (one file per rank)."""
+
+    decision_log: str | None = None
+    """If set, the decision log is written here at exit (``{rank}`` is replaced by the rank)."""
+
+    def __post_init__(self) -> None:
+        _check_choice("mode", self.mode, MODES)
+        _check_choice("on_miss", self.on_miss, ON_MISS)
+        _check_choice("agreement", self.agreement, AGREEMENT_MODES)
+        _check_choice("stale_entries", self.stale_entries, STALE_ENTRIES)
+        for name in ("scope", "tables", "block_sizes"):
+            if not isinstance(getattr(self, name), tuple):
+                raise PolicyError(name, getattr(self, name), "a tuple")
+        if any(not isinstance(p, str) or not p for p in self.scope):
+            raise PolicyError("scope", self.scope, "non-empty module-name prefixes")
+        for item in self.block_sizes:
+            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
+                    and type(item[1]) is int):
+                raise PolicyError("block_sizes", self.block_sizes, "(name, int) pairs")
+        if not isinstance(self.agreement_timeout_s, (int, float)) or self.agreement_timeout_s <= 0:
+            raise PolicyError("agreement_timeout_s", self.agreement_timeout_s, "a positive number of seconds")
+        if not isinstance(self.strict, bool):
+            raise PolicyError("strict", self.strict, "True or False")
+
+    @property
+    def effective_stale_entries(self) -> str:
+        return "error" if self.strict else self.stale_entries
+
+    @property
+    def measures(self) -> bool:
+        """Whether this policy may benchmark in-scope kernels."""
+        return self.mode not in NON_MEASURING_MODES
+
+    def in_scope(self, module: str) -> bool:
+        """Whether kernels defined in ``module`` are pinned by this policy."""
+        if not self.scope:
+            return True
+        return any(module == prefix or module.startswith(prefix + ".") for prefix in self.scope)
+
+    def replace(self, **changes: Any) -> TuningPolicy:
+        return dataclasses.replace(self, **changes)
+
+    def describe(self) -> str:
+        """One line for logs."""
+        scope = ",".join(self.scope) if self.scope else "all"
+        tables = ":".join(self.tables) if self.tables else "-"
+        return (f"mode={self.mode} scope={scope} on_miss={self.on_miss} tables={tables} "
+                f"agreement={self.agreement} strict={int(self.strict)}")
+
+    @classmethod
+    def from_env(cls, *, default_mode: str = "off", follow_torch_determinism: bool = True,
+                 **overrides: Any) -> TuningPolicy:
+        """Build a policy from ``MEGATRON_TUNING_*`` variables, read now.
+
+        With ``MEGATRON_TUNING_MODE`` unset, the mode is ``deterministic`` when
+        ``torch.are_deterministic_algorithms_enabled()`` (unless
+        ``follow_torch_determinism=False``), else ``default_mode``. Keyword ``overrides``
+        win over the environment.
+        """
+        fields: dict[str, Any] = {}
+        mode = env.env_choice(ENV_MODE, MODES)
+        if mode is None:
+            mode = "deterministic" if follow_torch_determinism and _torch_deterministic() else default_mode
+        fields["mode"] = mode
+        optional: Mapping[str, Any] = {
+            "scope": env.env_list(ENV_SCOPE, ","),
+            "on_miss": env.env_choice(ENV_ON_MISS, ON_MISS),
+            "tables": env.env_list(ENV_TABLE, ":"),
+            "agreement": env.env_choice(ENV_AGREEMENT, AGREEMENT_MODES),
+            "agreement_timeout_s": env.env_float(ENV_AGREEMENT_TIMEOUT),
+            "strict": env.env_bool(ENV_STRICT),
+            "stale_entries": env.env_choice(ENV_STALE_ENTRIES, STALE_ENTRIES),
+            "block_sizes": env.env_assignments(ENV_BLOCK_SIZES),
+            "use_shipped_tables": env.env_bool(ENV_SHIPPED_TABLES),
+            "record_dir": env.env_str(ENV_RECORD_DIR) or None,
+            "decision_log": env.env_str(ENV_DECISION_LOG) or None,
+        }
+        fields.update({k: v for k, v in optional.items() if v is not None})
+        if fields.get("agreement_timeout_s") is not None and fields["agreement_timeout_s"] <= 0:
+            raise PolicyError(ENV_AGREEMENT_TIMEOUT, fields["agreement_timeout_s"], "a positive number of seconds")
+        fields.update(overrides)
+        return cls(**fields)
+
+
+def _check_choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise PolicyError(name, value, "one of " + "|".join(allowed))
+
+
+def _torch_deterministic() -> bool:
+    try:
+        import torch
+    except ImportError:  # torch is a dependency, but policy parsing must not need it
+        return False
+    return bool(torch.are_deterministic_algorithms_enabled())

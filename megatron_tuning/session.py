@@ -1,0 +1,122 @@
+"""``init_deterministic_tuning``: wires policy, tables, interception and agreement together."""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+from types import TracebackType
+from typing import Any
+
+from . import interception
+from .decisions import write_decisions
+from .policy import TuningPolicy
+from .selection import current_rank, warn_if_mamba_env_ignored
+
+logger = logging.getLogger(__name__)
+
+_active_lock = threading.Lock()
+_active: TuningHandle | None = None
+
+
+class TuningHandle:
+    """The running tuning session. ``close()`` (or leaving ``with``) restores Triton."""
+
+    def __init__(self, policy: TuningPolicy, table: Any, agreement: Any) -> None:
+        self.policy = policy
+        self.table = table
+        self._agreement = agreement
+        self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Stop agreement checks, write requested outputs, and uninstall the interception."""
+        global _active
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._agreement is not None:
+                self._agreement.stop()
+            _write_outputs(self.policy)
+        finally:
+            with _active_lock:
+                if _active is self:
+                    _active = None
+            interception.uninstall()
+
+    def __enter__(self) -> TuningHandle:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+
+def _write_outputs(policy: TuningPolicy) -> None:
+    if policy.decision_log:
+        path = policy.decision_log.replace("{rank}", str(current_rank()))
+        write_decisions(path)
+        logger.info("decision log written to %s", path)
+
+
+def init_deterministic_tuning(policy: TuningPolicy | None = None, *, table: Any = None,
+                              group: Any = None) -> TuningHandle:
+    """Install deterministic tuning for this process; call after process-group init.
+
+    ``policy`` defaults to ``TuningPolicy.from_env(default_mode="deterministic")``. ``table``
+    overrides the tables the policy names (a ``ConfigTable`` or a ``{(kernel, key): config}``
+    mapping). ``group`` is the process group for ``allgather`` agreement (default: world).
+    Calling it again replaces the previous session.
+    """
+    global _active
+    policy = policy if policy is not None else TuningPolicy.from_env(default_mode="deterministic")
+    warn_if_mamba_env_ignored(policy)
+    with _active_lock:
+        previous = _active
+    if previous is not None:
+        previous.close()
+    resolved_table = table if table is not None else _load_tables(policy)
+    measure = _make_measure(policy) if policy.mode == "tune" else None
+    interception.install(policy, table=resolved_table, measure=measure)
+    try:
+        agreement = _start_agreement(policy, group)
+    except BaseException:
+        interception.uninstall()
+        raise
+    handle = TuningHandle(policy, resolved_table, agreement)
+    with _active_lock:
+        _active = handle
+    logger.info("megatron_tuning: %s (rank %d)", policy.describe(), current_rank())
+    return handle
+
+
+def _load_tables(policy: TuningPolicy) -> Any:
+    if policy.mode not in ("deterministic", "chaos"):
+        return None
+    return None  # wired to megatron_tuning.table once it lands
+
+
+def _make_measure(policy: TuningPolicy) -> Any:
+    from .tuner import make_measure  # the tuner is the only layer that measures
+
+    return make_measure(policy)
+
+
+def _start_agreement(policy: TuningPolicy, group: Any) -> Any:
+    if policy.agreement == "off" or policy.mode in ("off", "record", "tune"):
+        return None
+    return None  # wired to megatron_tuning.agreement once it lands
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    handle = _active
+    if handle is not None and not handle.closed:
+        try:
+            handle.close()
+        except Exception:  # never turn a clean interpreter exit into a traceback storm
+            logger.exception("megatron_tuning: error while closing at exit")
