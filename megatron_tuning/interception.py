@@ -20,12 +20,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,6 +85,8 @@ _lock = threading.RLock()
 _installation: _Installation | None = None
 _generation = 0
 _originals: dict[str, Any] = {}
+_init_original: Any = None
+_init_users = 0
 _touched: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
@@ -158,6 +161,7 @@ def uninstall() -> None:
         for name, original in _originals.items():
             setattr(autotuner, name, original)
         _originals.clear()
+        _release_lazy_init()
         for instance in list(_touched):
             instance.__dict__.pop(_STATE_ATTR, None)
     logger.debug("interception uninstalled")
@@ -165,14 +169,52 @@ def uninstall() -> None:
 
 def _patch() -> None:
     autotuner = _autotuner_class()
-    for name in ("run", "_bench", "__init__"):
+    for name in ("run", "_bench"):
         _originals[name] = autotuner.__dict__[name]
     autotuner.run = _make_run(_originals["run"])
     autotuner._bench = _make_bench(_originals["_bench"])
-    if not isinstance(inspect.getattr_static(autotuner, "do_bench", None), functools.cached_property):
-        autotuner.__init__ = _make_init(_originals["__init__"])
-    else:
-        del _originals["__init__"]
+    _acquire_lazy_init()
+
+
+def _needs_lazy_init() -> bool:
+    # 3.4+ resolve the benchmarker lazily themselves (a cached_property); 3.2/3.3 do it in __init__.
+    autotuner = _autotuner_class()
+    return not isinstance(inspect.getattr_static(autotuner, "do_bench", None), functools.cached_property)
+
+
+def _acquire_lazy_init() -> None:
+    global _init_original, _init_users
+    with _lock:
+        if _init_users == 0 and _needs_lazy_init():
+            autotuner = _autotuner_class()
+            _init_original = autotuner.__dict__["__init__"]
+            autotuner.__init__ = _make_init(_init_original)
+        _init_users += 1
+
+
+def _release_lazy_init() -> None:
+    global _init_original, _init_users
+    with _lock:
+        _init_users -= 1
+        if _init_users == 0 and _init_original is not None:
+            _autotuner_class().__init__ = _init_original
+            _init_original = None
+
+
+@contextlib.contextmanager
+def lazy_benchmarker() -> Iterator[None]:
+    """Let ``@triton.autotune`` decorate without a GPU driver (Triton interpreter on CPU).
+
+    Triton 3.2/3.3 resolve the default benchmarker when the decorator runs, which fails with
+    "0 active drivers" on a machine without a GPU. Inside this block (and while the interception
+    is installed) decoration passes a benchmarker that is resolved at first use instead.
+    Elsewhere this does nothing.
+    """
+    _acquire_lazy_init()
+    try:
+        yield
+    finally:
+        _release_lazy_init()
 
 
 class _LazyBenchmarker:
