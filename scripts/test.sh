@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Run the whole test suite against each supported Triton release, in its own virtualenv.
+#
+#   scripts/test.sh                        # all tests on Triton 3.9.0 and 3.3.1
+#   scripts/test.sh -k matmul -x           # extra arguments go to pytest
+#   scripts/test.sh tests/test_kernels.py  # explicit paths replace the default test folders
+#   MT_TRITON_VERSIONS=3.9.0 scripts/test.sh   # only one Triton release
+#
+# Venvs live in .venv/triton<MAJOR><MINOR> and are reused when their pins still match. Tests run
+# in Triton's interpreter (TRITON_INTERPRET=1), so no GPU is needed. The script fails if any
+# pytest run fails, including "no tests collected" (pytest exit code 5).
+set -euo pipefail
+
+MT_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# shellcheck source=scripts/_venv.sh
+source "$MT_ROOT/scripts/_venv.sh"
+cd "$MT_ROOT"
+
+# Oldest and newest supported releases. Space or comma separated.
+IFS=', ' read -r -a versions <<<"${MT_TRITON_VERSIONS:-3.9.0 3.3.1}"
+if ((${#versions[@]} == 0)); then
+  mt_log "error: MT_TRITON_VERSIONS is empty"
+  exit 2
+fi
+# Without explicit paths pytest runs its configured testpaths (tests/ and tests_distributed/).
+
+export TRITON_INTERPRET=1
+# Keep the interpreter single-threaded per process: CI machines are small and tests use subprocesses.
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+
+declare -a summaries=()
+status=0
+for triton in "${versions[@]}"; do
+  python="$(mt_ensure_venv "$triton" test)" || { summaries+=("triton $triton: FAILED to set up venv"); status=1; continue; }
+  log="$MT_ROOT/.venv/pytest-$(mt_venv_name "$triton").log"
+  mt_log "triton $triton: python -m pytest $*"
+  start=$SECONDS
+  set +e
+  "$python" -m pytest "$@" 2>&1 | tee "$log"
+  rc=${PIPESTATUS[0]}
+  set -e
+  elapsed=$((SECONDS - start))
+  # pytest's last line is its own summary ("== 12 passed, 1 skipped in 3.21s ==").
+  result="$(grep -E '^=+ .* in [0-9.]+s' "$log" | tail -n 1 | sed -E 's/^=+ //; s/ =+$//')"
+  case $rc in
+    0) summaries+=("triton $triton: OK    ${result:-passed} (${elapsed}s)") ;;
+    5) summaries+=("triton $triton: FAILED no tests were collected/selected (pytest exit 5) (${elapsed}s)"); status=1 ;;
+    *) summaries+=("triton $triton: FAILED pytest exit $rc: ${result:-see $log} (${elapsed}s)"); status=1 ;;
+  esac
+done
+
+printf '\n'
+for line in "${summaries[@]}"; do printf '%s\n' "$line"; done
+exit $status

@@ -1,0 +1,89 @@
+"""Shared test setup: interpreter mode, isolated Triton state, and a clean interception.
+
+``TRITON_INTERPRET=1`` is set here, at import, because Triton reads it when a kernel is decorated:
+it must be in place before any test module imports a kernel module.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from collections.abc import Callable, Iterator
+from types import ModuleType
+
+import pytest
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+
+@pytest.fixture(autouse=True)
+def _restore_environ() -> Iterator[None]:
+    """Undo any change a test makes to ``os.environ`` (including ones made without monkeypatch)."""
+    saved = dict(os.environ)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_triton_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Give each test its own Triton cache dir so no test reads another's compiled or tuned state."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path_factory.mktemp("triton_cache")))
+
+
+def _uninstall_interception() -> None:
+    # Guarded: the interception (and the decision log) may not exist in every checkout state.
+    try:
+        from megatron_tuning import interception
+    except ImportError:
+        return
+    if interception.installed():
+        interception.uninstall()
+    try:
+        from megatron_tuning.decisions import decision_log
+
+        decision_log().clear()
+    except ImportError:
+        pass
+    try:
+        from megatron_tuning.selection import reset_warnings
+
+        reset_warnings()
+    except ImportError:
+        pass
+
+
+@pytest.fixture(autouse=True)
+def _no_interception_leak() -> Iterator[None]:
+    """Guarantee every test starts and ends with stock Triton and an empty decision log."""
+    _uninstall_interception()
+    try:
+        yield
+    finally:
+        _uninstall_interception()
+
+
+def _import_kernel_module(name: str) -> ModuleType:
+    """Import a kernel module; on Triton 3.2/3.3 decoration needs the interception's lazy benchmarker.
+
+    Stock ``Autotuner.__init__`` resolves the GPU benchmarker at decoration on those releases and
+    fails with "0 active drivers" on CPU. A module is decorated once and cached in ``sys.modules``,
+    so the lazy benchmarker only matters for the first import.
+    """
+    if name in sys.modules:
+        return sys.modules[name]
+    try:
+        from megatron_tuning.interception import lazy_benchmarker
+    except ImportError:
+        return importlib.import_module(name)
+    with lazy_benchmarker():
+        return importlib.import_module(name)
+
+
+@pytest.fixture
+def import_kernel() -> Callable[[str], ModuleType]:
+    """``import_kernel("megatron_tuning.kernels.matmul")`` -> the module, decorated safely on any Triton."""
+    return _import_kernel_module
