@@ -1,0 +1,168 @@
+"""Offline table checks (``megatron-tuning validate``): would these entries apply here, unchanged?
+
+The runtime validators in ``tableset`` act per lookup; this module checks a whole table
+ahead of time, e.g. in CI after a Triton upgrade or a kernel edit: every entry's arch is
+this machine's, it was tuned with the installed Triton, and, for kernels of modules the
+caller names, the kernel still exists, its source hash matches, and the entry's config
+is one the kernel declares (unless the kernel prunes configs itself, which can create new
+ones, so only the live run can tell).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from megatron_tuning.selection import arch_tag, config_signature, kernel_id, kernel_module, kernel_source_hash
+from megatron_tuning.table import Entry, load_table
+from megatron_tuning.tableset import installed_triton_version
+
+logger = logging.getLogger(__name__)
+
+_MAX_WRAPPERS = 8  # heuristics/autotune decorators stacked on one kernel, far above real use
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    path: str
+    arch: str
+    kernel: str
+    key: str
+    problem: str
+
+    def to_json(self) -> dict[str, str]:
+        return {
+            "path": self.path,
+            "arch": self.arch,
+            "kernel": self.kernel,
+            "key": self.key,
+            "problem": self.problem,
+        }
+
+
+@dataclass(slots=True)
+class ValidationReport:
+    checked: int = 0
+    problems: list[Problem] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "checked": self.checked,
+            "problems": [p.to_json() for p in self.problems],
+            "notes": self.notes,
+        }
+
+    def lines(self) -> list[str]:
+        out = [f"note: {note}" for note in self.notes]
+        out += [f"{p.path}: {p.arch}  {p.kernel}  [{p.key}]: {p.problem}" for p in self.problems]
+        out.append(f"{self.checked} entries checked, {len(self.problems)} problem(s)")
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class _Kernel:
+    source_hash: str | None
+    signatures: frozenset[str]
+    prunes: bool
+
+
+def find_autotuners(module: Any) -> list[Any]:
+    """Triton ``Autotuner`` objects reachable from ``module``'s globals (through wrappers)."""
+    from triton.runtime.autotuner import Autotuner
+
+    found: list[Any] = []
+    for value in list(vars(module).values()):
+        obj = value
+        for _ in range(_MAX_WRAPPERS):
+            if isinstance(obj, Autotuner) and not any(obj is f for f in found):
+                found.append(obj)
+            obj = getattr(obj, "fn", None)
+            if obj is None:
+                break
+    return found
+
+
+def _import_kernels(modules: Sequence[str], report: ValidationReport) -> tuple[set[str], dict[str, _Kernel]]:
+    covered: set[str] = set()
+    kernels: dict[str, _Kernel] = {}
+    for name in modules:
+        try:
+            module = importlib.import_module(name)
+        except Exception as exc:  # any import failure is a finding about the user's code, not a crash
+            report.problems.append(Problem("-", "-", f"{name}:*", "-", f"cannot import module: {exc!r}"))
+            continue
+        covered.add(name)
+        for autotuner in find_autotuners(module):
+            covered.add(kernel_module(autotuner))
+            kernels[kernel_id(autotuner)] = _Kernel(
+                kernel_source_hash(autotuner),
+                frozenset(config_signature(c) for c in autotuner.configs),
+                getattr(autotuner, "early_config_prune", None) is not None,
+            )
+    return covered, kernels
+
+
+def validate_tables(
+    paths: Iterable[str],
+    *,
+    arch: str | None = None,
+    triton_version: str | None = None,
+    modules: Sequence[str] = (),
+) -> ValidationReport:
+    """Check every entry of the tables at ``paths``; unreadable tables raise ``TableError``."""
+    report = ValidationReport()
+    if arch is None:
+        arch = arch_tag()
+        if arch == "unknown":
+            report.notes.append("arch not checked: no GPU visible here (pass --arch to check against one)")
+            arch = None
+    version = triton_version if triton_version is not None else installed_triton_version()
+    if version is None:
+        report.notes.append("Triton version not checked: Triton is not installed (pass --triton-version)")
+    covered, kernels = _import_kernels(modules, report)
+    for path in paths:
+        table = load_table(path)
+        for entry in table.entries():
+            report.checked += 1
+            for problem in _entry_problems(entry, arch, version, covered, kernels):
+                report.problems.append(Problem(path, entry.arch, entry.kernel, entry.key, problem))
+    return report
+
+
+def _entry_problems(
+    entry: Entry,
+    arch: str | None,
+    version: str | None,
+    covered: set[str],
+    kernels: dict[str, _Kernel],
+) -> list[str]:
+    problems = []
+    if arch is not None and entry.arch != arch:
+        problems.append(f"entry is for arch {entry.arch}, this machine is {arch}: it never applies here")
+    if version is not None and entry.triton_version is not None and entry.triton_version != version:
+        problems.append(f"tuned with Triton {entry.triton_version}, installed is {version}")
+    module = entry.kernel.split(":", 1)[0]
+    if module not in covered:
+        return problems
+    kernel = kernels.get(entry.kernel)
+    if kernel is None:
+        problems.append(f"no autotuned kernel {entry.kernel} in module {module} (renamed or removed?)")
+        return problems
+    if entry.source_hash and kernel.source_hash and entry.source_hash != kernel.source_hash:
+        problems.append(
+            "kernel source changed since tuning "
+            f"(table {entry.source_hash[:12]}, code {kernel.source_hash[:12]})"
+        )
+    signature = config_signature(entry.config)
+    if signature not in kernel.signatures and not kernel.prunes:
+        problems.append(
+            f"config {signature} is none of the kernel's {len(kernel.signatures)} declared configs"
+        )
+    return problems
+
+
+__all__ = ["Problem", "ValidationReport", "find_autotuners", "validate_tables"]
