@@ -18,6 +18,7 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -60,7 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds per candidate (default 10)")
     parser.add_argument("--work-dir", default=None,
                         help="keep per-process results here (default: a temp dir)")
-    parser.add_argument("command", nargs=argparse.REMAINDER,
+    # dest "job", not "command": the top-level parser already keeps the subcommand's name there.
+    parser.add_argument("job", metavar="COMMAND", nargs=argparse.REMAINDER,
                         help="the job to run after `--`: script.py [args], python -m mod, torchrun ...")
 
 
@@ -74,7 +76,7 @@ def add_report_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    command = list(args.command or [])
+    command = list(args.job or [])
     if command and command[0] == "--":
         command = command[1:]
     if not command:
@@ -94,6 +96,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"tune: cannot run {argv[0]!r}: {exc}", file=sys.stderr)
         return 2
     records = pool_directory(results_dir, settings)
+    if not args.work_dir:
+        shutil.rmtree(work, ignore_errors=True)  # everything kept is in --out and --results now
     if not records:
         print("tune: the job recorded no tuned (kernel, key). Did it launch an in-scope autotuned kernel "
               "with more than one live config? (MEGATRON_TUNING_SCOPE limits the scope.)", file=sys.stderr)
