@@ -1,0 +1,69 @@
+"""Helpers for the torchrun tests: child-job environment, launcher with a hard timeout, results.
+
+A plain module (not conftest) so test files can import it without clashing with tests/conftest.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+WORKERS = Path(__file__).resolve().parent / "workers"
+
+
+def gloo_available() -> bool:
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return False
+    return bool(dist.is_available() and dist.is_gloo_available())
+
+
+def job_env(tmp: Path) -> dict[str, str]:
+    """Environment for a child job: this checkout first on the path, interpreter, own caches."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRON_TUNING_")}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    env["TRITON_INTERPRET"] = "1"
+    env["TRITON_CACHE_DIR"] = str(tmp / "triton_cache")
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def run_torchrun(nproc: int, script: Path, args: Sequence[str], tmp: Path,
+                 timeout_s: float) -> subprocess.CompletedProcess[str]:
+    """Run ``script`` under ``torchrun --standalone``; fail the test (not hang) past ``timeout_s``.
+
+    The job runs in its own session so a timeout kills torchrun *and* its workers, not only
+    the launcher (a killed torchrun can leave orphaned ranks spinning in a collective).
+    """
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={nproc}", str(script), *args]
+    with subprocess.Popen(command, env=job_env(tmp), cwd=str(tmp), stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, start_new_session=True) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            stdout, stderr = process.communicate()
+            pytest.fail(f"torchrun job {script.name} x{nproc} exceeded {timeout_s}s:\n"
+                        f"{stdout[-4000:]}\n{stderr[-4000:]}")
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+def read_results(folder: Path, nproc: int) -> dict[int, dict[str, Any]]:
+    """Per-rank result files written by a worker."""
+    results = {}
+    for rank in range(nproc):
+        path = folder / f"rank{rank}.json"
+        if path.exists():
+            results[rank] = json.loads(path.read_text())
+    return results

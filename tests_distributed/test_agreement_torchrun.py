@@ -1,0 +1,134 @@
+"""Agreement checks across real torchrun ranks (gloo, CPU, Triton interpreter).
+
+One torchrun job per world size runs every scenario of ``workers/agreement_worker.py`` in order
+(a job costs ~5 s of start-up; scenarios cost milliseconds), then each test asserts on one
+scenario's per-rank results. Every detector has a run that must fire and one that must stay quiet.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from _launch import WORKERS, gloo_available, read_results, run_torchrun
+
+from megatron_tuning.agreement import MAX_NAMED
+
+SCENARIOS = [
+    "store_agree", "store_chaos", "allgather_agree", "allgather_chaos", "allgather_order",
+    "verify_agree", "verify_chaos", "asymmetric_store", "asymmetric_verify", "allgather_missing",
+    "capture_deferred", "kernels_asymmetric",
+    "kernels_store_deterministic", "kernels_store_chaos", "kernels_allgather_deterministic",
+    "kernels_allgather_chaos", "kernels_off_deterministic", "kernels_off_chaos",
+]
+MISSING_TIMEOUT_S = 2.0  # the allgather_missing scenario's agreement timeout
+
+Results = dict[int, dict[str, dict[str, Any]]]
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"{n}ranks")
+def job(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[int, Results]:
+    if not gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    nproc = request.param
+    tmp = tmp_path_factory.mktemp(f"agreement_{nproc}")
+    done = run_torchrun(nproc, WORKERS / "agreement_worker.py",
+                        ["--out", str(tmp), "--scenarios", ",".join(SCENARIOS)], tmp, timeout_s=240)
+    results = read_results(tmp, nproc)
+    assert done.returncode == 0 and len(results) == nproc, done.stdout[-3000:] + done.stderr[-3000:]
+    return nproc, results
+
+
+def _scenario(job: tuple[int, Results], name: str) -> list[dict[str, Any]]:
+    nproc, results = job
+    rows = [results[rank][name] for rank in range(nproc)]
+    for row in rows:
+        assert "traceback" not in row, row["traceback"]
+    return rows
+
+
+@pytest.mark.parametrize("name", ["store_agree", "allgather_agree", "verify_agree", "asymmetric_store",
+                                  "asymmetric_verify", "kernels_asymmetric", "kernels_store_deterministic",
+                                  "kernels_allgather_deterministic", "kernels_off_deterministic"])
+def test_agreeing_ranks_raise_nothing(job: tuple[int, Results], name: str) -> None:
+    rows = _scenario(job, name)
+    assert [row["error"] for row in rows] == [None] * len(rows), rows[0].get("message") or rows
+
+
+@pytest.mark.parametrize(("name", "expected"), [("verify_agree", 3), ("kernels_off_deterministic", 3),
+                                                ("asymmetric_verify", None), ("asymmetric_store", None),
+                                                ("kernels_asymmetric", 1)])
+def test_verify_compares_only_shared_entries(job: tuple[int, Results], name: str,
+                                             expected: int | None) -> None:
+    nproc = job[0]
+    if expected is None:  # the shared kernel, plus stage_0/stage_1 once two ranks run each
+        expected = 1 + (2 if nproc >= 4 else 0)
+    assert [row["shared"] for row in _scenario(job, name)] == [expected] * nproc
+
+
+@pytest.mark.parametrize("name", ["store_chaos", "allgather_chaos", "verify_chaos", "kernels_store_chaos",
+                                  "kernels_allgather_chaos", "kernels_off_chaos", "capture_deferred"])
+def test_divergence_is_raised_on_every_rank_with_one_message(job: tuple[int, Results], name: str) -> None:
+    rows = _scenario(job, name)
+    assert {row["error"] for row in rows} == {"DivergenceError"}, rows
+    messages = {row["message"] for row in rows}
+    assert len(messages) == 1, messages
+    message, row = messages.pop(), rows[0]
+    assert row["kernel"] in message and row["key"] in message
+    assert len(row["ranks"]) >= 2
+    for rank in row["ranks"]:
+        assert f"[{rank}]" in message or f"rank {rank}" in message
+    assert "diff:" in message
+
+
+@pytest.mark.parametrize("name", ["kernels_store_chaos", "kernels_allgather_chaos", "kernels_off_chaos"])
+def test_chaos_through_real_launches_names_the_kernel(job: tuple[int, Results], name: str) -> None:
+    row = _scenario(job, name)[0]
+    assert row["kernel"] in ("_kernels:add_kernel", "_kernels:scale_kernel")
+    assert row["key"].startswith("n=64 | x_ptr:torch.float32")
+
+
+def test_allgather_names_all_ranks_and_verify_names_all(job: tuple[int, Results]) -> None:
+    nproc = job[0]
+    for name in ("allgather_chaos", "verify_chaos", "kernels_allgather_chaos", "kernels_off_chaos"):
+        assert _scenario(job, name)[0]["ranks"] == list(range(nproc)), name
+
+
+def test_verify_names_a_bounded_number_of_entries(job: tuple[int, Results]) -> None:
+    message = _scenario(job, "verify_chaos")[0]["message"]
+    assert "13 of 14 shared entries differ" in message
+    assert f"... and {13 - MAX_NAMED} more." in message
+    # The earliest launched divergence leads: the log order, not digest order.
+    assert "kernel synthetic.kernels:matmul with key M=64" in message.splitlines()[0]
+
+
+def test_allgather_order_mismatch_is_named(job: tuple[int, Results]) -> None:
+    rows = _scenario(job, "allgather_order")
+    assert {row["error"] for row in rows} == {"DivergenceError"}
+    assert len({row["message"] for row in rows}) == 1
+    assert "Ranks reached different kernels at this check" in rows[0]["message"]
+    assert "rank 1 was at kernel synthetic.kernels:kernel_1" in rows[0]["message"]
+
+
+def test_rank_that_never_joins_allgather_is_named_within_timeout(job: tuple[int, Results]) -> None:
+    nproc = job[0]
+    rows = _scenario(job, "allgather_missing")
+    assert rows[-1]["error"] is None  # the absent rank itself is not blamed
+    for row in rows[:-1]:
+        assert row["error"] == "AgreementTimeoutError", row
+        assert row["missing_ranks"] == [nproc - 1]
+        assert f"rank(s) [{nproc - 1}]" in row["message"]
+        assert MISSING_TIMEOUT_S <= row["elapsed_s"] < MISSING_TIMEOUT_S + 5
+
+
+def test_no_store_traffic_during_capture(job: tuple[int, Results]) -> None:
+    for row in _scenario(job, "capture_deferred"):
+        assert row["store_calls_during_capture"] == 0
+        assert row["pending"] == 1
+        assert "Found by verify_agreement" in row["message"]
+
+
+def test_store_chaos_stops_every_rank_with_the_first_diagnosis(job: tuple[int, Results]) -> None:
+    rows = _scenario(job, "store_chaos")
+    assert "Found by the store check at first use." in rows[0]["message"]
+    assert len(rows[0]["ranks"]) == 2  # the first claimer and the first rank that disagreed

@@ -1,0 +1,43 @@
+"""``python -m megatron_tuning selftest``: passes on a working install, fails when the check is blind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from _launch import gloo_available, job_env
+
+
+def _selftest(tmp_path: Path, *extra: str, timeout_s: float = 200.0) -> subprocess.CompletedProcess[str]:
+    if not gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    command = [sys.executable, "-m", "megatron_tuning", "selftest", "--nproc", "2", "--timeout", "90",
+               "--keep", str(tmp_path / "kept"), *extra]
+    with subprocess.Popen(command, env=job_env(tmp_path), cwd=str(tmp_path), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, start_new_session=True) as process:
+        try:
+            output, _ = process.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            pytest.fail(f"selftest exceeded {timeout_s}s: {process.communicate()[0][-3000:]}")
+    return subprocess.CompletedProcess(command, process.returncode, output, "")
+
+
+def test_selftest_passes_and_reports_both_runs(tmp_path: Path) -> None:
+    done = _selftest(tmp_path)
+    assert done.returncode == 0, done.stdout
+    assert "deterministic PASS" in done.stdout
+    assert "chaos         PASS  DivergenceError on ranks [0, 1]" in done.stdout
+    assert "megatron_tuning.kernels.tiny:add_one_kernel" in done.stdout
+    assert (tmp_path / "kept" / "chaos" / "rank1.json").exists()
+
+
+def test_selftest_fails_when_the_check_is_off(tmp_path: Path) -> None:
+    done = _selftest(tmp_path, "--agreement", "off")
+    assert done.returncode == 1, done.stdout
+    assert "deterministic PASS" in done.stdout
+    assert "chaos         FAIL" in done.stdout and "blind" in done.stdout

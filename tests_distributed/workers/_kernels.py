@@ -1,0 +1,46 @@
+"""Two tiny autotuned elementwise kernels for the distributed tests (fast in the interpreter).
+
+Imported only after ``TRITON_INTERPRET=1`` is set and the interception is installed (Triton
+3.2/3.3 resolve a GPU benchmarker at decoration otherwise).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_CONFIGS = [
+    triton.Config({"BLOCK": 16}, num_warps=1),
+    triton.Config({"BLOCK": 32}, num_warps=1),
+    triton.Config({"BLOCK": 64}, num_warps=2),
+    triton.Config({"BLOCK": 128}, num_warps=4),
+]
+
+
+@triton.autotune(configs=_CONFIGS, key=["n"])
+@triton.jit
+def add_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(axis=0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=mask) + 1.0, mask=mask)
+
+
+@triton.autotune(configs=_CONFIGS, key=["n"])
+@triton.jit
+def scale_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(axis=0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=mask) * 2.0, mask=mask)
+
+
+def run(name: str, n: int) -> torch.Tensor:
+    """Launch kernel ``name`` ("add" or "scale") on a vector of ``n`` floats and check the result."""
+    x = torch.arange(n, dtype=torch.float32)
+    y = torch.empty_like(x)
+    kernel = add_kernel if name == "add" else scale_kernel
+    kernel[lambda meta: (triton.cdiv(n, meta["BLOCK"]),)](x, y, n)
+    expected = x + 1.0 if name == "add" else x * 2.0
+    if not torch.equal(y, expected):
+        raise AssertionError(f"{name} kernel computed a wrong result for n={n}")
+    return y

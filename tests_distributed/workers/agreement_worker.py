@@ -1,0 +1,297 @@
+"""torchrun worker for tests_distributed: runs agreement scenarios in order, one result file per rank.
+
+Usage (from the tests): ``torchrun --standalone --nproc_per_node N agreement_worker.py --out DIR
+--scenarios a,b,...``. Each scenario starts from an empty decision log and a fresh checker, and
+ends at a barrier so the ranks stay in step. A scenario's result is ``{"error": type name or
+None, "message": str, ...}``; the tests assert on these files, never on log text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is decorated
+
+import torch.distributed as dist
+
+from megatron_tuning import agreement
+from megatron_tuning.decisions import Decision, decision_log
+from megatron_tuning.errors import AgreementTimeoutError, MegatronTuningError
+from megatron_tuning.policy import TuningPolicy
+
+RANK = 0
+WORLD = 1
+MATMUL = "synthetic.kernels:matmul"
+KEY = "M=64, N=48, K=40 | a_ptr:torch.float32, b_ptr:torch.float32"
+SIG = "BLOCK_K=32, BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3"
+
+
+def _record(kernel: str, key: str, signature: str) -> None:
+    decision_log().record(Decision(kernel=kernel, key=key, signature=signature, source="table", rank=RANK))
+
+
+def _chaos_signature() -> str:
+    return f"BLOCK_K=32, BLOCK_M={16 << RANK}, BLOCK_N=64, num_warps=4, num_stages=3"
+
+
+def _policy(mode: str, timeout_s: float = 30.0, **extra: Any) -> TuningPolicy:
+    return TuningPolicy(mode="deterministic", agreement=mode, agreement_timeout_s=timeout_s, **extra)
+
+
+def _guarded(result: dict[str, Any], action: Callable[[], Any]) -> None:
+    """Run ``action`` unless this rank already failed; keep its error for the test."""
+    if result.get("error") is None:
+        try:
+            action()
+        except MegatronTuningError as error:
+            _store_error(result, error)
+
+
+def _then_poll(handle: Any, result: dict[str, Any]) -> None:
+    """Let every rank reach its next check after all others recorded theirs (store mode)."""
+    dist.barrier()
+    if isinstance(handle, agreement.AgreementChecker):
+        _guarded(result, handle.poll)
+
+
+# --- synthetic decisions (the checker alone) ---------------------------------------------------
+
+def store_agree(result: dict[str, Any]) -> None:
+    handle = agreement.start_agreement(_policy("store"))
+    time.sleep(0.02 * (WORLD - RANK))  # vary who claims first
+    for n in (64, 96, 128):
+        _record(MATMUL, KEY.replace("64", str(n), 1), SIG)
+    _then_poll(handle, result)
+
+
+def store_chaos(result: dict[str, Any]) -> None:
+    handle = agreement.start_agreement(_policy("store"))
+    time.sleep(0.02 * (WORLD - RANK))
+    _guarded(result, lambda: _record(MATMUL, KEY, SIG))
+    _guarded(result, lambda: _record(MATMUL, KEY.replace("64", "96", 1), _chaos_signature()))
+    _then_poll(handle, result)
+
+
+def allgather_agree(result: dict[str, Any]) -> None:
+    agreement.start_agreement(_policy("allgather"))
+    for n in (64, 96, 128):
+        _record(MATMUL, KEY.replace("64", str(n), 1), SIG)
+
+
+def allgather_chaos(result: dict[str, Any]) -> None:
+    agreement.start_agreement(_policy("allgather"))
+    _record(MATMUL, KEY, SIG)
+    _record(MATMUL, KEY.replace("64", "96", 1), _chaos_signature())
+
+
+def allgather_order(result: dict[str, Any]) -> None:
+    """Ranks reach different kernels at the same check: named as such, on every rank."""
+    agreement.start_agreement(_policy("allgather"))
+    _record(f"synthetic.kernels:kernel_{RANK % 2}", KEY, SIG)
+
+
+def verify_agree(result: dict[str, Any]) -> None:
+    for n in (64, 96, 128):
+        _record(MATMUL, KEY.replace("64", str(n), 1), SIG)
+    result["shared"] = agreement.verify_agreement()
+
+
+def verify_chaos(result: dict[str, Any]) -> None:
+    _record(MATMUL, KEY.replace("64", "96", 1), SIG)
+    _record(MATMUL, KEY, _chaos_signature())
+    for n in range(12):  # more differing entries than verify_agreement names
+        _record(f"synthetic.kernels:many_{n:02d}", KEY, _chaos_signature())
+    result["shared"] = agreement.verify_agreement()
+
+
+def _asymmetric_plan() -> list[tuple[str, str, str]]:
+    plan = [("synthetic.kernels:shared", "n=128", SIG)]
+    # Per-rank shapes: the same kernel under different keys is never compared.
+    plan.append(("synthetic.kernels:per_rank_shape", f"n={64 * (RANK + 1)}", _chaos_signature()))
+    # Pipeline-stage-like split: even ranks run stage_0, odd ranks stage_1.
+    plan.append((f"synthetic.kernels:stage_{RANK % 2}", "n=64", f"BLOCK={32 * (RANK % 2 + 1)}"))
+    if RANK == 0:
+        plan.reverse()
+    return plan
+
+
+def asymmetric_store(result: dict[str, Any]) -> None:
+    handle = agreement.start_agreement(_policy("store"))
+    if RANK == WORLD - 1:
+        time.sleep(0.3)  # a slow rank: the others must neither wait for it nor misread it
+    for kernel, key, signature in _asymmetric_plan():
+        _guarded(result, lambda k=kernel, y=key, s=signature: _record(k, y, s))
+    _then_poll(handle, result)
+    result["shared"] = agreement.verify_agreement()
+
+
+def asymmetric_verify(result: dict[str, Any]) -> None:
+    for kernel, key, signature in _asymmetric_plan():
+        _record(kernel, key, signature)
+    result["shared"] = agreement.verify_agreement()
+
+
+def allgather_missing(result: dict[str, Any]) -> None:
+    """The last rank never launches the kernel: the others must name it within the timeout."""
+    agreement.start_agreement(_policy("allgather", timeout_s=2.0))
+    if RANK != WORLD - 1:
+        start = time.monotonic()
+        try:
+            _record(MATMUL, KEY, SIG)
+        finally:
+            result["elapsed_s"] = time.monotonic() - start
+
+
+def capture_deferred(result: dict[str, Any]) -> None:
+    """During a (simulated) CUDA graph capture nothing touches the store; verify runs it later."""
+    handle = agreement.start_agreement(_policy("store"))
+    assert isinstance(handle, agreement.AgreementChecker)
+    calls: list[str] = []
+    real_store = handle._store
+
+    class _Counting:
+        def __getattr__(self, name: str) -> Any:
+            calls.append(name)
+            return getattr(real_store, name)
+
+    handle._store = _Counting()
+    original = agreement.is_capturing
+    agreement.is_capturing = lambda: True
+    try:
+        _record(MATMUL, KEY, _chaos_signature())
+    finally:
+        agreement.is_capturing = original
+    result["store_calls_during_capture"] = len(calls)
+    result["pending"] = len(handle._pending)
+    dist.barrier()
+    result["shared"] = agreement.verify_agreement()
+
+
+# --- real kernel launches through init_deterministic_tuning --------------------------------------
+
+def _kernel_run(result: dict[str, Any], mode: str, agreement_mode: str) -> None:
+    import megatron_tuning
+
+    policy = TuningPolicy(mode=mode, scope=("_kernels",), agreement=agreement_mode,
+                          agreement_timeout_s=30.0, use_shipped_tables=False)
+    handle = megatron_tuning.init_deterministic_tuning(policy)
+    if agreement_mode != "off" and agreement.active_checker() is None:
+        agreement.start_agreement(policy)  # until init_deterministic_tuning wires it itself
+    import _kernels
+
+    try:
+        for name, n in (("add", 64), ("scale", 64), ("add", 100)):
+            _guarded(result, lambda k=name, size=n: _kernels.run(k, size))
+            dist.barrier()  # same number of barriers on every rank, errors or not
+        if agreement_mode == "off" and result.get("error") is None:
+            result["shared"] = agreement.verify_agreement()
+    finally:
+        handle.close()
+
+
+def kernels_asymmetric(result: dict[str, Any]) -> None:
+    """Real launches, rank-dependent kernels and shapes, store checks plus a final verify."""
+    import megatron_tuning
+
+    policy = TuningPolicy(mode="deterministic", scope=("_kernels",), agreement="store",
+                          agreement_timeout_s=30.0, use_shipped_tables=False)
+    handle = megatron_tuning.init_deterministic_tuning(policy)
+    if agreement.active_checker() is None:
+        agreement.start_agreement(policy)
+    import _kernels
+
+    try:
+        if RANK == WORLD - 1:
+            time.sleep(0.3)
+        plan = [("add", 64), ("scale" if RANK % 2 else "add", 32 * (RANK + 1))]
+        for name, n in plan if RANK else reversed(plan):
+            _guarded(result, lambda k=name, size=n: _kernels.run(k, size))
+        dist.barrier()
+        checker = agreement.active_checker()
+        if checker is not None:
+            _guarded(result, checker.poll)
+        result["shared"] = agreement.verify_agreement()
+    finally:
+        handle.close()
+
+
+def _kernel_scenario(mode: str, agreement_mode: str) -> Callable[[dict[str, Any]], None]:
+    return lambda result: _kernel_run(result, mode, agreement_mode)
+
+
+SCENARIOS: dict[str, Callable[[dict[str, Any]], None]] = {
+    "store_agree": store_agree,
+    "store_chaos": store_chaos,
+    "allgather_agree": allgather_agree,
+    "allgather_chaos": allgather_chaos,
+    "allgather_order": allgather_order,
+    "verify_agree": verify_agree,
+    "verify_chaos": verify_chaos,
+    "asymmetric_store": asymmetric_store,
+    "asymmetric_verify": asymmetric_verify,
+    "allgather_missing": allgather_missing,
+    "capture_deferred": capture_deferred,
+    "kernels_asymmetric": kernels_asymmetric,
+}
+for _agreement_mode in ("store", "allgather", "off"):
+    for _mode in ("deterministic", "chaos"):
+        SCENARIOS[f"kernels_{_agreement_mode}_{_mode}"] = _kernel_scenario(_mode, _agreement_mode)
+
+
+def _store_error(result: dict[str, Any], error: BaseException) -> None:
+    result["error"] = type(error).__name__
+    result["message"] = str(error)
+    if isinstance(error, AgreementTimeoutError):
+        result["missing_ranks"] = error.missing_ranks
+    for field in ("kernel", "key"):
+        if hasattr(error, field):
+            result[field] = getattr(error, field)
+    if hasattr(error, "signatures"):
+        result["ranks"] = sorted(error.signatures)
+    if not isinstance(error, MegatronTuningError):
+        result["traceback"] = traceback.format_exc()
+
+
+def main() -> int:
+    global RANK, WORLD
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--scenarios", required=True)
+    args = parser.parse_args()
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    RANK, WORLD = dist.get_rank(), dist.get_world_size()
+    results: dict[str, Any] = {}
+    path = os.path.join(args.out, f"rank{RANK}.json")
+    for name in args.scenarios.split(","):
+        decision_log().clear()
+        result: dict[str, Any] = {"error": None}
+        start = time.monotonic()
+        try:
+            SCENARIOS[name](result)
+        except Exception as error:  # recorded for the test to judge; keep the ranks in step
+            if result.get("error") is None:
+                _store_error(result, error)
+        finally:
+            checker = agreement.active_checker()
+            if checker is not None:
+                checker.stop()
+        result["wall_s"] = round(time.monotonic() - start, 3)
+        results[name] = result
+        with open(path + ".tmp", "w") as handle:
+            json.dump(results, handle, indent=1)
+        os.replace(path + ".tmp", path)
+        dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
