@@ -57,6 +57,13 @@ class TuningHandle:
 
 
 def _write_outputs(policy: TuningPolicy) -> None:
+    if policy.mode in ("record", "tune") and policy.record_dir:
+        from .recording import write_recording
+
+        write_recording(None, policy.record_dir, current_rank())
+    elif policy.mode in ("record", "tune"):
+        logger.warning("megatron_tuning: mode %s without a record_dir (MEGATRON_TUNING_RECORD_DIR): "
+                       "measured winners are only in the decision log", policy.mode)
     if policy.decision_log:
         path = policy.decision_log.replace("{rank}", str(current_rank()))
         write_decisions(path)
@@ -90,14 +97,18 @@ def init_deterministic_tuning(policy: TuningPolicy | None = None, *, table: Any 
     handle = TuningHandle(policy, resolved_table, agreement)
     with _active_lock:
         _active = handle
-    logger.info("megatron_tuning: %s (rank %d)", policy.describe(), current_rank())
+    files = getattr(resolved_table, "files", None)
+    logger.info("megatron_tuning: %s (rank %d)%s", policy.describe(), current_rank(),
+                f" table files: {', '.join(files) or '(none yet)'}" if files is not None else "")
     return handle
 
 
 def _load_tables(policy: TuningPolicy) -> Any:
     if policy.mode not in ("deterministic", "chaos"):
-        return None
-    return None  # wired to megatron_tuning.table once it lands
+        return None  # record and tune measure; off passes through
+    from .tableset import TableSet
+
+    return TableSet.from_policy(policy)
 
 
 def _make_measure(policy: TuningPolicy) -> Any:
@@ -107,9 +118,9 @@ def _make_measure(policy: TuningPolicy) -> Any:
 
 
 def _start_agreement(policy: TuningPolicy, group: Any) -> Any:
-    if policy.agreement == "off" or policy.mode in ("off", "record", "tune"):
-        return None
-    return None  # wired to megatron_tuning.agreement once it lands
+    from .agreement import start_agreement
+
+    return start_agreement(policy, group)
 
 
 @atexit.register
