@@ -7,6 +7,10 @@
 # torch 2.13.0 has a CPU wheel on these machines; an unpinned torch may pull a multi-GB CUDA build.
 MT_TORCH_VERSION="${MT_TORCH_VERSION:-2.13.0}"
 
+# Extras installed into every venv: tests, plus the optional plotting and progress features so that
+# their code paths are tested too. demo.sh uses the same list, so both scripts share one venv.
+MT_VENV_EXTRAS="${MT_VENV_EXTRAS:-test,plot,progress}"
+
 mt_log() { printf '[megatron_tuning] %s\n' "$*" >&2; }
 
 mt_python() {

@@ -13,7 +13,7 @@ MT_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$MT_ROOT/scripts/_venv.sh"
 cd "$MT_ROOT"
 
-python="$(mt_ensure_venv "${MT_DEMO_TRITON_VERSION:-3.9.0}" test)"
+python="$(mt_ensure_venv "${MT_DEMO_TRITON_VERSION:-3.9.0}" "$MT_VENV_EXTRAS")"
 nproc="${MT_DEMO_NPROC:-2}"
 if ! "$python" -c 'import torch; raise SystemExit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
   # Must be set before any kernel module is imported (Triton reads it at decoration).

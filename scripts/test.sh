@@ -31,7 +31,7 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 declare -a summaries=()
 status=0
 for triton in "${versions[@]}"; do
-  python="$(mt_ensure_venv "$triton" test)" || { summaries+=("triton $triton: FAILED to set up venv"); status=1; continue; }
+  python="$(mt_ensure_venv "$triton" "$MT_VENV_EXTRAS")" || { summaries+=("triton $triton: FAILED to set up venv"); status=1; continue; }
   log="$MT_ROOT/.venv/pytest-$(mt_venv_name "$triton").log"
   mt_log "triton $triton: python -m pytest $*"
   start=$SECONDS
@@ -40,8 +40,9 @@ for triton in "${versions[@]}"; do
   rc=${PIPESTATUS[0]}
   set -e
   elapsed=$((SECONDS - start))
-  # pytest's last line is its own summary ("== 12 passed, 1 skipped in 3.21s ==").
-  result="$(grep -E '^=+ .* in [0-9.]+s' "$log" | tail -n 1 | sed -E 's/^=+ //; s/ =+$//')"
+  # pytest's own summary line ("== 12 passed, 1 skipped in 3.21s ==", without '=' under -q).
+  result="$(grep -E '(passed|failed|errors?|skipped|deselected|no tests ran).* in [0-9.]+s' "$log" \
+    | tail -n 1 | sed -E 's/^=+ //; s/ =+$//' || true)"
   case $rc in
     0) summaries+=("triton $triton: OK    ${result:-passed} (${elapsed}s)") ;;
     5) summaries+=("triton $triton: FAILED no tests were collected/selected (pytest exit 5) (${elapsed}s)"); status=1 ;;

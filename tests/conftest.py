@@ -19,8 +19,14 @@ os.environ["TRITON_INTERPRET"] = "1"
 
 @pytest.fixture(autouse=True)
 def _restore_environ() -> Iterator[None]:
-    """Undo any change a test makes to ``os.environ`` (including ones made without monkeypatch)."""
+    """Undo any change a test makes to ``os.environ`` (including ones made without monkeypatch).
+
+    Each test also starts without the caller's ``MEGATRON_TUNING_*`` settings, so a developer's
+    shell (say ``MEGATRON_TUNING_MODE=chaos``) cannot change what the suite checks.
+    """
     saved = dict(os.environ)
+    for name in [n for n in os.environ if n.startswith("MEGATRON_TUNING_")]:
+        del os.environ[name]
     try:
         yield
     finally:

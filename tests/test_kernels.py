@@ -218,3 +218,20 @@ def test_tiny_autotuned_deterministic_matches_torch(deterministic) -> None:  # t
     torch.testing.assert_close(tiny.add_one(x), x + 1)
     torch.testing.assert_close(tiny.add_one(x), x + 1)  # second launch: pinned path
     assert len(_decisions_for(":add_one_kernel")) == 1
+
+
+# --- the demo (single process; the 2-rank run is what scripts/demo.sh starts) ---------------
+
+
+def test_demo_runs_every_kernel_and_reports_its_choice(import_kernel) -> None:  # type: ignore[no-untyped-def]
+    for name in (MATMUL, SPLITK, TINY):
+        import_kernel(name)  # decorated already, whatever the Triton release
+    from megatron_tuning import demo
+
+    lines: list[str] = []
+    assert demo.main([], out=lines.append) == 0, "\n".join(lines)
+    text = "\n".join(lines)
+    for kernel in ("matmul_kernel", "splitk_matmul_kernel", "add_one_kernel"):
+        assert kernel in text
+    assert "mode=deterministic" in lines[0]
+    assert lines[-1].startswith("all 6 kernel/shape results match torch")
