@@ -8,6 +8,7 @@ from typing import Any
 
 from megatron_tuning.selection import config_signature
 from megatron_tuning.table import Entry, Table
+from megatron_tuning.table_entry import same_config
 
 _PROVENANCE = ("how", "source_hash", "triton_version", "timing", "votes", "note")
 
@@ -81,7 +82,7 @@ def diff_tables(a: Table, b: Table, *, ignore_provenance: bool = False) -> dict[
             continue
         fields: dict[str, list[Any]] = {}
         old_sig, new_sig = config_signature(old.config), config_signature(new.config)
-        if old.config != new.config:
+        if not same_config(old.config, new.config):
             # Same signature but different data (e.g. an explicit default): show the data.
             fields["config"] = [old_sig, new_sig] if old_sig != new_sig else [old.config, new.config]
         if not ignore_provenance:

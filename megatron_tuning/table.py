@@ -14,6 +14,8 @@ so concurrent writers never lose entries. No pickle anywhere.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import os
 import secrets
@@ -138,7 +140,8 @@ class Table:
     def from_bytes(cls, data: bytes, *, path: str = "<bytes>") -> Table:
         """Decode canonical msgpack; any problem raises one ``TableError`` naming ``path``."""
         try:
-            return cls._from_decoded(decode_msgpack(data))
+            with _no_gc():
+                return cls._from_decoded(decode_msgpack(data))
         except Invalid as exc:
             raise TableError(path, str(exc)) from None
         except Exception as exc:  # belt and braces: a loader must only ever raise TableError
@@ -148,7 +151,8 @@ class Table:
     def from_json(cls, text: str | bytes, *, path: str = "<json>") -> Table:
         """Parse the JSON view written by ``to_json``; problems raise one ``TableError``."""
         try:
-            return cls._from_decoded(decode_json(text))
+            with _no_gc():
+                return cls._from_decoded(decode_json(text))
         except Invalid as exc:
             raise TableError(path, str(exc)) from None
         except Exception as exc:
@@ -160,6 +164,19 @@ class Table:
         table = cls(library_version=version, meta=meta)
         table._entries = entries
         return table
+
+
+@contextlib.contextmanager
+def _no_gc() -> Iterator[None]:
+    # A load allocates ~10 container objects per entry and none of them form cycles; the
+    # cyclic GC would rescan the growing heap over and over (measured: 2-3x slower loads).
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 # -- files -------------------------------------------------------------------------

@@ -50,6 +50,8 @@ _COUNT_COLUMNS = ("samples", "candidates", "votes_for", "votes_total")
 _REQUIRED = ("strings", "configs", "arch", "kernel", "key", "config", "how")
 _BODY_FIELDS = frozenset(_REQUIRED + _STRING_COLUMNS + _FLOAT_COLUMNS + _COUNT_COLUMNS)
 _NONE = type(None)
+_NO_TIMING = Timing()
+_EMPTY_BODY = {name: [] for name in sorted(_REQUIRED)}
 
 
 # -- msgpack -----------------------------------------------------------------------
@@ -58,42 +60,38 @@ def encode_msgpack(library_version: str, meta: dict[str, str], entries: Sequence
     header: dict[str, Any] = {"library_version": library_version}
     if meta:
         header["meta"] = dict(sorted(meta.items()))
-    strings = sorted(
-        {s for e in entries for s in (e.arch, e.kernel, e.how, e.source_hash, e.triton_version, e.note)}
-        - {None}
-    )
+    if not entries:
+        return msgpack.packb([FORMAT, SCHEMA, header, _EMPTY_BODY], use_bin_type=True)
+    # Entries are named tuples: zip(*entries) gives each field as a column at C speed.
+    arch, kernel, keys, configs, how, source_hash, triton_version, timing, votes, note = zip(*entries)
+    strings = sorted(set(arch) | set(kernel) | set(how) | ({*source_hash, *triton_version, *note} - {None}))
     sidx = {s: i for i, s in enumerate(strings)}
-    packed_by_id: dict[int, bytes] = {}  # loaded entries share config dicts: pack each once
+    packed_by_id: dict[int, bytes] = {}  # configs are interned: pack each distinct dict once
     config_of: dict[bytes, dict[str, Any]] = {}
-    packed = []
-    for e in entries:
-        blob = packed_by_id.get(id(e.config))
-        if blob is None:
-            blob = packed_by_id[id(e.config)] = msgpack.packb(e.config, use_bin_type=True)
-            config_of.setdefault(blob, e.config)
-        packed.append(blob)
+    for config in configs:
+        if id(config) not in packed_by_id:
+            blob = packed_by_id[id(config)] = msgpack.packb(config, use_bin_type=True)
+            config_of.setdefault(blob, config)
     distinct = sorted(config_of)
     cidx = {blob: i for i, blob in enumerate(distinct)}
     body: dict[str, Any] = {
         "strings": strings,
         "configs": [config_of[blob] for blob in distinct],
-        "arch": [sidx[e.arch] for e in entries],
-        "kernel": [sidx[e.kernel] for e in entries],
-        "key": [e.key for e in entries],
-        "config": [cidx[blob] for blob in packed],
-        "how": [sidx[e.how] for e in entries],
+        "arch": [sidx[s] for s in arch],
+        "kernel": [sidx[s] for s in kernel],
+        "key": list(keys),
+        "config": [cidx[packed_by_id[id(c)]] for c in configs],
+        "how": [sidx[s] for s in how],
     }
-    optional: dict[str, list[Any]] = {name: [] for name in _STRING_COLUMNS + _FLOAT_COLUMNS + _COUNT_COLUMNS}
-    for e in entries:
-        for name in _STRING_COLUMNS:
-            value = getattr(e, name)
-            optional[name].append(None if value is None else sidx[value])
-        t = e.timing if e.timing is not None else Timing()
-        for name in ("median_ms", "spread_ms", "runner_up_ms", "samples", "candidates"):
-            optional[name].append(getattr(t, name))
-        optional["votes_for"].append(None if e.votes is None else e.votes[0])
-        optional["votes_total"].append(None if e.votes is None else e.votes[1])
-    body.update({name: col for name, col in optional.items() if any(v is not None for v in col)})
+    optional: dict[str, Sequence[Any]] = {
+        name: [None if s is None else sidx[s] for s in col]
+        for name, col in (("source_hash", source_hash), ("triton_version", triton_version), ("note", note))
+    }
+    timing_cols = zip(*(t if t is not None else _NO_TIMING for t in timing))
+    optional.update(zip(Timing._fields, timing_cols))
+    optional["votes_for"] = [None if v is None else v[0] for v in votes]
+    optional["votes_total"] = [None if v is None else v[1] for v in votes]
+    body.update({name: list(col) for name, col in optional.items() if any(v is not None for v in col)})
     return msgpack.packb([FORMAT, SCHEMA, header, dict(sorted(body.items()))], use_bin_type=True)
 
 
@@ -143,7 +141,7 @@ def _decode_body(body: Any) -> dict[_Ident, Entry]:
     def index_column(name: str, size: int, nullable: bool) -> list[Any]:
         col = _column(body, name, {int, _NONE} if nullable else {int}, count)
         present = [v for v in col if v is not None] if nullable else col
-        if present and not (0 <= min(present) and max(present) < size):
+        if present and not (min(present) >= 0 and max(present) < size):
             raise Invalid(f"column {name}: index out of range")
         return col
 

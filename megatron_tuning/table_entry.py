@@ -12,6 +12,8 @@ import math
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
+import msgpack
+
 HOW_VALUES = ("tuned", "recorded", "hand")
 INT_MIN = -(2**63)
 INT_MAX = 2**64 - 1  # msgpack's integer range
@@ -107,6 +109,19 @@ class Entry(_EntryFields):
     def __reduce__(self) -> tuple[Any, ...]:
         return (_rebuild, (tuple(self),))
 
+    # Tuple equality would say a config with True equals one with 1 (True == 1 in Python);
+    # for Triton they are different constexprs, so configs compare by their exact encoding.
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Entry):
+            return NotImplemented
+        return self[:3] == other[:3] and self[4:] == other[4:] and same_config(self.config, other.config)
+
+    def __ne__(self, other: object) -> bool:
+        equal = self.__eq__(other)
+        return equal if equal is NotImplemented else not equal
+
+    __hash__ = None  # type: ignore[assignment]  # config is a dict
+
     @classmethod
     def from_data(cls, data: Any) -> Entry:
         """Build from the plain dict form; raises ``Invalid`` (a ``ValueError``) on bad data."""
@@ -136,6 +151,16 @@ class Entry(_EntryFields):
         if self.votes is not None:
             data["votes"] = list(self.votes)
         return data
+
+
+def same_config(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    """Exact equality of config data: ``True`` differs from ``1`` and ``1.0``, ``(1,)`` equals ``[1]``."""
+    if a is b:
+        return True
+    try:
+        return bool(msgpack.packb(a, use_bin_type=True) == msgpack.packb(b, use_bin_type=True))
+    except Exception:
+        return False
 
 
 def _rebuild(values: tuple[Any, ...]) -> Entry:
@@ -178,7 +203,35 @@ def entry_from_data(row: Any) -> Entry:
     return make_entry(tuple(fields[name] for name in _EntryFields._fields))
 
 
+# Canonical configs are interned: a table has few distinct configs and many entries, so
+# entries share one read-only dict per config (memory), equal configs are validated once
+# (speed), and the encoder packs each distinct dict once. Keyed by exact msgpack bytes
+# (strict_types, so bool/int, float/int and tuple/list never alias).
+_INTERNED: dict[bytes, dict[str, Any]] = {}
+_INTERN_LIMIT = 65536
+
+
 def check_config(config: Any) -> dict[str, Any]:
+    """Validate config data (``selection.config_data`` form) and return its canonical, shared form."""
+    try:
+        blob = msgpack.packb(config, use_bin_type=True, strict_types=True)
+    except Exception:  # anything msgpack cannot pack exactly: the slow path says what is wrong
+        blob = None
+    if blob is not None:
+        cached = _INTERNED.get(blob)
+        if cached is not None:
+            return cached
+    canonical = _check_config(config)
+    canonical_blob = msgpack.packb(canonical, use_bin_type=True, strict_types=True)
+    if len(_INTERNED) >= _INTERN_LIMIT:
+        _INTERNED.clear()
+    interned = _INTERNED.setdefault(canonical_blob, canonical)
+    if blob is not None:
+        _INTERNED[blob] = interned
+    return interned
+
+
+def _check_config(config: Any) -> dict[str, Any]:
     if type(config) is not dict:
         raise Invalid("config must be a map (selection.config_data form)")
     kwargs = config.get("kwargs")
