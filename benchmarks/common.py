@@ -1,0 +1,239 @@
+"""Shared plumbing for the GPU benchmarks: child processes, timing, shapes, JSON and tables.
+
+Every benchmark is one script that is both the parent (spawns fresh processes, aggregates,
+writes JSON, prints a table) and the child (``--child ...``: does one process's measurement
+and prints one ``RESULT {json}`` line). ``--smoke`` runs the same code paths on CPU in the
+Triton interpreter with tiny shapes and a host-clock "benchmarker", so a script is exercised
+end to end before any GPU minute is spent; smoke numbers mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+
+# (M, N, K) of the reference GEMMs (bf16): the shapes issue 5 names.
+MATMUL_SHAPES: list[tuple[int, int, int]] = [(8192, 8192, 8192), (16384, 8192, 4096), (4096, 14336, 4096),
+                                             (512, 512, 512)]
+SMOKE_MATMUL_SHAPES: list[tuple[int, int, int]] = [(32, 48, 40), (64, 32, 48)]
+RESULT_MARK = "RESULT "
+
+
+def add_common_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--smoke", action="store_true",
+                        help="CPU check of every code path (Triton interpreter, tiny shapes; numbers meaningless)")
+    parser.add_argument("--out", default=None, help="write the JSON results here")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)  # internal: run one process's part
+
+
+def require_device(args: argparse.Namespace, name: str) -> bool:
+    """True when the benchmark can run: a CUDA GPU, or ``--smoke``. Explains itself otherwise."""
+    if args.smoke:
+        os.environ["TRITON_INTERPRET"] = "1"
+        return True
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return True
+    except ImportError:
+        pass
+    print(f"{name} measures Triton kernels on a CUDA GPU and none is visible here. "
+          f"Run it on a GPU machine (PYTHONPATH=. python benchmarks/{name}.py), "
+          f"or add --smoke to check its code paths on CPU.", file=sys.stderr)
+    return False
+
+
+def child_env(smoke: bool, **extra: str | None) -> dict[str, str]:
+    """A clean environment for a fresh child: repo importable, no inherited tuning state."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("MEGATRON_TUNING_") and k not in ("TRITON_CACHE_AUTOTUNING", "TRITON_PRINT_AUTOTUNING")}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    if smoke:
+        env["TRITON_INTERPRET"] = "1"
+    for key, value in extra.items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
+    return env
+
+
+def run_child(script: str, argv: Sequence[str], env: Mapping[str, str], timeout: float = 600.0) -> dict[str, Any]:
+    """Run ``script --child ...`` in a fresh interpreter; return its ``RESULT`` JSON."""
+    cmd = [sys.executable, str(Path(__file__).resolve().parent / script), *argv]
+    proc = subprocess.run(cmd, env=dict(env), capture_output=True, text=True, timeout=timeout, check=False)
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith(RESULT_MARK):
+            return json.loads(line[len(RESULT_MARK):])  # type: ignore[no-any-return]
+    raise RuntimeError(f"child {' '.join(cmd)} exited {proc.returncode} without a result:\n"
+                       f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+
+
+def emit(result: Mapping[str, Any]) -> None:
+    """The child's answer to its parent: one line, last on stdout."""
+    sys.stdout.flush()
+    print(RESULT_MARK + json.dumps(result, sort_keys=True), flush=True)
+
+
+def environment() -> dict[str, Any]:
+    """Date, machine, GPU and versions: the header of every results file."""
+    info: dict[str, Any] = {
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ"),
+        "python": platform.python_version(),
+        "host": platform.node(),
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+    }
+    try:
+        import torch
+        import triton
+
+        info["torch"] = torch.__version__
+        info["triton"] = triton.__version__
+        if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+            info["gpu"] = torch.cuda.get_device_name(0)
+            info["gpus"] = torch.cuda.device_count()
+    except ImportError:
+        pass
+    return info
+
+
+def write_json(path: str | None, payload: Mapping[str, Any]) -> None:
+    if not path:
+        return
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps(payload, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+    print(f"results written to {target}")
+
+
+def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    """A plain, aligned text table (what RESULTS.md quotes)."""
+    cells = [[str(h) for h in headers]] + [[_fmt(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    for n, row in enumerate(cells):
+        print("  ".join(c.rjust(w) if n and _numeric(c) else c.ljust(w) for c, w in zip(row, widths)))
+        if n == 0:
+            print("  ".join("-" * w for w in widths))
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}" if abs(value) < 1e5 else f"{value:.3e}"
+    return str(value)
+
+
+def _numeric(text: str) -> bool:
+    try:
+        float(text.rstrip("x%"))
+    except ValueError:
+        return False
+    return True
+
+
+def spread(values: Sequence[float]) -> dict[str, float]:
+    """Median, min, max and (max - min) / median of a sample (the spread RESULTS.md reports)."""
+    finite = [v for v in values if v == v and abs(v) != float("inf")]
+    if not finite:
+        return {"median": float("nan"), "min": float("nan"), "max": float("nan"), "rel_range": float("nan"), "n": 0}
+    med = statistics.median(finite)
+    return {"median": med, "min": min(finite), "max": max(finite),
+            "rel_range": (max(finite) - min(finite)) / med if med else float("nan"), "n": len(finite)}
+
+
+# --------------------------------------------------------------------------- inside a child
+
+
+def time_ms(fn: Callable[[], Any], smoke: bool, *, warmup: int = 25, rep: int = 100) -> float:
+    """Median milliseconds of ``fn``: ``triton.testing.do_bench`` on a GPU, the host clock in smoke."""
+    if smoke:
+        fn()
+        samples = []
+        for _ in range(3):
+            start = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - start) * 1e3)
+        return statistics.median(samples)
+    import triton.testing
+
+    # Three quantiles: do_bench returns a list for several (a bare float for exactly one).
+    return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, quantiles=[0.2, 0.5, 0.8])[1])
+
+
+def synchronize(smoke: bool) -> None:
+    if not smoke:
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def cpu_do_bench(kernel_call: Callable[[], Any], quantiles: Any = None, **_: Any) -> list[float]:
+    """Stand-in for Triton's GPU benchmarker in smoke mode, so stock autotuning runs on CPU."""
+    start = time.perf_counter()
+    kernel_call()
+    elapsed = (time.perf_counter() - start) * 1e3
+    return [elapsed, elapsed, elapsed] if quantiles else elapsed  # type: ignore[return-value]
+
+
+def allow_stock_autotune_on_cpu(autotuner: Any) -> None:
+    """Smoke mode only: give a stock autotuner a host-clock benchmarker (no GPU driver on CPU)."""
+    autotuner.__dict__["do_bench"] = cpu_do_bench
+
+
+def matmul_operands(shape: tuple[int, int, int], smoke: bool, seed: int = 0) -> tuple[Any, Any, Any, tuple]:
+    """``a``, ``b``, ``c`` and the positional argument tuple of ``matmul_kernel`` for ``shape``."""
+    import torch
+
+    m, n, k = shape
+    device, dtype = ("cpu", torch.float32) if smoke else ("cuda", torch.bfloat16)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    a = torch.randn((m, k), device=device, dtype=dtype, generator=gen)
+    b = torch.randn((k, n), device=device, dtype=dtype, generator=gen)
+    c = torch.empty((m, n), device=device, dtype=dtype)
+    args = (a, b, c, m, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1))
+    return a, b, c, args
+
+
+def tflops(shape: tuple[int, int, int], ms: float) -> float:
+    m, n, k = shape
+    return 2.0 * m * n * k / (ms * 1e-3) / 1e12
+
+
+def shape_name(shape: tuple[int, int, int]) -> str:
+    return "x".join(str(d) for d in shape)
+
+
+def launch_config(autotuner: Any, config: Any, args: tuple, grid: Any) -> None:
+    """Launch one specific config of an autotuned kernel, bypassing the autotuner (fixed-config timing)."""
+    if config.pre_hook is not None:
+        config.pre_hook({**dict(zip(autotuner.arg_names, args)), **config.all_kwargs()})
+    autotuner.fn[grid](*args, **config.all_kwargs())
+
+
+def install_pinned(table_paths: Sequence[str]) -> Any:
+    """Deterministic policy with these tables (no shipped ones): what a pinned user process does."""
+    from megatron_tuning import interception
+    from megatron_tuning.policy import TuningPolicy
+    from megatron_tuning.tableset import TableSet
+
+    table = TableSet([p for p in table_paths if p], shipped_dir=None) if table_paths else None
+    interception.install(TuningPolicy(mode="deterministic", agreement="off", use_shipped_tables=False), table=table)
+    return table
+
+
+def default_matmul_table() -> str | None:
+    """The sm90 matmul table in this checkout, when the tables step (or a commit) put one there."""
+    path = REPO / "configs" / "sm90" / "matmul.msgpack"
+    return str(path) if path.exists() else None
