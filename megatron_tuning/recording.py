@@ -107,7 +107,8 @@ def timing_from_decision(decision: Decision) -> Timing | None:
     """Timing statistics of the decision's winner, from whatever the measurement left.
 
     Understands ``{"candidates": {signature: [median, p20, p80] | median}, "samples": n}``
-    (what the interception records from Triton's ``configs_timings``) and the flat
+    (what the interception records from Triton's ``configs_timings``; the tuner's form,
+    with ``"samples": {signature: [...]}``, too) and the flat
     ``{"median_ms", "spread_ms", "samples", "candidates", "runner_up_ms"}`` form. Anything
     else is ignored: an odd timing must never stop a recording from being written.
     """
@@ -133,9 +134,15 @@ def timing_from_decision(decision: Decision) -> Timing | None:
             values[name] = float(number)
     for name in ("samples", "candidates"):
         count = raw.get(name)
+        if name == "samples" and isinstance(count, Mapping):  # the tuner keeps every sample
+            count = _sample_count(count.get(decision.signature))
         if type(count) is int and count >= 0:
             values[name] = count
     return Timing(**values) if values else None
+
+
+def _sample_count(samples: Any) -> int | None:
+    return len(samples) if isinstance(samples, (list, tuple)) else None
 
 
 def _finite(value: Any) -> bool:
