@@ -1,0 +1,331 @@
+"""The command line on real files: output, exit codes (0 ok, 1 found, 2 bad input), hooks."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from megatron_tuning import cli
+from megatron_tuning.decisions import Decision, write_decisions
+from megatron_tuning.recording import write_recording
+from megatron_tuning.selection import config_data, config_signature, kernel_id, kernel_source_hash
+from megatron_tuning.table import Entry, Table, Timing, load_table, save_table
+
+from . import support_kernels as sk
+
+REPO = Path(__file__).resolve().parent.parent
+KERNEL = "pkg.kernels:matmul"
+
+
+def entry(block: int, key: str = "M=1", **changes: object) -> Entry:
+    fields: dict[str, object] = {
+        "arch": "sm90",
+        "kernel": KERNEL,
+        "key": key,
+        "how": "tuned",
+        "config": {"kwargs": {"BLOCK": block}, "num_warps": 4, "num_stages": 3},
+        "timing": Timing(median_ms=0.25, spread_ms=0.02, candidates=8, runner_up_ms=0.26),
+    }
+    fields.update(changes)
+    return Entry(**fields)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def table_path(tmp_path: Path) -> Path:
+    path = tmp_path / "t.msgpack"
+    save_table(
+        Table([entry(64), entry(128, key="M=2"), entry(32, arch="sm80", kernel="pkg.other:gemm")]), path
+    )
+    return path
+
+
+def run(capsys, *argv: object) -> tuple[int, str, str]:
+    code = cli.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+# -- help and usage ----------------------------------------------------------------
+@pytest.mark.parametrize("command", ["show", "export", "import", "diff", "merge", "validate", "coverage"])
+def test_every_command_has_help(capsys, command):
+    with pytest.raises(SystemExit) as info:
+        cli.main([command, "--help"])
+    assert info.value.code == 0
+    assert "usage: megatron-tuning " + command in capsys.readouterr().out
+
+
+def test_usage_errors_exit_2(capsys):
+    for argv in ([], ["frobnicate"], ["diff", "only-one"], ["show"]):
+        with pytest.raises(SystemExit) as info:
+            cli.main(argv)
+        assert info.value.code == 2
+
+
+def test_python_dash_m_reports_bad_input_without_traceback(tmp_path):
+    bad = tmp_path / "bad.msgpack"
+    bad.write_bytes(b"\xff\x00 not a table")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_tuning", "show", str(bad)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert str(bad) in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.stdout == ""
+
+
+# -- show / export / import --------------------------------------------------------
+def test_show_lists_entries_with_provenance_and_filters(capsys, table_path):
+    code, out, _ = run(capsys, "show", table_path)
+    assert code == 0
+    assert "sm90  pkg.kernels:matmul" in out and "[M=2]" in out
+    assert "BLOCK=64, num_warps=4, num_stages=3  (tuned, median 0.25 ms" in out and "runner-up +4.0%" in out
+    code, out, _ = run(capsys, "show", table_path, "--arch", "sm80")
+    assert code == 0 and "pkg.other:gemm" in out and "matmul" not in out
+    code, out, _ = run(capsys, "show", table_path, "--kernel", "pkg.*:mat*")
+    assert "gemm" not in out and "1 of 3" not in out and "2 of 3 entries" in out
+    code, out, _ = run(capsys, "show", table_path, "--kernel", "gemm", "--json")
+    assert [e["kernel"] for e in json.loads(out)["entries"]] == ["pkg.other:gemm"]
+
+
+def test_export_import_round_trip_is_byte_identical(capsys, tmp_path, table_path):
+    exported = tmp_path / "t.json"
+    assert run(capsys, "export", table_path, exported)[0] == 0
+    code, out, _ = run(capsys, "export", table_path)
+    assert code == 0 and out == exported.read_text()
+    back = tmp_path / "back.msgpack"
+    assert run(capsys, "import", exported, back)[0] == 0
+    assert back.read_bytes() == table_path.read_bytes()
+
+
+def test_import_of_bad_json_exits_2(capsys, tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"format": "megatron_tuning.table", "schema": 7}')
+    code, out, err = run(capsys, "import", bad, tmp_path / "out.msgpack")
+    assert code == 2 and "schema 7" in err and str(bad) in err
+    assert not (tmp_path / "out.msgpack").exists()
+    assert run(capsys, "import", tmp_path / "absent.json", tmp_path / "o.msgpack")[0] == 2
+
+
+# -- diff --------------------------------------------------------------------------
+def test_diff_exit_codes_and_output(capsys, tmp_path, table_path):
+    assert run(capsys, "diff", table_path, table_path)[:2] == (
+        0,
+        f"--- {table_path}\n+++ {table_path}\nno differences\n",
+    )
+    other = tmp_path / "other.json"  # either format on either side
+    changed = Table([entry(64, timing=Timing(median_ms=0.3)), entry(256, key="M=2"), entry(16, key="M=3")])
+    save_table(changed, other)
+    code, out, _ = run(capsys, "diff", table_path, other)
+    assert code == 1
+    assert "- sm80  pkg.other:gemm  [M=1]" in out
+    assert "+ sm90  pkg.kernels:matmul  [M=3]  BLOCK=16" in out
+    assert "~ sm90  pkg.kernels:matmul  [M=2]" in out and "config: BLOCK=128" in out and "-> BLOCK=256" in out
+    assert "1 added, 1 removed, 2 changed" in out
+    code, out, _ = run(capsys, "diff", table_path, other, "--ignore-provenance", "--json")
+    doc = json.loads(out)
+    assert code == 1 and [c["key"] for c in doc["changed"]] == ["M=2"]  # the timing-only change is ignored
+    assert run(capsys, "diff", table_path, tmp_path / "absent.msgpack")[0] == 2
+
+
+# -- merge -------------------------------------------------------------------------
+def _recordings(folder: Path) -> None:
+    for rank, block in enumerate((64, 128, 64)):
+        cfg = {"kwargs": {"BLOCK": block}, "num_warps": 4, "num_stages": 3}
+        write_recording(
+            [
+                Decision(
+                    kernel=KERNEL,
+                    key="M=1",
+                    signature=config_signature(cfg),
+                    source="recorded",
+                    config=cfg,
+                    arch="sm90",
+                    rank=rank,
+                )
+            ],
+            folder,
+            rank=rank,
+        )
+
+
+def test_merge_writes_table_and_reports_disagreement(capsys, tmp_path):
+    _recordings(tmp_path / "rec")
+    out_path = tmp_path / "merged.msgpack"
+    code, out, _ = run(capsys, "merge", out_path, tmp_path / "rec")
+    assert code == 0
+    assert "1 with disagreement" in out and "-> 2 vote(s)" in out and "recording-rank00001" in out
+    assert load_table(out_path).get("sm90", KERNEL, "M=1").votes == (2, 3)
+    code, out, _ = run(capsys, "merge", out_path, tmp_path / "rec", "--json", "--strict")
+    assert code == 1 and json.loads(out)["disagreements"][0]["votes"][0]["votes"] == 2
+    bad = tmp_path / "rec" / "zz.msgpack"
+    bad.write_bytes(b"junk")
+    code, _, err = run(capsys, "merge", out_path, tmp_path / "rec")
+    assert code == 2 and "zz.msgpack" in err
+
+
+# -- validate ----------------------------------------------------------------------
+def _kernel_entry(**changes: object) -> Entry:
+    fields: dict[str, object] = {
+        "arch": "sm90",
+        "kernel": kernel_id(sk.scale_add),
+        "key": "n=8 | x_ptr:torch.float32",
+        "config": config_data(sk.ADD_CONFIGS[1]),
+        "source_hash": kernel_source_hash(sk.scale_add),
+        "triton_version": "3.6.0",
+    }
+    fields.update(changes)
+    return Entry(**fields)  # type: ignore[arg-type]
+
+
+def validate(capsys, tmp_path: Path, *entries: Entry, extra: tuple[str, ...] = ()) -> tuple[int, str]:
+    path = tmp_path / "v.msgpack"
+    save_table(Table(entries), path)
+    code, out, _ = run(
+        capsys,
+        "validate",
+        path,
+        "--arch",
+        "sm90",
+        "--triton-version",
+        "3.6.0",
+        "--import",
+        "tests.support_kernels",
+        *extra,
+    )
+    return code, out
+
+
+def test_validate_clean_table(capsys, tmp_path):
+    code, out = validate(capsys, tmp_path, _kernel_entry(), entry(64))  # foreign kernels: arch/version only
+    assert code == 0 and "2 entries checked, 0 problem(s)" in out
+
+
+@pytest.mark.parametrize(
+    ("changes", "problem"),
+    [
+        ({"source_hash": "00" * 32}, "kernel source changed"),
+        ({"config": {"kwargs": {"BLOCK_SIZE": 24}, "num_warps": 4, "num_stages": 3}}, "none of the kernel's"),
+        ({"kernel": "tests.support_kernels:gone"}, "no autotuned kernel"),
+        ({"triton_version": "3.1.0"}, "installed is 3.6.0"),
+        ({"arch": "sm80"}, "never applies here"),
+    ],
+)
+def test_validate_finds_problems(capsys, tmp_path, changes, problem):
+    code, out = validate(capsys, tmp_path, _kernel_entry(**changes))
+    assert code == 1 and problem in out and "1 problem(s)" in out
+
+
+def test_validate_pruning_kernels_accept_undeclared_configs_and_json_output(capsys, tmp_path):
+    hooked = _kernel_entry(
+        kernel=kernel_id(sk.copy_hooked),
+        source_hash=kernel_source_hash(sk.copy_hooked),
+        config={"kwargs": {"BLOCK_SIZE": 24}, "num_warps": 4, "num_stages": 3},
+    )
+    code, out = validate(capsys, tmp_path, hooked, extra=("--json",))
+    assert code == 0 and json.loads(out)["problems"] == []
+
+
+def test_validate_reports_unimportable_module_and_bad_table(capsys, tmp_path, table_path):
+    code, out, _ = run(capsys, "validate", table_path, "--arch", "sm90", "--import", "no_such_module_xyz")
+    assert code == 1 and "cannot import module" in out
+    bad = tmp_path / "bad.msgpack"
+    bad.write_bytes(b"")
+    assert run(capsys, "validate", bad)[0] == 2
+
+
+# -- coverage ----------------------------------------------------------------------
+def _log(path: Path, rank: int, rows: list[tuple[str, str, str, str | None]]) -> Path:
+    decisions = [
+        Decision(kernel=k, key=key, signature=sig, source=source, rank=rank, origin=origin, arch="sm90")
+        for k, key, sig, source, origin in [
+            (r[0], r[1], r[2], r[3], "t.msgpack" if r[3] == "table" else None) for r in rows
+        ]
+    ]
+    write_decisions(path, decisions)
+    return path
+
+
+def test_coverage_per_rank_and_exit_codes(capsys, tmp_path):
+    same = [("a:k", "M=1", "S1", "table"), ("a:k", "M=2", "S2", "cheapest"), ("b:k", "*", "", "out_of_scope")]
+    r0 = _log(tmp_path / "d0.json", 0, same)
+    r1 = _log(tmp_path / "d1.json", 1, same[:2])
+    code, out, _ = run(capsys, "coverage", r0, r1)
+    assert code == 0
+    assert "a:k  [M=1]  hit: all ranks  from t.msgpack" in out
+    assert "a:k  [M=2]  fallback: all ranks" in out
+    assert "b:k  [*]  out_of_scope: rank(s) 0; absent: rank(s) 1" in out
+    assert "hit 2, fallback 2, out_of_scope 1" in out
+    assert run(capsys, "coverage", r0, r1, "--fail-on-fallback")[0] == 1
+    r2 = _log(tmp_path / "d2.json", 2, [("a:k", "M=1", "S9", "cheapest")])
+    code, out, _ = run(capsys, "coverage", r0, r1, r2, "--json")
+    doc = json.loads(out)
+    assert code == 1  # ranks launched different configs
+    row = next(e for e in doc["entries"] if e["key"] == "M=1")
+    assert row["diverged"] and row["ranks"]["2"] == {"status": "fallback", "signature": "S9", "origin": None}
+    code, out, _ = run(capsys, "coverage", r0, r2)
+    assert "DIVERGED: a:k [M=1]" in out and "rank 2: S9 (fallback)" in out
+
+
+def test_coverage_of_single_process_logs_keeps_files_apart(capsys, tmp_path):
+    a = _log(tmp_path / "a.json", 0, [("a:k", "M=1", "S1", "table")])
+    b = _log(tmp_path / "b.json", 0, [("a:k", "M=1", "S1", "table")])
+    code, out, _ = run(capsys, "coverage", a, b, "--json")
+    assert code == 0 and json.loads(out)["ranks"] == ["0@a.json", "0@b.json"]
+
+
+def test_coverage_bad_input_exits_2(capsys, tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"format": "something else"}')
+    code, _, err = run(capsys, "coverage", bad)
+    assert code == 2 and "bad.json" in err
+    assert run(capsys, "coverage", tmp_path / "absent.json")[0] == 2
+    bad.write_text('{"format": "megatron_tuning.decisions", "decisions": [{"nope": 1}]}')
+    assert run(capsys, "coverage", bad)[0] == 2
+
+
+# -- hooks into other modules ------------------------------------------------------
+def test_hook_commands_are_wired_lazily(capsys, monkeypatch):
+    calls = []
+    fake = types.ModuleType("fake_hook_module")
+
+    def add_arguments(parser):  # noqa: ANN001, ANN202
+        parser.add_argument("--level", type=int, default=1)
+
+    def run_hook(args):  # noqa: ANN001, ANN202
+        calls.append(args.level)
+        return 7
+
+    fake.add_arguments, fake.run = add_arguments, run_hook  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "fake_hook_module", fake)
+    monkeypatch.setattr(cli, "_module_exists", lambda name: name == "fake_hook_module")
+    monkeypatch.setattr(
+        cli,
+        "_HOOKS",
+        {
+            "selftest": ("fake_hook_module", "add_arguments", "run", "fake"),
+            "tune": ("absent_module", "add_arguments", "run", "absent"),
+        },
+    )
+    assert cli.main(["selftest", "--level", "3"]) == 7 and calls == [3]
+    with pytest.raises(SystemExit) as info:  # not installed: not a command at all
+        cli.main(["tune"])
+    assert info.value.code == 2
+    capsys.readouterr()
+
+
+def test_real_hooks_are_listed_when_their_modules_exist(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    out = capsys.readouterr().out
+    for name, (module, *_rest) in cli._HOOKS.items():
+        assert (f"    {name} " in out) == cli._module_exists(module)
