@@ -86,12 +86,21 @@ def find_autotuners(module: Any) -> list[Any]:
     return found
 
 
+def _import_for_inspection(name: str) -> Any:
+    # On Triton 3.2/3.3 decorating an autotuned kernel without a GPU fails unless the
+    # benchmarker is resolved lazily; the interception provides exactly that.
+    from megatron_tuning.interception import lazy_benchmarker
+
+    with lazy_benchmarker():
+        return importlib.import_module(name)
+
+
 def _import_kernels(modules: Sequence[str], report: ValidationReport) -> tuple[set[str], dict[str, _Kernel]]:
     covered: set[str] = set()
     kernels: dict[str, _Kernel] = {}
     for name in modules:
         try:
-            module = importlib.import_module(name)
+            module = _import_for_inspection(name)
         except Exception as exc:  # any import failure is a finding about the user's code, not a crash
             report.problems.append(Problem("-", "-", f"{name}:*", "-", f"cannot import module: {exc!r}"))
             continue
