@@ -146,6 +146,9 @@ def job_environment(
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     env["MEGATRON_TUNING_MODE"] = "tune"
     env[ENV_TUNE_DIR] = str(work / "results")
+    # The session also writes each rank's winners (summary only) there at exit; harmless, and it
+    # keeps the session from warning that the winners live only in the decision log.
+    env["MEGATRON_TUNING_RECORD_DIR"] = str(work / "recordings")
     env[ENV_ROUNDS] = str(settings.rounds)
     env[ENV_TIE_BAND] = repr(settings.tie_band)
     return env

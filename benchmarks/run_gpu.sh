@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# Run the GPU benchmarks in one call, inside a time budget, writing everything under $OUT.
+#
+#   OUT=/some/dir bash benchmarks/run_gpu.sh [STAGE ...]
+#
+# Stages, in the order given (default: tables quality first_launch overhead):
+#   tables           tune the reference kernels -> configs/<arch>/*.msgpack (+ copies in $OUT/configs), validate
+#   quality          pinned vs best candidate throughput (uses configs/sm90/matmul.msgpack)
+#   first_launch     time to first launch, table hit vs stock autotune, warm and cold compile cache
+#   overhead         launches/s: pinned vs Triton's hit path vs bare @triton.jit
+#   reproducibility  >= 10 fresh processes, stock vs pinned (uses configs/sm90/matmul.msgpack)
+#   retune           >= 5 fresh processes: the tuner's choice vs Triton's
+#   smoke            every script's --smoke (CPU interpreter) path: a plumbing check, no numbers
+#
+# Budget: MT_BUDGET_S seconds for the whole call (default 480); a stage that would start with less
+# than its usual time left is skipped and says so. MT_REPRO_PROCESSES (default 10) and
+# MT_RETUNE_PROCESSES (default 5) size the multi-process stages. Each stage writes $OUT/<stage>.json
+# and $OUT/<stage>.log; $OUT/summary.txt collects the printed tables.
+set -uo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+OUT="${OUT:-$ROOT/benchmarks/out}"
+mkdir -p "$OUT"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+BUDGET="${MT_BUDGET_S:-480}"
+START=$SECONDS
+PY="${PYTHON:-python}"
+stages=("$@")
+((${#stages[@]})) || stages=(tables quality first_launch overhead)
+
+# Typical H200 seconds per stage; a stage is skipped when less than this is left.
+declare -A NEED=([tables]=120 [quality]=60 [first_launch]=150 [overhead]=30 [reproducibility]=280 [retune]=120 [smoke]=120)
+
+{
+  echo "date: $(date -u '+%Y-%m-%d %H:%M:%SZ')"
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>/dev/null || echo "nvidia-smi: n/a"
+  "$PY" -c 'import sys, torch, triton; print("python", sys.version.split()[0], "torch", torch.__version__, "triton", triton.__version__)'
+  git -C "$ROOT" rev-parse HEAD 2>/dev/null || true
+} >"$OUT/environment.txt" 2>&1
+cat "$OUT/environment.txt"
+
+run_stage() {
+  local stage="$1"; shift
+  local left=$((BUDGET - (SECONDS - START)))
+  if ((left < ${NEED[$stage]:-60})); then
+    echo "== $stage: SKIPPED (${left}s left of ${BUDGET}s, needs ~${NEED[$stage]:-60}s)" | tee -a "$OUT/summary.txt"
+    return 0
+  fi
+  echo "== $stage (budget left ${left}s): $*" | tee -a "$OUT/summary.txt"
+  local t0=$SECONDS
+  timeout --kill-after=10 "$left" "$@" >"$OUT/$stage.log" 2>&1
+  local rc=$?
+  # The printed table is the tail of the log: keep it in the summary.
+  grep -v '^process \|^repeat \|^+ \|^tune: running' "$OUT/$stage.log" | tail -n 30 >>"$OUT/summary.txt"
+  echo "== $stage: exit $rc after $((SECONDS - t0))s" | tee -a "$OUT/summary.txt"
+  tail -n 25 "$OUT/$stage.log"
+}
+
+for stage in "${stages[@]}"; do
+  case "$stage" in
+    tables)
+      run_stage tables "$PY" benchmarks/make_sm90_tables.py --results-dir "$OUT/tuning_results" --plot "$OUT/plots"
+      mkdir -p "$OUT/configs" && cp -r "$ROOT"/configs/sm* "$OUT/configs/" 2>/dev/null || true ;;
+    quality) run_stage quality "$PY" benchmarks/bench_quality.py --out "$OUT/quality.json" ;;
+    first_launch) run_stage first_launch "$PY" benchmarks/bench_first_launch.py --out "$OUT/first_launch.json" ;;
+    overhead) run_stage overhead "$PY" benchmarks/bench_launch_overhead.py --out "$OUT/overhead.json" ;;
+    reproducibility)
+      run_stage reproducibility "$PY" benchmarks/bench_reproducibility.py --processes "${MT_REPRO_PROCESSES:-10}" \
+        --out "$OUT/reproducibility.json" ;;
+    retune)
+      run_stage retune "$PY" benchmarks/bench_retune.py --processes "${MT_RETUNE_PROCESSES:-5}" \
+        --plot "$OUT/plots/retune" --out "$OUT/retune.json" ;;
+    smoke)
+      run_stage smoke bash -c "set -e; for s in bench_quality bench_launch_overhead bench_first_launch bench_retune bench_reproducibility; do
+        $PY benchmarks/\$s.py --smoke --out $OUT/smoke/\$s.json; done
+        $PY benchmarks/make_sm90_tables.py --smoke --out-dir $OUT/smoke/tables" ;;
+    *) echo "unknown stage $stage (see the header of $0)" | tee -a "$OUT/summary.txt" ;;
+  esac
+done
+echo "== done in $((SECONDS - START))s; results in $OUT" | tee -a "$OUT/summary.txt"
