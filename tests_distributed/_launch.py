@@ -28,18 +28,30 @@ def gloo_available() -> bool:
     return bool(dist.is_available() and dist.is_gloo_available())
 
 
-def job_env(tmp: Path) -> dict[str, str]:
+def gpu_count() -> int:
+    """GPUs usable for an NCCL job (0 without CUDA or without NCCL)."""
+    try:
+        import torch
+        import torch.distributed as dist
+    except ImportError:
+        return 0
+    if not (torch.cuda.is_available() and dist.is_available() and dist.is_nccl_available()):
+        return 0
+    return int(torch.cuda.device_count())
+
+
+def job_env(tmp: Path, *, interpret: bool = True) -> dict[str, str]:
     """Environment for a child job: this checkout first on the path, interpreter, own caches."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRON_TUNING_")}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
-    env["TRITON_INTERPRET"] = "1"
+    env["TRITON_INTERPRET"] = "1" if interpret else "0"
     env["TRITON_CACHE_DIR"] = str(tmp / "triton_cache")
     env["OMP_NUM_THREADS"] = "1"
     return env
 
 
-def run_torchrun(nproc: int, script: Path, args: Sequence[str], tmp: Path,
-                 timeout_s: float) -> subprocess.CompletedProcess[str]:
+def run_torchrun(nproc: int, script: Path, args: Sequence[str], tmp: Path, timeout_s: float,
+                 *, interpret: bool = True) -> subprocess.CompletedProcess[str]:
     """Run ``script`` under ``torchrun --standalone``; fail the test (not hang) past ``timeout_s``.
 
     The job runs in its own session so a timeout kills torchrun *and* its workers, not only
@@ -47,8 +59,9 @@ def run_torchrun(nproc: int, script: Path, args: Sequence[str], tmp: Path,
     """
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc_per_node={nproc}", str(script), *args]
-    with subprocess.Popen(command, env=job_env(tmp), cwd=str(tmp), stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True, start_new_session=True) as process:
+    env = job_env(tmp, interpret=interpret)
+    with subprocess.Popen(command, env=env, cwd=str(tmp), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, start_new_session=True) as process:
         try:
             stdout, stderr = process.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:

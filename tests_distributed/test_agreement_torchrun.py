@@ -1,8 +1,9 @@
-"""Agreement checks across real torchrun ranks (gloo, CPU, Triton interpreter).
+"""Agreement checks across real torchrun ranks (gloo, CPU, Triton interpreter; NCCL on 2+ GPUs).
 
-One torchrun job per world size runs every scenario of ``workers/agreement_worker.py`` in order
-(a job costs ~5 s of start-up; scenarios cost milliseconds), then each test asserts on one
-scenario's per-rank results. Every detector has a run that must fire and one that must stay quiet.
+One torchrun job per world size (and, where two GPUs exist, one NCCL job on real GPUs) runs
+every scenario of ``workers/agreement_worker.py`` in order (a job costs ~5 s of start-up;
+scenarios cost milliseconds), then each test asserts on one scenario's per-rank results. Every
+detector has a run that must fire and one that must stay quiet.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from _launch import WORKERS, gloo_available, read_results, run_torchrun
+from _launch import WORKERS, gloo_available, gpu_count, read_results, run_torchrun
 
 from megatron_tuning.agreement import MAX_NAMED
 
@@ -21,19 +22,25 @@ SCENARIOS = [
     "kernels_store_deterministic", "kernels_store_chaos", "kernels_allgather_deterministic",
     "kernels_allgather_chaos", "kernels_off_deterministic", "kernels_off_chaos",
 ]
+GPU_SCENARIOS = ["cuda_graph_agree", "cuda_graph_chaos"]  # real CUDA graph capture
 MISSING_TIMEOUT_S = 2.0  # the allgather_missing scenario's agreement timeout
 
 Results = dict[int, dict[str, dict[str, Any]]]
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"{n}ranks")
+@pytest.fixture(scope="module", params=[("gloo", 2), ("gloo", 4), ("nccl", 2)],
+                ids=lambda p: f"{p[0]}-{p[1]}ranks")
 def job(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[int, Results]:
+    backend, nproc = request.param
     if not gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
-    nproc = request.param
-    tmp = tmp_path_factory.mktemp(f"agreement_{nproc}")
-    done = run_torchrun(nproc, WORKERS / "agreement_worker.py",
-                        ["--out", str(tmp), "--scenarios", ",".join(SCENARIOS)], tmp, timeout_s=240)
+    if backend == "nccl" and gpu_count() < nproc:
+        pytest.skip(f"NCCL run needs {nproc} GPUs")
+    tmp = tmp_path_factory.mktemp(f"agreement_{backend}_{nproc}")
+    scenarios = SCENARIOS + (GPU_SCENARIOS if backend == "nccl" else [])
+    args = ["--out", str(tmp), "--scenarios", ",".join(scenarios), "--backend", backend]
+    done = run_torchrun(nproc, WORKERS / "agreement_worker.py", args, tmp, timeout_s=240,
+                        interpret=backend == "gloo")
     results = read_results(tmp, nproc)
     assert done.returncode == 0 and len(results) == nproc, done.stdout[-3000:] + done.stderr[-3000:]
     return nproc, results
@@ -41,6 +48,8 @@ def job(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 
 def _scenario(job: tuple[int, Results], name: str) -> list[dict[str, Any]]:
     nproc, results = job
+    if name not in results[0]:
+        pytest.skip(f"scenario {name} needs GPUs")
     rows = [results[rank][name] for rank in range(nproc)]
     for row in rows:
         assert "traceback" not in row, row["traceback"]
@@ -132,3 +141,13 @@ def test_store_chaos_stops_every_rank_with_the_first_diagnosis(job: tuple[int, R
     rows = _scenario(job, "store_chaos")
     assert "Found by the store check at first use." in rows[0]["message"]
     assert len(rows[0]["ranks"]) == 2  # the first claimer and the first rank that disagreed
+
+
+def test_first_use_inside_a_real_cuda_graph_capture_is_checked_after_it(job: tuple[int, Results]) -> None:
+    for row in _scenario(job, "cuda_graph_agree"):
+        assert (row["error"], row["pending"], row["replay_ok"], row["shared"]) == (None, 1, True, 1), row
+    rows = _scenario(job, "cuda_graph_chaos")
+    assert {row["error"] for row in rows} == {"DivergenceError"}
+    assert all(row["pending"] == 1 and row["replay_ok"] for row in rows)  # nothing raised mid-capture
+    assert len({row["message"] for row in rows}) == 1
+    assert "Found by verify_agreement" in rows[0]["message"]

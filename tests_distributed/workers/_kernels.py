@@ -34,12 +34,18 @@ def scale_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
     tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=mask) * 2.0, mask=mask)
 
 
-def run(name: str, n: int) -> torch.Tensor:
-    """Launch kernel ``name`` ("add" or "scale") on a vector of ``n`` floats and check the result."""
-    x = torch.arange(n, dtype=torch.float32)
-    y = torch.empty_like(x)
+def launch(name: str, x: torch.Tensor, y: torch.Tensor) -> None:
+    """``y = x + 1`` ("add") or ``y = 2 x`` ("scale"), without waiting or checking."""
+    n = x.numel()
     kernel = add_kernel if name == "add" else scale_kernel
     kernel[lambda meta: (triton.cdiv(n, meta["BLOCK"]),)](x, y, n)
+
+
+def run(name: str, n: int, device: str = "cpu") -> torch.Tensor:
+    """Launch kernel ``name`` ("add" or "scale") on a vector of ``n`` floats and check the result."""
+    x = torch.arange(n, dtype=torch.float32, device=device)
+    y = torch.empty_like(x)
+    launch(name, x, y)
     expected = x + 1.0 if name == "add" else x * 2.0
     if not torch.equal(y, expected):
         raise AssertionError(f"{name} kernel computed a wrong result for n={n}")

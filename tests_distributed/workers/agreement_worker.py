@@ -29,6 +29,7 @@ from megatron_tuning.policy import TuningPolicy
 
 RANK = 0
 WORLD = 1
+DEVICE = "cpu"  # "cuda:<local rank>" with --backend nccl
 MATMUL = "synthetic.kernels:matmul"
 KEY = "M=64, N=48, K=40 | a_ptr:torch.float32, b_ptr:torch.float32"
 SIG = "BLOCK_K=32, BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3"
@@ -189,7 +190,7 @@ def _kernel_run(result: dict[str, Any], mode: str, agreement_mode: str) -> None:
 
     try:
         for name, n in (("add", 64), ("scale", 64), ("add", 100)):
-            _guarded(result, lambda k=name, size=n: _kernels.run(k, size))
+            _guarded(result, lambda k=name, size=n: _kernels.run(k, size, DEVICE))
             dist.barrier()  # same number of barriers on every rank, errors or not
         if agreement_mode == "off" and result.get("error") is None:
             result["shared"] = agreement.verify_agreement()
@@ -213,11 +214,46 @@ def kernels_asymmetric(result: dict[str, Any]) -> None:
             time.sleep(0.3)
         plan = [("add", 64), ("scale" if RANK % 2 else "add", 32 * (RANK + 1))]
         for name, n in plan if RANK else reversed(plan):
-            _guarded(result, lambda k=name, size=n: _kernels.run(k, size))
+            _guarded(result, lambda k=name, size=n: _kernels.run(k, size, DEVICE))
         dist.barrier()
         checker = agreement.active_checker()
         if checker is not None:
             _guarded(result, checker.poll)
+        result["shared"] = agreement.verify_agreement()
+    finally:
+        handle.close()
+
+
+def _cuda_graph_run(result: dict[str, Any], mode: str) -> None:
+    """A kernel's first use inside a real CUDA graph capture: checked after it, never during."""
+    import torch
+
+    import megatron_tuning
+
+    policy = TuningPolicy(mode=mode, scope=("_kernels",), agreement="store", agreement_timeout_s=30.0,
+                          use_shipped_tables=False)
+    x = torch.arange(48, dtype=torch.float32, device=DEVICE)
+    y = torch.empty_like(x)
+    # Warm-up session without checks: compiles the config this rank picks, outside the capture.
+    megatron_tuning.init_deterministic_tuning(policy.replace(agreement="off"))
+    import _kernels
+
+    _kernels.launch("scale", x, y)
+    torch.cuda.synchronize()
+    decision_log().clear()
+    handle = megatron_tuning.init_deterministic_tuning(policy)  # fresh pins: the next launch decides again
+    try:
+        checker = agreement.active_checker() or agreement.start_agreement(policy)
+        assert isinstance(checker, agreement.AgreementChecker)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            _guarded(result, lambda: _kernels.launch("scale", x, y))
+        result["pending"] = len(checker._pending)
+        y.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        result["replay_ok"] = bool(torch.equal(y, x * 2))
+        dist.barrier()
         result["shared"] = agreement.verify_agreement()
     finally:
         handle.close()
@@ -241,6 +277,8 @@ SCENARIOS: dict[str, Callable[[dict[str, Any]], None]] = {
     "capture_deferred": capture_deferred,
     "kernels_asymmetric": kernels_asymmetric,
 }
+SCENARIOS["cuda_graph_agree"] = lambda result: _cuda_graph_run(result, "deterministic")
+SCENARIOS["cuda_graph_chaos"] = lambda result: _cuda_graph_run(result, "chaos")
 for _agreement_mode in ("store", "allgather", "off"):
     for _mode in ("deterministic", "chaos"):
         SCENARIOS[f"kernels_{_agreement_mode}_{_mode}"] = _kernel_scenario(_mode, _agreement_mode)
@@ -261,12 +299,19 @@ def _store_error(result: dict[str, Any], error: BaseException) -> None:
 
 
 def main() -> int:
-    global RANK, WORLD
+    global RANK, WORLD, DEVICE
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--scenarios", required=True)
+    parser.add_argument("--backend", default="gloo",
+                        help="nccl: one GPU per rank, CUDA tensors in the collectives")
     args = parser.parse_args()
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    if args.backend == "nccl":
+        import torch
+
+        DEVICE = f"cuda:{int(os.environ['LOCAL_RANK'])}"
+        torch.cuda.set_device(DEVICE)
+    dist.init_process_group(args.backend, timeout=timedelta(seconds=60))
     RANK, WORLD = dist.get_rank(), dist.get_world_size()
     results: dict[str, Any] = {}
     path = os.path.join(args.out, f"rank{RANK}.json")
