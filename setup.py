@@ -22,7 +22,7 @@ if (HERE / "configs").is_dir():
     # Map the data-only folder onto a sub-package so that wheels (and thus `pip install .`) carry it.
     packages.append("megatron_tuning._configs")
     package_dir["megatron_tuning._configs"] = "configs"
-    package_data["megatron_tuning._configs"] = ["**/*.msgpack", "**/*.json", "**/*.md"]
+    package_data["megatron_tuning._configs"] = ["**/*"]  # every table format and its README
 
 setup(
     name="megatron_tuning",
