@@ -42,8 +42,10 @@ def measure(args: argparse.Namespace, table_path: str | None) -> list[dict[str, 
         for r in range(args.rounds):
             for i in [*range(len(configs))][r % len(configs):] + [*range(len(configs))][:r % len(configs)]:
                 try:
-                    samples[i].append(common.time_ms(lambda c=configs[i]: common.launch_config(kernel, c, kargs, grid),
-                                                     args.smoke, warmup=5, rep=args.rep_ms))
+                    def call(c: Any = configs[i], a: tuple = kargs, g: Any = grid) -> None:
+                        common.launch_config(kernel, c, a, g)
+
+                    samples[i].append(common.time_ms(call, args.smoke, warmup=5, rep=args.rep_ms))
                 except Exception as exc:  # out of resources / compile errors: this config cannot run
                     samples[i].append(float("inf"))
                     print(f"{common.shape_name(shape)} {signatures[i]}: {type(exc).__name__}", file=sys.stderr)

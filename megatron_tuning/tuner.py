@@ -95,9 +95,10 @@ class CudaEventTimer:
 
     _FLUSH_BYTES = 256 * 1024 * 1024
 
-    def __init__(self, *, flush_l2: bool = True) -> None:
-        import torch
-
+    def __init__(self, *, flush_l2: bool = True, torch_module: Any = None) -> None:
+        if torch_module is None:
+            import torch as torch_module
+        torch = torch_module  # injectable so CPU tests can drive this class with a fake
         self._torch = torch
         self._start = torch.cuda.Event(enable_timing=True)
         self._end = torch.cuda.Event(enable_timing=True)

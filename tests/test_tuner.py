@@ -333,3 +333,73 @@ def test_measure_times_every_candidate_and_resets_before_the_real_launch() -> No
     assert timings["rounds"] == 4
     assert float(args[1].sum()) == 0.0  # the final reset_only pre_hook zeroed `out`
     assert set(tuner.configs_timings) == set(tuner.configs)
+
+
+# --------------------------------------------------------------------------- CUDA event timer, fake torch
+
+
+class _FakeCuda:
+    def __init__(self, log: list) -> None:
+        self.log = log
+        test = self
+
+        class Event:
+            def __init__(self, enable_timing: bool = False) -> None:
+                assert enable_timing
+                self.at = None
+
+            def record(self) -> None:
+                test.log.append("record")
+                self.at = len(test.log)
+
+            def synchronize(self) -> None:
+                test.log.append("event_sync")
+
+            def elapsed_time(self, end) -> float:  # noqa: ANN001
+                return 2.0 * (end.at - self.at - 1)  # 2 ms per launch logged in between
+
+        self.Event = Event
+
+    def _sleep(self, cycles: int) -> None:
+        assert cycles > 0
+        self.log.append("spin")
+
+    def get_device_properties(self, index: int) -> object:
+        return object()  # no clock_rate: the timer assumes ~2 GHz
+
+    def current_device(self) -> int:
+        return 0
+
+    def synchronize(self) -> None:
+        self.log.append("sync")
+
+
+class _FakeTorch:
+    int32 = "int32"
+
+    def __init__(self) -> None:
+        self.log: list = []
+        self.cuda = _FakeCuda(self.log)
+
+    def empty(self, n: int, dtype: str, device: str):  # noqa: ANN201
+        log = self.log
+
+        class Buffer:
+            def zero_(self) -> None:
+                log.append("flush")
+
+        assert device == "cuda" and n * 4 == 256 * 1024 * 1024
+        return Buffer()
+
+
+def test_cuda_event_timer_flushes_spins_then_times_back_to_back_launches() -> None:
+    from megatron_tuning.tuner import CudaEventTimer
+
+    fake = _FakeTorch()
+    timer = CudaEventTimer(torch_module=fake)
+    per_launch = timer.sample(lambda: fake.log.append("launch"), 3)
+    assert fake.log == ["flush", "spin", "record", "launch", "launch", "launch", "record", "event_sync"]
+    assert per_launch == pytest.approx(2.0)
+    fake.log.clear()
+    CudaEventTimer(flush_l2=False, torch_module=fake).sample(lambda: fake.log.append("launch"), 1)
+    assert fake.log[0] == "spin"
