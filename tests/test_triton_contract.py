@@ -75,8 +75,11 @@ def test_stock_run_sets_best_config_and_timings():
     interception.uninstall()
     sk.scale_add.cache.clear()
     x = torch.zeros(16)
-    sk.scale_add[grid(16)](x, x, x, 16, 1.0)
-    assert sk.scale_add.best_config in sk.ADD_CONFIGS
-    assert set(sk.scale_add.configs_timings) == set(sk.ADD_CONFIGS)
-    assert isinstance(sk.scale_add.bench_time, float)
-    sk.scale_add.cache.clear()
+    try:
+        sk.scale_add[grid(16)](x, x, x, 16, 1.0)
+        assert sk.scale_add.best_config in sk.ADD_CONFIGS
+        assert set(sk.scale_add.configs_timings) == set(sk.ADD_CONFIGS)
+        assert isinstance(sk.scale_add.bench_time, float)
+    finally:  # other tests count benchmark calls on these kernels
+        sk.scale_add.cache.clear()
+        sk.BENCH_CALLS.clear()
