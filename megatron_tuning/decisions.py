@@ -117,7 +117,9 @@ def get_decisions() -> list[Decision]:
 def write_decisions(path: str | os.PathLike[str], decisions: Iterable[Decision] | None = None) -> None:
     """Write decisions as JSON (atomically) for ``python -m megatron_tuning coverage``."""
     rows = [d.to_json() for d in (get_decisions() if decisions is None else decisions)]
-    payload = json.dumps({"format": "megatron_tuning.decisions", "version": 1, "decisions": rows}, indent=1, sort_keys=True)
+    payload = json.dumps(
+        {"format": "megatron_tuning.decisions", "version": 1, "decisions": rows}, indent=1, sort_keys=True
+    )
     target = os.fspath(path)
     tmp = f"{target}.tmp.{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as handle:

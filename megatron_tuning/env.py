@@ -79,7 +79,9 @@ def env_assignments(name: str) -> tuple[tuple[str, int], ...] | None:
                 raise ValueError
             parsed[key] = int(raw.strip())
         except ValueError:
-            raise PolicyError(name, os.environ.get(name), "comma-separated NAME=INT pairs, e.g. BLOCK_SIZE_M=64") from None
+            raise PolicyError(
+                name, os.environ.get(name), "comma-separated NAME=INT pairs, e.g. BLOCK_SIZE_M=64"
+            ) from None
     return tuple(sorted(parsed.items()))
 
 

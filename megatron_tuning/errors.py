@@ -174,5 +174,9 @@ def _signature_diff(first: str, second: str) -> str:
     """Field-by-field difference of two ``config_signature`` strings."""
     a = dict(part.split("=", 1) for part in first.split(", ") if "=" in part)
     b = dict(part.split("=", 1) for part in second.split(", ") if "=" in part)
-    changed = [f"{k}: {a.get(k, '-')} -> {b.get(k, '-')}" for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)]
+    changed = [
+        f"{k}: {a.get(k, '-')} -> {b.get(k, '-')}"
+        for k in sorted(a.keys() | b.keys())
+        if a.get(k) != b.get(k)
+    ]
     return "; ".join(changed) or "(signatures differ only in formatting)"

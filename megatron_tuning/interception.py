@@ -110,17 +110,23 @@ def check_triton_contract() -> None:
     if triton_version() < MIN_TRITON:
         raise UnsupportedTritonError(
             f"megatron_tuning needs Triton >= {MIN_TRITON[0]}.{MIN_TRITON[1]}, found {triton.__version__}; "
-            "upgrade Triton (pip install -U triton).")
+            "upgrade Triton (pip install -U triton)."
+        )
     autotuner = _autotuner_class()
-    missing = [name for name in ("run", "_bench", "prune_configs", "__init__") if not hasattr(autotuner, name)]
+    missing = [
+        name for name in ("run", "_bench", "prune_configs", "__init__") if not hasattr(autotuner, name)
+    ]
     init_params = inspect.signature(autotuner.__init__).parameters
-    missing += [f"__init__({p})" for p in ("fn", "arg_names", "configs", "key", "do_bench") if p not in init_params]
+    missing += [
+        f"__init__({p})" for p in ("fn", "arg_names", "configs", "key", "do_bench") if p not in init_params
+    ]
     if not hasattr(triton.Config, "all_kwargs"):
         missing.append("Config.all_kwargs")
     if missing:
         raise UnsupportedTritonError(
             f"Triton {triton.__version__} changed the autotuner internals megatron_tuning patches "
-            f"(missing: {', '.join(missing)}). Pin a supported Triton or upgrade megatron_tuning.")
+            f"(missing: {', '.join(missing)}). Pin a supported Triton or upgrade megatron_tuning."
+        )
 
 
 def installed() -> bool:
@@ -269,8 +275,16 @@ def _state_for(autotuner: Any, installation: _Installation) -> _AutotunerState:
     autotuner.__dict__[_STATE_ATTR] = state
     _touched.add(autotuner)
     if not state.in_scope:
-        decision_log().record(Decision(kernel=kernel, key="*", signature="", source="out_of_scope",
-                                       arch=installation.arch, rank=current_rank()))
+        decision_log().record(
+            Decision(
+                kernel=kernel,
+                key="*",
+                signature="",
+                source="out_of_scope",
+                arch=installation.arch,
+                rank=current_rank(),
+            )
+        )
     return state
 
 
@@ -321,8 +335,14 @@ def _live_candidates(autotuner: Any, args: tuple[Any, ...], kwargs: dict[str, An
         autotuner.nargs = None
 
 
-def _decide(autotuner: Any, state: _AutotunerState, installation: _Installation, raw: tuple[Any, ...],
-            args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def _decide(
+    autotuner: Any,
+    state: _AutotunerState,
+    installation: _Installation,
+    raw: tuple[Any, ...],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
     with state.lock:
         config = state.pins.get(raw)
         if config is not None:
@@ -342,23 +362,50 @@ def _decide(autotuner: Any, state: _AutotunerState, installation: _Installation,
             config, timings = installation.measure(autotuner, candidates, args, kwargs, state.kernel, key)
             source = "tuned"
         else:
-            choice = choose_deterministically(autotuner, candidates, key, table=installation.table,
-                                              on_miss=policy.on_miss, block_sizes=policy.block_sizes)
+            choice = choose_deterministically(
+                autotuner,
+                candidates,
+                key,
+                table=installation.table,
+                on_miss=policy.on_miss,
+                block_sizes=policy.block_sizes,
+            )
             config, source, origin = choice.config, choice.source, choice.origin
         if state.source_hash is None:
             state.source_hash = kernel_source_hash(autotuner)
-        decision = Decision(kernel=state.kernel, key=key, signature=config_signature(config), source=source,
-                            config=config_data(config), arch=installation.arch, rank=rank, origin=origin,
-                            source_hash=state.source_hash, timings=timings)
-        logger.info("kernel %s key %s -> %s (%s%s)", state.kernel, key, decision.signature, source,
-                    f" from {origin}" if origin else "")
+        decision = Decision(
+            kernel=state.kernel,
+            key=key,
+            signature=config_signature(config),
+            source=source,
+            config=config_data(config),
+            arch=installation.arch,
+            rank=rank,
+            origin=origin,
+            source_hash=state.source_hash,
+            timings=timings,
+        )
+        logger.info(
+            "kernel %s key %s -> %s (%s%s)",
+            state.kernel,
+            key,
+            decision.signature,
+            source,
+            f" from {origin}" if origin else "",
+        )
         decision_log().record(decision)  # listeners (agreement) may raise: then nothing is pinned
         state.pins[raw] = config
         return config
 
 
-def _record_run(original: Any, autotuner: Any, state: _AutotunerState, installation: _Installation,
-                args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def _record_run(
+    original: Any,
+    autotuner: Any,
+    state: _AutotunerState,
+    installation: _Installation,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
     """Record mode: Triton autotunes as usual; record its winner and timings once per key."""
     raw = _raw_key(state, args, kwargs)
     if raw in state.pins:
@@ -373,15 +420,26 @@ def _record_run(original: Any, autotuner: Any, state: _AutotunerState, installat
         timings: dict[str, Any] | None = None
         if timings_after is not None and timings_after is not timings_before:
             timings = {
-                "candidates": {config_signature(c): [float(x) for x in _as_list(t)] for c, t in timings_after.items()},
+                "candidates": {
+                    config_signature(c): [float(x) for x in _as_list(t)] for c, t in timings_after.items()
+                },
                 "bench_time_s": getattr(autotuner, "bench_time", None),
             }
         if state.source_hash is None:
             state.source_hash = kernel_source_hash(autotuner)
-        decision_log().record(Decision(
-            kernel=state.kernel, key=tuning_key(autotuner, args, kwargs), signature=config_signature(config),
-            source="recorded", config=config_data(config), arch=installation.arch, rank=current_rank(),
-            source_hash=state.source_hash, timings=timings))
+        decision_log().record(
+            Decision(
+                kernel=state.kernel,
+                key=tuning_key(autotuner, args, kwargs),
+                signature=config_signature(config),
+                source="recorded",
+                config=config_data(config),
+                arch=installation.arch,
+                rank=current_rank(),
+                source_hash=state.source_hash,
+                timings=timings,
+            )
+        )
         state.pins[raw] = config
     return result
 

@@ -71,7 +71,7 @@ class TuningPolicy:
     """An entry tuned for another kernel source or Triton version: use (warn once), miss, or error."""
 
     block_sizes: tuple[tuple[str, int], ...] = ()
-    """Explicit block-size override, e.g. ``(("BLOCK_SIZE_M", 64),)``; applies to kernels having those names."""
+    """Explicit block-size override, e.g. ``(("BLOCK_SIZE_M", 64),)``, for kernels that have those names."""
 
     record_dir: str | None = None
     """Where record/tune mode writes per-rank results (one file per rank)."""
@@ -90,8 +90,12 @@ class TuningPolicy:
         if any(not isinstance(p, str) or not p for p in self.scope):
             raise PolicyError("scope", self.scope, "non-empty module-name prefixes")
         for item in self.block_sizes:
-            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
-                    and type(item[1]) is int):
+            if not (
+                isinstance(item, tuple)
+                and len(item) == 2
+                and isinstance(item[0], str)
+                and type(item[1]) is int
+            ):
                 raise PolicyError("block_sizes", self.block_sizes, "(name, int) pairs")
         if not isinstance(self.agreement_timeout_s, (int, float)) or self.agreement_timeout_s <= 0:
             raise PolicyError("agreement_timeout_s", self.agreement_timeout_s, "a positive number of seconds")
@@ -120,12 +124,15 @@ class TuningPolicy:
         """One line for logs."""
         scope = ",".join(self.scope) if self.scope else "all"
         tables = ":".join(self.tables) if self.tables else "-"
-        return (f"mode={self.mode} scope={scope} on_miss={self.on_miss} tables={tables} "
-                f"agreement={self.agreement} strict={int(self.strict)}")
+        return (
+            f"mode={self.mode} scope={scope} on_miss={self.on_miss} tables={tables} "
+            f"agreement={self.agreement} strict={int(self.strict)}"
+        )
 
     @classmethod
-    def from_env(cls, *, default_mode: str = "off", follow_torch_determinism: bool = True,
-                 **overrides: Any) -> TuningPolicy:
+    def from_env(
+        cls, *, default_mode: str = "off", follow_torch_determinism: bool = True, **overrides: Any
+    ) -> TuningPolicy:
         """Build a policy from ``MEGATRON_TUNING_*`` variables, read now.
 
         With ``MEGATRON_TUNING_MODE`` unset, the mode is ``deterministic`` when
@@ -153,7 +160,9 @@ class TuningPolicy:
         }
         fields.update({k: v for k, v in optional.items() if v is not None})
         if fields.get("agreement_timeout_s") is not None and fields["agreement_timeout_s"] <= 0:
-            raise PolicyError(ENV_AGREEMENT_TIMEOUT, fields["agreement_timeout_s"], "a positive number of seconds")
+            raise PolicyError(
+                ENV_AGREEMENT_TIMEOUT, fields["agreement_timeout_s"], "a positive number of seconds"
+            )
         fields.update(overrides)
         return cls(**fields)
 

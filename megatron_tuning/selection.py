@@ -127,7 +127,7 @@ def kernel_id(autotuner: Any) -> str:
     return f"{fn.__module__}:{fn.__qualname__}"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _source_hash_of(fn: Any) -> str | None:
     try:
         source = textwrap.dedent(inspect.getsource(fn))
@@ -136,7 +136,7 @@ def _source_hash_of(fn: Any) -> str | None:
     # Hash from the ``def`` line on, so decorator arguments (the config list) do not count and
     # the hash is the same for a JITFunction and the interpreter's InterpretedFunction.
     match = re.search(r"^def\s+\w+\s*\(", source, re.MULTILINE)
-    body = source[match.start():] if match else source
+    body = source[match.start() :] if match else source
     return hashlib.sha256(body.encode("utf-8")).hexdigest()
 
 
@@ -177,7 +177,9 @@ def tuning_key(autotuner: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -
         if name in arg_names:
             named[name] = value
     values = [f"{name}={_render(named[name])}" for name in autotuner.keys if name in named]
-    dtypes = [f"{name}:{named[name].dtype}" for name in arg_names if name in named and hasattr(named[name], "dtype")]
+    dtypes = [
+        f"{name}:{named[name].dtype}" for name in arg_names if name in named and hasattr(named[name], "dtype")
+    ]
     return ", ".join(values) + " | " + ", ".join(dtypes)
 
 
@@ -214,7 +216,9 @@ def config_from_data(data: Mapping[str, Any]) -> Any:
             default = dict(_OPTIONAL_FIELDS).get(name)
             if data[name] == default:
                 continue
-            raise ValueError(f"config field {name}={data[name]!r} is not supported by Triton {triton.__version__}")
+            raise ValueError(
+                f"config field {name}={data[name]!r} is not supported by Triton {triton.__version__}"
+            )
         options[name] = data[name]
     return triton.Config(dict(data["kwargs"]), **options)
 
@@ -243,7 +247,7 @@ _SHORT_BLOCK_NAMES = frozenset({"BM", "BN", "BK", "BD", "BH", "BT", "BS", "BC", 
 
 
 def is_block_size_name(name: str) -> bool:
-    """Whether a kwarg names a tile extent: ``BLOCK_M``, ``BLOCK_SIZE_N``, ``BM``, ``XBLOCK``, ``R0_BLOCK``."""
+    """Whether a kwarg is a tile extent: ``BLOCK_M``, ``BLOCK_SIZE_N``, ``BM``, ``XBLOCK``, ``R0_BLOCK``."""
     upper = name.upper()
     if upper in _SHORT_BLOCK_NAMES:
         return True
@@ -263,8 +267,11 @@ def estimate_config_cost(cfg: Any) -> tuple[int, int, int]:
     kwargs = cfg["kwargs"] if isinstance(cfg, Mapping) else cfg.kwargs
     stages = (cfg.get("num_stages") if isinstance(cfg, Mapping) else getattr(cfg, "num_stages", 1)) or 1
     warps = (cfg.get("num_warps") if isinstance(cfg, Mapping) else getattr(cfg, "num_warps", 1)) or 1
-    block = math.prod(int(v) for k, v in kwargs.items()
-                      if is_block_size_name(k) and isinstance(v, numbers.Integral) and not isinstance(v, bool))
+    block = math.prod(
+        int(v)
+        for k, v in kwargs.items()
+        if is_block_size_name(k) and isinstance(v, numbers.Integral) and not isinstance(v, bool)
+    )
     return (block * int(stages), int(warps), int(stages))
 
 
@@ -299,8 +306,13 @@ def filter_configs_by_block_sizes(
     relevant = {k: v for k, v in wanted.items() if any(k in c.kwargs for c in configs)}
     if not relevant:
         return list(configs)
-    return [c for c in configs if all(k in c.kwargs and c.kwargs[k] == v and type(c.kwargs[k]) is type(v)
-                                      for k, v in relevant.items())]
+    return [
+        c
+        for c in configs
+        if all(
+            k in c.kwargs and c.kwargs[k] == v and type(c.kwargs[k]) is type(v) for k, v in relevant.items()
+        )
+    ]
 
 
 # --------------------------------------------------------------------------- tables
@@ -318,7 +330,9 @@ class TableHit:
 class ConfigTable(Protocol):
     """What ``deterministic_choice`` needs from a table; ``megatron_tuning.table`` implements it."""
 
-    def lookup(self, kernel: str, key: str, *, arch: str, source_hash: str | None = None) -> TableHit | None: ...
+    def lookup(
+        self, kernel: str, key: str, *, arch: str, source_hash: str | None = None
+    ) -> TableHit | None: ...
 
 
 class InMemoryTable:
@@ -338,7 +352,9 @@ def as_config_table(table: ConfigTable | Mapping[tuple[str, str], Any] | None) -
         return table
     if isinstance(table, Mapping):
         return InMemoryTable(table)
-    raise TypeError(f"table must provide lookup(kernel, key, *, arch, source_hash) or be a mapping, not {table!r}")
+    raise TypeError(
+        f"table must provide lookup(kernel, key, *, arch, source_hash) or be a mapping, not {table!r}"
+    )
 
 
 # --------------------------------------------------------------------------- choices
@@ -378,9 +394,16 @@ def choose_deterministically(
                 if config_signature(config) == wanted:
                     return Choice(config, "table", hit.origin)
             reason = "the table entry matches no live config"
-            warn_once(("entry-no-match", kernel, key, hit.origin),
-                      "Table entry for kernel %s key %s in %s (%s) matches none of the %d live configs "
-                      "after pruning; treating it as a miss.", kernel, key, hit.origin, wanted, len(candidates))
+            warn_once(
+                ("entry-no-match", kernel, key, hit.origin),
+                "Table entry for kernel %s key %s in %s (%s) matches none of the %d live configs "
+                "after pruning; treating it as a miss.",
+                kernel,
+                key,
+                hit.origin,
+                wanted,
+                len(candidates),
+            )
     override = _as_block_sizes(block_sizes)
     if override:
         matching = filter_configs_by_block_sizes(candidates, override)
@@ -412,8 +435,9 @@ def deterministic_choice(
     static cost. With ``on_miss='error'`` a miss raises ``TableMissError`` naming kernel and key.
     """
     key = tuning_key(autotuner, args, kwargs)
-    return choose_deterministically(autotuner, candidates, key, table=table, on_miss=on_miss,
-                                    block_sizes=block_sizes).config
+    return choose_deterministically(
+        autotuner, candidates, key, table=table, on_miss=on_miss, block_sizes=block_sizes
+    ).config
 
 
 def current_rank() -> int:
@@ -440,7 +464,9 @@ def chaos_index(kernel: str, key: str, rank: int, count: int) -> int:
     return (rank + offset) % count
 
 
-def chaos_choice(autotuner: Any, candidates: Sequence[Any], args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
+def chaos_choice(
+    autotuner: Any, candidates: Sequence[Any], args: Sequence[Any], kwargs: Mapping[str, Any]
+) -> Any:
     """A per-rank different config, on purpose: the positive control for the agreement check.
 
     Reproducible (the same rank picks the same config in every run); with two or more
@@ -469,8 +495,9 @@ def autotune_configs(configs: Sequence[Any], *, policy: TuningPolicy | None = No
         return configs
     matching = filter_configs_by_block_sizes(configs, policy.block_sizes)
     if not matching:
-        raise BlockSizeOverrideError("<autotune_configs>", dict(policy.block_sizes),
-                                     [config_signature(c) for c in configs])
+        raise BlockSizeOverrideError(
+            "<autotune_configs>", dict(policy.block_sizes), [config_signature(c) for c in configs]
+        )
     return [cheapest(matching)]
 
 
@@ -482,6 +509,10 @@ def warn_if_mamba_env_ignored(policy: TuningPolicy | None = None) -> bool:
     policy = policy if policy is not None else TuningPolicy.from_env()
     if policy.mode == "deterministic":
         return False
-    return warn_once(("mamba-env", policy.mode),
-                     "MAMBA_DETERMINISTIC=%s is set but megatron_tuning's mode is %r, so autotuned kernels "
-                     "are not pinned. Set MEGATRON_TUNING_MODE=deterministic.", raw, policy.mode)
+    return warn_once(
+        ("mamba-env", policy.mode),
+        "MAMBA_DETERMINISTIC=%s is set but megatron_tuning's mode is %r, so autotuned kernels "
+        "are not pinned. Set MEGATRON_TUNING_MODE=deterministic.",
+        raw,
+        policy.mode,
+    )

@@ -51,8 +51,9 @@ class TuningHandle:
     def __enter__(self) -> TuningHandle:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.close()
 
 
@@ -62,16 +63,20 @@ def _write_outputs(policy: TuningPolicy) -> None:
 
         write_recording(None, policy.record_dir, current_rank())
     elif policy.mode in ("record", "tune"):
-        logger.warning("megatron_tuning: mode %s without a record_dir (MEGATRON_TUNING_RECORD_DIR): "
-                       "measured winners are only in the decision log", policy.mode)
+        logger.warning(
+            "megatron_tuning: mode %s without a record_dir (MEGATRON_TUNING_RECORD_DIR): "
+            "measured winners are only in the decision log",
+            policy.mode,
+        )
     if policy.decision_log:
         path = policy.decision_log.replace("{rank}", str(current_rank()))
         write_decisions(path)
         logger.info("decision log written to %s", path)
 
 
-def init_deterministic_tuning(policy: TuningPolicy | None = None, *, table: Any = None,
-                              group: Any = None) -> TuningHandle:
+def init_deterministic_tuning(
+    policy: TuningPolicy | None = None, *, table: Any = None, group: Any = None
+) -> TuningHandle:
     """Install deterministic tuning for this process; call after process-group init.
 
     ``policy`` defaults to ``TuningPolicy.from_env(default_mode="deterministic")``. ``table``
@@ -98,8 +103,12 @@ def init_deterministic_tuning(policy: TuningPolicy | None = None, *, table: Any 
     with _active_lock:
         _active = handle
     files = getattr(resolved_table, "files", None)
-    logger.info("megatron_tuning: %s (rank %d)%s", policy.describe(), current_rank(),
-                f" table files: {', '.join(files) or '(none yet)'}" if files is not None else "")
+    logger.info(
+        "megatron_tuning: %s (rank %d)%s",
+        policy.describe(),
+        current_rank(),
+        f" table files: {', '.join(files) or '(none yet)'}" if files is not None else "",
+    )
     return handle
 
 

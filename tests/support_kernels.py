@@ -53,7 +53,10 @@ with lazy_benchmarker():
         tl.store(out_ptr + offsets, alpha * x + y, mask=mask)
 
     @triton.autotune(
-        configs=[triton.Config(dict(c.kwargs), num_warps=c.num_warps, pre_hook=_record_pre_hook) for c in ADD_CONFIGS],
+        configs=[
+            triton.Config(dict(c.kwargs), num_warps=c.num_warps, pre_hook=_record_pre_hook)
+            for c in ADD_CONFIGS
+        ],
         key=["n"],
         prune_configs_by={"early_config_prune": _prune_small},
         reset_to_zero=["out_ptr"],

@@ -48,8 +48,10 @@ def test_deterministic_launch_is_correct_and_never_benchmarks():
     decisions = [d for d in get_decisions() if d.kernel == kernel_id(sk.scale_add)]
     assert [d.source for d in decisions] == ["cheapest"] * 4
     assert len({d.key for d in decisions}) == 4  # dtype is part of the key
-    assert all(d.signature == "BLOCK_SIZE=8, num_warps=2, num_stages=" + str(sk.ADD_CONFIGS[0].num_stages)
-               for d in decisions)
+    assert all(
+        d.signature == "BLOCK_SIZE=8, num_warps=2, num_stages=" + str(sk.ADD_CONFIGS[0].num_stages)
+        for d in decisions
+    )
     assert sk.scale_add.cache == {}  # Triton's own cache untouched
 
 

@@ -10,8 +10,20 @@ import torch
 from megatron_tuning.errors import PolicyError
 from megatron_tuning.policy import TuningPolicy
 
-ENV = ("MODE", "SCOPE", "ON_MISS", "TABLE", "AGREEMENT", "AGREEMENT_TIMEOUT", "STRICT", "STALE_ENTRIES",
-       "BLOCK_SIZES", "RECORD_DIR", "DECISION_LOG", "SHIPPED_TABLES")
+ENV = (
+    "MODE",
+    "SCOPE",
+    "ON_MISS",
+    "TABLE",
+    "AGREEMENT",
+    "AGREEMENT_TIMEOUT",
+    "STRICT",
+    "STALE_ENTRIES",
+    "BLOCK_SIZES",
+    "RECORD_DIR",
+    "DECISION_LOG",
+    "SHIPPED_TABLES",
+)
 
 
 @pytest.fixture(autouse=True)
@@ -29,33 +41,53 @@ def test_defaults_in_code_and_from_env():
 
 def test_every_variable_is_read(monkeypatch, tmp_path):
     values = {
-        "MODE": "Chaos", "SCOPE": "pkg.kernels, other", "ON_MISS": "error", "TABLE": "/a.msgpack::/b.msgpack",
-        "AGREEMENT": "allgather", "AGREEMENT_TIMEOUT": "12.5", "STRICT": "1", "STALE_ENTRIES": "miss",
-        "BLOCK_SIZES": "BLOCK_SIZE_N=128, BLOCK_SIZE_M=64", "RECORD_DIR": str(tmp_path),
-        "DECISION_LOG": "/tmp/d-{rank}.json", "SHIPPED_TABLES": "off",
+        "MODE": "Chaos",
+        "SCOPE": "pkg.kernels, other",
+        "ON_MISS": "error",
+        "TABLE": "/a.msgpack::/b.msgpack",
+        "AGREEMENT": "allgather",
+        "AGREEMENT_TIMEOUT": "12.5",
+        "STRICT": "1",
+        "STALE_ENTRIES": "miss",
+        "BLOCK_SIZES": "BLOCK_SIZE_N=128, BLOCK_SIZE_M=64",
+        "RECORD_DIR": str(tmp_path),
+        "DECISION_LOG": "/tmp/d-{rank}.json",
+        "SHIPPED_TABLES": "off",
     }
     for name, value in values.items():
         monkeypatch.setenv(f"MEGATRON_TUNING_{name}", value)
     policy = TuningPolicy.from_env()
     assert policy == TuningPolicy(
-        mode="chaos", scope=("pkg.kernels", "other"), on_miss="error", tables=("/a.msgpack", "/b.msgpack"),
-        agreement="allgather", agreement_timeout_s=12.5, strict=True, stale_entries="miss",
-        block_sizes=(("BLOCK_SIZE_M", 64), ("BLOCK_SIZE_N", 128)), record_dir=str(tmp_path),
-        decision_log="/tmp/d-{rank}.json", use_shipped_tables=False)
+        mode="chaos",
+        scope=("pkg.kernels", "other"),
+        on_miss="error",
+        tables=("/a.msgpack", "/b.msgpack"),
+        agreement="allgather",
+        agreement_timeout_s=12.5,
+        strict=True,
+        stale_entries="miss",
+        block_sizes=(("BLOCK_SIZE_M", 64), ("BLOCK_SIZE_N", 128)),
+        record_dir=str(tmp_path),
+        decision_log="/tmp/d-{rank}.json",
+        use_shipped_tables=False,
+    )
     assert policy.effective_stale_entries == "error"
 
 
-@pytest.mark.parametrize(("name", "value", "allowed"), [
-    ("MODE", "determinstic", "off|deterministic|chaos|record|tune"),
-    ("ON_MISS", "fastest", "min_cost|error"),
-    ("AGREEMENT", "gossip", "store|allgather|off"),
-    ("STRICT", "maybe", "boolean"),
-    ("AGREEMENT_TIMEOUT", "soon", "number"),
-    ("AGREEMENT_TIMEOUT", "-1", "positive"),
-    ("BLOCK_SIZES", "BLOCK_M=big", "NAME=INT"),
-    ("BLOCK_SIZES", "64", "NAME=INT"),
-    ("STALE_ENTRIES", "ignore", "use|miss|error"),
-])
+@pytest.mark.parametrize(
+    ("name", "value", "allowed"),
+    [
+        ("MODE", "determinstic", "off|deterministic|chaos|record|tune"),
+        ("ON_MISS", "fastest", "min_cost|error"),
+        ("AGREEMENT", "gossip", "store|allgather|off"),
+        ("STRICT", "maybe", "boolean"),
+        ("AGREEMENT_TIMEOUT", "soon", "number"),
+        ("AGREEMENT_TIMEOUT", "-1", "positive"),
+        ("BLOCK_SIZES", "BLOCK_M=big", "NAME=INT"),
+        ("BLOCK_SIZES", "64", "NAME=INT"),
+        ("STALE_ENTRIES", "ignore", "use|miss|error"),
+    ],
+)
 def test_bad_values_name_variable_value_and_allowed(monkeypatch, name, value, allowed):
     monkeypatch.setenv(f"MEGATRON_TUNING_{name}", value)
     with pytest.raises(PolicyError) as info:
@@ -93,11 +125,21 @@ def test_overrides_win_over_env(monkeypatch):
     assert TuningPolicy.from_env(mode="deterministic").mode == "deterministic"
 
 
-@pytest.mark.parametrize(("field", "value"), [
-    ("mode", "fast"), ("on_miss", None), ("agreement", "all"), ("stale_entries", "x"), ("scope", ["a"]),
-    ("scope", ("",)), ("block_sizes", (("BLOCK", "64"),)), ("block_sizes", (("BLOCK", True),)),
-    ("agreement_timeout_s", 0), ("strict", 1),
-])
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("mode", "fast"),
+        ("on_miss", None),
+        ("agreement", "all"),
+        ("stale_entries", "x"),
+        ("scope", ["a"]),
+        ("scope", ("",)),
+        ("block_sizes", (("BLOCK", "64"),)),
+        ("block_sizes", (("BLOCK", True),)),
+        ("agreement_timeout_s", 0),
+        ("strict", 1),
+    ],
+)
 def test_constructor_validates_fields(field, value):
     with pytest.raises(PolicyError) as info:
         TuningPolicy(**{field: value})

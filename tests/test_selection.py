@@ -105,7 +105,10 @@ def test_tuning_key_accepts_kwargs_and_keeps_bool_apart_from_int():
 
 def test_tuning_key_skips_missing_key_args_and_renders_floats():
     x = torch.zeros(2)
-    assert tuning_key(sk.maybe_double.fn, (x, x, 2.5), {}) == "n=2.5 | x_ptr:torch.float32, out_ptr:torch.float32"
+    assert (
+        tuning_key(sk.maybe_double.fn, (x, x, 2.5), {})
+        == "n=2.5 | x_ptr:torch.float32, out_ptr:torch.float32"
+    )
 
 
 # ------------------------------------------------------------------ signatures and data
@@ -126,7 +129,9 @@ def test_signature_shows_non_default_fields_only():
 
 
 def test_config_data_round_trips_through_json():
-    config = C({"BLOCK_M": 64, "SPLIT": False, "scale": 0.5, "name": "x"}, num_warps=8, num_stages=4, maxnreg=96)
+    config = C(
+        {"BLOCK_M": 64, "SPLIT": False, "scale": 0.5, "name": "x"}, num_warps=8, num_stages=4, maxnreg=96
+    )
     data = json.loads(json.dumps(config_data(config)))
     rebuilt = config_from_data(data)
     assert config_signature(rebuilt) == config_signature(config)
@@ -155,7 +160,11 @@ def test_other_names_do_not_count_in_cost(name):
 
 
 def test_cost_is_block_product_times_stages_then_warps():
-    assert estimate_config_cost(C({"BLOCK_M": 64, "BLOCK_N": 32}, num_warps=4, num_stages=3)) == (64 * 32 * 3, 4, 3)
+    assert estimate_config_cost(C({"BLOCK_M": 64, "BLOCK_N": 32}, num_warps=4, num_stages=3)) == (
+        64 * 32 * 3,
+        4,
+        3,
+    )
 
 
 def test_cheapest_ties_break_by_signature_then_position():
@@ -178,7 +187,11 @@ def test_cheapest_of_one_and_of_none():
 
 
 def test_filter_by_block_sizes():
-    configs = [C({"BLOCK_M": 32, "BLOCK_N": 64}), C({"BLOCK_M": 64, "BLOCK_N": 64}), C({"BLOCK_M": 64, "BLOCK_N": 32})]
+    configs = [
+        C({"BLOCK_M": 32, "BLOCK_N": 64}),
+        C({"BLOCK_M": 64, "BLOCK_N": 64}),
+        C({"BLOCK_M": 64, "BLOCK_N": 32}),
+    ]
     assert filter_configs_by_block_sizes(configs) == configs
     assert filter_configs_by_block_sizes(configs, {"XBLOCK": 8}) == configs  # not this kernel's names
     assert filter_configs_by_block_sizes(configs, [("BLOCK_M", 64)]) == configs[1:]
@@ -230,7 +243,9 @@ def test_on_miss_error_names_kernel_and_key():
 
 
 def test_on_miss_error_does_not_apply_with_one_candidate():
-    assert deterministic_choice(sk.scale_add, sk.ADD_CONFIGS[:1], ARGS, {}, on_miss="error") is sk.ADD_CONFIGS[0]
+    assert (
+        deterministic_choice(sk.scale_add, sk.ADD_CONFIGS[:1], ARGS, {}, on_miss="error") is sk.ADD_CONFIGS[0]
+    )
 
 
 def test_bad_on_miss_is_rejected():
@@ -250,7 +265,10 @@ def test_chaos_four_ranks_pick_at_least_two_configs_reproducibly(monkeypatch):
     assert all(picks[i] != picks[i + 1] for i in range(3))
     for rank in range(4):
         monkeypatch.setenv("RANK", str(rank))
-        assert config_signature(chaos_choice(sk.scale_add, list(reversed(sk.ADD_CONFIGS)), ARGS, {})) == picks[rank]
+        assert (
+            config_signature(chaos_choice(sk.scale_add, list(reversed(sk.ADD_CONFIGS)), ARGS, {}))
+            == picks[rank]
+        )
 
 
 def test_chaos_with_one_candidate_and_bad_rank(monkeypatch):
@@ -329,8 +347,15 @@ def test_results_identical_across_fresh_processes():
     outputs = []
     for seed in ("1", "2"):
         env = dict(os.environ, PYTHONHASHSEED=seed, PYTHONPATH=str(REPO))
-        done = subprocess.run([sys.executable, "-c", _PROBE], cwd=REPO, env=env, capture_output=True, text=True,
-                              timeout=120, check=True)
+        done = subprocess.run(
+            [sys.executable, "-c", _PROBE],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        )
         outputs.append(json.loads(done.stdout.strip().splitlines()[-1]))
     assert outputs[0] == outputs[1]
     assert len(set(outputs[0]["chaos"])) >= 2

@@ -31,7 +31,16 @@ def test_autotuner_class_attributes():
     bench = inspect.signature(Autotuner.__dict__["_bench"]).parameters
     assert list(bench)[:2] == ["self", "args"] and bench["config"].kind is inspect.Parameter.KEYWORD_ONLY
     init = inspect.signature(Autotuner.__init__).parameters
-    for name in ("fn", "arg_names", "configs", "key", "reset_to_zero", "restore_value", "prune_configs_by", "do_bench"):
+    for name in (
+        "fn",
+        "arg_names",
+        "configs",
+        "key",
+        "reset_to_zero",
+        "restore_value",
+        "prune_configs_by",
+        "do_bench",
+    ):
         assert name in init, name
 
 
