@@ -16,6 +16,7 @@ import importlib
 import importlib.util
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -212,8 +213,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"megatron-tuning {args.command}: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except BrokenPipeError:  # `megatron-tuning show ... | head`: not an error
-        sys.stderr.close()
+        # Point stdout at devnull so the interpreter's final flush does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_OK
+    except OSError as exc:  # e.g. an output path that cannot be written: bad input, not a crash
+        print(f"megatron-tuning {args.command}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
 
 
 # -- command implementations -------------------------------------------------------

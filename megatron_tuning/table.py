@@ -242,7 +242,10 @@ def write_atomic(path: str | os.PathLike[str], payload: bytes) -> None:
     tmp = os.path.join(folder, f".{os.path.basename(target)}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     # os.open with 0o666 lets the umask decide permissions, as for any new file (mkstemp
     # would make shared tables readable by their owner only).
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    except OSError as exc:  # name the file the caller asked for, not our temp name
+        raise OSError(exc.errno, f"cannot write {target}: {exc.strerror}") from exc
     try:
         with os.fdopen(fd, "wb") as handle:
             handle.write(payload)

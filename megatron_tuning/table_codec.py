@@ -51,7 +51,7 @@ _REQUIRED = ("strings", "configs", "arch", "kernel", "key", "config", "how")
 _BODY_FIELDS = frozenset(_REQUIRED + _STRING_COLUMNS + _FLOAT_COLUMNS + _COUNT_COLUMNS)
 _NONE = type(None)
 _NO_TIMING = Timing()
-_EMPTY_BODY = {name: [] for name in sorted(_REQUIRED)}
+_EMPTY_BODY: dict[str, list[Any]] = {name: [] for name in sorted(_REQUIRED)}
 
 
 # -- msgpack -----------------------------------------------------------------------
@@ -91,7 +91,7 @@ def encode_msgpack(library_version: str, meta: dict[str, str], entries: Sequence
     optional.update(zip(Timing._fields, timing_cols))
     optional["votes_for"] = [None if v is None else v[0] for v in votes]
     optional["votes_total"] = [None if v is None else v[1] for v in votes]
-    body.update({name: list(col) for name, col in optional.items() if any(v is not None for v in col)})
+    body.update({name: list(col) for name, col in optional.items() if col.count(None) != len(col)})
     return msgpack.packb([FORMAT, SCHEMA, header, dict(sorted(body.items()))], use_bin_type=True)
 
 

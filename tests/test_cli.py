@@ -107,6 +107,12 @@ def test_export_import_round_trip_is_byte_identical(capsys, tmp_path, table_path
     assert back.read_bytes() == table_path.read_bytes()
 
 
+def test_unwritable_output_exits_2(capsys, tmp_path, table_path):
+    target = tmp_path / "missing-folder" / "t.json"
+    code, _, err = run(capsys, "export", table_path, target)
+    assert code == 2 and f"cannot write {target}" in err
+
+
 def test_import_of_bad_json_exits_2(capsys, tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text('{"format": "megatron_tuning.table", "schema": 7}')

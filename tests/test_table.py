@@ -224,13 +224,13 @@ def test_bad_files_raise_one_table_error_naming_file_and_problem(tmp_path, data,
         ('{"format": "megatron_tuning.table", "format": "x"}', "duplicate"),
         ('{"format": "other"}', "not a megatron_tuning.table"),
         (
-            '{"format": "megatron_tuning.table", "schema": 1, "library_version": "1", "entries": [], '
-            '"x": 1}',
+            '{"format": "megatron_tuning.table", "schema": 1, "library_version": "1", "entries": [], "x": 1}',
             "unknown top-level",
         ),
         (
-            '{"format": "megatron_tuning.table", "schema": 1, "library_version": "1", "entries": [{"arch": '
-            '"a", "kernel": "m:f", "key": "k", "config": {"kwargs": {}, "num_warps": 1, "num_stages": NaN}}]}',
+            '{"format": "megatron_tuning.table", "schema": 1, "library_version": "1", "entries": [{'
+            '"arch": "a", "kernel": "m:f", "key": "k", '
+            '"config": {"kwargs": {}, "num_warps": 1, "num_stages": NaN}}]}',
             "NaN",
         ),
         ('{"format": "megatron_tuning.table", "schema": 1, "library_version": "1", "entries": {}}', "list"),

@@ -90,7 +90,8 @@ def test_shipped_interpreter_table_is_current() -> None:
     fresh.library_version = shipped.library_version  # a version bump alone needs no regeneration
     assert shipped.to_bytes() == fresh.to_bytes(), (
         "configs/unknown/interpreter_demo.msgpack is out of date (a reference kernel or the demo "
-        "shapes changed): regenerate it with `TRITON_INTERPRET=1 PYTHONPATH=. python -m tests.test_table_shipped`"
+        "shapes changed): regenerate it with "
+        "`TRITON_INTERPRET=1 PYTHONPATH=. python -m tests.test_table_shipped`"
     )
 
 
