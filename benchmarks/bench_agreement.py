@@ -66,12 +66,7 @@ def _time_launches(agreement_mode: str, launches: int, stub: bool, device: str =
 
     policy = TuningPolicy(mode="deterministic", scope=("megatron_tuning.kernels.tiny",),
                           agreement=agreement_mode, use_shipped_tables=False)
-    handle = megatron_tuning.init_deterministic_tuning(policy)
-    if agreement_mode != "off":
-        from megatron_tuning import agreement
-
-        if agreement.active_checker() is None:
-            agreement.start_agreement(policy)
+    handle = megatron_tuning.init_deterministic_tuning(policy)  # starts the store check unless "off"
     from megatron_tuning.kernels import tiny
 
     fn = tiny.add_one_kernel.fn

@@ -199,7 +199,7 @@ def _exercise(args: argparse.Namespace, rank: int, result: dict[str, Any]) -> No
                           agreement_timeout_s=max(args.timeout / 3, 5.0), use_shipped_tables=False)
     handle = init_deterministic_tuning(policy)
     if args.agreement != "off" and agreement.active_checker() is None:
-        agreement.start_agreement(policy)  # older init_deterministic_tuning without agreement wiring
+        raise RuntimeError("init_deterministic_tuning started no agreement check")
     from .kernels import tiny  # decorated only now: interpreter flag and interception are in place
 
     on_gpu = os.environ.get("TRITON_INTERPRET") != "1" and torch.cuda.is_available()

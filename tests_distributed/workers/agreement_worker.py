@@ -184,8 +184,8 @@ def _kernel_run(result: dict[str, Any], mode: str, agreement_mode: str) -> None:
     policy = TuningPolicy(mode=mode, scope=("_kernels",), agreement=agreement_mode,
                           agreement_timeout_s=30.0, use_shipped_tables=False)
     handle = megatron_tuning.init_deterministic_tuning(policy)
-    if agreement_mode != "off" and agreement.active_checker() is None:
-        agreement.start_agreement(policy)  # until init_deterministic_tuning wires it itself
+    # init_deterministic_tuning itself starts the check (and only when it applies).
+    assert (agreement.active_checker() is None) == (agreement_mode == "off")
     import _kernels
 
     try:
@@ -205,8 +205,7 @@ def kernels_asymmetric(result: dict[str, Any]) -> None:
     policy = TuningPolicy(mode="deterministic", scope=("_kernels",), agreement="store",
                           agreement_timeout_s=30.0, use_shipped_tables=False)
     handle = megatron_tuning.init_deterministic_tuning(policy)
-    if agreement.active_checker() is None:
-        agreement.start_agreement(policy)
+    assert agreement.active_checker() is not None
     import _kernels
 
     try:
@@ -243,7 +242,7 @@ def _cuda_graph_run(result: dict[str, Any], mode: str) -> None:
     decision_log().clear()
     handle = megatron_tuning.init_deterministic_tuning(policy)  # fresh pins: the next launch decides again
     try:
-        checker = agreement.active_checker() or agreement.start_agreement(policy)
+        checker = agreement.active_checker()
         assert isinstance(checker, agreement.AgreementChecker)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
