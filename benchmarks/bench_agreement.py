@@ -103,7 +103,12 @@ def _worker(args: argparse.Namespace) -> int:
     from megatron_tuning.decisions import decision_log
     from megatron_tuning.policy import TuningPolicy
 
-    dist.init_process_group("gloo", timeout=timedelta(seconds=300))
+    if args.backend == "nccl":  # NCCL needs each rank's device chosen before the group exists
+        import torch
+
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local % torch.cuda.device_count())
+    dist.init_process_group(args.backend, timeout=timedelta(seconds=300))
     rank = dist.get_rank()
     out: dict[str, Any] = {}
 
@@ -159,7 +164,7 @@ def _run_job(nproc: int, args: argparse.Namespace, folder: str) -> dict[str, lis
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                __file__, "--_worker", "--out", folder, "--keys", str(args.keys),
-               "--launches", str(args.launches)] + (["--gpu"] if args.gpu else [])
+               "--launches", str(args.launches), "--backend", args.backend] + (["--gpu"] if args.gpu else [])
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.timeout)
     if done.returncode != 0:
         raise SystemExit(f"{nproc}-rank job failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
@@ -179,9 +184,13 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per torchrun job")
     parser.add_argument("--gpu", action="store_true",
                         help="real launches on GPUs (rank r on GPU r mod count) instead of the interpreter")
+    parser.add_argument("--backend", choices=("gloo", "nccl"), default="gloo",
+                        help="process-group backend (nccl needs --gpu and one GPU per rank)")
     parser.add_argument("--out", default="")
     parser.add_argument("--_worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.backend == "nccl" and not args.gpu:
+        parser.error("--backend nccl needs --gpu")
     if args._worker:
         return _worker(args)
 
@@ -190,7 +199,7 @@ def main() -> int:
         return f"{p50 * 1e6:7.1f} [{p90 * 1e6:7.1f}]"
 
     real = "GPU" if args.gpu else "interpreted"
-    print(f"agreement cost on {os.cpu_count()} CPU cores, gloo, {args.keys} keys, {args.launches} launches "
+    print(f"agreement cost on {os.cpu_count()} CPU cores, {args.backend}, {args.keys} keys, {args.launches} launches "
           f"per batch (hit path) / {args.launches if args.gpu else args.launches // 20} ({real})")
     header = (f"{'ranks':>5} | {'store RT us':>17} | {'store check us':>17} | {'allgather check us':>18} | "
               f"{'verify ms':>9} | {'hit path us off/on':>18} | {real + ' launch us off/on':>23}")
