@@ -11,7 +11,6 @@ Without a GPU it uses Triton's interpreter and gloo. The policy comes from ``MEG
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import sys
 import time
@@ -75,25 +74,37 @@ def _run_workload(device: torch.device, shapes: Sequence[Shape], dtype: torch.dt
     return failures
 
 
-def _digest(lines: Sequence[str]) -> torch.Tensor:
-    """A fixed-size digest of this rank's choices (never pickled objects across ranks)."""
-    raw = hashlib.sha256("\n".join(sorted(lines)).encode()).digest()
-    return torch.tensor(list(raw), dtype=torch.uint8)
-
-
-def _compare_ranks(lines: Sequence[str], world: int, device: torch.device) -> list[int]:
-    """Return the ranks whose choices differ from rank 0's."""
-    import torch.distributed as dist
-
-    mine = _digest(lines).to(device)
-    gathered = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(gathered, mine)
-    return [r for r, d in enumerate(gathered) if not torch.equal(d, gathered[0])]
-
-
 def _table(rows: Sequence[Sequence[str]]) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
+
+
+def _run_phase(
+    mode: str, policy: Any, device: torch.device, shapes: Sequence[Shape], dtype: torch.dtype, world: int
+) -> tuple[list[Any], list[str], Exception | None, int]:
+    """One pass of the workload under ``mode``; returns (decisions, failures, error, shared entries)."""
+    from . import init_deterministic_tuning
+    from .agreement import verify_agreement
+    from .decisions import decision_log, get_decisions
+    from .errors import MegatronTuningError
+
+    decision_log().clear()
+    failures: list[str] = []
+    error: Exception | None = None
+    shared = 0
+    with init_deterministic_tuning(policy.replace(mode=mode)):
+        try:
+            failures = _run_workload(device, shapes, dtype)
+        except MegatronTuningError as exc:  # the first-use check fired on this rank
+            error = exc
+        if world > 1:
+            # Every rank reaches this collective, whether or not its own launches raised, so a
+            # rank that stopped early never leaves the others waiting; all get the same verdict.
+            try:
+                shared = verify_agreement()
+            except MegatronTuningError as exc:
+                error = error or exc
+    return [d for d in get_decisions() if d.source != "out_of_scope"], failures, error, shared
 
 
 def main(argv: Sequence[str] | None = None, out: Callable[[str], Any] = print) -> int:
@@ -107,66 +118,78 @@ def main(argv: Sequence[str] | None = None, out: Callable[[str], Any] = print) -
         help="input dtype (default: bfloat16 on GPU, float32 in the interpreter)",
     )
     parser.add_argument(
-        "--all-ranks", action="store_true", help="print every rank's table, not only rank 0's"
+        "--phases",
+        default="deterministic,chaos",
+        help="comma-separated modes to run in order (default: deterministic,chaos)",
+    )
+    parser.add_argument(
+        "--all-ranks", action="store_true", help="print every rank's output, not only rank 0's"
     )
     args = parser.parse_args(argv)
+    phases = [p.strip() for p in args.phases.split(",") if p.strip()]
+    if not phases or any(p not in ("deterministic", "chaos") for p in phases):
+        parser.error(f"--phases takes deterministic and/or chaos, not {args.phases!r}")
 
     on_gpu = _prepare_backend()
     rank, world = _init_process_group(on_gpu)
     device = torch.device("cuda") if on_gpu else torch.device("cpu")
     dtype = getattr(torch, args.dtype or ("bfloat16" if on_gpu else "float32"))
+    shapes = _GPU_SHAPES if on_gpu else _CPU_SHAPES
+    show = rank == 0 or args.all_ranks
 
-    from . import init_deterministic_tuning
-    from .decisions import get_decisions
-    from .errors import MegatronTuningError
     from .policy import TuningPolicy
 
     policy = TuningPolicy.from_env(default_mode="deterministic")
-    start = time.perf_counter()
-    error: MegatronTuningError | None = None
-    failures: list[str] = []
-    try:
-        with init_deterministic_tuning(policy):
-            failures = _run_workload(device, _GPU_SHAPES if on_gpu else _CPU_SHAPES, dtype)
-    except MegatronTuningError as e:
-        # e.g. a DivergenceError under MEGATRON_TUNING_MODE=chaos: report it, still meet the other
-        # ranks below so that none of them waits forever for this one.
-        error = e
-    elapsed = time.perf_counter() - start
-
-    decisions = [d for d in get_decisions() if d.key != "*"]
-    lines = [f"{d.kernel} | {d.key} | {d.signature}" for d in decisions]
-    if error is not None:
-        lines.append(f"error: {type(error).__name__}")
-    if rank == 0 or args.all_ranks:
-        backend = "GPU" if on_gpu else "Triton interpreter (CPU)"
-        out(f"rank {rank}/{world}: {policy.describe()} on {backend}, {dtype}, {elapsed:.1f}s")
-        rows = [("kernel", "key", "config", "source")]
-        rows += [
-            (d.kernel.split(":")[-1], d.key, d.signature, d.source + (f" ({d.origin})" if d.origin else ""))
-            for d in decisions
-        ]
-        out(_table(rows))
+    backend = "GPU" if on_gpu else "Triton interpreter (CPU)"
     status = 0
-    if error is not None:
-        out(f"rank {rank}: {type(error).__name__}: {error}")
-        status = 3
-    if failures:
-        out(f"rank {rank}: WRONG RESULTS: " + "; ".join(failures))
-        status = status or 1
+    for mode in phases:
+        start = time.perf_counter()
+        decisions, failures, error, shared = _run_phase(mode, policy, device, shapes, dtype, world)
+        if show:
+            out(
+                f"== {mode}: rank {rank}/{world}, {policy.replace(mode=mode).describe()}, "
+                f"{backend}, {dtype}, {time.perf_counter() - start:.1f}s"
+            )
+            rows = [("kernel", "key", "config", "source")]
+            rows += [
+                (
+                    d.kernel.split(":")[-1],
+                    d.key,
+                    d.signature,
+                    d.source + (f" ({d.origin})" if d.origin else ""),
+                )
+                for d in decisions
+            ]
+            out(_table(rows))
+        if failures:
+            out(f"rank {rank}: WRONG RESULTS: " + "; ".join(failures))
+            status = status or 1
+        if mode == "deterministic":
+            if error is not None:
+                out(f"rank {rank}: unexpected {type(error).__name__}: {error}")
+                status = status or 2
+            elif show:
+                agreed = (
+                    f"agreement check passed: {shared} shared kernel/shape entries agree on all {world} ranks"
+                )
+                out(
+                    agreed
+                    if world > 1
+                    else f"all {len(decisions)} kernel/shape results match torch (one process)"
+                )
+        else:
+            if error is None and world > 1:
+                out(f"rank {rank}: chaos ran and no divergence was detected: the agreement check is blind")
+                status = status or 4
+            elif error is not None and show:
+                out(f"chaos mode: the agreement check fired, as it must ({type(error).__name__}):")
+                out(str(error))
+            elif show:
+                out("chaos mode in one process: nothing to compare (run under torchrun with 2+ ranks)")
     if world > 1:
-        differing = _compare_ranks(lines, world, device)
-        if rank == 0:
-            if differing:
-                out(f"ranks {differing} launched different configs than rank 0 ({len(lines)} entries)")
-            else:
-                out(f"all {world} ranks launched identical configs for all {len(lines)} kernel/shape entries")
-        status = status or (2 if differing else 0)
         import torch.distributed as dist
 
         dist.destroy_process_group()
-    elif status == 0:
-        out(f"all {len(lines)} kernel/shape results match torch")
     return status
 
 

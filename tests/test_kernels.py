@@ -233,5 +233,7 @@ def test_demo_runs_every_kernel_and_reports_its_choice(import_kernel) -> None:  
     text = "\n".join(lines)
     for kernel in ("matmul_kernel", "splitk_matmul_kernel", "add_one_kernel"):
         assert kernel in text
-    assert "mode=deterministic" in lines[0]
-    assert lines[-1].startswith("all 6 kernel/shape results match torch")
+    assert lines[0].startswith("== deterministic") and "mode=deterministic" in lines[0]
+    assert "all 6 kernel/shape results match torch (one process)" in lines
+    assert any(line.startswith("== chaos") for line in lines)
+    assert lines[-1].startswith("chaos mode in one process: nothing to compare")
