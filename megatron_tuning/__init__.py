@@ -11,6 +11,7 @@ Start it once per process, after ``torch.distributed.init_process_group`` (if an
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from .decisions import Decision, get_decisions, write_decisions
 from .errors import (
@@ -46,6 +47,14 @@ from .session import TuningHandle, init_deterministic_tuning
 
 __version__ = "0.1.0"
 
+
+def verify_agreement(group: Any = None, *, timeout_s: float | None = None) -> int:
+    """Compare all ranks' decisions at a step boundary (collective); see ``agreement.verify_agreement``."""
+    from .agreement import verify_agreement as _verify  # imports torch.distributed only when used
+
+    return _verify(group, timeout_s=timeout_s)
+
+
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 __all__ = [
@@ -78,6 +87,7 @@ __all__ = [
     "kernel_name",
     "reset_warnings",
     "tuning_key",
+    "verify_agreement",
     "warn_if_mamba_env_ignored",
     "write_decisions",
 ]
