@@ -64,8 +64,12 @@ def _time_launches(agreement_mode: str, launches: int, stub: bool, device: str =
     import megatron_tuning
     from megatron_tuning.policy import TuningPolicy
 
-    policy = TuningPolicy(mode="deterministic", scope=("megatron_tuning.kernels.tiny",),
-                          agreement=agreement_mode, use_shipped_tables=False)
+    policy = TuningPolicy(
+        mode="deterministic",
+        scope=("megatron_tuning.kernels.tiny",),
+        agreement=agreement_mode,
+        use_shipped_tables=False,
+    )
     handle = megatron_tuning.init_deterministic_tuning(policy)  # starts the store check unless "off"
     from megatron_tuning.kernels import tiny
 
@@ -130,8 +134,9 @@ def _worker(args: argparse.Namespace) -> int:
 
     decision_log().clear()
     for n in range(args.keys):
-        decision_log().record(Decision(kernel=KERNEL, key=f"verify M={n}", signature=SIGNATURE,
-                                       source="table"))
+        decision_log().record(
+            Decision(kernel=KERNEL, key=f"verify M={n}", signature=SIGNATURE, source="table")
+        )
     verify = []
     for _ in range(5):
         dist.barrier()
@@ -162,9 +167,23 @@ def _worker(args: argparse.Namespace) -> int:
 def _run_job(nproc: int, args: argparse.Namespace, folder: str) -> dict[str, list[float]]:
     env = dict(os.environ, TRITON_INTERPRET="0" if args.gpu else "1", OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               __file__, "--_worker", "--out", folder, "--keys", str(args.keys),
-               "--launches", str(args.launches), "--backend", args.backend] + (["--gpu"] if args.gpu else [])
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        __file__,
+        "--_worker",
+        "--out",
+        folder,
+        "--keys",
+        str(args.keys),
+        "--launches",
+        str(args.launches),
+        "--backend",
+        args.backend,
+    ] + (["--gpu"] if args.gpu else [])
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.timeout)
     if done.returncode != 0:
         raise SystemExit(f"{nproc}-rank job failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
@@ -182,10 +201,17 @@ def main() -> int:
     parser.add_argument("--keys", type=int, default=200, help="new (kernel, key) checks per rank and mode")
     parser.add_argument("--launches", type=int, default=5000, help="timed launches per on/off batch")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per torchrun job")
-    parser.add_argument("--gpu", action="store_true",
-                        help="real launches on GPUs (rank r on GPU r mod count) instead of the interpreter")
-    parser.add_argument("--backend", choices=("gloo", "nccl"), default="gloo",
-                        help="process-group backend (nccl needs --gpu and one GPU per rank)")
+    parser.add_argument(
+        "--gpu",
+        action="store_true",
+        help="real launches on GPUs (rank r on GPU r mod count) instead of the interpreter",
+    )
+    parser.add_argument(
+        "--backend",
+        choices=("gloo", "nccl"),
+        default="gloo",
+        help="process-group backend (nccl needs --gpu and one GPU per rank)",
+    )
     parser.add_argument("--out", default="")
     parser.add_argument("--_worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -199,10 +225,15 @@ def main() -> int:
         return f"{p50 * 1e6:7.1f} [{p90 * 1e6:7.1f}]"
 
     real = "GPU" if args.gpu else "interpreted"
-    print(f"agreement cost on {os.cpu_count()} CPU cores, {args.backend}, {args.keys} keys, {args.launches} launches "
-          f"per batch (hit path) / {args.launches if args.gpu else args.launches // 20} ({real})")
-    header = (f"{'ranks':>5} | {'store RT us':>17} | {'store check us':>17} | {'allgather check us':>18} | "
-              f"{'verify ms':>9} | {'hit path us off/on':>18} | {real + ' launch us off/on':>23}")
+    print(
+        f"agreement cost on {os.cpu_count()} CPU cores, {args.backend}, {args.keys} keys, "
+        f"{args.launches} launches "
+        f"per batch (hit path) / {args.launches if args.gpu else args.launches // 20} ({real})"
+    )
+    header = (
+        f"{'ranks':>5} | {'store RT us':>17} | {'store check us':>17} | {'allgather check us':>18} | "
+        f"{'verify ms':>9} | {'hit path us off/on':>18} | {real + ' launch us off/on':>23}"
+    )
     print(header)
     print("-" * len(header))
     for nproc in args.nproc:
@@ -211,9 +242,12 @@ def main() -> int:
             data = _run_job(nproc, args, folder)
         hit = "/".join(f"{statistics.median(data[f'hit_{m}']) * 1e6:.2f}" for m in ("off", "store"))
         launch = "/".join(f"{statistics.median(data[f'launch_{m}']) * 1e6:.1f}" for m in ("off", "store"))
-        print(f"{nproc:>5} | {us(data['store_rt'])} | {us(data['store_check'])} | "
-              f"{us(data['allgather_check']):>18} | {statistics.median(data['verify']) * 1e3:9.2f} | "
-              f"{hit:>18} | {launch:>23}   ({time.monotonic() - started:.0f}s)", flush=True)
+        print(
+            f"{nproc:>5} | {us(data['store_rt'])} | {us(data['store_check'])} | "
+            f"{us(data['allgather_check']):>18} | {statistics.median(data['verify']) * 1e3:9.2f} | "
+            f"{hit:>18} | {launch:>23}   ({time.monotonic() - started:.0f}s)",
+            flush=True,
+        )
     return 0
 
 

@@ -43,7 +43,9 @@ def child(args: argparse.Namespace) -> None:
         return original_bench(self, *a, **k)
 
     Autotuner._bench = counting_bench
-    kernel = triton.autotune(configs=mm.MATMUL_CONFIGS[:CONFIG_COUNT], key=["M", "N", "K"])(mm.matmul_kernel.fn)
+    kernel = triton.autotune(configs=mm.MATMUL_CONFIGS[:CONFIG_COUNT], key=["M", "N", "K"])(
+        mm.matmul_kernel.fn
+    )
     if args.smoke:
         common.allow_stock_autotune_on_cpu(kernel)
     if args.child == "pinned":
@@ -57,17 +59,36 @@ def child(args: argparse.Namespace) -> None:
     common.synchronize(args.smoke)
     elapsed = time.perf_counter() - start
     sources = [d.source for d in get_decisions()]
-    common.emit({"mode": args.child, "first_launch_s": elapsed, "bench_calls": len(bench_calls),
-                 "signature": config_signature(kernel.best_config), "config": config_data(kernel.best_config),
-                 "key": tuning_key(kernel, kargs, {}), "arch": arch_tag(), "source": sources[0] if sources else "stock"})
+    common.emit(
+        {
+            "mode": args.child,
+            "first_launch_s": elapsed,
+            "bench_calls": len(bench_calls),
+            "signature": config_signature(kernel.best_config),
+            "config": config_data(kernel.best_config),
+            "key": tuning_key(kernel, kargs, {}),
+            "arch": arch_tag(),
+            "source": sources[0] if sources else "stock",
+        }
+    )
 
 
 def write_table(path: Path, primer: dict[str, Any]) -> None:
     from megatron_tuning.table import Entry, merge_entries
 
-    merge_entries(path, [Entry(arch=primer["arch"], kernel="megatron_tuning.kernels.matmul:matmul_kernel",
-                               key=primer["key"], config=primer["config"], how="hand",
-                               note="bench_first_launch: the primer process's stock autotune winner")])
+    merge_entries(
+        path,
+        [
+            Entry(
+                arch=primer["arch"],
+                kernel="megatron_tuning.kernels.matmul:matmul_kernel",
+                key=primer["key"],
+                config=primer["config"],
+                how="hand",
+                note="bench_first_launch: the primer process's stock autotune winner",
+            )
+        ],
+    )
 
 
 def parent(args: argparse.Namespace) -> int:
@@ -78,8 +99,12 @@ def parent(args: argparse.Namespace) -> int:
     runs: dict[str, list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory(prefix="mt_first_launch_") as tmp:
         warm, table = Path(tmp) / "warm_cache", Path(tmp) / "table.msgpack"
-        primer = common.run_child("bench_first_launch.py", ["--child", "stock", *flags],
-                                  common.child_env(args.smoke, TRITON_CACHE_DIR=str(warm)), timeout=args.timeout)
+        primer = common.run_child(
+            "bench_first_launch.py",
+            ["--child", "stock", *flags],
+            common.child_env(args.smoke, TRITON_CACHE_DIR=str(warm)),
+            timeout=args.timeout,
+        )
         write_table(table, primer)
         print(f"primer: key {primer['key']} -> {primer['signature']} ({primer['first_launch_s']:.2f}s, cold)")
         for rep in range(repeats):
@@ -87,21 +112,55 @@ def parent(args: argparse.Namespace) -> int:
                 for mode in ("stock", "pinned") if rep % 2 == 0 else ("pinned", "stock"):
                     folder = warm if cache == "warm" else Path(tmp) / f"cold_{rep}_{mode}"
                     env = common.child_env(args.smoke, TRITON_CACHE_DIR=str(folder))
-                    result = common.run_child("bench_first_launch.py",
-                                              ["--child", mode, "--table", str(table), *flags], env,
-                                              timeout=args.timeout)
+                    result = common.run_child(
+                        "bench_first_launch.py",
+                        ["--child", mode, "--table", str(table), *flags],
+                        env,
+                        timeout=args.timeout,
+                    )
                     runs.setdefault(f"{mode}/{cache}", []).append(result)
-                    print(f"repeat {rep + 1}/{repeats} {mode:6s} {cache}: {result['first_launch_s']:.3f}s, "
-                          f"{result['bench_calls']} benchmark calls, source {result['source']}", flush=True)
+                    print(
+                        f"repeat {rep + 1}/{repeats} {mode:6s} {cache}: {result['first_launch_s']:.3f}s, "
+                        f"{result['bench_calls']} benchmark calls, source {result['source']}",
+                        flush=True,
+                    )
     summary = summarize(runs)
-    common.print_table(["cache", "stock s (median)", "pinned s (median)", "speedup", "goal", "bench calls on hit",
-                        "pinned sources"],
-                       [[c["cache"], c["stock_s"]["median"], c["pinned_s"]["median"], f"{c['speedup']:.1f}x",
-                         f">= {c['goal']}x", c["pinned_bench_calls"], ",".join(c["pinned_sources"])]
-                        for c in summary])
-    common.write_json(args.out, {"benchmark": "first_launch", "environment": common.environment(),
-                                 "shape": args.shape, "configs": CONFIG_COUNT, "repeats": repeats,
-                                 "primer": primer, "summary": summary, "runs": runs})
+    common.print_table(
+        [
+            "cache",
+            "stock s (median)",
+            "pinned s (median)",
+            "speedup",
+            "goal",
+            "bench calls on hit",
+            "pinned sources",
+        ],
+        [
+            [
+                c["cache"],
+                c["stock_s"]["median"],
+                c["pinned_s"]["median"],
+                f"{c['speedup']:.1f}x",
+                f">= {c['goal']}x",
+                c["pinned_bench_calls"],
+                ",".join(c["pinned_sources"]),
+            ]
+            for c in summary
+        ],
+    )
+    common.write_json(
+        args.out,
+        {
+            "benchmark": "first_launch",
+            "environment": common.environment(),
+            "shape": args.shape,
+            "configs": CONFIG_COUNT,
+            "repeats": repeats,
+            "primer": primer,
+            "summary": summary,
+            "runs": runs,
+        },
+    )
     return 0
 
 
@@ -110,16 +169,27 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
     for cache, goal in (("warm", 20), ("cold", 5)):
         stock = common.spread([r["first_launch_s"] for r in runs[f"stock/{cache}"]])
         pinned = common.spread([r["first_launch_s"] for r in runs[f"pinned/{cache}"]])
-        out.append({"cache": cache, "stock_s": stock, "pinned_s": pinned, "goal": goal,
-                    "speedup": stock["median"] / pinned["median"] if pinned["median"] else float("nan"),
-                    "pinned_bench_calls": sum(r["bench_calls"] for r in runs[f"pinned/{cache}"]),
-                    "stock_bench_calls_median": statistics.median(r["bench_calls"] for r in runs[f"stock/{cache}"]),
-                    "pinned_sources": sorted({r["source"] for r in runs[f"pinned/{cache}"]})})
+        out.append(
+            {
+                "cache": cache,
+                "stock_s": stock,
+                "pinned_s": pinned,
+                "goal": goal,
+                "speedup": stock["median"] / pinned["median"] if pinned["median"] else float("nan"),
+                "pinned_bench_calls": sum(r["bench_calls"] for r in runs[f"pinned/{cache}"]),
+                "stock_bench_calls_median": statistics.median(
+                    r["bench_calls"] for r in runs[f"stock/{cache}"]
+                ),
+                "pinned_sources": sorted({r["source"] for r in runs[f"pinned/{cache}"]}),
+            }
+        )
     return out
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     common.add_common_arguments(parser)
     parser.add_argument("--repeats", type=int, default=None, help="processes per (mode, cache) (default 3)")
     parser.add_argument("--shape", type=int, nargs=3, default=[8192, 8192, 8192], metavar=("M", "N", "K"))

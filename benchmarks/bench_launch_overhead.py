@@ -57,7 +57,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     }
     per_launch: dict[str, list[float]] = {p: [] for p in PATHS}
     for trial in range(args.trials + 1):  # trial 0 warms every path up (compile, autotune, first use)
-        order = PATHS[trial % len(PATHS):] + PATHS[:trial % len(PATHS)]
+        order = PATHS[trial % len(PATHS) :] + PATHS[: trial % len(PATHS)]
         for path in order:
             if path == "pinned":
                 # Pin what Triton's hit path launches, so both run the same config and only the
@@ -85,7 +85,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     common.add_common_arguments(parser)
     parser.add_argument("--launches", type=int, default=None, help="launches per trial (default 20000)")
     parser.add_argument("--trials", type=int, default=None, help="trials per path (default 7)")
@@ -99,15 +101,28 @@ def main() -> int:
     rows, summary = [], {}
     for path in PATHS:
         us = common.spread(per_launch[path])
-        summary[path] = {"us_per_launch": us, "launches_per_s": 1e6 / us["median"],
-                         "vs_triton_hit": us["median"] / hit}
-        rows.append([path, us["median"], us["min"], us["max"], 1e6 / us["median"], f"{us['median'] / hit:.3f}x"])
+        summary[path] = {
+            "us_per_launch": us,
+            "launches_per_s": 1e6 / us["median"],
+            "vs_triton_hit": us["median"] / hit,
+        }
+        rows.append(
+            [path, us["median"], us["min"], us["max"], 1e6 / us["median"], f"{us['median'] / hit:.3f}x"]
+        )
     common.print_table(["path", "us/launch (median)", "min", "max", "launches/s", "vs triton_hit"], rows)
     verdict = "met" if summary["pinned"]["vs_triton_hit"] <= 1.05 else "MISSED"
     print(f"goal pinned <= 1.05x triton_hit: {verdict} ({summary['pinned']['vs_triton_hit']:.3f}x)")
-    common.write_json(args.out, {"benchmark": "launch_overhead", "environment": common.environment(),
-                                 "launches": args.launches, "trials": args.trials, "summary": summary,
-                                 "samples_us": per_launch})
+    common.write_json(
+        args.out,
+        {
+            "benchmark": "launch_overhead",
+            "environment": common.environment(),
+            "launches": args.launches,
+            "trials": args.trials,
+            "summary": summary,
+            "samples_us": per_launch,
+        },
+    )
     return 0
 
 

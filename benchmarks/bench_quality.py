@@ -40,36 +40,55 @@ def measure(args: argparse.Namespace, table_path: str | None) -> list[dict[str, 
         pinned = config_signature(found[0].config) if found else config_signature(cheapest(configs))
         samples: list[list[float]] = [[] for _ in configs]
         for r in range(args.rounds):
-            for i in [*range(len(configs))][r % len(configs):] + [*range(len(configs))][:r % len(configs)]:
+            for i in [*range(len(configs))][r % len(configs) :] + [*range(len(configs))][: r % len(configs)]:
                 try:
+
                     def call(c: Any = configs[i], a: tuple = kargs, g: Any = grid) -> None:
                         common.launch_config(kernel, c, a, g)
 
                     samples[i].append(common.time_ms(call, args.smoke, warmup=5, rep=args.rep_ms))
                 except Exception as exc:  # out of resources / compile errors: this config cannot run
                     samples[i].append(float("inf"))
-                    print(f"{common.shape_name(shape)} {signatures[i]}: {type(exc).__name__}", file=sys.stderr)
+                    print(
+                        f"{common.shape_name(shape)} {signatures[i]}: {type(exc).__name__}", file=sys.stderr
+                    )
         medians = [statistics.median(s) for s in samples]
         best = min(range(len(configs)), key=lambda i: medians[i])
         p = signatures.index(pinned) if pinned in signatures else None
         pinned_ms = medians[p] if p is not None else float("nan")
-        rows.append({"shape": common.shape_name(shape), "key": key, "pinned": pinned,
-                     "pinned_from": "table" if found else "cheapest (no table entry)",
-                     "pinned_ms": pinned_ms, "pinned_tflops": common.tflops(shape, pinned_ms),
-                     "best": signatures[best], "best_ms": medians[best],
-                     "best_tflops": common.tflops(shape, medians[best]),
-                     "quality": medians[best] / pinned_ms if pinned_ms == pinned_ms else float("nan"),
-                     "candidates": {signatures[i]: samples[i] for i in range(len(configs))}})
-        print(f"{rows[-1]['shape']}: pinned {rows[-1]['pinned_tflops']:.4g} TF/s, best {rows[-1]['best_tflops']:.4g} "
-              f"TF/s ({100 * rows[-1]['quality']:.1f}%)", flush=True)
+        rows.append(
+            {
+                "shape": common.shape_name(shape),
+                "key": key,
+                "pinned": pinned,
+                "pinned_from": "table" if found else "cheapest (no table entry)",
+                "pinned_ms": pinned_ms,
+                "pinned_tflops": common.tflops(shape, pinned_ms),
+                "best": signatures[best],
+                "best_ms": medians[best],
+                "best_tflops": common.tflops(shape, medians[best]),
+                "quality": medians[best] / pinned_ms if pinned_ms == pinned_ms else float("nan"),
+                "candidates": {signatures[i]: samples[i] for i in range(len(configs))},
+            }
+        )
+        print(
+            f"{rows[-1]['shape']}: pinned {rows[-1]['pinned_tflops']:.4g} TF/s, "
+            f"best {rows[-1]['best_tflops']:.4g} "
+            f"TF/s ({100 * rows[-1]['quality']:.1f}%)",
+            flush=True,
+        )
     return rows
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     common.add_common_arguments(parser)
     parser.add_argument("--table", default=None, help="pinned configs (default configs/sm90/matmul.msgpack)")
-    parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds per candidate (default 5)")
+    parser.add_argument(
+        "--rounds", type=int, default=None, help="interleaved rounds per candidate (default 5)"
+    )
     parser.add_argument("--rep-ms", type=int, default=40, help="do_bench rep (ms) per sample")
     args = parser.parse_args()
     if not common.require_device(args, "bench_quality"):
@@ -79,11 +98,31 @@ def main() -> int:
     if table is None:
         print("warning: no matmul table; comparing against the cheapest config instead", file=sys.stderr)
     rows = measure(args, table)
-    common.print_table(["shape", "pinned TF/s", "best TF/s", "quality %", "goal", "pinned from", "pinned == best"],
-                       [[r["shape"], r["pinned_tflops"], r["best_tflops"], 100 * r["quality"], ">= 98%",
-                         r["pinned_from"], r["pinned"] == r["best"]] for r in rows])
-    common.write_json(args.out, {"benchmark": "quality", "environment": common.environment(), "table": table,
-                                 "rounds": args.rounds, "rows": rows})
+    common.print_table(
+        ["shape", "pinned TF/s", "best TF/s", "quality %", "goal", "pinned from", "pinned == best"],
+        [
+            [
+                r["shape"],
+                r["pinned_tflops"],
+                r["best_tflops"],
+                100 * r["quality"],
+                ">= 98%",
+                r["pinned_from"],
+                r["pinned"] == r["best"],
+            ]
+            for r in rows
+        ],
+    )
+    common.write_json(
+        args.out,
+        {
+            "benchmark": "quality",
+            "environment": common.environment(),
+            "table": table,
+            "rounds": args.rounds,
+            "rows": rows,
+        },
+    )
     return 0
 
 

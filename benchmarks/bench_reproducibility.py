@@ -1,6 +1,7 @@
 """Reproducibility: which config each fresh process launches, stock ``@triton.autotune`` vs pinned.
 
-    PYTHONPATH=. python benchmarks/bench_reproducibility.py [--processes 10] [--table configs/sm90/matmul.msgpack]
+    PYTHONPATH=. python benchmarks/bench_reproducibility.py [--processes 10] \
+        [--table configs/sm90/matmul.msgpack]
     PYTHONPATH=. python benchmarks/bench_reproducibility.py --smoke      # CPU check of the code paths
 
 Starts ``--processes`` fresh processes per mode, alternating stock and pinned so clock and thermal
@@ -52,10 +53,18 @@ def child(args: argparse.Namespace) -> None:
         ms = common.time_ms(lambda: kernel[grid](*kargs), args.smoke)  # noqa: B023
         fixed_ms = common.time_ms(lambda: common.launch_config(kernel, fixed, kargs, grid), args.smoke)  # noqa: B023
         sources = [d.source for d in get_decisions() if d.signature == signature]
-        rows.append({"shape": common.shape_name(shape), "signature": signature, "ms": ms,
-                     "tflops": common.tflops(shape, ms), "fixed_ms": fixed_ms,
-                     "fixed_tflops": common.tflops(shape, fixed_ms), "first_launch_s": first_s,
-                     "source": sources[-1] if sources else "stock"})
+        rows.append(
+            {
+                "shape": common.shape_name(shape),
+                "signature": signature,
+                "ms": ms,
+                "tflops": common.tflops(shape, ms),
+                "fixed_ms": fixed_ms,
+                "fixed_tflops": common.tflops(shape, fixed_ms),
+                "first_launch_s": first_s,
+                "source": sources[-1] if sources else "stock",
+            }
+        )
     common.emit({"mode": args.child, "rows": rows})
 
 
@@ -67,28 +76,70 @@ def parent(args: argparse.Namespace) -> int:
     processes = args.processes if args.processes is not None else (2 if args.smoke else 10)
     table = args.table if args.table is not None else common.default_matmul_table()
     if table is None:
-        print("warning: no matmul table (configs/sm90/matmul.msgpack); pinned processes fall back to the "
-              "cheapest config (still pinned, but slow). Run make_sm90_tables.py first.", file=sys.stderr)
+        print(
+            "warning: no matmul table (configs/sm90/matmul.msgpack); pinned processes fall back to the "
+            "cheapest config (still pinned, but slow). Run make_sm90_tables.py first.",
+            file=sys.stderr,
+        )
     runs: dict[str, list[dict[str, Any]]] = {"stock": [], "pinned": []}
     with tempfile.TemporaryDirectory(prefix="mt_repro_cache_") as cache:
         env = common.child_env(args.smoke, TRITON_CACHE_DIR=cache)
         for i in range(processes):
             order = ("stock", "pinned") if i % 2 == 0 else ("pinned", "stock")
             for mode in order:
-                argv = ["--child", mode] + (["--smoke"] if args.smoke else []) + (["--table", table] if table else [])
+                argv = (
+                    ["--child", mode]
+                    + (["--smoke"] if args.smoke else [])
+                    + (["--table", table] if table else [])
+                )
                 result = common.run_child("bench_reproducibility.py", argv, env, timeout=args.timeout)
                 runs[mode].append(result)
-                print(f"process {i + 1}/{processes} {mode}: "
-                      + ", ".join(f"{r['shape']} {r['tflops']:.4g} TF/s" for r in result["rows"]), flush=True)
+                print(
+                    f"process {i + 1}/{processes} {mode}: "
+                    + ", ".join(f"{r['shape']} {r['tflops']:.4g} TF/s" for r in result["rows"]),
+                    flush=True,
+                )
     summary = summarize(runs)
     common.print_table(
-        ["shape", "mode", "processes", "distinct configs", "TF/s median", "min", "max", "spread %",
-         "fixed-config spread %", "sources"],
-        [[s["shape"], s["mode"], s["processes"], s["distinct_configs"], s["tflops"]["median"],
-          s["tflops"]["min"], s["tflops"]["max"], 100 * s["tflops"]["rel_range"],
-          100 * s["fixed_tflops"]["rel_range"], ",".join(sorted(s["sources"]))] for s in summary])
-    common.write_json(args.out, {"benchmark": "reproducibility", "environment": common.environment(),
-                                 "processes": processes, "table": table, "summary": summary, "runs": runs})
+        [
+            "shape",
+            "mode",
+            "processes",
+            "distinct configs",
+            "TF/s median",
+            "min",
+            "max",
+            "spread %",
+            "fixed-config spread %",
+            "sources",
+        ],
+        [
+            [
+                s["shape"],
+                s["mode"],
+                s["processes"],
+                s["distinct_configs"],
+                s["tflops"]["median"],
+                s["tflops"]["min"],
+                s["tflops"]["max"],
+                100 * s["tflops"]["rel_range"],
+                100 * s["fixed_tflops"]["rel_range"],
+                ",".join(sorted(s["sources"])),
+            ]
+            for s in summary
+        ],
+    )
+    common.write_json(
+        args.out,
+        {
+            "benchmark": "reproducibility",
+            "environment": common.environment(),
+            "processes": processes,
+            "table": table,
+            "summary": summary,
+            "runs": runs,
+        },
+    )
     return 0
 
 
@@ -101,19 +152,31 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
                 by_shape[row["shape"]].append(row)
         for shape, rows in by_shape.items():
             counts = collections.Counter(r["signature"] for r in rows)
-            out.append({"shape": shape, "mode": mode, "processes": len(rows), "distinct_configs": len(counts),
-                        "configs": dict(counts.most_common()), "sources": sorted({r["source"] for r in rows}),
-                        "tflops": common.spread([r["tflops"] for r in rows]),
-                        "fixed_tflops": common.spread([r["fixed_tflops"] for r in rows]),
-                        "first_launch_s": common.spread([r["first_launch_s"] for r in rows])})
+            out.append(
+                {
+                    "shape": shape,
+                    "mode": mode,
+                    "processes": len(rows),
+                    "distinct_configs": len(counts),
+                    "configs": dict(counts.most_common()),
+                    "sources": sorted({r["source"] for r in rows}),
+                    "tflops": common.spread([r["tflops"] for r in rows]),
+                    "fixed_tflops": common.spread([r["fixed_tflops"] for r in rows]),
+                    "first_launch_s": common.spread([r["first_launch_s"] for r in rows]),
+                }
+            )
     return sorted(out, key=lambda s: (s["shape"], s["mode"]))
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     common.add_common_arguments(parser)
     parser.add_argument("--processes", type=int, default=None, help="fresh processes per mode (default 10)")
-    parser.add_argument("--table", default=None, help="table for the pinned mode (default configs/sm90/matmul.msgpack)")
+    parser.add_argument(
+        "--table", default=None, help="table for the pinned mode (default configs/sm90/matmul.msgpack)"
+    )
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per child process")
     args = parser.parse_args()
     if not common.require_device(args, "bench_reproducibility"):

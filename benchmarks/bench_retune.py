@@ -38,15 +38,23 @@ def child(args: argparse.Namespace) -> None:
         kernel[mm.matmul_grid(shape[0], shape[1])](*kargs)
         stock[common.shape_name(shape)] = config_signature(kernel.best_config)
     settings = TuneSettings(rounds=args.rounds, tie_band=args.tie_band)
-    interception.install(TuningPolicy(mode="tune", agreement="off", scope=("megatron_tuning.kernels",)),
-                         measure=make_measure(settings, timer=ClockTimer() if args.smoke else None, progress=False))
+    interception.install(
+        TuningPolicy(mode="tune", agreement="off", scope=("megatron_tuning.kernels",)),
+        measure=make_measure(settings, timer=ClockTimer() if args.smoke else None, progress=False),
+    )
     tuned = {}
     for shape, (_, _, _, kargs) in operands.items():
         kernel[mm.matmul_grid(shape[0], shape[1])](*kargs)
-        (decision,) = [d for d in get_decisions() if d.key.startswith(f"M={shape[0]}, N={shape[1]}, K={shape[2]} ")]
+        (decision,) = [
+            d for d in get_decisions() if d.key.startswith(f"M={shape[0]}, N={shape[1]}, K={shape[2]} ")
+        ]
         timings = decision.timings or {}
-        tuned[common.shape_name(shape)] = {"signature": decision.signature, "tied": len(timings.get("tied", [])),
-                                           "seconds": timings.get("tune_seconds"), "timings": timings}
+        tuned[common.shape_name(shape)] = {
+            "signature": decision.signature,
+            "tied": len(timings.get("tied", [])),
+            "seconds": timings.get("tune_seconds"),
+            "timings": timings,
+        }
     common.emit({"stock": stock, "tuned": tuned})
 
 
@@ -57,29 +65,71 @@ def parent(args: argparse.Namespace) -> int:
         env = common.child_env(args.smoke, TRITON_CACHE_DIR=cache)
         argv = ["--child", "1", "--rounds", str(args.rounds), "--tie-band", str(args.tie_band)]
         for i in range(processes):
-            result = common.run_child("bench_retune.py", argv + (["--smoke"] if args.smoke else []), env,
-                                      timeout=args.timeout)
+            result = common.run_child(
+                "bench_retune.py", argv + (["--smoke"] if args.smoke else []), env, timeout=args.timeout
+            )
             results.append(result)
-            print(f"process {i + 1}/{processes}: " + ", ".join(
-                f"{s} tuned in {t['seconds']}s ({t['tied']} tied)" for s, t in result["tuned"].items()), flush=True)
+            print(
+                f"process {i + 1}/{processes}: "
+                + ", ".join(
+                    f"{s} tuned in {t['seconds']}s ({t['tied']} tied)" for s, t in result["tuned"].items()
+                ),
+                flush=True,
+            )
     summary = summarize(results)
-    common.print_table(["shape", "processes", "tuner same %", "tuner configs", "Triton same %", "Triton configs",
-                        "tied (median)", "tune s (median)"],
-                       [[s["shape"], s["processes"], 100 * s["tuned_same"], s["tuned_distinct"],
-                         100 * s["stock_same"], s["stock_distinct"], s["tied_median"], s["tune_seconds_median"]]
-                        for s in summary])
+    common.print_table(
+        [
+            "shape",
+            "processes",
+            "tuner same %",
+            "tuner configs",
+            "Triton same %",
+            "Triton configs",
+            "tied (median)",
+            "tune s (median)",
+        ],
+        [
+            [
+                s["shape"],
+                s["processes"],
+                100 * s["tuned_same"],
+                s["tuned_distinct"],
+                100 * s["stock_same"],
+                s["stock_distinct"],
+                s["tied_median"],
+                s["tune_seconds_median"],
+            ]
+            for s in summary
+        ],
+    )
     if args.plot:
         from megatron_tuning.plotting import plot_records
 
-        records = [{"kernel": "megatron_tuning.kernels.matmul:matmul_kernel", "key": f"{shape} (process 1)",
-                    "winner": t["signature"], "timings": t["timings"]} for shape, t in results[0]["tuned"].items()]
+        records = [
+            {
+                "kernel": "megatron_tuning.kernels.matmul:matmul_kernel",
+                "key": f"{shape} (process 1)",
+                "winner": t["signature"],
+                "timings": t["timings"],
+            }
+            for shape, t in results[0]["tuned"].items()
+        ]
         print(f"{len(plot_records(records, args.plot))} plot(s) written to {args.plot}")
     for result in results:  # the per-candidate samples are in the plots; keep the JSON small
         for t in result["tuned"].values():
             t["timings"] = {k: v for k, v in t["timings"].items() if k not in ("samples", "configs")}
-    common.write_json(args.out, {"benchmark": "retune", "environment": common.environment(), "processes": processes,
-                                 "rounds": args.rounds, "tie_band": args.tie_band, "summary": summary,
-                                 "runs": results})
+    common.write_json(
+        args.out,
+        {
+            "benchmark": "retune",
+            "environment": common.environment(),
+            "processes": processes,
+            "rounds": args.rounds,
+            "tie_band": args.tie_band,
+            "summary": summary,
+            "runs": results,
+        },
+    )
     return 0
 
 
@@ -91,18 +141,27 @@ def summarize(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
         tuned = collections.Counter(r["tuned"][shape]["signature"] for r in results)
         stock = collections.Counter(r["stock"][shape] for r in results)
         seconds = [r["tuned"][shape]["seconds"] for r in results if r["tuned"][shape]["seconds"] is not None]
-        out.append({"shape": shape, "processes": len(results),
-                    "tuned_same": tuned.most_common(1)[0][1] / len(results), "tuned_distinct": len(tuned),
-                    "tuned_configs": dict(tuned.most_common()),
-                    "stock_same": stock.most_common(1)[0][1] / len(results), "stock_distinct": len(stock),
-                    "stock_configs": dict(stock.most_common()),
-                    "tied_median": statistics.median(r["tuned"][shape]["tied"] for r in results),
-                    "tune_seconds_median": statistics.median(seconds) if seconds else None})
+        out.append(
+            {
+                "shape": shape,
+                "processes": len(results),
+                "tuned_same": tuned.most_common(1)[0][1] / len(results),
+                "tuned_distinct": len(tuned),
+                "tuned_configs": dict(tuned.most_common()),
+                "stock_same": stock.most_common(1)[0][1] / len(results),
+                "stock_distinct": len(stock),
+                "stock_configs": dict(stock.most_common()),
+                "tied_median": statistics.median(r["tuned"][shape]["tied"] for r in results),
+                "tune_seconds_median": statistics.median(seconds) if seconds else None,
+            }
+        )
     return out
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     common.add_common_arguments(parser)
     parser.add_argument("--processes", type=int, default=None, help="fresh processes (default 5)")
     parser.add_argument("--rounds", type=int, default=10, help="tuner rounds")

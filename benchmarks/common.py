@@ -25,15 +25,22 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 
 # (M, N, K) of the reference GEMMs (bf16): the shapes issue 5 names.
-MATMUL_SHAPES: list[tuple[int, int, int]] = [(8192, 8192, 8192), (16384, 8192, 4096), (4096, 14336, 4096),
-                                             (512, 512, 512)]
+MATMUL_SHAPES: list[tuple[int, int, int]] = [
+    (8192, 8192, 8192),
+    (16384, 8192, 4096),
+    (4096, 14336, 4096),
+    (512, 512, 512),
+]
 SMOKE_MATMUL_SHAPES: list[tuple[int, int, int]] = [(32, 48, 40), (64, 32, 48)]
 RESULT_MARK = "RESULT "
 
 
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--smoke", action="store_true",
-                        help="CPU check of every code path (Triton interpreter, tiny shapes; numbers meaningless)")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="CPU check of every code path (Triton interpreter, tiny shapes; numbers meaningless)",
+    )
     parser.add_argument("--out", default=None, help="write the JSON results here")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)  # internal: run one process's part
 
@@ -50,17 +57,26 @@ def require_device(args: argparse.Namespace, name: str) -> bool:
             return True
     except ImportError:
         pass
-    print(f"{name} measures Triton kernels on a CUDA GPU and none is visible here. "
-          f"Run it on a GPU machine (PYTHONPATH=. python benchmarks/{name}.py), "
-          f"or add --smoke to check its code paths on CPU.", file=sys.stderr)
+    print(
+        f"{name} measures Triton kernels on a CUDA GPU and none is visible here. "
+        f"Run it on a GPU machine (PYTHONPATH=. python benchmarks/{name}.py), "
+        f"or add --smoke to check its code paths on CPU.",
+        file=sys.stderr,
+    )
     return False
 
 
 def child_env(smoke: bool, **extra: str | None) -> dict[str, str]:
     """A clean environment for a fresh child: repo importable, no inherited tuning state."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("MEGATRON_TUNING_") and k not in ("TRITON_CACHE_AUTOTUNING", "TRITON_PRINT_AUTOTUNING")}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("MEGATRON_TUNING_")
+        and k not in ("TRITON_CACHE_AUTOTUNING", "TRITON_PRINT_AUTOTUNING")
+    }
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(REPO)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    )
     if smoke:
         env["TRITON_INTERPRET"] = "1"
     for key, value in extra.items():
@@ -71,15 +87,19 @@ def child_env(smoke: bool, **extra: str | None) -> dict[str, str]:
     return env
 
 
-def run_child(script: str, argv: Sequence[str], env: Mapping[str, str], timeout: float = 600.0) -> dict[str, Any]:
+def run_child(
+    script: str, argv: Sequence[str], env: Mapping[str, str], timeout: float = 600.0
+) -> dict[str, Any]:
     """Run ``script --child ...`` in a fresh interpreter; return its ``RESULT`` JSON."""
     cmd = [sys.executable, str(Path(__file__).resolve().parent / script), *argv]
     proc = subprocess.run(cmd, env=dict(env), capture_output=True, text=True, timeout=timeout, check=False)
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith(RESULT_MARK):
-            return json.loads(line[len(RESULT_MARK):])  # type: ignore[no-any-return]
-    raise RuntimeError(f"child {' '.join(cmd)} exited {proc.returncode} without a result:\n"
-                       f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+            return json.loads(line[len(RESULT_MARK) :])  # type: ignore[no-any-return]
+    raise RuntimeError(
+        f"child {' '.join(cmd)} exited {proc.returncode} without a result:\n"
+        f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    )
 
 
 def emit(result: Mapping[str, Any]) -> None:
@@ -147,10 +167,21 @@ def spread(values: Sequence[float]) -> dict[str, float]:
     """Median, min, max and (max - min) / median of a sample (the spread RESULTS.md reports)."""
     finite = [v for v in values if v == v and abs(v) != float("inf")]
     if not finite:
-        return {"median": float("nan"), "min": float("nan"), "max": float("nan"), "rel_range": float("nan"), "n": 0}
+        return {
+            "median": float("nan"),
+            "min": float("nan"),
+            "max": float("nan"),
+            "rel_range": float("nan"),
+            "n": 0,
+        }
     med = statistics.median(finite)
-    return {"median": med, "min": min(finite), "max": max(finite),
-            "rel_range": (max(finite) - min(finite)) / med if med else float("nan"), "n": len(finite)}
+    return {
+        "median": med,
+        "min": min(finite),
+        "max": max(finite),
+        "rel_range": (max(finite) - min(finite)) / med if med else float("nan"),
+        "n": len(finite),
+    }
 
 
 # --------------------------------------------------------------------------- inside a child
@@ -229,7 +260,9 @@ def install_pinned(table_paths: Sequence[str]) -> Any:
     from megatron_tuning.tableset import TableSet
 
     table = TableSet([p for p in table_paths if p], shipped_dir=None) if table_paths else None
-    interception.install(TuningPolicy(mode="deterministic", agreement="off", use_shipped_tables=False), table=table)
+    interception.install(
+        TuningPolicy(mode="deterministic", agreement="off", use_shipped_tables=False), table=table
+    )
     return table
 
 

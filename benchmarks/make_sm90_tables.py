@@ -5,7 +5,8 @@
 
 For each of ``matmul``, ``splitk`` and ``tiny`` it runs, as a user would,
 
-    python -m megatron_tuning tune --out configs/<arch>/<module>.msgpack -- benchmarks/reference_workload.py --kernels <module>
+    python -m megatron_tuning tune --out configs/<arch>/<module>.msgpack -- \
+        benchmarks/reference_workload.py --kernels <module>
 
 (old entries are dropped first, so a table holds exactly one tuning run), then
 ``python -m megatron_tuning validate`` on the new tables with the kernel modules imported.
@@ -26,16 +27,22 @@ MODULES = ("matmul", "splitk", "tiny")
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--smoke", action="store_true", help="CPU check in the Triton interpreter")
     parser.add_argument("--out-dir", default=None, help="where the tables go (default configs/<arch>)")
-    parser.add_argument("--results-dir", default=None, help="per-candidate statistics (default <out-dir>/../results)")
+    parser.add_argument(
+        "--results-dir", default=None, help="per-candidate statistics (default <out-dir>/../results)"
+    )
     parser.add_argument("--plot", default=None, help="draw one PNG per (kernel, key) under DIR/<module>")
     parser.add_argument("--rounds", type=int, default=None, help="tuner rounds (default 10; smoke 2)")
     parser.add_argument("--modules", nargs="+", choices=MODULES, default=list(MODULES))
     args = parser.parse_args()
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(REPO)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    )
     env["MEGATRON_TUNING_SCOPE"] = "megatron_tuning.kernels"
     env.pop("MEGATRON_TUNING_TABLE", None)
     if args.smoke:
@@ -46,8 +53,10 @@ def main() -> int:
         import torch
 
         if not torch.cuda.is_available():
-            print("make_sm90_tables tunes on a CUDA GPU and none is visible; use --smoke to check it on CPU.",
-                  file=sys.stderr)
+            print(
+                "make_sm90_tables tunes on a CUDA GPU and none is visible; use --smoke to check it on CPU.",
+                file=sys.stderr,
+            )
             return 2
         major, minor = torch.cuda.get_device_capability(0)
         if args.out_dir is None:
@@ -60,11 +69,23 @@ def main() -> int:
     for module in args.modules:
         table = out_dir / f"{module}.msgpack"
         table.unlink(missing_ok=True)
-        cmd = [sys.executable, "-m", "megatron_tuning", "tune", "--out", str(table),
-               "--results", str(results_dir / f"{module}.tuning.json"), "--rounds", str(rounds)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "megatron_tuning",
+            "tune",
+            "--out",
+            str(table),
+            "--results",
+            str(results_dir / f"{module}.tuning.json"),
+            "--rounds",
+            str(rounds),
+        ]
         if args.plot:
             cmd += ["--plot", str(Path(args.plot) / module)]
-        cmd += ["--", str(HERE / "reference_workload.py"), "--kernels", module] + (["--smoke"] if args.smoke else [])
+        cmd += ["--", str(HERE / "reference_workload.py"), "--kernels", module] + (
+            ["--smoke"] if args.smoke else []
+        )
         print("+", " ".join(cmd), flush=True)
         if subprocess.run(cmd, env=env, check=False).returncode:
             print(f"tuning {module} failed", file=sys.stderr)

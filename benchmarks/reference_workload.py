@@ -1,6 +1,7 @@
 """The reference kernels on a realistic shape set: the job that ``make_sm90_tables.py`` tunes.
 
-    PYTHONPATH=. python -m megatron_tuning tune --out t.msgpack -- benchmarks/reference_workload.py --kernels matmul
+    PYTHONPATH=. python -m megatron_tuning tune --out t.msgpack -- \
+        benchmarks/reference_workload.py --kernels matmul
 
 Launches each reference kernel twice per shape (the first launch is where tune mode measures; the
 second runs the pinned choice) and checks the result against torch, so a tuned config that
@@ -14,8 +15,14 @@ import os
 import sys
 
 # (M, N, K) bf16 GEMMs: the issue's four shapes, a square 4096 and a Llama-style FFN down-projection.
-MATMUL_SHAPES = [(8192, 8192, 8192), (16384, 8192, 4096), (4096, 14336, 4096), (512, 512, 512),
-                 (4096, 4096, 4096), (8192, 4096, 14336)]
+MATMUL_SHAPES = [
+    (8192, 8192, 8192),
+    (16384, 8192, 4096),
+    (4096, 14336, 4096),
+    (512, 512, 512),
+    (4096, 4096, 4096),
+    (8192, 4096, 14336),
+]
 # Split-K shines for small M x N with a long K (e.g. weight-gradient-like reductions).
 SPLITK_SHAPES = [(256, 256, 16384), (512, 512, 8192), (1024, 1024, 4096)]
 TINY_SIZES = [1024, 1 << 20, 1 << 24]
@@ -35,7 +42,7 @@ def run(kernels: list[str], smoke: bool) -> None:
         for m, n, k in SMOKE["matmul"] if smoke else MATMUL_SHAPES:
             a = torch.randn((m, k), device=device, dtype=dtype, generator=gen) / k**0.25
             b = torch.randn((k, n), device=device, dtype=dtype, generator=gen) / k**0.25
-            expected = (a.float() @ b.float())
+            expected = a.float() @ b.float()
             for _ in range(2):
                 torch.testing.assert_close(matmul(a, b).float(), expected, atol=0.1, rtol=0.05)
     if "splitk" in kernels:
@@ -47,7 +54,9 @@ def run(kernels: list[str], smoke: bool) -> None:
             out = torch.empty((m, n), device=device, dtype=torch.float32)
             expected = a.float() @ b.float()
             for _ in range(2):
-                torch.testing.assert_close(splitk_matmul(a, b, out=out).float(), expected, atol=0.1, rtol=0.05)
+                torch.testing.assert_close(
+                    splitk_matmul(a, b, out=out).float(), expected, atol=0.1, rtol=0.05
+                )
     if "tiny" in kernels:
         from megatron_tuning.kernels.tiny import add_one
 
@@ -60,7 +69,9 @@ def run(kernels: list[str], smoke: bool) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--kernels", nargs="+", choices=KERNELS, default=list(KERNELS))
     parser.add_argument("--smoke", action="store_true", help="tiny shapes in the Triton interpreter (CPU)")
     args = parser.parse_args()

@@ -122,8 +122,16 @@ class AgreementChecker:
     ``store``/``rank``/``ranks`` exist so tests can drive the protocol without a process group.
     """
 
-    def __init__(self, policy: Any, group: Any = None, *, namespace: str = "default",
-                 store: Any = None, rank: int | None = None, ranks: Sequence[int] | None = None) -> None:
+    def __init__(
+        self,
+        policy: Any,
+        group: Any = None,
+        *,
+        namespace: str = "default",
+        store: Any = None,
+        rank: int | None = None,
+        ranks: Sequence[int] | None = None,
+    ) -> None:
         self.mode: str = getattr(policy, "agreement", "store")
         if self.mode not in MODES:
             raise PolicyError("agreement", self.mode, "one of " + "|".join(MODES))
@@ -157,8 +165,9 @@ class AgreementChecker:
             if _active is self:
                 _active = None
         if self._pending:
-            logger.warning("agreement: %d check(s) deferred during CUDA graph capture were never run",
-                           len(self._pending))
+            logger.warning(
+                "agreement: %d check(s) deferred during CUDA graph capture were never run", len(self._pending)
+            )
 
     def check(self, decision: Decision) -> None:
         """Listener: compare ``decision`` with the other ranks (raises DivergenceError)."""
@@ -217,15 +226,26 @@ class AgreementChecker:
         self.poll()
 
     def _raise_divergence(self, d: Decision, signatures: dict[int, str], detail: str) -> None:
-        record = json.dumps({"kernel": d.kernel, "key": d.key, "detail": detail,
-                             "signatures": {str(r): s for r, s in sorted(signatures.items())}},
-                            sort_keys=True)
+        record = json.dumps(
+            {
+                "kernel": d.kernel,
+                "key": d.key,
+                "detail": detail,
+                "signatures": {str(r): s for r, s in sorted(signatures.items())},
+            },
+            sort_keys=True,
+        )
         # The first divergence recorded wins, so every rank raises the identical message.
         winner = self._store.compare_set(_FLAG, "", record)
         error = _error_from_record(winner)
         if error.signatures.get(self.rank) != d.signature:
-            logger.error("agreement: rank %d launched %s for kernel %s with key %s", self.rank,
-                         d.signature, d.kernel, d.key)
+            logger.error(
+                "agreement: rank %d launched %s for kernel %s with key %s",
+                self.rank,
+                d.signature,
+                d.kernel,
+                d.key,
+            )
         raise error
 
     def _allgather_check(self, d: Decision) -> None:
@@ -283,17 +303,20 @@ def verify_agreement(group: Any = None, *, timeout_s: float | None = None) -> in
     order: dict[bytes, tuple[int, int]] = {}  # (group index, log position) of the first observer
     for index, (rank, blob, size) in enumerate(zip(ranks, gathered, sizes)):
         for n in range(size):
-            row = blob[n * ROW_BYTES:(n + 1) * ROW_BYTES]
+            row = blob[n * ROW_BYTES : (n + 1) * ROW_BYTES]
             seen.setdefault(row[:DIGEST_BYTES], {})[rank] = row[DIGEST_BYTES:]
             order.setdefault(row[:DIGEST_BYTES], (index, n))
     shared = {i: by_rank for i, by_rank in seen.items() if len(by_rank) >= 2}
-    differing = sorted((i for i, by_rank in shared.items() if len(set(by_rank.values())) > 1),
-                       key=lambda i: (order[i], i))
+    differing = sorted(
+        (i for i, by_rank in shared.items() if len(set(by_rank.values())) > 1), key=lambda i: (order[i], i)
+    )
     if differing:
         named = differing[:MAX_NAMED]
         # Only ranks that saw an entry fill its row; the others send zeros (an empty text).
-        blob = b"".join(pack_text(table[i].kernel, table[i].key, table[i].signature) if i in table
-                        else bytes(TEXT_BYTES) for i in named)
+        blob = b"".join(
+            pack_text(table[i].kernel, table[i].key, table[i].signature) if i in table else bytes(TEXT_BYTES)
+            for i in named
+        )
         texts = all_gather_bytes(blob, group)
         raise _verify_error(named, len(differing), len(shared), shared, texts, ranks)
     if late_error is not None:
@@ -303,6 +326,7 @@ def verify_agreement(group: Any = None, *, timeout_s: float | None = None) -> in
 
 
 # --- helpers shared with the tests and the benchmark ----------------------------------------
+
 
 def default_store() -> Any:
     """The default process group's key-value store (private torch API; see the contract test)."""
@@ -339,7 +363,7 @@ def pack_text(kernel: str, key: str, signature: str) -> bytes:
     for text, size in zip((kernel, key, signature), FIELD_BYTES):
         raw = text.encode()
         if len(raw) > size:
-            raw = raw[:size - len(_TRUNCATED)].decode("utf-8", "ignore").encode() + _TRUNCATED
+            raw = raw[: size - len(_TRUNCATED)].decode("utf-8", "ignore").encode() + _TRUNCATED
         parts.append(raw.ljust(size, b"\0"))
     return b"".join(parts)
 
@@ -347,7 +371,7 @@ def pack_text(kernel: str, key: str, signature: str) -> bytes:
 def unpack_text(row: bytes) -> tuple[str, str, str]:
     fields, start = [], 0
     for size in FIELD_BYTES:
-        fields.append(row[start:start + size].rstrip(b"\0").decode("utf-8", "replace"))
+        fields.append(row[start : start + size].rstrip(b"\0").decode("utf-8", "replace"))
         start += size
     return fields[0], fields[1], fields[2]
 
@@ -411,8 +435,11 @@ def _log_table() -> dict[bytes, Decision]:
     After a re-install the same (kernel, key) can appear twice: the latest decision is what the
     process launches now, so it wins (a dict keeps the first insertion's position).
     """
-    return {identity_digest(d.kernel, d.key, d.arch): d for d in decision_log().decisions()
-            if d.source not in UNCHECKED_SOURCES}
+    return {
+        identity_digest(d.kernel, d.key, d.arch): d
+        for d in decision_log().decisions()
+        if d.source not in UNCHECKED_SOURCES
+    }
 
 
 def _error_from_record(record: bytes | str) -> DivergenceError:
@@ -421,26 +448,39 @@ def _error_from_record(record: bytes | str) -> DivergenceError:
     return DivergenceError(data["kernel"], data["key"], signatures, data["detail"])
 
 
-def _allgather_error(rows: list[bytes], texts: list[tuple[str, str, str]], ranks: list[int],
-                     seq: int) -> DivergenceError:
+def _allgather_error(
+    rows: list[bytes], texts: list[tuple[str, str, str]], ranks: list[int], seq: int
+) -> DivergenceError:
     kernel, key, _ = texts[0]
     here = [i for i, row in enumerate(rows) if row[:DIGEST_BYTES] == rows[0][:DIGEST_BYTES]]
     signatures = {ranks[i]: texts[i][2] for i in here}
     detail = f"Found by allgather check #{seq} over ranks {ranks}."
-    elsewhere = [f"rank {ranks[i]} was at kernel {texts[i][0]} with key {texts[i][1]}"
-                 for i in range(len(rows)) if i not in here]
+    elsewhere = [
+        f"rank {ranks[i]} was at kernel {texts[i][0]} with key {texts[i][1]}"
+        for i in range(len(rows))
+        if i not in here
+    ]
     if elsewhere:
-        detail += (" Ranks reached different kernels at this check (" + "; ".join(elsewhere) + "): "
-                   "allgather needs identical kernels in identical order; use agreement 'store' otherwise.")
+        detail += (
+            " Ranks reached different kernels at this check (" + "; ".join(elsewhere) + "): "
+            "allgather needs identical kernels in identical order; use agreement 'store' otherwise."
+        )
     return DivergenceError(kernel, key, signatures, detail)
 
 
-def _verify_error(named: list[bytes], total: int, shared: int, seen: dict[bytes, dict[int, bytes]],
-                  texts: list[bytes], ranks: list[int]) -> DivergenceError:
+def _verify_error(
+    named: list[bytes],
+    total: int,
+    shared: int,
+    seen: dict[bytes, dict[int, bytes]],
+    texts: list[bytes],
+    ranks: list[int],
+) -> DivergenceError:
     entries = []
     for n, ident in enumerate(named):
-        rows = {rank: unpack_text(blob[n * TEXT_BYTES:(n + 1) * TEXT_BYTES])
-                for rank, blob in zip(ranks, texts)}
+        rows = {
+            rank: unpack_text(blob[n * TEXT_BYTES : (n + 1) * TEXT_BYTES]) for rank, blob in zip(ranks, texts)
+        }
         observed = {rank: rows[rank] for rank in sorted(seen[ident])}
         kernel, key, _ = next(iter(observed.values()))
         entries.append((kernel, key, {rank: row[2] for rank, row in observed.items()}))

@@ -30,8 +30,10 @@ def _pyplot_free_figure(width: float, height: float) -> Any:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError as exc:
-        raise ImportError("Plotting needs matplotlib: pip install matplotlib "
-                          "(or install megatron_tuning with the [plot] extra).") from exc
+        raise ImportError(
+            "Plotting needs matplotlib: pip install matplotlib "
+            "(or install megatron_tuning with the [plot] extra)."
+        ) from exc
     figure = Figure(figsize=(width, height), dpi=100)
     FigureCanvasAgg(figure)
     return figure
@@ -72,13 +74,27 @@ def plot_record(record: Mapping[str, Any], path: str | os.PathLike[str]) -> Path
     if rows:
         best = rows[0][0]
         # Drawn over the bars, translucent, so the band's edge is visible on every row.
-        span = axes.axvspan(best, best * (1.0 + band), color=_BAND, alpha=0.45, zorder=4,
-                     label=f"tie band ({band:.1%} of best median)")
+        span = axes.axvspan(
+            best,
+            best * (1.0 + band),
+            color=_BAND,
+            alpha=0.45,
+            zorder=4,
+            label=f"tie band ({band:.1%} of best median)",
+        )
         for y, (median, low, high, signature) in enumerate(rows):
             color = _WINNER if signature == winner else _TIED if signature in tied else _OTHER
             axes.barh(y, median, color=color, height=0.7, zorder=2)
-            axes.errorbar(median, y, xerr=[[median - low], [high - median]], fmt="none", ecolor="black",
-                          capsize=3, lw=1, zorder=3)
+            axes.errorbar(
+                median,
+                y,
+                xerr=[[median - low], [high - median]],
+                fmt="none",
+                ecolor="black",
+                capsize=3,
+                lw=1,
+                zorder=3,
+            )
         lo = min(r[1] for r in rows)
         hi = max(r[2] for r in rows)
         axes.set_xlim(max(0.0, lo - (hi - lo) * 0.5 - best * 0.01), hi + (hi - lo) * 0.15 + best * 0.01)
@@ -91,8 +107,10 @@ def plot_record(record: Mapping[str, Any], path: str | os.PathLike[str]) -> Path
     figure.suptitle("\n".join([str(record["kernel"]), *key_lines]), fontsize=8)
     from matplotlib.patches import Patch
 
-    handles = [Patch(color=_WINNER, label="winner"),
-               Patch(color=_TIED, label="tied (lost the static-cost tie-break)")]
+    handles = [
+        Patch(color=_WINNER, label="winner"),
+        Patch(color=_TIED, label="tied (lost the static-cost tie-break)"),
+    ]
     if span is not None:
         handles.append(span)
     figure.legend(handles=handles, fontsize=7, ncol=3, loc="lower center")

@@ -31,15 +31,22 @@ SIZES = (64, 200, 1000)
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of the ``selftest`` command."""
     parser.add_argument("--nproc", type=int, default=2, help="ranks per run (>= 2; default 2)")
-    parser.add_argument("--timeout", type=float, default=180.0,
-                        help="seconds allowed for each torchrun job (default 180)")
-    parser.add_argument("--agreement", choices=("store", "allgather", "off"), default="store",
-                        help="agreement mode under test (default store; 'off' shows the chaos run "
-                             "going unnoticed, so the selftest fails)")
-    parser.add_argument("--interpret", action="store_true",
-                        help="use the Triton interpreter even when a GPU is present")
-    parser.add_argument("--keep", metavar="DIR", default=None,
-                        help="write per-rank results and torchrun output under DIR")
+    parser.add_argument(
+        "--timeout", type=float, default=180.0, help="seconds allowed for each torchrun job (default 180)"
+    )
+    parser.add_argument(
+        "--agreement",
+        choices=("store", "allgather", "off"),
+        default="store",
+        help="agreement mode under test (default store; 'off' shows the chaos run "
+        "going unnoticed, so the selftest fails)",
+    )
+    parser.add_argument(
+        "--interpret", action="store_true", help="use the Triton interpreter even when a GPU is present"
+    )
+    parser.add_argument(
+        "--keep", metavar="DIR", default=None, help="write per-rank results and torchrun output under DIR"
+    )
     parser.add_argument("--_worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--_mode", default="deterministic", help=argparse.SUPPRESS)
     parser.add_argument("--_out", default="", help=argparse.SUPPRESS)
@@ -55,8 +62,11 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         return 2
     interpret = args.interpret or not _cuda_available()
     root = args.keep or tempfile.mkdtemp(prefix="megatron_tuning_selftest_")
-    print(f"megatron_tuning selftest: {args.nproc} ranks, agreement={args.agreement}, "
-          f"{'Triton interpreter on CPU' if interpret else 'GPU'}, gloo", file=out)
+    print(
+        f"megatron_tuning selftest: {args.nproc} ranks, agreement={args.agreement}, "
+        f"{'Triton interpreter on CPU' if interpret else 'GPU'}, gloo",
+        file=out,
+    )
     verdicts = []
     for mode in ("deterministic", "chaos"):
         outcome = _launch(args, mode, os.path.join(root, mode), interpret)
@@ -68,8 +78,10 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
             for line in outcome["output"].splitlines()[-25:]:
                 print(f"      {line}", file=out)
     passed = all(verdicts)
-    print("selftest " + ("passed: deterministic runs agree and chaos is detected." if passed
-                         else "FAILED."), file=out)
+    print(
+        "selftest " + ("passed: deterministic runs agree and chaos is detected." if passed else "FAILED."),
+        file=out,
+    )
     if args.keep:
         print(f"results kept in {root}", file=out)
     return 0 if passed else 1
@@ -94,14 +106,25 @@ def _launch(args: argparse.Namespace, mode: str, folder: str, interpret: bool) -
     for name in list(env):  # a user's own MEGATRON_TUNING_* settings must not change the test
         if name.startswith("MEGATRON_TUNING_"):
             del env[name]
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={args.nproc}", "-m", "megatron_tuning.selftest", "--_worker",
-               f"--_mode={mode}", f"--_out={folder}", f"--agreement={args.agreement}",
-               f"--timeout={args.timeout}"]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={args.nproc}",
+        "-m",
+        "megatron_tuning.selftest",
+        "--_worker",
+        f"--_mode={mode}",
+        f"--_out={folder}",
+        f"--agreement={args.agreement}",
+        f"--timeout={args.timeout}",
+    ]
     start = time.monotonic()
     # A session of its own, so a timeout kills torchrun and its ranks, not only the launcher.
-    with subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          start_new_session=True) as process:
+    with subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    ) as process:
         returncode: int | None
         try:
             output, _ = process.communicate(timeout=args.timeout)
@@ -118,8 +141,7 @@ def _launch(args: argparse.Namespace, mode: str, folder: str, interpret: bool) -
         if os.path.exists(path):
             with open(path, encoding="utf-8") as handle:
                 ranks[rank] = json.load(handle)
-    return {"returncode": returncode, "output": output, "ranks": ranks,
-            "seconds": time.monotonic() - start}
+    return {"returncode": returncode, "output": output, "ranks": ranks, "seconds": time.monotonic() - start}
 
 
 def _judge(mode: str, outcome: dict[str, Any], nproc: int) -> tuple[bool, str]:
@@ -139,23 +161,29 @@ def _judge(mode: str, outcome: dict[str, Any], nproc: int) -> tuple[bool, str]:
         if errors:
             rank, res = next(iter(sorted(errors.items())))
             return False, f"false alarm on ranks {sorted(errors)}: {res['message'].splitlines()[0]} {took}"
-        pinned = min(sum(1 for d in res.get("decisions", []) if d[3] != "out_of_scope")
-                     for res in ranks.values())
+        pinned = min(
+            sum(1 for d in res.get("decisions", []) if d[3] != "out_of_scope") for res in ranks.values()
+        )
         if pinned == 0:
             return False, f"no launch went through the interception, nothing was checked {took}"
         shared = min(res.get("shared", 0) for res in ranks.values())
-        return True, (f"all ranks agree on {pinned} (kernel, key) choices "
-                      f"(verify_agreement compared {shared}), no alarm {took}")
+        return True, (
+            f"all ranks agree on {pinned} (kernel, key) choices "
+            f"(verify_agreement compared {shared}), no alarm {took}"
+        )
     if not errors:
-        return False, ("chaos ranks launched different configs and nothing noticed: the agreement "
-                       f"check is blind {took}")
+        return False, (
+            f"chaos ranks launched different configs and nothing noticed: the agreement check is blind {took}"
+        )
     messages = {res["message"] for res in errors.values()}
     first = next(iter(sorted(errors.items())))[1]
     named = first.get("signature_ranks", [])
     if len(messages) != 1:
         return False, f"ranks raised different messages for the same divergence {took}"
-    return True, (f"DivergenceError on ranks {sorted(errors)} for {first['kernel']} key {first['key']}, "
-                  f"naming ranks {named} {took}")
+    return True, (
+        f"DivergenceError on ranks {sorted(errors)} for {first['kernel']} key {first['key']}, "
+        f"naming ranks {named} {took}"
+    )
 
 
 def _worker(args: argparse.Namespace) -> int:
@@ -166,8 +194,10 @@ def _worker(args: argparse.Namespace) -> int:
 
     import torch.distributed as dist
 
-    logging.basicConfig(level=logging.WARNING,
-                        format=f"[rank{os.environ.get('RANK', '?')}] %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.WARNING,
+        format=f"[rank{os.environ.get('RANK', '?')}] %(levelname)s %(name)s: %(message)s",
+    )
     dist.init_process_group("gloo", timeout=timedelta(seconds=max(args.timeout, 10.0)))
     rank = dist.get_rank()
     result: dict[str, Any] = {"rank": rank, "mode": args._mode, "error": None}
@@ -195,8 +225,13 @@ def _exercise(args: argparse.Namespace, rank: int, result: dict[str, Any]) -> No
     from .policy import TuningPolicy
     from .session import init_deterministic_tuning
 
-    policy = TuningPolicy(mode=args._mode, scope=(KERNEL_MODULE,), agreement=args.agreement,
-                          agreement_timeout_s=max(args.timeout / 3, 5.0), use_shipped_tables=False)
+    policy = TuningPolicy(
+        mode=args._mode,
+        scope=(KERNEL_MODULE,),
+        agreement=args.agreement,
+        agreement_timeout_s=max(args.timeout / 3, 5.0),
+        use_shipped_tables=False,
+    )
     handle = init_deterministic_tuning(policy)
     if args.agreement != "off" and agreement.active_checker() is None:
         raise RuntimeError("init_deterministic_tuning started no agreement check")
@@ -239,8 +274,9 @@ def _keep_error(result: dict[str, Any], error: BaseException) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m megatron_tuning.selftest",
-                                     description=(__doc__ or "").splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m megatron_tuning.selftest", description=(__doc__ or "").splitlines()[0]
+    )
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

@@ -35,7 +35,7 @@ ENV_TUNE_DIR = "MEGATRON_TUNING_TUNE_DIR"
 RESULTS_FORMAT = "megatron_tuning.tuning_results"
 _PROCESS_PREFIX = "tuned-"
 
-_SITECUSTOMIZE = '''\
+_SITECUSTOMIZE = """\
 # Written by `python -m megatron_tuning tune`: turns tune mode on in every Python process of the job.
 try:
     from megatron_tuning.tune_command import bootstrap_process as _mt_bootstrap
@@ -43,32 +43,51 @@ try:
 except Exception as _mt_exc:  # never stop the user's program from starting
     import sys as _mt_sys
     print(f"megatron_tuning tune: bootstrap failed: {_mt_exc!r}", file=_mt_sys.stderr)
-'''
+"""
 
 
 # --------------------------------------------------------------------------- arguments
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", default="tuned.msgpack",
-                        help="table to merge the tuned entries into (msgpack; .json for the JSON view)")
-    parser.add_argument("--results", default=None,
-                        help="where to write every candidate's statistics (default: <out stem>.tuning.json)")
-    parser.add_argument("--plot", metavar="DIR", default=None,
-                        help="also draw one PNG per (kernel, key) here")
-    parser.add_argument("--tie-band", type=float, default=None,
-                        help="candidates within this fraction of the best median are tied (default 0.02)")
+    parser.add_argument(
+        "--out",
+        default="tuned.msgpack",
+        help="table to merge the tuned entries into (msgpack; .json for the JSON view)",
+    )
+    parser.add_argument(
+        "--results",
+        default=None,
+        help="where to write every candidate's statistics (default: <out stem>.tuning.json)",
+    )
+    parser.add_argument(
+        "--plot", metavar="DIR", default=None, help="also draw one PNG per (kernel, key) here"
+    )
+    parser.add_argument(
+        "--tie-band",
+        type=float,
+        default=None,
+        help="candidates within this fraction of the best median are tied (default 0.02)",
+    )
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds per candidate (default 10)")
-    parser.add_argument("--work-dir", default=None,
-                        help="keep per-process results here (default: a temp dir)")
+    parser.add_argument(
+        "--work-dir", default=None, help="keep per-process results here (default: a temp dir)"
+    )
     # dest "job", not "command": the top-level parser already keeps the subcommand's name there.
-    parser.add_argument("job", metavar="COMMAND", nargs=argparse.REMAINDER,
-                        help="the job to run after `--`: script.py [args], python -m mod, torchrun ...")
+    parser.add_argument(
+        "job",
+        metavar="COMMAND",
+        nargs=argparse.REMAINDER,
+        help="the job to run after `--`: script.py [args], python -m mod, torchrun ...",
+    )
 
 
 def add_report_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("inputs", nargs="+",
-                        help="tuning results (*.tuning.json), decision logs, or per-process result folders")
+    parser.add_argument(
+        "inputs",
+        nargs="+",
+        help="tuning results (*.tuning.json), decision logs, or per-process result folders",
+    )
     parser.add_argument("--plot", metavar="DIR", default=None, help="draw one PNG per (kernel, key) here")
 
 
@@ -80,8 +99,11 @@ def run(args: argparse.Namespace) -> int:
     if command and command[0] == "--":
         command = command[1:]
     if not command:
-        print("tune: give the command to run after `--`, e.g. "
-              "`python -m megatron_tuning tune --out t.msgpack -- train.py --steps 3`", file=sys.stderr)
+        print(
+            "tune: give the command to run after `--`, e.g. "
+            "`python -m megatron_tuning tune --out t.msgpack -- train.py --steps 3`",
+            file=sys.stderr,
+        )
         return 2
     settings = TuneSettings.from_env(**_setting_overrides(args))  # validate before the long run
     work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="megatron_tuning_tune_"))
@@ -99,21 +121,28 @@ def run(args: argparse.Namespace) -> int:
     if not args.work_dir:
         shutil.rmtree(work, ignore_errors=True)  # everything kept is in --out and --results now
     if not records:
-        print("tune: the job recorded no tuned (kernel, key). Did it launch an in-scope autotuned kernel "
-              "with more than one live config? (MEGATRON_TUNING_SCOPE limits the scope.)", file=sys.stderr)
+        print(
+            "tune: the job recorded no tuned (kernel, key). Did it launch an in-scope autotuned kernel "
+            "with more than one live config? (MEGATRON_TUNING_SCOPE limits the scope.)",
+            file=sys.stderr,
+        )
         return returncode or 1
     out = Path(args.out)
     results_path = Path(args.results) if args.results else default_results_path(out)
     write_results(results_path, records)
     written = merge_into_table(out, records)
     print(format_summary(records))
-    print(f"tune: {written} entr{'y' if written == 1 else 'ies'} merged into {out}; "
-          f"statistics in {results_path}")
+    print(
+        f"tune: {written} entr{'y' if written == 1 else 'ies'} merged into {out}; "
+        f"statistics in {results_path}"
+    )
     if args.plot:
         _plot(records, args.plot)
     if returncode:
-        print(f"tune: the job exited with status {returncode}; the table holds what it tuned before that",
-              file=sys.stderr)
+        print(
+            f"tune: the job exited with status {returncode}; the table holds what it tuned before that",
+            file=sys.stderr,
+        )
     return returncode
 
 
@@ -277,14 +306,22 @@ def pool_decisions(decisions: Iterable[Any], settings: TuneSettings | None = Non
         result: TuneResult = pool([d.timings for d in group], settings)
         hashes = sorted({d.source_hash for d in group if d.source_hash})
         if len(hashes) > 1:
-            logger.warning("kernel %s was tuned with %d different sources; keeping %s",
-                           kernel, len(hashes), hashes[0])
+            logger.warning(
+                "kernel %s was tuned with %d different sources; keeping %s", kernel, len(hashes), hashes[0]
+            )
         own_votes = sum(1 for d in group if d.signature == result.winner_signature)
-        records.append({
-            "arch": arch, "kernel": kernel, "key": key, "source_hash": hashes[0] if hashes else None,
-            "winner": result.winner_signature, "config": result.configs[result.winner],
-            "votes": [own_votes, len(group)], "timings": result.to_timings(),
-        })
+        records.append(
+            {
+                "arch": arch,
+                "kernel": kernel,
+                "key": key,
+                "source_hash": hashes[0] if hashes else None,
+                "winner": result.winner_signature,
+                "config": result.configs[result.winner],
+                "votes": [own_votes, len(group)],
+                "timings": result.to_timings(),
+            }
+        )
     return records
 
 
@@ -310,9 +347,20 @@ def read_results(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     decisions = read_decisions(source)
     tuned = pool_decisions(decisions)
     # Record-mode logs carry Triton's own per-candidate timings: show them too, for comparison.
-    recorded = [{"arch": d.arch, "kernel": d.kernel, "key": d.key, "source_hash": d.source_hash,
-                 "winner": d.signature, "config": d.config, "votes": [1, 1], "timings": dict(d.timings)}
-                for d in decisions if d.source == "recorded" and isinstance(d.timings, Mapping)]
+    recorded = [
+        {
+            "arch": d.arch,
+            "kernel": d.kernel,
+            "key": d.key,
+            "source_hash": d.source_hash,
+            "winner": d.signature,
+            "config": d.config,
+            "votes": [1, 1],
+            "timings": dict(d.timings),
+        }
+        for d in decisions
+        if d.source == "recorded" and isinstance(d.timings, Mapping)
+    ]
     return tuned + recorded
 
 
@@ -327,9 +375,16 @@ def merge_into_table(out: str | os.PathLike[str], records: Sequence[Mapping[str,
     version = installed_triton_version()
     entries = []
     for r in records:
-        decision = Decision(kernel=r["kernel"], key=r["key"], signature=r["winner"], source="tuned",
-                            config=dict(r["config"]), arch=r["arch"], source_hash=r.get("source_hash"),
-                            timings=dict(r["timings"]))
+        decision = Decision(
+            kernel=r["kernel"],
+            key=r["key"],
+            signature=r["winner"],
+            source="tuned",
+            config=dict(r["config"]),
+            arch=r["arch"],
+            source_hash=r.get("source_hash"),
+            timings=dict(r["timings"]),
+        )
         entry = entry_from_decision(decision, triton_version=version)
         if entry is None:
             continue
@@ -338,8 +393,11 @@ def merge_into_table(out: str | os.PathLike[str], records: Sequence[Mapping[str,
             entry = entry_with(entry, votes=(int(votes[0]), int(votes[1])))
         tied = r["timings"].get("tied", [])
         if len(tied) > 1:
-            entry = entry_with(entry, note=f"tie-break by static cost among {len(tied)} candidates "
-                                           f"within {r['timings']['tie_band']:.1%}")
+            entry = entry_with(
+                entry,
+                note=f"tie-break by static cost among {len(tied)} candidates "
+                f"within {r['timings']['tie_band']:.1%}",
+            )
         entries.append(entry)
     merge_entries(out, entries)
     return len(entries)
@@ -355,8 +413,10 @@ def format_summary(records: Sequence[Mapping[str, Any]]) -> str:
         win = cands.get(r["winner"]) or [None]
         win_ms = f"{win[0]:.4f}" if isinstance(win, list) and win[0] is not None else "-"
         best = f"{min(medians):.4f}" if medians else "-"
-        lines.append(f"{r['kernel'].rsplit(':', 1)[-1][:28]:<28} {r['key'][:36]:<36} {win_ms:>10} "
-                     f"{len(t.get('tied', [r['winner']])):>4} {best:>9}  {r['winner']}")
+        lines.append(
+            f"{r['kernel'].rsplit(':', 1)[-1][:28]:<28} {r['key'][:36]:<36} {win_ms:>10} "
+            f"{len(t.get('tied', [r['winner']])):>4} {best:>9}  {r['winner']}"
+        )
     return "\n".join(lines)
 
 

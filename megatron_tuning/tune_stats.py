@@ -138,6 +138,7 @@ class TuneResult:
 
     def to_timings(self) -> dict[str, Any]:
         """Serializable (JSON and msgpack) form, stored as ``Decision.timings`` and in tables."""
+
         def triple(s: CandidateStats) -> list[float | None]:
             return [None, None, None] if s.failed else [s.median, s.low, s.high]
 
@@ -174,8 +175,9 @@ def summarize(signature: str, samples: Sequence[float], error: str | None = None
     if error is not None or not finite:
         inf = float("inf")
         return CandidateStats(signature, kept, inf, inf, inf, error or "no samples")
-    return CandidateStats(signature, kept, _quantile(finite, 0.5),
-                          _quantile(finite, _LOW_Q), _quantile(finite, _HIGH_Q), None)
+    return CandidateStats(
+        signature, kept, _quantile(finite, 0.5), _quantile(finite, _LOW_Q), _quantile(finite, _HIGH_Q), None
+    )
 
 
 def analyze(
@@ -206,6 +208,7 @@ def analyze(
         tied = tuple(cost_order)
         reason = "every candidate failed to compile or run; kept the cheapest by static cost"
     else:
+
         def is_tied(s: CandidateStats) -> bool:
             if s.failed:
                 return False
@@ -217,10 +220,13 @@ def analyze(
         if len(tied) == 1:
             reason = "fastest, outside every other candidate's tie band"
         else:
-            reason = (f"{len(tied)} candidates tied within {tie_band:.1%} of the best median "
-                      "(or overlapping spreads); kept the cheapest by static cost")
-    return TuneResult(stats, tied[0], fastest, tied, reason, tie_band, overlap_cap,
-                      tuple(dict(c) for c in configs))
+            reason = (
+                f"{len(tied)} candidates tied within {tie_band:.1%} of the best median "
+                "(or overlapping spreads); kept the cheapest by static cost"
+            )
+    return TuneResult(
+        stats, tied[0], fastest, tied, reason, tie_band, overlap_cap, tuple(dict(c) for c in configs)
+    )
 
 
 def analyze_configs(
@@ -243,8 +249,15 @@ def analyze_configs(
         position = next(i for i in remaining if configs[i] is config)
         remaining.remove(position)
         order.append(position)
-    return analyze([config_signature(d) for d in datas], samples, order, tie_band=settings.tie_band,
-                   overlap_cap=settings.effective_overlap_cap, errors=errors, configs=datas)
+    return analyze(
+        [config_signature(d) for d in datas],
+        samples,
+        order,
+        tie_band=settings.tie_band,
+        overlap_cap=settings.effective_overlap_cap,
+        errors=errors,
+        configs=datas,
+    )
 
 
 def pool(timings: Sequence[Mapping[str, Any]], settings: TuneSettings | None = None) -> TuneResult:
@@ -270,7 +283,6 @@ def pool(timings: Sequence[Mapping[str, Any]], settings: TuneSettings | None = N
         settings = TuneSettings(tie_band=float(first["tie_band"]), overlap_cap=float(first["overlap_cap"]))
     sigs = sorted(datas)
     ordered_errors = [errors.get(s) if not any(math.isfinite(x) for x in samples[s]) else None for s in sigs]
-    return analyze_configs([datas[s] for s in sigs], [samples[s] for s in sigs], settings=settings,
-                           errors=ordered_errors)
-
-
+    return analyze_configs(
+        [datas[s] for s in sigs], [samples[s] for s in sigs], settings=settings, errors=ordered_errors
+    )

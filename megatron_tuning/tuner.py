@@ -45,9 +45,23 @@ if TYPE_CHECKING:
     from .policy import TuningPolicy
 
 __all__ = [
-    "ENV_ROUNDS", "ENV_TIE_BAND", "TIMINGS_FORMAT", "CandidateStats", "ClockTimer", "CudaEventTimer",
-    "Measure", "Timer", "TuneResult", "TuneSettings", "analyze", "analyze_configs", "make_launcher",
-    "make_measure", "pool", "summarize", "time_candidates",
+    "ENV_ROUNDS",
+    "ENV_TIE_BAND",
+    "TIMINGS_FORMAT",
+    "CandidateStats",
+    "ClockTimer",
+    "CudaEventTimer",
+    "Measure",
+    "Timer",
+    "TuneResult",
+    "TuneSettings",
+    "analyze",
+    "analyze_configs",
+    "make_launcher",
+    "make_measure",
+    "pool",
+    "summarize",
+    "time_candidates",
 ]
 
 logger = logging.getLogger(__name__)
@@ -66,8 +80,9 @@ class Timer(Protocol):
 class ClockTimer:
     """Host clock around a synchronize. For the interpreter, smoke runs and tests (inject ``clock``)."""
 
-    def __init__(self, clock: Callable[[], float] = time.perf_counter,
-                 synchronize: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self, clock: Callable[[], float] = time.perf_counter, synchronize: Callable[[], None] | None = None
+    ) -> None:
         self._clock = clock
         self._sync = synchronize or (lambda: None)
 
@@ -102,8 +117,9 @@ class CudaEventTimer:
         self._torch = torch
         self._start = torch.cuda.Event(enable_timing=True)
         self._end = torch.cuda.Event(enable_timing=True)
-        self._flush = (torch.empty(self._FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
-                       if flush_l2 else None)
+        self._flush = (
+            torch.empty(self._FLUSH_BYTES // 4, dtype=torch.int32, device="cuda") if flush_l2 else None
+        )
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
         # _sleep counts SM clock cycles; assume ~2 GHz where torch does not report the clock.
         self._cycles_per_s = float(getattr(props, "clock_rate", 0) or 2.0e6) * 1e3
@@ -134,16 +150,21 @@ def default_timer(settings: TuneSettings) -> Timer:
 
     if arch_tag() != "unknown":
         return CudaEventTimer(flush_l2=settings.flush_l2)
-    logger.warning("No GPU (or the Triton interpreter is active): timing with the host clock; "
-                   "the tuned choices are only meaningful on a GPU.")
+    logger.warning(
+        "No GPU (or the Triton interpreter is active): timing with the host clock; "
+        "the tuned choices are only meaningful on a GPU."
+    )
     return ClockTimer()
 
 
 def benchmark_failures() -> tuple[type[BaseException], ...]:
     """Errors that score a candidate as infinitely slow, as in ``Autotuner._bench``."""
     found: list[type[BaseException]] = []
-    for module, name in (("triton.runtime.errors", "OutOfResources"), ("triton.runtime.errors", "PTXASError"),
-                         ("triton.compiler.errors", "CompileTimeAssertionFailure")):
+    for module, name in (
+        ("triton.runtime.errors", "OutOfResources"),
+        ("triton.runtime.errors", "PTXASError"),
+        ("triton.compiler.errors", "CompileTimeAssertionFailure"),
+    ):
         try:
             found.append(getattr(__import__(module, fromlist=[name]), name))
         except (ImportError, AttributeError):  # not every Triton release has every one
@@ -161,8 +182,10 @@ def make_launcher(
     """
     conflicts = kwargs.keys() & config.kwargs.keys()
     if conflicts:
-        raise ValueError(f"Conflicting meta-parameters: {', '.join(sorted(conflicts))}. "
-                         "Make sure that you don't re-define auto-tuned symbols.")
+        raise ValueError(
+            f"Conflicting meta-parameters: {', '.join(sorted(conflicts))}. "
+            "Make sure that you don't re-define auto-tuned symbols."
+        )
     current = dict(kwargs, **config.all_kwargs())
     full_nargs = {**dict(zip(autotuner.arg_names, args)), **current}
 
@@ -267,15 +290,25 @@ def make_measure(
                 timers.append(timer())  # type: ignore[operator]
         return timers[0]
 
-    def measure(autotuner: Any, candidates: list[Any], args: tuple[Any, ...], kwargs: dict[str, Any],
-                kernel: str, key: str) -> tuple[Any, dict[str, Any]]:
+    def measure(
+        autotuner: Any,
+        candidates: list[Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        kernel: str,
+        key: str,
+    ) -> tuple[Any, dict[str, Any]]:
         started = time.perf_counter()
         launchers = [make_launcher(autotuner, config, args, kwargs) for config in candidates]
         total = len(candidates) * (1 + settings.warmup_rounds + settings.rounds)
         bar = _progress_bar(total, f"tune {kernel.rsplit(':', 1)[-1]}") if progress else None
         try:
-            samples, errors = time_candidates(launchers, timer=get_timer(), settings=settings,
-                                              on_step=(bar.update if bar is not None else None))
+            samples, errors = time_candidates(
+                launchers,
+                timer=get_timer(),
+                settings=settings,
+                on_step=(bar.update if bar is not None else None),
+            )
         finally:
             if bar is not None:
                 bar.close()
@@ -288,12 +321,21 @@ def make_measure(
         autotuner.pre_hook(full_nargs, reset_only=True)
         elapsed = time.perf_counter() - started
         # Triton exposes these after its own tuning; keep them meaningful for code that reads them.
-        autotuner.configs_timings = {c: timings["candidates"][s.signature]
-                                     for c, s in zip(candidates, result.stats)}
+        autotuner.configs_timings = {
+            c: timings["candidates"][s.signature] for c, s in zip(candidates, result.stats)
+        }
         autotuner.bench_time = elapsed
         best = result.stats[result.winner]
-        logger.info("tuned %s [%s] in %.1fs: %s (median %.4f ms; %d tied; fastest %s)", kernel, key, elapsed,
-                    best.signature, best.median, len(result.tied), result.stats[result.fastest].signature)
+        logger.info(
+            "tuned %s [%s] in %.1fs: %s (median %.4f ms; %d tied; fastest %s)",
+            kernel,
+            key,
+            elapsed,
+            best.signature,
+            best.median,
+            len(result.tied),
+            result.stats[result.fastest].signature,
+        )
         timings["rounds"] = settings.rounds
         timings["tune_seconds"] = round(elapsed, 3)
         return chosen, timings

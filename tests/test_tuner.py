@@ -188,8 +188,9 @@ def _fake_launchers(clock: FakeClock, costs_ms: list[float], log: list[int]) -> 
 def test_rounds_interleave_with_a_rotating_start() -> None:
     clock, log = FakeClock(), []
     settings = TuneSettings(rounds=3, warmup_rounds=1, sample_ms=1.0)
-    samples, errors = time_candidates(_fake_launchers(clock, [1.0, 1.0, 1.0], log), timer=ClockTimer(clock),
-                                      settings=settings)
+    samples, errors = time_candidates(
+        _fake_launchers(clock, [1.0, 1.0, 1.0], log), timer=ClockTimer(clock), settings=settings
+    )
     assert errors == [None, None, None]
     assert [len(s) for s in samples] == [3, 3, 3]  # the warm-up round is not kept
     assert samples[0] == pytest.approx([1.0, 1.0, 1.0])
@@ -201,8 +202,9 @@ def test_rounds_interleave_with_a_rotating_start() -> None:
 def test_short_kernels_get_several_launches_per_sample() -> None:
     clock, log = FakeClock(), []
     settings = TuneSettings(rounds=2, warmup_rounds=0, sample_ms=1.0, max_launches=8)
-    samples, _ = time_candidates(_fake_launchers(clock, [0.25, 0.01], log), timer=ClockTimer(clock),
-                                 settings=settings)
+    samples, _ = time_candidates(
+        _fake_launchers(clock, [0.25, 0.01], log), timer=ClockTimer(clock), settings=settings
+    )
     assert log[8:].count(0) == 2 * 4  # 1 ms / 0.25 ms
     assert log[8:].count(1) == 2 * 8  # capped by max_launches
     assert samples[0] == pytest.approx([0.25, 0.25])
@@ -219,13 +221,15 @@ def test_resource_errors_score_infinite_and_other_errors_propagate() -> None:
         raise OutOfResources("shared memory")
 
     settings = TuneSettings(rounds=2, warmup_rounds=0)
-    samples, errors = time_candidates([launchers[0], broken], timer=ClockTimer(clock), settings=settings,
-                                      failures=(OutOfResources,))
+    samples, errors = time_candidates(
+        [launchers[0], broken], timer=ClockTimer(clock), settings=settings, failures=(OutOfResources,)
+    )
     assert samples[1] == [] and errors[1] == "OutOfResources: shared memory"
     assert len(samples[0]) == 2
     with pytest.raises(ZeroDivisionError):
-        time_candidates([lambda: 1 / 0], timer=ClockTimer(clock), settings=settings,
-                        failures=(OutOfResources,))
+        time_candidates(
+            [lambda: 1 / 0], timer=ClockTimer(clock), settings=settings, failures=(OutOfResources,)
+        )
 
 
 # --------------------------------------------------------------------------- hooks, as Triton's _bench
@@ -258,8 +262,15 @@ def _hooked_autotuner(events: list, fail_on: int | None = None) -> Autotuner:
 
     configs = [triton.Config({"BLOCK": b}, num_warps=4, pre_hook=config_hook) for b in (32, 64)]
     fn = FakeJit(events, fail_on)
-    return Autotuner(fn, fn.arg_names, configs, ["n"], reset_to_zero=["out"], restore_value=["x"],
-                     do_bench=lambda kernel_call, quantiles=None: [1.0, 1.0, 1.0])
+    return Autotuner(
+        fn,
+        fn.arg_names,
+        configs,
+        ["n"],
+        reset_to_zero=["out"],
+        restore_value=["x"],
+        do_bench=lambda kernel_call, quantiles=None: [1.0, 1.0, 1.0],
+    )
 
 
 def _args() -> tuple:

@@ -61,10 +61,18 @@ def _tiny_records(signatures_fast: int = 0) -> list[Decision]:
     for rank, fast in enumerate((0, 1)):  # two ranks, near-tied fastest candidates
         samples = [[1.0 + (0.0 if i == fast else 0.005 * (i + 1))] * 3 for i in range(3)]
         result = analyze_configs(configs, samples)
-        decisions.append(Decision(kernel="pkg.mod:k", key="n=100 | x:torch.float32",
-                                  signature=result.winner_signature, source="tuned",
-                                  config=config_data(configs[result.winner]), arch="sm90", rank=rank,
-                                  timings=result.to_timings()))
+        decisions.append(
+            Decision(
+                kernel="pkg.mod:k",
+                key="n=100 | x:torch.float32",
+                signature=result.winner_signature,
+                source="tuned",
+                config=config_data(configs[result.winner]),
+                arch="sm90",
+                rank=rank,
+                timings=result.to_timings(),
+            )
+        )
     return decisions
 
 
@@ -75,8 +83,9 @@ def test_tune_runs_the_job_and_writes_table_results_and_plots(tmp_path: Path) ->
     out = tmp_path / "tuned.msgpack"
     # The plot is checked here when matplotlib (an optional dependency) is installed.
     plot = ["--plot", str(tmp_path / "plots")] if _has_matplotlib() else []
-    args = _parse(["--out", str(out), "--rounds", "2", *plot, "--work-dir", str(tmp_path / "work"),
-                   "--", str(script)])
+    args = _parse(
+        ["--out", str(out), "--rounds", "2", *plot, "--work-dir", str(tmp_path / "work"), "--", str(script)]
+    )
     os.environ["MEGATRON_TUNING_SCOPE"] = "megatron_tuning.kernels"
     assert run(args) == 0
 
@@ -137,11 +146,21 @@ def test_pooling_uses_the_given_tie_band() -> None:
 def test_report_reads_decision_logs_and_draws_plots(tmp_path: Path, capsys: CaptureFixture[str]) -> None:
     pytest.importorskip("matplotlib")
     log = tmp_path / "decisions.json"
-    recorded = Decision(kernel="pkg.mod:k2", key="n=8", signature="BLOCK=64, num_warps=1, num_stages=3",
-                        source="recorded", config={}, arch="sm90",
-                        timings={"candidates": {"BLOCK=64, num_warps=1, num_stages=3": [1.0, 0.9, 1.1],
-                                                "BLOCK=128, num_warps=2, num_stages=3": [1.01, 0.95, 1.2],
-                                                "BLOCK=512, num_warps=8, num_stages=3": [float("inf")] * 3}})
+    recorded = Decision(
+        kernel="pkg.mod:k2",
+        key="n=8",
+        signature="BLOCK=64, num_warps=1, num_stages=3",
+        source="recorded",
+        config={},
+        arch="sm90",
+        timings={
+            "candidates": {
+                "BLOCK=64, num_warps=1, num_stages=3": [1.0, 0.9, 1.1],
+                "BLOCK=128, num_warps=2, num_stages=3": [1.01, 0.95, 1.2],
+                "BLOCK=512, num_warps=8, num_stages=3": [float("inf")] * 3,
+            }
+        },
+    )
     write_decisions(log, _tiny_records() + [recorded])
     assert len(read_results(log)) == 2
     plots = tmp_path / "plots"

@@ -27,8 +27,9 @@ def kernels(import_kernel: Callable[[str], ModuleType]) -> ModuleType:
 
 
 def _install(scope: tuple[str, ...] = ("tests",)) -> None:
-    interception.install(TuningPolicy(mode="tune", scope=scope),
-                         measure=make_measure(FAST, timer=ClockTimer(), progress=False))
+    interception.install(
+        TuningPolicy(mode="tune", scope=scope), measure=make_measure(FAST, timer=ClockTimer(), progress=False)
+    )
 
 
 def test_tune_mode_times_all_candidates_and_records_a_tuned_decision(kernels: ModuleType) -> None:

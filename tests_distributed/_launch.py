@@ -50,25 +50,42 @@ def job_env(tmp: Path, *, interpret: bool = True) -> dict[str, str]:
     return env
 
 
-def run_torchrun(nproc: int, script: Path, args: Sequence[str], tmp: Path, timeout_s: float,
-                 *, interpret: bool = True) -> subprocess.CompletedProcess[str]:
+def run_torchrun(
+    nproc: int, script: Path, args: Sequence[str], tmp: Path, timeout_s: float, *, interpret: bool = True
+) -> subprocess.CompletedProcess[str]:
     """Run ``script`` under ``torchrun --standalone``; fail the test (not hang) past ``timeout_s``.
 
     The job runs in its own session so a timeout kills torchrun *and* its workers, not only
     the launcher (a killed torchrun can leave orphaned ranks spinning in a collective).
     """
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={nproc}", str(script), *args]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        str(script),
+        *args,
+    ]
     env = job_env(tmp, interpret=interpret)
-    with subprocess.Popen(command, env=env, cwd=str(tmp), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True, start_new_session=True) as process:
+    with subprocess.Popen(
+        command,
+        env=env,
+        cwd=str(tmp),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    ) as process:
         try:
             stdout, stderr = process.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             stdout, stderr = process.communicate()
-            pytest.fail(f"torchrun job {script.name} x{nproc} exceeded {timeout_s}s:\n"
-                        f"{stdout[-4000:]}\n{stderr[-4000:]}")
+            pytest.fail(
+                f"torchrun job {script.name} x{nproc} exceeded {timeout_s}s:\n"
+                f"{stdout[-4000:]}\n{stderr[-4000:]}"
+            )
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 

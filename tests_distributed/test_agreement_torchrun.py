@@ -16,11 +16,24 @@ from _launch import WORKERS, gloo_available, gpu_count, read_results, run_torchr
 from megatron_tuning.agreement import MAX_NAMED
 
 SCENARIOS = [
-    "store_agree", "store_chaos", "allgather_agree", "allgather_chaos", "allgather_order",
-    "verify_agree", "verify_chaos", "asymmetric_store", "asymmetric_verify", "allgather_missing",
-    "capture_deferred", "kernels_asymmetric",
-    "kernels_store_deterministic", "kernels_store_chaos", "kernels_allgather_deterministic",
-    "kernels_allgather_chaos", "kernels_off_deterministic", "kernels_off_chaos",
+    "store_agree",
+    "store_chaos",
+    "allgather_agree",
+    "allgather_chaos",
+    "allgather_order",
+    "verify_agree",
+    "verify_chaos",
+    "asymmetric_store",
+    "asymmetric_verify",
+    "allgather_missing",
+    "capture_deferred",
+    "kernels_asymmetric",
+    "kernels_store_deterministic",
+    "kernels_store_chaos",
+    "kernels_allgather_deterministic",
+    "kernels_allgather_chaos",
+    "kernels_off_deterministic",
+    "kernels_off_chaos",
 ]
 GPU_SCENARIOS = ["cuda_graph_agree", "cuda_graph_chaos"]  # real CUDA graph capture
 MISSING_TIMEOUT_S = 2.0  # the allgather_missing scenario's agreement timeout
@@ -28,8 +41,9 @@ MISSING_TIMEOUT_S = 2.0  # the allgather_missing scenario's agreement timeout
 Results = dict[int, dict[str, dict[str, Any]]]
 
 
-@pytest.fixture(scope="module", params=[("gloo", 2), ("gloo", 4), ("nccl", 2)],
-                ids=lambda p: f"{p[0]}-{p[1]}ranks")
+@pytest.fixture(
+    scope="module", params=[("gloo", 2), ("gloo", 4), ("nccl", 2)], ids=lambda p: f"{p[0]}-{p[1]}ranks"
+)
 def job(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[int, Results]:
     backend, nproc = request.param
     if not gloo_available():
@@ -39,8 +53,9 @@ def job(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
     tmp = tmp_path_factory.mktemp(f"agreement_{backend}_{nproc}")
     scenarios = SCENARIOS + (GPU_SCENARIOS if backend == "nccl" else [])
     args = ["--out", str(tmp), "--scenarios", ",".join(scenarios), "--backend", backend]
-    done = run_torchrun(nproc, WORKERS / "agreement_worker.py", args, tmp, timeout_s=240,
-                        interpret=backend == "gloo")
+    done = run_torchrun(
+        nproc, WORKERS / "agreement_worker.py", args, tmp, timeout_s=240, interpret=backend == "gloo"
+    )
     results = read_results(tmp, nproc)
     assert done.returncode == 0 and len(results) == nproc, done.stdout[-3000:] + done.stderr[-3000:]
     return nproc, results
@@ -56,27 +71,56 @@ def _scenario(job: tuple[int, Results], name: str) -> list[dict[str, Any]]:
     return rows
 
 
-@pytest.mark.parametrize("name", ["store_agree", "allgather_agree", "verify_agree", "asymmetric_store",
-                                  "asymmetric_verify", "kernels_asymmetric", "kernels_store_deterministic",
-                                  "kernels_allgather_deterministic", "kernels_off_deterministic"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "store_agree",
+        "allgather_agree",
+        "verify_agree",
+        "asymmetric_store",
+        "asymmetric_verify",
+        "kernels_asymmetric",
+        "kernels_store_deterministic",
+        "kernels_allgather_deterministic",
+        "kernels_off_deterministic",
+    ],
+)
 def test_agreeing_ranks_raise_nothing(job: tuple[int, Results], name: str) -> None:
     rows = _scenario(job, name)
     assert [row["error"] for row in rows] == [None] * len(rows), rows[0].get("message") or rows
 
 
-@pytest.mark.parametrize(("name", "expected"), [("verify_agree", 3), ("kernels_off_deterministic", 3),
-                                                ("asymmetric_verify", None), ("asymmetric_store", None),
-                                                ("kernels_asymmetric", 1)])
-def test_verify_compares_only_shared_entries(job: tuple[int, Results], name: str,
-                                             expected: int | None) -> None:
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("verify_agree", 3),
+        ("kernels_off_deterministic", 3),
+        ("asymmetric_verify", None),
+        ("asymmetric_store", None),
+        ("kernels_asymmetric", 1),
+    ],
+)
+def test_verify_compares_only_shared_entries(
+    job: tuple[int, Results], name: str, expected: int | None
+) -> None:
     nproc = job[0]
     if expected is None:  # the shared kernel, plus stage_0/stage_1 once two ranks run each
         expected = 1 + (2 if nproc >= 4 else 0)
     assert [row["shared"] for row in _scenario(job, name)] == [expected] * nproc
 
 
-@pytest.mark.parametrize("name", ["store_chaos", "allgather_chaos", "verify_chaos", "kernels_store_chaos",
-                                  "kernels_allgather_chaos", "kernels_off_chaos", "capture_deferred"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "store_chaos",
+        "allgather_chaos",
+        "verify_chaos",
+        "kernels_store_chaos",
+        "kernels_allgather_chaos",
+        "kernels_off_chaos",
+        "capture_deferred",
+    ],
+)
 def test_divergence_is_raised_on_every_rank_with_one_message(job: tuple[int, Results], name: str) -> None:
     rows = _scenario(job, name)
     assert {row["error"] for row in rows} == {"DivergenceError"}, rows

@@ -35,8 +35,10 @@ def _decision(signature: str, key: str = KEY, source: str = "table") -> Decision
 def _ranks(count: int, mode: str = "store", timeout_s: float = 5.0) -> list[agreement.AgreementChecker]:
     store = dist.HashStore()
     policy = TuningPolicy(agreement=mode, agreement_timeout_s=timeout_s)
-    return [agreement.AgreementChecker(policy, store=store, rank=r, ranks=range(count), namespace="t")
-            for r in range(count)]
+    return [
+        agreement.AgreementChecker(policy, store=store, rank=r, ranks=range(count), namespace="t")
+        for r in range(count)
+    ]
 
 
 @pytest.fixture
@@ -195,6 +197,7 @@ def test_start_attaches_and_stop_detaches(one_rank_group: None) -> None:
 
 # --- contracts on private torch API ------------------------------------------------------------
 
+
 def test_contract_default_store_is_reachable(one_rank_group: None) -> None:
     from torch.distributed import distributed_c10d
 
@@ -204,10 +207,13 @@ def test_contract_default_store_is_reachable(one_rank_group: None) -> None:
         assert callable(getattr(store, method, None)), method
 
 
-@pytest.mark.parametrize("make", [
-    lambda: dist.HashStore(),
-    lambda: dist.TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=5)),
-])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: dist.HashStore(),
+        lambda: dist.TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=5)),
+    ],
+)
 def test_contract_compare_set_semantics(make: Any) -> None:
     store = dist.PrefixStore("contract", make())
     # Absent key + expected "": sets and returns ours (the atomic claim).

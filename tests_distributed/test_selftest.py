@@ -15,10 +15,28 @@ from _launch import gloo_available, job_env
 def _selftest(tmp_path: Path, *extra: str, timeout_s: float = 200.0) -> subprocess.CompletedProcess[str]:
     if not gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
-    command = [sys.executable, "-m", "megatron_tuning", "selftest", "--nproc", "2", "--timeout", "90",
-               "--keep", str(tmp_path / "kept"), *extra]
-    with subprocess.Popen(command, env=job_env(tmp_path), cwd=str(tmp_path), stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, start_new_session=True) as process:
+    command = [
+        sys.executable,
+        "-m",
+        "megatron_tuning",
+        "selftest",
+        "--nproc",
+        "2",
+        "--timeout",
+        "90",
+        "--keep",
+        str(tmp_path / "kept"),
+        *extra,
+    ]
+    with subprocess.Popen(
+        command,
+        env=job_env(tmp_path),
+        cwd=str(tmp_path),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    ) as process:
         try:
             output, _ = process.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:

@@ -65,6 +65,7 @@ def _then_poll(handle: Any, result: dict[str, Any]) -> None:
 
 # --- synthetic decisions (the checker alone) ---------------------------------------------------
 
+
 def store_agree(result: dict[str, Any]) -> None:
     handle = agreement.start_agreement(_policy("store"))
     time.sleep(0.02 * (WORLD - RANK))  # vary who claims first
@@ -178,11 +179,17 @@ def capture_deferred(result: dict[str, Any]) -> None:
 
 # --- real kernel launches through init_deterministic_tuning --------------------------------------
 
+
 def _kernel_run(result: dict[str, Any], mode: str, agreement_mode: str) -> None:
     import megatron_tuning
 
-    policy = TuningPolicy(mode=mode, scope=("_kernels",), agreement=agreement_mode,
-                          agreement_timeout_s=30.0, use_shipped_tables=False)
+    policy = TuningPolicy(
+        mode=mode,
+        scope=("_kernels",),
+        agreement=agreement_mode,
+        agreement_timeout_s=30.0,
+        use_shipped_tables=False,
+    )
     handle = megatron_tuning.init_deterministic_tuning(policy)
     # init_deterministic_tuning itself starts the check (and only when it applies).
     assert (agreement.active_checker() is None) == (agreement_mode == "off")
@@ -202,8 +209,13 @@ def kernels_asymmetric(result: dict[str, Any]) -> None:
     """Real launches, rank-dependent kernels and shapes, store checks plus a final verify."""
     import megatron_tuning
 
-    policy = TuningPolicy(mode="deterministic", scope=("_kernels",), agreement="store",
-                          agreement_timeout_s=30.0, use_shipped_tables=False)
+    policy = TuningPolicy(
+        mode="deterministic",
+        scope=("_kernels",),
+        agreement="store",
+        agreement_timeout_s=30.0,
+        use_shipped_tables=False,
+    )
     handle = megatron_tuning.init_deterministic_tuning(policy)
     assert agreement.active_checker() is not None
     import _kernels
@@ -229,8 +241,9 @@ def _cuda_graph_run(result: dict[str, Any], mode: str) -> None:
 
     import megatron_tuning
 
-    policy = TuningPolicy(mode=mode, scope=("_kernels",), agreement="store", agreement_timeout_s=30.0,
-                          use_shipped_tables=False)
+    policy = TuningPolicy(
+        mode=mode, scope=("_kernels",), agreement="store", agreement_timeout_s=30.0, use_shipped_tables=False
+    )
     x = torch.arange(48, dtype=torch.float32, device=DEVICE)
     y = torch.empty_like(x)
     # Warm-up session without checks: compiles the config this rank picks, outside the capture.
@@ -302,8 +315,9 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--scenarios", required=True)
-    parser.add_argument("--backend", default="gloo",
-                        help="nccl: one GPU per rank, CUDA tensors in the collectives")
+    parser.add_argument(
+        "--backend", default="gloo", help="nccl: one GPU per rank, CUDA tensors in the collectives"
+    )
     args = parser.parse_args()
     if args.backend == "nccl":
         import torch
