@@ -7,8 +7,12 @@
 Starts ``--processes`` fresh processes per mode, alternating stock and pinned so clock and thermal
 drift hit both alike. Each runs the reference matmul on the issue's bf16 shapes and reports, per
 shape, the config it launched, its throughput, and the throughput of one fixed config launched
-directly (the noise floor of timing a config that never changes). All processes share one Triton
-compile cache (warm after the first); Triton's autotune result cache stays off, as by default.
+directly (the noise floor of timing a config that never changes). The fixed config is the table's
+config for the shape (what pinned processes launch; ``MATMUL_CONFIGS[0]`` without a table entry),
+so in pinned processes both numbers time the same kernel: the autotuned call and the direct
+launch alternate over ``ROUNDS`` rounds and each reports its median, so drift hits both alike. All
+processes share one Triton compile cache (warm after the first); Triton's autotune result cache
+stays off, as by default.
 
 Goal: pinned = 1 config per shape in 100% of processes; pinned throughput spread no larger than
 the fixed config's.
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import statistics
 import sys
 import tempfile
 import time
@@ -25,20 +30,22 @@ from typing import Any
 
 import common
 
-FIXED_CONFIG_INDEX = 0  # MATMUL_CONFIGS[0]: a large-tile config every shape can run
+FIXED_CONFIG_INDEX = 0  # MATMUL_CONFIGS[0]: the fixed config where the table has no entry
+ROUNDS = 3  # interleaved (autotuned call, direct launch) timing rounds per shape
 
 
 def child(args: argparse.Namespace) -> None:
     from megatron_tuning.decisions import get_decisions
     from megatron_tuning.kernels import matmul as mm
     from megatron_tuning.selection import config_signature
+    from megatron_tuning.table import load_table
 
     kernel = mm.matmul_kernel
     if args.child == "pinned":
         common.install_pinned([args.table] if args.table else [])
     elif args.smoke:
         common.allow_stock_autotune_on_cpu(kernel)
-    fixed = mm.MATMUL_CONFIGS[FIXED_CONFIG_INDEX]
+    table = load_table(args.table) if args.table else None
     rows = []
     for shape in _shapes(args):
         _, _, _, kargs = common.matmul_operands(shape, args.smoke)
@@ -49,9 +56,17 @@ def child(args: argparse.Namespace) -> None:
         common.synchronize(args.smoke)
         first_s = time.perf_counter() - start
         signature = config_signature(kernel.best_config)
-        # The lambdas run inside this iteration (time_ms calls them at once): late binding is fine.
-        ms = common.time_ms(lambda: kernel[grid](*kargs), args.smoke)  # noqa: B023
-        fixed_ms = common.time_ms(lambda: common.launch_config(kernel, fixed, kargs, grid), args.smoke)  # noqa: B023
+        fixed = _table_config(table, kernel, kargs) or mm.MATMUL_CONFIGS[FIXED_CONFIG_INDEX]
+        timed: dict[str, list[float]] = {"call": [], "fixed": []}
+        for round_index in range(ROUNDS):
+            # The lambdas run inside this iteration (time_ms calls them at once): late binding is fine.
+            steps = [
+                ("call", lambda: kernel[grid](*kargs)),  # noqa: B023
+                ("fixed", lambda: common.launch_config(kernel, fixed, kargs, grid)),  # noqa: B023
+            ]
+            for name, fn in steps if round_index % 2 == 0 else steps[::-1]:
+                timed[name].append(common.time_ms(fn, args.smoke, warmup=10, rep=50))
+        ms, fixed_ms = statistics.median(timed["call"]), statistics.median(timed["fixed"])
         sources = [d.source for d in get_decisions() if d.signature == signature]
         rows.append(
             {
@@ -60,12 +75,24 @@ def child(args: argparse.Namespace) -> None:
                 "ms": ms,
                 "tflops": common.tflops(shape, ms),
                 "fixed_ms": fixed_ms,
+                "fixed_signature": config_signature(fixed),
                 "fixed_tflops": common.tflops(shape, fixed_ms),
                 "first_launch_s": first_s,
                 "source": sources[-1] if sources else "stock",
             }
         )
     common.emit({"mode": args.child, "rows": rows})
+
+
+def _table_config(table: Any, kernel: Any, kargs: tuple) -> Any:
+    """The live config the table pins for this call, or None."""
+    from megatron_tuning.selection import arch_tag, config_signature, kernel_id, tuning_key
+
+    entry = table.get(arch_tag(), kernel_id(kernel), tuning_key(kernel, kargs, {})) if table else None
+    if entry is None:
+        return None
+    wanted = config_signature(entry.config)
+    return next((c for c in kernel.configs if config_signature(c) == wanted), None)
 
 
 def _shapes(args: argparse.Namespace) -> list[tuple[int, int, int]]:
