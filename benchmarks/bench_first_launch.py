@@ -215,13 +215,7 @@ def main() -> int:
         action="store_true",
         help=argparse.SUPPRESS,  # child: launch a bare kernel first (Triton's per-process start-up)
     )
-    args = parser.parse_args()
-    if not common.require_device(args, "bench_first_launch"):
-        return 2
-    if args.child:
-        child(args)
-        return 0
-    return parent(args)
+    return common.run_parent_or_child(parser, "bench_first_launch", child, parent)
 
 
 if __name__ == "__main__":

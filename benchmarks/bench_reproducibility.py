@@ -205,13 +205,7 @@ def main() -> int:
         "--table", default=None, help="table for the pinned mode (default configs/sm90/matmul.msgpack)"
     )
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per child process")
-    args = parser.parse_args()
-    if not common.require_device(args, "bench_reproducibility"):
-        return 2
-    if args.child:
-        child(args)
-        return 0
-    return parent(args)
+    return common.run_parent_or_child(parser, "bench_reproducibility", child, parent)
 
 
 if __name__ == "__main__":

@@ -168,13 +168,7 @@ def main() -> int:
     parser.add_argument("--tie-band", type=float, default=0.02, help="tuner tie band")
     parser.add_argument("--plot", default=None, help="draw the first process's tuning plots here")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per child process")
-    args = parser.parse_args()
-    if not common.require_device(args, "bench_retune"):
-        return 2
-    if args.child:
-        child(args)
-        return 0
-    return parent(args)
+    return common.run_parent_or_child(parser, "bench_retune", child, parent)
 
 
 if __name__ == "__main__":

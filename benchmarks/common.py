@@ -66,6 +66,22 @@ def require_device(args: argparse.Namespace, name: str) -> bool:
     return False
 
 
+def run_parent_or_child(
+    parser: argparse.ArgumentParser,
+    name: str,
+    child: Callable[[argparse.Namespace], None],
+    parent: Callable[[argparse.Namespace], int],
+) -> int:
+    """The shared ``main`` of the multi-process benchmarks: parse, check the device, dispatch."""
+    args = parser.parse_args()
+    if not require_device(args, name):
+        return 2
+    if args.child:
+        child(args)
+        return 0
+    return parent(args)
+
+
 def child_env(smoke: bool, **extra: str | None) -> dict[str, str]:
     """A clean environment for a fresh child: repo importable, no inherited tuning state."""
     env = {

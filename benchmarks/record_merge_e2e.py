@@ -136,13 +136,7 @@ def main() -> int:
     common.add_common_arguments(parser)
     parser.add_argument("--processes", type=int, default=None, help="recording processes (default 4)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per child process")
-    args = parser.parse_args()
-    if not common.require_device(args, "record_merge_e2e"):
-        return 2
-    if args.child:
-        child(args)
-        return 0
-    return parent(args)
+    return common.run_parent_or_child(parser, "record_merge_e2e", child, parent)
 
 
 if __name__ == "__main__":
