@@ -10,6 +10,7 @@ end to end before any GPU minute is spent; smoke numbers mean nothing.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -33,6 +34,8 @@ MATMUL_SHAPES: list[tuple[int, int, int]] = [
 ]
 SMOKE_MATMUL_SHAPES: list[tuple[int, int, int]] = [(32, 48, 40), (64, 32, 48)]
 RESULT_MARK = "RESULT "
+# Contexts held for the whole process (closed at exit); a bare __enter__ would be undone at GC.
+_PROCESS_CONTEXTS = contextlib.ExitStack()
 
 
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,6 +52,11 @@ def require_device(args: argparse.Namespace, name: str) -> bool:
     """True when the benchmark can run: a CUDA GPU, or ``--smoke``. Explains itself otherwise."""
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"
+        # Triton 3.3 resolves its benchmarker when a kernel is decorated, which fails without a
+        # GPU driver: keep the lazy one for this whole (short-lived) smoke process.
+        from megatron_tuning.interception import lazy_benchmarker
+
+        _PROCESS_CONTEXTS.enter_context(lazy_benchmarker())
         return True
     try:
         import torch

@@ -1,0 +1,49 @@
+"""Every GPU benchmark's ``--smoke`` path runs on CPU, so a broken script is caught before a GPU call.
+
+The smoke numbers are meaningless (Triton interpreter, tiny shapes); these tests check plumbing:
+exit code, the JSON written, and the end-to-end facts a smoke run can still prove (record ->
+merge -> pin gives table hits only).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _smoke(script: str, tmp_path: Path) -> dict:
+    out = tmp_path / "result.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRON_TUNING_")}
+    env["PYTHONPATH"] = str(REPO)
+    done = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / script), "--smoke", "--out", str(out)],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_record_merge_pin_end_to_end(tmp_path: Path) -> None:
+    result = _smoke("record_merge_e2e.py", tmp_path)
+    assert result["processes"] == 2 and len(result["recorded"]) == 2
+    assert result["rows"] and all(row["pinned_source"] == "table" for row in result["rows"])
+    assert result["merge"]["entries"] == len(result["rows"])
+
+
+@pytest.mark.parametrize(
+    "script", ["bench_launch_overhead.py", "bench_quality.py", "bench_reproducibility.py"]
+)
+def test_benchmark_smoke_paths(script: str, tmp_path: Path) -> None:
+    result = _smoke(script, tmp_path)
+    assert result["environment"]["python"]
