@@ -1,0 +1,120 @@
+"""init_deterministic_tuning as a single-process user calls it: env policy, tables, outputs."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from triton.runtime.autotuner import Autotuner
+
+import megatron_tuning
+from megatron_tuning import interception
+from megatron_tuning.decisions import read_decisions
+from megatron_tuning.errors import PolicyError
+from megatron_tuning.recording import recording_path
+from megatron_tuning.selection import config_data, config_signature, kernel_id
+from megatron_tuning.table import Entry, Table, load_table, save_table
+
+from . import support_kernels as sk
+from .support_kernels import grid
+
+KEY_30 = "n=30 | x_ptr:torch.float32, y_ptr:torch.float32, out_ptr:torch.float32"
+
+
+@pytest.fixture(autouse=True)
+def _fresh_kernels():
+    sk.BENCH_CALLS.clear()
+    sk.scale_add.cache.clear()
+    yield
+    sk.scale_add.cache.clear()
+
+
+def _launch(n: int = 30) -> None:
+    x, y = torch.randn(n), torch.randn(n)
+    out = torch.empty(n)
+    sk.scale_add[grid(n)](x, y, out, n, 2.0)
+    torch.testing.assert_close(out, 2.0 * x + y)
+
+
+def _table_pinning(path, config) -> None:  # noqa: ANN001
+    table = Table()
+    table.add(Entry(arch="unknown", kernel=kernel_id(sk.scale_add), key=KEY_30, config=config_data(config)))
+    save_table(table, path)
+
+
+def test_env_table_pins_and_close_restores_triton(tmp_path, monkeypatch, caplog):
+    table_path = tmp_path / "pins.msgpack"
+    _table_pinning(table_path, sk.ADD_CONFIGS[2])
+    monkeypatch.setenv("MEGATRON_TUNING_TABLE", str(table_path))
+    monkeypatch.setenv("MEGATRON_TUNING_ON_MISS", "error")
+    original_run = Autotuner.__dict__["run"]
+    with (
+        caplog.at_level(logging.INFO, logger="megatron_tuning"),
+        megatron_tuning.init_deterministic_tuning() as handle,
+    ):
+        assert handle.policy.mode == "deterministic" and interception.installed()
+        _launch(30)
+        with pytest.raises(megatron_tuning.TableMissError, match="n=31"):
+            _launch(31)
+    assert Autotuner.__dict__["run"] is original_run and not interception.installed()
+    decision = megatron_tuning.get_decisions()[0]
+    assert (decision.source, decision.origin) == ("table", str(table_path))
+    assert decision.signature == config_signature(sk.ADD_CONFIGS[2])
+    assert sk.BENCH_CALLS == []
+    started = [r.getMessage() for r in caplog.records if r.getMessage().startswith("megatron_tuning: mode=")]
+    assert len(started) == 1 and str(table_path) in started[0]
+
+
+def test_decision_log_is_written_per_rank_at_close(tmp_path, monkeypatch):
+    monkeypatch.setenv("RANK", "3")
+    log = tmp_path / "decisions-{rank}.json"
+    handle = megatron_tuning.init_deterministic_tuning(megatron_tuning.TuningPolicy(decision_log=str(log)))
+    _launch(30)
+    handle.close()
+    handle.close()  # idempotent
+    (decision,) = read_decisions(tmp_path / "decisions-3.json")
+    assert decision.rank == 3 and decision.key == KEY_30 and decision.source == "cheapest"
+
+
+def test_record_mode_writes_this_ranks_recording(tmp_path, monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    policy = megatron_tuning.TuningPolicy(mode="record", record_dir=str(tmp_path))
+    with megatron_tuning.init_deterministic_tuning(policy):
+        _launch(30)
+    assert len(sk.BENCH_CALLS) == len(sk.ADD_CONFIGS)  # Triton tuned as usual
+    (entry,) = list(load_table(recording_path(tmp_path, 1)))
+    assert entry.how == "recorded" and entry.key == KEY_30
+    assert config_signature(entry.config) == config_signature(sk.scale_add.best_config)
+
+
+def test_second_init_replaces_the_first(tmp_path):
+    first = megatron_tuning.init_deterministic_tuning(megatron_tuning.TuningPolicy())
+    second = megatron_tuning.init_deterministic_tuning(megatron_tuning.TuningPolicy(mode="chaos"))
+    assert first.closed and not second.closed
+    assert interception.current_policy().mode == "chaos"
+    second.close()
+    assert not interception.installed()
+
+
+def test_bad_environment_installs_nothing(monkeypatch):
+    monkeypatch.setenv("MEGATRON_TUNING_ON_MISS", "sometimes")
+    with pytest.raises(PolicyError, match="MEGATRON_TUNING_ON_MISS"):
+        megatron_tuning.init_deterministic_tuning()
+    assert not interception.installed()
+
+
+def test_corrupt_table_file_is_a_clear_error_and_installs_nothing(tmp_path, monkeypatch):
+    bad = tmp_path / "bad.msgpack"
+    bad.write_bytes(b"\x93not a table")
+    monkeypatch.setenv("MEGATRON_TUNING_TABLE", str(bad))
+    with pytest.raises(megatron_tuning.TableError, match="bad.msgpack"):
+        megatron_tuning.init_deterministic_tuning()
+    assert not interception.installed()
+
+
+def test_mamba_variable_warns_when_mode_is_off(monkeypatch, caplog):
+    monkeypatch.setenv("MAMBA_DETERMINISTIC", "1")
+    with caplog.at_level(logging.WARNING, logger="megatron_tuning"):
+        megatron_tuning.init_deterministic_tuning(megatron_tuning.TuningPolicy(mode="off")).close()
+    assert any("MAMBA_DETERMINISTIC" in r.getMessage() for r in caplog.records)
