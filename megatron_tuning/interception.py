@@ -75,7 +75,6 @@ class _AutotunerState:
     in_scope: bool
     kernel: str
     key_index: tuple[tuple[str, int], ...]
-    arg_count: int
     pins: dict[tuple[Any, ...], Any] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
     source_hash: str | None = None
@@ -270,7 +269,6 @@ def _state_for(autotuner: Any, installation: _Installation) -> _AutotunerState:
         in_scope=installation.policy.in_scope(kernel_module(autotuner)),
         kernel=kernel,
         key_index=tuple((name, arg_names.index(name)) for name in autotuner.keys if name in arg_names),
-        arg_count=len(arg_names),
     )
     autotuner.__dict__[_STATE_ATTR] = state
     _touched.add(autotuner)
@@ -289,9 +287,16 @@ def _state_for(autotuner: Any, installation: _Installation) -> _AutotunerState:
 
 
 def _raw_key(state: _AutotunerState, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
-    """Hot-path cache key: the same values and dtypes as Triton's key, without building text."""
+    """Hot-path cache key: Triton's key values and dtypes, without building text.
+
+    Each key value is paired with its type so ``True``/``1``/``1.0`` stay distinct keys, as they
+    are in ``tuning_key`` (in a plain tuple they compare equal and would share one decision).
+    """
     count = len(args)
-    values = [args[i] if i < count else kwargs.get(name) for name, i in state.key_index]
+    values: list[Any] = []
+    for name, i in state.key_index:
+        value = args[i] if i < count else kwargs.get(name)
+        values.append((value.__class__, value))
     values.extend(a.dtype for a in args if hasattr(a, "dtype"))
     if kwargs:
         values.extend(v.dtype for v in kwargs.values() if hasattr(v, "dtype"))

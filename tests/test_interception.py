@@ -114,6 +114,17 @@ def test_heuristics_outside_the_autotuner():
     assert [d.key.split(" |")[0] for d in get_decisions()] == ["n=20, flag=0", "n=20, flag=1"]
 
 
+def test_bool_and_int_key_values_are_separate_decisions():
+    interception.install(TuningPolicy(mode="deterministic"))
+    x = torch.randn(20)
+    for flag in (1, True, 1.0):
+        out = torch.empty(20)
+        sk.maybe_double[grid(20)](x, out, 20, flag)
+        torch.testing.assert_close(out, x * 2)
+    keys = [d.key.split(" |")[0] for d in get_decisions()]
+    assert keys == ["n=20, flag=1", "n=20, flag=True", "n=20, flag=1.0"]
+
+
 def test_single_config_kernel_is_recorded_as_single():
     interception.install(TuningPolicy(mode="deterministic", on_miss="error"))
     x = torch.randn(10)
