@@ -70,13 +70,16 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     p.add_argument("tables", nargs="+", metavar="TABLE", help="table files (.msgpack, or .json views)")
     p.add_argument("--kernel", help="only kernels whose id contains this text (or matches this glob)")
     p.add_argument("--arch", help="only entries for this arch, e.g. sm90")
-    p.add_argument("--json", action="store_true", help="print the (filtered) table as its JSON view")
+    p.add_argument(
+        "--json", action="store_true", help="print the (filtered) table as its JSON view (one TABLE only)"
+    )
     p.set_defaults(handler=_cmd_show)
 
     p = sub.add_parser(
         "export",
         help="convert a msgpack table to its lossless JSON view",
-        description="Write the JSON view of a table (to stdout when OUT is omitted or '-').",
+        description="Write the JSON view of a table (to stdout when OUT is omitted or '-'). "
+        "The view is UTF-8 whatever the terminal's encoding.",
     )
     p.add_argument("table", metavar="TABLE")
     p.add_argument("out", nargs="?", default="-", metavar="OUT")
@@ -191,6 +194,30 @@ def _module_exists(name: str) -> bool:
         return False
 
 
+def _tolerate_unencodable_output() -> None:
+    # Keys, notes and paths may hold any Unicode; a terminal (or PYTHONIOENCODING) that
+    # cannot show a character must not turn `show` into a traceback. JSON views bypass
+    # this and are written as UTF-8 bytes (``_write_utf8``).
+    for stream in (sys.stdout, sys.stderr):
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None:
+            try:
+                reconfigure(errors="backslashreplace")
+            except (ValueError, OSError):  # a closed or exotic stream: leave it alone
+                pass
+
+
+def _write_utf8(text: str) -> None:
+    """Write a JSON view to stdout as UTF-8 (its defined encoding), as a file would hold it."""
+    buffer = getattr(sys.stdout, "buffer", None)
+    if buffer is None:
+        sys.stdout.write(text)
+        return
+    sys.stdout.flush()
+    buffer.write(text.encode("utf-8"))
+    buffer.flush()
+
+
 def _unavailable(name: str, why: str) -> Callable[[argparse.Namespace], int]:
     def handler(_: argparse.Namespace) -> int:
         print(f"megatron-tuning {name}: not available in this install ({why})", file=sys.stderr)
@@ -203,6 +230,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m megatron_tuning`` and the ``megatron-tuning`` script."""
     parser = build_parser(argv)
     args = parser.parse_args(argv)
+    _tolerate_unencodable_output()
     level = logging.WARNING if args.verbose == 0 else logging.INFO if args.verbose == 1 else logging.DEBUG
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     if args.handler is None:  # a stub that parse_args accepted without importing its module
@@ -229,6 +257,10 @@ def _cmd_show(args: argparse.Namespace) -> int:
     from megatron_tuning.review import entry_lines, kernel_matches
     from megatron_tuning.table import Table, load_table
 
+    if args.json and len(args.tables) > 1:
+        # Several JSON documents back to back are not JSON; a script wants one per call.
+        print("megatron-tuning show: --json takes one TABLE (run it once per table)", file=sys.stderr)
+        return EXIT_USAGE
     for index, path in enumerate(args.tables):
         table = load_table(path)
         chosen = [
@@ -238,7 +270,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
         ]
         if args.json:
             view = Table(chosen, library_version=table.library_version, meta=table.meta)
-            sys.stdout.write(view.to_json())
+            _write_utf8(view.to_json())
             continue
         if index:
             print()
@@ -252,9 +284,17 @@ def _cmd_show(args: argparse.Namespace) -> int:
 def _cmd_export(args: argparse.Namespace) -> int:
     from megatron_tuning.table import load_table, write_atomic
 
+    if args.out.endswith(".msgpack"):
+        # load_table reads a .msgpack name as msgpack: JSON there would be unreadable.
+        print(
+            f"megatron-tuning export: {args.out} ends in .msgpack, but export writes the JSON "
+            "view; name it .json (import converts JSON back to msgpack)",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
     text = load_table(args.table).to_json()
     if args.out == "-":
-        sys.stdout.write(text)
+        _write_utf8(text)
     else:
         write_atomic(args.out, text.encode("utf-8"))
     return EXIT_OK

@@ -32,7 +32,7 @@ def describe_entry(entry: Entry) -> str:
             text += f" ±{timing.spread_ms / 2:.2g}"
         facts.append(text)
         if timing.runner_up_ms is not None and timing.median_ms > 0:
-            facts.append(f"runner-up +{100 * (timing.runner_up_ms / timing.median_ms - 1):.1f}%")
+            facts.append(_runner_up(timing.runner_up_ms, timing.median_ms))
     if timing is not None and timing.candidates is not None:
         facts.append(f"{timing.candidates} candidates")
     if entry.votes is not None:
@@ -43,6 +43,15 @@ def describe_entry(entry: Entry) -> str:
         facts.append(f"triton {entry.triton_version}")
     note = f"  # {entry.note}" if entry.note else ""
     return f"{config_signature(entry.config)}  ({', '.join(facts)}){note}"
+
+
+def _runner_up(runner_up_ms: float, median_ms: float) -> str:
+    # The winner is not always the fastest median (a tie broken by static cost, or
+    # Triton's own pick): say "faster" rather than print a signed "+-0.5%".
+    delta = 100 * (runner_up_ms / median_ms - 1)
+    if runner_up_ms < median_ms:
+        return f"runner-up {-delta:.1f}% faster"
+    return f"runner-up +{delta:.1f}%"
 
 
 def entry_lines(entries: Iterable[Entry]) -> list[str]:

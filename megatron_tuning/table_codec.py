@@ -32,6 +32,7 @@ from megatron_tuning.table_entry import (
     Invalid,
     Timing,
     check_config,
+    check_text,
     entry_from_data,
     make_entry,
 )
@@ -102,6 +103,11 @@ def decode_msgpack(data: bytes) -> _Decoded:
     try:
         doc = msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True, timestamp=0)
     except msgpack.ExtraData:
+        if data.lstrip()[:1] == b"{":  # 123 as a msgpack int, then the rest: a JSON view
+            raise Invalid(
+                "this is JSON, not msgpack: name JSON views *.json, or convert with "
+                "`megatron-tuning import FILE OUT.msgpack`"
+            ) from None
         raise Invalid("trailing bytes after the table (corrupt or concatenated file)") from None
     except (ValueError, msgpack.UnpackException, TypeError, UnicodeDecodeError) as exc:
         raise Invalid(f"not valid msgpack (truncated or corrupt): {exc or type(exc).__name__}") from None
@@ -260,6 +266,10 @@ def check_header(version: Any, meta: Any) -> tuple[str, dict[str, str]]:
     meta = {} if meta is None else meta
     if type(meta) is not dict or not all(type(k) is str and type(v) is str for k, v in meta.items()):
         raise Invalid("header meta must map strings to strings")
+    check_text("header library_version", version)
+    for k, v in meta.items():
+        check_text("header meta key", k)
+        check_text("header meta value", v)
     return version, meta
 
 

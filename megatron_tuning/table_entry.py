@@ -185,6 +185,8 @@ def entry_from_data(row: Any) -> Entry:
         raise Invalid(f"kernel must be a 'module:qualname' string, got {kernel!r}")
     if type(key) is not str:
         raise Invalid("key must be a string")
+    for name, text in (("arch", arch), ("kernel", kernel), ("key", key)):
+        check_text(name, text)
     if type(how) is not str or how not in HOW_VALUES:
         raise Invalid(f"how must be one of {HOW_VALUES}, got {how!r}")
     where = f"(arch={arch!r} kernel={kernel!r} key={key!r})"
@@ -193,14 +195,26 @@ def entry_from_data(row: Any) -> Entry:
         fields: dict[str, Any] = {"arch": arch, "kernel": kernel, "key": key, "config": config, "how": how}
         for name in ("source_hash", "triton_version", "note"):
             value = row.get(name)
-            if value is not None and type(value) is not str:
-                raise Invalid(f"{name} must be a string")
+            if value is not None:
+                if type(value) is not str:
+                    raise Invalid(f"{name} must be a string")
+                check_text(name, value)
             fields[name] = value
         fields["timing"] = _check_timing(row.get("timing"))
         fields["votes"] = _check_votes(row.get("votes"))
     except Invalid as exc:
         raise Invalid(f"{exc} {where}") from None
     return make_entry(tuple(fields[name] for name in _EntryFields._fields))
+
+
+def check_text(name: str, text: str) -> None:
+    """Raise ``Invalid`` unless ``text`` can be stored: msgpack strings are UTF-8, and a
+    lone surrogate (which a JSON ``\\ud800`` escape produces) has no UTF-8 form."""
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise Invalid(f"{name} {text!r} is not valid Unicode (lone surrogate)") from None
 
 
 # Canonical configs are interned: a table has few distinct configs and many entries, so
@@ -246,7 +260,10 @@ def _check_config(config: Any) -> dict[str, Any]:
 def _canonical(value: Any, depth: int) -> Any:
     """Validate a msgpack/JSON-safe value; return it with every map's keys sorted."""
     kind = type(value)
-    if kind is str or kind is bool or value is None:
+    if kind is str:
+        check_text("config string", value)
+        return value
+    if kind is bool or value is None:
         return value
     if kind is int:
         if not INT_MIN <= value <= INT_MAX:
@@ -263,6 +280,7 @@ def _canonical(value: Any, depth: int) -> Any:
         for k in sorted(value, key=lambda k: (type(k) is not str, str(k))):
             if type(k) is not str:
                 raise Invalid(f"config map keys must be strings, got {k!r}")
+            check_text("config key", k)
             out[k] = _canonical(value[k], depth + 1)
         return out
     if kind is list or kind is tuple:  # tuples become lists: that is what a reload gives

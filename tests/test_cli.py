@@ -97,6 +97,55 @@ def test_show_lists_entries_with_provenance_and_filters(capsys, table_path):
     assert [e["kernel"] for e in json.loads(out)["entries"]] == ["pkg.other:gemm"]
 
 
+def test_show_says_a_faster_runner_up_is_faster(capsys, tmp_path):
+    path = tmp_path / "t.msgpack"
+    timing = Timing(median_ms=0.25, runner_up_ms=0.24875)  # winner kept by a tie-break
+    save_table(Table([entry(64, timing=timing)]), path)
+    code, out, _ = run(capsys, "show", path)
+    assert code == 0 and "runner-up 0.5% faster" in out and "+-" not in out
+
+
+def test_show_json_of_several_tables_is_refused_not_concatenated(capsys, tmp_path, table_path):
+    code, out, err = run(capsys, "show", table_path, table_path, "--json")
+    assert code == 2 and out == "" and "--json takes one TABLE" in err and len(err.splitlines()) == 1
+
+
+def test_non_utf8_terminal_gets_escapes_and_json_stays_utf8(tmp_path):
+    path = tmp_path / "u.msgpack"
+    save_table(Table([entry(64, key="ключ=é")]), path)
+    env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONIOENCODING="ascii")
+
+    def cli_bytes(*argv: object) -> subprocess.CompletedProcess[bytes]:
+        return subprocess.run(
+            [sys.executable, "-m", "megatron_tuning", *map(str, argv)],
+            env=env,
+            capture_output=True,
+            timeout=120,
+        )
+
+    shown = cli_bytes("show", path)
+    assert shown.returncode == 0 and b"Traceback" not in shown.stderr
+    assert b"\\u043a" in shown.stdout and b"\\xb1" in shown.stdout  # key and the "±" escaped
+    exported = cli_bytes("export", path)
+    assert exported.returncode == 0 and b"Traceback" not in exported.stderr
+    assert exported.stdout == Table.from_bytes(path.read_bytes()).to_json().encode("utf-8")
+    assert cli_bytes("show", path, "--json").stdout == exported.stdout
+
+
+def test_export_refuses_a_msgpack_output_name(capsys, tmp_path, table_path):
+    target = tmp_path / "view.msgpack"
+    code, _, err = run(capsys, "export", table_path, target)
+    assert code == 2 and "name it .json" in err and not target.exists()
+
+
+def test_import_of_json_with_lone_surrogate_exits_2(capsys, tmp_path, table_path):
+    view = tmp_path / "sur.json"
+    view.write_text(Table([entry(64)]).to_json().replace('"M=1"', '"M=\\ud800"'))
+    code, _, err = run(capsys, "import", view, tmp_path / "out.msgpack")
+    assert code == 2 and "lone surrogate" in err and str(view) in err
+    assert not (tmp_path / "out.msgpack").exists()
+
+
 def test_export_import_round_trip_is_byte_identical(capsys, tmp_path, table_path):
     exported = tmp_path / "t.json"
     assert run(capsys, "export", table_path, exported)[0] == 0

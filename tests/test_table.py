@@ -243,6 +243,36 @@ def test_bad_json_raises_table_error(tmp_path, text, match):
         load_table(path)
 
 
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("key", "M=\ud800"), ("note", "\udfff"), ("meta", "\ud800"), ("config", "\ud800")],
+)
+def test_json_with_lone_surrogates_is_rejected_at_load(tmp_path, field, value):
+    # json.loads turns a "\ud800" escape into a str that msgpack cannot encode; it used to
+    # load fine and then fail with UnicodeEncodeError on save (a traceback in `import`).
+    doc = json.loads(sample_table().to_json())
+    if field == "meta":
+        doc["meta"] = {"who": value}
+    elif field == "config":
+        doc["entries"][0]["config"]["kwargs"]["MODE"] = value
+    else:
+        doc["entries"][0][field] = value
+    path = tmp_path / "sur.json"
+    path.write_text(json.dumps(doc))  # ensure_ascii: the surrogate is written as an escape
+    with pytest.raises(TableError, match="lone surrogate") as info:
+        load_table(path)
+    assert info.value.path == str(path)
+    with pytest.raises(ValueError, match="lone surrogate"):
+        Entry(arch="sm90", kernel="m:f", key=value, config={"kwargs": {}, "num_warps": 4, "num_stages": 3})
+
+
+def test_json_view_named_msgpack_gets_a_clear_error(tmp_path):
+    path = tmp_path / "view.msgpack"
+    path.write_text(sample_table().to_json())
+    with pytest.raises(TableError, match="this is JSON, not msgpack"):
+        load_table(path)
+
+
 def test_duplicate_json_entries_are_rejected():
     doc = json.loads(sample_table().to_json())
     doc["entries"].append(doc["entries"][0])
