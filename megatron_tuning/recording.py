@@ -22,6 +22,7 @@ from typing import Any
 import msgpack
 
 from megatron_tuning.decisions import Decision
+from megatron_tuning.errors import TableError
 from megatron_tuning.selection import config_signature, estimate_config_cost
 from megatron_tuning.table import Entry, Table, Timing, entry_with, load_table, save_table, update_table
 from megatron_tuning.tableset import expand_table_paths, installed_triton_version
@@ -338,6 +339,10 @@ def merge_files(out: str | os.PathLike[str], inputs: Iterable[str | os.PathLike[
     target = os.fspath(out)
     inputs = list(inputs)
     loaded = load_inputs(inputs, exclude=[target] if not _listed(target, inputs) else [])
+    if not loaded:  # e.g. a folder holding only an earlier output: never write an empty table
+        raise TableError(
+            ", ".join(os.fspath(p) for p in inputs), f"no input tables to merge besides {target}"
+        )
     result = merge_tables(loaded)
     save_table(result.table, target)
     if result.disagreements:

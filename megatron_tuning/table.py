@@ -253,7 +253,10 @@ def write_atomic(path: str | os.PathLike[str], payload: bytes) -> None:
             os.fsync(handle.fileno())
         if _BEFORE_REPLACE is not None:
             _BEFORE_REPLACE(tmp)
-        os.replace(tmp, target)
+        try:
+            os.replace(tmp, target)
+        except OSError as exc:  # e.g. the target is a folder: name it, not our temp file
+            raise OSError(exc.errno, f"cannot write {target}: {exc.strerror}") from exc
     except BaseException:
         try:
             os.unlink(tmp)

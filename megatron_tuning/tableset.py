@@ -8,7 +8,7 @@ shipped tables load lazily, per arch, on the first lookup for that arch.
 
 Validators on use: an entry for another arch never applies (arch is part of the key);
 an entry whose kernel source hash or Triton version differs from the running one is
-*stale*: warned about once per (kernel, key, file), then used, skipped (a miss, so a
+*stale*: warned about once per (kernel, file, reason), then used, skipped (a miss, so a
 later file may still answer), or raised as ``StaleEntryError``, per ``stale_entries``.
 """
 
@@ -60,10 +60,13 @@ def shipped_tables_dir() -> Path:
         return Path(__file__).resolve().parent.parent / "configs"
 
 
-def expand_table_paths(paths: Iterable[str | os.PathLike[str]]) -> list[str]:
+def expand_table_paths(
+    paths: Iterable[str | os.PathLike[str]], *, allow_empty_folders: bool = False
+) -> list[str]:
     """Files named by ``paths`` (folders expand to their ``*.msgpack`` in name order), deduplicated.
 
-    A path that does not exist raises ``TableError``: a typo in a table path must not
+    A path that does not exist, or a folder without any ``*.msgpack`` table (unless
+    ``allow_empty_folders``), raises ``TableError``: a typo in a table path must not
     silently fall back to the cheapest config.
     """
     files: list[str] = []
@@ -74,12 +77,20 @@ def expand_table_paths(paths: Iterable[str | os.PathLike[str]]) -> list[str]:
             continue
         if os.path.isdir(path):
             found = sorted(str(p) for p in Path(path).glob("*.msgpack") if p.is_file())
+            if not found and not allow_empty_folders:
+                views = any(Path(path).glob("*.json"))
+                raise TableError(
+                    path,
+                    "folder holds no *.msgpack tables"
+                    + (
+                        " (JSON views load only by file name, or convert them with `import`)" if views else ""
+                    ),
+                )
         elif os.path.exists(path):
             found = [path]
         else:
-            raise TableError(
-                path, "no such file or folder (check the policy's tables / MEGATRON_TUNING_TABLE)"
-            )
+            where = "" if os.path.isabs(path) else f" (relative to {os.getcwd()})"
+            raise TableError(path, f"no such file or folder{where}")
         for name in found:
             real = os.path.realpath(name)
             if real not in seen:
@@ -108,9 +119,12 @@ class TableSet:
         self.triton_version = triton_version if triton_version is not None else installed_triton_version()
         self._shipped_dir = Path(shipped_dir) if shipped_dir is not None else None
         self._lock = threading.Lock()
-        self._tables: list[tuple[str, Table]] = [
-            (name, load_table(name)) for name in expand_table_paths(paths)
-        ]
+        try:
+            names = expand_table_paths(paths)
+        except TableError as exc:
+            hint = " (check the policy's tables / MEGATRON_TUNING_TABLE)"
+            raise TableError(exc.path, exc.problem + hint) from None
+        self._tables: list[tuple[str, Table]] = [(name, load_table(name)) for name in names]
         self._shipped_archs: set[str] = set()
         # First-wins index over all loaded files: O(1) lookups. Later files' entries for
         # the same ident are found by scanning only when the first one is skipped as stale.
@@ -159,11 +173,15 @@ class TableSet:
                 return TableHit(MappingProxyType(entry.config), origin)
             if self.stale_entries == "error":
                 raise StaleEntryError(kernel, key, origin, detail)
+            # One warning per cause: a kernel edit or a Triton upgrade makes every key of
+            # the kernel stale at once, and one line per key would bury the log.
+            cause = ("stale-entry", arch, kernel, origin, detail)
             if self.stale_entries == "use":
                 warn_once(
-                    ("stale-entry", arch, kernel, key, origin),
+                    cause,
                     "Table entry for kernel %s key %s in %s is stale (%s); using it anyway "
-                    "(stale_entries='use'). Re-tune to refresh it.",
+                    "(stale_entries='use'). Re-tune to refresh it. Other keys of this kernel "
+                    "stale for the same reason are used without another warning.",
                     kernel,
                     key,
                     origin,
@@ -171,8 +189,9 @@ class TableSet:
                 )
                 return TableHit(MappingProxyType(entry.config), origin)
             warn_once(
-                ("stale-entry", arch, kernel, key, origin),
-                "Table entry for kernel %s key %s in %s is stale (%s); ignoring it (stale_entries='miss').",
+                cause,
+                "Table entry for kernel %s key %s in %s is stale (%s); ignoring it (stale_entries='miss'). "
+                "Other keys of this kernel stale for the same reason are ignored without another warning.",
                 kernel,
                 key,
                 origin,
@@ -217,7 +236,7 @@ class TableSet:
                 return
             folder = self._shipped_dir / arch
             loaded = {os.path.realpath(name) for name, _ in self._tables}
-            names = expand_table_paths([folder]) if folder.is_dir() else []
+            names = expand_table_paths([folder], allow_empty_folders=True) if folder.is_dir() else []
             for name in names:
                 if os.path.realpath(name) in loaded:
                     continue

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -101,17 +102,27 @@ def _import_kernels(modules: Sequence[str], report: ValidationReport) -> tuple[s
     for name in modules:
         try:
             module = _import_for_inspection(name)
-        except Exception as exc:  # any import failure is a finding about the user's code, not a crash
+        except (Exception, SystemExit) as exc:  # a finding about the user's code, not a crash
             report.problems.append(Problem("-", "-", f"{name}:*", "-", f"cannot import module: {exc!r}"))
             continue
-        covered.add(name)
-        for autotuner in find_autotuners(module):
-            covered.add(kernel_module(autotuner))
-            kernels[kernel_id(autotuner)] = _Kernel(
-                kernel_source_hash(autotuner),
-                frozenset(config_signature(c) for c in autotuner.configs),
-                getattr(autotuner, "early_config_prune", None) is not None,
-            )
+        # A package that re-exports some kernels of a submodule: scan that submodule too,
+        # so its other kernels are not reported missing. Only scanned modules count as
+        # covered.
+        pending = [(name, module)]
+        while pending:
+            module_name, scanned = pending.pop()
+            if module_name in covered:
+                continue
+            covered.add(module_name)
+            for autotuner in find_autotuners(scanned):
+                home = kernel_module(autotuner)
+                if home not in covered and sys.modules.get(home) is not None:
+                    pending.append((home, sys.modules[home]))
+                kernels[kernel_id(autotuner)] = _Kernel(
+                    kernel_source_hash(autotuner),
+                    frozenset(config_signature(c) for c in autotuner.configs),
+                    getattr(autotuner, "early_config_prune", None) is not None,
+                )
     return covered, kernels
 
 

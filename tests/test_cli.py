@@ -228,6 +228,13 @@ def test_merge_writes_table_and_reports_disagreement(capsys, tmp_path):
     assert code == 2 and "zz.msgpack" in err
 
 
+def test_merge_into_a_folder_names_the_folder_not_a_temp_file(capsys, tmp_path):
+    _recordings(tmp_path / "rec")
+    code, _, err = run(capsys, "merge", tmp_path / "rec", tmp_path / "rec")
+    assert code == 2 and f"cannot write {tmp_path / 'rec'}" in err and ".tmp" not in err
+    assert not [p for p in (tmp_path / "rec").iterdir() if p.name.endswith(".tmp")]
+
+
 # -- validate ----------------------------------------------------------------------
 def _kernel_entry(**changes: object) -> Entry:
     fields: dict[str, object] = {
@@ -296,6 +303,50 @@ def test_validate_reports_unimportable_module_and_bad_table(capsys, tmp_path, ta
     bad = tmp_path / "bad.msgpack"
     bad.write_bytes(b"")
     assert run(capsys, "validate", bad)[0] == 2
+
+
+def _package(root: Path, name: str, init: str) -> None:
+    (root / name).mkdir()
+    (root / name / "__init__.py").write_text(init)
+    (root / name / "kernels.py").write_text(
+        "import triton\n"
+        "import triton.language as tl\n"
+        "CONFIGS = [triton.Config({'B': 16}, num_warps=4, num_stages=3)]\n"
+        "@triton.autotune(configs=CONFIGS, key=['n'])\n"
+        "@triton.jit\n"
+        "def k1(x, n, B: tl.constexpr):\n"
+        "    pass\n"
+        "@triton.autotune(configs=CONFIGS, key=['n'])\n"
+        "@triton.jit\n"
+        "def k2(x, n, B: tl.constexpr):\n"
+        "    pass\n"
+    )
+
+
+def test_validate_scans_the_home_module_of_re_exported_kernels(capsys, tmp_path, monkeypatch):
+    # `--import pkg` where pkg/__init__ re-exports only k1 of pkg.kernels used to report
+    # pkg.kernels:k2 as "no autotuned kernel" although it is right there.
+    _package(tmp_path, "reexport_pkg_a", "from reexport_pkg_a.kernels import k1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = {"kwargs": {"B": 16}, "num_warps": 4, "num_stages": 3}
+    entries = [
+        Entry(arch="sm90", kernel=f"reexport_pkg_a.kernels:{k}", key="n=1", config=config)
+        for k in ("k1", "k2")
+    ]
+    path = tmp_path / "v.msgpack"
+    save_table(Table([*entries, entry(64, kernel="reexport_pkg_a.kernels:gone")]), path)
+    code, out, _ = run(capsys, "validate", path, "--arch", "sm90", "--import", "reexport_pkg_a")
+    assert code == 1 and "1 problem(s)" in out and "reexport_pkg_a.kernels:gone" in out
+    assert "reexport_pkg_a.kernels:k2" not in out
+
+
+def test_validate_module_that_exits_at_import_is_a_problem_not_an_exit(
+    capsys, tmp_path, monkeypatch, table_path
+):
+    (tmp_path / "exits_at_import.py").write_text("import sys\nsys.exit(3)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code, out, _ = run(capsys, "validate", table_path, "--arch", "sm90", "--import", "exits_at_import")
+    assert code == 1 and "cannot import module: SystemExit(3)" in out
 
 
 # -- coverage ----------------------------------------------------------------------

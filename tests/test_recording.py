@@ -10,6 +10,7 @@ import torch
 
 from megatron_tuning import interception
 from megatron_tuning.decisions import Decision, decision_log, get_decisions
+from megatron_tuning.errors import TableError
 from megatron_tuning.policy import TuningPolicy
 from megatron_tuning.recording import (
     entry_from_decision,
@@ -209,6 +210,23 @@ def test_merge_files_reads_folders_and_skips_the_output(tmp_path):
     again = merge_files(out, [tmp_path])  # the earlier output in the same folder is not a vote
     assert again.inputs == [str(recording_path(tmp_path, r)) for r in range(3)]
     assert load_table(out).get("sm90", KERNEL, "M=1").votes == (2, 3)
+
+
+def test_merge_files_refuses_to_write_an_empty_table(tmp_path):
+    empty = tmp_path / "rec"
+    empty.mkdir()
+    out = tmp_path / "merged.msgpack"
+    with pytest.raises(TableError, match="no \\*.msgpack tables"):
+        merge_files(out, [empty])
+    # A folder holding only an earlier output: nothing to vote with either.
+    write_recording([decision(64, rank=0)], tmp_path / "only", rank=0)
+    only_out = tmp_path / "only" / "merged.msgpack"
+    merge_files(only_out, [tmp_path / "only"])
+    (tmp_path / "only" / "recording-rank00000.msgpack").unlink()
+    before = only_out.read_bytes()
+    with pytest.raises(TableError, match="no input tables to merge"):
+        merge_files(only_out, [tmp_path / "only"])
+    assert only_out.read_bytes() == before and not out.exists()
 
 
 # -- end to end: record, merge, pin ------------------------------------------------

@@ -142,6 +142,35 @@ def test_missing_or_corrupt_paths_fail_at_construction(tmp_path):
         TableSet([], stale_entries="sometimes")
 
 
+def test_empty_folder_or_relative_typo_fails_naming_the_path(tmp_path, monkeypatch):
+    # A folder without tables pins nothing, exactly like a typo'd path: both must fail.
+    empty = tmp_path / "tables"
+    empty.mkdir()
+    (empty / "view.json").write_text("{}")
+    with pytest.raises(TableError, match="no \\*.msgpack tables.*JSON views") as info:
+        TableSet([empty])
+    assert info.value.path == str(empty) and "MEGATRON_TUNING_TABLE" in str(info.value)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(TableError, match=f"relative to {tmp_path}"):
+        TableSet(["typo.msgpack"])
+
+
+def test_stale_warning_once_per_cause_not_per_key(tmp_path, caplog):
+    keys = [f"M={m} | a:torch.float16" for m in range(5)]
+    path = write(
+        tmp_path / "a.msgpack",
+        *(entry(64, key=k) for k in keys),
+        entry(64, key="other hash", source_hash="99" * 32),
+    )
+    tables = TableSet([path], triton_version="3.6.0", stale_entries="use")
+    with caplog.at_level(logging.WARNING):
+        for key in [*keys, "other hash"]:
+            assert tables.lookup(KERNEL, key, arch="sm90", source_hash="22" * 32) is not None
+    messages = stale_warnings(caplog)
+    assert len(messages) == 2  # one kernel edit, two different tuned sources: two causes
+    assert keys[0] in messages[0] and "other hash" in messages[1]
+
+
 def test_search_order_policy_then_env_then_shipped(tmp_path, monkeypatch):
     policy_path = write(tmp_path / "policy.msgpack", entry(32))
     env_path = write(tmp_path / "env.msgpack", entry(64), entry(64, key="env key"))
