@@ -24,16 +24,24 @@ _DEFAULT_BAND = 0.02
 _WINNER, _TIED, _OTHER, _BAND = "#1b7837", "#7fbf7b", "#9e9e9e", "#fee08b"
 
 
-def _pyplot_free_figure(width: float, height: float) -> Any:
-    """A matplotlib Figure on the Agg canvas: no pyplot global state, no display needed."""
+def require_matplotlib() -> None:
+    """Raise an ``ImportError`` that says how to install matplotlib when it is missing."""
     try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
+        import matplotlib.backends.backend_agg  # noqa: F401
+        import matplotlib.figure  # noqa: F401
     except ImportError as exc:
         raise ImportError(
             "Plotting needs matplotlib: pip install matplotlib "
             "(or install megatron_tuning with the [plot] extra)."
         ) from exc
+
+
+def _pyplot_free_figure(width: float, height: float) -> Any:
+    """A matplotlib Figure on the Agg canvas: no pyplot global state, no display needed."""
+    require_matplotlib()
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
     figure = Figure(figsize=(width, height), dpi=100)
     FigureCanvasAgg(figure)
     return figure

@@ -106,7 +106,41 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     settings = TuneSettings.from_env(**_setting_overrides(args))  # validate before the long run
+    if args.plot:
+        from .plotting import require_matplotlib
+
+        try:
+            require_matplotlib()  # before the long run, not after it
+        except ImportError as exc:
+            print(f"tune: {exc}", file=sys.stderr)
+            return 2
+    temporary = not args.work_dir
     work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="megatron_tuning_tune_"))
+    try:
+        returncode, records = _run_job(command, work, settings, args)
+    except BaseException:
+        # Writing the table failed, or the run was interrupted: what was measured stays on disk.
+        if temporary and any((work / "results").glob(f"{_PROCESS_PREFIX}*.json")):
+            print(f"tune: per-process results kept in {work / 'results'}", file=sys.stderr)
+            temporary = False
+        raise
+    finally:
+        if temporary:
+            shutil.rmtree(work, ignore_errors=True)  # everything kept is in --out and --results now
+    if records and args.plot:
+        _plot(records, args.plot)
+    if records and returncode:
+        print(
+            f"tune: the job exited with status {returncode}; the table holds what it tuned before that",
+            file=sys.stderr,
+        )
+    return returncode
+
+
+def _run_job(
+    command: list[str], work: Path, settings: TuneSettings, args: argparse.Namespace
+) -> tuple[int, list[dict[str, Any]]]:
+    """Run the job, pool its per-process results, write ``--results`` and merge into ``--out``."""
     results_dir = work / "results"
     results_dir.mkdir(parents=True, exist_ok=True)
     env = job_environment(work, settings)
@@ -116,17 +150,15 @@ def run(args: argparse.Namespace) -> int:
         returncode = subprocess.run(argv, env=env, check=False).returncode
     except FileNotFoundError as exc:
         print(f"tune: cannot run {argv[0]!r}: {exc}", file=sys.stderr)
-        return 2
+        return 2, []
     records = pool_directory(results_dir, settings)
-    if not args.work_dir:
-        shutil.rmtree(work, ignore_errors=True)  # everything kept is in --out and --results now
     if not records:
         print(
             "tune: the job recorded no tuned (kernel, key). Did it launch an in-scope autotuned kernel "
             "with more than one live config? (MEGATRON_TUNING_SCOPE limits the scope.)",
             file=sys.stderr,
         )
-        return returncode or 1
+        return returncode or 1, []
     out = Path(args.out)
     results_path = Path(args.results) if args.results else default_results_path(out)
     write_results(results_path, records)
@@ -136,14 +168,7 @@ def run(args: argparse.Namespace) -> int:
         f"tune: {written} entr{'y' if written == 1 else 'ies'} merged into {out}; "
         f"statistics in {results_path}"
     )
-    if args.plot:
-        _plot(records, args.plot)
-    if returncode:
-        print(
-            f"tune: the job exited with status {returncode}; the table holds what it tuned before that",
-            file=sys.stderr,
-        )
-    return returncode
+    return returncode, records
 
 
 def _setting_overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -270,12 +295,22 @@ def _chain_sitecustomize(own_dir: str) -> None:
     try:
         sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != own_dir]
         importlib.import_module("sitecustomize")
-    except ImportError:
-        pass
+    except ImportError as exc:
+        if exc.name != "sitecustomize":  # it exists but failed: report it, as site.py does
+            _report_sitecustomize_error(exc)
+    except Exception as exc:  # a broken sitecustomize must not keep tune mode off
+        _report_sitecustomize_error(exc)
     finally:
         sys.path[:] = saved
         if ours is not None:
             sys.modules["sitecustomize"] = ours
+
+
+def _report_sitecustomize_error(exc: BaseException) -> None:
+    print(
+        f"Error in sitecustomize; set PYTHONVERBOSE for traceback:\n{type(exc).__name__}: {exc}",
+        file=sys.stderr,
+    )
 
 
 # --------------------------------------------------------------------------- pooling and output

@@ -66,7 +66,7 @@ class TuneSettings:
             raise PolicyError("tie_band", self.tie_band, "a fraction in [0, 1), e.g. 0.02")
         if self.overlap_cap is not None and not self.tie_band <= self.overlap_cap < 1.0:
             raise PolicyError("overlap_cap", self.overlap_cap, f"a fraction in [tie_band={self.tie_band}, 1)")
-        if not self.sample_ms > 0:
+        if not 0 < self.sample_ms < math.inf:
             raise PolicyError("sample_ms", self.sample_ms, "a positive number of milliseconds")
         if type(self.max_launches) is not int or self.max_launches < 1:
             raise PolicyError("max_launches", self.max_launches, "an integer >= 1")
@@ -81,7 +81,7 @@ class TuneSettings:
         fields: dict[str, Any] = {}
         rounds = env.env_float(ENV_ROUNDS)
         if rounds is not None:
-            if rounds != int(rounds) or rounds < 1:
+            if not math.isfinite(rounds) or rounds != int(rounds) or rounds < 1:
                 raise PolicyError(ENV_ROUNDS, env.env_str(ENV_ROUNDS), "an integer >= 1")
             fields["rounds"] = int(rounds)
         tie_band = env.env_float(ENV_TIE_BAND)

@@ -235,7 +235,8 @@ def time_candidates(
             errors[i] = f"{type(exc).__name__}: {exc}"
             logger.info("candidate %d failed to compile or launch: %s", i, errors[i])
         else:
-            wanted = math.ceil(settings.sample_ms / max(estimate, 1e-6))
+            # A NaN estimate (a timer that failed to time) gets single launches, not a crash.
+            wanted = 1 if math.isnan(estimate) else math.ceil(settings.sample_ms / max(estimate, 1e-6))
             launches[i] = max(1, min(settings.max_launches, wanted))
         step()
     for round_index in range(settings.warmup_rounds + settings.rounds):
@@ -320,10 +321,9 @@ def make_measure(
         full_nargs = {**dict(zip(autotuner.arg_names, args)), **kwargs, **chosen.all_kwargs()}
         autotuner.pre_hook(full_nargs, reset_only=True)
         elapsed = time.perf_counter() - started
-        # Triton exposes these after its own tuning; keep them meaningful for code that reads them.
-        autotuner.configs_timings = {
-            c: timings["candidates"][s.signature] for c, s in zip(candidates, result.stats)
-        }
+        # Triton exposes these after its own tuning; keep them meaningful for code that reads them:
+        # [median, p20, p80] floats, inf for a failed candidate, as ``Autotuner._bench`` returns.
+        autotuner.configs_timings = {c: [s.median, s.low, s.high] for c, s in zip(candidates, result.stats)}
         autotuner.bench_time = elapsed
         best = result.stats[result.winner]
         logger.info(

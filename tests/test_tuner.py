@@ -161,6 +161,21 @@ def test_settings_validate_and_read_the_environment(monkeypatch: pytest.MonkeyPa
         TuneSettings.from_env()
 
 
+@pytest.mark.parametrize("value", ["inf", "nan", "-inf"])
+def test_non_finite_rounds_in_the_environment_are_a_policy_error(
+    monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    monkeypatch.setenv("MEGATRON_TUNING_TUNE_ROUNDS", value)
+    with pytest.raises(PolicyError, match="MEGATRON_TUNING_TUNE_ROUNDS"):
+        TuneSettings.from_env()
+
+
+def test_infinite_sample_time_is_rejected_up_front() -> None:
+    # Accepted, it crashed the first tuning with OverflowError (ceil of inf launches).
+    with pytest.raises(PolicyError, match="sample_ms"):
+        TuneSettings(sample_ms=float("inf"))
+
+
 # --------------------------------------------------------------------------- timing with a fake clock
 
 
@@ -208,6 +223,26 @@ def test_short_kernels_get_several_launches_per_sample() -> None:
     assert log[8:].count(0) == 2 * 4  # 1 ms / 0.25 ms
     assert log[8:].count(1) == 2 * 8  # capped by max_launches
     assert samples[0] == pytest.approx([0.25, 0.25])
+
+
+def test_a_timer_that_returns_nan_does_not_crash_the_sizing() -> None:
+    class NanTimer:
+        def synchronize(self) -> None:
+            pass
+
+        def sample(self, launch, launches: int) -> float:
+            launch()
+            return float("nan")
+
+    clock, log = FakeClock(), []
+    settings = TuneSettings(rounds=2, warmup_rounds=0)
+    samples, errors = time_candidates(
+        _fake_launchers(clock, [1.0, 1.0], log), timer=NanTimer(), settings=settings
+    )
+    assert errors == [None, None] and [len(s) for s in samples] == [2, 2]
+    assert log[8:] == [0, 1, 1, 0]  # one launch per sample
+    # NaN samples are not timings: the candidates count as failed, the cheapest is kept.
+    assert summarize("s", samples[0]).failed
 
 
 def test_resource_errors_score_infinite_and_other_errors_propagate() -> None:
@@ -344,6 +379,23 @@ def test_measure_times_every_candidate_and_resets_before_the_real_launch() -> No
     assert timings["rounds"] == 4
     assert float(args[1].sum()) == 0.0  # the final reset_only pre_hook zeroed `out`
     assert set(tuner.configs_timings) == set(tuner.configs)
+
+
+def test_measure_leaves_triton_shaped_configs_timings_when_a_candidate_fails(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import megatron_tuning.tuner as tuner_module
+
+    monkeypatch.setattr(tuner_module, "benchmark_failures", lambda: (RuntimeError,))
+    tuner = _hooked_autotuner([], fail_on=64)
+    measure = make_measure(TuneSettings(rounds=2, warmup_rounds=0), timer=ClockTimer(), progress=False)
+    chosen, _ = measure(tuner, list(tuner.configs), _args(), {"grid": (1,)}, "m:k", "n=4")
+    assert chosen is tuner.configs[0]
+    inf = float("inf")
+    # Triton's _bench scores a failed config [inf, inf, inf]; None here broke min(..., key=...get).
+    assert tuner.configs_timings[tuner.configs[1]] == [inf, inf, inf]
+    assert all(isinstance(v, float) for t in tuner.configs_timings.values() for v in t)
+    assert min(tuner.configs_timings, key=tuner.configs_timings.get) is chosen
 
 
 # --------------------------------------------------------------------------- CUDA event timer, fake torch

@@ -5,9 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pytest import CaptureFixture, MonkeyPatch
@@ -189,3 +192,95 @@ def test_plotting_without_matplotlib_says_how_to_install(monkeypatch: MonkeyPatc
     record = pool_decisions(_tiny_records())[0]
     with pytest.raises(ImportError, match="pip install matplotlib"):
         plotting.plot_record(record, tmp_path / "x.png")
+
+
+def _no_matplotlib(monkeypatch: MonkeyPatch) -> None:
+    for name in ("matplotlib", "matplotlib.figure", "matplotlib.backends.backend_agg"):
+        monkeypatch.setitem(sys.modules, name, None)
+
+
+def _fake_job(monkeypatch: MonkeyPatch, returncode: int = 0) -> list[list[str]]:
+    """Replace the job by one that writes a per-process result, as the bootstrap would."""
+    from megatron_tuning import tune_command
+
+    calls: list[list[str]] = []
+
+    def fake_run(argv: list[str], env: dict[str, str], check: bool) -> Any:
+        calls.append(argv)
+        directory = Path(env[tune_command.ENV_TUNE_DIR])
+        write_decisions(directory / "tuned-host-1.json", _tiny_records()[:1])
+        return subprocess.CompletedProcess(argv, returncode)
+
+    monkeypatch.setattr(tune_command.subprocess, "run", fake_run)
+    return calls
+
+
+def test_tune_plot_without_matplotlib_fails_before_running_the_job(
+    monkeypatch: MonkeyPatch, tmp_path: Path, capsys: CaptureFixture[str]
+) -> None:
+    calls = _fake_job(monkeypatch)
+    _no_matplotlib(monkeypatch)
+    out = tmp_path / "t.msgpack"
+    assert run(_parse(["--out", str(out), "--plot", str(tmp_path / "p"), "--", "job.py"])) == 2
+    assert "pip install matplotlib" in capsys.readouterr().err
+    assert calls == [] and not out.exists()  # no hour-long run ending in a traceback
+
+
+def test_tune_removes_its_temp_dir_when_the_command_cannot_start(
+    monkeypatch: MonkeyPatch, tmp_path: Path, capsys: CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    assert run(_parse(["--out", str(tmp_path / "t.msgpack"), "--", "/no/such/command"])) == 2
+    assert "cannot run" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_tune_keeps_the_measurements_when_the_table_cannot_be_written(
+    monkeypatch: MonkeyPatch, tmp_path: Path, capsys: CaptureFixture[str]
+) -> None:
+    pytest.importorskip("msgpack")
+    _fake_job(monkeypatch)
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    blocker = tmp_path / "not_a_dir"
+    blocker.write_text("")
+    args = _parse(
+        ["--out", str(blocker / "t.msgpack"), "--results", str(tmp_path / "r.json"), "--", "job.py"]
+    )
+    with pytest.raises(OSError):
+        run(args)
+    (kept,) = temp.glob("megatron_tuning_tune_*/results/tuned-*.json")
+    assert str(kept.parent) in capsys.readouterr().err
+
+
+def test_tune_removes_its_temp_dir_after_a_successful_run(monkeypatch: MonkeyPatch, tmp_path: Path) -> None:
+    pytest.importorskip("msgpack")
+    _fake_job(monkeypatch, returncode=5)
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    assert run(_parse(["--out", str(tmp_path / "t.msgpack"), "--", "job.py"])) == 5
+    assert (tmp_path / "t.msgpack").exists() and list(temp.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "body, shown",
+    [
+        ("raise RuntimeError('site setup broke')\n", "RuntimeError: site setup broke"),
+        ("import no_such_module_for_megatron_tuning\n", "no_such_module_for_megatron_tuning"),
+    ],
+)
+def test_a_broken_user_sitecustomize_is_reported_and_does_not_stop_tune_mode(
+    monkeypatch: MonkeyPatch, tmp_path: Path, capsys: CaptureFixture[str], body: str, shown: str
+) -> None:
+    from megatron_tuning import tune_command
+
+    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
+    ours.mkdir()
+    theirs.mkdir()
+    (theirs / "sitecustomize.py").write_text(body)
+    monkeypatch.setattr(sys, "path", [str(ours), str(theirs), *sys.path])
+    monkeypatch.delitem(sys.modules, "sitecustomize", raising=False)
+    tune_command._chain_sitecustomize(str(ours))  # raised (or said nothing) before
+    assert shown in capsys.readouterr().err
