@@ -301,14 +301,18 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 def _cmd_import(args: argparse.Namespace) -> int:
-    from megatron_tuning.table import Table, TableError, save_table
+    from megatron_tuning.table import Table, _read_file, save_table
 
-    try:
-        with open(args.json_file, "rb") as handle:
-            data = handle.read()
-    except OSError as exc:
-        raise TableError(args.json_file, f"cannot read ({exc.strerror or exc})") from None
-    table = Table.from_json(data, path=args.json_file)
+    if args.out.endswith(".json"):
+        # save_table would write the JSON view again, not the msgpack table import promises.
+        print(
+            f"megatron-tuning import: {args.out} ends in .json, but import writes the msgpack "
+            "table; name it .msgpack (export writes JSON views)",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    # The same reader as load_table (size limit, one TableError), whatever the input's name.
+    table = Table.from_json(_read_file(args.json_file), path=args.json_file)
     save_table(table, args.out)
     return EXIT_OK
 

@@ -171,6 +171,16 @@ def test_import_of_bad_json_exits_2(capsys, tmp_path):
     assert run(capsys, "import", tmp_path / "absent.json", tmp_path / "o.msgpack")[0] == 2
 
 
+def test_import_refuses_a_json_output_name_and_oversized_input(capsys, tmp_path, table_path, monkeypatch):
+    view = tmp_path / "t.json"
+    assert run(capsys, "export", table_path, view)[0] == 0
+    code, _, err = run(capsys, "import", view, tmp_path / "out.json")
+    assert code == 2 and "name it .msgpack" in err and not (tmp_path / "out.json").exists()
+    monkeypatch.setattr("megatron_tuning.table.MAX_FILE_BYTES", 16)
+    code, _, err = run(capsys, "import", view, tmp_path / "out.msgpack")
+    assert code == 2 and "over the 16-byte limit" in err and str(view) in err
+
+
 # -- diff --------------------------------------------------------------------------
 def test_diff_exit_codes_and_output(capsys, tmp_path, table_path):
     assert run(capsys, "diff", table_path, table_path)[:2] == (
@@ -397,6 +407,33 @@ def test_coverage_bad_input_exits_2(capsys, tmp_path):
     assert run(capsys, "coverage", tmp_path / "absent.json")[0] == 2
     bad.write_text('{"format": "megatron_tuning.decisions", "decisions": [{"nope": 1}]}')
     assert run(capsys, "coverage", bad)[0] == 2
+
+
+@pytest.mark.parametrize(
+    ("row", "problem"),
+    [
+        ({"rank": [1]}, "rank must be an integer"),
+        ({"kernel": ["a"]}, "kernel must be a string"),
+        ({"source": ["table"]}, "source must be a string"),
+        ({"key": 5}, "key must be a string"),
+        ({"origin": {"f": 1}}, "origin must be a string"),
+    ],
+)
+def test_coverage_wrong_typed_fields_exit_2_naming_the_row(capsys, tmp_path, row, problem):
+    good = {"kernel": "a:k", "key": "M=1", "signature": "S", "source": "table", "rank": 0}
+    bad = tmp_path / "bad.json"
+    bad.write_text(
+        json.dumps({"format": "megatron_tuning.decisions", "decisions": [good, dict(good, **row)]})
+    )
+    code, _, err = run(capsys, "coverage", bad)
+    assert code == 2 and f"decision 1: {problem}" in err and str(bad) in err
+
+
+def test_coverage_absurdly_nested_json_exits_2(capsys, tmp_path):
+    bad = tmp_path / "deep.json"
+    bad.write_text("[" * 100_000)
+    code, _, err = run(capsys, "coverage", bad)
+    assert code == 2 and "RecursionError" in err and str(bad) in err
 
 
 # -- hooks into other modules ------------------------------------------------------
