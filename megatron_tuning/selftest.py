@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -62,29 +63,36 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         return 2
     interpret = args.interpret or not _cuda_available()
     root = args.keep or tempfile.mkdtemp(prefix="megatron_tuning_selftest_")
-    print(
-        f"megatron_tuning selftest: {args.nproc} ranks, agreement={args.agreement}, "
-        f"{'Triton interpreter on CPU' if interpret else 'GPU'}, gloo",
-        file=out,
-    )
-    verdicts = []
-    for mode in ("deterministic", "chaos"):
-        outcome = _launch(args, mode, os.path.join(root, mode), interpret)
-        ok, summary = _judge(mode, outcome, args.nproc)
-        verdicts.append(ok)
-        print(f"  {mode:<13} {'PASS' if ok else 'FAIL'}  {summary}", file=out)
-        if not ok and outcome.get("output"):
-            print("    torchrun output (tail):", file=out)
-            for line in outcome["output"].splitlines()[-25:]:
-                print(f"      {line}", file=out)
-    passed = all(verdicts)
-    print(
-        "selftest " + ("passed: deterministic runs agree and chaos is detected." if passed else "FAILED."),
-        file=out,
-    )
-    if args.keep:
-        print(f"results kept in {root}", file=out)
-    return 0 if passed else 1
+    passed: bool | None = None  # None: interrupted before a verdict
+    try:
+        print(
+            f"megatron_tuning selftest: {args.nproc} ranks, agreement={args.agreement}, "
+            f"{'Triton interpreter on CPU' if interpret else 'GPU'}, gloo",
+            file=out,
+        )
+        verdicts = []
+        for mode in ("deterministic", "chaos"):
+            outcome = _launch(args, mode, os.path.join(root, mode), interpret)
+            ok, summary = _judge(mode, outcome, args.nproc)
+            verdicts.append(ok)
+            print(f"  {mode:<13} {'PASS' if ok else 'FAIL'}  {summary}", file=out)
+            if not ok and outcome.get("output"):
+                print("    torchrun output (tail):", file=out)
+                for line in outcome["output"].splitlines()[-25:]:
+                    print(f"      {line}", file=out)
+        passed = all(verdicts)
+        print(
+            "selftest "
+            + ("passed: deterministic runs agree and chaos is detected." if passed else "FAILED."),
+            file=out,
+        )
+        if args.keep or not passed:
+            print(f"results kept in {root}", file=out)
+        return 0 if passed else 1
+    finally:
+        # A temp root goes unless a finished run failed: then its logs are what the user needs.
+        if not args.keep and passed is not False:
+            shutil.rmtree(root, ignore_errors=True)
 
 
 def _cuda_available() -> bool:

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from _launch import gloo_available, job_env
@@ -59,3 +60,36 @@ def test_selftest_fails_when_the_check_is_off(tmp_path: Path) -> None:
     assert done.returncode == 1, done.stdout
     assert "deterministic PASS" in done.stdout
     assert "chaos         FAIL" in done.stdout and "blind" in done.stdout
+
+
+@pytest.mark.parametrize("chaos_detected", [True, False])
+def test_selftest_removes_its_temp_dir_unless_a_run_failed(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str], chaos_detected: bool
+) -> None:
+    import argparse
+    import tempfile
+
+    from megatron_tuning import selftest
+
+    def fake_launch(args: argparse.Namespace, mode: str, folder: str, interpret: bool) -> dict[str, Any]:
+        os.makedirs(folder, exist_ok=True)
+        Path(folder, "torchrun.log").write_text("log")
+        error = {"error": "DivergenceError", "message": "m", "kernel": "k", "key": "x"}
+        chaos = error if chaos_detected else {}
+        decisions = [["k", "x", "sig", "table"]]
+        ranks = {
+            r: ({"decisions": decisions, "shared": 1} if mode == "deterministic" else chaos) for r in (0, 1)
+        }
+        return {"returncode": 0, "output": "", "ranks": ranks, "seconds": 0.0}
+
+    monkeypatch.setattr(selftest, "_launch", fake_launch)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    parser = argparse.ArgumentParser()
+    selftest.add_arguments(parser)
+    code = selftest.run(parser.parse_args(["--interpret"]))
+    printed = capsys.readouterr().out
+    if chaos_detected:
+        assert code == 0 and list(tmp_path.iterdir()) == []  # left every run's logs in /tmp before
+    else:
+        (kept,) = tmp_path.iterdir()
+        assert code == 1 and f"results kept in {kept}" in printed
