@@ -4,6 +4,8 @@ Order, earlier wins: the policy's explicit ``tables`` → ``MEGATRON_TUNING_TABL
 (colon-separated) → the shipped tables ``configs/<arch>/*.msgpack``. A path may name a
 file or a folder (its ``*.msgpack`` files, in name order). Explicit and environment
 tables load when the set is built, so a bad file fails at startup, not mid-training;
+a path that does not exist, or a folder with no ``*.msgpack`` table, fails the same way
+(``TableError`` naming it) instead of silently pinning nothing;
 shipped tables load lazily, per arch, on the first lookup for that arch.
 
 Validators on use: an entry for another arch never applies (arch is part of the key);
@@ -67,8 +69,10 @@ def expand_table_paths(
 
     A path that does not exist, or a folder without any ``*.msgpack`` table (unless
     ``allow_empty_folders``), raises ``TableError``: a typo in a table path must not
-    silently fall back to the cheapest config.
+    silently fall back to the cheapest config. A single ``str``/``PathLike`` is one path.
     """
+    if isinstance(paths, (str, os.PathLike)):  # one path, not a sequence of characters
+        paths = [paths]
     files: list[str] = []
     seen: set[str] = set()
     for raw in paths:

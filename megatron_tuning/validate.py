@@ -118,12 +118,34 @@ def _import_kernels(modules: Sequence[str], report: ValidationReport) -> tuple[s
                 home = kernel_module(autotuner)
                 if home not in covered and sys.modules.get(home) is not None:
                     pending.append((home, sys.modules[home]))
-                kernels[kernel_id(autotuner)] = _Kernel(
-                    kernel_source_hash(autotuner),
-                    frozenset(config_signature(c) for c in autotuner.configs),
-                    getattr(autotuner, "early_config_prune", None) is not None,
-                )
+                kernels[kernel_id(autotuner)] = _describe(autotuner)
     return covered, kernels
+
+
+def _describe(autotuner: Any) -> _Kernel:
+    return _Kernel(
+        kernel_source_hash(autotuner),
+        frozenset(config_signature(c) for c in autotuner.configs),
+        getattr(autotuner, "early_config_prune", None) is not None,
+    )
+
+
+def _resolve_kernel(kernel: str, kernels: dict[str, _Kernel]) -> _Kernel | None:
+    """A kernel that is no module global (e.g. a class attribute), found by its qualname."""
+    from triton.runtime.autotuner import Autotuner
+
+    module_name, _, qualname = kernel.partition(":")
+    obj: Any = sys.modules.get(module_name)
+    for part in qualname.split("."):
+        obj = getattr(obj, part, None) if obj is not None else None
+    for _ in range(_MAX_WRAPPERS):
+        if obj is None or isinstance(obj, Autotuner):
+            break
+        obj = getattr(obj, "fn", None)
+    if not isinstance(obj, Autotuner) or kernel_id(obj) != kernel:
+        return None
+    kernels[kernel] = _describe(obj)
+    return kernels[kernel]
 
 
 def validate_tables(
@@ -168,8 +190,10 @@ def _entry_problems(
     module = entry.kernel.split(":", 1)[0]
     if module not in covered:
         return problems
-    kernel = kernels.get(entry.kernel)
+    kernel = kernels.get(entry.kernel) or _resolve_kernel(entry.kernel, kernels)
     if kernel is None:
+        if "<locals>" in entry.kernel:  # made inside a function: only a run can tell
+            return problems
         problems.append(f"no autotuned kernel {entry.kernel} in module {module} (renamed or removed?)")
         return problems
     if entry.source_hash and kernel.source_hash and entry.source_hash != kernel.source_hash:

@@ -350,6 +350,38 @@ def test_validate_scans_the_home_module_of_re_exported_kernels(capsys, tmp_path,
     assert "reexport_pkg_a.kernels:k2" not in out
 
 
+def test_validate_finds_class_attribute_kernels_and_skips_local_ones(capsys, tmp_path, monkeypatch):
+    (tmp_path / "nested_kernels_b.py").write_text(
+        "import triton\n"
+        "import triton.language as tl\n"
+        "CONFIGS = [triton.Config({'B': 16}, num_warps=4, num_stages=3)]\n"
+        "class Ops:\n"
+        "    @triton.autotune(configs=CONFIGS, key=['n'])\n"
+        "    @triton.jit\n"
+        "    def k(x, n, B: tl.constexpr):\n"
+        "        pass\n"
+        "def make():\n"
+        "    @triton.autotune(configs=CONFIGS, key=['n'])\n"
+        "    @triton.jit\n"
+        "    def inner(x, n, B: tl.constexpr):\n"
+        "        pass\n"
+        "    return inner\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    good = {"kwargs": {"B": 16}, "num_warps": 4, "num_stages": 3}
+    odd = {"kwargs": {"B": 99}, "num_warps": 4, "num_stages": 3}
+    entries = [
+        Entry(arch="sm90", kernel="nested_kernels_b:Ops.k", key="n=1", config=good),
+        Entry(arch="sm90", kernel="nested_kernels_b:Ops.k", key="n=2", config=odd),
+        Entry(arch="sm90", kernel="nested_kernels_b:make.<locals>.inner", key="n=1", config=good),
+    ]
+    path = tmp_path / "v.msgpack"
+    save_table(Table(entries), path)
+    code, out, _ = run(capsys, "validate", path, "--arch", "sm90", "--import", "nested_kernels_b")
+    assert code == 1 and "1 problem(s)" in out and "[n=2]: config B=99" in out
+    assert "no autotuned kernel" not in out
+
+
 def test_validate_module_that_exits_at_import_is_a_problem_not_an_exit(
     capsys, tmp_path, monkeypatch, table_path
 ):

@@ -10,7 +10,7 @@ from megatron_tuning.errors import StaleEntryError, TableError
 from megatron_tuning.policy import TuningPolicy
 from megatron_tuning.selection import ConfigTable, TableHit, config_signature, reset_warnings
 from megatron_tuning.table import Entry, Table, save_table
-from megatron_tuning.tableset import TableSet
+from megatron_tuning.tableset import TableSet, expand_table_paths
 
 KERNEL = "pkg.kernels:matmul"
 KEY = "M=64 | a:torch.float16"
@@ -153,6 +153,12 @@ def test_empty_folder_or_relative_typo_fails_naming_the_path(tmp_path, monkeypat
     monkeypatch.chdir(tmp_path)
     with pytest.raises(TableError, match=f"relative to {tmp_path}"):
         TableSet(["typo.msgpack"])
+
+
+def test_a_single_path_string_is_one_path_not_its_characters(tmp_path):
+    path = write(tmp_path / "a.msgpack", entry(64))
+    assert TableSet(path, triton_version="3.6.0").files == [path]
+    assert expand_table_paths(tmp_path) == [path]
 
 
 def test_stale_warning_once_per_cause_not_per_key(tmp_path, caplog):
