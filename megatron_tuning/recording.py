@@ -11,6 +11,7 @@ unstable autotuning was for that job.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import filelock
 import msgpack
 
 from megatron_tuning.decisions import Decision
@@ -338,13 +340,17 @@ def merge_files(out: str | os.PathLike[str], inputs: Iterable[str | os.PathLike[
     """
     target = os.fspath(out)
     inputs = list(inputs)
-    loaded = load_inputs(inputs, exclude=[target] if not _listed(target, inputs) else [])
-    if not loaded:  # e.g. a folder holding only an earlier output: never write an empty table
-        raise TableError(
-            ", ".join(os.fspath(p) for p in inputs), f"no input tables to merge besides {target}"
-        )
-    result = merge_tables(loaded)
-    save_table(result.table, target)
+    listed = _listed(target, inputs)
+    # Listing ``out`` among the inputs makes this a read-modify-write of ``out``: hold the
+    # same lock as ``update_table`` so a concurrent ``merge_entries`` (tune) loses nothing.
+    with filelock.FileLock(target + ".lock") if listed else contextlib.nullcontext():
+        loaded = load_inputs(inputs, exclude=[] if listed else [target])
+        if not loaded:  # e.g. a folder holding only an earlier output: never write an empty table
+            raise TableError(
+                ", ".join(os.fspath(p) for p in inputs), f"no input tables to merge besides {target}"
+            )
+        result = merge_tables(loaded)
+        save_table(result.table, target)
     if result.disagreements:
         logger.warning(
             "%d of %d merged entries had disagreeing inputs", len(result.disagreements), len(result.table)

@@ -19,6 +19,7 @@ import gc
 import logging
 import os
 import secrets
+import stat
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 
@@ -247,6 +248,9 @@ def write_atomic(path: str | os.PathLike[str], payload: bytes) -> None:
     except OSError as exc:  # name the file the caller asked for, not our temp name
         raise OSError(exc.errno, f"cannot write {target}: {exc.strerror}") from exc
     try:
+        # Replacing a file keeps its permissions (a private table must not become readable).
+        with contextlib.suppress(FileNotFoundError):
+            os.fchmod(fd, stat.S_IMODE(os.stat(target).st_mode))
         with os.fdopen(fd, "wb") as handle:
             handle.write(payload)
             handle.flush()

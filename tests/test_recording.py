@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import itertools
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from megatron_tuning import interception
+from megatron_tuning import table as table_mod
 from megatron_tuning.decisions import Decision, decision_log, get_decisions
 from megatron_tuning.errors import TableError
 from megatron_tuning.policy import TuningPolicy
@@ -227,6 +230,22 @@ def test_merge_files_refuses_to_write_an_empty_table(tmp_path):
     with pytest.raises(TableError, match="no input tables to merge"):
         merge_files(only_out, [tmp_path / "only"])
     assert only_out.read_bytes() == before and not out.exists()
+
+
+def test_merging_into_a_listed_output_holds_its_lock(tmp_path, monkeypatch):
+    write_recording([decision(64, rank=0)], tmp_path / "rec", rank=0)
+    out = tmp_path / "merged.msgpack"
+    merge_files(out, [tmp_path / "rec"])
+    probes: list[int] = []
+
+    def probe(_tmp: str) -> None:  # another process tries the lock while merge writes
+        code = "import filelock, sys; filelock.FileLock(sys.argv[1], timeout=0).acquire()"
+        proc = subprocess.run([sys.executable, "-c", code, f"{out}.lock"], capture_output=True, timeout=60)
+        probes.append(proc.returncode)
+
+    monkeypatch.setattr(table_mod, "_BEFORE_REPLACE", probe)
+    merge_files(out, [out, tmp_path / "rec"])  # read-modify-write of out
+    assert probes and probes[0] != 0, "the lock on the output was free during the write"
 
 
 # -- end to end: record, merge, pin ------------------------------------------------

@@ -304,6 +304,14 @@ def test_write_atomic_replaces_and_leaves_no_temp_files(tmp_path):
     assert mode & 0o044, "tables must stay readable by the group/others the umask allows"
 
 
+def test_rewriting_a_table_keeps_its_permissions(tmp_path):
+    path = tmp_path / "private.msgpack"
+    save_table(sample_table(), path)
+    path.chmod(0o600)
+    save_table(Table([make_entry(0)]), path)
+    assert path.stat().st_mode & 0o777 == 0o600 and len(load_table(path)) == 1
+
+
 def test_failed_write_keeps_previous_file_and_cleans_up(tmp_path, monkeypatch):
     path = tmp_path / "t.msgpack"
     save_table(sample_table(), path)
