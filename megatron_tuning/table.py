@@ -239,8 +239,11 @@ def write_atomic(path: str | os.PathLike[str], payload: bytes) -> None:
     and starts with a dot and ends in ``.tmp`` so table globs (``*.msgpack``) skip it.
     """
     target = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(target))
-    tmp = os.path.join(folder, f".{os.path.basename(target)}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    # A symlinked table (``current.msgpack -> v3.msgpack``) is written through, as an
+    # editor would: replacing the link itself would leave the linked table unchanged.
+    dest = os.path.realpath(target) if os.path.islink(target) else target
+    folder = os.path.dirname(os.path.abspath(dest))
+    tmp = os.path.join(folder, f".{os.path.basename(dest)}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     # os.open with 0o666 lets the umask decide permissions, as for any new file (mkstemp
     # would make shared tables readable by their owner only).
     try:
@@ -250,7 +253,7 @@ def write_atomic(path: str | os.PathLike[str], payload: bytes) -> None:
     try:
         # Replacing a file keeps its permissions (a private table must not become readable).
         with contextlib.suppress(FileNotFoundError):
-            os.fchmod(fd, stat.S_IMODE(os.stat(target).st_mode))
+            os.fchmod(fd, stat.S_IMODE(os.stat(dest).st_mode))
         with os.fdopen(fd, "wb") as handle:
             handle.write(payload)
             handle.flush()
@@ -258,7 +261,7 @@ def write_atomic(path: str | os.PathLike[str], payload: bytes) -> None:
         if _BEFORE_REPLACE is not None:
             _BEFORE_REPLACE(tmp)
         try:
-            os.replace(tmp, target)
+            os.replace(tmp, dest)
         except OSError as exc:  # e.g. the target is a folder: name it, not our temp file
             raise OSError(exc.errno, f"cannot write {target}: {exc.strerror}") from exc
     except BaseException:

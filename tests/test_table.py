@@ -312,6 +312,17 @@ def test_rewriting_a_table_keeps_its_permissions(tmp_path):
     assert path.stat().st_mode & 0o777 == 0o600 and len(load_table(path)) == 1
 
 
+def test_writing_a_symlinked_table_writes_through_the_link(tmp_path):
+    real = tmp_path / "v3.msgpack"
+    save_table(sample_table(), real)
+    link = tmp_path / "current.msgpack"
+    link.symlink_to(real.name)
+    merge_entries(link, [make_entry(99)])
+    assert link.is_symlink() and os.readlink(link) == real.name
+    assert load_table(real).get(*make_entry(99).ident) is not None
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
 def test_failed_write_keeps_previous_file_and_cleans_up(tmp_path, monkeypatch):
     path = tmp_path / "t.msgpack"
     save_table(sample_table(), path)
