@@ -53,11 +53,7 @@ def job_env(tmp: Path, *, interpret: bool = True) -> dict[str, str]:
 def run_torchrun(
     nproc: int, script: Path, args: Sequence[str], tmp: Path, timeout_s: float, *, interpret: bool = True
 ) -> subprocess.CompletedProcess[str]:
-    """Run ``script`` under ``torchrun --standalone``; fail the test (not hang) past ``timeout_s``.
-
-    The job runs in its own session so a timeout kills torchrun *and* its workers, not only
-    the launcher (a killed torchrun can leave orphaned ranks spinning in a collective).
-    """
+    """Run ``script`` under ``torchrun --standalone``; fail the test (not hang) past ``timeout_s``."""
     command = [
         sys.executable,
         "-m",
@@ -67,13 +63,29 @@ def run_torchrun(
         str(script),
         *args,
     ]
-    env = job_env(tmp, interpret=interpret)
+    return run_bounded(command, tmp, timeout_s, f"torchrun job {script.name} x{nproc}", interpret=interpret)
+
+
+def run_bounded(
+    command: Sequence[str],
+    tmp: Path,
+    timeout_s: float,
+    what: str,
+    *,
+    interpret: bool = True,
+    merge_stderr: bool = False,
+) -> subprocess.CompletedProcess[str]:
+    """Run ``command`` in ``job_env``; past ``timeout_s`` kill its whole session and fail the test.
+
+    Its own session, so a timeout kills torchrun *and* its workers, not only the launcher (a
+    killed torchrun can leave orphaned ranks spinning in a collective).
+    """
     with subprocess.Popen(
-        command,
-        env=env,
+        list(command),
+        env=job_env(tmp, interpret=interpret),
         cwd=str(tmp),
         stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE,
         text=True,
         start_new_session=True,
     ) as process:
@@ -82,11 +94,8 @@ def run_torchrun(
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             stdout, stderr = process.communicate()
-            pytest.fail(
-                f"torchrun job {script.name} x{nproc} exceeded {timeout_s}s:\n"
-                f"{stdout[-4000:]}\n{stderr[-4000:]}"
-            )
-    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+            pytest.fail(f"{what} exceeded {timeout_s}s:\n{stdout[-4000:]}\n{(stderr or '')[-4000:]}")
+    return subprocess.CompletedProcess(list(command), process.returncode, stdout, stderr or "")
 
 
 def read_results(folder: Path, nproc: int) -> dict[int, dict[str, Any]]:

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from _launch import gloo_available, job_env
+from _launch import gloo_available, run_bounded
 
 pytestmark = pytest.mark.distributed
 
@@ -25,22 +23,7 @@ def _run_demo(tmp: Path, *args: str) -> subprocess.CompletedProcess[str]:
         "megatron_tuning.demo",
         *args,
     ]
-    with subprocess.Popen(
-        command,
-        env=job_env(tmp),
-        cwd=str(tmp),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    ) as process:
-        try:
-            stdout, stderr = process.communicate(timeout=300)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            stdout, stderr = process.communicate()
-            pytest.fail(f"demo exceeded 300 s:\n{stdout[-3000:]}\n{stderr[-3000:]}")
-    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+    return run_bounded(command, tmp, 300, "the 2-rank demo")
 
 
 @pytest.mark.skipif(not gloo_available(), reason="torch.distributed with gloo is not available")

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-from _launch import gloo_available, job_env
+from _launch import gloo_available, run_bounded
 
 
 def _selftest(tmp_path: Path, *extra: str, timeout_s: float = 200.0) -> subprocess.CompletedProcess[str]:
@@ -29,21 +28,7 @@ def _selftest(tmp_path: Path, *extra: str, timeout_s: float = 200.0) -> subproce
         str(tmp_path / "kept"),
         *extra,
     ]
-    with subprocess.Popen(
-        command,
-        env=job_env(tmp_path),
-        cwd=str(tmp_path),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    ) as process:
-        try:
-            output, _ = process.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            pytest.fail(f"selftest exceeded {timeout_s}s: {process.communicate()[0][-3000:]}")
-    return subprocess.CompletedProcess(command, process.returncode, output, "")
+    return run_bounded(command, tmp_path, timeout_s, "selftest", merge_stderr=True)
 
 
 def test_selftest_passes_and_reports_both_runs(tmp_path: Path) -> None:
