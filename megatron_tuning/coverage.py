@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_tuning.decisions import Decision, read_decisions
-from megatron_tuning.errors import MegatronTuningError
+from megatron_tuning.errors import DecisionLogError
 
 # Decision source -> coverage status.
 STATUS = {
@@ -30,18 +30,6 @@ STATUS = {
     "out_of_scope": "out_of_scope",
 }
 STATUS_ORDER = ("hit", "override", "single", "measured", "fallback", "chaos", "out_of_scope", "other")
-
-
-class DecisionLogError(MegatronTuningError, ValueError):
-    """A decision-log file is missing, unreadable or not a decision log."""
-
-    def __init__(self, path: str, problem: str) -> None:
-        self.path = str(path)
-        self.problem = problem
-        super().__init__(f"Decision log {self.path}: {problem}")
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.path, self.problem))
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,16 +118,7 @@ def read_decision_files(paths: Sequence[str | os.PathLike[str]]) -> list[tuple[s
     out = []
     for raw in paths:
         path = os.fspath(raw)
-        try:
-            decisions = read_decisions(path)
-        except FileNotFoundError:
-            raise DecisionLogError(path, "no such file") from None
-        except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
-            # json errors are ValueErrors (RecursionError for absurd nesting); a wrong row
-            # shape surfaces as TypeError/KeyError.
-            raise DecisionLogError(
-                path, f"not a readable decision log ({type(exc).__name__}: {exc})"
-            ) from None
+        decisions = read_decisions(path)
         for index, decision in enumerate(decisions):
             problem = _field_problem(decision)
             if problem is not None:

@@ -16,6 +16,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .errors import DecisionLogError
+
 # Where a decision's config came from.
 SOURCES = (
     "table",  # a tuning-table entry, matched back to a live candidate
@@ -130,9 +132,18 @@ def write_decisions(path: str | os.PathLike[str], decisions: Iterable[Decision] 
 
 
 def read_decisions(path: str | os.PathLike[str]) -> list[Decision]:
-    """Read a file written by ``write_decisions``."""
-    with open(path, encoding="utf-8") as handle:
-        data = json.load(handle)
+    """Read a file written by ``write_decisions``; any problem raises ``DecisionLogError``."""
+    name = os.fspath(path)
+    try:
+        with open(name, encoding="utf-8") as handle:
+            data = json.load(handle)
+    except FileNotFoundError:
+        raise DecisionLogError(name, "no such file") from None
+    except (OSError, ValueError, RecursionError) as exc:  # json errors are ValueErrors
+        raise DecisionLogError(name, f"not a readable decision log ({type(exc).__name__}: {exc})") from None
     if not isinstance(data, dict) or data.get("format") != "megatron_tuning.decisions":
-        raise ValueError(f"{os.fspath(path)} is not a megatron_tuning decision log")
-    return [Decision.from_json(row) for row in data["decisions"]]
+        raise DecisionLogError(name, "not a megatron_tuning decision log (wrong or missing 'format')")
+    try:
+        return [Decision.from_json(row) for row in data["decisions"]]
+    except (KeyError, TypeError, AttributeError) as exc:  # a wrong row shape
+        raise DecisionLogError(name, f"not a readable decision log ({type(exc).__name__}: {exc})") from None

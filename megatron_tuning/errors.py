@@ -99,6 +99,18 @@ class TableError(MegatronTuningError, ValueError):
         return (type(self), (self.path, self.problem))
 
 
+class DecisionLogError(MegatronTuningError, ValueError):
+    """A decision-log file is missing, unreadable or not a decision log."""
+
+    def __init__(self, path: str, problem: str) -> None:
+        self.path = str(path)
+        self.problem = problem
+        super().__init__(f"Decision log {self.path}: {problem}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.path, self.problem))
+
+
 class StaleEntryError(MegatronTuningError, RuntimeError):
     """Strict mode: a table entry was tuned for another kernel source or Triton version."""
 

@@ -461,6 +461,14 @@ def test_coverage_wrong_typed_fields_exit_2_naming_the_row(capsys, tmp_path, row
     assert code == 2 and f"decision 1: {problem}" in err and str(bad) in err
 
 
+def test_report_on_a_broken_decision_log_exits_2_naming_it(capsys, tmp_path):
+    # `report` reads decision logs through the same reader as `coverage`: one clear error.
+    bad = tmp_path / "log.json"
+    bad.write_text('{"format": "megatron_tuning.decisions", "decisions": [{"nope": 1}]}')
+    code, _, err = run(capsys, "report", bad)
+    assert code == 2 and f"Decision log {bad}" in err and "Traceback" not in err
+
+
 def test_coverage_absurdly_nested_json_exits_2(capsys, tmp_path):
     bad = tmp_path / "deep.json"
     bad.write_text("[" * 100_000)
