@@ -31,10 +31,10 @@ import sys
 import tempfile
 import time
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
+import common
+
 KERNEL = "bench.kernels:matmul"
 SIGNATURE = "BLOCK_K=32, BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3"
 
@@ -165,8 +165,7 @@ def _worker(args: argparse.Namespace) -> int:
 
 
 def _run_job(nproc: int, args: argparse.Namespace, folder: str) -> dict[str, list[float]]:
-    env = dict(os.environ, TRITON_INTERPRET="0" if args.gpu else "1", OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    env = common.child_env(False, TRITON_INTERPRET="0" if args.gpu else "1", OMP_NUM_THREADS="1")
     command = [
         sys.executable,
         "-m",
