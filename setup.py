@@ -3,7 +3,7 @@
 Shipped tuning tables live in the top-level ``configs/`` folder (one sub-folder per GPU arch, e.g.
 ``configs/sm90/``) so that code review sees them next to the code. A regular install copies that
 folder into the package as ``megatron_tuning/_configs``; an editable install reads it in place.
-``megatron_tuning._resources.shipped_tables_dir()`` hides the difference.
+``megatron_tuning.tables.shipped.shipped_tables_dir()`` hides the difference.
 """
 
 from pathlib import Path
@@ -13,7 +13,7 @@ from setuptools import find_packages, setup
 HERE = Path(__file__).resolve().parent
 README = HERE / "README.md"
 
-TEST_REQUIRES = ["pytest>=7", "hypothesis", "pytest-timeout"]
+TEST_REQUIRES = ["pytest>=7", "hypothesis", "pytest-timeout", "import-linter>=2.1"]
 
 packages = find_packages(include=["megatron_tuning", "megatron_tuning.*"])
 package_dir: dict[str, str] = {}

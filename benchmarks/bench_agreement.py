@@ -45,7 +45,7 @@ def _percentiles(samples: list[float]) -> tuple[float, float]:
 
 
 def _time_checks(checker: Any, keys: int, tag: str) -> list[float]:
-    from megatron_tuning.decisions import Decision
+    from megatron_tuning.core.decisions import Decision
 
     samples = []
     for n in range(keys):
@@ -62,7 +62,7 @@ def _time_launches(agreement_mode: str, launches: int, stub: bool, device: str =
     import torch.distributed as dist
 
     import megatron_tuning
-    from megatron_tuning.policy import TuningPolicy
+    from megatron_tuning.core.policy import TuningPolicy
 
     policy = TuningPolicy(
         mode="deterministic",
@@ -103,9 +103,10 @@ def _sync(device: str) -> None:
 def _worker(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
-    from megatron_tuning import agreement
-    from megatron_tuning.decisions import decision_log
-    from megatron_tuning.policy import TuningPolicy
+    from megatron_tuning.core.decisions import decision_log
+    from megatron_tuning.core.policy import TuningPolicy
+    from megatron_tuning.distributed import agreement, wire
+    from megatron_tuning.distributed import verify as verify_mod
 
     if args.backend == "nccl":  # NCCL needs each rank's device chosen before the group exists
         import torch
@@ -116,7 +117,7 @@ def _worker(args: argparse.Namespace) -> int:
     rank = dist.get_rank()
     out: dict[str, Any] = {}
 
-    store = agreement.default_store()
+    store = wire.default_store()
     dist.barrier()
     samples = []
     for n in range(args.keys):
@@ -130,7 +131,7 @@ def _worker(args: argparse.Namespace) -> int:
         checker = agreement.AgreementChecker(TuningPolicy(agreement=mode), namespace=f"bench-{mode}")
         out[f"{mode}_check"] = _time_checks(checker, args.keys, mode)
 
-    from megatron_tuning.decisions import Decision
+    from megatron_tuning.core.decisions import Decision
 
     decision_log().clear()
     for n in range(args.keys):
@@ -141,7 +142,7 @@ def _worker(args: argparse.Namespace) -> int:
     for _ in range(5):
         dist.barrier()
         start = time.perf_counter()
-        agreement.verify_agreement()
+        verify_mod.verify_agreement()
         verify.append(time.perf_counter() - start)
     out["verify"] = verify
     decision_log().clear()

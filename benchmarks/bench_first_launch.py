@@ -33,9 +33,9 @@ def child(args: argparse.Namespace) -> None:
     import triton
     from triton.runtime.autotuner import Autotuner
 
-    from megatron_tuning.decisions import get_decisions
+    from megatron_tuning.core.decisions import get_decisions
+    from megatron_tuning.core.identity import arch_tag, config_data, config_signature, tuning_key
     from megatron_tuning.kernels import matmul as mm
-    from megatron_tuning.selection import arch_tag, config_data, config_signature, tuning_key
 
     bench_calls = []
     original_bench = Autotuner._bench
@@ -88,7 +88,8 @@ def child(args: argparse.Namespace) -> None:
 
 
 def write_table(path: Path, primer: dict[str, Any]) -> None:
-    from megatron_tuning.table import Entry, merge_entries
+    from megatron_tuning.tables.entry import Entry
+    from megatron_tuning.tables.table import merge_entries
 
     merge_entries(
         path,

@@ -34,10 +34,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     import triton
 
-    from megatron_tuning import interception
+    from megatron_tuning.core.identity import config_data, kernel_id, tuning_key
+    from megatron_tuning.core.policy import TuningPolicy
     from megatron_tuning.kernels import tiny
-    from megatron_tuning.policy import TuningPolicy
-    from megatron_tuning.selection import config_data, kernel_id, tuning_key
+    from megatron_tuning.runtime import interception
 
     policy = TuningPolicy(mode="deterministic", agreement="off", use_shipped_tables=False)
 

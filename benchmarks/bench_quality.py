@@ -20,15 +20,16 @@ import common
 
 
 def measure(args: argparse.Namespace, table_path: str | None) -> list[dict[str, Any]]:
+    from megatron_tuning.core.cost import cheapest
+    from megatron_tuning.core.identity import arch_tag, config_signature, kernel_id, tuning_key
     from megatron_tuning.kernels import matmul as mm
-    from megatron_tuning.selection import arch_tag, cheapest, config_signature, kernel_id, tuning_key
 
     kernel = mm.matmul_kernel
     configs = list(mm.MATMUL_CONFIGS)
     signatures = [config_signature(c) for c in configs]
     tables = None
     if table_path:
-        from megatron_tuning.tableset import TableSet
+        from megatron_tuning.tables.search import TableSet
 
         tables = TableSet([table_path], shipped_dir=None)
     rows = []

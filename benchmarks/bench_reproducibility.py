@@ -35,10 +35,10 @@ ROUNDS = 3  # interleaved (autotuned call, direct launch) timing rounds per shap
 
 
 def child(args: argparse.Namespace) -> None:
-    from megatron_tuning.decisions import get_decisions
+    from megatron_tuning.core.decisions import get_decisions
+    from megatron_tuning.core.identity import config_signature
     from megatron_tuning.kernels import matmul as mm
-    from megatron_tuning.selection import config_signature
-    from megatron_tuning.table import load_table
+    from megatron_tuning.tables.table import load_table
 
     kernel = mm.matmul_kernel
     if args.child == "pinned":
@@ -86,7 +86,7 @@ def child(args: argparse.Namespace) -> None:
 
 def _table_config(table: Any, kernel: Any, kargs: tuple) -> Any:
     """The live config the table pins for this call, or None."""
-    from megatron_tuning.selection import arch_tag, config_signature, kernel_id, tuning_key
+    from megatron_tuning.core.identity import arch_tag, config_signature, kernel_id, tuning_key
 
     entry = table.get(arch_tag(), kernel_id(kernel), tuning_key(kernel, kargs, {})) if table else None
     if entry is None:

@@ -21,12 +21,13 @@ import common
 
 
 def child(args: argparse.Namespace) -> None:
-    from megatron_tuning import interception
-    from megatron_tuning.decisions import get_decisions
+    from megatron_tuning.core.decisions import get_decisions
+    from megatron_tuning.core.identity import config_signature
+    from megatron_tuning.core.policy import TuningPolicy
     from megatron_tuning.kernels import matmul as mm
-    from megatron_tuning.policy import TuningPolicy
-    from megatron_tuning.selection import config_signature
-    from megatron_tuning.tuner import ClockTimer, TuneSettings, make_measure
+    from megatron_tuning.runtime import interception
+    from megatron_tuning.tuning.stats import TuneSettings
+    from megatron_tuning.tuning.tuner import ClockTimer, make_measure
 
     kernel = mm.matmul_kernel
     shapes = common.SMOKE_MATMUL_SHAPES if args.smoke else common.MATMUL_SHAPES
@@ -103,7 +104,7 @@ def parent(args: argparse.Namespace) -> int:
         ],
     )
     if args.plot:
-        from megatron_tuning.plotting import plot_records
+        from megatron_tuning.tuning.plotting import plot_records
 
         records = [
             {

@@ -15,8 +15,9 @@ import tempfile
 import time
 from collections.abc import Callable
 
-from megatron_tuning.table import Entry, Table, Timing, load_table, save_table
-from megatron_tuning.tableset import TableSet
+from megatron_tuning.tables.entry import Entry, Timing
+from megatron_tuning.tables.search import TableSet
+from megatron_tuning.tables.table import Table, load_table, save_table
 
 
 def make_table(count: int, seed: int = 0) -> Table:

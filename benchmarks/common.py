@@ -54,7 +54,7 @@ def require_device(args: argparse.Namespace, name: str) -> bool:
         os.environ["TRITON_INTERPRET"] = "1"
         # Triton 3.3 resolves its benchmarker when a kernel is decorated, which fails without a
         # GPU driver: keep the lazy one for this whole (short-lived) smoke process.
-        from megatron_tuning.interception import lazy_benchmarker
+        from megatron_tuning.runtime.triton_compat import lazy_benchmarker
 
         _PROCESS_CONTEXTS.enter_context(lazy_benchmarker())
         return True
@@ -279,9 +279,9 @@ def launch_config(autotuner: Any, config: Any, args: tuple, grid: Any) -> None:
 
 def install_pinned(table_paths: Sequence[str]) -> Any:
     """Deterministic policy with these tables (no shipped ones): what a pinned user process does."""
-    from megatron_tuning import interception
-    from megatron_tuning.policy import TuningPolicy
-    from megatron_tuning.tableset import TableSet
+    from megatron_tuning.core.policy import TuningPolicy
+    from megatron_tuning.runtime import interception
+    from megatron_tuning.tables.search import TableSet
 
     table = TableSet([p for p in table_paths if p], shipped_dir=None) if table_paths else None
     interception.install(

@@ -13,8 +13,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from .decisions import Decision, get_decisions, write_decisions
-from .errors import (
+from .core.decisions import Decision, get_decisions
+from .core.errors import (
     AgreementTimeoutError,
     BenchmarkForbiddenError,
     BlockSizeOverrideError,
@@ -26,7 +26,9 @@ from .errors import (
     TableMissError,
     UnsupportedTritonError,
 )
-from .policy import TuningPolicy
+from .core.policy import TuningPolicy
+from .core.version import __version__
+from .runtime.triton_compat import lazy_benchmarker
 from .selection import (
     arch_tag,
     autotune_configs,
@@ -44,13 +46,13 @@ from .selection import (
     warn_if_mamba_env_ignored,
 )
 from .session import TuningHandle, init_deterministic_tuning
+from .tables.decision_files import write_decisions
 
-__version__ = "0.1.0"
 
 
 def verify_agreement(group: Any = None, *, timeout_s: float | None = None) -> int:
-    """Compare all ranks' decisions at a step boundary (collective); see ``agreement.verify_agreement``."""
-    from .agreement import verify_agreement as _verify  # imports torch.distributed only when used
+    """Compare all ranks' decisions at a step boundary (collective); see ``distributed.verify``."""
+    from .distributed.verify import verify_agreement as _verify
 
     return _verify(group, timeout_s=timeout_s)
 
@@ -85,6 +87,7 @@ __all__ = [
     "init_deterministic_tuning",
     "kernel_module",
     "kernel_name",
+    "lazy_benchmarker",
     "reset_warnings",
     "tuning_key",
     "verify_agreement",

@@ -21,7 +21,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from megatron_tuning.errors import MegatronTuningError
+from .core.errors import MegatronTuningError
 
 EXIT_OK = 0
 EXIT_FOUND = 1
@@ -30,21 +30,21 @@ EXIT_USAGE = 2
 # name -> (module, add_arguments function, run function, help)
 _HOOKS: dict[str, tuple[str, str, str, str]] = {
     "selftest": (
-        "megatron_tuning.selftest",
+        "megatron_tuning.commands.selftest",
         "add_arguments",
         "run",
         "check this install end to end (interception, agreement, chaos control)",
     ),
     "tune": (
-        "megatron_tuning.tuner",
+        "megatron_tuning.commands.tune",
         "add_arguments",
         "run",
         "noise-aware tuning of kernels on a GPU, writing a table",
     ),
     "report": (
-        "megatron_tuning.tuner",
-        "add_report_arguments",
-        "run_report",
+        "megatron_tuning.commands.report",
+        "add_arguments",
+        "run",
         "report on a tuning run (timings, noise, plots)",
     ),
 }
@@ -254,8 +254,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _cmd_show(args: argparse.Namespace) -> int:
-    from megatron_tuning.review import entry_lines, kernel_matches
-    from megatron_tuning.table import Table, load_table
+    from .tables.review import entry_lines, kernel_matches
+    from .tables.table import Table, load_table
 
     if args.json and len(args.tables) > 1:
         # Several JSON documents back to back are not JSON; a script wants one per call.
@@ -282,7 +282,8 @@ def _cmd_show(args: argparse.Namespace) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from megatron_tuning.table import load_table, write_atomic
+    from .tables.files import write_atomic
+    from .tables.table import load_table
 
     if args.out.endswith(".msgpack"):
         # load_table reads a .msgpack name as msgpack: JSON there would be unreadable.
@@ -301,7 +302,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 def _cmd_import(args: argparse.Namespace) -> int:
-    from megatron_tuning.table import Table, _read_file, save_table
+    from .tables.files import read_table_bytes
+    from .tables.table import Table, save_table
 
     if args.out.endswith(".json"):
         # save_table would write the JSON view again, not the msgpack table import promises.
@@ -312,14 +314,14 @@ def _cmd_import(args: argparse.Namespace) -> int:
         )
         return EXIT_USAGE
     # The same reader as load_table (size limit, one TableError), whatever the input's name.
-    table = Table.from_json(_read_file(args.json_file), path=args.json_file)
+    table = Table.from_json(read_table_bytes(args.json_file), path=args.json_file)
     save_table(table, args.out)
     return EXIT_OK
 
 
 def _cmd_diff(args: argparse.Namespace) -> int:
-    from megatron_tuning.review import diff_tables, format_diff
-    from megatron_tuning.table import load_table
+    from .tables.review import diff_tables, format_diff
+    from .tables.table import load_table
 
     changes = diff_tables(load_table(args.a), load_table(args.b), ignore_provenance=args.ignore_provenance)
     if args.json:
@@ -331,7 +333,7 @@ def _cmd_diff(args: argparse.Namespace) -> int:
 
 
 def _cmd_merge(args: argparse.Namespace) -> int:
-    from megatron_tuning.recording import merge_files
+    from .tables.merge import merge_files
 
     result = merge_files(args.out, args.inputs)
     if args.json:
@@ -343,7 +345,7 @@ def _cmd_merge(args: argparse.Namespace) -> int:
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
-    from megatron_tuning.validate import validate_tables
+    from .commands.validate import validate_tables
 
     report = validate_tables(
         args.tables, arch=args.arch, triton_version=args.triton_version, modules=args.modules
@@ -357,7 +359,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
 
 def _cmd_coverage(args: argparse.Namespace) -> int:
-    from megatron_tuning.coverage import coverage_json_text, coverage_of, read_decision_files
+    from .tables.coverage import coverage_json_text, coverage_of, read_decision_files
 
     coverage = coverage_of(read_decision_files(args.logs))
     print(coverage_json_text(coverage) if args.json else coverage.report())

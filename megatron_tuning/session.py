@@ -8,10 +8,11 @@ import threading
 from types import TracebackType
 from typing import Any
 
-from . import interception
-from .decisions import write_decisions
-from .policy import TuningPolicy
-from .selection import current_rank, warn_if_mamba_env_ignored
+from .core.choice import warn_if_mamba_env_ignored
+from .core.identity import current_rank
+from .core.policy import TuningPolicy
+from .runtime import interception
+from .tables.decision_files import write_decisions
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ class TuningHandle:
 
 def _write_outputs(policy: TuningPolicy) -> None:
     if policy.mode in ("record", "tune") and policy.record_dir:
-        from .recording import write_recording
+        from .tables.recording import write_recording
 
         write_recording(None, policy.record_dir, current_rank())
     elif policy.mode in ("record", "tune"):
@@ -115,19 +116,19 @@ def init_deterministic_tuning(
 def _load_tables(policy: TuningPolicy) -> Any:
     if policy.mode not in ("deterministic", "chaos"):
         return None  # record and tune measure; off passes through
-    from .tableset import TableSet
+    from .tables.search import TableSet
 
     return TableSet.from_policy(policy)
 
 
 def _make_measure(policy: TuningPolicy) -> Any:
-    from .tuner import make_measure  # the tuner is the only layer that measures
+    from .tuning.tuner import make_measure
 
     return make_measure(policy)
 
 
 def _start_agreement(policy: TuningPolicy, group: Any) -> Any:
-    from .agreement import start_agreement
+    from .distributed.agreement import start_agreement
 
     return start_agreement(policy, group)
 

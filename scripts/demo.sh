@@ -2,7 +2,7 @@
 # Run the demo: a small 2-rank job that launches the reference kernels under the deterministic
 # policy and prints, per kernel and shape, the chosen config and where it came from.
 #
-#   scripts/demo.sh            # extra arguments go to `python -m megatron_tuning.demo`
+#   scripts/demo.sh            # extra arguments go to `python -m megatron_tuning.commands.demo`
 #
 # Creates or reuses .venv/triton39. Without a GPU the kernels run in Triton's interpreter and
 # the ranks talk over gloo; the demo module itself decides what to set up and what to show.
@@ -21,4 +21,4 @@ if ! "$python" -c 'import torch; raise SystemExit(0 if torch.cuda.is_available()
 fi
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 
-exec "$python" -m torch.distributed.run --standalone --nproc_per_node "$nproc" -m megatron_tuning.demo "$@"
+exec "$python" -m torch.distributed.run --standalone --nproc_per_node "$nproc" -m megatron_tuning.commands.demo "$@"

@@ -32,8 +32,20 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 
 declare -a summaries=()
 status=0
+linted=0
 for triton in "${versions[@]}"; do
   python="$(mt_ensure_venv "$triton" "$MT_VENV_EXTRAS")" || { summaries+=("triton $triton: FAILED to set up venv"); status=1; continue; }
+  if ((linted == 0)); then
+    # The layer contracts in pyproject.toml (import-linter): an upward import fails the run.
+    linted=1
+    if "$(dirname "$python")/lint-imports" --config "$MT_ROOT/pyproject.toml" >"$MT_ROOT/.venv/lint-imports.log" 2>&1; then
+      summaries+=("import contracts: OK    $(grep -E 'kept' "$MT_ROOT/.venv/lint-imports.log" | tail -n 1)")
+    else
+      cat "$MT_ROOT/.venv/lint-imports.log"
+      summaries+=("import contracts: FAILED (see above or .venv/lint-imports.log)")
+      status=1
+    fi
+  fi
   log="$MT_ROOT/.venv/pytest-$(mt_venv_name "$triton").log"
   mt_log "triton $triton: python -m pytest $*"
   start=$SECONDS

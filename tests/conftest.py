@@ -43,19 +43,19 @@ def _fresh_triton_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: p
 def _uninstall_interception() -> None:
     # Guarded: the interception (and the decision log) may not exist in every checkout state.
     try:
-        from megatron_tuning import interception
+        from megatron_tuning.runtime import interception
     except ImportError:
         return
     if interception.installed():
         interception.uninstall()
     try:
-        from megatron_tuning.decisions import decision_log
+        from megatron_tuning.core.decisions import decision_log
 
         decision_log().clear()
     except ImportError:
         pass
     try:
-        from megatron_tuning.selection import reset_warnings
+        from megatron_tuning.core.warn import reset_warnings
 
         reset_warnings()
     except ImportError:
@@ -82,7 +82,7 @@ def _import_kernel_module(name: str) -> ModuleType:
     if name in sys.modules:
         return sys.modules[name]
     try:
-        from megatron_tuning.interception import lazy_benchmarker
+        from megatron_tuning.runtime.triton_compat import lazy_benchmarker
     except ImportError:
         return importlib.import_module(name)
     with lazy_benchmarker():

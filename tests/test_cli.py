@@ -12,10 +12,12 @@ from pathlib import Path
 import pytest
 
 from megatron_tuning import cli
-from megatron_tuning.decisions import Decision, write_decisions
-from megatron_tuning.recording import write_recording
-from megatron_tuning.selection import config_data, config_signature, kernel_id, kernel_source_hash
-from megatron_tuning.table import Entry, Table, Timing, load_table, save_table
+from megatron_tuning.core.decisions import Decision
+from megatron_tuning.core.identity import config_data, config_signature, kernel_id, kernel_source_hash
+from megatron_tuning.tables.decision_files import write_decisions
+from megatron_tuning.tables.entry import Entry, Timing
+from megatron_tuning.tables.recording import write_recording
+from megatron_tuning.tables.table import Table, load_table, save_table
 
 from . import support_kernels as sk
 
@@ -176,7 +178,7 @@ def test_import_refuses_a_json_output_name_and_oversized_input(capsys, tmp_path,
     assert run(capsys, "export", table_path, view)[0] == 0
     code, _, err = run(capsys, "import", view, tmp_path / "out.json")
     assert code == 2 and "name it .msgpack" in err and not (tmp_path / "out.json").exists()
-    monkeypatch.setattr("megatron_tuning.table.MAX_FILE_BYTES", 16)
+    monkeypatch.setattr("megatron_tuning.tables.files.MAX_FILE_BYTES", 16)
     code, _, err = run(capsys, "import", view, tmp_path / "out.msgpack")
     assert code == 2 and "over the 16-byte limit" in err and str(view) in err
 

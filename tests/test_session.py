@@ -9,12 +9,13 @@ import torch
 from triton.runtime.autotuner import Autotuner
 
 import megatron_tuning
-from megatron_tuning import interception
-from megatron_tuning.decisions import read_decisions
-from megatron_tuning.errors import PolicyError
-from megatron_tuning.recording import recording_path
-from megatron_tuning.selection import config_data, config_signature, kernel_id
-from megatron_tuning.table import Entry, Table, load_table, save_table
+from megatron_tuning.core.errors import PolicyError
+from megatron_tuning.core.identity import config_data, config_signature, kernel_id
+from megatron_tuning.runtime import interception
+from megatron_tuning.tables.decision_files import read_decisions
+from megatron_tuning.tables.entry import Entry
+from megatron_tuning.tables.recording import recording_path
+from megatron_tuning.tables.table import Table, load_table, save_table
 
 from . import support_kernels as sk
 from .support_kernels import grid

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from _launch import WORKERS, gloo_available, gpu_count, read_results, run_torchrun
 
-from megatron_tuning.agreement import MAX_NAMED
+from megatron_tuning.distributed.verify import MAX_NAMED
 
 SCENARIOS = [
     "store_agree",

@@ -17,10 +17,10 @@ import pytest
 
 dist = pytest.importorskip("torch.distributed")
 
-from megatron_tuning import agreement
-from megatron_tuning.decisions import Decision, decision_log
-from megatron_tuning.errors import AgreementTimeoutError, DivergenceError
-from megatron_tuning.policy import TuningPolicy
+from megatron_tuning.core.decisions import Decision, decision_log
+from megatron_tuning.core.errors import AgreementTimeoutError, DivergenceError
+from megatron_tuning.core.policy import TuningPolicy
+from megatron_tuning.distributed import agreement, verify, wire
 
 KERNEL = "pkg.kernels:matmul"
 KEY = "M=64, N=48, K=40 | a_ptr:torch.float32"
@@ -127,12 +127,12 @@ def test_arrive_names_missing_ranks_and_late_ranks_accept_the_verdict() -> None:
     store = dist.PrefixStore("arrive", dist.HashStore())
     start = time.monotonic()
     with pytest.raises(AgreementTimeoutError) as raised:
-        agreement.arrive(store, "t1", 0, [0, 1, 2], "kernel k", 0.3)
+        wire.arrive(store, "t1", 0, [0, 1, 2], "kernel k", 0.3)
     assert time.monotonic() - start < 3
     assert raised.value.missing_ranks == [1, 2]
     # Rank 1 arrives after rank 0 gave up: it sees the same verdict instead of waiting alone.
     with pytest.raises(AgreementTimeoutError) as late:
-        agreement.arrive(store, "t1", 1, [0, 1, 2], "kernel k", 0.3)
+        wire.arrive(store, "t1", 1, [0, 1, 2], "kernel k", 0.3)
     assert late.value.missing_ranks == [1, 2]
 
 
@@ -142,7 +142,7 @@ def test_arrive_passes_when_every_rank_comes() -> None:
 
     def rank(r: int) -> None:
         try:
-            agreement.arrive(store, "t", r, [0, 1, 2], "k", 5.0)
+            wire.arrive(store, "t", r, [0, 1, 2], "k", 5.0)
         except BaseException as error:  # collected for the assertion below
             errors.append(error)
 
@@ -155,18 +155,18 @@ def test_arrive_passes_when_every_rank_comes() -> None:
 
 
 def test_pack_text_is_fixed_size_and_marks_truncation() -> None:
-    row = agreement.pack_text("k", "é" * 1000, "s")
-    assert len(row) == agreement.TEXT_BYTES
-    kernel, key, signature = agreement.unpack_text(row)
+    row = wire.pack_text("k", "é" * 1000, "s")
+    assert len(row) == wire.TEXT_BYTES
+    kernel, key, signature = wire.unpack_text(row)
     assert (kernel, signature) == ("k", "s")
-    assert key.endswith("...[truncated]") and len(key.encode()) <= agreement.FIELD_BYTES[1]
-    assert agreement.unpack_text(agreement.pack_text("a", "b", "c")) == ("a", "b", "c")
+    assert key.endswith("...[truncated]") and len(key.encode()) <= wire.FIELD_BYTES[1]
+    assert wire.unpack_text(wire.pack_text("a", "b", "c")) == ("a", "b", "c")
 
 
 def test_digests_are_fixed_size_and_stable() -> None:
-    assert len(agreement.identity_digest(KERNEL, KEY, "sm90")) == agreement.DIGEST_BYTES
-    assert agreement.signature_digest(SIG_A) == agreement.signature_digest(SIG_A)
-    assert agreement.identity_digest("a", "b\0c", "x") != agreement.identity_digest("a\0b", "c", "x")
+    assert len(wire.identity_digest(KERNEL, KEY, "sm90")) == wire.DIGEST_BYTES
+    assert wire.signature_digest(SIG_A) == wire.signature_digest(SIG_A)
+    assert wire.identity_digest("a", "b\0c", "x") != wire.identity_digest("a\0b", "c", "x")
 
 
 def test_no_process_group_means_no_checks() -> None:
@@ -174,7 +174,7 @@ def test_no_process_group_means_no_checks() -> None:
     handle = agreement.start_agreement(TuningPolicy(agreement="store"))
     assert not isinstance(handle, agreement.AgreementChecker)
     handle.stop()
-    assert agreement.verify_agreement() == 0
+    assert verify.verify_agreement() == 0
 
 
 @pytest.mark.parametrize("changes", [{"agreement": "off"}, {"mode": "record"}, {"mode": "tune"}])
@@ -188,7 +188,7 @@ def test_start_attaches_and_stop_detaches(one_rank_group: None) -> None:
     handle = agreement.start_agreement(TuningPolicy(mode="chaos", agreement="allgather"))
     assert isinstance(handle, agreement.AgreementChecker) and agreement.active_checker() is handle
     decision_log().record(_decision(SIG_A))  # one rank: trivially agrees, through a real gather
-    assert agreement.verify_agreement() == 0  # an entry seen by one rank only is not "shared"
+    assert verify.verify_agreement() == 0  # an entry seen by one rank only is not "shared"
     replacement = agreement.start_agreement(TuningPolicy())
     assert agreement.active_checker() is replacement and not handle._attached
     replacement.stop()
@@ -202,7 +202,7 @@ def test_contract_default_store_is_reachable(one_rank_group: None) -> None:
     from torch.distributed import distributed_c10d
 
     assert hasattr(distributed_c10d, "_get_default_store"), "torch moved _get_default_store"
-    store = agreement.default_store()
+    store = wire.default_store()
     for method in ("compare_set", "wait", "check", "set"):
         assert callable(getattr(store, method, None)), method
 
@@ -224,5 +224,5 @@ def test_contract_compare_set_semantics(make: Any) -> None:
     assert store.compare_set("flag", "", "") == b""
     assert store.compare_set("flag", "", "record") == b"record"
     assert store.compare_set("flag", "", "") == b"record"
-    with pytest.raises(agreement._store_timeout_errors()):
+    with pytest.raises(wire._store_timeout_errors()):
         store.wait(["absent"], timedelta(seconds=0.05))

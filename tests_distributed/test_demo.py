@@ -20,7 +20,7 @@ def _run_demo(tmp: Path, *args: str) -> subprocess.CompletedProcess[str]:
         "--standalone",
         "--nproc_per_node=2",
         "-m",
-        "megatron_tuning.demo",
+        "megatron_tuning.commands.demo",
         *args,
     ]
     return run_bounded(command, tmp, 300, "the 2-rank demo")

@@ -54,7 +54,7 @@ def test_selftest_removes_its_temp_dir_unless_a_run_failed(
     import argparse
     import tempfile
 
-    from megatron_tuning import selftest
+    from megatron_tuning.commands import selftest
 
     def fake_launch(args: argparse.Namespace, mode: str, folder: str, interpret: bool) -> dict[str, Any]:
         os.makedirs(folder, exist_ok=True)

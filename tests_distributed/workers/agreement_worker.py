@@ -22,10 +22,10 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is de
 
 import torch.distributed as dist
 
-from megatron_tuning import agreement
-from megatron_tuning.decisions import Decision, decision_log
-from megatron_tuning.errors import AgreementTimeoutError, MegatronTuningError
-from megatron_tuning.policy import TuningPolicy
+from megatron_tuning.core.decisions import Decision, decision_log
+from megatron_tuning.core.errors import AgreementTimeoutError, MegatronTuningError
+from megatron_tuning.core.policy import TuningPolicy
+from megatron_tuning.distributed import agreement, verify
 
 RANK = 0
 WORLD = 1
@@ -103,7 +103,7 @@ def allgather_order(result: dict[str, Any]) -> None:
 def verify_agree(result: dict[str, Any]) -> None:
     for n in (64, 96, 128):
         _record(MATMUL, KEY.replace("64", str(n), 1), SIG)
-    result["shared"] = agreement.verify_agreement()
+    result["shared"] = verify.verify_agreement()
 
 
 def verify_chaos(result: dict[str, Any]) -> None:
@@ -111,7 +111,7 @@ def verify_chaos(result: dict[str, Any]) -> None:
     _record(MATMUL, KEY, _chaos_signature())
     for n in range(12):  # more differing entries than verify_agreement names
         _record(f"synthetic.kernels:many_{n:02d}", KEY, _chaos_signature())
-    result["shared"] = agreement.verify_agreement()
+    result["shared"] = verify.verify_agreement()
 
 
 def _asymmetric_plan() -> list[tuple[str, str, str]]:
@@ -132,13 +132,13 @@ def asymmetric_store(result: dict[str, Any]) -> None:
     for kernel, key, signature in _asymmetric_plan():
         _guarded(result, lambda k=kernel, y=key, s=signature: _record(k, y, s))
     _then_poll(handle, result)
-    result["shared"] = agreement.verify_agreement()
+    result["shared"] = verify.verify_agreement()
 
 
 def asymmetric_verify(result: dict[str, Any]) -> None:
     for kernel, key, signature in _asymmetric_plan():
         _record(kernel, key, signature)
-    result["shared"] = agreement.verify_agreement()
+    result["shared"] = verify.verify_agreement()
 
 
 def allgather_missing(result: dict[str, Any]) -> None:
@@ -174,7 +174,7 @@ def capture_deferred(result: dict[str, Any]) -> None:
     result["store_calls_during_capture"] = len(calls)
     result["pending"] = len(handle._pending)
     dist.barrier()
-    result["shared"] = agreement.verify_agreement()
+    result["shared"] = verify.verify_agreement()
 
 
 # --- real kernel launches through init_deterministic_tuning --------------------------------------
@@ -200,7 +200,7 @@ def _kernel_run(result: dict[str, Any], mode: str, agreement_mode: str) -> None:
             _guarded(result, lambda k=name, size=n: _kernels.run(k, size, DEVICE))
             dist.barrier()  # same number of barriers on every rank, errors or not
         if agreement_mode == "off" and result.get("error") is None:
-            result["shared"] = agreement.verify_agreement()
+            result["shared"] = verify.verify_agreement()
     finally:
         handle.close()
 
@@ -230,7 +230,7 @@ def kernels_asymmetric(result: dict[str, Any]) -> None:
         checker = agreement.active_checker()
         if checker is not None:
             _guarded(result, checker.poll)
-        result["shared"] = agreement.verify_agreement()
+        result["shared"] = verify.verify_agreement()
     finally:
         handle.close()
 
@@ -266,7 +266,7 @@ def _cuda_graph_run(result: dict[str, Any], mode: str) -> None:
         torch.cuda.synchronize()
         result["replay_ok"] = bool(torch.equal(y, x * 2))
         dist.barrier()
-        result["shared"] = agreement.verify_agreement()
+        result["shared"] = verify.verify_agreement()
     finally:
         handle.close()
 

@@ -1,0 +1,217 @@
+"""Choosing a config without measuring: table entry, override, then a static rule.
+
+Every rule is a pure function of the candidate list and the call signature, so each rank
+computes the same answer. ``deterministic_choice`` and ``chaos_choice`` are the seed API;
+``choose_deterministically`` is the same rule with a precomputed key, returning the source.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+from .cost import as_block_sizes, cheapest, filter_configs_by_block_sizes, order_by_cost
+from .errors import BlockSizeOverrideError, PolicyError, TableMissError
+from .identity import (
+    arch_tag,
+    config_data,
+    config_signature,
+    current_rank,
+    kernel_id,
+    kernel_source_hash,
+    tuning_key,
+)
+from .policy import TuningPolicy
+from .warn import warn_once
+
+logger = logging.getLogger(__name__)
+
+ON_MISS_CHOICES = ("min_cost", "error")
+
+# --------------------------------------------------------------------------- tables
+
+
+@dataclass(frozen=True, slots=True)
+class TableHit:
+    """A table entry found for (kernel, key): its config in ``config_data`` form, and where from."""
+
+    config: Mapping[str, Any]
+    origin: str
+
+
+@runtime_checkable
+class ConfigTable(Protocol):
+    """What ``deterministic_choice`` needs from a table; ``megatron_tuning.table`` implements it."""
+
+    def lookup(
+        self, kernel: str, key: str, *, arch: str, source_hash: str | None = None
+    ) -> TableHit | None: ...
+
+
+class InMemoryTable:
+    """A table held in a dict ``{(kernel_id, key): config or config_data}``, any arch."""
+
+    def __init__(self, entries: Mapping[tuple[str, str], Any], origin: str = "<memory>") -> None:
+        self._entries = {k: (v if isinstance(v, Mapping) else config_data(v)) for k, v in entries.items()}
+        self._origin = origin
+
+    def lookup(self, kernel: str, key: str, *, arch: str, source_hash: str | None = None) -> TableHit | None:
+        data = self._entries.get((kernel, key))
+        return None if data is None else TableHit(data, self._origin)
+
+
+def as_config_table(table: ConfigTable | Mapping[tuple[str, str], Any] | None) -> ConfigTable | None:
+    if table is None or isinstance(table, ConfigTable):
+        return table
+    if isinstance(table, Mapping):
+        return InMemoryTable(table)
+    raise TypeError(
+        f"table must provide lookup(kernel, key, *, arch, source_hash) or be a mapping, not {table!r}"
+    )
+
+
+# --------------------------------------------------------------------------- choices
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """A chosen live config and why: ``source`` is a ``decisions.SOURCES`` value."""
+
+    config: Any
+    source: str
+    origin: str | None = None
+
+
+def choose_deterministically(
+    autotuner: Any,
+    candidates: Sequence[Any],
+    key: str,
+    *,
+    table: ConfigTable | Mapping[tuple[str, str], Any] | None = None,
+    on_miss: str = "min_cost",
+    block_sizes: Mapping[str, int] | Iterable[tuple[str, int]] = (),
+) -> Choice:
+    """``deterministic_choice`` with a precomputed key, returning the source of the choice."""
+    if on_miss not in ON_MISS_CHOICES:
+        raise PolicyError("on_miss", on_miss, "one of " + "|".join(ON_MISS_CHOICES))
+    if not candidates:
+        raise ValueError(f"no live configs for kernel {kernel_id(autotuner)}")
+    kernel = kernel_id(autotuner)
+    lookup = as_config_table(table)
+    reason = "no table configured" if lookup is None else "no table entry"
+    if lookup is not None:
+        hit = lookup.lookup(kernel, key, arch=arch_tag(), source_hash=kernel_source_hash(autotuner))
+        if hit is not None:
+            wanted = config_signature(hit.config)
+            for config in candidates:  # position order: the first live duplicate wins
+                if config_signature(config) == wanted:
+                    return Choice(config, "table", hit.origin)
+            reason = "the table entry matches no live config"
+            warn_once(
+                ("entry-no-match", kernel, key, hit.origin),
+                "Table entry for kernel %s key %s in %s (%s) matches none of the %d live configs "
+                "after pruning; treating it as a miss.",
+                kernel,
+                key,
+                hit.origin,
+                wanted,
+                len(candidates),
+            )
+    override = as_block_sizes(block_sizes)
+    if override:
+        matching = filter_configs_by_block_sizes(candidates, override)
+        if not matching:
+            raise BlockSizeOverrideError(kernel, override, [config_signature(c) for c in candidates])
+        if len(matching) < len(candidates):
+            return Choice(cheapest(matching), "override")
+    if len(candidates) == 1:
+        return Choice(candidates[0], "single")
+    if on_miss == "error":
+        raise TableMissError(kernel, key, reason)
+    return Choice(cheapest(candidates), "cheapest")
+
+
+def deterministic_choice(
+    autotuner: Any,
+    candidates: Sequence[Any],
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    *,
+    table: ConfigTable | Mapping[tuple[str, str], Any] | None = None,
+    on_miss: str = "min_cost",
+    block_sizes: Mapping[str, int] | Iterable[tuple[str, int]] = (),
+) -> Any:
+    """Pick one of ``candidates`` (the live, pruned configs) without measuring.
+
+    Order: the table entry for this kernel and key, matched back to a live candidate (so its
+    ``pre_hook`` survives); then an explicit block-size override; then the cheapest config by
+    static cost. With ``on_miss='error'`` a miss raises ``TableMissError`` naming kernel and key.
+    """
+    key = tuning_key(autotuner, args, kwargs)
+    return choose_deterministically(
+        autotuner, candidates, key, table=table, on_miss=on_miss, block_sizes=block_sizes
+    ).config
+
+
+def chaos_index(kernel: str, key: str, rank: int, count: int) -> int:
+    """Position in cost order that chaos mode picks: distinct for ranks ``count`` apart or less."""
+    offset = int(hashlib.sha256(f"{kernel}\n{key}".encode()).hexdigest()[:8], 16)
+    return (rank + offset) % count
+
+
+def chaos_choice(
+    autotuner: Any, candidates: Sequence[Any], args: Sequence[Any], kwargs: Mapping[str, Any]
+) -> Any:
+    """A per-rank different config, on purpose: the positive control for the agreement check.
+
+    Reproducible (the same rank picks the same config in every run); with two or more
+    candidates, consecutive ranks always pick different configs.
+    """
+    if not candidates:
+        raise ValueError(f"no live configs for kernel {kernel_id(autotuner)}")
+    ordered = order_by_cost(candidates)
+    key = tuning_key(autotuner, args, kwargs)
+    return ordered[chaos_index(kernel_id(autotuner), key, current_rank(), len(ordered))]
+
+
+def autotune_configs(configs: Sequence[Any], *, policy: TuningPolicy | None = None) -> list[Any]:
+    """For a project's own kernels, at decoration: ``@triton.autotune(configs=autotune_configs([...]))``.
+
+    Under deterministic mode (``TuningPolicy.from_env()``: ``MEGATRON_TUNING_MODE`` or torch's
+    deterministic algorithms) the list shrinks to the one deterministic choice, honouring a
+    block-size override, so neither Triton nor torch.compile's autotuner can benchmark or pick
+    differently. Otherwise the list is returned unchanged. Triton's ``TRITON_CACHE_AUTOTUNING``
+    is not enough: a cache miss still times the candidates, so the cached winner is whichever
+    process wrote last, and the cache is skipped for configs with a ``pre_hook``.
+    """
+    policy = policy if policy is not None else TuningPolicy.from_env()
+    configs = list(configs)
+    if policy.mode != "deterministic" or len(configs) <= 1:
+        return configs
+    matching = filter_configs_by_block_sizes(configs, policy.block_sizes)
+    if not matching:
+        raise BlockSizeOverrideError(
+            "<autotune_configs>", dict(policy.block_sizes), [config_signature(c) for c in configs]
+        )
+    return [cheapest(matching)]
+
+
+def warn_if_mamba_env_ignored(policy: TuningPolicy | None = None) -> bool:
+    """Warn once when ``MAMBA_DETERMINISTIC`` asks for determinism but our mode is not deterministic."""
+    raw = os.environ.get("MAMBA_DETERMINISTIC", "").strip().lower()
+    if raw in ("", "0", "false", "no", "off"):
+        return False
+    policy = policy if policy is not None else TuningPolicy.from_env()
+    if policy.mode == "deterministic":
+        return False
+    return warn_once(
+        ("mamba-env", policy.mode),
+        "MAMBA_DETERMINISTIC=%s is set but megatron_tuning's mode is %r, so autotuned kernels "
+        "are not pinned. Set MEGATRON_TUNING_MODE=deterministic.",
+        raw,
+        policy.mode,
+    )

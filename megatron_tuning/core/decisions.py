@@ -1,0 +1,112 @@
+"""The per-process decision log: what config each in-scope (kernel, key) launched, and why.
+
+The interception records one ``Decision`` at the first use of each (kernel, key) in this
+process. Listeners registered with ``add_listener`` see each new decision before the
+kernel launches; the agreement layer uses this to compare ranks, and may raise to stop
+the launch. Written out with ``tables.decision_files.write_decisions``, the log is what
+``python -m megatron_tuning coverage`` reads.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+# Where a decision's config came from.
+SOURCES = (
+    "table",  # a tuning-table entry, matched back to a live candidate
+    "override",  # an explicit block-size override
+    "cheapest",  # a miss: the cheapest live candidate by static cost
+    "single",  # only one live candidate (no choice to make)
+    "chaos",  # chaos mode: a per-rank different pick, on purpose
+    "tuned",  # tune mode: measured by the noise-aware tuner
+    "recorded",  # record mode: Triton's own autotune winner
+    "out_of_scope",  # passed through to Triton untouched (key is "*")
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """One choice made at the first use of a (kernel, key) in this process."""
+
+    kernel: str
+    """Kernel id, ``module:qualname`` of the user function."""
+    key: str
+    """Stable tuning-key text (``selection.tuning_key``); ``"*"`` for out-of-scope kernels."""
+    signature: str
+    """``selection.config_signature`` of the launched config; empty when out of scope."""
+    source: str
+    """One of ``SOURCES``."""
+    config: dict[str, Any] = field(default_factory=dict)
+    """``selection.config_data`` of the launched config."""
+    arch: str = "unknown"
+    rank: int = 0
+    origin: str | None = None
+    """The table file a ``table`` decision came from."""
+    source_hash: str | None = None
+    timings: dict[str, Any] | None = None
+    """Measurement statistics for ``tuned`` / ``recorded`` decisions."""
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Decision:
+        return cls(**data)
+
+
+Listener = Callable[[Decision], None]
+
+
+class DecisionLog:
+    """Thread-safe append-only log of decisions, with first-use listeners."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._decisions: list[Decision] = []
+        self._listeners: list[Listener] = []
+
+    def record(self, decision: Decision) -> None:
+        """Append ``decision`` and notify listeners in registration order.
+
+        A listener's exception propagates to the caller (the launch), after the decision
+        is logged, so a divergence still shows up in the coverage report.
+        """
+        with self._lock:
+            self._decisions.append(decision)
+            listeners = list(self._listeners)
+        for listener in listeners:
+            listener(decision)
+
+    def decisions(self) -> list[Decision]:
+        with self._lock:
+            return list(self._decisions)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._decisions.clear()
+
+    def add_listener(self, listener: Listener) -> None:
+        with self._lock:
+            if listener not in self._listeners:
+                self._listeners.append(listener)
+
+    def remove_listener(self, listener: Listener) -> None:
+        with self._lock:
+            if listener in self._listeners:
+                self._listeners.remove(listener)
+
+
+_LOG = DecisionLog()
+
+
+def decision_log() -> DecisionLog:
+    """The process-wide decision log."""
+    return _LOG
+
+
+def get_decisions() -> list[Decision]:
+    """A snapshot of every decision recorded in this process, in order."""
+    return _LOG.decisions()

@@ -1,0 +1,230 @@
+"""Names that cross processes: GPU arch, kernel identity, tuning keys, config signatures.
+
+Pure functions of the autotuner, the call and the config. Nothing relies on Python's salted
+``hash()`` or on set/dict order of ``Config`` objects (before Triton 3.4 they hash by identity),
+so every process and every rank derives the same text.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import inspect
+import numbers
+import os
+import re
+import textwrap
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from .errors import PolicyError
+
+# Config fields beyond kwargs/num_warps/num_stages, with the default that leaves them out of
+# signatures: a field only some Triton releases have must not change the signature of a
+# config that does not set it (3.2/3.3 warp-specialisation fields, 3.4+ ir_override).
+_OPTIONAL_FIELDS: tuple[tuple[str, Any], ...] = (
+    ("num_ctas", 1),
+    ("maxnreg", None),
+    ("ir_override", None),
+    ("num_buffers_warp_spec", 0),
+    ("num_consumer_groups", 0),
+    ("reg_dec_producer", 0),
+    ("reg_inc_consumer", 0),
+)
+
+
+# --------------------------------------------------------------------------- hardware
+
+
+def _interpreter_active() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def arch_tag() -> str:
+    """``sm<major><minor>`` of the current CUDA device; ``unknown`` off-GPU or under the interpreter."""
+    if _interpreter_active():
+        return "unknown"
+    try:
+        import torch
+    except ImportError:
+        return "unknown"
+    if not torch.cuda.is_available():
+        return "unknown"
+    return _arch_for_device(torch.cuda.current_device())
+
+
+def _arch_for_device(index: int) -> str:
+    import torch
+
+    if getattr(torch.version, "hip", None):
+        name = str(getattr(torch.cuda.get_device_properties(index), "gcnArchName", "gfx-unknown"))
+        return name.split(":", 1)[0]
+    major, minor = torch.cuda.get_device_capability(index)
+    return f"sm{major}{minor}"
+
+
+# --------------------------------------------------------------------------- kernel identity
+
+
+def _user_function(autotuner: Any) -> Any:
+    """Unwrap Autotuner -> Heuristics -> JITFunction/InterpretedFunction -> the Python function."""
+    fn = getattr(autotuner, "base_fn", None)
+    if inspect.isfunction(fn):
+        return fn
+    fn = autotuner
+    for _ in range(16):  # wrappers nest a few levels at most; bound the walk against cycles
+        if inspect.isfunction(fn):
+            return fn
+        inner = getattr(fn, "fn", None)
+        if inner is None:
+            break
+        fn = inner
+    raise TypeError(f"cannot find the Python function behind {autotuner!r}")
+
+
+def kernel_name(autotuner: Any) -> str:
+    """Qualified name of the kernel's Python function (e.g. ``matmul_kernel``)."""
+    return str(_user_function(autotuner).__qualname__)
+
+
+def kernel_module(autotuner: Any) -> str:
+    """Module that defines the kernel; what the policy's scope matches against."""
+    return str(_user_function(autotuner).__module__)
+
+
+def kernel_id(autotuner: Any) -> str:
+    """``module:qualname``: the kernel's identity in tables, logs and across ranks."""
+    fn = _user_function(autotuner)
+    return f"{fn.__module__}:{fn.__qualname__}"
+
+
+@functools.cache
+def _source_hash_of(fn: Any) -> str | None:
+    try:
+        source = textwrap.dedent(inspect.getsource(fn))
+    except (OSError, TypeError):
+        return None
+    # Hash from the ``def`` line on, so decorator arguments (the config list) do not count and
+    # the hash is the same for a JITFunction and the interpreter's InterpretedFunction.
+    match = re.search(r"^def\s+\w+\s*\(", source, re.MULTILINE)
+    body = source[match.start() :] if match else source
+    return hashlib.sha256(body.encode("utf-8")).hexdigest()
+
+
+def kernel_source_hash(autotuner: Any) -> str | None:
+    """sha256 of the kernel function's source; ``None`` when the source is unavailable."""
+    return _source_hash_of(_user_function(autotuner))
+
+
+# --------------------------------------------------------------------------- keys and signatures
+
+
+def _render(value: Any) -> str:
+    """Stable text for one value: keeps type distinctions (``True`` is not ``1``)."""
+    if value is None or isinstance(value, (bool, str)):
+        return repr(value)
+    if isinstance(value, numbers.Integral):
+        return str(int(value))
+    if isinstance(value, numbers.Real):
+        return repr(float(value))
+    dtype = getattr(value, "dtype", None)
+    shape = getattr(value, "shape", None)
+    if dtype is not None and shape is not None:
+        return f"tensor({list(shape)}, {dtype})"
+    text = repr(value)
+    # A default repr carries a memory address, which differs between processes.
+    return type(value).__name__ if " at 0x" in text else text
+
+
+def tuning_key(autotuner: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
+    """Stable text of the tuning key: the ``key=`` argument values, then every tensor dtype.
+
+    At least as fine as Triton's own key (same values and dtypes; bools are kept apart from
+    ints), in parameter order, e.g. ``M=64, N=48, K=40 | a_ptr:torch.float16, b_ptr:...``.
+    """
+    arg_names = list(autotuner.arg_names)
+    named: dict[str, Any] = dict(zip(arg_names, args))
+    for name, value in kwargs.items():
+        if name in arg_names:
+            named[name] = value
+    values = [f"{name}={_render(named[name])}" for name in autotuner.keys if name in named]
+    dtypes = [
+        f"{name}:{named[name].dtype}" for name in arg_names if name in named and hasattr(named[name], "dtype")
+    ]
+    return ", ".join(values) + " | " + ", ".join(dtypes)
+
+
+def config_data(config: Any) -> dict[str, Any]:
+    """Serializable launch options of a ``triton.Config`` (hooks stay on the live object).
+
+    ``kwargs``, ``num_warps``, ``num_stages``, ``num_ctas`` and ``maxnreg`` are always present;
+    release-specific fields only when set to a non-default value.
+    """
+    data: dict[str, Any] = {
+        "kwargs": {k: config.kwargs[k] for k in sorted(config.kwargs)},
+        "num_warps": getattr(config, "num_warps", None),
+        "num_stages": getattr(config, "num_stages", None),
+        "num_ctas": getattr(config, "num_ctas", 1),
+        "maxnreg": getattr(config, "maxnreg", None),
+    }
+    for name, default in _OPTIONAL_FIELDS[2:]:
+        value = getattr(config, name, default)
+        if value != default:
+            data[name] = value
+    return data
+
+
+def config_from_data(data: Mapping[str, Any]) -> Any:
+    """Build a ``triton.Config`` from ``config_data`` output (no hooks)."""
+    import triton
+
+    accepted = inspect.signature(triton.Config.__init__).parameters
+    options: dict[str, Any] = {}
+    for name in ("num_warps", "num_stages") + tuple(name for name, _ in _OPTIONAL_FIELDS):
+        if name not in data:
+            continue
+        if name not in accepted:
+            default = dict(_OPTIONAL_FIELDS).get(name)
+            if data[name] == default:
+                continue
+            raise ValueError(
+                f"config field {name}={data[name]!r} is not supported by Triton {triton.__version__}"
+            )
+        options[name] = data[name]
+    return triton.Config(dict(data["kwargs"]), **options)
+
+
+def config_signature(config: Any) -> str:
+    """Stable text of a config for logs and cross-rank comparison.
+
+    Sorted kwargs with their types kept, then ``num_warps`` and ``num_stages`` always, then
+    other fields only when non-default, so one config reads the same on Triton 3.3-3.9.
+    Accepts a ``triton.Config`` or its ``config_data`` dict.
+    """
+    data = config if isinstance(config, Mapping) else config_data(config)
+    parts = [f"{k}={_render(v)}" for k, v in sorted(data["kwargs"].items())]
+    parts.append(f"num_warps={_render(data.get('num_warps'))}")
+    parts.append(f"num_stages={_render(data.get('num_stages'))}")
+    for name, default in _OPTIONAL_FIELDS:
+        value = data.get(name, default)
+        if value != default:
+            parts.append(f"{name}={_render(value)}")
+    return ", ".join(parts)
+
+
+def current_rank() -> int:
+    """This process's rank: torch.distributed when initialized, else ``RANK``, else 0."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return int(dist.get_rank())
+    except ImportError:
+        pass
+    raw = os.environ.get("RANK", "").strip()
+    if not raw:
+        return 0
+    try:
+        return int(raw)
+    except ValueError:
+        raise PolicyError("RANK", raw, "a non-negative integer") from None

@@ -1,0 +1,287 @@
+"""Cross-rank agreement: prove that every rank launched the same config for each (kernel, key).
+
+``init_deterministic_tuning`` calls ``start_agreement(policy, group)`` after installing the
+interception; the returned handle's ``stop()`` detaches it. The checker listens to the decision
+log, which calls it at the first use of each (kernel, key) in this process, before the launch.
+
+Modes (``policy.agreement``):
+
+* ``store`` (default): compare through the default process group's key-value store. The first
+  rank to reach a (kernel, key) claims it with its signature (one atomic ``compare_set``); later
+  ranks get that claim back from the same call and raise ``DivergenceError`` on a mismatch. No
+  collective, so ranks that reach kernels at different times, or never, cannot deadlock. The
+  first divergence found is recorded in the store; every rank raises that same diagnosis at its
+  next check. Cost: two store round trips per new (kernel, key) per rank (claim, then the
+  divergence flag); nothing per launch.
+* ``allgather``: for strictly SPMD groups. At first use all ranks of ``group`` meet at a store
+  barrier with a timeout (so a rank that never arrives is named, not waited for forever), then
+  all-gather 64-byte digests of (kernel, key, arch) and signature. Every rank raises the same
+  error on a mismatch.
+* ``off``: nothing.
+
+``verify_agreement(group)`` (``verify.py``) compares whole decision logs at a step boundary.
+
+No store or collective traffic happens while a CUDA graph is captured: such checks wait for the
+next check outside capture, or for ``verify_agreement``. What crosses ranks is in ``wire.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch.distributed as dist
+
+from ..core.decisions import Decision, decision_log
+from ..core.errors import DivergenceError, PolicyError
+from .wire import (
+    DIGEST_BYTES,
+    all_gather_bytes,
+    arrive,
+    default_store,
+    group_ranks,
+    identity_digest,
+    is_capturing,
+    pack_text,
+    scope_id,
+    signature_digest,
+    unpack_text,
+)
+
+logger = logging.getLogger(__name__)
+
+MODES = ("store", "allgather", "off")
+UNCHECKED_SOURCES = frozenset({"out_of_scope", "recorded", "tuned"})
+"""Sources never compared: pass-through kernels, and measured picks that may differ by design."""
+
+DEFAULT_TIMEOUT_S = 300.0
+PREFIX = "megatron_tuning/agreement/v1"
+_FLAG = "divergence"
+
+_active_lock = threading.Lock()
+_active: AgreementChecker | None = None
+_epochs = 0  # start_agreement calls in this process: each session gets fresh store keys
+
+
+class AgreementHandle(Protocol):
+    """What ``start_agreement`` returns: ``stop()`` detaches the checker (idempotent)."""
+
+    def stop(self) -> None: ...
+
+
+class _NoAgreement:
+    """Handle for a process that checks nothing (no process group, or agreement off)."""
+
+    def stop(self) -> None:
+        return None
+
+
+def start_agreement(policy: Any, group: Any = None) -> AgreementHandle:
+    """Start cross-rank checks for ``policy``; call after the interception is installed.
+
+    A no-op handle comes back when torch.distributed has no initialized process group, when
+    ``policy.agreement == "off"``, or when ``policy.mode`` is not deterministic/chaos (record
+    and tune modes pick by measurement, so ranks may differ by design). ``group`` scopes the
+    check (default: the whole job). A previous checker is stopped first.
+    """
+    global _active, _epochs
+    mode = getattr(policy, "agreement", "store")
+    if mode not in MODES:
+        raise PolicyError("agreement", mode, "one of " + "|".join(MODES))
+    if mode == "off" or getattr(policy, "mode", "deterministic") not in ("deterministic", "chaos"):
+        return _NoAgreement()
+    if not (dist.is_available() and dist.is_initialized()):
+        logger.debug("no process group: agreement checks are off in this single process")
+        return _NoAgreement()
+    with _active_lock:
+        previous, _active = _active, None
+        _epochs += 1
+        epoch = _epochs
+    if previous is not None:
+        previous.stop()
+    # Elastic restarts reuse the rendezvous store: the restart count keeps old claims apart.
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    checker = AgreementChecker(policy, group, namespace=f"r{restart}/e{epoch}")
+    checker.attach()
+    with _active_lock:
+        _active = checker
+    return checker
+
+
+def active_checker() -> AgreementChecker | None:
+    """The checker ``start_agreement`` attached, if any."""
+    return _active
+
+
+class AgreementChecker:
+    """Decision-log listener that compares each new (kernel, key) with the other ranks.
+
+    ``store``/``rank``/``ranks`` exist so tests can drive the protocol without a process group.
+    """
+
+    def __init__(
+        self,
+        policy: Any,
+        group: Any = None,
+        *,
+        namespace: str = "default",
+        store: Any = None,
+        rank: int | None = None,
+        ranks: Sequence[int] | None = None,
+    ) -> None:
+        self.mode: str = getattr(policy, "agreement", "store")
+        if self.mode not in MODES:
+            raise PolicyError("agreement", self.mode, "one of " + "|".join(MODES))
+        self.timeout_s = float(getattr(policy, "agreement_timeout_s", DEFAULT_TIMEOUT_S))
+        self.group = group
+        self.rank = dist.get_rank() if rank is None else int(rank)
+        self.ranks = list(ranks) if ranks is not None else group_ranks(group)
+        base = store if store is not None else default_store()
+        self._store = dist.PrefixStore(f"{PREFIX}/{namespace}/{scope_id(group, self.ranks)}", base)
+        self._lock = threading.RLock()  # allgather checks must not interleave within a process
+        self._seen: set[bytes] = set()
+        self._pending: list[Decision] = []
+        self._seq = 0
+        self._attached = False
+
+    def attach(self) -> None:
+        if not self._attached:
+            decision_log().add_listener(self.check)
+            self._attached = True
+
+    def detach(self) -> None:
+        if self._attached:
+            decision_log().remove_listener(self.check)
+            self._attached = False
+
+    def stop(self) -> None:
+        """Detach; checks deferred by a CUDA graph capture and never flushed are logged and dropped."""
+        global _active
+        self.detach()
+        with _active_lock:
+            if _active is self:
+                _active = None
+        if self._pending:
+            logger.warning(
+                "agreement: %d check(s) deferred during CUDA graph capture were never run", len(self._pending)
+            )
+
+    def check(self, decision: Decision) -> None:
+        """Listener: compare ``decision`` with the other ranks (raises DivergenceError)."""
+        if self.mode == "off" or decision.source in UNCHECKED_SOURCES:
+            return
+        ident = identity_digest(decision.kernel, decision.key, decision.arch)
+        with self._lock:
+            if ident in self._seen:
+                return
+            self._seen.add(ident)
+            if is_capturing():
+                self._pending.append(decision)
+                return
+            try:
+                self._flush_locked()
+                self._check_one(decision)
+            except BaseException:
+                # The interception pins nothing when a listener raises: the next launch of this
+                # key comes back here and must fail again, not pass as "already seen".
+                self._seen.discard(ident)
+                raise
+
+    def flush(self) -> None:
+        """Run checks deferred by a CUDA graph capture (no-op while still capturing)."""
+        with self._lock:
+            if not is_capturing():
+                self._flush_locked()
+
+    def poll(self) -> None:
+        """Raise the divergence another rank recorded in the store, if any (store mode)."""
+        if self.mode == "store":
+            record = self._store.compare_set(_FLAG, "", "")
+            if record:
+                raise _error_from_record(record)
+
+    def _flush_locked(self) -> None:
+        while self._pending:
+            self._check_one(self._pending.pop(0))
+
+    def _check_one(self, decision: Decision) -> None:
+        if self.mode == "store":
+            self._store_check(decision)
+        elif self.mode == "allgather":
+            self._allgather_check(decision)
+
+    def _store_check(self, d: Decision) -> None:
+        mine = f"{self.rank}\n{d.signature}"
+        # Atomic claim: on an absent key this sets ours; otherwise it returns the first claim.
+        claim = self._store.compare_set("k/" + identity_digest(d.kernel, d.key, d.arch).hex(), "", mine)
+        claim_text = bytes(claim).decode("utf-8", "replace")
+        if claim_text != mine:
+            first_rank, _, first_signature = claim_text.partition("\n")
+            if first_signature != d.signature:
+                signatures = {int(first_rank): first_signature, self.rank: d.signature}
+                self._raise_divergence(d, signatures, "Found by the store check at first use.")
+        self.poll()
+
+    def _raise_divergence(self, d: Decision, signatures: dict[int, str], detail: str) -> None:
+        record = json.dumps(
+            {
+                "kernel": d.kernel,
+                "key": d.key,
+                "detail": detail,
+                "signatures": {str(r): s for r, s in sorted(signatures.items())},
+            },
+            sort_keys=True,
+        )
+        # The first divergence recorded wins, so every rank raises the identical message.
+        winner = self._store.compare_set(_FLAG, "", record)
+        error = _error_from_record(winner)
+        if error.signatures.get(self.rank) != d.signature:
+            logger.error(
+                "agreement: rank %d launched %s for kernel %s with key %s",
+                self.rank,
+                d.signature,
+                d.kernel,
+                d.key,
+            )
+        raise error
+
+    def _allgather_check(self, d: Decision) -> None:
+        self._seq += 1
+        what = f"kernel {d.kernel} with key {d.key} (allgather check #{self._seq})"
+        arrive(self._store, f"ag/{self._seq}", self.rank, self.ranks, what, self.timeout_s)
+        row = identity_digest(d.kernel, d.key, d.arch) + signature_digest(d.signature)
+        rows = all_gather_bytes(row, self.group)
+        if all(r == rows[0] for r in rows):
+            return
+        texts = all_gather_bytes(pack_text(d.kernel, d.key, d.signature), self.group)
+        raise _allgather_error(rows, [unpack_text(t) for t in texts], self.ranks, self._seq)
+
+
+def _error_from_record(record: bytes | str) -> DivergenceError:
+    data = json.loads(bytes(record).decode() if not isinstance(record, str) else record)
+    signatures = {int(r): s for r, s in data["signatures"].items()}
+    return DivergenceError(data["kernel"], data["key"], signatures, data["detail"])
+
+
+def _allgather_error(
+    rows: list[bytes], texts: list[tuple[str, str, str]], ranks: list[int], seq: int
+) -> DivergenceError:
+    kernel, key, _ = texts[0]
+    here = [i for i, row in enumerate(rows) if row[:DIGEST_BYTES] == rows[0][:DIGEST_BYTES]]
+    signatures = {ranks[i]: texts[i][2] for i in here}
+    detail = f"Found by allgather check #{seq} over ranks {ranks}."
+    elsewhere = [
+        f"rank {ranks[i]} was at kernel {texts[i][0]} with key {texts[i][1]}"
+        for i in range(len(rows))
+        if i not in here
+    ]
+    if elsewhere:
+        detail += (
+            " Ranks reached different kernels at this check (" + "; ".join(elsewhere) + "): "
+            "allgather needs identical kernels in identical order; use agreement 'store' otherwise."
+        )
+    return DivergenceError(kernel, key, signatures, detail)

@@ -1,0 +1,343 @@
+"""The Triton adapter: the only module that touches Triton's private autotuner internals.
+
+``install(policy)`` patches ``triton.runtime.autotuner.Autotuner`` at class level:
+
+* ``run``: for in-scope kernels under ``deterministic``/``chaos``/``tune`` the config is chosen
+  at the first use of each key (after the kernel's own pruning), recorded in the decision log,
+  and launched the way Triton's cache-hit path launches: ``Config.pre_hook`` then ``fn.run``.
+  Autotuner-level ``reset_to_zero``/``restore_value``/``pre_hook``/``post_hook`` only protect
+  benchmarking, so they do not run when nothing is benchmarked (as on Triton's hit path).
+  Under ``record`` Triton autotunes as usual and its winner is recorded. Out-of-scope kernels
+  and mode ``off`` go to Triton's own ``run`` untouched.
+* ``_bench``: raises ``BenchmarkForbiddenError`` for in-scope kernels under non-measuring
+  policies, so a key mismatch can never fall back to timing silently.
+* ``__init__`` (only on releases that resolve the benchmarker eagerly, 3.2/3.3): passes a lazy
+  benchmarker so kernels can be decorated without a GPU driver (``triton_compat``).
+
+``uninstall()`` restores the original attributes exactly. Contract tests in
+``tests/test_triton_contract.py`` pin every private attribute used here.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..core.choice import ConfigTable, as_config_table, chaos_index, choose_deterministically
+from ..core.cost import order_by_cost
+from ..core.decisions import Decision, decision_log
+from ..core.errors import BenchmarkForbiddenError
+from ..core.identity import (
+    arch_tag,
+    config_data,
+    config_signature,
+    current_rank,
+    kernel_id,
+    kernel_module,
+    kernel_source_hash,
+    tuning_key,
+)
+from ..core.policy import TuningPolicy
+from .triton_compat import acquire_lazy_init, autotuner_class, check_triton_contract, release_lazy_init
+
+logger = logging.getLogger(__name__)
+
+_STATE_ATTR = "_megatron_tuning_state"
+
+# measure(autotuner, candidates, args, kwargs, kernel, key) -> (config, timings)
+Measure = Callable[[Any, list[Any], tuple[Any, ...], dict[str, Any], str, str], tuple[Any, dict[str, Any]]]
+
+
+@dataclass(frozen=True)
+class _Installation:
+    policy: TuningPolicy
+    table: ConfigTable | None
+    measure: Measure | None
+    generation: int
+    arch: str
+
+
+@dataclass
+class _AutotunerState:
+    """Per-autotuner cache, valid for one installation generation."""
+
+    generation: int
+    in_scope: bool
+    kernel: str
+    key_index: tuple[tuple[str, int], ...]
+    pins: dict[tuple[Any, ...], Any] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    source_hash: str | None = None
+
+
+_lock = threading.RLock()
+_installation: _Installation | None = None
+_generation = 0
+_originals: dict[str, Any] = {}
+_touched: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def installed() -> bool:
+    return _installation is not None
+
+
+def current_policy() -> TuningPolicy | None:
+    installation = _installation
+    return None if installation is None else installation.policy
+
+
+def install(policy: TuningPolicy, *, table: Any = None, measure: Measure | None = None) -> None:
+    """Patch Triton's Autotuner for ``policy``. Idempotent; a second call replaces the policy.
+
+    ``table`` provides ``lookup`` (``selection.ConfigTable``) or is a ``{(kernel, key): config}``
+    mapping. ``measure`` is required in mode ``tune``.
+    """
+    global _installation, _generation
+    if policy.mode == "tune" and measure is None:
+        raise ValueError("policy mode 'tune' needs a measure function (see megatron_tuning.tuner)")
+    check_triton_contract()
+    with _lock:
+        if not _originals:
+            _patch()
+        _generation += 1
+        _installation = _Installation(policy, as_config_table(table), measure, _generation, arch_tag())
+    logger.debug("interception installed: %s", policy.describe())
+
+
+def uninstall() -> None:
+    """Restore Triton's Autotuner exactly as it was before ``install``."""
+    global _installation
+    with _lock:
+        _installation = None
+        if not _originals:
+            return
+        autotuner = autotuner_class()
+        for name, original in _originals.items():
+            setattr(autotuner, name, original)
+        _originals.clear()
+        release_lazy_init()
+        for instance in list(_touched):
+            instance.__dict__.pop(_STATE_ATTR, None)
+    logger.debug("interception uninstalled")
+
+
+def _patch() -> None:
+    autotuner = autotuner_class()
+    for name in ("run", "_bench"):
+        _originals[name] = autotuner.__dict__[name]
+    autotuner.run = _make_run(_originals["run"])
+    autotuner._bench = _make_bench(_originals["_bench"])
+    acquire_lazy_init()
+
+
+def _make_bench(original: Any) -> Any:
+    @functools.wraps(original)
+    def _bench(self: Any, *args: Any, **kwargs: Any) -> Any:
+        installation = _installation
+        if installation is not None and not installation.policy.measures:
+            state = _state_for(self, installation)
+            if state.in_scope:
+                raise BenchmarkForbiddenError(state.kernel, installation.policy.mode)
+        return original(self, *args, **kwargs)
+
+    return _bench
+
+
+def _state_for(autotuner: Any, installation: _Installation) -> _AutotunerState:
+    state = autotuner.__dict__.get(_STATE_ATTR)
+    if state is not None and state.generation == installation.generation:
+        return state
+    arg_names = list(autotuner.arg_names)
+    kernel = kernel_id(autotuner)
+    state = _AutotunerState(
+        generation=installation.generation,
+        in_scope=installation.policy.in_scope(kernel_module(autotuner)),
+        kernel=kernel,
+        key_index=tuple((name, arg_names.index(name)) for name in autotuner.keys if name in arg_names),
+    )
+    autotuner.__dict__[_STATE_ATTR] = state
+    _touched.add(autotuner)
+    if not state.in_scope:
+        decision_log().record(
+            Decision(
+                kernel=kernel,
+                key="*",
+                signature="",
+                source="out_of_scope",
+                arch=installation.arch,
+                rank=current_rank(),
+            )
+        )
+    return state
+
+
+def _raw_key(state: _AutotunerState, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    """Hot-path cache key: Triton's key values and dtypes, without building text.
+
+    Each key value is paired with its type so ``True``/``1``/``1.0`` stay distinct keys, as they
+    are in ``tuning_key`` (in a plain tuple they compare equal and would share one decision).
+    """
+    count = len(args)
+    values: list[Any] = []
+    for name, i in state.key_index:
+        value = args[i] if i < count else kwargs.get(name)
+        values.append((value.__class__, value))
+    values.extend(a.dtype for a in args if hasattr(a, "dtype"))
+    if kwargs:
+        values.extend(v.dtype for v in kwargs.values() if hasattr(v, "dtype"))
+    return tuple(values)
+
+
+def _make_run(original: Any) -> Any:
+    @functools.wraps(original)
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        installation = _installation
+        if installation is None or installation.policy.mode == "off":
+            return original(self, *args, **kwargs)
+        state = self.__dict__.get(_STATE_ATTR)
+        if state is None or state.generation != installation.generation:
+            state = _state_for(self, installation)
+        if not state.in_scope:
+            return original(self, *args, **kwargs)
+        if installation.policy.mode == "record":
+            return _record_run(original, self, state, installation, args, kwargs)
+        raw = _raw_key(state, args, kwargs)
+        config = state.pins.get(raw)
+        if config is None:
+            config = _decide(self, state, installation, raw, args, kwargs)
+        # Triton's cache-hit launch: Config.pre_hook sees the full argument dict, then fn.run.
+        self.best_config = config
+        if config.pre_hook is not None:
+            config.pre_hook({**dict(zip(self.arg_names, args)), **kwargs, **config.all_kwargs()})
+        return self.fn.run(*args, **kwargs, **config.all_kwargs())
+
+    return run
+
+
+def _live_candidates(autotuner: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    """The kernel's own pruning (early_config_prune, perf_model/top_k), as Triton applies it."""
+    if len(autotuner.configs) <= 1:
+        return list(autotuner.configs)
+    autotuner.nargs = dict(zip(autotuner.arg_names, args))  # prune_configs reads self.nargs
+    try:
+        return list(autotuner.prune_configs(kwargs))
+    finally:
+        autotuner.nargs = None
+
+
+def _decide(
+    autotuner: Any,
+    state: _AutotunerState,
+    installation: _Installation,
+    raw: tuple[Any, ...],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    with state.lock:
+        config = state.pins.get(raw)
+        if config is not None:
+            return config
+        policy = installation.policy
+        key = tuning_key(autotuner, args, kwargs)
+        candidates = _live_candidates(autotuner, args, kwargs)
+        rank = current_rank()
+        timings = None
+        origin = None
+        if policy.mode == "chaos":
+            ordered = order_by_cost(candidates)
+            config = ordered[chaos_index(state.kernel, key, rank, len(ordered))]
+            source = "chaos"
+        elif policy.mode == "tune" and len(candidates) > 1:
+            assert installation.measure is not None
+            config, timings = installation.measure(autotuner, candidates, args, kwargs, state.kernel, key)
+            source = "tuned"
+        else:
+            choice = choose_deterministically(
+                autotuner,
+                candidates,
+                key,
+                table=installation.table,
+                on_miss=policy.on_miss,
+                block_sizes=policy.block_sizes,
+            )
+            config, source, origin = choice.config, choice.source, choice.origin
+        if state.source_hash is None:
+            state.source_hash = kernel_source_hash(autotuner)
+        decision = Decision(
+            kernel=state.kernel,
+            key=key,
+            signature=config_signature(config),
+            source=source,
+            config=config_data(config),
+            arch=installation.arch,
+            rank=rank,
+            origin=origin,
+            source_hash=state.source_hash,
+            timings=timings,
+        )
+        logger.info(
+            "kernel %s key %s -> %s (%s%s)",
+            state.kernel,
+            key,
+            decision.signature,
+            source,
+            f" from {origin}" if origin else "",
+        )
+        decision_log().record(decision)  # listeners (agreement) may raise: then nothing is pinned
+        state.pins[raw] = config
+        return config
+
+
+def _record_run(
+    original: Any,
+    autotuner: Any,
+    state: _AutotunerState,
+    installation: _Installation,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    """Record mode: Triton autotunes as usual; record its winner and timings once per key."""
+    raw = _raw_key(state, args, kwargs)
+    if raw in state.pins:
+        return original(autotuner, *args, **kwargs)
+    timings_before = autotuner.__dict__.get("configs_timings")
+    result = original(autotuner, *args, **kwargs)
+    with state.lock:
+        if raw in state.pins:
+            return result
+        config = autotuner.best_config
+        timings_after = autotuner.__dict__.get("configs_timings")
+        timings: dict[str, Any] | None = None
+        if timings_after is not None and timings_after is not timings_before:
+            timings = {
+                "candidates": {
+                    config_signature(c): [float(x) for x in _as_list(t)] for c, t in timings_after.items()
+                },
+                "bench_time_s": getattr(autotuner, "bench_time", None),
+            }
+        if state.source_hash is None:
+            state.source_hash = kernel_source_hash(autotuner)
+        decision_log().record(
+            Decision(
+                kernel=state.kernel,
+                key=tuning_key(autotuner, args, kwargs),
+                signature=config_signature(config),
+                source="recorded",
+                config=config_data(config),
+                arch=installation.arch,
+                rank=current_rank(),
+                source_hash=state.source_hash,
+                timings=timings,
+            )
+        )
+        state.pins[raw] = config
+    return result
+
+
+def _as_list(timing: Any) -> list[Any]:
+    return list(timing) if isinstance(timing, (list, tuple)) else [timing]

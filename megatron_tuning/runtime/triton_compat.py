@@ -1,0 +1,127 @@
+"""Which Triton releases the adapter supports, and the lazy benchmarker Triton 3.2/3.3 need on CPU.
+
+Triton 3.2/3.3 resolve the default benchmarker in ``Autotuner.__init__``, which fails with
+"0 active drivers" on a machine without a GPU. ``lazy_benchmarker()`` (and an installed
+interception) wrap ``__init__`` to pass a benchmarker resolved at first use instead. Contract
+tests in ``tests/runtime/test_triton_contract.py`` pin every private attribute used here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from ..core.errors import UnsupportedTritonError
+
+MIN_TRITON = (3, 3)
+
+_lock = threading.RLock()
+_init_original: Any = None
+_init_users = 0
+
+
+def autotuner_class() -> Any:
+    from triton.runtime.autotuner import Autotuner
+
+    return Autotuner
+
+
+def triton_version() -> tuple[int, int]:
+    import triton
+
+    major, minor = triton.__version__.split(".")[:2]
+    return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
+
+
+def check_triton_contract() -> None:
+    """Raise ``UnsupportedTritonError`` unless Triton has every attribute the patch relies on."""
+    import triton
+
+    if triton_version() < MIN_TRITON:
+        raise UnsupportedTritonError(
+            f"megatron_tuning needs Triton >= {MIN_TRITON[0]}.{MIN_TRITON[1]}, found {triton.__version__}; "
+            "upgrade Triton (pip install -U triton)."
+        )
+    autotuner = autotuner_class()
+    missing = [
+        name for name in ("run", "_bench", "prune_configs", "__init__") if not hasattr(autotuner, name)
+    ]
+    init_params = inspect.signature(autotuner.__init__).parameters
+    missing += [
+        f"__init__({p})" for p in ("fn", "arg_names", "configs", "key", "do_bench") if p not in init_params
+    ]
+    if not hasattr(triton.Config, "all_kwargs"):
+        missing.append("Config.all_kwargs")
+    if missing:
+        raise UnsupportedTritonError(
+            f"Triton {triton.__version__} changed the autotuner internals megatron_tuning patches "
+            f"(missing: {', '.join(missing)}). Pin a supported Triton or upgrade megatron_tuning."
+        )
+
+
+def _needs_lazy_init() -> bool:
+    # 3.4+ resolve the benchmarker lazily themselves (a cached_property); 3.2/3.3 do it in __init__.
+    autotuner = autotuner_class()
+    return not isinstance(inspect.getattr_static(autotuner, "do_bench", None), functools.cached_property)
+
+
+def acquire_lazy_init() -> None:
+    global _init_original, _init_users
+    with _lock:
+        if _init_users == 0 and _needs_lazy_init():
+            autotuner = autotuner_class()
+            _init_original = autotuner.__dict__["__init__"]
+            autotuner.__init__ = _make_init(_init_original)
+        _init_users += 1
+
+
+def release_lazy_init() -> None:
+    global _init_original, _init_users
+    with _lock:
+        _init_users -= 1
+        if _init_users == 0 and _init_original is not None:
+            autotuner_class().__init__ = _init_original
+            _init_original = None
+
+
+@contextlib.contextmanager
+def lazy_benchmarker() -> Iterator[None]:
+    """Let ``@triton.autotune`` decorate without a GPU driver (Triton interpreter on CPU).
+
+    Triton 3.2/3.3 resolve the default benchmarker when the decorator runs, which fails with
+    "0 active drivers" on a machine without a GPU. Inside this block (and while the interception
+    is installed) decoration passes a benchmarker that is resolved at first use instead.
+    Elsewhere this does nothing.
+    """
+    acquire_lazy_init()
+    try:
+        yield
+    finally:
+        release_lazy_init()
+
+
+class _LazyBenchmarker:
+    """Resolves Triton's default benchmarker at first use instead of at decoration."""
+
+    def __call__(self, kernel_call: Any, quantiles: Any = None, **kwargs: Any) -> Any:
+        from triton.runtime.driver import driver
+
+        return driver.active.get_benchmarker()(kernel_call, quantiles=quantiles, **kwargs)
+
+
+def _make_init(original: Any) -> Any:
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        bound = signature.bind(self, *args, **kwargs)
+        legacy = any(bound.arguments.get(name) for name in ("warmup", "rep", "use_cuda_graph"))
+        if bound.arguments.get("do_bench") is None and not legacy:
+            bound.arguments["do_bench"] = _LazyBenchmarker()
+        original(*bound.args, **bound.kwargs)
+
+    return __init__

@@ -1,0 +1,182 @@
+"""Coverage of a run: which (kernel, key) launches were table hits, fallbacks or out of scope.
+
+Reads the per-rank decision logs written by ``decisions.write_decisions`` and lines the
+ranks up per (kernel, key). Two things matter to a user: how much of the run the table
+pinned (hits) versus the static fallback, and whether any ranks launched different
+configs for the same (kernel, key), which the coverage report also shows.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..core.decisions import Decision
+from ..core.errors import DecisionLogError
+from .decision_files import read_decisions
+
+# Decision source -> coverage status.
+STATUS = {
+    "table": "hit",
+    "override": "override",
+    "single": "single",
+    "cheapest": "fallback",
+    "chaos": "chaos",
+    "tuned": "measured",
+    "recorded": "measured",
+    "out_of_scope": "out_of_scope",
+}
+STATUS_ORDER = ("hit", "override", "single", "measured", "fallback", "chaos", "out_of_scope", "other")
+
+
+@dataclass(frozen=True, slots=True)
+class Cell:
+    """What one rank did for one (kernel, key)."""
+
+    status: str
+    signature: str
+    origin: str | None
+
+
+@dataclass(slots=True)
+class Row:
+    kernel: str
+    key: str
+    cells: dict[str, Cell] = field(default_factory=dict)
+    """Rank label -> what that rank did."""
+
+    @property
+    def diverged(self) -> bool:
+        """Ranks launched different configs (out-of-scope launches have no signature to compare)."""
+        return len({c.signature for c in self.cells.values() if c.status != "out_of_scope"}) > 1
+
+
+@dataclass(slots=True)
+class Coverage:
+    ranks: list[str]
+    rows: list[Row]
+    files: list[str]
+
+    def counts(self) -> Counter[str]:
+        """Status counts over every (kernel, key, rank) cell."""
+        return Counter(cell.status for row in self.rows for cell in row.cells.values())
+
+    def diverged(self) -> list[Row]:
+        return [row for row in self.rows if row.diverged]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "files": self.files,
+            "ranks": self.ranks,
+            "counts": dict(sorted(self.counts().items())),
+            "entries": [
+                {
+                    "kernel": row.kernel,
+                    "key": row.key,
+                    "diverged": row.diverged,
+                    "ranks": {
+                        label: {"status": c.status, "signature": c.signature, "origin": c.origin}
+                        for label, c in row.cells.items()
+                    },
+                }
+                for row in self.rows
+            ],
+        }
+
+    def report(self) -> str:
+        lines = [f"Coverage of {len(self.files)} decision log(s), ranks: {', '.join(self.ranks) or '-'}"]
+        for row in self.rows:
+            lines.append(f"{row.kernel}  [{row.key}]  {self._describe(row)}")
+        counts = self.counts()
+        summary = ", ".join(f"{s} {counts[s]}" for s in STATUS_ORDER if counts.get(s))
+        lines.append(f"Summary (kernel/key x rank): {summary or 'no decisions'}")
+        for row in self.diverged():
+            lines.append(f"DIVERGED: {row.kernel} [{row.key}]")
+            for label, cell in row.cells.items():
+                lines.append(f"  rank {label}: {cell.signature or '-'} ({cell.status})")
+        return "\n".join(lines)
+
+    def _describe(self, row: Row) -> str:
+        by_status: dict[str, list[str]] = {}
+        for label in self.ranks:
+            cell = row.cells.get(label)
+            by_status.setdefault(cell.status if cell else "absent", []).append(label)
+        origins = sorted({c.origin for c in row.cells.values() if c.origin})
+        parts = []
+        for status, labels in by_status.items():
+            who = "all ranks" if len(labels) == len(self.ranks) else "rank(s) " + ",".join(labels)
+            parts.append(f"{status}: {who}")
+        suffix = f"  from {', '.join(origins)}" if origins else ""
+        return "; ".join(parts) + suffix
+
+
+def read_decision_files(paths: Sequence[str | os.PathLike[str]]) -> list[tuple[str, list[Decision]]]:
+    """Read decision logs; any problem raises one ``DecisionLogError`` naming the file."""
+    out = []
+    for raw in paths:
+        path = os.fspath(raw)
+        decisions = read_decisions(path)
+        for index, decision in enumerate(decisions):
+            problem = _field_problem(decision)
+            if problem is not None:
+                raise DecisionLogError(path, f"decision {index}: {problem}")
+        out.append((path, decisions))
+    return out
+
+
+def _field_problem(decision: Decision) -> str | None:
+    # Decision.from_json does not check types; coverage hashes and sorts these fields, so a
+    # hand-edited or foreign file would otherwise fail with a bare TypeError.
+    for name in ("kernel", "key", "signature", "source"):
+        if type(getattr(decision, name)) is not str:
+            return f"{name} must be a string, got {getattr(decision, name)!r}"
+    if type(decision.rank) is not int:
+        return f"rank must be an integer, got {decision.rank!r}"
+    if decision.origin is not None and type(decision.origin) is not str:
+        return f"origin must be a string or null, got {decision.origin!r}"
+    return None
+
+
+def coverage_of(logs: Sequence[tuple[str, Iterable[Decision]]]) -> Coverage:
+    """Line up decisions per (kernel, key) and rank.
+
+    A rank label is the decision's rank; when two files claim the same rank (e.g. logs of
+    separate single-process runs, all rank 0) the label gets the file name appended.
+    """
+    materialised = [(path, list(decisions)) for path, decisions in logs]
+    # How many files contain each rank: more than one means the labels must say which file.
+    per_file_ranks = Counter(r for _, ds in materialised for r in {d.rank for d in ds})
+    rows: dict[tuple[str, str], Row] = {}
+    labels: list[str] = []
+    for path, decisions in materialised:
+        for decision in decisions:
+            label = str(decision.rank)
+            if per_file_ranks[decision.rank] > 1:
+                label = f"{decision.rank}@{os.path.basename(path)}"
+            if label not in labels:
+                labels.append(label)
+            row = rows.setdefault((decision.kernel, decision.key), Row(decision.kernel, decision.key))
+            # The first decision per (kernel, key) in a process is the one that launched.
+            row.cells.setdefault(
+                label, Cell(STATUS.get(decision.source, "other"), decision.signature, decision.origin)
+            )
+    labels.sort(key=_label_order)
+    for row in rows.values():
+        row.cells = {label: row.cells[label] for label in labels if label in row.cells}
+    return Coverage(ranks=labels, rows=[rows[k] for k in sorted(rows)], files=[p for p, _ in materialised])
+
+
+def _label_order(label: str) -> tuple[int, str]:
+    head = label.split("@", 1)[0]
+    return (int(head) if head.lstrip("-").isdigit() else 0, label)
+
+
+def coverage_json_text(coverage: Coverage) -> str:
+    return json.dumps(coverage.to_json(), indent=1, sort_keys=True)
+
+
+__all__ = ["Coverage", "DecisionLogError", "Row", "coverage_of", "coverage_json_text", "read_decision_files"]

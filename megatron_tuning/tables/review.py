@@ -1,0 +1,130 @@
+"""Reading tables as a person does: entry listings and table diffs (used by ``show``/``diff``)."""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Iterable
+from typing import Any
+
+from ..core.identity import config_signature
+from .entry import Entry, same_config
+from .table import Table
+
+_PROVENANCE = ("how", "source_hash", "triton_version", "timing", "votes", "note")
+
+
+def kernel_matches(kernel: str, pattern: str | None) -> bool:
+    """``pattern`` as a glob when it has glob characters, else as a substring."""
+    if not pattern:
+        return True
+    if any(ch in pattern for ch in "*?["):
+        return fnmatch.fnmatchcase(kernel, pattern)
+    return pattern in kernel
+
+
+def describe_entry(entry: Entry) -> str:
+    """The config signature, then provenance in parentheses."""
+    facts = [entry.how]
+    timing = entry.timing
+    if timing is not None and timing.median_ms is not None:
+        text = f"median {timing.median_ms:.4g} ms"
+        if timing.spread_ms is not None:
+            text += f" ±{timing.spread_ms / 2:.2g}"
+        facts.append(text)
+        if timing.runner_up_ms is not None and timing.median_ms > 0:
+            facts.append(_runner_up(timing.runner_up_ms, timing.median_ms))
+    if timing is not None and timing.candidates is not None:
+        facts.append(f"{timing.candidates} candidates")
+    if entry.votes is not None:
+        facts.append(f"{entry.votes[0]}/{entry.votes[1]} votes")
+    if entry.source_hash:
+        facts.append(f"src {entry.source_hash[:12]}")
+    if entry.triton_version:
+        facts.append(f"triton {entry.triton_version}")
+    note = f"  # {entry.note}" if entry.note else ""
+    return f"{config_signature(entry.config)}  ({', '.join(facts)}){note}"
+
+
+def _runner_up(runner_up_ms: float, median_ms: float) -> str:
+    # The winner is not always the fastest median (a tie broken by static cost, or
+    # Triton's own pick): say "faster" rather than print a signed "+-0.5%".
+    delta = 100 * (runner_up_ms / median_ms - 1)
+    if runner_up_ms < median_ms:
+        return f"runner-up {-delta:.1f}% faster"
+    return f"runner-up +{delta:.1f}%"
+
+
+def entry_lines(entries: Iterable[Entry]) -> list[str]:
+    """Entries grouped under an ``arch  kernel`` heading, one indented line per key."""
+    lines: list[str] = []
+    heading: tuple[str, str] | None = None
+    for entry in entries:
+        if (entry.arch, entry.kernel) != heading:
+            heading = (entry.arch, entry.kernel)
+            lines.append(f"{entry.arch}  {entry.kernel}")
+        lines.append(f"    [{entry.key}]  {describe_entry(entry)}")
+    return lines
+
+
+def _ident(entry: Entry) -> dict[str, str]:
+    return {"arch": entry.arch, "kernel": entry.kernel, "key": entry.key}
+
+
+def _field(entry: Entry, name: str) -> Any:
+    data = entry.to_data()
+    return data.get(name)
+
+
+def diff_tables(a: Table, b: Table, *, ignore_provenance: bool = False) -> dict[str, list[dict[str, Any]]]:
+    """Entries only in ``a`` (removed), only in ``b`` (added), and in both but different (changed).
+
+    A changed entry lists each differing field as ``[old, new]``; ``config`` is shown by
+    signature. Header fields (library version, meta) are not compared: they describe the
+    file, not what runs.
+    """
+    removed = [dict(_ident(e), config=config_signature(e.config)) for e in a.entries() if e.ident not in b]
+    added = [dict(_ident(e), config=config_signature(e.config)) for e in b.entries() if e.ident not in a]
+    changed = []
+    for old in a.entries():
+        new = b.get(*old.ident)
+        if new is None or new == old:
+            continue
+        fields: dict[str, list[Any]] = {}
+        old_sig, new_sig = config_signature(old.config), config_signature(new.config)
+        if not same_config(old.config, new.config):
+            # Same signature but different data (e.g. an explicit default): show the data.
+            fields["config"] = [old_sig, new_sig] if old_sig != new_sig else [old.config, new.config]
+        if not ignore_provenance:
+            for name in _PROVENANCE:
+                before, after = _field(old, name), _field(new, name)
+                if before != after:
+                    fields[name] = [before, after]
+        if fields:
+            changed.append(dict(_ident(old), fields=fields))
+    return {"added": added, "removed": removed, "changed": changed}
+
+
+def format_diff(changes: dict[str, list[dict[str, Any]]], name_a: str, name_b: str) -> list[str]:
+    """``diff``-style text: ``-`` removed, ``+`` added, ``~`` changed, then a count line."""
+    lines = [f"--- {name_a}", f"+++ {name_b}"]
+    for item in changes["removed"]:
+        lines.append(f"- {item['arch']}  {item['kernel']}  [{item['key']}]  {item['config']}")
+    for item in changes["added"]:
+        lines.append(f"+ {item['arch']}  {item['kernel']}  [{item['key']}]  {item['config']}")
+    for item in changes["changed"]:
+        lines.append(f"~ {item['arch']}  {item['kernel']}  [{item['key']}]")
+        for name, (before, after) in item["fields"].items():
+            lines.append(f"    {name}: {_show(before)} -> {_show(after)}")
+    counts = {k: len(v) for k, v in changes.items()}
+    if not any(counts.values()):
+        lines.append("no differences")
+    else:
+        lines.append(f"{counts['added']} added, {counts['removed']} removed, {counts['changed']} changed")
+    return lines
+
+
+def _show(value: Any) -> str:
+    return "-" if value is None else str(value)
+
+
+__all__ = ["describe_entry", "diff_tables", "entry_lines", "format_diff", "kernel_matches"]

@@ -1,0 +1,245 @@
+"""The table search path: several table files behind one ``lookup`` (``selection.ConfigTable``).
+
+Order, earlier wins: the policy's explicit ``tables`` → ``MEGATRON_TUNING_TABLE``
+(colon-separated) → the shipped tables ``configs/<arch>/*.msgpack``. A path may name a
+file or a folder (its ``*.msgpack`` files, in name order). Explicit and environment
+tables load when the set is built, so a bad file fails at startup, not mid-training;
+a path that does not exist, or a folder with no ``*.msgpack`` table, fails the same way
+(``TableError`` naming it) instead of silently pinning nothing;
+shipped tables load lazily, per arch, on the first lookup for that arch.
+
+Validators on use: an entry for another arch never applies (arch is part of the key);
+an entry whose kernel source hash or Triton version differs from the running one is
+*stale*: warned about once per (kernel, file, reason), then used, skipped (a miss, so a
+later file may still answer), or raised as ``StaleEntryError``, per ``stale_entries``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from types import MappingProxyType
+from typing import TYPE_CHECKING
+
+from ..core import env
+from ..core.choice import TableHit
+from ..core.errors import StaleEntryError, TableError
+from ..core.warn import warn_once
+from .shipped import shipped_tables_dir
+from .table import Entry, Table, load_table
+
+if TYPE_CHECKING:
+    from ..core.policy import TuningPolicy
+
+logger = logging.getLogger(__name__)
+
+STALE_CHOICES = ("use", "miss", "error")
+ENV_TABLE = "MEGATRON_TUNING_TABLE"
+
+_Ident = tuple[str, str, str]
+
+
+def installed_triton_version() -> str | None:
+    """The installed Triton's version, read from package metadata (no ``import triton``)."""
+    try:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            return version("triton")
+        except PackageNotFoundError:
+            return None
+    except Exception:  # metadata can be broken in odd installs; staleness checks then skip Triton
+        return None
+
+
+def expand_table_paths(
+    paths: Iterable[str | os.PathLike[str]], *, allow_empty_folders: bool = False
+) -> list[str]:
+    """Files named by ``paths`` (folders expand to their ``*.msgpack`` in name order), deduplicated.
+
+    A path that does not exist, or a folder without any ``*.msgpack`` table (unless
+    ``allow_empty_folders``), raises ``TableError``: a typo in a table path must not
+    silently fall back to the cheapest config. A single ``str``/``PathLike`` is one path.
+    """
+    if isinstance(paths, (str, os.PathLike)):  # one path, not a sequence of characters
+        paths = [paths]
+    files: list[str] = []
+    seen: set[str] = set()
+    for raw in paths:
+        path = os.fspath(raw)
+        if not path:
+            continue
+        if os.path.isdir(path):
+            found = sorted(str(p) for p in Path(path).glob("*.msgpack") if p.is_file())
+            if not found and not allow_empty_folders:
+                views = any(Path(path).glob("*.json"))
+                raise TableError(
+                    path,
+                    "folder holds no *.msgpack tables"
+                    + (
+                        " (JSON views load only by file name, or convert them with `import`)" if views else ""
+                    ),
+                )
+        elif os.path.exists(path):
+            found = [path]
+        else:
+            where = "" if os.path.isabs(path) else f" (relative to {os.getcwd()})"
+            raise TableError(path, f"no such file or folder{where}")
+        for name in found:
+            real = os.path.realpath(name)
+            if real not in seen:
+                seen.add(real)
+                files.append(name)
+    return files
+
+
+class TableSet:
+    """Tables searched in order, earlier wins; implements ``selection.ConfigTable``."""
+
+    def __init__(
+        self,
+        paths: Sequence[str | os.PathLike[str]] = (),
+        *,
+        shipped_dir: str | os.PathLike[str] | None = None,
+        stale_entries: str = "use",
+        triton_version: str | None = None,
+    ) -> None:
+        """``paths``: files or folders, searched first. ``shipped_dir``: a folder of
+        ``<arch>/`` subfolders searched last (``None``: no shipped tables).
+        ``triton_version``: the running version to check entries against (default: installed)."""
+        if stale_entries not in STALE_CHOICES:
+            raise ValueError(f"stale_entries={stale_entries!r}: expected one of {STALE_CHOICES}")
+        self.stale_entries = stale_entries
+        self.triton_version = triton_version if triton_version is not None else installed_triton_version()
+        self._shipped_dir = Path(shipped_dir) if shipped_dir is not None else None
+        self._lock = threading.Lock()
+        try:
+            names = expand_table_paths(paths)
+        except TableError as exc:
+            hint = " (check the policy's tables / MEGATRON_TUNING_TABLE)"
+            raise TableError(exc.path, exc.problem + hint) from None
+        self._tables: list[tuple[str, Table]] = [(name, load_table(name)) for name in names]
+        self._shipped_archs: set[str] = set()
+        # First-wins index over all loaded files: O(1) lookups. Later files' entries for
+        # the same ident are found by scanning only when the first one is skipped as stale.
+        self._index: dict[_Ident, tuple[Entry, str]] = {}
+        for name, table in self._tables:
+            self._add_to_index(name, table)
+        logger.info("Tuning tables: %s", ", ".join(self.files) or "(none)")
+
+    @classmethod
+    def from_policy(cls, policy: TuningPolicy, *, triton_version: str | None = None) -> TableSet:
+        """The search path a policy asks for: ``policy.tables`` → ``MEGATRON_TUNING_TABLE`` → shipped."""
+        env_paths = env.env_list(ENV_TABLE, ":") or ()
+        return cls(
+            tuple(policy.tables) + tuple(env_paths),
+            shipped_dir=shipped_tables_dir() if policy.use_shipped_tables else None,
+            stale_entries=policy.effective_stale_entries,
+            triton_version=triton_version,
+        )
+
+    @property
+    def files(self) -> list[str]:
+        """Loaded table files in search order (shipped ones appear once loaded)."""
+        return [name for name, _ in self._tables]
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def find(self, kernel: str, key: str, *, arch: str) -> tuple[Entry, str] | None:
+        """The first entry for (arch, kernel, key) and its file, without validators."""
+        self._load_shipped(arch)
+        return self._index.get((arch, kernel, key))
+
+    def lookup(self, kernel: str, key: str, *, arch: str, source_hash: str | None = None) -> TableHit | None:
+        """The config to launch for (kernel, key) on ``arch``, or ``None`` (a miss)."""
+        self._load_shipped(arch)
+        ident = (arch, kernel, key)
+        first = self._index.get(ident)
+        if first is None:
+            return None
+        candidates = [first] if self.stale_entries != "miss" else self._all_for(ident)
+        for entry, origin in candidates:
+            detail = self._staleness(entry, source_hash)
+            if detail is None:
+                return TableHit(MappingProxyType(entry.config), origin)
+            if self.stale_entries == "error":
+                raise StaleEntryError(kernel, key, origin, detail)
+            # One warning per cause: a kernel edit or a Triton upgrade makes every key of
+            # the kernel stale at once, and one line per key would bury the log.
+            cause = ("stale-entry", arch, kernel, origin, detail)
+            if self.stale_entries == "use":
+                warn_once(
+                    cause,
+                    "Table entry for kernel %s key %s in %s is stale (%s); using it anyway "
+                    "(stale_entries='use'). Re-tune to refresh it. Other keys of this kernel "
+                    "stale for the same reason are used without another warning.",
+                    kernel,
+                    key,
+                    origin,
+                    detail,
+                )
+                return TableHit(MappingProxyType(entry.config), origin)
+            warn_once(
+                cause,
+                "Table entry for kernel %s key %s in %s is stale (%s); ignoring it (stale_entries='miss'). "
+                "Other keys of this kernel stale for the same reason are ignored without another warning.",
+                kernel,
+                key,
+                origin,
+                detail,
+            )
+        return None
+
+    # -- internals -----------------------------------------------------------------
+    def _staleness(self, entry: Entry, source_hash: str | None) -> str | None:
+        problems = []
+        if entry.source_hash is not None and source_hash is not None and entry.source_hash != source_hash:
+            problems.append(
+                f"kernel source hash {entry.source_hash[:12]} in the table, {source_hash[:12]} running"
+            )
+        if (
+            entry.triton_version is not None
+            and self.triton_version is not None
+            and entry.triton_version != self.triton_version
+        ):
+            problems.append(f"tuned with Triton {entry.triton_version}, running {self.triton_version}")
+        return "; ".join(problems) or None
+
+    def _all_for(self, ident: _Ident) -> list[tuple[Entry, str]]:
+        with self._lock:
+            tables = list(self._tables)
+        found = []
+        for name, table in tables:
+            entry = table.get(*ident)
+            if entry is not None:
+                found.append((entry, name))
+        return found
+
+    def _add_to_index(self, name: str, table: Table) -> None:
+        for entry in table.values():
+            self._index.setdefault(entry.ident, (entry, name))
+
+    def _load_shipped(self, arch: str) -> None:
+        if self._shipped_dir is None or arch in self._shipped_archs:
+            return
+        with self._lock:
+            if arch in self._shipped_archs:
+                return
+            folder = self._shipped_dir / arch
+            loaded = {os.path.realpath(name) for name, _ in self._tables}
+            names = expand_table_paths([folder], allow_empty_folders=True) if folder.is_dir() else []
+            for name in names:
+                if os.path.realpath(name) in loaded:
+                    continue
+                table = load_table(name)
+                self._tables.append((name, table))
+                self._add_to_index(name, table)
+                logger.info("Loaded shipped tuning table %s (%d entries)", name, len(table))
+            self._shipped_archs.add(arch)
+
+
+__all__ = ["TableSet", "expand_table_paths", "installed_triton_version", "shipped_tables_dir"]

@@ -1,0 +1,235 @@
+"""Persisted per-shape tuning tables: canonical msgpack on disk, a lossless JSON view.
+
+A table maps (GPU arch, kernel id ``module:qualname``, tuning-key text) to the config
+to launch (``selection.config_data`` form) plus provenance: the kernel source hash, the
+Triton version, how the entry was chosen, and timing statistics when it was measured.
+
+Encoding is canonical (see ``codec``) so the same content always gives the same
+bytes: tables are committed and diffed. Loading is all-or-nothing: any problem raises
+exactly one ``TableError`` naming the file and the problem, never another exception
+type and never a partly loaded table. Writes go through a temp file + fsync +
+``os.replace``; ``update_table`` wraps its read-modify-write in a ``filelock.FileLock``
+so concurrent writers never lose entries. No pickle anywhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import os
+from collections.abc import Callable, Iterable, Iterator, Mapping
+
+import filelock
+
+from ..core.errors import TableError
+from ..core.version import __version__
+from .codec import (
+    FORMAT,
+    SCHEMA,
+    check_header,
+    decode_json,
+    decode_msgpack,
+    encode_json,
+    encode_msgpack,
+)
+from .entry import HOW_VALUES, Entry, Invalid, Timing, entry_with
+from .files import read_table_bytes, write_atomic
+
+logger = logging.getLogger(__name__)
+
+_Ident = tuple[str, str, str]
+
+
+def library_version() -> str:
+    """The running megatron_tuning version, stamped into tables this process writes."""
+    return __version__
+
+
+_current_version = library_version  # Table.__init__'s parameter shadows the public name
+
+
+class Table:
+    """An in-memory tuning table: O(1) lookup by (arch, kernel, key)."""
+
+    def __init__(
+        self,
+        entries: Iterable[Entry] = (),
+        *,
+        library_version: str | None = None,
+        meta: Mapping[str, str] | None = None,
+    ) -> None:
+        """``library_version`` defaults to this library's; ``meta`` is free str->str header data."""
+        version = library_version if library_version is not None else _current_version()
+        self.library_version, self.meta = check_header(version, dict(meta or {}))
+        self._entries: dict[_Ident, Entry] = {}
+        for entry in entries:
+            self.add(entry)
+
+    # -- access --------------------------------------------------------------------
+    def get(self, arch: str, kernel: str, key: str) -> Entry | None:
+        return self._entries.get((arch, kernel, key))
+
+    def add(self, entry: Entry, *, replace: bool = True) -> bool:
+        """Insert ``entry``; an existing one with the same ident is kept unless ``replace``.
+
+        Returns whether the table changed.
+        """
+        if not isinstance(entry, Entry):
+            raise TypeError(f"expected Entry, got {type(entry).__name__}")
+        old = self._entries.get(entry.ident)
+        if old is not None and (not replace or old == entry):
+            return False
+        self._entries[entry.ident] = entry
+        return True
+
+    def remove(self, arch: str, kernel: str, key: str) -> Entry | None:
+        return self._entries.pop((arch, kernel, key), None)
+
+    def values(self) -> Iterable[Entry]:
+        """Entries in no particular order (cheaper than ``entries()`` when order is irrelevant)."""
+        return self._entries.values()
+
+    def entries(self) -> list[Entry]:
+        """Entries in canonical order (arch, kernel, key)."""
+        return [self._entries[ident] for ident in sorted(self._entries)]
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __iter__(self) -> Iterator[Entry]:
+        return iter(self.entries())
+
+    def __contains__(self, ident: object) -> bool:
+        return ident in self._entries
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Table):
+            return NotImplemented
+        mine = (self.library_version, self.meta, self._entries)
+        return mine == (other.library_version, other.meta, other._entries)
+
+    __hash__ = None  # type: ignore[assignment]  # mutable
+
+    def __repr__(self) -> str:
+        return f"Table({len(self)} entries, library_version={self.library_version!r})"
+
+    # -- encoding ------------------------------------------------------------------
+    def to_bytes(self) -> bytes:
+        """Canonical msgpack bytes: same content, same bytes."""
+        return encode_msgpack(self.library_version, self.meta, self.entries())
+
+    def to_json(self) -> str:
+        """Lossless, reviewable JSON text (sorted keys, one field per line)."""
+        return encode_json(self.library_version, self.meta, self.entries())
+
+    @classmethod
+    def from_bytes(cls, data: bytes, *, path: str = "<bytes>") -> Table:
+        """Decode canonical msgpack; any problem raises one ``TableError`` naming ``path``."""
+        try:
+            with _no_gc():
+                return cls._from_decoded(decode_msgpack(data))
+        except Invalid as exc:
+            raise TableError(path, str(exc)) from None
+        except Exception as exc:  # belt and braces: a loader must only ever raise TableError
+            raise TableError(path, f"unreadable table ({type(exc).__name__}: {exc})") from exc
+
+    @classmethod
+    def from_json(cls, text: str | bytes, *, path: str = "<json>") -> Table:
+        """Parse the JSON view written by ``to_json``; problems raise one ``TableError``."""
+        try:
+            with _no_gc():
+                return cls._from_decoded(decode_json(text))
+        except Invalid as exc:
+            raise TableError(path, str(exc)) from None
+        except Exception as exc:
+            raise TableError(path, f"unreadable JSON table ({type(exc).__name__}: {exc})") from exc
+
+    @classmethod
+    def _from_decoded(cls, decoded: tuple[str, dict[str, str], dict[_Ident, Entry]]) -> Table:
+        version, meta, entries = decoded
+        table = cls(library_version=version, meta=meta)
+        table._entries = entries
+        return table
+
+
+@contextlib.contextmanager
+def _no_gc() -> Iterator[None]:
+    # A load allocates ~10 container objects per entry and none of them form cycles; the
+    # cyclic GC would rescan the growing heap over and over (measured: 2-3x slower loads).
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+# -- files -------------------------------------------------------------------------
+def load_table(path: str | os.PathLike[str]) -> Table:
+    """Load a msgpack table, or the JSON view when the name ends in ``.json``."""
+    name = os.fspath(path)
+    data = read_table_bytes(name)
+    if name.endswith(".json"):
+        return Table.from_json(data, path=name)
+    return Table.from_bytes(data, path=name)
+
+
+def save_table(table: Table, path: str | os.PathLike[str]) -> None:
+    """Write atomically: msgpack, or the JSON view when the name ends in ``.json``."""
+    name = os.fspath(path)
+    payload = table.to_json().encode("utf-8") if name.endswith(".json") else table.to_bytes()
+    write_atomic(name, payload)
+
+
+def update_table(
+    path: str | os.PathLike[str],
+    mutate: Callable[[Table], None],
+    *,
+    timeout_s: float = 300.0,
+) -> Table:
+    """Read-modify-write ``path`` under ``path + '.lock'``; a missing file starts empty.
+
+    ``mutate`` changes the table in place. The result is stamped with this library's
+    version and written atomically if it changed (or the file did not exist); it is returned.
+    """
+    name = os.fspath(path)
+    with filelock.FileLock(name + ".lock", timeout=timeout_s):
+        exists = os.path.exists(name)
+        table = load_table(name) if exists else Table()
+        before = table.to_bytes()
+        mutate(table)
+        table.library_version = _current_version()
+        if not exists or table.to_bytes() != before:
+            save_table(table, name)
+    return table
+
+
+def merge_entries(path: str | os.PathLike[str], entries: Iterable[Entry], *, replace: bool = True) -> Table:
+    """Add ``entries`` to the table at ``path`` under its lock (``replace``: new ones win)."""
+    items = list(entries)
+
+    def _mutate(table: Table) -> None:
+        for entry in items:
+            table.add(entry, replace=replace)
+
+    return update_table(path, _mutate)
+
+
+__all__ = [
+    "FORMAT",
+    "HOW_VALUES",
+    "SCHEMA",
+    "Entry",
+    "Table",
+    "TableError",
+    "Timing",
+    "entry_with",
+    "library_version",
+    "load_table",
+    "merge_entries",
+    "save_table",
+    "update_table",
+    "write_atomic",
+]

@@ -1,0 +1,289 @@
+"""The tuner's decision rules, pure: statistics of timing samples, the tie band, the tie-break.
+
+No timing, no I/O, no Triton internals: given per-candidate samples (milliseconds per launch)
+and the static cost order, ``analyze`` returns the same ``TuneResult`` every time, so the rules
+are tested on CPU with fake samples. ``tuner`` does the timing and calls into here.
+
+A candidate is *tied* with the fastest when its median is within ``tie_band`` of the best median,
+or when its p20-p80 range overlaps the best's and its median is within ``overlap_cap``. Among the
+tied, the first in ``selection.order_by_cost`` wins: the order the deterministic fallback uses,
+a total order (static cost, signature, position), so noise inside the band cannot move the choice.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..core import env
+from ..core.errors import PolicyError
+
+TIMINGS_FORMAT = "megatron_tuning.tuner/1"
+"""Tag of the ``timings`` dict this tuner attaches to a ``tuned`` decision and a table entry."""
+
+ENV_ROUNDS = "MEGATRON_TUNING_TUNE_ROUNDS"
+ENV_TIE_BAND = "MEGATRON_TUNING_TUNE_TIE_BAND"
+
+# The quantiles that bound a candidate's spread: robust to the odd preempted sample, unlike min/max.
+_LOW_Q, _HIGH_Q = 0.2, 0.8
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TuneSettings:
+    """How hard the tuner measures and how wide it calls a tie."""
+
+    rounds: int = 10
+    """Timed rounds; each round takes one sample of every live candidate."""
+
+    warmup_rounds: int = 1
+    """Untimed rounds before the timed ones (clocks ramp up, caches and allocators settle)."""
+
+    tie_band: float = 0.02
+    """Candidates whose median is within this fraction of the best median are tied with it."""
+
+    overlap_cap: float | None = None
+    """A candidate whose p20-p80 range overlaps the best's is also tied, if its median is within
+    this fraction of the best (default 1.5 x ``tie_band``); the cap stops a noisy, clearly slower
+    config from being called a tie."""
+
+    sample_ms: float = 1.0
+    """Target device time of one sample; short kernels are launched several times per sample."""
+
+    max_launches: int = 256
+    """Upper bound on launches per sample (bounds host time for very short kernels)."""
+
+    flush_l2: bool = True
+    """Flush the L2 cache before each sample on a GPU, as ``triton.testing.do_bench`` does."""
+
+    def __post_init__(self) -> None:
+        if type(self.rounds) is not int or self.rounds < 1:
+            raise PolicyError("rounds", self.rounds, "an integer >= 1")
+        if type(self.warmup_rounds) is not int or self.warmup_rounds < 0:
+            raise PolicyError("warmup_rounds", self.warmup_rounds, "an integer >= 0")
+        if not 0.0 <= self.tie_band < 1.0:
+            raise PolicyError("tie_band", self.tie_band, "a fraction in [0, 1), e.g. 0.02")
+        if self.overlap_cap is not None and not self.tie_band <= self.overlap_cap < 1.0:
+            raise PolicyError("overlap_cap", self.overlap_cap, f"a fraction in [tie_band={self.tie_band}, 1)")
+        if not 0 < self.sample_ms < math.inf:
+            raise PolicyError("sample_ms", self.sample_ms, "a positive number of milliseconds")
+        if type(self.max_launches) is not int or self.max_launches < 1:
+            raise PolicyError("max_launches", self.max_launches, "an integer >= 1")
+
+    @property
+    def effective_overlap_cap(self) -> float:
+        return self.overlap_cap if self.overlap_cap is not None else min(1.5 * self.tie_band, 0.999)
+
+    @classmethod
+    def from_env(cls, **overrides: Any) -> TuneSettings:
+        """Settings from ``MEGATRON_TUNING_TUNE_ROUNDS`` / ``..._TIE_BAND`` (read now); overrides win."""
+        fields: dict[str, Any] = {}
+        rounds = env.env_float(ENV_ROUNDS)
+        if rounds is not None:
+            if not math.isfinite(rounds) or rounds != int(rounds) or rounds < 1:
+                raise PolicyError(ENV_ROUNDS, env.env_str(ENV_ROUNDS), "an integer >= 1")
+            fields["rounds"] = int(rounds)
+        tie_band = env.env_float(ENV_TIE_BAND)
+        if tie_band is not None:
+            if not 0.0 <= tie_band < 1.0:
+                raise PolicyError(ENV_TIE_BAND, env.env_str(ENV_TIE_BAND), "a fraction in [0, 1)")
+            fields["tie_band"] = tie_band
+        fields.update(overrides)
+        return cls(**fields)
+
+
+# --------------------------------------------------------------------------- statistics (pure)
+
+
+@dataclass(frozen=True, slots=True)
+class CandidateStats:
+    """One candidate's samples (milliseconds per launch) and their summary; ``inf`` when it failed."""
+
+    signature: str
+    samples: tuple[float, ...]
+    median: float
+    low: float
+    """p20 of the samples."""
+    high: float
+    """p80 of the samples."""
+    error: str | None = None
+
+    @property
+    def failed(self) -> bool:
+        return not math.isfinite(self.median)
+
+
+@dataclass(frozen=True, slots=True)
+class TuneResult:
+    """The outcome for one (kernel, key): per-candidate statistics, the tie set and the winner."""
+
+    stats: tuple[CandidateStats, ...]
+    """In candidate order."""
+    winner: int
+    """Index into ``stats`` of the chosen candidate."""
+    fastest: int
+    """Index of the lowest median (what one noise-free argmin would pick)."""
+    tied: tuple[int, ...]
+    """Indices tied with the fastest, in static cost order; the winner is the first."""
+    reason: str
+    tie_band: float
+    overlap_cap: float
+    configs: tuple[dict[str, Any], ...] = field(default=())
+    """``selection.config_data`` of each candidate, when known (needed to pool results later)."""
+
+    @property
+    def winner_signature(self) -> str:
+        return self.stats[self.winner].signature
+
+    def to_timings(self) -> dict[str, Any]:
+        """Serializable (JSON and msgpack) form, stored as ``Decision.timings`` and in tables."""
+
+        def triple(s: CandidateStats) -> list[float | None]:
+            return [None, None, None] if s.failed else [s.median, s.low, s.high]
+
+        timings: dict[str, Any] = {
+            "format": TIMINGS_FORMAT,
+            "unit": "ms",
+            "winner": self.winner_signature,
+            "fastest": self.stats[self.fastest].signature,
+            "tied": [self.stats[i].signature for i in self.tied],
+            "reason": self.reason,
+            "tie_band": self.tie_band,
+            "overlap_cap": self.overlap_cap,
+            "candidates": {s.signature: triple(s) for s in self.stats},
+            "samples": {s.signature: list(s.samples) for s in self.stats},
+            "errors": {s.signature: s.error for s in self.stats if s.error},
+        }
+        if self.configs:
+            timings["configs"] = {s.signature: dict(c) for s, c in zip(self.stats, self.configs)}
+        return timings
+
+
+def _quantile(ordered: Sequence[float], q: float) -> float:
+    """Linear-interpolation quantile of sorted data (numpy's default method)."""
+    pos = (len(ordered) - 1) * q
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def summarize(signature: str, samples: Sequence[float], error: str | None = None) -> CandidateStats:
+    """Median and p20/p80 of ``samples``; a candidate with an error or no finite sample is ``inf``."""
+    kept = tuple(float(s) for s in samples)
+    finite = sorted(s for s in kept if math.isfinite(s))
+    if error is not None or not finite:
+        inf = float("inf")
+        return CandidateStats(signature, kept, inf, inf, inf, error or "no samples")
+    return CandidateStats(
+        signature, kept, _quantile(finite, 0.5), _quantile(finite, _LOW_Q), _quantile(finite, _HIGH_Q), None
+    )
+
+
+def analyze(
+    signatures: Sequence[str],
+    samples: Sequence[Sequence[float]],
+    cost_order: Sequence[int],
+    *,
+    tie_band: float = 0.02,
+    overlap_cap: float = 0.03,
+    errors: Sequence[str | None] | None = None,
+    configs: Sequence[Mapping[str, Any]] = (),
+) -> TuneResult:
+    """Decide among candidates from their samples. Pure: same inputs, same result.
+
+    ``cost_order`` lists candidate indices cheapest first (``selection.order_by_cost``), a total
+    order that does not depend on list position unless two candidates share a signature, so
+    the same samples in a different candidate order give the same winner.
+    """
+    n = len(signatures)
+    if n == 0 or len(samples) != n or sorted(cost_order) != list(range(n)):
+        raise ValueError("analyze needs one sample list per candidate and a cost order over all of them")
+    errs = list(errors) if errors is not None else [None] * n
+    stats = tuple(summarize(signatures[i], samples[i], errs[i]) for i in range(n))
+    rank = {index: position for position, index in enumerate(cost_order)}
+    fastest = min(range(n), key=lambda i: (stats[i].median, rank[i]))
+    best = stats[fastest]
+    if best.failed:
+        tied = tuple(cost_order)
+        reason = "every candidate failed to compile or run; kept the cheapest by static cost"
+    else:
+
+        def is_tied(s: CandidateStats) -> bool:
+            if s.failed:
+                return False
+            if s.median <= best.median * (1.0 + tie_band):
+                return True
+            return s.low <= best.high and s.median <= best.median * (1.0 + overlap_cap)
+
+        tied = tuple(i for i in cost_order if is_tied(stats[i]))
+        if len(tied) == 1:
+            reason = "fastest, outside every other candidate's tie band"
+        else:
+            reason = (
+                f"{len(tied)} candidates tied within {tie_band:.1%} of the best median "
+                "(or overlapping spreads); kept the cheapest by static cost"
+            )
+    return TuneResult(
+        stats, tied[0], fastest, tied, reason, tie_band, overlap_cap, tuple(dict(c) for c in configs)
+    )
+
+
+def analyze_configs(
+    configs: Sequence[Any],
+    samples: Sequence[Sequence[float]],
+    *,
+    settings: TuneSettings | None = None,
+    errors: Sequence[str | None] | None = None,
+) -> TuneResult:
+    """``analyze`` for ``triton.Config`` objects (or ``config_data`` dicts), using selection's order."""
+    from ..core.cost import order_by_cost
+    from ..core.identity import config_data, config_signature
+
+    settings = settings or TuneSettings()
+    datas = [dict(c) if isinstance(c, Mapping) else config_data(c) for c in configs]
+    # order_by_cost returns the objects themselves; map them back to positions by identity,
+    # since Config objects before Triton 3.4 hash by identity and dicts compare by value.
+    remaining = list(range(len(configs)))
+    order: list[int] = []
+    for config in order_by_cost(configs):
+        position = next(i for i in remaining if configs[i] is config)
+        remaining.remove(position)
+        order.append(position)
+    return analyze(
+        [config_signature(d) for d in datas],
+        samples,
+        order,
+        tie_band=settings.tie_band,
+        overlap_cap=settings.effective_overlap_cap,
+        errors=errors,
+        configs=datas,
+    )
+
+
+def pool(timings: Sequence[Mapping[str, Any]], settings: TuneSettings | None = None) -> TuneResult:
+    """Re-decide from several runs' ``to_timings()`` dicts (e.g. every rank of a tuning job).
+
+    Samples of the same signature are concatenated, so ranks that tuned the same (kernel, key)
+    separately collapse into one answer that does not depend on which rank finished first.
+    """
+    if not timings:
+        raise ValueError("pool needs at least one timings dict")
+    samples: dict[str, list[float]] = {}
+    datas: dict[str, dict[str, Any]] = {}
+    errors: dict[str, str] = {}
+    for t in timings:
+        if t.get("format") != TIMINGS_FORMAT or "configs" not in t:
+            raise ValueError(f"cannot pool timings of format {t.get('format')!r}; expected {TIMINGS_FORMAT}")
+        for sig, data in t["configs"].items():
+            datas.setdefault(sig, dict(data))
+            samples.setdefault(sig, []).extend(float(s) for s in t["samples"].get(sig, ()))
+        errors.update({sig: msg for sig, msg in t.get("errors", {}).items() if msg})
+    if settings is None:
+        first = timings[0]
+        settings = TuneSettings(tie_band=float(first["tie_band"]), overlap_cap=float(first["overlap_cap"]))
+    sigs = sorted(datas)
+    ordered_errors = [errors.get(s) if not any(math.isfinite(x) for x in samples[s]) else None for s in sigs]
+    return analyze_configs(
+        [datas[s] for s in sigs], [samples[s] for s in sigs], settings=settings, errors=ordered_errors
+    )

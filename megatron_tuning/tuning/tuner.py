@@ -1,0 +1,349 @@
+"""Noise-aware tuning: time the candidates robustly, call near-ties ties, break ties statically.
+
+Triton's autotuner keeps the argmin of one timing pass, so when the best candidates are within
+noise of each other the winner changes from process to process. This tuner makes re-tuning
+reproducible instead:
+
+1. every candidate is compiled and warmed up, then the candidates are timed in interleaved
+   rounds (round-robin, the starting candidate rotating each round) so clock and thermal drift
+   hit all of them alike;
+2. each candidate gets a median and a p20-p80 spread;
+3. every candidate whose median is within ``tie_band`` of the best median (or whose spread
+   overlaps the best's, up to ``overlap_cap``) is tied with it, and the tie is broken by the same
+   static cost and signature order the deterministic fallback uses (``selection.order_by_cost``).
+
+The decision rules (``analyze``, ``pool``) are pure and live in ``tune_stats`` (re-exported here).
+The timing (``time_candidates``) takes an injectable ``Timer``; ``make_measure`` builds the
+callable that ``interception.install(policy, measure=...)`` calls in policy mode ``tune``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+from .stats import (
+    ENV_ROUNDS,
+    ENV_TIE_BAND,
+    TIMINGS_FORMAT,
+    CandidateStats,
+    TuneResult,
+    TuneSettings,
+    analyze,
+    analyze_configs,
+    pool,
+    summarize,
+)
+
+if TYPE_CHECKING:
+    from ..core.policy import TuningPolicy
+
+__all__ = [
+    "ENV_ROUNDS",
+    "ENV_TIE_BAND",
+    "TIMINGS_FORMAT",
+    "CandidateStats",
+    "ClockTimer",
+    "CudaEventTimer",
+    "Measure",
+    "Timer",
+    "TuneResult",
+    "TuneSettings",
+    "analyze",
+    "analyze_configs",
+    "make_launcher",
+    "make_measure",
+    "pool",
+    "summarize",
+    "time_candidates",
+]
+
+logger = logging.getLogger(__name__)
+
+# --------------------------------------------------------------------------- timing
+
+
+class Timer(Protocol):
+    """Times launches. ``sample`` returns milliseconds per launch over ``launches`` back-to-back launches."""
+
+    def synchronize(self) -> None: ...
+
+    def sample(self, launch: Callable[[], None], launches: int) -> float: ...
+
+
+class ClockTimer:
+    """Host clock around a synchronize. For the interpreter, smoke runs and tests (inject ``clock``)."""
+
+    def __init__(
+        self, clock: Callable[[], float] = time.perf_counter, synchronize: Callable[[], None] | None = None
+    ) -> None:
+        self._clock = clock
+        self._sync = synchronize or (lambda: None)
+
+    def synchronize(self) -> None:
+        self._sync()
+
+    def sample(self, launch: Callable[[], None], launches: int) -> float:
+        self._sync()
+        start = self._clock()
+        for _ in range(launches):
+            launch()
+        self._sync()
+        return (self._clock() - start) * 1e3 / launches
+
+
+class CudaEventTimer:
+    """CUDA events around ``launches`` back-to-back launches on the current stream.
+
+    Short kernels launched from Python are host-bound: the GPU would idle between launches
+    and the events would time the host. So each sample first enqueues a GPU spin
+    (``torch.cuda._sleep``) long enough for the host to queue every launch behind it; the
+    events then time the kernels back to back. The L2 flush before a sample (a 256 MiB memset,
+    as in ``triton.testing.do_bench``) keeps one candidate from inheriting another's cached data.
+    """
+
+    _FLUSH_BYTES = 256 * 1024 * 1024
+
+    def __init__(self, *, flush_l2: bool = True, torch_module: Any = None) -> None:
+        if torch_module is None:
+            import torch as torch_module
+        torch = torch_module  # injectable so CPU tests can drive this class with a fake
+        self._torch = torch
+        self._start = torch.cuda.Event(enable_timing=True)
+        self._end = torch.cuda.Event(enable_timing=True)
+        self._flush = (
+            torch.empty(self._FLUSH_BYTES // 4, dtype=torch.int32, device="cuda") if flush_l2 else None
+        )
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        # _sleep counts SM clock cycles; assume ~2 GHz where torch does not report the clock.
+        self._cycles_per_s = float(getattr(props, "clock_rate", 0) or 2.0e6) * 1e3
+        self._host_s_per_launch = 50e-6
+
+    def synchronize(self) -> None:
+        self._torch.cuda.synchronize()
+
+    def sample(self, launch: Callable[[], None], launches: int) -> float:
+        torch = self._torch
+        if self._flush is not None:
+            self._flush.zero_()
+        spin_s = min(0.05, 20e-6 + 1.5 * launches * self._host_s_per_launch)
+        torch.cuda._sleep(int(spin_s * self._cycles_per_s))
+        self._start.record()
+        host_start = time.perf_counter()
+        for _ in range(launches):
+            launch()
+        self._host_s_per_launch = max(1e-6, (time.perf_counter() - host_start) / launches)
+        self._end.record()
+        self._end.synchronize()
+        return float(self._start.elapsed_time(self._end)) / launches
+
+
+def default_timer(settings: TuneSettings) -> Timer:
+    """CUDA events on a GPU, else the host clock (timings then only mean something for smoke tests)."""
+    from ..core.identity import arch_tag
+
+    if arch_tag() != "unknown":
+        return CudaEventTimer(flush_l2=settings.flush_l2)
+    logger.warning(
+        "No GPU (or the Triton interpreter is active): timing with the host clock; "
+        "the tuned choices are only meaningful on a GPU."
+    )
+    return ClockTimer()
+
+
+def benchmark_failures() -> tuple[type[BaseException], ...]:
+    """Errors that score a candidate as infinitely slow, as in ``Autotuner._bench``."""
+    found: list[type[BaseException]] = []
+    for module, name in (
+        ("triton.runtime.errors", "OutOfResources"),
+        ("triton.runtime.errors", "PTXASError"),
+        ("triton.compiler.errors", "CompileTimeAssertionFailure"),
+    ):
+        try:
+            found.append(getattr(__import__(module, fromlist=[name]), name))
+        except (ImportError, AttributeError):  # not every Triton release has every one
+            continue
+    return tuple(found)
+
+
+def make_launcher(
+    autotuner: Any, config: Any, args: Sequence[Any], kwargs: Mapping[str, Any]
+) -> Callable[[], None]:
+    """One benchmark launch of ``config``, with exactly the hooks ``Autotuner._bench`` runs.
+
+    ``Config.pre_hook``, then the autotuner's ``pre_hook`` (zeroes ``reset_to_zero``, snapshots
+    ``restore_value``), the kernel, then its ``post_hook`` (restores), also when the kernel raises.
+    """
+    conflicts = kwargs.keys() & config.kwargs.keys()
+    if conflicts:
+        raise ValueError(
+            f"Conflicting meta-parameters: {', '.join(sorted(conflicts))}. "
+            "Make sure that you don't re-define auto-tuned symbols."
+        )
+    current = dict(kwargs, **config.all_kwargs())
+    full_nargs = {**dict(zip(autotuner.arg_names, args)), **current}
+
+    def launch() -> None:
+        if config.pre_hook:
+            config.pre_hook(full_nargs)
+        autotuner.pre_hook(full_nargs)
+        try:
+            autotuner.fn.run(*args, **current)
+        except Exception as exc:
+            try:
+                autotuner.post_hook(full_nargs, exception=exc)
+            finally:
+                raise  # the kernel's error, after the hook ran: what Triton does
+        autotuner.post_hook(full_nargs, exception=None)
+
+    return launch
+
+
+def time_candidates(
+    launchers: Sequence[Callable[[], None]],
+    *,
+    timer: Timer,
+    settings: TuneSettings,
+    on_step: Callable[[], None] | None = None,
+    failures: tuple[type[BaseException], ...] | None = None,
+) -> tuple[list[list[float]], list[str | None]]:
+    """Compile and warm up each candidate, then sample them in interleaved, rotating rounds.
+
+    Returns per-candidate samples (ms per launch) and errors; a candidate that raised one of
+    ``failures`` (compile/resource errors) gets no samples and an error text. Other errors
+    propagate, as in Triton.
+    """
+    failures = benchmark_failures() if failures is None else failures
+    step = on_step or (lambda: None)
+    n = len(launchers)
+    samples: list[list[float]] = [[] for _ in range(n)]
+    errors: list[str | None] = [None] * n
+    launches = [1] * n
+    for i, launch in enumerate(launchers):
+        try:
+            launch()  # compiles on first use; compile errors surface here
+            timer.synchronize()
+            # Best of three single launches: a rough per-launch time to size the samples.
+            estimate = min(timer.sample(launch, 1) for _ in range(3))
+        except failures as exc:
+            errors[i] = f"{type(exc).__name__}: {exc}"
+            logger.info("candidate %d failed to compile or launch: %s", i, errors[i])
+        else:
+            # A NaN estimate (a timer that failed to time) gets single launches, not a crash.
+            wanted = 1 if math.isnan(estimate) else math.ceil(settings.sample_ms / max(estimate, 1e-6))
+            launches[i] = max(1, min(settings.max_launches, wanted))
+        step()
+    for round_index in range(settings.warmup_rounds + settings.rounds):
+        live = [i for i in range(n) if errors[i] is None]
+        if not live:
+            break
+        start = round_index % len(live)
+        # Rotating the start spreads slow drift evenly over the candidates' positions in a round.
+        for i in live[start:] + live[:start]:
+            try:
+                value = timer.sample(launchers[i], launches[i])
+            except failures as exc:
+                errors[i] = f"{type(exc).__name__}: {exc}"
+                samples[i] = []
+                continue
+            finally:
+                step()
+            if round_index >= settings.warmup_rounds:
+                samples[i].append(value)
+    return samples, errors
+
+
+# --------------------------------------------------------------------------- the measure callable
+
+Measure = Callable[[Any, list[Any], tuple[Any, ...], dict[str, Any], str, str], tuple[Any, dict[str, Any]]]
+
+
+def make_measure(
+    settings: TuneSettings | TuningPolicy | None = None,
+    *,
+    timer: Timer | Callable[[], Timer] | None = None,
+    progress: bool = True,
+) -> Measure:
+    """The ``measure`` callable for ``interception.install(policy, measure=...)`` in mode ``tune``.
+
+    ``measure(autotuner, candidates, args, kwargs, kernel, key) -> (config, timings)`` times the
+    live candidates with the real call arguments and returns the chosen live ``Config`` and
+    ``TuneResult.to_timings()``. ``timer`` is a ``Timer`` or a factory for one (default: CUDA
+    events on a GPU). A tqdm bar shows progress when tqdm is installed and stderr is a terminal.
+    """
+    # A policy (what ``session`` passes) carries no tuner settings: those come from the environment.
+    settings = settings if isinstance(settings, TuneSettings) else TuneSettings.from_env()
+    timers: list[Timer] = []
+
+    def get_timer() -> Timer:
+        if not timers:  # created at first use: the CUDA timer allocates on the device
+            if timer is None:
+                timers.append(default_timer(settings))
+            elif hasattr(timer, "sample"):
+                timers.append(timer)  # type: ignore[arg-type]
+            else:
+                timers.append(timer())  # type: ignore[operator]
+        return timers[0]
+
+    def measure(
+        autotuner: Any,
+        candidates: list[Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        kernel: str,
+        key: str,
+    ) -> tuple[Any, dict[str, Any]]:
+        started = time.perf_counter()
+        launchers = [make_launcher(autotuner, config, args, kwargs) for config in candidates]
+        total = len(candidates) * (1 + settings.warmup_rounds + settings.rounds)
+        bar = _progress_bar(total, f"tune {kernel.rsplit(':', 1)[-1]}") if progress else None
+        try:
+            samples, errors = time_candidates(
+                launchers,
+                timer=get_timer(),
+                settings=settings,
+                on_step=(bar.update if bar is not None else None),
+            )
+        finally:
+            if bar is not None:
+                bar.close()
+        result = analyze_configs(candidates, samples, settings=settings, errors=errors)
+        timings = result.to_timings()
+        chosen = candidates[result.winner]
+        # As Triton does after benchmarking: zero reset_to_zero tensors once more so the real
+        # launch starts from the state the caller prepared, not from the last benchmark's output.
+        full_nargs = {**dict(zip(autotuner.arg_names, args)), **kwargs, **chosen.all_kwargs()}
+        autotuner.pre_hook(full_nargs, reset_only=True)
+        elapsed = time.perf_counter() - started
+        # Triton exposes these after its own tuning; keep them meaningful for code that reads them:
+        # [median, p20, p80] floats, inf for a failed candidate, as ``Autotuner._bench`` returns.
+        autotuner.configs_timings = {c: [s.median, s.low, s.high] for c, s in zip(candidates, result.stats)}
+        autotuner.bench_time = elapsed
+        best = result.stats[result.winner]
+        logger.info(
+            "tuned %s [%s] in %.1fs: %s (median %.4f ms; %d tied; fastest %s)",
+            kernel,
+            key,
+            elapsed,
+            best.signature,
+            best.median,
+            len(result.tied),
+            result.stats[result.fastest].signature,
+        )
+        timings["rounds"] = settings.rounds
+        timings["tune_seconds"] = round(elapsed, 3)
+        return chosen, timings
+
+    return measure
+
+
+def _progress_bar(total: int, desc: str) -> Any:
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    # disable=None: tqdm turns itself off when stderr is not a terminal (batch jobs, CI logs).
+    return tqdm(total=total, desc=desc, unit="sample", leave=False, disable=None)

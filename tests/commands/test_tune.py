@@ -1,0 +1,283 @@
+"""``tune -- <command>`` end to end on CPU (interpreter, host clock), pooling, ``report`` and plots."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pytest import CaptureFixture, MonkeyPatch
+
+from megatron_tuning.commands.report import add_arguments as add_report_arguments
+from megatron_tuning.commands.report import run as run_report
+from megatron_tuning.commands.tune import add_arguments, run
+from megatron_tuning.core.decisions import Decision
+from megatron_tuning.core.identity import config_data, config_signature
+from megatron_tuning.tables.decision_files import write_decisions
+from megatron_tuning.tuning.results import pool_decisions, read_results
+from megatron_tuning.tuning.stats import TuneSettings, analyze_configs
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+JOB = textwrap.dedent("""
+    import sys
+    import torch
+    import triton
+    from megatron_tuning.kernels import tiny
+
+    x = torch.arange(100, dtype=torch.float32)
+    torch.testing.assert_close(tiny.add_one(x), x + 1)   # tuned at this first launch
+    torch.testing.assert_close(tiny.add_one(x), x + 1)   # pinned afterwards
+    sys.exit(int(sys.argv[1]) if len(sys.argv) > 1 else 0)
+""")
+
+
+def _has_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _parse(argv: list[str], report: bool = False) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    (add_report_arguments if report else add_arguments)(parser)
+    return parser.parse_args(argv)
+
+
+def _tiny_records(signatures_fast: int = 0) -> list[Decision]:
+    import triton
+
+    configs = [triton.Config({"BLOCK": b}, num_warps=w) for b, w in ((64, 1), (128, 2), (256, 4))]
+    decisions = []
+    for rank, fast in enumerate((0, 1)):  # two ranks, near-tied fastest candidates
+        samples = [[1.0 + (0.0 if i == fast else 0.005 * (i + 1))] * 3 for i in range(3)]
+        result = analyze_configs(configs, samples)
+        decisions.append(
+            Decision(
+                kernel="pkg.mod:k",
+                key="n=100 | x:torch.float32",
+                signature=result.winner_signature,
+                source="tuned",
+                config=config_data(configs[result.winner]),
+                arch="sm90",
+                rank=rank,
+                timings=result.to_timings(),
+            )
+        )
+    return decisions
+
+
+def test_tune_runs_the_job_and_writes_table_results_and_plots(tmp_path: Path) -> None:
+    pytest.importorskip("msgpack")
+    script = tmp_path / "job.py"
+    script.write_text(JOB)
+    out = tmp_path / "tuned.msgpack"
+    # The plot is checked here when matplotlib (an optional dependency) is installed.
+    plot = ["--plot", str(tmp_path / "plots")] if _has_matplotlib() else []
+    args = _parse(
+        ["--out", str(out), "--rounds", "2", *plot, "--work-dir", str(tmp_path / "work"), "--", str(script)]
+    )
+    os.environ["MEGATRON_TUNING_SCOPE"] = "megatron_tuning.kernels"
+    assert run(args) == 0
+
+    from megatron_tuning.tables.table import load_table
+
+    (entry,) = load_table(out).entries()
+    assert entry.kernel == "megatron_tuning.kernels.tiny:add_one_kernel"
+    assert entry.how == "tuned" and entry.timing is not None and entry.timing.candidates == 5
+    assert entry.votes == (1, 1)
+    results = json.loads((tmp_path / "tuned.tuning.json").read_text())
+    (record,) = results["results"]
+    assert record["winner"] == config_signature(entry.config)
+    assert all(len(s) == 2 for s in record["timings"]["samples"].values())
+    if plot:
+        (png,) = (tmp_path / "plots").iterdir()
+        assert png.read_bytes()[:8] == PNG_MAGIC and png.stat().st_size > 5000
+
+
+def test_tune_keeps_partial_results_and_returns_the_job_status(tmp_path: Path) -> None:
+    pytest.importorskip("msgpack")
+    script = tmp_path / "job.py"
+    script.write_text(JOB)
+    out = tmp_path / "t.msgpack"
+    os.environ["MEGATRON_TUNING_SCOPE"] = "megatron_tuning.kernels"
+    assert run(_parse(["--out", str(out), "--rounds", "1", "--", str(script), "3"])) == 3
+    assert out.exists()
+
+
+def test_tune_without_a_command_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run(_parse(["--out", "x.msgpack"])) == 2
+    assert "after `--`" in capsys.readouterr().err
+
+
+def test_tune_reports_a_job_that_tuned_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    script = tmp_path / "noop.py"
+    script.write_text("print('nothing to tune')\n")
+    assert run(_parse(["--out", str(tmp_path / "t.msgpack"), "--", sys.executable, str(script)])) == 1
+    assert "recorded no tuned" in capsys.readouterr().err
+
+
+def test_pooling_ranks_gives_one_answer_whatever_the_rank_order() -> None:
+    decisions = _tiny_records()
+    forward = pool_decisions(decisions)
+    backward = pool_decisions(decisions[::-1])
+    assert forward == backward
+    (record,) = forward
+    assert record["votes"][1] == 2
+    assert len(record["timings"]["samples"][record["winner"]]) == 6
+
+
+def test_pooling_uses_the_given_tie_band() -> None:
+    wide = pool_decisions(_tiny_records(), TuneSettings(tie_band=0.05))
+    strict = pool_decisions(_tiny_records(), TuneSettings(tie_band=0.0, overlap_cap=0.0))
+    assert len(wide[0]["timings"]["tied"]) == 3
+    assert len(strict[0]["timings"]["tied"]) == 1
+
+
+def test_report_reads_decision_logs_and_draws_plots(tmp_path: Path, capsys: CaptureFixture[str]) -> None:
+    pytest.importorskip("matplotlib")
+    log = tmp_path / "decisions.json"
+    recorded = Decision(
+        kernel="pkg.mod:k2",
+        key="n=8",
+        signature="BLOCK=64, num_warps=1, num_stages=3",
+        source="recorded",
+        config={},
+        arch="sm90",
+        timings={
+            "candidates": {
+                "BLOCK=64, num_warps=1, num_stages=3": [1.0, 0.9, 1.1],
+                "BLOCK=128, num_warps=2, num_stages=3": [1.01, 0.95, 1.2],
+                "BLOCK=512, num_warps=8, num_stages=3": [float("inf")] * 3,
+            }
+        },
+    )
+    write_decisions(log, _tiny_records() + [recorded])
+    assert len(read_results(log)) == 2
+    plots = tmp_path / "plots"
+    assert run_report(_parse([str(log), "--plot", str(plots)], report=True)) == 0
+    printed = capsys.readouterr().out
+    assert "k2" in printed and "median ms" in printed
+    pngs = sorted(plots.iterdir())
+    assert len(pngs) == 2
+    for png in pngs:
+        assert png.read_bytes()[:8] == PNG_MAGIC and png.stat().st_size > 5000
+
+
+def test_report_on_an_unreadable_input_fails_cleanly(tmp_path: Path, capsys: CaptureFixture[str]) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    assert run_report(_parse([str(bad)], report=True)) == 2
+    assert "cannot read" in capsys.readouterr().err
+
+
+def test_plotting_without_matplotlib_says_how_to_install(monkeypatch: MonkeyPatch, tmp_path: Path) -> None:
+    from megatron_tuning.tuning import plotting
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    monkeypatch.setitem(sys.modules, "matplotlib.backends.backend_agg", None)
+    record = pool_decisions(_tiny_records())[0]
+    with pytest.raises(ImportError, match="pip install matplotlib"):
+        plotting.plot_record(record, tmp_path / "x.png")
+
+
+def _no_matplotlib(monkeypatch: MonkeyPatch) -> None:
+    for name in ("matplotlib", "matplotlib.figure", "matplotlib.backends.backend_agg"):
+        monkeypatch.setitem(sys.modules, name, None)
+
+
+def _fake_job(monkeypatch: MonkeyPatch, returncode: int = 0) -> list[list[str]]:
+    """Replace the job by one that writes a per-process result, as the bootstrap would."""
+    from megatron_tuning.commands import tune as tune_command
+
+    calls: list[list[str]] = []
+
+    def fake_run(argv: list[str], env: dict[str, str], check: bool) -> Any:
+        calls.append(argv)
+        directory = Path(env[tune_command.ENV_TUNE_DIR])
+        write_decisions(directory / "tuned-host-1.json", _tiny_records()[:1])
+        return subprocess.CompletedProcess(argv, returncode)
+
+    monkeypatch.setattr(tune_command.subprocess, "run", fake_run)
+    return calls
+
+
+def test_tune_plot_without_matplotlib_fails_before_running_the_job(
+    monkeypatch: MonkeyPatch, tmp_path: Path, capsys: CaptureFixture[str]
+) -> None:
+    calls = _fake_job(monkeypatch)
+    _no_matplotlib(monkeypatch)
+    out = tmp_path / "t.msgpack"
+    assert run(_parse(["--out", str(out), "--plot", str(tmp_path / "p"), "--", "job.py"])) == 2
+    assert "pip install matplotlib" in capsys.readouterr().err
+    assert calls == [] and not out.exists()  # no hour-long run ending in a traceback
+
+
+def test_tune_removes_its_temp_dir_when_the_command_cannot_start(
+    monkeypatch: MonkeyPatch, tmp_path: Path, capsys: CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    assert run(_parse(["--out", str(tmp_path / "t.msgpack"), "--", "/no/such/command"])) == 2
+    assert "cannot run" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_tune_keeps_the_measurements_when_the_table_cannot_be_written(
+    monkeypatch: MonkeyPatch, tmp_path: Path, capsys: CaptureFixture[str]
+) -> None:
+    pytest.importorskip("msgpack")
+    _fake_job(monkeypatch)
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    blocker = tmp_path / "not_a_dir"
+    blocker.write_text("")
+    args = _parse(
+        ["--out", str(blocker / "t.msgpack"), "--results", str(tmp_path / "r.json"), "--", "job.py"]
+    )
+    with pytest.raises(OSError):
+        run(args)
+    (kept,) = temp.glob("megatron_tuning_tune_*/results/tuned-*.json")
+    assert str(kept.parent) in capsys.readouterr().err
+
+
+def test_tune_removes_its_temp_dir_after_a_successful_run(monkeypatch: MonkeyPatch, tmp_path: Path) -> None:
+    pytest.importorskip("msgpack")
+    _fake_job(monkeypatch, returncode=5)
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    assert run(_parse(["--out", str(tmp_path / "t.msgpack"), "--", "job.py"])) == 5
+    assert (tmp_path / "t.msgpack").exists() and list(temp.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "body, shown",
+    [
+        ("raise RuntimeError('site setup broke')\n", "RuntimeError: site setup broke"),
+        ("import no_such_module_for_megatron_tuning\n", "no_such_module_for_megatron_tuning"),
+    ],
+)
+def test_a_broken_user_sitecustomize_is_reported_and_does_not_stop_tune_mode(
+    monkeypatch: MonkeyPatch, tmp_path: Path, capsys: CaptureFixture[str], body: str, shown: str
+) -> None:
+    from megatron_tuning.commands import tune as tune_command
+
+    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
+    ours.mkdir()
+    theirs.mkdir()
+    (theirs / "sitecustomize.py").write_text(body)
+    monkeypatch.setattr(sys, "path", [str(ours), str(theirs), *sys.path])
+    monkeypatch.delitem(sys.modules, "sitecustomize", raising=False)
+    tune_command._chain_sitecustomize(str(ours))  # raised (or said nothing) before
+    assert shown in capsys.readouterr().err

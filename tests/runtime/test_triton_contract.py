@@ -1,0 +1,94 @@
+"""Contract tests: every private Triton attribute the interception relies on.
+
+When a Triton upgrade moves one of these, this file fails with one clear message instead of
+many confusing failures elsewhere.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+import triton
+from triton.runtime.autotuner import Autotuner, Heuristics
+
+from megatron_tuning.runtime import interception, triton_compat
+
+from .. import support_kernels as sk
+from ..support_kernels import grid
+
+
+def test_supported_version():
+    triton_compat.check_triton_contract()
+    assert triton_compat.triton_version() >= triton_compat.MIN_TRITON
+
+
+def test_autotuner_class_attributes():
+    for name in ("run", "_bench", "prune_configs", "warmup"):
+        assert callable(Autotuner.__dict__.get(name)), name
+    assert list(inspect.signature(Autotuner.__dict__["run"]).parameters) == ["self", "args", "kwargs"]
+    bench = inspect.signature(Autotuner.__dict__["_bench"]).parameters
+    assert list(bench)[:2] == ["self", "args"] and bench["config"].kind is inspect.Parameter.KEYWORD_ONLY
+    init = inspect.signature(Autotuner.__init__).parameters
+    for name in (
+        "fn",
+        "arg_names",
+        "configs",
+        "key",
+        "reset_to_zero",
+        "restore_value",
+        "prune_configs_by",
+        "do_bench",
+    ):
+        assert name in init, name
+
+
+def test_benchmarker_is_lazy_or_patchable():
+    lazy = isinstance(inspect.getattr_static(Autotuner, "do_bench", None), functools.cached_property)
+    assert lazy or "do_bench" in inspect.signature(Autotuner.__init__).parameters
+
+
+def test_autotuner_instance_attributes():
+    tuner = sk.scale_add
+    assert tuner.arg_names == ["x_ptr", "y_ptr", "out_ptr", "n", "alpha", "BLOCK_SIZE"]
+    assert tuner.keys == ["n"]
+    assert isinstance(tuner.cache, dict)
+    assert tuner.configs is sk.ADD_CONFIGS or list(tuner.configs) == sk.ADD_CONFIGS
+    assert inspect.isfunction(tuner.base_fn)
+    assert isinstance(sk.copy_hooked.fn, Heuristics) and sk.copy_hooked.fn.fn is not None
+    assert isinstance(sk.maybe_double, Heuristics) and isinstance(sk.maybe_double.fn, Autotuner)
+
+
+def test_prune_configs_reads_nargs_and_applies_early_prune():
+    tuner = sk.copy_hooked
+    x = torch.zeros(8)
+    tuner.nargs = {"x_ptr": x, "out_ptr": x, "n": 8}
+    try:
+        pruned = tuner.prune_configs({})
+    finally:
+        tuner.nargs = None
+    assert [c.kwargs["BLOCK_SIZE"] for c in pruned] == [32, 64, 128]
+
+
+def test_config_fields_and_all_kwargs():
+    config = triton.Config({"B": 4}, num_warps=2, num_stages=1, pre_hook=None)
+    for name in ("kwargs", "num_warps", "num_stages", "num_ctas", "maxnreg", "pre_hook"):
+        assert hasattr(config, name), name
+    merged = config.all_kwargs()
+    assert merged["B"] == 4 and merged["num_warps"] == 2 and merged["num_stages"] == 1
+
+
+def test_stock_run_sets_best_config_and_timings():
+    # Record mode reads best_config, configs_timings and bench_time after Triton's own run.
+    interception.uninstall()
+    sk.scale_add.cache.clear()
+    x = torch.zeros(16)
+    try:
+        sk.scale_add[grid(16)](x, x, x, 16, 1.0)
+        assert sk.scale_add.best_config in sk.ADD_CONFIGS
+        assert set(sk.scale_add.configs_timings) == set(sk.ADD_CONFIGS)
+        assert isinstance(sk.scale_add.bench_time, float)
+    finally:  # other tests count benchmark calls on these kernels
+        sk.scale_add.cache.clear()
+        sk.BENCH_CALLS.clear()

@@ -1,0 +1,223 @@
+"""The table search path and its validators on use (arch, stale source hash / Triton version)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from megatron_tuning.core.choice import ConfigTable, TableHit
+from megatron_tuning.core.errors import StaleEntryError, TableError
+from megatron_tuning.core.identity import config_signature
+from megatron_tuning.core.policy import TuningPolicy
+from megatron_tuning.core.warn import reset_warnings
+from megatron_tuning.tables.entry import Entry
+from megatron_tuning.tables.search import TableSet, expand_table_paths
+from megatron_tuning.tables.table import Table, save_table
+
+KERNEL = "pkg.kernels:matmul"
+KEY = "M=64 | a:torch.float16"
+HASH = "11" * 32
+
+
+def entry(block: int = 64, **changes: object) -> Entry:
+    fields: dict[str, object] = {
+        "arch": "sm90",
+        "kernel": KERNEL,
+        "key": KEY,
+        "how": "tuned",
+        "config": {"kwargs": {"BLOCK": block}, "num_warps": 4, "num_stages": 3},
+        "source_hash": HASH,
+        "triton_version": "3.6.0",
+    }
+    fields.update(changes)
+    return Entry(**fields)  # type: ignore[arg-type]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_warnings():
+    reset_warnings()
+    yield
+    reset_warnings()
+
+
+def write(path, *entries: Entry):
+    save_table(Table(entries), path)
+    return str(path)
+
+
+def stale_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "stale" in r.getMessage()]
+
+
+def test_hit_reports_config_and_origin(tmp_path):
+    path = write(tmp_path / "a.msgpack", entry(64))
+    tables = TableSet([path], triton_version="3.6.0")
+    assert isinstance(tables, ConfigTable)
+    hit = tables.lookup(KERNEL, KEY, arch="sm90", source_hash=HASH)
+    assert isinstance(hit, TableHit) and hit.origin == path
+    assert config_signature(hit.config) == "BLOCK=64, num_warps=4, num_stages=3"
+    with pytest.raises(TypeError):
+        hit.config["kwargs"] = {}  # type: ignore[index]  # read-only view of the shared config
+    assert tables.lookup(KERNEL, "other key", arch="sm90") is None
+
+
+def test_wrong_arch_never_applies(tmp_path):
+    path = write(tmp_path / "a.msgpack", entry(64, arch="sm80"))
+    tables = TableSet([path], triton_version="3.6.0", stale_entries="use")
+    assert tables.lookup(KERNEL, KEY, arch="sm90", source_hash=HASH) is None
+    assert tables.lookup(KERNEL, KEY, arch="unknown", source_hash=HASH) is None
+    assert tables.lookup(KERNEL, KEY, arch="sm80", source_hash=HASH) is not None
+
+
+def test_earlier_file_wins_and_folders_expand(tmp_path):
+    first = write(tmp_path / "first.msgpack", entry(32))
+    (tmp_path / "dir").mkdir()
+    second = write(tmp_path / "dir" / "b.msgpack", entry(128), entry(256, key="only here"))
+    tables = TableSet([first, tmp_path / "dir", first], triton_version="3.6.0")
+    assert tables.files == [first, second]  # duplicates dropped
+    assert tables.lookup(KERNEL, KEY, arch="sm90").config["kwargs"] == {"BLOCK": 32}
+    assert tables.lookup(KERNEL, "only here", arch="sm90").origin == second
+
+
+def test_changed_source_hash_warns_once_then_uses_entry(tmp_path, caplog):
+    path = write(tmp_path / "a.msgpack", entry(64))
+    tables = TableSet([path], triton_version="3.6.0", stale_entries="use")
+    with caplog.at_level(logging.WARNING):
+        for _ in range(3):
+            hit = tables.lookup(KERNEL, KEY, arch="sm90", source_hash="22" * 32)
+            assert hit is not None and hit.config["kwargs"] == {"BLOCK": 64}
+    (message,) = stale_warnings(caplog)
+    assert KERNEL in message and KEY in message and path in message and "source hash" in message
+    # A fresh hash is not stale and says nothing.
+    caplog.clear()
+    assert tables.lookup(KERNEL, KEY, arch="sm90", source_hash=HASH) is not None
+    assert stale_warnings(caplog) == []
+
+
+def test_stale_entry_as_miss_falls_through_to_a_fresh_later_entry(tmp_path, caplog):
+    stale = write(tmp_path / "a.msgpack", entry(64, source_hash="00" * 32))
+    fresh = write(tmp_path / "b.msgpack", entry(128))
+    with caplog.at_level(logging.WARNING):
+        tables = TableSet([stale, fresh], triton_version="3.6.0", stale_entries="miss")
+        hit = tables.lookup(KERNEL, KEY, arch="sm90", source_hash=HASH)
+        assert hit is not None and hit.origin == fresh
+        alone = TableSet([stale], triton_version="3.6.0", stale_entries="miss")
+        assert alone.lookup(KERNEL, KEY, arch="sm90", source_hash=HASH) is None
+    assert len(stale_warnings(caplog)) == 1  # once per (kernel, key, file)
+
+
+def test_strict_raises_stale_entry_error(tmp_path):
+    path = write(tmp_path / "a.msgpack", entry(64))
+    tables = TableSet.from_policy(
+        TuningPolicy(tables=(path,), strict=True, use_shipped_tables=False), triton_version="3.6.0"
+    )
+    with pytest.raises(StaleEntryError) as info:
+        tables.lookup(KERNEL, KEY, arch="sm90", source_hash="33" * 32)
+    assert (info.value.kernel, info.value.key, info.value.path) == (KERNEL, KEY, path)
+    assert "source hash" in info.value.detail
+    assert tables.lookup(KERNEL, KEY, arch="sm90", source_hash=HASH) is not None  # fresh: no error
+
+
+def test_triton_version_mismatch_is_stale(tmp_path, caplog):
+    path = write(tmp_path / "a.msgpack", entry(64))
+    with pytest.raises(StaleEntryError, match="Triton 3.6.0"):
+        TableSet([path], triton_version="3.9.0", stale_entries="error").lookup(KERNEL, KEY, arch="sm90")
+    with caplog.at_level(logging.WARNING):
+        assert TableSet([path], triton_version="3.9.0").lookup(KERNEL, KEY, arch="sm90") is not None
+    assert any("running 3.9.0" in m for m in stale_warnings(caplog))
+
+
+def test_entries_without_provenance_are_never_stale(tmp_path, caplog):
+    path = write(tmp_path / "a.msgpack", entry(64, how="hand", source_hash=None, triton_version=None))
+    tables = TableSet([path], triton_version="9.9.9", stale_entries="error")
+    assert tables.lookup(KERNEL, KEY, arch="sm90", source_hash="44" * 32) is not None
+
+
+def test_missing_or_corrupt_paths_fail_at_construction(tmp_path):
+    with pytest.raises(TableError, match="no such file"):
+        TableSet([tmp_path / "typo.msgpack"])
+    bad = tmp_path / "bad.msgpack"
+    bad.write_bytes(b"\x01\x02")
+    with pytest.raises(TableError, match="bad.msgpack"):
+        TableSet([bad])
+    with pytest.raises(ValueError, match="stale_entries"):
+        TableSet([], stale_entries="sometimes")
+
+
+def test_empty_folder_or_relative_typo_fails_naming_the_path(tmp_path, monkeypatch):
+    # A folder without tables pins nothing, exactly like a typo'd path: both must fail.
+    empty = tmp_path / "tables"
+    empty.mkdir()
+    (empty / "view.json").write_text("{}")
+    with pytest.raises(TableError, match="no \\*.msgpack tables.*JSON views") as info:
+        TableSet([empty])
+    assert info.value.path == str(empty) and "MEGATRON_TUNING_TABLE" in str(info.value)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(TableError, match=f"relative to {tmp_path}"):
+        TableSet(["typo.msgpack"])
+
+
+def test_a_single_path_string_is_one_path_not_its_characters(tmp_path):
+    path = write(tmp_path / "a.msgpack", entry(64))
+    assert TableSet(path, triton_version="3.6.0").files == [path]
+    assert expand_table_paths(tmp_path) == [path]
+
+
+def test_stale_warning_once_per_cause_not_per_key(tmp_path, caplog):
+    keys = [f"M={m} | a:torch.float16" for m in range(5)]
+    path = write(
+        tmp_path / "a.msgpack",
+        *(entry(64, key=k) for k in keys),
+        entry(64, key="other hash", source_hash="99" * 32),
+    )
+    tables = TableSet([path], triton_version="3.6.0", stale_entries="use")
+    with caplog.at_level(logging.WARNING):
+        for key in [*keys, "other hash"]:
+            assert tables.lookup(KERNEL, key, arch="sm90", source_hash="22" * 32) is not None
+    messages = stale_warnings(caplog)
+    assert len(messages) == 2  # one kernel edit, two different tuned sources: two causes
+    assert keys[0] in messages[0] and "other hash" in messages[1]
+
+
+def test_search_order_policy_then_env_then_shipped(tmp_path, monkeypatch):
+    policy_path = write(tmp_path / "policy.msgpack", entry(32))
+    env_path = write(tmp_path / "env.msgpack", entry(64), entry(64, key="env key"))
+    shipped = tmp_path / "shipped"
+    (shipped / "sm90").mkdir(parents=True)
+    shipped_path = write(
+        shipped / "sm90" / "ref.msgpack", entry(128), entry(128, key="env key"), entry(128, key="shipped key")
+    )
+    monkeypatch.setenv("MEGATRON_TUNING_TABLE", env_path)
+    monkeypatch.setattr("megatron_tuning.tables.search.shipped_tables_dir", lambda: shipped)
+    tables = TableSet.from_policy(TuningPolicy(tables=(policy_path,)), triton_version="3.6.0")
+    assert tables.files == [policy_path, env_path]  # shipped tables load on first use of their arch
+    assert tables.lookup(KERNEL, KEY, arch="sm90").origin == policy_path
+    assert tables.lookup(KERNEL, "env key", arch="sm90").origin == env_path
+    assert tables.lookup(KERNEL, "shipped key", arch="sm90").origin == str(shipped_path)
+    assert tables.files[-1] == str(shipped_path)
+    assert tables.lookup(KERNEL, "shipped key", arch="sm80") is None  # no sm80 folder: nothing loaded
+    # from_env already folded MEGATRON_TUNING_TABLE into policy.tables: it is searched once.
+    from_env = TableSet.from_policy(TuningPolicy.from_env(use_shipped_tables=False), triton_version="3.6.0")
+    assert from_env.files == [env_path]
+
+
+def test_shipped_tables_can_be_turned_off(tmp_path, monkeypatch):
+    shipped = tmp_path / "shipped"
+    (shipped / "sm90").mkdir(parents=True)
+    write(shipped / "sm90" / "ref.msgpack", entry(128))
+    monkeypatch.setattr("megatron_tuning.tables.search.shipped_tables_dir", lambda: shipped)
+    monkeypatch.delenv("MEGATRON_TUNING_TABLE", raising=False)
+    off = TableSet.from_policy(TuningPolicy(use_shipped_tables=False))
+    assert off.lookup(KERNEL, KEY, arch="sm90") is None
+
+
+def test_repository_shipped_tables_load():
+    # Every table shipped in configs/ must load (a broken one would only fail at first lookup).
+    from megatron_tuning.tables.search import expand_table_paths, shipped_tables_dir
+
+    root = shipped_tables_dir()
+    folders = [p for p in root.iterdir() if p.is_dir()] if root.is_dir() else []
+    for folder in folders:
+        for name in expand_table_paths([folder]):
+            TableSet([name])
