@@ -35,7 +35,7 @@ setup(
     package_dir=package_dir,
     package_data=package_data,
     include_package_data=False,
-    install_requires=["torch", "triton", "msgpack", "numpy", "filelock"],
+    install_requires=["torch", "triton", "msgpack", "numpy", "filelock", "platformdirs"],
     extras_require={
         "test": TEST_REQUIRES,
         "dev": ["ruff", "mypy", *TEST_REQUIRES],

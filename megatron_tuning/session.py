@@ -9,6 +9,7 @@ from types import TracebackType
 from typing import Any
 
 from .core.choice import warn_if_mamba_env_ignored
+from .core.decisions import get_decisions
 from .core.identity import current_rank
 from .core.policy import TuningPolicy
 from .runtime import interception
@@ -23,15 +24,25 @@ _active: TuningHandle | None = None
 class TuningHandle:
     """The running tuning session. ``close()`` (or leaving ``with``) restores Triton."""
 
-    def __init__(self, policy: TuningPolicy, table: Any, agreement: Any) -> None:
+    def __init__(self, policy: TuningPolicy, table: Any, agreement: Any, cache: Any = None) -> None:
         self.policy = policy
         self.table = table
+        self.cache = cache
+        """``auto`` mode's cache (``tables.cache.AutoCache``), or ``None``."""
         self._agreement = agreement
         self._closed = False
 
     @property
     def closed(self) -> bool:
         return self._closed
+
+    def persist(self) -> int:
+        """Write the decisions ``auto`` tuned or adopted so far to the cache table; return how many.
+
+        ``close()`` (and interpreter exit) does this too; call it at a checkpoint to bound what a
+        crash can lose.
+        """
+        return self.cache.persist(get_decisions()) if self.cache is not None else 0
 
     def close(self) -> None:
         """Stop agreement checks, write requested outputs, and uninstall the interception."""
@@ -42,6 +53,7 @@ class TuningHandle:
         try:
             if self._agreement is not None:
                 self._agreement.stop()
+            self.persist()
             _write_outputs(self.policy)
         finally:
             with _active_lock:
@@ -82,7 +94,8 @@ def init_deterministic_tuning(
 
     ``policy`` defaults to ``TuningPolicy.from_env(default_mode="deterministic")``. ``table``
     overrides the tables the policy names (a ``ConfigTable`` or a ``{(kernel, key): config}``
-    mapping). ``group`` is the process group for ``allgather`` agreement (default: world).
+    mapping; in ``auto`` mode the cache table is then not read, but still written). ``group`` is
+    the process group for ``allgather`` agreement (default: world).
     Calling it again replaces the previous session.
     """
     global _active
@@ -92,15 +105,17 @@ def init_deterministic_tuning(
         previous = _active
     if previous is not None:
         previous.close()
-    resolved_table = table if table is not None else _load_tables(policy)
-    measure = _make_measure(policy) if policy.mode == "tune" else None
-    interception.install(policy, table=resolved_table, measure=measure)
+    cache = _open_cache(policy) if policy.mode == "auto" else None
+    resolved_table = table if table is not None else _load_tables(policy, cache)
+    measure = _make_measure(policy) if policy.mode in ("tune", "auto") else None
+    consensus = _start_consensus() if policy.mode == "auto" else None
+    interception.install(policy, table=resolved_table, measure=measure, consensus=consensus)
     try:
         agreement = _start_agreement(policy, group)
     except BaseException:
         interception.uninstall()
         raise
-    handle = TuningHandle(policy, resolved_table, agreement)
+    handle = TuningHandle(policy, resolved_table, agreement, cache)
     with _active_lock:
         _active = handle
     files = getattr(resolved_table, "files", None)
@@ -113,12 +128,25 @@ def init_deterministic_tuning(
     return handle
 
 
-def _load_tables(policy: TuningPolicy) -> Any:
-    if policy.mode not in ("deterministic", "chaos"):
+def _load_tables(policy: TuningPolicy, cache: Any) -> Any:
+    if policy.mode not in ("deterministic", "chaos", "auto"):
         return None  # record and tune measure; off passes through
     from .tables.search import TableSet
 
-    return TableSet.from_policy(policy)
+    return TableSet.from_policy(policy, cache=(cache.path, cache.table) if cache is not None else None)
+
+
+def _open_cache(policy: TuningPolicy) -> Any:
+    from .core.identity import arch_tag
+    from .tables.cache import open_cache
+
+    return open_cache(policy, arch_tag())
+
+
+def _start_consensus() -> Any:
+    from .distributed.consensus import start_consensus
+
+    return start_consensus()
 
 
 def _make_measure(policy: TuningPolicy) -> Any:

@@ -25,12 +25,13 @@ from .identity import (
     kernel_source_hash,
     tuning_key,
 )
+from .nearest import nearest_keys
 from .policy import TuningPolicy
 from .warn import warn_once
 
 logger = logging.getLogger(__name__)
 
-ON_MISS_CHOICES = ("min_cost", "error")
+ON_MISS_CHOICES = ("nearest", "min_cost", "error")
 
 # --------------------------------------------------------------------------- tables
 
@@ -41,11 +42,18 @@ class TableHit:
 
     config: Mapping[str, Any]
     origin: str
+    key: str | None = None
+    """The entry's own key, when it was found for another key (a nearest-shape neighbour)."""
 
 
 @runtime_checkable
 class ConfigTable(Protocol):
-    """What ``deterministic_choice`` needs from a table; ``megatron_tuning.table`` implements it."""
+    """What ``deterministic_choice`` needs from a table; ``tables.search.TableSet`` implements it.
+
+    A table may also offer ``neighbours(kernel, key, *, arch, source_hash)``: the usable entries
+    of the same kernel and arch for comparable keys, nearest first (``core.nearest``). Without
+    it, ``on_miss='nearest'`` finds no neighbour and falls back to the cheapest config.
+    """
 
     def lookup(
         self, kernel: str, key: str, *, arch: str, source_hash: str | None = None
@@ -62,6 +70,12 @@ class InMemoryTable:
     def lookup(self, kernel: str, key: str, *, arch: str, source_hash: str | None = None) -> TableHit | None:
         data = self._entries.get((kernel, key))
         return None if data is None else TableHit(data, self._origin)
+
+    def neighbours(
+        self, kernel: str, key: str, *, arch: str, source_hash: str | None = None
+    ) -> list[TableHit]:
+        keys = [k for (name, k) in self._entries if name == kernel]
+        return [TableHit(self._entries[(kernel, k)], self._origin, k) for k in nearest_keys(key, keys)]
 
 
 def as_config_table(table: ConfigTable | Mapping[tuple[str, str], Any] | None) -> ConfigTable | None:
@@ -84,20 +98,35 @@ class Choice:
     config: Any
     source: str
     origin: str | None = None
+    nearest_key: str | None = None
+    """For ``source == "nearest"``: the key of the table entry that was used."""
 
 
-def choose_deterministically(
+@dataclass(frozen=True, slots=True)
+class Miss:
+    """No pin for (kernel, key): why, for the error or the fallback that follows."""
+
+    reason: str
+
+
+def match_live(config: Mapping[str, Any], candidates: Sequence[Any]) -> Any | None:
+    """The live candidate whose signature equals ``config``'s (first in list order), or ``None``."""
+    wanted = config_signature(config)
+    for candidate in candidates:  # position order: the first live duplicate wins
+        if config_signature(candidate) == wanted:
+            return candidate
+    return None
+
+
+def pin_without_fallback(
     autotuner: Any,
     candidates: Sequence[Any],
     key: str,
     *,
     table: ConfigTable | Mapping[tuple[str, str], Any] | None = None,
-    on_miss: str = "min_cost",
     block_sizes: Mapping[str, int] | Iterable[tuple[str, int]] = (),
-) -> Choice:
-    """``deterministic_choice`` with a precomputed key, returning the source of the choice."""
-    if on_miss not in ON_MISS_CHOICES:
-        raise PolicyError("on_miss", on_miss, "one of " + "|".join(ON_MISS_CHOICES))
+) -> Choice | Miss:
+    """The pin that needs no miss rule: table entry, then block-size override, then a single config."""
     if not candidates:
         raise ValueError(f"no live configs for kernel {kernel_id(autotuner)}")
     kernel = kernel_id(autotuner)
@@ -106,11 +135,11 @@ def choose_deterministically(
     if lookup is not None:
         hit = lookup.lookup(kernel, key, arch=arch_tag(), source_hash=kernel_source_hash(autotuner))
         if hit is not None:
-            wanted = config_signature(hit.config)
-            for config in candidates:  # position order: the first live duplicate wins
-                if config_signature(config) == wanted:
-                    return Choice(config, "table", hit.origin)
+            live = match_live(hit.config, candidates)
+            if live is not None:
+                return Choice(live, "table", hit.origin)
             reason = "the table entry matches no live config"
+            wanted = config_signature(hit.config)
             warn_once(
                 ("entry-no-match", kernel, key, hit.origin),
                 "Table entry for kernel %s key %s in %s (%s) matches none of the %d live configs "
@@ -130,9 +159,50 @@ def choose_deterministically(
             return Choice(cheapest(matching), "override")
     if len(candidates) == 1:
         return Choice(candidates[0], "single")
+    return Miss(reason)
+
+
+def choose_on_miss(
+    autotuner: Any,
+    candidates: Sequence[Any],
+    key: str,
+    miss: Miss,
+    *,
+    table: ConfigTable | Mapping[tuple[str, str], Any] | None = None,
+    on_miss: str = "nearest",
+) -> Choice:
+    """What a miss launches, without measuring: the nearest shape's entry, the cheapest, or an error."""
+    if on_miss not in ON_MISS_CHOICES:
+        raise PolicyError("on_miss", on_miss, "one of " + "|".join(ON_MISS_CHOICES))
+    kernel = kernel_id(autotuner)
     if on_miss == "error":
-        raise TableMissError(kernel, key, reason)
+        raise TableMissError(kernel, key, miss.reason)
+    lookup = as_config_table(table)
+    neighbours = getattr(lookup, "neighbours", None)
+    if on_miss == "nearest" and neighbours is not None:
+        for hit in neighbours(kernel, key, arch=arch_tag(), source_hash=kernel_source_hash(autotuner)):
+            live = match_live(hit.config, candidates)
+            if live is not None:  # a neighbour tuned with other live configs cannot be launched
+                return Choice(live, "nearest", hit.origin, nearest_key=hit.key)
     return Choice(cheapest(candidates), "cheapest")
+
+
+def choose_deterministically(
+    autotuner: Any,
+    candidates: Sequence[Any],
+    key: str,
+    *,
+    table: ConfigTable | Mapping[tuple[str, str], Any] | None = None,
+    on_miss: str = "min_cost",
+    block_sizes: Mapping[str, int] | Iterable[tuple[str, int]] = (),
+) -> Choice:
+    """``deterministic_choice`` with a precomputed key, returning the source of the choice."""
+    if on_miss not in ON_MISS_CHOICES:
+        raise PolicyError("on_miss", on_miss, "one of " + "|".join(ON_MISS_CHOICES))
+    pinned = pin_without_fallback(autotuner, candidates, key, table=table, block_sizes=block_sizes)
+    if isinstance(pinned, Choice):
+        return pinned
+    return choose_on_miss(autotuner, candidates, key, pinned, table=table, on_miss=on_miss)
 
 
 def deterministic_choice(
@@ -148,8 +218,10 @@ def deterministic_choice(
     """Pick one of ``candidates`` (the live, pruned configs) without measuring.
 
     Order: the table entry for this kernel and key, matched back to a live candidate (so its
-    ``pre_hook`` survives); then an explicit block-size override; then the cheapest config by
-    static cost. With ``on_miss='error'`` a miss raises ``TableMissError`` naming kernel and key.
+    ``pre_hook`` survives); then an explicit block-size override; then the miss rule:
+    ``on_miss='min_cost'`` (the default here) takes the cheapest config by static cost,
+    ``'nearest'`` the table entry of the nearest comparable shape (else the cheapest), and
+    ``'error'`` raises ``TableMissError`` naming kernel and key.
     """
     key = tuning_key(autotuner, args, kwargs)
     return choose_deterministically(

@@ -18,10 +18,12 @@ from typing import Any
 SOURCES = (
     "table",  # a tuning-table entry, matched back to a live candidate
     "override",  # an explicit block-size override
+    "nearest",  # a miss: the table entry of the nearest comparable shape (``nearest_key``)
     "cheapest",  # a miss: the cheapest live candidate by static cost
     "single",  # only one live candidate (no choice to make)
     "chaos",  # chaos mode: a per-rank different pick, on purpose
-    "tuned",  # tune mode: measured by the noise-aware tuner
+    "tuned",  # tune/auto mode: measured here by the noise-aware tuner
+    "adopted",  # auto mode: the decision another rank of this job published
     "recorded",  # record mode: Triton's own autotune winner
     "out_of_scope",  # passed through to Triton untouched (key is "*")
 )
@@ -44,10 +46,12 @@ class Decision:
     arch: str = "unknown"
     rank: int = 0
     origin: str | None = None
-    """The table file a ``table`` decision came from."""
+    """The table file a ``table``/``nearest`` decision came from; for ``adopted``, the publisher."""
     source_hash: str | None = None
     timings: dict[str, Any] | None = None
     """Measurement statistics for ``tuned`` / ``recorded`` decisions."""
+    nearest_key: str | None = None
+    """For ``nearest``: the key of the table entry whose config was launched."""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

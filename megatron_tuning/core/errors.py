@@ -76,8 +76,13 @@ class BenchmarkForbiddenError(MegatronTuningError, RuntimeError):
     def __init__(self, kernel: str, mode: str) -> None:
         self.kernel = kernel
         self.mode = mode
+        what = (
+            "mode 'auto' measures only through megatron_tuning's tuner, once per key"
+            if mode == "auto"
+            else f"policy mode {mode!r} never measures"
+        )
         super().__init__(
-            f"Refusing to benchmark kernel {kernel}: policy mode {mode!r} never measures. "
+            f"Refusing to benchmark kernel {kernel} with Triton's autotuner: {what}. "
             "This means a launch bypassed the deterministic choice (please report it), or "
             "code called the autotuner's benchmark directly. Use mode 'record' or 'tune' "
             "to measure."
@@ -143,6 +148,23 @@ class DivergenceError(MegatronTuningError, RuntimeError):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.kernel, self.key, self.signatures, self.detail))
+
+
+class ConsensusError(MegatronTuningError, RuntimeError):
+    """``auto`` mode: the decision the job published for (kernel, key) cannot be launched here."""
+
+    def __init__(self, kernel: str, key: str, detail: str) -> None:
+        self.kernel = kernel
+        self.key = key
+        self.detail = detail
+        super().__init__(
+            f"auto mode cannot launch the job's decision for kernel {kernel} with key {key}: {detail}. "
+            "Every rank must offer the same candidate configs for a key; pin this kernel with a "
+            "tuning table (MEGATRON_TUNING_TABLE) or make the ranks' pruning agree."
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.kernel, self.key, self.detail))
 
 
 class AgreementTimeoutError(MegatronTuningError, TimeoutError):

@@ -15,8 +15,8 @@ from typing import Any
 from . import env
 from .errors import PolicyError
 
-MODES = ("off", "deterministic", "chaos", "record", "tune")
-ON_MISS = ("min_cost", "error")
+MODES = ("off", "deterministic", "chaos", "record", "tune", "auto")
+ON_MISS = ("nearest", "min_cost", "error")
 AGREEMENT_MODES = ("store", "allgather", "off")
 STALE_ENTRIES = ("use", "miss", "error")
 
@@ -35,6 +35,10 @@ ENV_BLOCK_SIZES = "MEGATRON_TUNING_BLOCK_SIZES"
 ENV_RECORD_DIR = "MEGATRON_TUNING_RECORD_DIR"
 ENV_DECISION_LOG = "MEGATRON_TUNING_DECISION_LOG"
 ENV_SHIPPED_TABLES = "MEGATRON_TUNING_SHIPPED_TABLES"
+ENV_CACHE = "MEGATRON_TUNING_CACHE"
+
+# What ``cache`` may say besides a path: no cache table at all.
+CACHE_OFF = "off"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -44,13 +48,17 @@ class TuningPolicy:
     mode: str = "deterministic"
     """off: stock Triton. deterministic: table entry, else a static rule; never measures.
     chaos: a different pick per rank on purpose (positive control for the agreement check).
-    record: Triton autotunes as usual and every winner is recorded. tune: the noise-aware tuner."""
+    record: Triton autotunes as usual and every winner is recorded. tune: the noise-aware tuner.
+    auto: table entry, else a decision another rank of this job published, else tune once with
+    the noise-aware tuner and publish it (first writer wins); tuned decisions persist in ``cache``."""
 
     scope: tuple[str, ...] = ()
     """Module prefixes of the kernels to pin (``pkg`` covers ``pkg`` and ``pkg.sub``); empty = all."""
 
-    on_miss: str = "min_cost"
-    """No usable table entry: ``min_cost`` launches the cheapest live config, ``error`` raises."""
+    on_miss: str = "nearest"
+    """No usable table entry (and, in ``auto``, no way to measure): ``nearest`` launches the entry
+    of the nearest shape of the same kernel (log-space distance over the key's numbers), else the
+    cheapest live config; ``min_cost`` launches the cheapest live config; ``error`` raises."""
 
     tables: tuple[str, ...] = ()
     """Table files searched before ``MEGATRON_TUNING_TABLE`` and the shipped tables; earlier wins."""
@@ -79,6 +87,12 @@ class TuningPolicy:
     decision_log: str | None = None
     """If set, the decision log is written here at exit (``{rank}`` is replaced by the rank)."""
 
+    cache: str | None = None
+    """``auto`` mode's cache table: decisions it tuned or adopted are merged into this msgpack file
+    at ``close()`` and at exit, and it is searched after the explicit tables and before the shipped
+    ones. ``None``: ``<user cache dir>/megatron_tuning/<arch>/auto.msgpack``; ``"off"``: none.
+    Read and written in ``auto`` mode only, so other modes never depend on a per-user file."""
+
     def __post_init__(self) -> None:
         _check_choice("mode", self.mode, MODES)
         _check_choice("on_miss", self.on_miss, ON_MISS)
@@ -101,6 +115,10 @@ class TuningPolicy:
             raise PolicyError("agreement_timeout_s", self.agreement_timeout_s, "a positive number of seconds")
         if not isinstance(self.strict, bool):
             raise PolicyError("strict", self.strict, "True or False")
+        if self.cache is not None and (
+            not isinstance(self.cache, str) or not self.cache or "\0" in self.cache
+        ):
+            raise PolicyError("cache", self.cache, f"a file path or {CACHE_OFF!r}")
 
     @property
     def effective_stale_entries(self) -> str:
@@ -124,9 +142,10 @@ class TuningPolicy:
         """One line for logs."""
         scope = ",".join(self.scope) if self.scope else "all"
         tables = ":".join(self.tables) if self.tables else "-"
+        cache = f" cache={self.cache or 'default'}" if self.mode == "auto" else ""
         return (
             f"mode={self.mode} scope={scope} on_miss={self.on_miss} tables={tables} "
-            f"agreement={self.agreement} strict={int(self.strict)}"
+            f"agreement={self.agreement} strict={int(self.strict)}{cache}"
         )
 
     @classmethod
@@ -157,6 +176,7 @@ class TuningPolicy:
             "use_shipped_tables": env.env_bool(ENV_SHIPPED_TABLES),
             "record_dir": env.env_str(ENV_RECORD_DIR) or None,
             "decision_log": env.env_str(ENV_DECISION_LOG) or None,
+            "cache": env.env_str(ENV_CACHE) or None,
         }
         fields.update({k: v for k, v in optional.items() if v is not None})
         if fields.get("agreement_timeout_s") is not None and fields["agreement_timeout_s"] <= 0:

@@ -57,6 +57,18 @@ logger = logging.getLogger(__name__)
 MODES = ("store", "allgather", "off")
 UNCHECKED_SOURCES = frozenset({"out_of_scope", "recorded", "tuned"})
 """Sources never compared: pass-through kernels, and measured picks that may differ by design."""
+CHECKED_MODES = ("deterministic", "chaos", "auto")
+
+
+def unchecked_sources(mode: str | None) -> frozenset[str]:
+    """Decision sources that ``mode`` does not compare across ranks.
+
+    In ``auto`` a tuned decision is published for the whole job, so every rank must launch it:
+    ``tuned`` and ``adopted`` are compared there. In ``tune``/``record`` each rank measures for
+    itself, and ranks may differ by design.
+    """
+    return UNCHECKED_SOURCES - {"tuned"} if mode == "auto" else UNCHECKED_SOURCES
+
 
 DEFAULT_TIMEOUT_S = 300.0
 PREFIX = "megatron_tuning/agreement/v1"
@@ -84,7 +96,7 @@ def start_agreement(policy: Any, group: Any = None) -> AgreementHandle:
     """Start cross-rank checks for ``policy``; call after the interception is installed.
 
     A no-op handle comes back when torch.distributed has no initialized process group, when
-    ``policy.agreement == "off"``, or when ``policy.mode`` is not deterministic/chaos (record
+    ``policy.agreement == "off"``, or when ``policy.mode`` is not deterministic/chaos/auto (record
     and tune modes pick by measurement, so ranks may differ by design). ``group`` scopes the
     check (default: the whole job). A previous checker is stopped first.
     """
@@ -92,7 +104,7 @@ def start_agreement(policy: Any, group: Any = None) -> AgreementHandle:
     mode = getattr(policy, "agreement", "store")
     if mode not in MODES:
         raise PolicyError("agreement", mode, "one of " + "|".join(MODES))
-    if mode == "off" or getattr(policy, "mode", "deterministic") not in ("deterministic", "chaos"):
+    if mode == "off" or getattr(policy, "mode", "deterministic") not in CHECKED_MODES:
         return _NoAgreement()
     if not (dist.is_available() and dist.is_initialized()):
         logger.debug("no process group: agreement checks are off in this single process")
@@ -137,6 +149,7 @@ class AgreementChecker:
         if self.mode not in MODES:
             raise PolicyError("agreement", self.mode, "one of " + "|".join(MODES))
         self.timeout_s = float(getattr(policy, "agreement_timeout_s", DEFAULT_TIMEOUT_S))
+        self.unchecked = unchecked_sources(getattr(policy, "mode", "deterministic"))
         self.group = group
         self.rank = dist.get_rank() if rank is None else int(rank)
         self.ranks = list(ranks) if ranks is not None else group_ranks(group)
@@ -172,7 +185,7 @@ class AgreementChecker:
 
     def check(self, decision: Decision) -> None:
         """Listener: compare ``decision`` with the other ranks (raises DivergenceError)."""
-        if self.mode == "off" or decision.source in UNCHECKED_SOURCES:
+        if self.mode == "off" or decision.source in self.unchecked:
             return
         ident = identity_digest(decision.kernel, decision.key, decision.arch)
         with self._lock:

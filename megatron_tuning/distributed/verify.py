@@ -10,8 +10,9 @@ import torch.distributed as dist
 
 from ..core.decisions import Decision, decision_log
 from ..core.errors import DivergenceError
+from ..runtime.interception import current_policy
 from . import agreement
-from .agreement import DEFAULT_TIMEOUT_S, PREFIX, UNCHECKED_SOURCES
+from .agreement import DEFAULT_TIMEOUT_S, PREFIX, unchecked_sources
 from .wire import (
     DIGEST_BYTES,
     ROW_BYTES,
@@ -63,7 +64,8 @@ def verify_agreement(group: Any = None, *, timeout_s: float | None = None) -> in
     store = dist.PrefixStore(f"{PREFIX}/verify/r{restart}/{scope}", default_store())
     arrive(store, str(seq), dist.get_rank(), ranks, f"verify_agreement call #{seq}", timeout)
 
-    table = _log_table()
+    policy = current_policy()
+    table = _log_table(unchecked_sources(policy.mode if policy is not None else None))
     idents = list(table)  # launch order, so the first divergence named is the earliest one
     counts = all_gather_bytes(len(idents).to_bytes(8, "little"), group)
     sizes = [int.from_bytes(c, "little") for c in counts]
@@ -98,7 +100,7 @@ def verify_agreement(group: Any = None, *, timeout_s: float | None = None) -> in
     return len(shared)
 
 
-def _log_table() -> dict[bytes, Decision]:
+def _log_table(unchecked: frozenset[str]) -> dict[bytes, Decision]:
     """This process's checked decisions by identity digest, in first-use order.
 
     After a re-install the same (kernel, key) can appear twice: the latest decision is what the
@@ -107,7 +109,7 @@ def _log_table() -> dict[bytes, Decision]:
     return {
         identity_digest(d.kernel, d.key, d.arch): d
         for d in decision_log().decisions()
-        if d.source not in UNCHECKED_SOURCES
+        if d.source not in unchecked
     }
 
 

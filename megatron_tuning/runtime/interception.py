@@ -24,11 +24,10 @@ import functools
 import logging
 import threading
 import weakref
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..core.choice import ConfigTable, as_config_table, chaos_index, choose_deterministically
+from ..core.choice import Choice, ConfigTable, as_config_table, chaos_index, choose_deterministically
 from ..core.cost import order_by_cost
 from ..core.decisions import Decision, decision_log
 from ..core.errors import BenchmarkForbiddenError
@@ -43,14 +42,15 @@ from ..core.identity import (
     tuning_key,
 )
 from ..core.policy import TuningPolicy
+from .auto import Consensus, Measure, auto_choice
 from .triton_compat import acquire_lazy_init, autotuner_class, check_triton_contract, release_lazy_init
 
 logger = logging.getLogger(__name__)
 
 _STATE_ATTR = "_megatron_tuning_state"
 
-# measure(autotuner, candidates, args, kwargs, kernel, key) -> (config, timings)
-Measure = Callable[[Any, list[Any], tuple[Any, ...], dict[str, Any], str, str], tuple[Any, dict[str, Any]]]
+# Modes whose in-scope launches never reach Triton's own benchmarking: ``_bench`` raises there.
+_GUARDED_MODES = ("deterministic", "chaos", "auto")
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,7 @@ class _Installation:
     measure: Measure | None
     generation: int
     arch: str
+    consensus: Consensus | None = None
 
 
 @dataclass
@@ -91,21 +92,31 @@ def current_policy() -> TuningPolicy | None:
     return None if installation is None else installation.policy
 
 
-def install(policy: TuningPolicy, *, table: Any = None, measure: Measure | None = None) -> None:
+def install(
+    policy: TuningPolicy,
+    *,
+    table: Any = None,
+    measure: Measure | None = None,
+    consensus: Consensus | None = None,
+) -> None:
     """Patch Triton's Autotuner for ``policy``. Idempotent; a second call replaces the policy.
 
-    ``table`` provides ``lookup`` (``selection.ConfigTable``) or is a ``{(kernel, key): config}``
-    mapping. ``measure`` is required in mode ``tune``.
+    ``table`` provides ``lookup`` (``core.choice.ConfigTable``) or is a ``{(kernel, key): config}``
+    mapping. ``measure`` (``tuning.tuner.make_measure``) is required in mode ``tune``; in ``auto``
+    without one, a miss falls back to the policy's miss rule. ``consensus`` shares ``auto``
+    decisions across the job's ranks (``distributed.consensus``); ``None``: this process alone.
     """
     global _installation, _generation
     if policy.mode == "tune" and measure is None:
-        raise ValueError("policy mode 'tune' needs a measure function (see megatron_tuning.tuner)")
+        raise ValueError("policy mode 'tune' needs a measure function (see megatron_tuning.tuning.tuner)")
     check_triton_contract()
     with _lock:
         if not _originals:
             _patch()
         _generation += 1
-        _installation = _Installation(policy, as_config_table(table), measure, _generation, arch_tag())
+        _installation = _Installation(
+            policy, as_config_table(table), measure, _generation, arch_tag(), consensus
+        )
     logger.debug("interception installed: %s", policy.describe())
 
 
@@ -139,7 +150,7 @@ def _make_bench(original: Any) -> Any:
     @functools.wraps(original)
     def _bench(self: Any, *args: Any, **kwargs: Any) -> Any:
         installation = _installation
-        if installation is not None and not installation.policy.measures:
+        if installation is not None and installation.policy.mode in _GUARDED_MODES:
             state = _state_for(self, installation)
             if state.in_scope:
                 raise BenchmarkForbiddenError(state.kernel, installation.policy.mode)
@@ -237,7 +248,14 @@ def _decide(
     raw: tuple[Any, ...],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
+    *,
+    may_measure: bool = True,
 ) -> Any:
+    """Choose, record and pin the config for one (kernel, key); the first use of it in this process.
+
+    ``may_measure=False`` where no real arguments exist (compiled-code tracing): ``tune`` and
+    ``auto`` then apply the policy's miss rule instead of measuring.
+    """
     with state.lock:
         config = state.pins.get(raw)
         if config is not None:
@@ -247,15 +265,27 @@ def _decide(
         candidates = _live_candidates(autotuner, args, kwargs)
         rank = current_rank()
         timings = None
-        origin = None
         if policy.mode == "chaos":
             ordered = order_by_cost(candidates)
-            config = ordered[chaos_index(state.kernel, key, rank, len(ordered))]
-            source = "chaos"
-        elif policy.mode == "tune" and len(candidates) > 1:
+            choice = Choice(ordered[chaos_index(state.kernel, key, rank, len(ordered))], "chaos")
+        elif policy.mode == "tune" and len(candidates) > 1 and may_measure:
             assert installation.measure is not None
             config, timings = installation.measure(autotuner, candidates, args, kwargs, state.kernel, key)
-            source = "tuned"
+            choice = Choice(config, "tuned")
+        elif policy.mode == "auto":
+            choice, timings = auto_choice(
+                autotuner,
+                candidates,
+                key,
+                (args, kwargs),
+                kernel=state.kernel,
+                arch=installation.arch,
+                policy=policy,
+                table=installation.table,
+                measure=installation.measure,
+                consensus=installation.consensus,
+                may_measure=may_measure,
+            )
         else:
             choice = choose_deterministically(
                 autotuner,
@@ -265,7 +295,7 @@ def _decide(
                 on_miss=policy.on_miss,
                 block_sizes=policy.block_sizes,
             )
-            config, source, origin = choice.config, choice.source, choice.origin
+        config, source, origin = choice.config, choice.source, choice.origin
         if state.source_hash is None:
             state.source_hash = kernel_source_hash(autotuner)
         decision = Decision(
@@ -279,14 +309,16 @@ def _decide(
             origin=origin,
             source_hash=state.source_hash,
             timings=timings,
+            nearest_key=choice.nearest_key,
         )
         logger.info(
-            "kernel %s key %s -> %s (%s%s)",
+            "kernel %s key %s -> %s (%s%s%s)",
             state.kernel,
             key,
             decision.signature,
             source,
             f" from {origin}" if origin else "",
+            f", entry for {choice.nearest_key}" if choice.nearest_key else "",
         )
         decision_log().record(decision)  # listeners (agreement) may raise: then nothing is pinned
         state.pins[raw] = config

@@ -24,13 +24,27 @@ STATUS = {
     "table": "hit",
     "override": "override",
     "single": "single",
+    "tuned": "tuned",
+    "adopted": "adopted",
+    "recorded": "recorded",
+    "nearest": "nearest",
     "cheapest": "fallback",
     "chaos": "chaos",
-    "tuned": "measured",
-    "recorded": "measured",
     "out_of_scope": "out_of_scope",
 }
-STATUS_ORDER = ("hit", "override", "single", "measured", "fallback", "chaos", "out_of_scope", "other")
+STATUS_ORDER = (
+    "hit",
+    "override",
+    "single",
+    "tuned",
+    "adopted",
+    "recorded",
+    "nearest",
+    "fallback",
+    "chaos",
+    "out_of_scope",
+    "other",
+)
 
 
 @dataclass(frozen=True, slots=True)

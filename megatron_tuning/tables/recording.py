@@ -22,7 +22,7 @@ from .table import Entry, Table, Timing, update_table
 logger = logging.getLogger(__name__)
 
 RECORDING_PREFIX = "recording-rank"
-_RECORDED_SOURCES = {"recorded": "recorded", "tuned": "tuned"}
+_RECORDED_SOURCES = {"recorded": "recorded", "tuned": "tuned", "adopted": "tuned"}
 
 
 def recording_path(directory: str | os.PathLike[str], rank: int) -> Path:
@@ -31,7 +31,7 @@ def recording_path(directory: str | os.PathLike[str], rank: int) -> Path:
 
 
 def entry_from_decision(decision: Decision, *, triton_version: str | None = None) -> Entry | None:
-    """The table entry for a ``recorded``/``tuned`` decision; ``None`` for other sources."""
+    """The table entry for a ``recorded``/``tuned``/``adopted`` decision; ``None`` for other sources."""
     how = _RECORDED_SOURCES.get(decision.source)
     if how is None or not decision.config:
         return None

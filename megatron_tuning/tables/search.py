@@ -1,8 +1,9 @@
-"""The table search path: several table files behind one ``lookup`` (``selection.ConfigTable``).
+"""The table search path: several table files behind one ``lookup`` (``core.choice.ConfigTable``).
 
 Order, earlier wins: the policy's explicit ``tables`` → ``MEGATRON_TUNING_TABLE``
-(colon-separated) → the shipped tables ``configs/<arch>/*.msgpack``. A path may name a
-file or a folder (its ``*.msgpack`` files, in name order). Explicit and environment
+(colon-separated) → ``auto`` mode's cache table → the shipped tables ``configs/<arch>/*.msgpack``.
+``neighbours`` serves the nearest-shape rule from the same entries, in the same order of trust.
+A path may name a file or a folder (its ``*.msgpack`` files, in name order). Explicit and environment
 tables load when the set is built, so a bad file fails at startup, not mid-training;
 a path that does not exist, or a folder with no ``*.msgpack`` table, fails the same way
 (``TableError`` naming it) instead of silently pinning nothing;
@@ -27,6 +28,7 @@ from typing import TYPE_CHECKING
 from ..core import env
 from ..core.choice import TableHit
 from ..core.errors import StaleEntryError, TableError
+from ..core.nearest import nearest_keys
 from ..core.warn import warn_once
 from .shipped import shipped_tables_dir
 from .table import Entry, Table, load_table
@@ -106,10 +108,13 @@ class TableSet:
         shipped_dir: str | os.PathLike[str] | None = None,
         stale_entries: str = "use",
         triton_version: str | None = None,
+        cache: tuple[str, Table] | None = None,
     ) -> None:
         """``paths``: files or folders, searched first. ``shipped_dir``: a folder of
         ``<arch>/`` subfolders searched last (``None``: no shipped tables).
-        ``triton_version``: the running version to check entries against (default: installed)."""
+        ``triton_version``: the running version to check entries against (default: installed).
+        ``cache``: ``auto`` mode's cache table (its path and loaded content), searched after
+        ``paths`` and before the shipped tables; a stale cache entry is always a miss."""
         if stale_entries not in STALE_CHOICES:
             raise ValueError(f"stale_entries={stale_entries!r}: expected one of {STALE_CHOICES}")
         self.stale_entries = stale_entries
@@ -122,23 +127,37 @@ class TableSet:
             hint = " (check the policy's tables / MEGATRON_TUNING_TABLE)"
             raise TableError(exc.path, exc.problem + hint) from None
         self._tables: list[tuple[str, Table]] = [(name, load_table(name)) for name in names]
+        self._cache_file: str | None = None
+        if cache is not None and os.path.realpath(cache[0]) not in {os.path.realpath(n) for n in names}:
+            self._cache_file = cache[0]
+            self._tables.append(cache)
         self._shipped_archs: set[str] = set()
         # First-wins index over all loaded files: O(1) lookups. Later files' entries for
         # the same ident are found by scanning only when the first one is skipped as stale.
         self._index: dict[_Ident, tuple[Entry, str]] = {}
+        # (arch, kernel) -> keys with an entry, for the nearest-shape rule.
+        self._keys: dict[tuple[str, str], list[str]] = {}
         for name, table in self._tables:
             self._add_to_index(name, table)
         logger.info("Tuning tables: %s", ", ".join(self.files) or "(none)")
 
     @classmethod
-    def from_policy(cls, policy: TuningPolicy, *, triton_version: str | None = None) -> TableSet:
-        """The search path a policy asks for: ``policy.tables`` → ``MEGATRON_TUNING_TABLE`` → shipped."""
+    def from_policy(
+        cls,
+        policy: TuningPolicy,
+        *,
+        triton_version: str | None = None,
+        cache: tuple[str, Table] | None = None,
+    ) -> TableSet:
+        """The search path a policy asks for: ``policy.tables`` → ``MEGATRON_TUNING_TABLE`` →
+        ``cache`` (``auto`` mode's, loaded by ``tables.cache``) → shipped."""
         env_paths = env.env_list(ENV_TABLE, ":") or ()
         return cls(
             tuple(policy.tables) + tuple(env_paths),
             shipped_dir=shipped_tables_dir() if policy.use_shipped_tables else None,
             stale_entries=policy.effective_stale_entries,
             triton_version=triton_version,
+            cache=cache,
         )
 
     @property
@@ -157,21 +176,51 @@ class TableSet:
     def lookup(self, kernel: str, key: str, *, arch: str, source_hash: str | None = None) -> TableHit | None:
         """The config to launch for (kernel, key) on ``arch``, or ``None`` (a miss)."""
         self._load_shipped(arch)
-        ident = (arch, kernel, key)
+        return self._resolve((arch, kernel, key), source_hash, self.stale_entries)
+
+    def neighbours(
+        self, kernel: str, key: str, *, arch: str, source_hash: str | None = None
+    ) -> list[TableHit]:
+        """Usable entries of ``kernel`` on ``arch`` for comparable keys, nearest first.
+
+        Stale neighbours are used only under ``stale_entries='use'``; otherwise they are skipped
+        (never raised: a neighbour is a fallback, not what the caller asked for).
+        """
+        self._load_shipped(arch)
+        with self._lock:
+            keys = list(self._keys.get((arch, kernel), ()))
+        strictness = "use" if self.stale_entries == "use" else "miss"
+        hits = []
+        for other in nearest_keys(key, keys):
+            hit = self._resolve((arch, kernel, other), source_hash, strictness)
+            if hit is not None:
+                hits.append(TableHit(hit.config, hit.origin, other))
+        return hits
+
+    def _resolve(self, ident: _Ident, source_hash: str | None, stale_entries: str) -> TableHit | None:
+        arch, kernel, key = ident
         first = self._index.get(ident)
         if first is None:
             return None
-        candidates = [first] if self.stale_entries != "miss" else self._all_for(ident)
+        candidates = (
+            [first] if stale_entries != "miss" and first[1] != self._cache_file else self._all_for(ident)
+        )
         for entry, origin in candidates:
             detail = self._staleness(entry, source_hash)
             if detail is None:
                 return TableHit(MappingProxyType(entry.config), origin)
-            if self.stale_entries == "error":
+            if origin == self._cache_file:
+                # A cache is ours, not the user's: an entry tuned for other code is re-tuned.
+                logger.debug(
+                    "cache entry for %s [%s] in %s is stale (%s): a miss", kernel, key, origin, detail
+                )
+                continue
+            if stale_entries == "error":
                 raise StaleEntryError(kernel, key, origin, detail)
             # One warning per cause: a kernel edit or a Triton upgrade makes every key of
             # the kernel stale at once, and one line per key would bury the log.
             cause = ("stale-entry", arch, kernel, origin, detail)
-            if self.stale_entries == "use":
+            if stale_entries == "use":
                 warn_once(
                     cause,
                     "Table entry for kernel %s key %s in %s is stale (%s); using it anyway "
@@ -221,7 +270,9 @@ class TableSet:
 
     def _add_to_index(self, name: str, table: Table) -> None:
         for entry in table.values():
-            self._index.setdefault(entry.ident, (entry, name))
+            if entry.ident not in self._index:
+                self._index[entry.ident] = (entry, name)
+                self._keys.setdefault((entry.arch, entry.kernel), []).append(entry.key)
 
     def _load_shipped(self, arch: str) -> None:
         if self._shipped_dir is None or arch in self._shipped_archs:

@@ -206,7 +206,9 @@ def update_table(
     return table
 
 
-def merge_entries(path: str | os.PathLike[str], entries: Iterable[Entry], *, replace: bool = True) -> Table:
+def merge_entries(
+    path: str | os.PathLike[str], entries: Iterable[Entry], *, replace: bool = True, timeout_s: float = 300.0
+) -> Table:
     """Add ``entries`` to the table at ``path`` under its lock (``replace``: new ones win)."""
     items = list(entries)
 
@@ -214,7 +216,7 @@ def merge_entries(path: str | os.PathLike[str], entries: Iterable[Entry], *, rep
         for entry in items:
             table.add(entry, replace=replace)
 
-    return update_table(path, _mutate)
+    return update_table(path, _mutate, timeout_s=timeout_s)
 
 
 __all__ = [

@@ -23,6 +23,7 @@ ENV = (
     "RECORD_DIR",
     "DECISION_LOG",
     "SHIPPED_TABLES",
+    "CACHE",
 )
 
 
@@ -35,7 +36,8 @@ def _clean_env(monkeypatch):
 def test_defaults_in_code_and_from_env():
     assert TuningPolicy().mode == "deterministic"
     policy = TuningPolicy.from_env()
-    assert policy.mode == "off" and policy.on_miss == "min_cost" and policy.agreement == "store"
+    assert policy.mode == "off" and policy.on_miss == "nearest" and policy.agreement == "store"
+    assert policy.cache is None  # auto mode then uses the per-user default
     assert TuningPolicy.from_env(default_mode="deterministic").mode == "deterministic"
 
 
@@ -53,6 +55,7 @@ def test_every_variable_is_read(monkeypatch, tmp_path):
         "RECORD_DIR": str(tmp_path),
         "DECISION_LOG": "/tmp/d-{rank}.json",
         "SHIPPED_TABLES": "off",
+        "CACHE": str(tmp_path / "auto.msgpack"),
     }
     for name, value in values.items():
         monkeypatch.setenv(f"MEGATRON_TUNING_{name}", value)
@@ -70,6 +73,7 @@ def test_every_variable_is_read(monkeypatch, tmp_path):
         record_dir=str(tmp_path),
         decision_log="/tmp/d-{rank}.json",
         use_shipped_tables=False,
+        cache=str(tmp_path / "auto.msgpack"),
     )
     assert policy.effective_stale_entries == "error"
 

@@ -221,3 +221,62 @@ def test_repository_shipped_tables_load():
     for folder in folders:
         for name in expand_table_paths([folder]):
             TableSet([name])
+
+
+def test_cache_sits_after_explicit_tables_and_before_shipped(tmp_path, monkeypatch):
+    explicit = write(tmp_path / "mine.msgpack", entry(32))
+    cache_path = str(tmp_path / "auto.msgpack")
+    cache = Table([entry(64), entry(64, key="cached key"), entry(64, key="both")])
+    shipped = tmp_path / "shipped"
+    (shipped / "sm90").mkdir(parents=True)
+    write(shipped / "sm90" / "ref.msgpack", entry(128, key="both"), entry(128, key="shipped key"))
+    monkeypatch.setattr("megatron_tuning.tables.search.shipped_tables_dir", lambda: shipped)
+    tables = TableSet.from_policy(
+        TuningPolicy(tables=(explicit,)), triton_version="3.6.0", cache=(cache_path, cache)
+    )
+    assert tables.files == [explicit, cache_path]
+    assert tables.lookup(KERNEL, KEY, arch="sm90").origin == explicit
+    assert tables.lookup(KERNEL, "both", arch="sm90").origin == cache_path
+    assert tables.lookup(KERNEL, "shipped key", arch="sm90").origin.endswith("ref.msgpack")
+
+
+def test_a_stale_cache_entry_is_a_miss_even_when_stale_entries_are_used(tmp_path, caplog):
+    cache_path = str(tmp_path / "auto.msgpack")
+    cache = Table([entry(64, source_hash="22" * 32), entry(64, key="fresh")])
+    tables = TableSet(stale_entries="use", triton_version="3.6.0", cache=(cache_path, cache))
+    assert tables.lookup(KERNEL, KEY, arch="sm90", source_hash=HASH) is None  # re-tuned, not reused
+    assert tables.lookup(KERNEL, "fresh", arch="sm90", source_hash=HASH).origin == cache_path
+    assert stale_warnings(caplog) == []  # our own cache going stale is not the user's problem
+
+
+def nkey(m: int) -> str:
+    return f"M={m} | a:torch.float16"
+
+
+def test_neighbours_are_nearest_first_across_files_first_file_winning(tmp_path):
+    first = write(tmp_path / "a.msgpack", entry(16, key=nkey(1024)), entry(16, key=nkey(8192)))
+    second = write(tmp_path / "b.msgpack", entry(32, key=nkey(1024)), entry(32, key=nkey(2048)))
+    tables = TableSet([first, second], triton_version="3.6.0")
+    hits = tables.neighbours(KERNEL, nkey(1536), arch="sm90", source_hash=HASH)
+    assert [(h.key, h.origin, h.config["kwargs"]["BLOCK"]) for h in hits] == [
+        (nkey(2048), second, 32),
+        (nkey(1024), first, 16),  # the first file's entry for 1024 hides the second's
+        (nkey(8192), first, 16),
+    ]
+    assert tables.neighbours(KERNEL, nkey(1536), arch="sm80") == []
+    assert tables.neighbours("pkg:other", nkey(1536), arch="sm90") == []
+
+
+def test_stale_neighbours_are_skipped_unless_stale_entries_are_used(tmp_path):
+    path = write(
+        tmp_path / "t.msgpack",
+        entry(16, key=nkey(2048), source_hash="22" * 32),
+        entry(32, key=nkey(512)),
+    )
+    strict = TableSet([path], stale_entries="error", triton_version="3.6.0")
+    assert [h.key for h in strict.neighbours(KERNEL, nkey(1536), arch="sm90", source_hash=HASH)] == [
+        nkey(512)
+    ]
+    lenient = TableSet([path], stale_entries="use", triton_version="3.6.0")
+    hits = lenient.neighbours(KERNEL, nkey(1536), arch="sm90", source_hash=HASH)
+    assert [h.key for h in hits] == [nkey(2048), nkey(512)]

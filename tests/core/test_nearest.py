@@ -1,0 +1,104 @@
+"""The nearest-shape rule: which keys are comparable, log-space distance, ties, and purity."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron_tuning.core.nearest import key_distance, key_shape, nearest_keys
+
+DT = " | a_ptr:torch.bfloat16, b_ptr:torch.bfloat16, c_ptr:torch.bfloat16"
+
+
+def mnk(m: int, n: int = 4096, k: int = 4096, dtypes: str = DT) -> str:
+    return f"M={m}, N={n}, K={k}{dtypes}"
+
+
+def test_key_shape_splits_numbers_from_what_must_match():
+    shape = key_shape("M=64, flag=True, scale=0.25, name='a, b', X=None | x:torch.float16")
+    assert shape is not None
+    assert shape.numbers == (64.0, 0.25)
+    assert shape.fixed == ("M=#", "flag=True", "scale=#", "name='a, b'", "X=None", "|x:torch.float16")
+    assert key_shape("not a key") is None
+    assert key_shape(" | x:torch.float32") == key_shape(" | x:torch.float32")  # no key= values
+
+
+def test_only_numbers_may_differ():
+    base = key_shape(mnk(1024))
+    assert base is not None
+    assert 0 < key_distance(base, key_shape(mnk(2048))) < float("inf")
+    other_dtype = key_shape(
+        mnk(1024, dtypes=" | a_ptr:torch.float16, b_ptr:torch.float16, c_ptr:torch.float16")
+    )
+    assert key_distance(base, other_dtype) == float("inf")
+    assert key_distance(key_shape("n=1, flag=True | x:f"), key_shape("n=1, flag=False | x:f")) == float("inf")
+    # True is not the number 1: a bool key never matches an int key.
+    assert key_distance(key_shape("flag=True | x:f"), key_shape("flag=1 | x:f")) == float("inf")
+    assert key_distance(key_shape("M=1, N=2 | x:f"), key_shape("N=1, M=2 | x:f")) == float("inf")
+
+
+def test_distance_is_log_space():
+    a, b, c = key_shape("n=1 | x:f"), key_shape("n=3 | x:f"), key_shape("n=15 | x:f")
+    assert key_distance(a, b) == 1.0  # log2(2) vs log2(4)
+    assert key_distance(b, c) == 2.0  # log2(4) vs log2(16)
+    assert key_distance(key_shape("n=0 | x:f"), key_shape("n=-1 | x:f")) == 1.0  # defined at 0 and below
+
+
+def test_nearest_keys_orders_by_distance_then_key_text():
+    table = [mnk(m) for m in (1024, 2048, 4096, 8192, 16384)]
+    assert nearest_keys(mnk(1536), table)[:2] == [mnk(2048), mnk(1024)]
+    assert nearest_keys(mnk(12288), table)[0] == mnk(16384)
+    assert nearest_keys(mnk(3072), table)[0] == mnk(4096)
+    # n=3 sits at distance 1 from both n=1 and n=7: the key text breaks the tie.
+    assert nearest_keys("n=3 | x:f", ["n=7 | x:f", "n=1 | x:f"]) == ["n=1 | x:f", "n=7 | x:f"]
+    # The key itself, unparsable keys and keys of another shape family are left out.
+    assert nearest_keys(mnk(1024), [mnk(1024), "junk", mnk(64, dtypes=" | a:f")]) == []
+
+
+keys = st.lists(
+    st.tuples(st.integers(0, 1 << 20), st.integers(1, 8192), st.sampled_from(["float16", "bfloat16"])),
+    max_size=12,
+).map(lambda rows: [f"M={m}, N={n} | a:torch.{d}" for m, n, d in rows])
+
+
+@settings(max_examples=200, deadline=None)
+@given(key=st.tuples(st.integers(0, 1 << 20), st.integers(1, 8192)), table=keys, seed=st.randoms())
+def test_nearest_is_a_pure_function_of_table_and_key(key, table, seed):
+    target = f"M={key[0]}, N={key[1]} | a:torch.float16"
+    expected = nearest_keys(target, table)
+    shuffled = list(table) + list(table)  # order and duplicates of the table do not matter
+    seed.shuffle(shuffled)
+    assert nearest_keys(target, shuffled) == expected
+    if expected:
+        shape = key_shape(target)
+        best = min(key_distance(shape, key_shape(k)) for k in table if k != target)
+        assert key_distance(shape, key_shape(expected[0])) == best
+        assert all(k.endswith("float16") and "bfloat16" not in k for k in expected)
+
+
+def test_nearest_is_the_same_in_every_process():
+    """Python salts str hashes per process; the order must not depend on them."""
+    code = (
+        "import json, sys; from megatron_tuning.core.nearest import nearest_keys; "
+        "print(json.dumps(nearest_keys(sys.argv[1], sys.argv[2:])))"
+    )
+    table = [f"n={n} | x:f" for n in (1, 7, 3, 5, 9, 2, 6, 4, 8)]
+    outputs = set()
+    for seed in ("1", "2", "3"):
+        env = dict(os.environ, PYTHONHASHSEED=seed)
+        done = subprocess.run(
+            [sys.executable, "-c", code, "n=5 | x:f", *table],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        outputs.add(done.stdout)
+    assert len(outputs) == 1
+    # log2(1 + n): 5 -> 2.585; 6 -> 2.807, 4 -> 2.322, 7 -> 3.0
+    assert json.loads(outputs.pop())[:3] == ["n=6 | x:f", "n=4 | x:f", "n=7 | x:f"]
