@@ -1,0 +1,123 @@
+"""auto mode across real torchrun ranks (gloo, CPU, Triton interpreter).
+
+Ranks race to tune the same keys with a fake measurement that picks a different config on every
+rank, arriving in rank order, in reverse, all at once, and with one rank 8 s late. Every rank must
+launch one config per key (the first publisher's), no rank may wait for another's tuning, and a
+second job reading the cache the first one wrote measures nothing.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _launch import WORKERS, gloo_available, read_results, run_torchrun
+
+from megatron_tuning.tables.entry import Entry
+from megatron_tuning.tables.table import Table, load_table, save_table
+
+RACES = ["forward", "reverse", "together", "slow_rank"]
+KERNEL = "_kernels:add_kernel"
+
+
+def add_key(n: int) -> str:
+    return f"n={n} | x_ptr:torch.float32, y_ptr:torch.float32"
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"{n}ranks")
+def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    if not gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    nproc = request.param
+    tmp = tmp_path_factory.mktemp(f"auto_{nproc}")
+    cache = tmp / "cache" / "auto.msgpack"
+    table = tmp / "rank0_table.msgpack"
+    config = {"kwargs": {"BLOCK": 128}, "num_warps": 4, "num_stages": 3, "num_ctas": 1, "maxnreg": None}
+    save_table(
+        Table([Entry(arch="unknown", kernel=KERNEL, key=add_key(501), how="hand", config=config)]), table
+    )
+    out = {}
+    for run, scenarios in (("run1", RACES + ["table_vs_published"]), ("run2", RACES)):
+        folder = tmp / run
+        folder.mkdir()
+        args = [
+            "--out",
+            str(folder),
+            "--cache",
+            str(cache),
+            "--scenarios",
+            ",".join(scenarios),
+            "--table",
+            str(table),
+        ]
+        done = run_torchrun(nproc, WORKERS / "auto_worker.py", args, tmp, timeout_s=240)
+        results = read_results(folder, nproc)
+        assert done.returncode == 0 and len(results) == nproc, done.stdout[-3000:] + done.stderr[-3000:]
+        out[run] = results
+    out["nproc"], out["cache"] = nproc, cache
+    return out
+
+
+def rows(runs: dict[str, Any], run: str, scenario: str) -> list[dict[str, Any]]:
+    return [runs[run][rank][scenario] for rank in range(runs["nproc"])]
+
+
+@pytest.mark.parametrize("scenario", RACES)
+def test_every_rank_launches_the_first_publishers_config(runs, scenario):
+    results = rows(runs, "run1", scenario)
+    assert all(r["error"] is None for r in results), [r.get("message") for r in results]
+    by_key: dict[str, set[str]] = {}
+    for r in results:
+        assert len(r["decisions"]) == 3
+        for d in r["decisions"]:
+            by_key.setdefault(d["key"], set()).add(d["signature"])
+    assert all(len(signatures) == 1 for signatures in by_key.values()), by_key
+    # One rank tuned-and-published each key; every other rank adopted it (after measuring or not).
+    for key in by_key:
+        sources = sorted(d["source"] for r in results for d in r["decisions"] if d["key"] == key)
+        assert sources == ["adopted"] * (runs["nproc"] - 1) + ["tuned"], (key, sources)
+    assert all(r["shared"] == 3 for r in results)  # verify_agreement compared all three keys
+
+
+def test_adoptions_name_the_publishing_rank(runs):
+    for scenario in RACES:
+        for r in rows(runs, "run1", scenario):
+            for d in r["decisions"]:
+                if d["source"] == "adopted":
+                    assert d["origin"].startswith("rank ")
+
+
+def test_ranks_arriving_later_adopt_what_is_already_published(runs):
+    # Rank r starts 0.3 s after rank r-1 and a fake tuning takes 0.2 s: rank 0 finds nothing
+    # published and tunes every key; by the time the last rank arrives, at least the first key
+    # is published, so it measures less (how much less depends on the machine's speed).
+    results = rows(runs, "run1", "forward")
+    assert results[0]["measured"] == 3
+    assert results[-1]["measured"] < 3
+
+
+def test_no_rank_waits_for_a_late_ranks_tuning(runs):
+    results = rows(runs, "run1", "slow_rank")
+    late = results[-1]
+    assert late["measured"] == 0  # it arrived 5 s late and adopted everything
+    assert all(r["kernel_s"] < 4.0 for r in results[:-1]), [r["kernel_s"] for r in results]
+
+
+def test_a_table_hit_that_disagrees_with_a_published_decision_is_a_divergence(runs):
+    results = rows(runs, "run1", "table_vs_published")
+    errors = {r["error"] for r in results}
+    assert errors == {"DivergenceError"}, [r.get("message") for r in results]
+    assert all("BLOCK=128" in r["message"] and add_key(501) in r["message"] for r in results)
+
+
+def test_the_cache_holds_every_tuned_key_and_run_two_measures_nothing(runs):
+    cached = {e.key for e in load_table(runs["cache"])}
+    for scenario in RACES:
+        for r in rows(runs, "run1", scenario):
+            assert {d["key"] for d in r["decisions"]} <= cached
+    for scenario in RACES:
+        results = rows(runs, "run2", scenario)
+        assert all(r["error"] is None and r["measured"] == 0 for r in results)
+        assert all(d["source"] == "table" for r in results for d in r["decisions"])
+        assert all(d["origin"] == str(Path(runs["cache"])) for r in results for d in r["decisions"])
