@@ -36,6 +36,7 @@ from .entry import (
     entry_from_data,
     make_entry,
 )
+from .unpacking import ENTRY_BYTES, check_json_budget, json_text, unpack_table
 
 FORMAT = "megatron_tuning.table"
 SCHEMA = 1
@@ -97,24 +98,14 @@ def encode_msgpack(library_version: str, meta: dict[str, str], entries: Sequence
 
 
 def decode_msgpack(data: bytes) -> _Decoded:
-    """Validate and decode a whole file; any problem raises ``Invalid``."""
+    """Validate and decode a whole file; any problem raises ``Invalid``.
+
+    The structure and the memory decoding would cost are checked before objects are built
+    (``unpacking.unpack_table``): a hostile file cannot make the loader allocate without bound.
+    """
     if not data:
         raise Invalid("empty file")
-    try:
-        doc = msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True, timestamp=0)
-    except msgpack.ExtraData:
-        if data.lstrip()[:1] == b"{":  # 123 as a msgpack int, then the rest: a JSON view
-            raise Invalid(
-                "this is JSON, not msgpack: name JSON views *.json, or convert with "
-                "`megatron-tuning import FILE OUT.msgpack`"
-            ) from None
-        raise Invalid("trailing bytes after the table (corrupt or concatenated file)") from None
-    except (ValueError, msgpack.UnpackException, TypeError, UnicodeDecodeError) as exc:
-        raise Invalid(f"not valid msgpack (truncated or corrupt): {exc or type(exc).__name__}") from None
-    if type(doc) is not list or len(doc) != 4 or doc[0] != FORMAT:
-        raise Invalid(f"not a {FORMAT} file (missing format marker)")
-    _, schema, header, body = doc
-    check_schema(schema)
+    header, body = unpack_table(data, fmt=FORMAT, check_schema=check_schema)
     if type(header) is not dict or not header.keys() <= _HEADER_FIELDS:
         raise Invalid(f"header must be a map with fields {sorted(_HEADER_FIELDS)}")
     version, meta = check_header(header.get("library_version"), header.get("meta"))
@@ -288,9 +279,13 @@ def encode_json(library_version: str, meta: dict[str, str], entries: Sequence[En
 
 
 def decode_json(text: str | bytes) -> _Decoded:
-    """Validate and decode the JSON view; any problem raises ``Invalid``."""
-    if not text or not text.strip():
+    """Validate and decode the JSON view (UTF-8, no BOM); any problem raises ``Invalid``."""
+    size = len(text) if isinstance(text, bytes) else None
+    text = json_text(text)
+    if not text.strip():
         raise Invalid("empty file")
+    # Each entry has at least three maps (entry, config, kwargs): its cost is spread over them.
+    check_json_budget(text, per_object=ENTRY_BYTES // 3, size=size)
 
     def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         out: dict[str, Any] = {}

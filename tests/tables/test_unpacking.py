@@ -1,0 +1,191 @@
+"""Bounded decoding: hostile files are refused before they cost memory out of proportion.
+
+Memory is measured with ``tracemalloc`` (it sees every Python object msgpack and json build).
+Before ``tables/unpacking.py`` these files cost 15-80 bytes per file byte before being refused.
+"""
+
+from __future__ import annotations
+
+import codecs
+import tracemalloc
+from collections.abc import Callable
+from typing import Any
+
+import msgpack
+import pytest
+
+from megatron_tuning.core.errors import TableError
+from megatron_tuning.tables.table import Entry, Table, Timing
+from megatron_tuning.tables.unpacking import BUDGET_FACTOR
+
+MB = 1 << 20
+FORMAT = "megatron_tuning.table"
+BASE = {
+    "strings": ["hand", "m:k", "sm90"],
+    "configs": [{"kwargs": {}, "num_stages": 3, "num_warps": 4}],
+    "arch": [2],
+    "config": [0],
+    "how": [0],
+    "kernel": [1],
+    "key": ["k"],
+}
+
+
+def _doc(body: dict[str, Any], header: dict[str, Any] | None = None) -> bytes:
+    return msgpack.packb([FORMAT, 1, header or {"library_version": "1"}, body], use_bin_type=True)
+
+
+def _with_raw_column(name: str, raw: bytes) -> bytes:
+    """A table whose column ``name`` is the msgpack bytes ``raw`` (spliced, not packed)."""
+    marker = "\x00" * 7
+    packed = _doc({**BASE, name: marker})
+    return packed.replace(msgpack.packb(marker), raw)
+
+
+def _array(n: int, element: bytes) -> bytes:
+    return b"\xdd" + n.to_bytes(4, "big") + element * n
+
+
+def _peak(load: Callable[[], Any]) -> int:
+    tracemalloc.start()
+    try:
+        with pytest.raises(TableError) as info:
+            load()
+        return tracemalloc.get_traced_memory()[1], str(info.value)  # type: ignore[return-value]
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.mark.parametrize(
+    ("name", "data", "match"),
+    [
+        ("a top-level array of empty arrays", _array(2 * MB, b"\x90"), "format marker"),
+        ("a key column of empty arrays", _with_raw_column("key", _array(2 * MB, b"\x90")), "values for"),
+        ("a key column of maps", _with_raw_column("key", _array(MB, b"\x80")), "values for"),
+        ("an index column of negative ints", _with_raw_column("arch", _array(2 * MB, b"\xe0")), "values for"),
+        (
+            "a table of two million one-byte entries",
+            _doc(
+                {
+                    **BASE,
+                    "key": [""] * (2 * MB),
+                    **{c: [0] * (2 * MB) for c in ("arch", "config", "how", "kernel")},
+                }
+            ),
+            "would need about",
+        ),
+        (
+            "an index column of negative ints in a table of matching length",
+            _doc(
+                {
+                    **BASE,
+                    "key": ["k"] * 200_000,
+                    **{c: [0] * 200_000 for c in ("config", "how", "kernel")},
+                    "arch": [-32] * 200_000,
+                }
+            ),
+            "index out of range",
+        ),
+    ],
+)
+def test_hostile_msgpack_is_refused_before_it_is_built(name, data, match):
+    peak, message = _peak(lambda: Table.from_bytes(data, path="hostile"))
+    assert match in message
+    # The file itself and msgpack's copy of it, plus a little: never the decoded objects.
+    assert peak < 3 * len(data) + 4 * MB, f"{name}: {peak / len(data):.1f} bytes per file byte"
+
+
+def test_hostile_json_is_refused_before_it_is_parsed():
+    for text in ("[" + ",".join(["[]"] * MB) + "]", "[" + ",".join(["{}"] * MB) + "]"):
+        data = text.encode()
+        peak, message = _peak(lambda d=data: Table.from_json(d, path="hostile.json"))
+        assert "would need about" in message and f"{BUDGET_FACTOR}x the file size" in message
+        assert peak < 3 * len(data) + 4 * MB
+
+
+def _big_table(count: int) -> Table:
+    return Table(
+        Entry(
+            arch="sm90",
+            kernel=f"pkg.ops:kernel_{i % 20}",
+            key=f"M={i}, N=4096, K=4096 | a_ptr:torch.bfloat16, b_ptr:torch.bfloat16",
+            config={"kwargs": {"BLOCK_M": 64 << (i % 2)}, "num_warps": 4, "num_stages": 3},
+            how="tuned",
+            source_hash=f"{i:064x}",
+            triton_version="3.6.0",
+            timing=Timing(median_ms=0.5 + i / 1e5, spread_ms=0.01, samples=100, candidates=16),
+        )
+        for i in range(count)
+    )
+
+
+def test_genuine_tables_stay_well_inside_the_budget():
+    table = _big_table(20_000)
+    for data, load in ((table.to_bytes(), Table.from_bytes), (table.to_json().encode(), Table.from_json)):
+        tracemalloc.start()
+        try:
+            assert load(data) == table
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < BUDGET_FACTOR * len(data) / 2
+
+
+@pytest.mark.parametrize(
+    ("data", "match"),
+    [
+        (
+            _doc(BASE, header={"library_version": "1", "meta": {"a": "1", "b": "2"}}).replace(
+                b"\xa1b", b"\xa1a"
+            ),
+            "header meta: duplicate field 'a'",
+        ),
+        (
+            _doc(BASE, header={"library_version": "1", "meta": {}}).replace(
+                b"\xa4meta\x80", b"\xaflibrary_version\xa12"
+            ),
+            "header: duplicate field 'library_version'",
+        ),
+        (_doc(BASE).replace(b"\xa3how", b"\xa4arch"), "duplicate column 'arch'"),
+    ],
+)
+def test_duplicate_msgpack_map_keys_are_refused(data, match):
+    # msgpack itself keeps the last of two equal keys; the JSON view refuses them, so must msgpack.
+    with pytest.raises(TableError, match=match):
+        Table.from_bytes(data)
+
+
+def test_duplicate_config_keys_are_refused():
+    config = (
+        b"\x83\xa6kwargs\x80\xa9num_warps\x04\xa9num_warps\x08"  # num_warps twice: msgpack keeps the last
+    )
+    data = _with_raw_column("configs", b"\x91" + config)
+    with pytest.raises(TableError, match="duplicate map key 'num_warps'"):
+        Table.from_bytes(data)
+
+
+@pytest.mark.parametrize("data", [b"\xc1", b"\x94\xc1", b"\x94\xa5mega", b"\x94\xa1x", _doc(BASE)[:-3]])
+def test_corrupt_msgpack_errors_always_say_what_is_wrong(data):
+    with pytest.raises(TableError) as info:
+        Table.from_bytes(data)
+    assert not info.value.problem.rstrip().endswith(":"), info.value.problem
+
+
+@pytest.mark.parametrize(
+    ("encode", "match"),
+    [
+        (lambda text: codecs.BOM_UTF8 + text.encode(), "byte-order mark"),
+        (lambda text: text.encode("utf-16"), "not UTF-8"),
+        (lambda text: text.encode("utf-16-le"), "not UTF-8"),
+        (lambda text: text.encode("utf-32"), "not UTF-8"),
+    ],
+)
+def test_json_views_must_be_utf8_without_bom(tmp_path, encode, match):
+    text = Table([Entry(arch="sm90", kernel="m:k", key="k", config=BASE["configs"][0])]).to_json()
+    assert Table.from_json(text.encode()) is not None
+    path = tmp_path / "t.json"
+    path.write_bytes(encode(text))
+    from megatron_tuning.tables.table import load_table
+
+    with pytest.raises(TableError, match=match):
+        load_table(path)
