@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterable
+from typing import Any
 
 from ..core.decisions import Decision, get_decisions
 from ..core.errors import DecisionLogError
-from .files import write_atomic
+from .files import read_json_file, write_atomic
 
 FORMAT = "megatron_tuning.decisions"
 
@@ -17,22 +18,52 @@ def write_decisions(path: str | os.PathLike[str], decisions: Iterable[Decision] 
     """Write decisions as JSON (atomically) for ``python -m megatron_tuning coverage``."""
     rows = [d.to_json() for d in (get_decisions() if decisions is None else decisions)]
     payload = json.dumps({"format": FORMAT, "version": 1, "decisions": rows}, indent=1, sort_keys=True)
-    write_atomic(path, payload.encode("utf-8"))
+    write_atomic(path, payload.encode("utf-8"), error=DecisionLogError)
 
 
 def read_decisions(path: str | os.PathLike[str]) -> list[Decision]:
     """Read a file written by ``write_decisions``; any problem raises ``DecisionLogError``."""
     name = os.fspath(path)
-    try:
-        with open(name, encoding="utf-8") as handle:
-            data = json.load(handle)
-    except FileNotFoundError:
-        raise DecisionLogError(name, "no such file") from None
-    except (OSError, ValueError, RecursionError) as exc:  # json errors are ValueErrors
-        raise DecisionLogError(name, f"not a readable decision log ({type(exc).__name__}: {exc})") from None
+    data = read_json_file(name, error=DecisionLogError, what="decision log")
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise DecisionLogError(name, "not a megatron_tuning decision log (wrong or missing 'format')")
-    try:
-        return [Decision.from_json(row) for row in data["decisions"]]
-    except (KeyError, TypeError, AttributeError) as exc:  # a wrong row shape
-        raise DecisionLogError(name, f"not a readable decision log ({type(exc).__name__}: {exc})") from None
+    rows = data.get("decisions")
+    if type(rows) is not list:
+        raise DecisionLogError(name, "not a readable decision log ('decisions' must be a list)")
+    decisions = []
+    for index, row in enumerate(rows):
+        problem = _row_problem(row)
+        if problem:
+            raise DecisionLogError(name, f"decision {index}: {problem}")
+        decisions.append(Decision.from_json(row))
+    return decisions
+
+
+# What ``Decision.to_json`` writes. Every reader (coverage, report, tune pooling) relies on these
+# types, so a hand-edited or hostile log fails here, named, instead of deep inside a reader.
+_TEXT_FIELDS = ("kernel", "key", "signature", "source")
+_OPTIONAL_TEXT = ("arch", "origin", "source_hash", "nearest_key")
+
+
+def _row_problem(row: Any) -> str | None:
+    if type(row) is not dict:
+        return f"must be an object, got {type(row).__name__}"
+    unknown = sorted(map(str, row.keys() - _KNOWN))
+    if unknown:
+        return f"unknown fields {unknown}"
+    for name in _TEXT_FIELDS:
+        if type(row.get(name)) is not str:
+            return f"{name} must be a string, got {row.get(name)!r}"
+    if "rank" in row and type(row["rank"]) is not int:
+        return f"rank must be an integer, got {row['rank']!r}"
+    for name in _OPTIONAL_TEXT:
+        if row.get(name) is not None and type(row[name]) is not str:
+            return f"{name} must be a string or null, got {row[name]!r}"
+    if "config" in row and type(row["config"]) is not dict:
+        return f"config must be an object, got {type(row['config']).__name__}"
+    if row.get("timings") is not None and type(row["timings"]) is not dict:
+        return f"timings must be an object or null, got {type(row['timings']).__name__}"
+    return None
+
+
+_KNOWN = frozenset(Decision.__dataclass_fields__)

@@ -1,46 +1,99 @@
-"""Files on disk, written and read safely: atomic replace, bounded reads, named errors.
+"""Files on disk, written and read safely: atomic replace, bounded reads, locks, named errors.
 
-Every persisted artefact (tables, recordings, decision logs, tuning results) goes through
-``write_atomic``: a crash leaves the old file or the new one, never a mix.
+Every persisted artefact (tables, recordings, decision logs, tuning results) is written with
+``write_atomic`` and read with ``read_regular_file``; read-modify-writes hold ``locked``:
+
+* a crash leaves the old file or the new one, never a mix;
+* only regular files are read (a device, FIFO or socket would read forever or block), and
+  never more than ``MAX_FILE_BYTES``;
+* an output that exists must be a regular file (``merge /dev/null ...`` must not replace a
+  device node), and the temp file is created exclusively, never through a planted symlink;
+* a lock is taken on the file actually written (a symlink's target), so writers using
+  different names for one table still exclude each other.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import json
+import logging
 import os
 import secrets
 import stat
-from collections.abc import Callable
-from pathlib import Path
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import filelock
 
 from ..core.errors import TableError
+from .entry import Invalid
+from .unpacking import check_json_budget, json_text
 
-# Far above any real table, small enough that a corrupt or hostile file cannot make the
-# loader allocate without bound.
-MAX_FILE_BYTES = 512 * 1024 * 1024
+logger = logging.getLogger(__name__)
+
+# Far above any real table (100k entries with full provenance: 18 MB of msgpack, 61 MB as a
+# JSON view), small enough that a corrupt or hostile file cannot make a loader allocate much.
+MAX_FILE_BYTES = 64 * 1024 * 1024
+
+LOCK_TIMEOUT_S = 300.0
+"""How long a read-modify-write waits for another writer of the same table."""
+
+ErrorFactory = Callable[[str, str], Exception]
+"""``(path, problem) -> exception``: ``TableError``, ``DecisionLogError``, ..."""
 
 # Test hook: called with the temp path after it is written and fsynced, before
 # ``os.replace``, so a test can SIGKILL a writer at exactly that point.
 _BEFORE_REPLACE: Callable[[str], None] | None = None
 
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 
-def write_atomic(path: str | os.PathLike[str], payload: bytes) -> None:
+
+def file_kind(mode: int) -> str:
+    """What ``st_mode`` describes, in words (for errors)."""
+    for test, name in (
+        (stat.S_ISREG, "regular file"),
+        (stat.S_ISDIR, "folder"),
+        (stat.S_ISCHR, "character device"),
+        (stat.S_ISBLK, "block device"),
+        (stat.S_ISFIFO, "FIFO (named pipe)"),
+        (stat.S_ISSOCK, "socket"),
+        (stat.S_ISLNK, "symlink"),
+    ):
+        if test(mode):
+            return name
+    return "special file"
+
+
+def resolve_target(path: str | os.PathLike[str]) -> str:
+    """The file a write to ``path`` really replaces: symlinks (of the file or its folders) resolved."""
+    return os.path.realpath(os.fspath(path))
+
+
+def write_atomic(path: str | os.PathLike[str], payload: bytes, *, error: ErrorFactory = TableError) -> None:
     """Temp file in the same folder, fsync, ``os.replace``, fsync the folder.
 
-    A crash at any point leaves either the old file or the new one, never a mix. The
-    temp name carries the pid and a random token so concurrent writers never collide,
-    and starts with a dot and ends in ``.tmp`` so table globs (``*.msgpack``) skip it.
+    A crash at any point leaves either the old file or the new one, never a mix. The temp
+    name carries the pid and a random token and is created with ``O_EXCL | O_NOFOLLOW``, so
+    concurrent writers never collide and a symlink planted at a guessed name is never
+    followed; it starts with a dot and ends in ``.tmp`` so table globs (``*.msgpack``) skip
+    it. An existing ``path`` that is not a regular file (a device, FIFO or socket) is refused
+    with ``error(path, problem)``; a symlinked file is written through, as an editor would.
     """
     target = os.fspath(path)
-    # A symlinked table (``current.msgpack -> v3.msgpack``) is written through, as an
-    # editor would: replacing the link itself would leave the linked table unchanged.
-    dest = os.path.realpath(target) if os.path.islink(target) else target
+    _refuse_special_output(target, error)
+    # A symlinked table (``current.msgpack -> v3.msgpack``) is written through: replacing the
+    # link itself would leave the linked table unchanged.
+    dest = resolve_target(target) if os.path.islink(target) else target
     folder = os.path.dirname(os.path.abspath(dest))
     tmp = os.path.join(folder, f".{os.path.basename(dest)}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     # os.open with 0o666 lets the umask decide permissions, as for any new file (mkstemp
     # would make shared tables readable by their owner only).
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        fd = os.open(tmp, flags, 0o666)
     except OSError as exc:  # name the file the caller asked for, not our temp name
         raise OSError(exc.errno, f"cannot write {target}: {exc.strerror}") from exc
     try:
@@ -66,6 +119,23 @@ def write_atomic(path: str | os.PathLike[str], payload: bytes) -> None:
     _fsync_dir(folder)
 
 
+def _refuse_special_output(target: str, error: ErrorFactory) -> None:
+    try:
+        mode = os.stat(target).st_mode
+    except FileNotFoundError:
+        return  # a new file (or a dangling symlink, written through to its target)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise error(target, "cannot write here: it is a symlink loop") from None
+        return  # e.g. a folder we cannot search: the write itself reports it
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):  # a folder fails at os.replace, named
+        raise error(
+            target,
+            f"cannot write here: it is a {file_kind(mode)}, not a regular file "
+            "(outputs must be regular files or new paths)",
+        )
+
+
 def _fsync_dir(folder: str) -> None:
     # Makes the rename itself durable; not every platform/filesystem allows it.
     try:
@@ -80,15 +150,144 @@ def _fsync_dir(folder: str) -> None:
         os.close(dir_fd)
 
 
-def read_table_bytes(name: str) -> bytes:
+def read_regular_file(
+    path: str | os.PathLike[str], *, error: ErrorFactory = TableError, max_bytes: int | None = None
+) -> bytes:
+    """The bytes of the regular file at ``path``, at most ``max_bytes`` (default ``MAX_FILE_BYTES``).
+
+    Anything else raises ``error(path, problem)``: a missing file, a folder, a device, FIFO or
+    socket (their size says 0 and a read would never end, or block), a symlink loop, a file
+    over the limit. The FIFO check happens before anything could block: the file is opened
+    non-blocking and checked with ``fstat`` on the open descriptor.
+    """
+    name = os.fspath(path)
+    limit = MAX_FILE_BYTES if max_bytes is None else max_bytes
     try:
-        size = os.path.getsize(name)
-        if size > MAX_FILE_BYTES:
-            raise TableError(name, f"file is {size} bytes, over the {MAX_FILE_BYTES}-byte limit")
-        return Path(name).read_bytes()
-    except FileNotFoundError:
-        raise TableError(name, "no such file") from None
-    except IsADirectoryError:
-        raise TableError(name, "is a directory, expected a table file") from None
+        fd = os.open(name, os.O_RDONLY | _NONBLOCK | _CLOEXEC)
     except OSError as exc:
-        raise TableError(name, f"cannot read ({exc.strerror or exc})") from None
+        raise error(name, broken_link_problem(name) or f"cannot read ({exc.strerror or exc})") from None
+    try:
+        info = os.fstat(fd)
+        mode, size = info.st_mode, info.st_size
+        if stat.S_ISDIR(mode):
+            raise error(name, "is a directory, expected a table file")
+        if not stat.S_ISREG(mode):
+            raise error(name, f"is a {file_kind(mode)}, not a regular file: only regular files are read")
+        if size > limit:
+            raise error(name, f"file is {size} bytes, over the {limit}-byte limit")
+        chunks, total = [], 0
+        while total <= limit:  # a hard bound even if the file grows while it is read
+            chunk = os.read(fd, min(1 << 20, limit + 1 - total))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+        if total > limit:
+            raise error(name, f"file grew past the {limit}-byte limit while it was read")
+        return b"".join(chunks)
+    except OSError as exc:
+        raise error(name, f"cannot read ({exc.strerror or exc})") from None
+    finally:
+        os.close(fd)
+
+
+def broken_link_problem(path: str | os.PathLike[str]) -> str | None:
+    """What is wrong with ``path`` when it cannot be opened: a symlink loop, a dangling symlink, or
+    a missing file; ``None`` when it can be reached."""
+    name = os.fspath(path)
+    try:
+        os.stat(name)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return "is a symlink loop (too many levels of symbolic links)"
+        if exc.errno == errno.ENOENT:
+            if os.path.islink(name):
+                return f"is a broken symlink (its target {os.readlink(name)!r} does not exist)"
+            return "no such file"
+        return None
+    return None
+
+
+def read_table_bytes(name: str) -> bytes:
+    """A table file's bytes (``read_regular_file`` with ``TableError``)."""
+    return read_regular_file(name, error=TableError)
+
+
+def read_json_file(path: str | os.PathLike[str], *, error: ErrorFactory, what: str) -> Any:
+    """Parse the JSON file at ``path`` (a bounded ``read_regular_file``, strict UTF-8, a memory
+    budget checked before parsing); any problem raises ``error(path, problem)``.
+
+    ``what`` names the expected document in errors, e.g. ``"decision log"``.
+    """
+    name = os.fspath(path)
+    data = read_regular_file(name, error=error)
+    try:
+        text = json_text(data)
+        check_json_budget(text, size=len(data))
+        return json.loads(text)
+    except Invalid as exc:
+        raise error(name, f"not a readable {what}: {exc}") from None
+    except (ValueError, RecursionError) as exc:  # json errors are ValueErrors
+        raise error(name, f"not a readable {what} ({type(exc).__name__}: {exc})") from None
+
+
+@contextlib.contextmanager
+def locked(
+    path: str | os.PathLike[str], *, timeout_s: float = LOCK_TIMEOUT_S, error: ErrorFactory = TableError
+) -> Iterator[str]:
+    """Hold ``<resolved path>.lock`` for a read-modify-write of ``path``; yields the resolved path.
+
+    The lock belongs to the file that is really written: ``current.msgpack -> v3.msgpack`` and
+    ``v3.msgpack`` share one lock. A writer that has to wait logs who holds the lock; after
+    ``timeout_s`` it raises ``error(path, ...)`` naming the lock file and its holder.
+    """
+    real = resolve_target(path)
+    lock_path = real + ".lock"
+    lock = filelock.FileLock(lock_path)
+    try:
+        lock.acquire(timeout=0)
+    except filelock.Timeout:
+        logger.warning(
+            "waiting up to %gs for %s (held by %s) before writing %s",
+            timeout_s,
+            lock_path,
+            describe_holders(lock_path),
+            os.fspath(path),
+        )
+        try:
+            lock.acquire(timeout=timeout_s)
+        except filelock.Timeout:
+            raise error(
+                os.fspath(path),
+                f"timed out after {timeout_s:g}s waiting for the lock {lock_path}, held by "
+                f"{describe_holders(lock_path)}: another process (tune, merge or a record-mode "
+                "run) is writing this table; let it finish or stop it, then retry",
+            ) from None
+    try:
+        yield real
+    finally:
+        lock.release()
+
+
+def describe_holders(lock_path: str) -> str:
+    """``pid 123`` (from ``/proc/locks``, Linux) or ``another process`` when it cannot be told."""
+    pids = lock_holders(lock_path)
+    return ", ".join(f"pid {pid}" for pid in pids) if pids else "another process"
+
+
+def lock_holders(lock_path: str) -> list[int]:
+    """Pids holding an ``flock`` on ``lock_path``, read from ``/proc/locks``; ``[]`` when unknown."""
+    try:
+        st = os.stat(lock_path)
+        with open("/proc/locks", encoding="ascii", errors="replace") as handle:
+            lines = handle.read().splitlines()
+    except OSError:
+        return []
+    wanted = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    pids = []
+    for line in lines:
+        fields = line.split()
+        # "1: FLOCK  ADVISORY  WRITE 14765 fe:00:2148082 0 EOF" (blocked waiters have "->")
+        if len(fields) >= 6 and fields[1] == "FLOCK" and fields[5] == wanted and fields[4].isdigit():
+            pids.append(int(fields[4]))
+    return sorted(set(pids))

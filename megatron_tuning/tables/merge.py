@@ -15,12 +15,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import filelock
 import msgpack
 
 from ..core.cost import estimate_config_cost
 from ..core.errors import TableError
 from ..core.identity import config_signature
+from .files import LOCK_TIMEOUT_S, locked
 from .search import expand_table_paths
 from .table import Entry, Table, entry_with, load_table, save_table
 
@@ -198,17 +198,23 @@ def load_inputs(
     ]
 
 
-def merge_files(out: str | os.PathLike[str], inputs: Iterable[str | os.PathLike[str]]) -> MergeResult:
+def merge_files(
+    out: str | os.PathLike[str],
+    inputs: Iterable[str | os.PathLike[str]],
+    *,
+    timeout_s: float = LOCK_TIMEOUT_S,
+) -> MergeResult:
     """Merge recordings/tables into ``out`` (written atomically; replaced, not merged into).
 
-    To keep what ``out`` already holds, list it among ``inputs`` too; it then votes once.
+    To keep what ``out`` already holds, list it among ``inputs`` too; it then votes once, and
+    the merge holds ``out``'s lock (waiting at most ``timeout_s`` for another writer).
     """
     target = os.fspath(out)
     inputs = list(inputs)
     listed = _listed(target, inputs)
     # Listing ``out`` among the inputs makes this a read-modify-write of ``out``: hold the
     # same lock as ``update_table`` so a concurrent ``merge_entries`` (tune) loses nothing.
-    with filelock.FileLock(target + ".lock") if listed else contextlib.nullcontext():
+    with locked(target, timeout_s=timeout_s) if listed else contextlib.nullcontext():
         loaded = load_inputs(inputs, exclude=[] if listed else [target])
         if not loaded:  # e.g. a folder holding only an earlier output: never write an empty table
             raise TableError(

@@ -30,6 +30,7 @@ from ..core.choice import TableHit
 from ..core.errors import StaleEntryError, TableError
 from ..core.nearest import nearest_keys
 from ..core.warn import warn_once
+from .files import broken_link_problem
 from .shipped import shipped_tables_dir
 from .table import Entry, Table, load_table
 
@@ -87,6 +88,8 @@ def expand_table_paths(
                 )
         elif os.path.exists(path):
             found = [path]
+        elif os.path.islink(path):  # a loop or a dangling link: say so, not "no such file"
+            raise TableError(path, broken_link_problem(path) or "cannot follow this symlink")
         else:
             where = "" if os.path.isabs(path) else f" (relative to {os.getcwd()})"
             raise TableError(path, f"no such file or folder{where}")

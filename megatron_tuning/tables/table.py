@@ -20,8 +20,6 @@ import logging
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 
-import filelock
-
 from ..core.errors import TableError
 from ..core.version import __version__
 from .codec import (
@@ -34,7 +32,7 @@ from .codec import (
     encode_msgpack,
 )
 from .entry import HOW_VALUES, Entry, Invalid, Timing, entry_with
-from .files import read_table_bytes, write_atomic
+from .files import LOCK_TIMEOUT_S, locked, read_table_bytes, write_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -187,15 +185,16 @@ def update_table(
     path: str | os.PathLike[str],
     mutate: Callable[[Table], None],
     *,
-    timeout_s: float = 300.0,
+    timeout_s: float = LOCK_TIMEOUT_S,
 ) -> Table:
-    """Read-modify-write ``path`` under ``path + '.lock'``; a missing file starts empty.
+    """Read-modify-write ``path`` under ``<resolved path>.lock``; a missing file starts empty.
 
     ``mutate`` changes the table in place. The result is stamped with this library's
     version and written atomically if it changed (or the file did not exist); it is returned.
+    Past ``timeout_s`` waiting for another writer, raises ``TableError`` naming the holder.
     """
     name = os.fspath(path)
-    with filelock.FileLock(name + ".lock", timeout=timeout_s):
+    with locked(name, timeout_s=timeout_s):
         exists = os.path.exists(name)
         table = load_table(name) if exists else Table()
         before = table.to_bytes()
@@ -207,7 +206,11 @@ def update_table(
 
 
 def merge_entries(
-    path: str | os.PathLike[str], entries: Iterable[Entry], *, replace: bool = True, timeout_s: float = 300.0
+    path: str | os.PathLike[str],
+    entries: Iterable[Entry],
+    *,
+    replace: bool = True,
+    timeout_s: float = LOCK_TIMEOUT_S,
 ) -> Table:
     """Add ``entries`` to the table at ``path`` under its lock (``replace``: new ones win)."""
     items = list(entries)
