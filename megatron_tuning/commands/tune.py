@@ -25,6 +25,7 @@ from typing import Any
 
 from ..core.decisions import decision_log, get_decisions
 from ..tables.decision_files import write_decisions
+from ..tables.files import write_atomic
 from ..tuning.results import (
     PROCESS_PREFIX,
     default_results_path,
@@ -181,7 +182,7 @@ def job_environment(
     env = dict(os.environ if base is None else base)
     bootstrap = work / "bootstrap"
     bootstrap.mkdir(parents=True, exist_ok=True)
-    (bootstrap / "sitecustomize.py").write_text(_SITECUSTOMIZE, encoding="utf-8")
+    write_atomic(bootstrap / "sitecustomize.py", _SITECUSTOMIZE.encode("utf-8"))  # never via a planted link
     package_parent = str(Path(__file__).resolve().parents[2])
     paths = [str(bootstrap), package_parent] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))

@@ -116,6 +116,18 @@ class DecisionLogError(MegatronTuningError, ValueError):
         return (type(self), (self.path, self.problem))
 
 
+class TuningResultsError(MegatronTuningError, ValueError):
+    """A tuning-results file (``*.tuning.json``), or what ``report`` read from a log, is malformed."""
+
+    def __init__(self, path: str, problem: str) -> None:
+        self.path = str(path)
+        self.problem = problem
+        super().__init__(f"Tuning results {self.path}: {problem}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.path, self.problem))
+
+
 class StaleEntryError(MegatronTuningError, RuntimeError):
     """Strict mode: a table entry was tuned for another kernel source or Triton version."""
 

@@ -9,6 +9,7 @@ dependency; without it ``plot_records`` raises an ``ImportError`` that says how 
 from __future__ import annotations
 
 import hashlib
+import io
 import logging
 import math
 import os
@@ -17,6 +18,9 @@ import textwrap
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
+
+from ..core.errors import TuningResultsError
+from ..tables.files import write_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -48,11 +52,20 @@ def _pyplot_free_figure(width: float, height: float) -> Any:
 
 
 def plot_file_name(kernel: str, key: str) -> str:
-    """A readable, filesystem-safe and unique name for the plot of (kernel, key)."""
-    short = kernel.rsplit(":", 1)[-1]
-    slug = re.sub(r"[^A-Za-z0-9]+", "_", key.split("|", 1)[0]).strip("_")[:60]
+    """A readable, filesystem-safe and unique name for the plot of (kernel, key).
+
+    Kernel ids and keys come from files (a decision log may be hand-made): only ``[A-Za-z0-9_]``
+    of them reaches the name, so no ``/``, ``..`` or control character can place a plot
+    outside its folder.
+    """
+    short = _slug(kernel.rsplit(":", 1)[-1], 40) or "kernel"
+    slug = _slug(key.split("|", 1)[0], 60) or "key"
     digest = hashlib.sha256(f"{kernel}\n{key}".encode()).hexdigest()[:10]
-    return f"{short}__{slug or 'key'}__{digest}.png"
+    return f"{short}__{slug}__{digest}.png"
+
+
+def _slug(text: str, limit: int) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "_", text).strip("_")[:limit]
 
 
 def plot_record(record: Mapping[str, Any], path: str | os.PathLike[str]) -> Path:
@@ -126,7 +139,10 @@ def plot_record(record: Mapping[str, Any], path: str | os.PathLike[str]) -> Path
     figure.tight_layout(rect=(0.0, 0.4 / height, 1.0, 1.0 - (0.2 + 0.14 * len(key_lines)) / height))
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(target, format="png")
+    image = io.BytesIO()
+    figure.savefig(image, format="png")
+    # The tables' safe writer: atomic, never through a planted symlink, never over a device.
+    write_atomic(target, image.getvalue(), error=TuningResultsError)
     return target
 
 
@@ -135,7 +151,10 @@ def plot_records(records: Iterable[Mapping[str, Any]], directory: str | os.PathL
     out = Path(directory)
     paths = []
     for record in records:
-        path = plot_record(record, out / plot_file_name(record["kernel"], record["key"]))
+        name = plot_file_name(str(record["kernel"]), str(record["key"]))
+        if os.path.basename(name) != name or name.startswith("."):  # belt and braces: stay in DIR
+            raise ValueError(f"unsafe plot file name {name!r}")
+        path = plot_record(record, out / name)
         logger.info("plot written: %s", path)
         paths.append(path)
     return paths

@@ -9,14 +9,18 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from ..core.decisions import Decision
+from ..core.errors import TuningResultsError
+from ..tables.decision_files import FORMAT as DECISIONS_FORMAT
 from ..tables.decision_files import read_decisions
 from ..tables.entry import entry_with
+from ..tables.files import read_json_file, write_atomic
 from ..tables.recording import entry_from_decision
 from ..tables.search import installed_triton_version
 from ..tables.table import merge_entries
@@ -39,11 +43,19 @@ def pool_directory(
 ) -> list[dict[str, Any]]:
     """Pool every per-process file under ``directory`` into one record per (arch, kernel, key)."""
     files = sorted(Path(directory).glob(f"{PROCESS_PREFIX}*.json"))
-    return pool_decisions([d for f in files for d in read_decisions(f)], settings)
+    return pool_decisions(
+        [d for f in files for d in read_decisions(f)], settings, source=os.fspath(directory)
+    )
 
 
-def pool_decisions(decisions: Iterable[Any], settings: TuneSettings | None = None) -> list[dict[str, Any]]:
-    """Records ``{arch, kernel, key, source_hash, votes, timings}`` sorted by (arch, kernel, key)."""
+def pool_decisions(
+    decisions: Iterable[Any], settings: TuneSettings | None = None, *, source: str = "<decisions>"
+) -> list[dict[str, Any]]:
+    """Records ``{arch, kernel, key, source_hash, votes, timings}`` sorted by (arch, kernel, key).
+
+    Timings that cannot be pooled (hand-edited or foreign logs) raise ``TuningResultsError``
+    naming ``source`` and the (kernel, key).
+    """
     groups: dict[tuple[str, str, str], list[Any]] = {}
     for d in decisions:
         ours = isinstance(d.timings, Mapping) and d.timings.get("format") == TIMINGS_FORMAT
@@ -54,7 +66,13 @@ def pool_decisions(decisions: Iterable[Any], settings: TuneSettings | None = Non
         # Files are found in no meaningful order; sort so the pooled samples (and so the written
         # results) do not depend on it.
         group.sort(key=lambda d: (d.rank, json.dumps(d.timings, sort_keys=True)))
-        result: TuneResult = pool([d.timings for d in group], settings)
+        try:
+            result: TuneResult = pool([d.timings for d in group], settings)
+        except (ValueError, TypeError, KeyError, AttributeError, IndexError, OverflowError) as exc:
+            raise TuningResultsError(
+                source,
+                f"cannot pool the tuned timings of kernel {kernel} key {key} ({type(exc).__name__}: {exc})",
+            ) from None
         hashes = sorted({d.source_hash for d in group if d.source_hash})
         if len(hashes) > 1:
             logger.warning(
@@ -77,24 +95,35 @@ def pool_decisions(decisions: Iterable[Any], settings: TuneSettings | None = Non
 
 
 def write_results(path: str | os.PathLike[str], records: Sequence[Mapping[str, Any]]) -> None:
+    """Write ``records`` as a tuning-results JSON file, atomically (the tables' safe writer)."""
     doc = {"format": RESULTS_FORMAT, "version": 1, "results": list(records)}
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f"{target.name}.tmp.{os.getpid()}")
-    tmp.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n", encoding="utf-8")
-    os.replace(tmp, target)
+    payload = json.dumps(doc, indent=1, sort_keys=True) + "\n"
+    write_atomic(target, payload.encode("utf-8"), error=TuningResultsError)
 
 
 def read_results(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """Records from a results file, a decision log, or a folder of per-process results."""
+    """Records from a results file, a decision log, or a folder of per-process results.
+
+    Anything malformed raises ``TuningResultsError`` (or ``DecisionLogError`` for a bad log),
+    naming the file and the problem, so ``report`` never shows a traceback.
+    """
     source = Path(path)
+    name = os.fspath(path)
     if source.is_dir():
-        return pool_directory(source)
-    doc = json.loads(source.read_text(encoding="utf-8"))
+        return _checked(pool_directory(source), name)
+    doc = read_json_file(source, error=TuningResultsError, what="tuning results file or decision log")
     if isinstance(doc, dict) and doc.get("format") == RESULTS_FORMAT:
-        return list(doc["results"])
+        if type(doc.get("results")) is not list:
+            raise TuningResultsError(name, "'results' must be a list of records")
+        return _checked(doc["results"], name)
+    if not (isinstance(doc, dict) and doc.get("format") == DECISIONS_FORMAT):
+        raise TuningResultsError(
+            name, f"neither a tuning results file ({RESULTS_FORMAT}) nor a decision log ({DECISIONS_FORMAT})"
+        )
     decisions = read_decisions(source)
-    tuned = pool_decisions(decisions)
+    tuned = pool_decisions(decisions, source=name)
     # Record-mode logs carry Triton's own per-candidate timings: show them too, for comparison.
     recorded = [
         {
@@ -110,7 +139,56 @@ def read_results(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
         for d in decisions
         if d.source == "recorded" and isinstance(d.timings, Mapping)
     ]
-    return tuned + recorded
+    return _checked(tuned + recorded, name)
+
+
+def _checked(records: list[Any], name: str) -> list[dict[str, Any]]:
+    for index, record in enumerate(records):
+        problem = record_problem(record)
+        if problem is not None:
+            raise TuningResultsError(name, f"record {index}: {problem}")
+    return records
+
+
+def record_problem(record: Any) -> str | None:
+    """What makes ``record`` unusable by ``format_summary`` and the plots; ``None`` when it is fine."""
+    if type(record) is not dict:
+        return f"must be an object, got {type(record).__name__}"
+    for field in ("arch", "kernel", "key", "winner"):
+        if type(record.get(field)) is not str:
+            return f"{field} must be a string, got {record.get(field)!r}"
+    if type(record.get("config")) is not dict:
+        return "config must be an object"
+    votes = record.get("votes")
+    if votes is not None and not (
+        type(votes) is list and len(votes) == 2 and all(type(v) is int for v in votes)
+    ):
+        return f"votes must be [winner votes, total], got {votes!r}"
+    timings = record.get("timings")
+    if type(timings) is not dict:
+        return f"timings must be an object, got {type(timings).__name__}"
+    candidates = timings.get("candidates", {})
+    if type(candidates) is not dict:
+        return "timings.candidates must be an object"
+    for signature, value in candidates.items():
+        values = value if type(value) is list else [value]
+        if len(values) > 16 or not all(v is None or _is_number(v) for v in values):
+            return f"timings.candidates[{signature!r}] must be a number or a list of numbers"
+    tied = timings.get("tied", [])
+    if type(tied) is not list or not all(type(t) is str for t in tied):
+        return "timings.tied must be a list of signatures"
+    band = timings.get("tie_band", 0.0)
+    if not _is_number(band) or not 0 <= band < 1:
+        return f"timings.tie_band must be a fraction in [0, 1), got {band!r}"
+    if type(timings.get("unit", "ms")) is not str:
+        return "timings.unit must be a string"
+    return None
+
+
+def _is_number(value: Any) -> bool:
+    if type(value) is int:
+        return abs(value) < 2**63  # float() of a huge JSON integer would overflow later
+    return type(value) is float and not math.isnan(value)
 
 
 def merge_into_table(out: str | os.PathLike[str], records: Sequence[Mapping[str, Any]]) -> int:
