@@ -10,6 +10,7 @@ from typing import Any
 
 from .core.choice import warn_if_mamba_env_ignored
 from .core.decisions import get_decisions
+from .core.errors import PolicyError
 from .core.identity import current_rank
 from .core.policy import TuningPolicy
 from .runtime import interception
@@ -101,6 +102,7 @@ def init_deterministic_tuning(
     global _active
     policy = policy if policy is not None else TuningPolicy.from_env(default_mode="deterministic")
     warn_if_mamba_env_ignored(policy)
+    _check_output_paths(policy)  # outputs are written at close: a bad path must fail now, not then
     with _active_lock:
         previous = _active
     if previous is not None:
@@ -134,6 +136,29 @@ def _load_tables(policy: TuningPolicy, cache: Any) -> Any:
     from .tables.search import TableSet
 
     return TableSet.from_policy(policy, cache=(cache.path, cache.table) if cache is not None else None)
+
+
+def _check_output_paths(policy: TuningPolicy) -> None:
+    from .core.policy import ENV_DECISION_LOG, ENV_RECORD_DIR
+    from .tables.files import output_file_problem, output_folder_problem
+
+    if policy.decision_log:
+        path = policy.decision_log.replace("{rank}", str(current_rank()))
+        problem = output_file_problem(path)
+        if problem:
+            raise PolicyError(
+                f"decision_log ({ENV_DECISION_LOG})",
+                policy.decision_log,
+                f"a writable file ({path} {problem})",
+            )
+    if policy.mode in ("record", "tune") and policy.record_dir:
+        problem = output_folder_problem(policy.record_dir)
+        if problem:
+            raise PolicyError(
+                f"record_dir ({ENV_RECORD_DIR})",
+                policy.record_dir,
+                f"a folder files can be written to ({problem})",
+            )
 
 
 def _open_cache(policy: TuningPolicy) -> Any:

@@ -119,3 +119,32 @@ def test_mamba_variable_warns_when_mode_is_off(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="megatron_tuning"):
         megatron_tuning.init_deterministic_tuning(megatron_tuning.TuningPolicy(mode="off")).close()
     assert any("MAMBA_DETERMINISTIC" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize(
+    ("make", "problem"),
+    [
+        (lambda tmp: tmp / "missing" / "d-{rank}.json", "does not exist"),
+        (lambda tmp: tmp, "is a folder"),
+        (lambda tmp: tmp / "fifo", "FIFO"),
+    ],
+)
+def test_a_bad_decision_log_path_fails_at_init_naming_the_variable(tmp_path, monkeypatch, make, problem):
+    import os
+
+    os.mkfifo(tmp_path / "fifo")
+    monkeypatch.setenv("MEGATRON_TUNING_DECISION_LOG", str(make(tmp_path)))
+    with pytest.raises(PolicyError, match="MEGATRON_TUNING_DECISION_LOG") as info:
+        megatron_tuning.init_deterministic_tuning()
+    assert problem in str(info.value) and ".tmp" not in str(info.value)
+    assert not interception.installed()
+
+
+def test_a_record_dir_that_is_a_file_fails_at_init(tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    monkeypatch.setenv("MEGATRON_TUNING_MODE", "record")
+    monkeypatch.setenv("MEGATRON_TUNING_RECORD_DIR", str(blocker / "sub"))
+    with pytest.raises(PolicyError, match="MEGATRON_TUNING_RECORD_DIR") as info:
+        megatron_tuning.init_deterministic_tuning()
+    assert "not a folder" in str(info.value) and not interception.installed()

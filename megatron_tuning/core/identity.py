@@ -17,6 +17,7 @@ import textwrap
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from .env import parse_int
 from .errors import PolicyError
 
 # Config fields beyond kwargs/num_warps/num_stages, with the default that leaves them out of
@@ -224,7 +225,7 @@ def current_rank() -> int:
     raw = os.environ.get("RANK", "").strip()
     if not raw:
         return 0
-    try:
-        return int(raw)
-    except ValueError:
-        raise PolicyError("RANK", raw, "a non-negative integer") from None
+    rank = parse_int(raw)  # ASCII digits only: int() would also read "١" or "1_0"
+    if rank is None or rank < 0:
+        raise PolicyError("RANK", raw, "a non-negative integer")
+    return rank

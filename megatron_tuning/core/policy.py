@@ -37,6 +37,9 @@ ENV_DECISION_LOG = "MEGATRON_TUNING_DECISION_LOG"
 ENV_SHIPPED_TABLES = "MEGATRON_TUNING_SHIPPED_TABLES"
 ENV_CACHE = "MEGATRON_TUNING_CACHE"
 
+# A week: longer is a typo, and a huge value would overflow the store's timedelta much later.
+MAX_AGREEMENT_TIMEOUT_S = 7 * 24 * 3600.0
+
 # What ``cache`` may say besides a path: no cache table at all.
 CACHE_OFF = "off"
 
@@ -101,8 +104,8 @@ class TuningPolicy:
         for name in ("scope", "tables", "block_sizes"):
             if not isinstance(getattr(self, name), tuple):
                 raise PolicyError(name, getattr(self, name), "a tuple")
-        if any(not isinstance(p, str) or not p for p in self.scope):
-            raise PolicyError("scope", self.scope, "non-empty module-name prefixes")
+        if any(not isinstance(p, str) or not env.is_module_prefix(p) for p in self.scope):
+            raise PolicyError("scope", self.scope, "module-name prefixes such as 'my_pkg.kernels'")
         for item in self.block_sizes:
             if not (
                 isinstance(item, tuple)
@@ -111,8 +114,19 @@ class TuningPolicy:
                 and type(item[1]) is int
             ):
                 raise PolicyError("block_sizes", self.block_sizes, "(name, int) pairs")
-        if not isinstance(self.agreement_timeout_s, (int, float)) or self.agreement_timeout_s <= 0:
-            raise PolicyError("agreement_timeout_s", self.agreement_timeout_s, "a positive number of seconds")
+        timeout = self.agreement_timeout_s
+        if not isinstance(timeout, (int, float)) or not 0 < timeout <= MAX_AGREEMENT_TIMEOUT_S:
+            raise PolicyError(
+                "agreement_timeout_s",
+                timeout,
+                f"a positive number of seconds up to {MAX_AGREEMENT_TIMEOUT_S:g}",
+            )
+        for name in ("decision_log", "record_dir"):
+            path = getattr(self, name)
+            if path is not None and (not isinstance(path, str) or "\0" in path):
+                raise PolicyError(name, path, "a file system path (text without NUL characters)")
+        if any(not isinstance(p, str) or "\0" in p for p in self.tables):
+            raise PolicyError("tables", self.tables, "file system paths (text without NUL characters)")
         if not isinstance(self.strict, bool):
             raise PolicyError("strict", self.strict, "True or False")
         if self.cache is not None and (
@@ -165,11 +179,11 @@ class TuningPolicy:
             mode = "deterministic" if follow_torch_determinism and _torch_deterministic() else default_mode
         fields["mode"] = mode
         optional: Mapping[str, Any] = {
-            "scope": env.env_list(ENV_SCOPE, ","),
+            "scope": env.env_module_prefixes(ENV_SCOPE),
             "on_miss": env.env_choice(ENV_ON_MISS, ON_MISS),
             "tables": env.env_list(ENV_TABLE, ":"),
             "agreement": env.env_choice(ENV_AGREEMENT, AGREEMENT_MODES),
-            "agreement_timeout_s": env.env_float(ENV_AGREEMENT_TIMEOUT),
+            "agreement_timeout_s": env.env_float(ENV_AGREEMENT_TIMEOUT, maximum=MAX_AGREEMENT_TIMEOUT_S),
             "strict": env.env_bool(ENV_STRICT),
             "stale_entries": env.env_choice(ENV_STALE_ENTRIES, STALE_ENTRIES),
             "block_sizes": env.env_assignments(ENV_BLOCK_SIZES),
@@ -181,7 +195,7 @@ class TuningPolicy:
         fields.update({k: v for k, v in optional.items() if v is not None})
         if fields.get("agreement_timeout_s") is not None and fields["agreement_timeout_s"] <= 0:
             raise PolicyError(
-                ENV_AGREEMENT_TIMEOUT, fields["agreement_timeout_s"], "a positive number of seconds"
+                ENV_AGREEMENT_TIMEOUT, env.env_str(ENV_AGREEMENT_TIMEOUT), "a positive number of seconds"
             )
         fields.update(overrides)
         return cls(**fields)

@@ -136,6 +136,48 @@ def _refuse_special_output(target: str, error: ErrorFactory) -> None:
         )
 
 
+def output_file_problem(path: str) -> str | None:
+    """Why ``write_atomic(path, ...)`` would fail, checked up front (a job's outputs are written
+    at its end: a typo must fail at start-up); ``None`` when it should succeed."""
+    if "\0" in path:
+        return "contains a NUL character"
+    try:
+        mode: int | None = os.stat(path).st_mode
+    except FileNotFoundError:
+        mode = None
+    except OSError as exc:
+        return broken_link_problem(path) or f"cannot be checked ({exc.strerror or exc})"
+    if mode is not None and stat.S_ISDIR(mode):
+        return "is a folder; name a file in it"
+    if mode is not None and not stat.S_ISREG(mode):
+        return f"is a {file_kind(mode)}, not a regular file"
+    dest = resolve_target(path) if os.path.islink(path) else path
+    folder = os.path.dirname(os.path.abspath(dest))
+    if not os.path.isdir(folder):
+        return f"its folder {folder} does not exist"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"its folder {folder} is not writable"
+    return None
+
+
+def output_folder_problem(path: str) -> str | None:
+    """Why files could not be written into folder ``path`` (created if missing); ``None`` if they can."""
+    if "\0" in path:
+        return "contains a NUL character"
+    current = os.path.abspath(path)
+    while not os.path.exists(current):  # the nearest existing ancestor decides whether mkdir works
+        parent = os.path.dirname(current)
+        if parent == current:
+            break
+        current = parent
+    if not os.path.isdir(current):
+        kind = file_kind(os.stat(current).st_mode) if os.path.lexists(current) else "missing path"
+        return f"{current} is a {kind}, not a folder"
+    if not os.access(current, os.W_OK | os.X_OK):
+        return f"{current} is not writable"
+    return None
+
+
 def _fsync_dir(folder: str) -> None:
     # Makes the rename itself durable; not every platform/filesystem allows it.
     try:

@@ -26,6 +26,9 @@ TIMINGS_FORMAT = "megatron_tuning.tuner/1"
 ENV_ROUNDS = "MEGATRON_TUNING_TUNE_ROUNDS"
 ENV_TIE_BAND = "MEGATRON_TUNING_TUNE_TIE_BAND"
 
+MAX_ROUNDS = 10_000
+"""Each round times every candidate: more is a typo (``1e308`` was once accepted), not rigour."""
+
 # The quantiles that bound a candidate's spread: robust to the odd preempted sample, unlike min/max.
 _LOW_Q, _HIGH_Q = 0.2, 0.8
 
@@ -58,11 +61,11 @@ class TuneSettings:
     """Flush the L2 cache before each sample on a GPU, as ``triton.testing.do_bench`` does."""
 
     def __post_init__(self) -> None:
-        if type(self.rounds) is not int or self.rounds < 1:
-            raise PolicyError("rounds", self.rounds, "an integer >= 1")
+        if type(self.rounds) is not int or not 1 <= self.rounds <= MAX_ROUNDS:
+            raise PolicyError("rounds", self.rounds, f"an integer from 1 to {MAX_ROUNDS}")
         if type(self.warmup_rounds) is not int or self.warmup_rounds < 0:
             raise PolicyError("warmup_rounds", self.warmup_rounds, "an integer >= 0")
-        if not 0.0 <= self.tie_band < 1.0:
+        if not 0.0 <= self.tie_band < 1.0:  # also refuses nan
             raise PolicyError("tie_band", self.tie_band, "a fraction in [0, 1), e.g. 0.02")
         if self.overlap_cap is not None and not self.tie_band <= self.overlap_cap < 1.0:
             raise PolicyError("overlap_cap", self.overlap_cap, f"a fraction in [tie_band={self.tie_band}, 1)")
@@ -79,14 +82,12 @@ class TuneSettings:
     def from_env(cls, **overrides: Any) -> TuneSettings:
         """Settings from ``MEGATRON_TUNING_TUNE_ROUNDS`` / ``..._TIE_BAND`` (read now); overrides win."""
         fields: dict[str, Any] = {}
-        rounds = env.env_float(ENV_ROUNDS)
+        rounds = env.env_int(ENV_ROUNDS, minimum=1, maximum=MAX_ROUNDS)
         if rounds is not None:
-            if not math.isfinite(rounds) or rounds != int(rounds) or rounds < 1:
-                raise PolicyError(ENV_ROUNDS, env.env_str(ENV_ROUNDS), "an integer >= 1")
-            fields["rounds"] = int(rounds)
-        tie_band = env.env_float(ENV_TIE_BAND)
+            fields["rounds"] = rounds
+        tie_band = env.env_float(ENV_TIE_BAND, minimum=0.0)
         if tie_band is not None:
-            if not 0.0 <= tie_band < 1.0:
+            if not tie_band < 1.0:
                 raise PolicyError(ENV_TIE_BAND, env.env_str(ENV_TIE_BAND), "a fraction in [0, 1)")
             fields["tie_band"] = tie_band
         fields.update(overrides)

@@ -153,12 +153,21 @@ def test_settings_validate_and_read_the_environment(monkeypatch: pytest.MonkeyPa
         TuneSettings.from_env()
 
 
-@pytest.mark.parametrize("value", ["inf", "nan", "-inf"])
+@pytest.mark.parametrize("value", ["inf", "nan", "-inf", "1e308", "1e3", "١٠", "1_0", "100000"])
 def test_non_finite_rounds_in_the_environment_are_a_policy_error(
     monkeypatch: pytest.MonkeyPatch, value: str
 ) -> None:
     monkeypatch.setenv("MEGATRON_TUNING_TUNE_ROUNDS", value)
     with pytest.raises(PolicyError, match="MEGATRON_TUNING_TUNE_ROUNDS"):
+        TuneSettings.from_env()
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "1e400", "-0.1", "1", "٠.٠٢"])
+def test_tie_band_in_the_environment_is_a_finite_fraction(
+    monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    monkeypatch.setenv("MEGATRON_TUNING_TUNE_TIE_BAND", value)
+    with pytest.raises(PolicyError, match="MEGATRON_TUNING_TUNE_TIE_BAND"):
         TuneSettings.from_env()
 
 
