@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .core.errors import MegatronTuningError
+from .core.text import printable
 
 EXIT_OK = 0
 EXIT_FOUND = 1
@@ -238,7 +239,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.handler(args))
     except MegatronTuningError as exc:
-        print(f"megatron-tuning {args.command}: {exc}", file=sys.stderr)
+        # Messages quote file contents (kernel ids, keys): escaped like every human output.
+        message = f"megatron-tuning {args.command}: {exc}"
+        print("\n".join(map(printable, message.split("\n"))), file=sys.stderr)
         return EXIT_USAGE
     except BrokenPipeError:  # `megatron-tuning show ... | head`: not an error
         # Point stdout at devnull so the interpreter's final flush does not fail again.
@@ -275,7 +278,8 @@ def _cmd_show(args: argparse.Namespace) -> int:
         if index:
             print()
         meta = "".join(f", {k}={v}" for k, v in sorted(table.meta.items()))
-        print(f"# {path}: {len(chosen)} of {len(table)} entries (library {table.library_version}{meta})")
+        header = f"# {path}: {len(chosen)} of {len(table)} entries (library {table.library_version}{meta})"
+        print(printable(header))
         for line in entry_lines(chosen):
             print(line)
     return EXIT_OK

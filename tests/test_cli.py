@@ -514,3 +514,43 @@ def test_real_hooks_are_listed_when_their_modules_exist(capsys):
     out = capsys.readouterr().out
     for name, (module, *_rest) in cli._HOOKS.items():
         assert (f"    {name} " in out) == cli._module_exists(module)
+
+
+# -- control characters in human output ------------------------------------------
+EVIL_KEY = "M=1\r\x1b[2Kall good\u202e"
+
+
+def _assert_escaped(text: str) -> None:
+    assert "\x1b" not in text and "\r" not in text and "\u202e" not in text
+    assert "\\x1b[2K" in text and "\\x0d" in text and "\\u202e" in text
+
+
+def test_show_diff_merge_escape_control_characters_and_json_stays_exact(capsys, tmp_path):
+    evil = tmp_path / "evil.msgpack"
+    save_table(Table([entry(64, key=EVIL_KEY, note="fine\x1b]0;title\x07")]), evil)
+    plain = tmp_path / "plain.msgpack"
+    save_table(Table([entry(32)]), plain)
+    code, out, _ = run(capsys, "show", evil)
+    assert code == 0
+    _assert_escaped(out)
+    assert "\x07" not in out and "\\x07" in out
+    code, out, _ = run(capsys, "diff", plain, evil)
+    assert code == 1
+    _assert_escaped(out)
+    code, out, _ = run(capsys, "merge", tmp_path / "m.msgpack", evil, plain)
+    assert code == 0 and "\x1b" not in out
+    code, out, _ = run(capsys, "show", evil, "--json")
+    assert json.loads(out)["entries"][0]["key"] == EVIL_KEY  # JSON output stays exact
+    code, out, _ = run(capsys, "diff", plain, evil, "--json")
+    assert json.loads(out)["added"][0]["key"] == EVIL_KEY
+
+
+def test_coverage_and_report_escape_control_characters(capsys, tmp_path):
+    log = tmp_path / "log.json"
+    write_decisions(log, [Decision(kernel="m:k\x1b[31m", key=EVIL_KEY, signature="S\r", source="table")])
+    code, out, _ = run(capsys, "coverage", log)
+    assert code == 0 and "\x1b" not in out and "\r" not in out and "\\x1b[31m" in out
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"format": "megatron_tuning.decisions", "decisions": [{"kernel": "\x1b[2J"}]}))
+    code, _, err = run(capsys, "coverage", bad)
+    assert code == 2 and "\x1b" not in err

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..core.identity import arch_tag, config_signature, kernel_id, kernel_module, kernel_source_hash
+from ..core.text import printable
 from ..tables.entry import Entry
 from ..tables.search import installed_triton_version
 from ..tables.table import load_table
@@ -62,7 +63,7 @@ class ValidationReport:
         out = [f"note: {note}" for note in self.notes]
         out += [f"{p.path}: {p.arch}  {p.kernel}  [{p.key}]: {p.problem}" for p in self.problems]
         out.append(f"{self.checked} entries checked, {len(self.problems)} problem(s)")
-        return out
+        return [printable(line) for line in out]
 
 
 @dataclass(frozen=True, slots=True)

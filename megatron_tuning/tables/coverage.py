@@ -17,6 +17,7 @@ from typing import Any
 
 from ..core.decisions import Decision
 from ..core.errors import DecisionLogError
+from ..core.text import printable
 from .decision_files import read_decisions
 
 # Decision source -> coverage status.
@@ -102,6 +103,7 @@ class Coverage:
         }
 
     def report(self) -> str:
+        """Human-readable report; every line's data is escaped (``core.text.printable``)."""
         lines = [f"Coverage of {len(self.files)} decision log(s), ranks: {', '.join(self.ranks) or '-'}"]
         for row in self.rows:
             lines.append(f"{row.kernel}  [{row.key}]  {self._describe(row)}")
@@ -112,7 +114,7 @@ class Coverage:
             lines.append(f"DIVERGED: {row.kernel} [{row.key}]")
             for label, cell in row.cells.items():
                 lines.append(f"  rank {label}: {cell.signature or '-'} ({cell.status})")
-        return "\n".join(lines)
+        return "\n".join(map(printable, lines))
 
     def _describe(self, row: Row) -> str:
         by_status: dict[str, list[str]] = {}

@@ -20,6 +20,7 @@ import msgpack
 from ..core.cost import estimate_config_cost
 from ..core.errors import TableError
 from ..core.identity import config_signature
+from ..core.text import printable
 from .files import LOCK_TIMEOUT_S, locked
 from .search import expand_table_paths
 from .table import Entry, Table, entry_with, load_table, save_table
@@ -96,16 +97,20 @@ class MergeResult:
             f"{len(self.disagreements)} with disagreement."
         ]
         for item in self.disagreements:
-            lines.append(f"{item.arch}  {item.kernel}  [{item.key}]  ({item.rule})")
+            lines.append(printable(f"{item.arch}  {item.kernel}  [{item.key}]  ({item.rule})"))
             for index, vote in enumerate(item.votes):
                 mark = "->" if index == 0 else "  "
                 timing = f", median {vote.median_ms:.4g} ms" if vote.median_ms is not None else ""
                 who = ", ".join(vote.inputs) if len(vote.inputs) <= max_inputs_listed else "..."
-                lines.append(f"  {mark} {len(vote.inputs)} vote(s){timing}: {vote.signature}  [{who}]")
+                lines.append(
+                    printable(f"  {mark} {len(vote.inputs)} vote(s){timing}: {vote.signature}  [{who}]")
+                )
         for arch, kernel, key, hashes in self.mixed_source_hashes:
             lines.append(
-                f"warning: {arch} {kernel} [{key}] was recorded from different kernel sources: "
-                + ", ".join(h[:12] for h in hashes)
+                printable(
+                    f"warning: {arch} {kernel} [{key}] was recorded from different kernel sources: "
+                    + ", ".join(h[:12] for h in hashes)
+                )
             )
         return "\n".join(lines)
 

@@ -7,6 +7,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from ..core.identity import config_signature
+from ..core.text import printable
 from .entry import Entry, same_config
 from .table import Table
 
@@ -42,7 +43,7 @@ def describe_entry(entry: Entry) -> str:
     if entry.triton_version:
         facts.append(f"triton {entry.triton_version}")
     note = f"  # {entry.note}" if entry.note else ""
-    return f"{config_signature(entry.config)}  ({', '.join(facts)}){note}"
+    return printable(f"{config_signature(entry.config)}  ({', '.join(facts)}){note}")
 
 
 def _runner_up(runner_up_ms: float, median_ms: float) -> str:
@@ -61,8 +62,8 @@ def entry_lines(entries: Iterable[Entry]) -> list[str]:
     for entry in entries:
         if (entry.arch, entry.kernel) != heading:
             heading = (entry.arch, entry.kernel)
-            lines.append(f"{entry.arch}  {entry.kernel}")
-        lines.append(f"    [{entry.key}]  {describe_entry(entry)}")
+            lines.append(printable(f"{entry.arch}  {entry.kernel}"))
+        lines.append(f"    [{printable(entry.key)}]  {describe_entry(entry)}")
     return lines
 
 
@@ -106,15 +107,15 @@ def diff_tables(a: Table, b: Table, *, ignore_provenance: bool = False) -> dict[
 
 def format_diff(changes: dict[str, list[dict[str, Any]]], name_a: str, name_b: str) -> list[str]:
     """``diff``-style text: ``-`` removed, ``+`` added, ``~`` changed, then a count line."""
-    lines = [f"--- {name_a}", f"+++ {name_b}"]
+    lines = [printable(f"--- {name_a}"), printable(f"+++ {name_b}")]
     for item in changes["removed"]:
-        lines.append(f"- {item['arch']}  {item['kernel']}  [{item['key']}]  {item['config']}")
+        lines.append(printable(f"- {item['arch']}  {item['kernel']}  [{item['key']}]  {item['config']}"))
     for item in changes["added"]:
-        lines.append(f"+ {item['arch']}  {item['kernel']}  [{item['key']}]  {item['config']}")
+        lines.append(printable(f"+ {item['arch']}  {item['kernel']}  [{item['key']}]  {item['config']}"))
     for item in changes["changed"]:
-        lines.append(f"~ {item['arch']}  {item['kernel']}  [{item['key']}]")
+        lines.append(printable(f"~ {item['arch']}  {item['kernel']}  [{item['key']}]"))
         for name, (before, after) in item["fields"].items():
-            lines.append(f"    {name}: {_show(before)} -> {_show(after)}")
+            lines.append(printable(f"    {name}: {_show(before)} -> {_show(after)}"))
     counts = {k: len(v) for k, v in changes.items()}
     if not any(counts.values()):
         lines.append("no differences")

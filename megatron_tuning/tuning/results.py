@@ -17,6 +17,7 @@ from typing import Any
 
 from ..core.decisions import Decision
 from ..core.errors import TuningResultsError
+from ..core.text import printable
 from ..tables.decision_files import FORMAT as DECISIONS_FORMAT
 from ..tables.decision_files import read_decisions
 from ..tables.entry import entry_with
@@ -235,7 +236,9 @@ def format_summary(records: Sequence[Mapping[str, Any]]) -> str:
         win_ms = f"{win[0]:.4f}" if isinstance(win, list) and win[0] is not None else "-"
         best = f"{min(medians):.4f}" if medians else "-"
         lines.append(
-            f"{r['kernel'].rsplit(':', 1)[-1][:28]:<28} {r['key'][:36]:<36} {win_ms:>10} "
-            f"{len(t.get('tied', [r['winner']])):>4} {best:>9}  {r['winner']}"
+            printable(
+                f"{r['kernel'].rsplit(':', 1)[-1][:28]:<28} {r['key'][:36]:<36} {win_ms:>10} "
+                f"{len(t.get('tied', [r['winner']])):>4} {best:>9}  {r['winner']}"
+            )
         )
     return "\n".join(lines)
