@@ -554,3 +554,17 @@ def test_coverage_and_report_escape_control_characters(capsys, tmp_path):
     bad.write_text(json.dumps({"format": "megatron_tuning.decisions", "decisions": [{"kernel": "\x1b[2J"}]}))
     code, _, err = run(capsys, "coverage", bad)
     assert code == 2 and "\x1b" not in err
+
+
+def test_validate_refuses_an_impossible_num_warps(capsys, tmp_path):
+    # An entry with num_warps=-2**63 used to pass `validate`; the loader now refuses it, named.
+    good = entry(64)
+    data = (
+        Table([good])
+        .to_bytes()
+        .replace(b"\xa9num_warps\x04", b"\xa9num_warps\xd3" + (2**63).to_bytes(8, "big"))
+    )
+    path = tmp_path / "t.msgpack"
+    path.write_bytes(data)
+    code, _, err = run(capsys, "validate", path, "--arch", "sm90")
+    assert code == 2 and "num_warps=-9223372036854775808 is outside 1..1024" in err

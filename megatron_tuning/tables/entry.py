@@ -17,6 +17,7 @@ import msgpack
 HOW_VALUES = ("tuned", "recorded", "hand")
 INT_MIN = -(2**63)
 INT_MAX = 2**64 - 1  # msgpack's integer range
+_MAX_WARPS_OR_STAGES = 1024
 _MAX_DEPTH = 6  # nesting allowed inside config data (kwargs values are scalars in practice)
 
 _ENTRY_FIELDS = frozenset(
@@ -251,9 +252,13 @@ def _check_config(config: Any) -> dict[str, Any]:
     kwargs = config.get("kwargs")
     if type(kwargs) is not dict:
         raise Invalid("config.kwargs must be a map")
-    for name in ("num_warps", "num_stages"):
-        if type(config.get(name)) is not int:
+    for name, low in (("num_warps", 1), ("num_stages", 0)):
+        value = config.get(name)
+        if type(value) is not int:
             raise Invalid(f"config.{name} must be an integer")
+        # Triton launches at most 1024 threads' worth of warps; -2**63 is no config at all.
+        if not low <= value <= _MAX_WARPS_OR_STAGES:
+            raise Invalid(f"config.{name}={value} is outside {low}..{_MAX_WARPS_OR_STAGES}")
     return _canonical(config, 0)  # type: ignore[no-any-return]
 
 

@@ -134,6 +134,12 @@ def test_lookup_and_mutation():
         ({"kernel": "no_colon"}, "module:qualname"),
         ({"how": "guessed"}, "how"),
         ({"config": {"kwargs": {}, "num_warps": 4}}, "num_stages"),
+        (
+            {"config": {"kwargs": {}, "num_warps": -(2**63), "num_stages": 3}},
+            "num_warps=-9223372036854775808",
+        ),
+        ({"config": {"kwargs": {}, "num_warps": 0, "num_stages": 3}}, "outside 1..1024"),
+        ({"config": {"kwargs": {}, "num_warps": 4, "num_stages": -1}}, "num_stages=-1 is outside"),
         ({"config": {"kwargs": {"A": float("nan")}, "num_warps": 4, "num_stages": 3}}, "non-finite"),
         ({"config": {"kwargs": {"A": object()}, "num_warps": 4, "num_stages": 3}}, "cannot be stored"),
         ({"config": {"kwargs": {1: 2}, "num_warps": 4, "num_stages": 3}}, "keys must be strings"),
