@@ -226,3 +226,57 @@ def test_contract_compare_set_semantics(make: Any) -> None:
     assert store.compare_set("flag", "", "") == b"record"
     with pytest.raises(wire._store_timeout_errors()):
         store.wait(["absent"], timedelta(seconds=0.05))
+
+
+# --- numbered sessions (unequal init calls) ----------------------------------------------------
+def _session(store: Any, rank: int, number: int, mode: str = "deterministic") -> Any:
+    from megatron_tuning.distributed.sessions import SessionRegistry, policy_summary
+
+    return SessionRegistry(store, rank, number, policy_summary(TuningPolicy(mode=mode)))
+
+
+def test_a_session_number_started_with_another_policy_is_a_mismatch() -> None:
+    import pickle
+
+    from megatron_tuning.core.errors import SessionMismatchError
+
+    store = dist.HashStore()
+    assert _session(store, 0, 1).register() is None
+    assert _session(store, 1, 1).register() is None  # same number, same policy: fine
+    error = _session(store, 1, 2, mode="chaos").register()
+    assert error is None  # the first to start #2 sets it
+    error = _session(store, 0, 2).register()
+    assert isinstance(error, SessionMismatchError) and sorted(error.sessions) == [0, 1]
+    assert "Rank 1 is in session #2 (mode=chaos" in str(error)
+    assert "Rank 0 is in session #2 (mode=deterministic" in str(error)
+    assert str(pickle.loads(pickle.dumps(error))) == str(error)
+
+
+def test_a_rank_that_moved_on_is_named_at_once_and_a_late_one_only_at_timeout() -> None:
+    from megatron_tuning.core.errors import SessionMismatchError
+
+    store = dist.HashStore()
+    ahead, behind = _session(store, 0, 2), _session(store, 1, 1)
+    ahead.register()
+    behind.register()
+    with pytest.raises(SessionMismatchError, match="Rank 0 is in session #2"):
+        behind.fail_if_moved_on([0], "check #1")
+    ahead.fail_if_moved_on([1], "check #1")  # rank 1 may still be on its way to session #2
+    timeout = AgreementTimeoutError("check #1", [1], 1.0)
+    explained = ahead.explain_timeout(timeout, "check #1")
+    assert explained is not None and "Rank 1 is in session #1" in str(explained)
+    assert _session(store, 1, 2).explain_timeout(AgreementTimeoutError("x", [0], 1.0), "x") is None
+
+
+def test_arrive_calls_on_wait_while_a_rank_is_missing() -> None:
+    store = dist.HashStore()
+    seen: list[list[int]] = []
+
+    def on_wait(missing: list[int]) -> None:
+        seen.append(missing)
+        raise RuntimeError("gone")
+
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="gone"):
+        wire.arrive(store, "t", 0, [0, 1], "check", 30.0, on_wait=on_wait)
+    assert seen == [[1]] and time.monotonic() - start < 5

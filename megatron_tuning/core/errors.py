@@ -179,6 +179,29 @@ class ConsensusError(MegatronTuningError, RuntimeError):
         return (type(self), (self.kernel, self.key, self.detail))
 
 
+class SessionMismatchError(MegatronTuningError, RuntimeError):
+    """Ranks are in different tuning sessions: ``init_deterministic_tuning`` was called a different
+    number of times (or with different policies) on them, so their checks would compare nothing.
+
+    ``sessions`` maps each rank named to a description of its session (number and policy).
+    """
+
+    def __init__(self, what: str, sessions: Mapping[int, str]) -> None:
+        self.what = what
+        self.sessions = {int(r): s for r, s in sessions.items()}
+        lines = [f"Ranks are in different tuning sessions at {what}:"]
+        lines += [f"  Rank {rank} is in {text}" for rank, text in sorted(self.sessions.items())]
+        lines.append(
+            "  Each init_deterministic_tuning call starts the next numbered session, and ranks compare "
+            "configs only within the same session number: call it the same number of times, with the "
+            "same policy, on every rank."
+        )
+        super().__init__("\n".join(lines))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.what, self.sessions))
+
+
 class AgreementTimeoutError(MegatronTuningError, TimeoutError):
     """An agreement check waited too long for some ranks."""
 

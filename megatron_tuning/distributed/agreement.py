@@ -37,7 +37,8 @@ from typing import Any, Protocol
 import torch.distributed as dist
 
 from ..core.decisions import Decision, decision_log
-from ..core.errors import DivergenceError, PolicyError
+from ..core.errors import AgreementTimeoutError, DivergenceError, PolicyError, SessionMismatchError
+from .sessions import SESSION_KIND, SessionRegistry, mismatch_from_record, mismatch_record, policy_summary
 from .wire import (
     DIGEST_BYTES,
     all_gather_bytes,
@@ -118,10 +119,16 @@ def start_agreement(policy: Any, group: Any = None) -> AgreementHandle:
     # Elastic restarts reuse the rendezvous store: the restart count keeps old claims apart.
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     checker = AgreementChecker(policy, group, namespace=f"r{restart}/e{epoch}")
+    checker.start_session(f"r{restart}", epoch, policy)  # unequal init calls are named, not missed
     checker.attach()
     with _active_lock:
         _active = checker
     return checker
+
+
+def session_number() -> int:
+    """How many checked sessions this process has started (``verify_agreement`` compares them)."""
+    return _epochs
 
 
 def active_checker() -> AgreementChecker | None:
@@ -154,12 +161,24 @@ class AgreementChecker:
         self.rank = dist.get_rank() if rank is None else int(rank)
         self.ranks = list(ranks) if ranks is not None else group_ranks(group)
         base = store if store is not None else default_store()
+        self._base = base
         self._store = dist.PrefixStore(f"{PREFIX}/{namespace}/{scope_id(group, self.ranks)}", base)
+        self.session: SessionRegistry | None = None
         self._lock = threading.RLock()  # allgather checks must not interleave within a process
         self._seen: set[bytes] = set()
         self._pending: list[Decision] = []
         self._seq = 0
         self._attached = False
+
+    def start_session(self, job: str, number: int, policy: Any) -> None:
+        """Publish this process's session ``number``; raise ``SessionMismatchError`` when another
+        rank started that number with a different policy (``sessions.py``)."""
+        store = dist.PrefixStore(f"{PREFIX}/{job}/sessions/{scope_id(self.group, self.ranks)}", self._base)
+        self.session = SessionRegistry(store, self.rank, number, policy_summary(policy))
+        error = self.session.register()
+        if error is not None:
+            self._store.compare_set(_FLAG, "", mismatch_record(error))  # the other rank raises it next
+            raise error
 
     def attach(self) -> None:
         if not self._attached:
@@ -252,7 +271,7 @@ class AgreementChecker:
         # The first divergence recorded wins, so every rank raises the identical message.
         winner = self._store.compare_set(_FLAG, "", record)
         error = _error_from_record(winner)
-        if error.signatures.get(self.rank) != d.signature:
+        if isinstance(error, DivergenceError) and error.signatures.get(self.rank) != d.signature:
             logger.error(
                 "agreement: rank %d launched %s for kernel %s with key %s",
                 self.rank,
@@ -265,7 +284,17 @@ class AgreementChecker:
     def _allgather_check(self, d: Decision) -> None:
         self._seq += 1
         what = f"kernel {d.kernel} with key {d.key} (allgather check #{self._seq})"
-        arrive(self._store, f"ag/{self._seq}", self.rank, self.ranks, what, self.timeout_s)
+        session = self.session
+        on_wait = None if session is None else (lambda missing: session.fail_if_moved_on(missing, what))
+        try:
+            arrive(
+                self._store, f"ag/{self._seq}", self.rank, self.ranks, what, self.timeout_s, on_wait=on_wait
+            )
+        except AgreementTimeoutError as error:
+            mismatch = session.explain_timeout(error, what) if session is not None else None
+            if mismatch is not None:
+                raise mismatch from error
+            raise
         row = identity_digest(d.kernel, d.key, d.arch) + signature_digest(d.signature)
         rows = all_gather_bytes(row, self.group)
         if all(r == rows[0] for r in rows):
@@ -274,8 +303,10 @@ class AgreementChecker:
         raise _allgather_error(rows, [unpack_text(t) for t in texts], self.ranks, self._seq)
 
 
-def _error_from_record(record: bytes | str) -> DivergenceError:
+def _error_from_record(record: bytes | str) -> DivergenceError | SessionMismatchError:
     data = json.loads(bytes(record).decode() if not isinstance(record, str) else record)
+    if data.get("kind") == SESSION_KIND:
+        return mismatch_from_record(data)
     signatures = {int(r): s for r, s in data["signatures"].items()}
     return DivergenceError(data["kernel"], data["key"], signatures, data["detail"])
 

@@ -9,10 +9,11 @@ from typing import Any
 import torch.distributed as dist
 
 from ..core.decisions import Decision, decision_log
-from ..core.errors import DivergenceError
+from ..core.errors import DivergenceError, SessionMismatchError
 from ..runtime.interception import current_policy
 from . import agreement
 from .agreement import DEFAULT_TIMEOUT_S, PREFIX, unchecked_sources
+from .sessions import compare_session_numbers
 from .wire import (
     DIGEST_BYTES,
     ROW_BYTES,
@@ -47,13 +48,13 @@ def verify_agreement(group: Any = None, *, timeout_s: float | None = None) -> in
     if not (dist.is_available() and dist.is_initialized()):
         return 0
     checker = agreement.active_checker()
-    late_error: DivergenceError | None = None
+    late_error: DivergenceError | SessionMismatchError | None = None
     if checker is not None:
         try:
             checker.flush()
             checker.poll()
-        except DivergenceError as error:
-            if checker.mode != "store":
+        except (DivergenceError, SessionMismatchError) as error:
+            if checker.mode != "store" and isinstance(error, DivergenceError):
                 raise  # allgather errors are raised on every rank alike
             late_error = error  # one-sided: raising before the collective would hang the others
     timeout = timeout_s if timeout_s is not None else (checker.timeout_s if checker else DEFAULT_TIMEOUT_S)
@@ -67,8 +68,13 @@ def verify_agreement(group: Any = None, *, timeout_s: float | None = None) -> in
     policy = current_policy()
     table = _log_table(unchecked_sources(policy.mode if policy is not None else None))
     idents = list(table)  # launch order, so the first divergence named is the earliest one
-    counts = all_gather_bytes(len(idents).to_bytes(8, "little"), group)
-    sizes = [int.from_bytes(c, "little") for c in counts]
+    # Each rank's entry count and session number: ranks that called init_deterministic_tuning a
+    # different number of times compare nothing at first use; here every rank names them alike.
+    header = len(idents).to_bytes(8, "little") + agreement.session_number().to_bytes(8, "little")
+    headers = all_gather_bytes(header, group)
+    sessions = {rank: int.from_bytes(h[8:], "little") for rank, h in zip(ranks, headers)}
+    compare_session_numbers(sessions, f"verify_agreement call #{seq}")
+    sizes = [int.from_bytes(h[:8], "little") for h in headers]
     width = max(sizes) * ROW_BYTES
     if width == 0:
         return 0

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -88,23 +89,49 @@ def _tensor_bytes(tensor: torch.Tensor) -> bytes:
         return bytes(tensor.cpu().tolist())
 
 
-def arrive(store: Any, tag: str, rank: int, ranks: Sequence[int], what: str, timeout_s: float) -> None:
+def arrive(
+    store: Any,
+    tag: str,
+    rank: int,
+    ranks: Sequence[int],
+    what: str,
+    timeout_s: float,
+    *,
+    on_wait: Callable[[list[int]], None] | None = None,
+) -> None:
     """Store barrier with a deadline: return when every rank arrived, else name the missing ones.
 
     All ranks settle on one verdict through ``compare_set``, so a rank arriving just after the
     others gave up also raises instead of entering a collective that nobody else will join.
+    ``on_wait`` is called with the missing ranks about once a second while waiting; it may raise
+    (e.g. when a missing rank is known never to come).
     """
     store.set(f"{tag}/{rank}", "1")
-    try:
-        store.wait([f"{tag}/{r}" for r in ranks], timedelta(seconds=timeout_s))
-        proposal = "go"
-    except _store_timeout_errors():
-        missing = [r for r in ranks if not store.check([f"{tag}/{r}"])]
-        proposal = "timeout:" + ",".join(map(str, missing)) if missing else "go"
+    keys = [f"{tag}/{r}" for r in ranks]
+    deadline = time.monotonic() + timeout_s
+    proposal = "go"
+    while True:
+        left = deadline - time.monotonic()
+        step = left if on_wait is None else min(left, _WAIT_SLICE_S)
+        try:
+            store.wait(keys, timedelta(seconds=max(step, 0.001)))
+            break
+        except _store_timeout_errors():
+            missing = [r for r in ranks if not store.check([f"{tag}/{r}"])]
+            if not missing:
+                break
+            if time.monotonic() >= deadline:
+                proposal = "timeout:" + ",".join(map(str, missing))
+                break
+            if on_wait is not None:
+                on_wait(missing)
     verdict = bytes(store.compare_set(f"{tag}/verdict", "", proposal)).decode()
     if verdict != "go":
         missing = [int(r) for r in verdict.partition(":")[2].split(",") if r]
         raise AgreementTimeoutError(what, missing, timeout_s)
+
+
+_WAIT_SLICE_S = 1.0
 
 
 def _store_timeout_errors() -> tuple[type[BaseException], ...]:

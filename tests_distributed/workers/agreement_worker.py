@@ -23,7 +23,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is de
 import torch.distributed as dist
 
 from megatron_tuning.core.decisions import Decision, decision_log
-from megatron_tuning.core.errors import AgreementTimeoutError, MegatronTuningError
+from megatron_tuning.core.errors import AgreementTimeoutError, MegatronTuningError, SessionMismatchError
 from megatron_tuning.core.policy import TuningPolicy
 from megatron_tuning.distributed import agreement, verify
 
@@ -33,6 +33,7 @@ DEVICE = "cpu"  # "cuda:<local rank>" with --backend nccl
 MATMUL = "synthetic.kernels:matmul"
 KEY = "M=64, N=48, K=40 | a_ptr:torch.float32, b_ptr:torch.float32"
 SIG = "BLOCK_K=32, BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3"
+SESSION_TIMEOUT_S = 4.0  # session_extra_allgather's agreement timeout
 
 
 def _record(kernel: str, key: str, signature: str) -> None:
@@ -177,6 +178,88 @@ def capture_deferred(result: dict[str, Any]) -> None:
     result["shared"] = verify.verify_agreement()
 
 
+# --- unequal init calls: numbered sessions ------------------------------------------------------
+
+
+def _fresh_sessions(name: str) -> None:
+    """Each session scenario starts at session 0 in its own store namespace, as after a restart."""
+    os.environ["TORCHELASTIC_RESTART_COUNT"] = f"sessions-{name}"
+    agreement._epochs = 0
+
+
+def _verify_into(result: dict[str, Any]) -> None:
+    """Every rank calls verify_agreement (a collective), errors or not; keep what it raised."""
+    try:
+        result["shared"] = verify.verify_agreement(timeout_s=30.0)
+    except MegatronTuningError as error:
+        result["verify_error"] = type(error).__name__
+        result["verify_message"] = str(error)
+
+
+def session_extra_other_policy(result: dict[str, Any]) -> None:
+    """Rank 0 calls init once more first, with another mode: rank 1's session #1 disagrees at start."""
+    _fresh_sessions("other_policy")
+    if RANK == 0:
+        agreement.start_agreement(_policy("store").replace(mode="deterministic"))
+    dist.barrier()
+    _guarded(result, lambda: agreement.start_agreement(_policy("store").replace(mode="chaos")))
+    if RANK == 0:
+        _guarded(result, lambda: _record(MATMUL, KEY, _chaos_signature()))
+    dist.barrier()
+    _verify_into(result)
+
+
+def session_extra_same_policy(result: dict[str, Any]) -> None:
+    """Rank 0 calls init twice with the same policy: first-use checks meet nobody; verify names it."""
+    _fresh_sessions("same_policy")
+    chaos = _policy("store").replace(mode="chaos")
+    if RANK == 0:
+        agreement.start_agreement(chaos)
+    _guarded(result, lambda: agreement.start_agreement(chaos))
+    _guarded(result, lambda: _record(MATMUL, KEY, _chaos_signature()))
+    dist.barrier()
+    _verify_into(result)
+
+
+def session_extra_allgather(result: dict[str, Any]) -> None:
+    """Allgather: the rank left behind fails within a second, the other at its timeout, both named."""
+    _fresh_sessions("allgather")
+    policy = _policy("allgather", timeout_s=SESSION_TIMEOUT_S)
+    if RANK == 0:
+        agreement.start_agreement(policy)
+    agreement.start_agreement(policy)
+    dist.barrier()  # every rank has published its session before anyone checks
+    start = time.monotonic()
+    try:
+        _guarded(result, lambda: _record(MATMUL, KEY, SIG))
+    finally:
+        result["elapsed_s"] = time.monotonic() - start
+
+
+def session_lagging_allgather(result: dict[str, Any]) -> None:
+    """Quiet control: a rank that starts its next session late is waited for, not blamed."""
+    _fresh_sessions("lagging")
+    policy = _policy("allgather", timeout_s=30.0)
+    agreement.start_agreement(policy)
+    _guarded(result, lambda: _record(MATMUL, KEY, SIG))
+    dist.barrier()
+    if RANK == WORLD - 1:
+        time.sleep(1.5)  # the others are already waiting in session #2
+    agreement.start_agreement(policy)
+    _guarded(result, lambda: _record(MATMUL, KEY.replace("64", "96", 1), SIG))
+    _verify_into(result)
+
+
+def session_equal_store(result: dict[str, Any]) -> None:
+    """Quiet control: equal calls with changing policies, the same on every rank."""
+    _fresh_sessions("equal")
+    for scope in (("synthetic",), ("synthetic.kernels",)):
+        agreement.start_agreement(_policy("store", scope=scope))
+        _guarded(result, lambda: _record(MATMUL, KEY, SIG))
+        dist.barrier()
+    _verify_into(result)
+
+
 # --- real kernel launches through init_deterministic_tuning --------------------------------------
 
 
@@ -288,6 +371,11 @@ SCENARIOS: dict[str, Callable[[dict[str, Any]], None]] = {
     "allgather_missing": allgather_missing,
     "capture_deferred": capture_deferred,
     "kernels_asymmetric": kernels_asymmetric,
+    "session_extra_other_policy": session_extra_other_policy,
+    "session_extra_same_policy": session_extra_same_policy,
+    "session_extra_allgather": session_extra_allgather,
+    "session_lagging_allgather": session_lagging_allgather,
+    "session_equal_store": session_equal_store,
 }
 SCENARIOS["cuda_graph_agree"] = lambda result: _cuda_graph_run(result, "deterministic")
 SCENARIOS["cuda_graph_chaos"] = lambda result: _cuda_graph_run(result, "chaos")
@@ -301,6 +389,8 @@ def _store_error(result: dict[str, Any], error: BaseException) -> None:
     result["message"] = str(error)
     if isinstance(error, AgreementTimeoutError):
         result["missing_ranks"] = error.missing_ranks
+    if isinstance(error, SessionMismatchError):
+        result["session_ranks"] = sorted(error.sessions)
     for field in ("kernel", "key"):
         if hasattr(error, field):
             result[field] = getattr(error, field)
