@@ -25,6 +25,8 @@ import tempfile
 import time
 from typing import Any, TextIO
 
+from ..tables.files import write_atomic
+
 KERNEL_MODULE = "megatron_tuning.kernels.tiny"
 SIZES = (64, 200, 1000)
 
@@ -141,8 +143,8 @@ def _launch(args: argparse.Namespace, mode: str, folder: str, interpret: bool) -
             os.killpg(process.pid, signal.SIGKILL)
             output, _ = process.communicate()
             returncode = None
-    with open(os.path.join(folder, "torchrun.log"), "w", encoding="utf-8") as handle:
-        handle.write(output)
+    # --keep DIR is the user's folder: the tables' safe writer, never through a planted link.
+    write_atomic(os.path.join(folder, "torchrun.log"), output.encode("utf-8"))
     ranks = {}
     for rank in range(args.nproc):
         path = os.path.join(folder, f"rank{rank}.json")
@@ -269,8 +271,7 @@ def _exercise(args: argparse.Namespace, rank: int, result: dict[str, Any]) -> No
 
 
 def _write_result(folder: str, rank: int, result: dict[str, Any]) -> None:
-    with open(os.path.join(folder, f"rank{rank}.json"), "w", encoding="utf-8") as out:
-        json.dump(result, out, indent=1)
+    write_atomic(os.path.join(folder, f"rank{rank}.json"), json.dumps(result, indent=1).encode("utf-8"))
 
 
 def _keep_error(result: dict[str, Any], error: BaseException) -> None:
