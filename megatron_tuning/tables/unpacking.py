@@ -31,6 +31,7 @@ ENTRY_BYTES = 448
 measured ~380 bytes on CPython 3.11."""
 MAX_META_ITEMS = 4096
 _CHUNK = 65536
+_WORST_VALUE_BYTES = 96  # a list slot plus the largest scalar msgpack can make from a few bytes
 
 STRING_COLUMNS = frozenset({"strings", "key"})
 FLOAT_COLUMNS = frozenset({"median_ms", "spread_ms", "runner_up_ms"})
@@ -79,14 +80,23 @@ def unpack_table(
     if walker.position() != len(data):
         raise Invalid("trailing bytes after the table (corrupt or concatenated file)")
     count = spans["key"][0] if "key" in spans else 0
-    estimate = 2 * len(data) + ENTRY_BYTES * count
+    costs = {}
     for name, (n, start, end) in spans.items():
         if n != count and name not in ("strings", "configs"):
             raise Invalid(f"column {name} has {n} values for {count} entries")
-        estimate += _column_cost(name, n, end - start)
-    if estimate > budget(len(data)):
+        costs[name] = _column_cost(name, n, end - start)
+    estimate = 2 * len(data) + ENTRY_BYTES * count + sum(costs.values())
+    limit = budget(len(data))
+    if estimate > limit:
         raise _over_budget(estimate, len(data))
-    return header, {name: _decode_column(data, name, *span) for name, span in spans.items()}
+    body = {}
+    for name, (n, start, end) in spans.items():
+        # The estimate assumed each value is of its column's kind. When even the worst value of any
+        # kind (~90 bytes) fits the budget, the column is decoded in one C call; otherwise in
+        # chunks whose kinds are checked as they arrive, so a wrong value costs one chunk.
+        whole = estimate - costs[name] + _WORST_VALUE_BYTES * n + end - start <= limit
+        body[name] = _decode_column(data, name, n, start, end, whole=whole)
+    return header, body
 
 
 def _column_cost(name: str, n: int, nbytes: int) -> int:
@@ -246,9 +256,11 @@ def _unpack_error(exc: BaseException, pos: int) -> Invalid:
     return Invalid(f"not valid msgpack (truncated or corrupt): {detail}")
 
 
-def _decode_column(data: bytes, name: str, n: int, start: int, end: int) -> list[Any]:
+def _decode_column(data: bytes, name: str, n: int, start: int, end: int, *, whole: bool) -> list[Any]:
     if name == "configs":
         return _decode_configs(memoryview(data)[start:end], n)
+    if whole:
+        return _decode_whole(data, name, n, start, end)
     unpacker = msgpack.Unpacker(
         raw=False, timestamp=0, max_buffer_size=max(1, end - start), max_array_len=0, max_map_len=0
     )
@@ -267,6 +279,38 @@ def _decode_column(data: bytes, name: str, n: int, start: int, end: int) -> list
         check(name, chunk)
         out.extend(chunk)
     return out
+
+
+def _decode_whole(data: bytes, name: str, n: int, start: int, end: int) -> list[Any]:
+    lists = 0
+
+    def one_list(items: list[Any]) -> list[Any]:
+        nonlocal lists
+        lists += 1  # inner lists finish before the column's own: a second call means nesting
+        if lists > 1:
+            raise Invalid(f"column {name}: values of type list/map are not allowed")
+        return items
+
+    # The elements with a fresh header in front: one msgpack array, decoded by one C call.
+    header = b"\xdd" + n.to_bytes(4, "big")
+    try:
+        column = msgpack.unpackb(
+            header + memoryview(data)[start:end],
+            raw=False,
+            timestamp=0,
+            max_map_len=0,
+            max_bin_len=0,
+            max_ext_len=0,
+            list_hook=one_list,
+        )
+    except Invalid:
+        raise
+    except (ValueError, msgpack.UnpackException) as exc:
+        if "exceeds max_" in str(exc):
+            raise Invalid(f"column {name}: values of type list/map are not allowed") from None
+        raise Invalid(f"column {name}: {_unpack_error(exc, start)}") from None
+    _CHECKS[_kind(name)](name, column)
+    return list(column)
 
 
 def _kind(name: str) -> str:
