@@ -47,3 +47,11 @@ def test_record_merge_pin_end_to_end(tmp_path: Path) -> None:
 def test_benchmark_smoke_paths(script: str, tmp_path: Path) -> None:
     result = _smoke(script, tmp_path)
     assert result["environment"]["python"]
+
+
+def test_table_stress_loses_nothing_and_reads_nothing_corrupt(tmp_path: Path) -> None:
+    # CPU-only script: concurrent writers (one through a symlink) SIGKILLed at random, and readers.
+    result = _smoke("stress_tables.py", tmp_path)
+    assert result["writers_via_symlink"] == 1 and result["kills"] == 6
+    assert result["entries_committed"] > 0
+    assert result["entries_lost"] == 0 and result["corrupt_reads"] == 0

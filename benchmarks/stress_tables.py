@@ -1,0 +1,199 @@
+"""Concurrent table writers SIGKILLed at random: are committed entries ever lost, or reads corrupt?
+
+    python benchmarks/stress_tables.py [--writers 3] [--kills 200] [--readers 2] [--out r.json]
+
+CPU only. One table, ``v3.msgpack``, and a symlink to it, ``current.msgpack``: odd-numbered
+writers write through the link, even-numbered ones name the file, so the test also covers
+writers that name one table differently (they must share one lock). Each writer adds one new
+entry per ``merge_entries`` call and, once the call has returned, appends the entry's number to
+its own commit log (fsynced). The parent SIGKILLs a random writer at a random moment (``--kills``
+times, 20-200 ms apart) and restarts it; the restarted writer continues after its last logged
+entry. Readers load the table in a loop, alternating the two names, and count loads that fail.
+
+At the end: **lost** = entries in a commit log but not in the table (must be 0); **corrupt reads**
+= loads that raised (must be 0). An entry written but not yet logged when its writer died is
+*unlogged*, not lost: the kill came between the write and the log. Temp files a killed writer
+left behind (``.v3.msgpack.<pid>.<token>.tmp``) are counted; they are never read as tables.
+``--smoke`` runs 2 writers and 6 kills (the CI check of this script).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from megatron_tuning.core.errors import TableError  # noqa: E402
+from megatron_tuning.tables.table import Entry, Table, load_table, merge_entries, save_table  # noqa: E402
+
+CONFIG = {"kwargs": {"BLOCK": 64}, "num_warps": 4, "num_stages": 3}
+
+
+def _entry(writer: int, number: int) -> Entry:
+    return Entry(arch="cpu", kernel=f"stress.writer:w{writer}", key=f"n={number}", config=CONFIG, how="hand")
+
+
+# -- children --------------------------------------------------------------------------------------
+def run_writer(path: str, writer: int, log: str, pause_s: float) -> None:
+    """Add entries one by one forever; log each number once ``merge_entries`` returned."""
+    done = Path(log).read_text().split() if os.path.exists(log) else []
+    number = int(done[-1]) + 1 if done else 0
+    with open(log, "a", encoding="ascii") as handle:
+        while True:
+            merge_entries(path, [_entry(writer, number)], timeout_s=120)
+            handle.write(f"{number}\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+            number += 1
+            if pause_s:
+                time.sleep(random.uniform(0, pause_s))
+
+
+def run_reader(paths: list[str], out: str) -> None:
+    """Load the table in a loop until SIGTERM; then write ``{"reads", "corrupt", "errors"}``."""
+    counts: dict[str, Any] = {"reads": 0, "corrupt": 0, "errors": []}
+    stop = False
+
+    def _stop(*_: Any) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGTERM, _stop)
+    while not stop:
+        for path in paths:
+            try:
+                load_table(path)
+            except TableError as exc:
+                counts["corrupt"] += 1
+                if len(counts["errors"]) < 5:
+                    counts["errors"].append(str(exc))
+            counts["reads"] += 1
+    Path(out).write_text(json.dumps(counts))
+
+
+# -- parent ----------------------------------------------------------------------------------------
+def _spawn(args: list[str]) -> subprocess.Popen[bytes]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    return subprocess.Popen([sys.executable, __file__, *args], env=env, stderr=subprocess.PIPE)
+
+
+def stress(folder: Path, writers: int, kills: int, readers: int, seed: int, pause_s: float) -> dict[str, Any]:
+    rng = random.Random(seed)
+    real, link = folder / "v3.msgpack", folder / "current.msgpack"
+    save_table(Table(), real)
+    link.symlink_to(real.name)
+    paths = [str(real if w % 2 == 0 else link) for w in range(writers)]
+    logs = [str(folder / f"writer{w}.log") for w in range(writers)]
+
+    def start_writer(w: int) -> subprocess.Popen[bytes]:
+        return _spawn(["--_writer", paths[w], str(w), logs[w], str(pause_s)])
+
+    procs = [start_writer(w) for w in range(writers)]
+    reader_outs = [str(folder / f"reader{r}.json") for r in range(readers)]
+    reader_procs = [_spawn(["--_reader", str(real), str(link), out]) for out in reader_outs]
+    start = time.monotonic()
+    time.sleep(0.5)  # let every writer import and commit something first
+    for _ in range(kills):
+        time.sleep(rng.uniform(0.02, 0.2))
+        w = rng.randrange(writers)
+        if procs[w].poll() is not None:  # a writer that died by itself is a failure of the test
+            err = procs[w].stderr.read().decode() if procs[w].stderr else ""
+            raise RuntimeError(f"writer {w} exited with {procs[w].returncode}:\n{err[-3000:]}")
+        procs[w].send_signal(signal.SIGKILL)
+        procs[w].wait()
+        procs[w] = start_writer(w)
+    for proc in procs:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    for proc in reader_procs:
+        proc.send_signal(signal.SIGTERM)
+    for proc in reader_procs:
+        proc.wait(timeout=60)
+    elapsed = time.monotonic() - start
+
+    table = load_table(real)
+    logged = {(w, int(n)) for w in range(writers) for n in Path(logs[w]).read_text().split()}
+    present = {
+        (int(e.kernel.rsplit(":w", 1)[1]), int(e.key.split("=", 1)[1]))
+        for e in table.values()
+        if e.kernel.startswith("stress.writer:")
+    }
+    reads = [json.loads(Path(out).read_text()) for out in reader_outs]
+    return {
+        "writers": writers,
+        "writers_via_symlink": sum(1 for w in range(writers) if w % 2),
+        "kills": kills,
+        "readers": readers,
+        "seconds": round(elapsed, 1),
+        "entries_committed": len(logged),
+        "entries_in_table": len(table),
+        "entries_lost": len(logged - present),
+        "entries_unlogged": len(present - logged),
+        "reads": sum(r["reads"] for r in reads),
+        "corrupt_reads": sum(r["corrupt"] for r in reads),
+        "read_errors": [e for r in reads for e in r["errors"]],
+        "orphaned_temp_files": len(list(folder.glob(".v3.msgpack.*.tmp"))),
+        "seed": seed,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--writers", type=int, default=3)
+    parser.add_argument("--kills", type=int, default=200)
+    parser.add_argument("--readers", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--pause-ms", type=float, default=0.0, help="random pause after each commit")
+    parser.add_argument("--dir", default=None, help="work folder (default: a temp folder, removed)")
+    parser.add_argument("--smoke", action="store_true", help="2 writers, 6 kills: the CI check")
+    parser.add_argument("--out", default=None, help="write the JSON results here")
+    parser.add_argument("--_writer", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument("--_reader", nargs=3, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args._writer:
+        path, writer, log, pause = args._writer
+        run_writer(path, int(writer), log, float(pause))
+        return 0
+    if args._reader:
+        run_reader(args._reader[:2], args._reader[2])
+        return 0
+    writers, kills, readers = (2, 6, 1) if args.smoke else (args.writers, args.kills, args.readers)
+    with tempfile.TemporaryDirectory(prefix="stress_tables_") as scratch:
+        folder = Path(args.dir or scratch)
+        folder.mkdir(parents=True, exist_ok=True)
+        result = stress(folder, writers, kills, readers, args.seed, args.pause_ms / 1000)
+    result["command"] = " ".join(["benchmarks/stress_tables.py", *sys.argv[1:]])
+    for name, value in result.items():
+        print(f"{name:22} {value}")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"environment": _environment(), **result}, indent=1) + "\n")
+    return 0 if result["entries_lost"] == 0 and result["corrupt_reads"] == 0 else 1
+
+
+def _environment() -> dict[str, Any]:
+    import platform
+
+    return {
+        "python": platform.python_version(),
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime()),
+    }
+
+
+if __name__ == "__main__":
+    sys.exit(main())
