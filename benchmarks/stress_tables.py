@@ -47,8 +47,8 @@ def _entry(writer: int, number: int) -> Entry:
 # -- children --------------------------------------------------------------------------------------
 def run_writer(path: str, writer: int, log: str, pause_s: float) -> None:
     """Add entries one by one forever; log each number once ``merge_entries`` returned."""
-    done = Path(log).read_text().split() if os.path.exists(log) else []
-    number = int(done[-1]) + 1 if done else 0
+    done = _logged(log)
+    number = done[-1] + 1 if done else 0
     with open(log, "a", encoding="ascii") as handle:
         while True:
             merge_entries(path, [_entry(writer, number)], timeout_s=120)
@@ -89,6 +89,22 @@ def _spawn(args: list[str]) -> subprocess.Popen[bytes]:
     return subprocess.Popen([sys.executable, __file__, *args], env=env, stderr=subprocess.PIPE)
 
 
+def _logged(log: str) -> list[int]:
+    return [int(n) for n in Path(log).read_text().split()] if os.path.exists(log) else []
+
+
+def _wait_for_first_commits(logs: list[str], procs: list[subprocess.Popen[bytes]]) -> None:
+    deadline = time.monotonic() + 120
+    while not all(_logged(log) for log in logs):
+        for w, proc in enumerate(procs):
+            if proc.poll() is not None:
+                err = proc.stderr.read().decode() if proc.stderr else ""
+                raise RuntimeError(f"writer {w} exited with {proc.returncode}:\n{err[-3000:]}")
+        if time.monotonic() > deadline:
+            raise RuntimeError("writers committed nothing within 120 s")
+        time.sleep(0.05)
+
+
 def stress(folder: Path, writers: int, kills: int, readers: int, seed: int, pause_s: float) -> dict[str, Any]:
     rng = random.Random(seed)
     real, link = folder / "v3.msgpack", folder / "current.msgpack"
@@ -104,7 +120,7 @@ def stress(folder: Path, writers: int, kills: int, readers: int, seed: int, paus
     reader_outs = [str(folder / f"reader{r}.json") for r in range(readers)]
     reader_procs = [_spawn(["--_reader", str(real), str(link), out]) for out in reader_outs]
     start = time.monotonic()
-    time.sleep(0.5)  # let every writer import and commit something first
+    _wait_for_first_commits(logs, procs)  # a writer killed while importing would test nothing
     for _ in range(kills):
         time.sleep(rng.uniform(0.02, 0.2))
         w = rng.randrange(writers)
@@ -124,7 +140,7 @@ def stress(folder: Path, writers: int, kills: int, readers: int, seed: int, paus
     elapsed = time.monotonic() - start
 
     table = load_table(real)
-    logged = {(w, int(n)) for w in range(writers) for n in Path(logs[w]).read_text().split()}
+    logged = {(w, n) for w in range(writers) for n in _logged(logs[w])}
     present = {
         (int(e.kernel.rsplit(":w", 1)[1]), int(e.key.split("=", 1)[1]))
         for e in table.values()
