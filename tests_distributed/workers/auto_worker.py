@@ -59,13 +59,13 @@ def delay(scenario: str) -> float:
 
 
 def run_scenario(scenario: str, cache: str, tables: tuple[str, ...]) -> dict[str, Any]:
-    from _kernels import run  # imported after the interception is installed (Triton 3.3)
-
     decision_log().clear()
     MEASURED.clear()
     result: dict[str, Any] = {"error": None}
     policy = TuningPolicy(mode="auto", cache=cache, tables=tables, use_shipped_tables=False)
     handle = megatron_tuning.init_deterministic_tuning(policy)
+    from _kernels import run  # after the interception is installed: Triton 3.3 decorates lazily then
+
     try:
         dist.barrier()
         time.sleep(delay(scenario))
