@@ -8,6 +8,7 @@ results. Every detector has a run that must fire and one that must stay quiet.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -113,6 +114,12 @@ def test_verify_compares_only_shared_entries(
     assert [row["shared"] for row in _scenario(job, name)] == [expected] * nproc
 
 
+def _named_ranks(message: str) -> set[int]:
+    """Ranks a divergence message names: "Rank(s) [0, 4] ran ..." groups and "rank 3: ..." lines."""
+    named = {int(r) for group in re.findall(r"Rank\(s\) \[([\d, ]+)\]", message) for r in group.split(",")}
+    return named | {int(r) for r in re.findall(r"\brank (\d+)", message)}
+
+
 @pytest.mark.parametrize(
     "name",
     [
@@ -133,8 +140,8 @@ def test_divergence_is_raised_on_every_rank_with_one_message(job: tuple[int, Res
     message, row = messages.pop(), rows[0]
     assert row["kernel"] in message and row["key"] in message
     assert len(row["ranks"]) >= 2
-    for rank in row["ranks"]:
-        assert f"[{rank}]" in message or f"rank {rank}" in message
+    # With more ranks than configs, chaos gives some ranks the same config: "Rank(s) [0, 4] ran ...".
+    assert set(row["ranks"]) <= _named_ranks(message), message
     assert "diff:" in message
 
 
