@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python benchmarks/bench_agreement.py              # 2, 4 and 8 ranks
     PYTHONPATH=. python benchmarks/bench_agreement.py --nproc 2 4 --keys 100 --launches 2000
+    PYTHONPATH=. python benchmarks/bench_agreement.py --nproc 8 --gpu --backend nccl --out a.json
 
 For each world size it starts one ``torchrun --standalone`` job (gloo on CPU, Triton interpreter)
 and measures on every rank, all ranks running at once:
@@ -17,7 +18,8 @@ and measures on every rank, all ranks running at once:
   GPUs with ``--gpu`` (rank r on GPU r mod count; no interpreter).
 
 Latencies are medians (p90 in brackets) over all ranks' samples. The machine's core count bounds
-what 8 ranks on a 2-core box can show: read the numbers as upper bounds.
+what 8 ranks on a 2-core box can show: read the numbers as upper bounds. ``--out`` writes the
+medians, p90s and the printed rows as JSON.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -158,7 +161,7 @@ def _worker(args: argparse.Namespace) -> int:
     for stub, launches, label in ((True, args.launches, "hit"), (False, real_launches, "launch")):
         for mode in ("off", "store") * 3:
             out.setdefault(f"{label}_{mode}", []).append(_time_launches(mode, launches, stub, device))
-    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as handle:
+    with open(os.path.join(args.folder, f"rank{rank}.json"), "w") as handle:
         json.dump(out, handle)
     dist.barrier()
     dist.destroy_process_group()
@@ -166,7 +169,14 @@ def _worker(args: argparse.Namespace) -> int:
 
 
 def _run_job(nproc: int, args: argparse.Namespace, folder: str) -> dict[str, list[float]]:
-    env = common.child_env(False, TRITON_INTERPRET="0" if args.gpu else "1", OMP_NUM_THREADS="1")
+    env = common.child_env(
+        False,
+        TRITON_INTERPRET="0" if args.gpu else "1",
+        OMP_NUM_THREADS="1",
+        NCCL_NVLS_ENABLE="0",  # NVLink multicast stays off (shared GPU hosts)
+        TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
+        NVSHMEM_DISABLE_NVLS="1",
+    )
     command = [
         sys.executable,
         "-m",
@@ -175,7 +185,7 @@ def _run_job(nproc: int, args: argparse.Namespace, folder: str) -> dict[str, lis
         f"--nproc_per_node={nproc}",
         __file__,
         "--_worker",
-        "--out",
+        "--folder",
         folder,
         "--keys",
         str(args.keys),
@@ -184,9 +194,20 @@ def _run_job(nproc: int, args: argparse.Namespace, folder: str) -> dict[str, lis
         "--backend",
         args.backend,
     ] + (["--gpu"] if args.gpu else [])
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.timeout)
-    if done.returncode != 0:
-        raise SystemExit(f"{nproc}-rank job failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    # Its own session, so a timeout kills torchrun and every rank, not only the launcher.
+    with subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    ) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=args.timeout)
+        except subprocess.TimeoutExpired as expired:
+            os.killpg(process.pid, signal.SIGKILL)
+            stdout, stderr = process.communicate()
+            raise SystemExit(
+                f"{nproc}-rank job exceeded {args.timeout}s:\n{stdout[-3000:]}\n{stderr[-3000:]}"
+            ) from expired
+    if process.returncode != 0:
+        raise SystemExit(f"{nproc}-rank job failed:\n{stdout[-3000:]}\n{stderr[-3000:]}")
     merged: dict[str, list[float]] = {}
     for rank in range(nproc):
         with open(os.path.join(folder, f"rank{rank}.json")) as handle:
@@ -212,8 +233,9 @@ def main() -> int:
         default="gloo",
         help="process-group backend (nccl needs --gpu and one GPU per rank)",
     )
-    parser.add_argument("--out", default="")
+    parser.add_argument("--out", default=None, help="write the JSON results here")
     parser.add_argument("--_worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--folder", default="", help=argparse.SUPPRESS)  # the workers' result files
     args = parser.parse_args()
     if args.backend == "nccl" and not args.gpu:
         parser.error("--backend nccl needs --gpu")
@@ -236,18 +258,25 @@ def main() -> int:
     )
     print(header)
     print("-" * len(header))
+    rows = []
     for nproc in args.nproc:
         started = time.monotonic()
         with tempfile.TemporaryDirectory() as folder:
             data = _run_job(nproc, args, folder)
         hit = "/".join(f"{statistics.median(data[f'hit_{m}']) * 1e6:.2f}" for m in ("off", "store"))
         launch = "/".join(f"{statistics.median(data[f'launch_{m}']) * 1e6:.1f}" for m in ("off", "store"))
-        print(
+        line = (
             f"{nproc:>5} | {us(data['store_rt'])} | {us(data['store_check'])} | "
             f"{us(data['allgather_check']):>18} | {statistics.median(data['verify']) * 1e3:9.2f} | "
-            f"{hit:>18} | {launch:>23}   ({time.monotonic() - started:.0f}s)",
-            flush=True,
+            f"{hit:>18} | {launch:>23}   ({time.monotonic() - started:.0f}s)"
         )
+        print(line, flush=True)
+        row: dict[str, Any] = {"nproc": nproc, "job_s": time.monotonic() - started, "printed": line}
+        for name, values in sorted(data.items()):
+            p50, p90 = _percentiles(values)
+            row[name] = {"median_s": p50, "p90_s": p90, "n": len(values)}
+        rows.append(row)
+    common.write_json(args.out, {"environment": common.environment(), "args": vars(args), "rows": rows})
     return 0
 
 

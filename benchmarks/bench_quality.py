@@ -39,20 +39,9 @@ def measure(args: argparse.Namespace, table_path: str | None) -> list[dict[str, 
         key = tuning_key(kernel, kargs, {})
         found = tables.find(kernel_id(kernel), key, arch=arch_tag()) if tables is not None else None
         pinned = config_signature(found[0].config) if found else config_signature(cheapest(configs))
-        samples: list[list[float]] = [[] for _ in configs]
-        for r in range(args.rounds):
-            for i in [*range(len(configs))][r % len(configs) :] + [*range(len(configs))][: r % len(configs)]:
-                try:
-
-                    def call(c: Any = configs[i], a: tuple = kargs, g: Any = grid) -> None:
-                        common.launch_config(kernel, c, a, g)
-
-                    samples[i].append(common.time_ms(call, args.smoke, warmup=5, rep=args.rep_ms))
-                except Exception as exc:  # out of resources / compile errors: this config cannot run
-                    samples[i].append(float("inf"))
-                    print(
-                        f"{common.shape_name(shape)} {signatures[i]}: {type(exc).__name__}", file=sys.stderr
-                    )
+        samples = common.time_configs_interleaved(
+            kernel, configs, kargs, grid, rounds=args.rounds, rep_ms=args.rep_ms, smoke=args.smoke
+        )
         medians = [statistics.median(s) for s in samples]
         best = min(range(len(configs)), key=lambda i: medians[i])
         p = signatures.index(pinned) if pinned in signatures else None

@@ -277,6 +277,31 @@ def launch_config(autotuner: Any, config: Any, args: tuple, grid: Any) -> None:
     autotuner.fn[grid](*args, **config.all_kwargs())
 
 
+def time_configs_interleaved(
+    autotuner: Any, configs: Sequence[Any], args: tuple, grid: Any, *, rounds: int, rep_ms: int, smoke: bool
+) -> list[list[float]]:
+    """Per config, ``rounds`` samples (ms) of launching exactly that config, bypassing the autotuner.
+
+    Rounds are interleaved with a rotating start so clock drift hits every config alike; a config
+    that cannot compile or run scores ``inf`` (as in Triton's autotuner).
+    """
+    samples: list[list[float]] = [[] for _ in configs]
+    order = list(range(len(configs)))
+    for r in range(rounds):
+        start = r % len(configs)
+        for i in order[start:] + order[:start]:
+
+            def call(c: Any = configs[i]) -> None:
+                launch_config(autotuner, c, args, grid)
+
+            try:
+                samples[i].append(time_ms(call, smoke, warmup=5, rep=rep_ms))
+            except Exception as exc:  # out of resources / compile errors: this config cannot run
+                samples[i].append(float("inf"))
+                print(f"config {i}: {type(exc).__name__}: {exc}", file=sys.stderr)
+    return samples
+
+
 def install_pinned(table_paths: Sequence[str]) -> Any:
     """Deterministic policy with these tables (no shipped ones): what a pinned user process does."""
     from megatron_tuning.core.policy import TuningPolicy

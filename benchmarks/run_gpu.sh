@@ -11,6 +11,9 @@
 #   reproducibility  >= 10 fresh processes, stock vs pinned (uses configs/sm90/matmul.msgpack)
 #   retune           >= 5 fresh processes: the tuner's choice vs Triton's
 #   record           record -> merge -> pin end to end (4 recording processes, then a pinned one)
+#   auto             auto mode run 1 / run 2 vs stock (2 processes sharing a store), nearest-shape rule
+#   mamba            megatron-core's Mamba SSD kernels: stock, MAMBA_DETERMINISTIC, ours, auto run 1/2
+#                    (needs megatron-core importable: see benchmarks/bench_mamba_ssd.py)
 #   smoke            every script's --smoke (CPU interpreter) path: a plumbing check, no numbers
 #
 # Budget: MT_BUDGET_S seconds for the whole call (default 480); a stage that would start with less
@@ -31,7 +34,7 @@ stages=("$@")
 ((${#stages[@]})) || stages=(tables quality first_launch overhead)
 
 # Typical H200 seconds per stage; a stage is skipped when less than this is left.
-declare -A NEED=([tables]=120 [quality]=60 [first_launch]=150 [overhead]=30 [reproducibility]=280 [retune]=120 [record]=120 [smoke]=120)
+declare -A NEED=([tables]=120 [quality]=60 [first_launch]=150 [overhead]=30 [reproducibility]=280 [retune]=120 [record]=120 [smoke]=120 [auto]=150 [mamba]=200)
 
 {
   echo "date: $(date -u '+%Y-%m-%d %H:%M:%SZ')"
@@ -73,6 +76,11 @@ for stage in "${stages[@]}"; do
       run_stage retune "$PY" benchmarks/bench_retune.py --processes "${MT_RETUNE_PROCESSES:-5}" \
         --plot "$OUT/plots/retune" --out "$OUT/retune.json" ;;
     record) run_stage record "$PY" benchmarks/record_merge_e2e.py --out "$OUT/record.json" ;;
+    auto) run_stage auto "$PY" benchmarks/bench_auto.py --out "$OUT/auto.json" ;;
+    mamba)
+      run_stage mamba "$PY" benchmarks/bench_mamba_ssd.py --driver --processes "${MT_MAMBA_PROCESSES:-3}" \
+        --budget-s "${MT_MAMBA_BUDGET_S:-240}" --work-dir "${TMPDIR:-/tmp}/mt_mamba_bench" \
+        --out "$OUT/mamba_runs.jsonl" --summary-out "$OUT/mamba_summary.json" ;;
     smoke)
       run_stage smoke bash -c "set -e; for s in bench_quality bench_launch_overhead bench_first_launch bench_retune bench_reproducibility record_merge_e2e; do
         $PY benchmarks/\$s.py --smoke --out $OUT/smoke/\$s.json; done

@@ -161,6 +161,16 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     )
     p.set_defaults(handler=_cmd_coverage)
 
+    p = sub.add_parser(
+        "cache",
+        help="where auto mode's cache table is, and how many entries it holds",
+        description="Print the path of auto mode's cache table for an arch (the policy's cache from "
+        "MEGATRON_TUNING_CACHE, else <user cache dir>/megatron_tuning/<arch>/auto.msgpack) and its "
+        "entry count. Review it with show/export/validate like any table.",
+    )
+    p.add_argument("--arch", help="the arch (default: this machine's; 'unknown' without a GPU)")
+    p.set_defaults(handler=_cmd_cache)
+
     _add_hooks(sub, argv)
     return parser
 
@@ -369,6 +379,25 @@ def _cmd_coverage(args: argparse.Namespace) -> int:
     print(coverage_json_text(coverage) if args.json else coverage.report())
     found = bool(coverage.diverged()) or (args.fail_on_fallback and coverage.counts().get("fallback", 0) > 0)
     return EXIT_FOUND if found else EXIT_OK
+
+
+def _cmd_cache(args: argparse.Namespace) -> int:
+    from .core.policy import TuningPolicy
+    from .tables.cache import cache_path
+    from .tables.table import load_table
+
+    if args.arch is None:
+        from .core.identity import arch_tag
+
+        args.arch = arch_tag()
+    path = cache_path(TuningPolicy.from_env(mode="auto"), args.arch)
+    if path is None:
+        print("auto cache: off (MEGATRON_TUNING_CACHE=off)")
+    elif os.path.isfile(path):
+        print(f"{path}\t{len(load_table(path))} entries")
+    else:
+        print(f"{path}\t(not written yet)")
+    return EXIT_OK
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -49,6 +49,19 @@ def test_benchmark_smoke_paths(script: str, tmp_path: Path) -> None:
     assert result["environment"]["python"]
 
 
+@pytest.mark.slow
+def test_workloads_smoke_agrees_catches_chaos_and_tunes_once(tmp_path: Path) -> None:
+    """bench_workloads.py --smoke: 4 torchrun jobs of 2 gloo ranks (~30-45 s on 2 cores)."""
+    result = _smoke("bench_workloads.py", tmp_path)
+    jobs = {job["run"]: job["summary"] for job in result["jobs"]}
+    assert set(jobs) == {"deterministic", "chaos", "auto1", "auto2"}
+    assert all(s["verdict"] == "ok" for s in jobs.values()), {r: s["verdict"] for r, s in jobs.items()}
+    assert jobs["chaos"]["errors"] == {"DivergenceError": 2}
+    assert jobs["deterministic"]["errors"] == {} and jobs["deterministic"]["keys_with_several_configs"] == 0
+    assert sum(jobs["auto1"]["measured_per_rank"]) > 0 and jobs["auto2"]["measured_per_rank"] == [0, 0]
+    assert set(jobs["auto2"]["sources"]) == {"table"}
+
+
 def test_table_stress_loses_nothing_and_reads_nothing_corrupt(tmp_path: Path) -> None:
     # CPU-only script: concurrent writers (one through a symlink) SIGKILLed at random, and readers.
     result = _smoke("stress_tables.py", tmp_path)

@@ -54,7 +54,9 @@ def run(capsys, *argv: object) -> tuple[int, str, str]:
 
 
 # -- help and usage ----------------------------------------------------------------
-@pytest.mark.parametrize("command", ["show", "export", "import", "diff", "merge", "validate", "coverage"])
+@pytest.mark.parametrize(
+    "command", ["show", "export", "import", "diff", "merge", "validate", "coverage", "cache"]
+)
 def test_every_command_has_help(capsys, command):
     with pytest.raises(SystemExit) as info:
         cli.main([command, "--help"])
@@ -514,6 +516,19 @@ def test_real_hooks_are_listed_when_their_modules_exist(capsys):
     out = capsys.readouterr().out
     for name, (module, *_rest) in cli._HOOKS.items():
         assert (f"    {name} " in out) == cli._module_exists(module)
+
+
+def test_cache_prints_the_auto_cache_path_and_its_size(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    default = tmp_path / "xdg" / "megatron_tuning" / "sm90" / "auto.msgpack"
+    assert run(capsys, "cache", "--arch", "sm90") == (0, f"{default}\t(not written yet)\n", "")
+    table = tmp_path / "mine.msgpack"
+    save_table(Table([entry(64)]), table)
+    monkeypatch.setenv("MEGATRON_TUNING_CACHE", str(table))
+    assert run(capsys, "cache", "--arch", "sm90") == (0, f"{table}\t1 entries\n", "")
+    monkeypatch.setenv("MEGATRON_TUNING_CACHE", "off")
+    code, out, _ = run(capsys, "cache")
+    assert code == 0 and "off" in out
 
 
 # -- control characters in human output ------------------------------------------

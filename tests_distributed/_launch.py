@@ -18,6 +18,13 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 WORKERS = Path(__file__).resolve().parent / "workers"
+# NVLink multicast stays off in every child job: on shared GPU hosts a program that uses it can
+# take the GPUs out of service (NCCL NVLS, PyTorch symmetric memory, NVSHMEM).
+MULTICAST_OFF = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
 
 
 def gloo_available() -> bool:
@@ -47,6 +54,7 @@ def job_env(tmp: Path, *, interpret: bool = True) -> dict[str, str]:
     env["TRITON_INTERPRET"] = "1" if interpret else "0"
     env["TRITON_CACHE_DIR"] = str(tmp / "triton_cache")
     env["OMP_NUM_THREADS"] = "1"
+    env.update(MULTICAST_OFF)
     return env
 
 

@@ -1,13 +1,14 @@
-"""Agreement checks across real torchrun ranks (gloo, CPU, Triton interpreter; NCCL on 2+ GPUs).
+"""Agreement checks across real torchrun ranks (gloo, CPU, Triton interpreter; NCCL on every GPU).
 
-One torchrun job per world size (and, where two GPUs exist, one NCCL job on real GPUs) runs
-every scenario of ``workers/agreement_worker.py`` in order (a job costs ~5 s of start-up;
-scenarios cost milliseconds), then each test asserts on one scenario's per-rank results. Every
-detector has a run that must fire and one that must stay quiet.
+One torchrun job per world size (and, where two or more GPUs exist, one NCCL job with one rank
+per visible GPU) runs every scenario of ``workers/agreement_worker.py`` in order (a job costs ~5 s
+of start-up; scenarios cost milliseconds), then each test asserts on one scenario's per-rank
+results. Every detector has a run that must fire and one that must stay quiet.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -42,14 +43,18 @@ Results = dict[int, dict[str, dict[str, Any]]]
 
 
 @pytest.fixture(
-    scope="module", params=[("gloo", 2), ("gloo", 4), ("nccl", 2)], ids=lambda p: f"{p[0]}-{p[1]}ranks"
+    scope="module",
+    params=[("gloo", 2), ("gloo", 4), ("nccl", 0)],
+    ids=lambda p: f"{p[0]}-{p[1] or 'all'}ranks",
 )
 def job(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[int, Results]:
     backend, nproc = request.param
     if not gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
-    if backend == "nccl" and gpu_count() < nproc:
-        pytest.skip(f"NCCL run needs {nproc} GPUs")
+    if backend == "nccl":  # one rank per visible GPU: the largest world size the machine has
+        nproc = gpu_count()
+        if nproc < 2:
+            pytest.skip("the NCCL run needs 2 or more GPUs")
     tmp = tmp_path_factory.mktemp(f"agreement_{backend}_{nproc}")
     scenarios = SCENARIOS + (GPU_SCENARIOS if backend == "nccl" else [])
     args = ["--out", str(tmp), "--scenarios", ",".join(scenarios), "--backend", backend]
@@ -109,6 +114,12 @@ def test_verify_compares_only_shared_entries(
     assert [row["shared"] for row in _scenario(job, name)] == [expected] * nproc
 
 
+def _named_ranks(message: str) -> set[int]:
+    """Ranks a divergence message names: "Rank(s) [0, 4] ran ..." groups and "rank 3: ..." lines."""
+    named = {int(r) for group in re.findall(r"Rank\(s\) \[([\d, ]+)\]", message) for r in group.split(",")}
+    return named | {int(r) for r in re.findall(r"\brank (\d+)", message)}
+
+
 @pytest.mark.parametrize(
     "name",
     [
@@ -129,8 +140,8 @@ def test_divergence_is_raised_on_every_rank_with_one_message(job: tuple[int, Res
     message, row = messages.pop(), rows[0]
     assert row["kernel"] in message and row["key"] in message
     assert len(row["ranks"]) >= 2
-    for rank in row["ranks"]:
-        assert f"[{rank}]" in message or f"rank {rank}" in message
+    # With more ranks than configs, chaos gives some ranks the same config: "Rank(s) [0, 4] ran ...".
+    assert set(row["ranks"]) <= _named_ranks(message), message
     assert "diff:" in message
 
 

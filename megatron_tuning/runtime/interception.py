@@ -254,13 +254,15 @@ def _decide(
     """Choose, record and pin the config for one (kernel, key); the first use of it in this process.
 
     ``may_measure=False`` where no real arguments exist (compiled-code tracing): ``tune`` and
-    ``auto`` then apply the policy's miss rule instead of measuring.
+    ``auto`` then apply the policy's miss rule instead of measuring. A new key first launched
+    while a CUDA graph is being captured is never measured either (timing would break the capture).
     """
     with state.lock:
         config = state.pins.get(raw)
         if config is not None:
             return config
         policy = installation.policy
+        may_measure = may_measure and not _capturing()
         key = tuning_key(autotuner, args, kwargs)
         candidates = _live_candidates(autotuner, args, kwargs)
         rank = current_rank()
@@ -323,6 +325,16 @@ def _decide(
         decision_log().record(decision)  # listeners (agreement) may raise: then nothing is pinned
         state.pins[raw] = config
         return config
+
+
+def _capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (never imports torch itself)."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available():
+        return False
+    return bool(torch.cuda.is_current_stream_capturing())
 
 
 def _record_run(

@@ -19,6 +19,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..core import env
 from ..core.decisions import Decision
 from ..core.errors import TableError
 from ..core.policy import CACHE_OFF, ENV_CACHE, TuningPolicy
@@ -42,11 +43,14 @@ def default_cache_dir() -> Path:
 
 
 def cache_path(policy: TuningPolicy, arch: str) -> str | None:
-    """The cache file ``policy`` asks for on ``arch``; ``None`` when the cache is off."""
-    if policy.cache == CACHE_OFF:
+    """The cache file for ``arch``: the policy's ``cache``, else ``MEGATRON_TUNING_CACHE`` (read now,
+    as ``MEGATRON_TUNING_TABLE`` is for a policy built in code), else the per-user default.
+    ``None`` when the cache is ``off``."""
+    chosen = policy.cache or env.env_str(ENV_CACHE) or None
+    if chosen == CACHE_OFF:
         return None
-    if policy.cache:
-        return os.path.abspath(os.path.expanduser(policy.cache))
+    if chosen:
+        return os.path.abspath(os.path.expanduser(chosen))
     return str(default_cache_dir() / arch / CACHE_FILE_NAME)
 
 

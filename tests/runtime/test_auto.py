@@ -207,3 +207,12 @@ def test_a_second_run_pins_every_key_from_the_cache_with_zero_measurements(tmp_p
     assert measures[1].calls == []
     assert [(d.source, d.origin) for d in ours()] == [("table", str(cache))] * 2
     assert all(d.signature.startswith("BLOCK_SIZE=64") for d in ours())
+
+
+def test_a_new_key_during_cuda_graph_capture_is_never_measured(monkeypatch):
+    monkeypatch.setattr(interception, "_capturing", lambda: True)
+    measure = FakeMeasure(block=32)
+    interception.install(TuningPolicy(mode="auto", on_miss="min_cost"), measure=measure)
+    launch(100)
+    assert measure.calls == []
+    assert [d.source for d in ours()] == ["cheapest"]

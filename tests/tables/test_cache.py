@@ -39,6 +39,12 @@ def test_default_path_is_per_user_and_per_arch_and_respects_xdg(tmp_path, monkey
     assert cache_path(TuningPolicy(mode="auto", cache="off"), "sm90") is None
     mine = tmp_path / "mine.msgpack"
     assert cache_path(TuningPolicy(mode="auto", cache=str(mine)), "sm90") == str(mine)
+    # A policy built in code without a cache takes MEGATRON_TUNING_CACHE, as tables take _TABLE.
+    monkeypatch.setenv("MEGATRON_TUNING_CACHE", str(tmp_path / "env.msgpack"))
+    assert cache_path(TuningPolicy(mode="auto"), "sm90") == str(tmp_path / "env.msgpack")
+    assert cache_path(TuningPolicy(mode="auto", cache=str(mine)), "sm90") == str(mine)
+    monkeypatch.setenv("MEGATRON_TUNING_CACHE", "off")
+    assert cache_path(TuningPolicy(mode="auto"), "sm90") is None
 
 
 def test_persist_merges_tuned_and_adopted_only_once_each(tmp_path):
