@@ -18,7 +18,9 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 LINT = shutil.which("lint-imports", path=os.path.dirname(sys.executable)) or shutil.which("lint-imports")
 
-pytestmark = pytest.mark.skipif(LINT is None, reason="import-linter is not installed (pip install -e .[test])")
+pytestmark = pytest.mark.skipif(
+    LINT is None, reason="import-linter is not installed (pip install -e .[test])"
+)
 
 
 def _lint(root: Path) -> subprocess.CompletedProcess[str]:
@@ -43,7 +45,9 @@ def _copy_package(tmp_path: Path) -> Path:
     root = tmp_path / "repo"
     root.mkdir()
     shutil.copy(REPO / "pyproject.toml", root / "pyproject.toml")
-    shutil.copytree(REPO / "megatron_tuning", root / "megatron_tuning", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(
+        REPO / "megatron_tuning", root / "megatron_tuning", ignore=shutil.ignore_patterns("__pycache__")
+    )
     return root
 
 
