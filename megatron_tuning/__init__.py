@@ -18,6 +18,7 @@ from .core.errors import (
     AgreementTimeoutError,
     BenchmarkForbiddenError,
     BlockSizeOverrideError,
+    CompiledLaunchNotPinnedError,
     DivergenceError,
     MegatronTuningError,
     PolicyError,
@@ -49,7 +50,6 @@ from .session import TuningHandle, init_deterministic_tuning
 from .tables.decision_files import write_decisions
 
 
-
 def verify_agreement(group: Any = None, *, timeout_s: float | None = None) -> int:
     """Compare all ranks' decisions at a step boundary (collective); see ``distributed.verify``."""
     from .distributed.verify import verify_agreement as _verify
@@ -63,6 +63,7 @@ __all__ = [
     "AgreementTimeoutError",
     "BenchmarkForbiddenError",
     "BlockSizeOverrideError",
+    "CompiledLaunchNotPinnedError",
     "Decision",
     "DivergenceError",
     "MegatronTuningError",

@@ -43,11 +43,21 @@ from ..core.identity import (
     tuning_key,
 )
 from ..core.policy import TuningPolicy
-from .triton_compat import acquire_lazy_init, autotuner_class, check_triton_contract, release_lazy_init
+from . import inductor
+from .triton_compat import (
+    acquire_lazy_init,
+    autotuner_class,
+    check_triton_contract,
+    release_lazy_init,
+    triton_cache_key,
+)
 
 logger = logging.getLogger(__name__)
 
 _STATE_ATTR = "_megatron_tuning_state"
+# Set on the one-config Autotuner copies compiled code launches (runtime/inductor.py): the value is
+# the config to launch, already decided, so ``run`` launches it without a new decision.
+PINNED_ATTR = "_megatron_tuning_pinned_config"
 
 # measure(autotuner, candidates, args, kwargs, kernel, key) -> (config, timings)
 Measure = Callable[[Any, list[Any], tuple[Any, ...], dict[str, Any], str, str], tuple[Any, dict[str, Any]]]
@@ -73,6 +83,8 @@ class _AutotunerState:
     pins: dict[tuple[Any, ...], Any] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
     source_hash: str | None = None
+    triton_keys: dict[tuple[Any, ...], Any] = field(default_factory=dict)
+    """Entries this installation wrote into the autotuner's own ``cache`` (removed at uninstall)."""
 
 
 _lock = threading.RLock()
@@ -106,6 +118,7 @@ def install(policy: TuningPolicy, *, table: Any = None, measure: Measure | None 
             _patch()
         _generation += 1
         _installation = _Installation(policy, as_config_table(table), measure, _generation, arch_tag())
+    inductor.warn_if_unsupported(policy)
     logger.debug("interception installed: %s", policy.describe())
 
 
@@ -120,9 +133,12 @@ def uninstall() -> None:
         for name, original in _originals.items():
             setattr(autotuner, name, original)
         _originals.clear()
+        inductor.unpatch()
         release_lazy_init()
         for instance in list(_touched):
-            instance.__dict__.pop(_STATE_ATTR, None)
+            state = instance.__dict__.pop(_STATE_ATTR, None)
+            if state is not None:
+                _forget_triton_cache(instance, state)
     logger.debug("interception uninstalled")
 
 
@@ -133,6 +149,7 @@ def _patch() -> None:
     autotuner.run = _make_run(_originals["run"])
     autotuner._bench = _make_bench(_originals["_bench"])
     acquire_lazy_init()
+    inductor.patch()
 
 
 def _make_bench(original: Any) -> Any:
@@ -152,6 +169,8 @@ def _state_for(autotuner: Any, installation: _Installation) -> _AutotunerState:
     state = autotuner.__dict__.get(_STATE_ATTR)
     if state is not None and state.generation == installation.generation:
         return state
+    if state is not None:
+        _forget_triton_cache(autotuner, state)
     arg_names = list(autotuner.arg_names)
     kernel = kernel_id(autotuner)
     state = _AutotunerState(
@@ -197,6 +216,9 @@ def _make_run(original: Any) -> Any:
     @functools.wraps(original)
     def run(self: Any, *args: Any, **kwargs: Any) -> Any:
         installation = _installation
+        pinned = self.__dict__.get(PINNED_ATTR)
+        if pinned is not None:  # a compiled graph's one-config copy: decided when it was traced
+            return _launch_pinned(self, pinned, args, kwargs)
         if installation is None or installation.policy.mode == "off":
             return original(self, *args, **kwargs)
         state = self.__dict__.get(_STATE_ATTR)
@@ -219,6 +241,31 @@ def _make_run(original: Any) -> Any:
     return run
 
 
+def _launch_pinned(autotuner: Any, config: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    autotuner.best_config = config
+    if config.pre_hook is not None:
+        config.pre_hook({**dict(zip(autotuner.arg_names, args)), **kwargs, **config.all_kwargs()})
+    return autotuner.fn.run(*args, **kwargs, **config.all_kwargs())
+
+
+def _remember_in_triton_cache(
+    autotuner: Any, state: _AutotunerState, args: tuple[Any, ...], kwargs: dict[str, Any], config: Any
+) -> None:
+    """File the decision under Triton's own key, as Triton's hit path leaves it, for code that reads it."""
+    key = triton_cache_key(autotuner, args, kwargs)
+    autotuner.cache[key] = config
+    state.triton_keys[key] = config
+
+
+def _forget_triton_cache(autotuner: Any, state: _AutotunerState) -> None:
+    # Only entries still holding what we wrote: Triton may have re-tuned a key since (mode off).
+    cache = autotuner.__dict__.get("cache")
+    for key, config in state.triton_keys.items():
+        if cache is not None and cache.get(key) is config:
+            del cache[key]
+    state.triton_keys.clear()
+
+
 def _live_candidates(autotuner: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
     """The kernel's own pruning (early_config_prune, perf_model/top_k), as Triton applies it."""
     if len(autotuner.configs) <= 1:
@@ -237,7 +284,11 @@ def _decide(
     raw: tuple[Any, ...],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
+    *,
+    may_measure: bool = True,
 ) -> Any:
+    """Choose the config of a new key, record it, pin it. ``may_measure=False``: the arguments are
+    not real tensors (torch.compile trace time), so nothing may be timed."""
     with state.lock:
         config = state.pins.get(raw)
         if config is not None:
@@ -252,11 +303,18 @@ def _decide(
             ordered = order_by_cost(candidates)
             config = ordered[chaos_index(state.kernel, key, rank, len(ordered))]
             source = "chaos"
-        elif policy.mode == "tune" and len(candidates) > 1:
+        elif policy.mode == "tune" and len(candidates) > 1 and may_measure:
             assert installation.measure is not None
             config, timings = installation.measure(autotuner, candidates, args, kwargs, state.kernel, key)
             source = "tuned"
         else:
+            if policy.mode == "tune" and len(candidates) > 1:
+                logger.warning(
+                    "megatron_tuning: kernel %s key %s is first seen in compiled code, where nothing "
+                    "can be measured; using the deterministic choice instead of tuning it",
+                    state.kernel,
+                    key,
+                )
             choice = choose_deterministically(
                 autotuner,
                 candidates,
@@ -290,6 +348,7 @@ def _decide(
         )
         decision_log().record(decision)  # listeners (agreement) may raise: then nothing is pinned
         state.pins[raw] = config
+        _remember_in_triton_cache(autotuner, state, args, kwargs, config)
         return config
 
 
