@@ -20,7 +20,9 @@ graph's first run. So the choice has to be made while the call is traced.
   kernel means the pin was bypassed (a torch it cannot intercept, or a graph traced before
   ``install``): it warns, and raises ``CompiledLaunchNotPinnedError`` under ``strict``.
 
-torch is imported here only when ``patch()`` runs. Contract tests in
+torch is imported here only when ``patch()`` runs, and Dynamo and Inductor (about a second to
+import) only when the process already uses them: otherwise the tripwire is installed when the
+hook first runs, i.e. when the process first traces a kernel call. Contract tests in
 ``tests/runtime/test_torch_contract.py`` pin every private torch attribute used here.
 """
 
@@ -32,6 +34,7 @@ import hashlib
 import inspect
 import logging
 import re
+import sys
 import threading
 import weakref
 from collections.abc import Iterator
@@ -49,6 +52,8 @@ logger = logging.getLogger(__name__)
 # Modes whose compiled launches keep Inductor's own behaviour (nothing is pinned in them).
 PASS_THROUGH_MODES = ("off", "record")
 HOOK_PARAMETERS = ["self", "variable", "args", "kwargs", "tx"]
+_DYNAMO_HOPIFIER_MODULE = "torch._dynamo.variables.functions"
+_INDUCTOR_RUNTIME_MODULE = "torch._inductor.runtime.triton_heuristics"
 
 _lock = threading.RLock()
 _originals: dict[str, tuple[Any, Any]] = {}  # name -> (owner class, original attribute)
@@ -88,6 +93,14 @@ def patch() -> None:
             hopifier.call_triton_kernel = _make_call_triton_kernel(original)
         else:
             _unsupported = reason
+        if hopifier is None or _INDUCTOR_RUNTIME_MODULE in sys.modules:
+            _patch_tripwire()
+
+
+def _patch_tripwire() -> None:
+    with _lock:
+        if "benchmark_all_configs" in _originals:
+            return
         caching = _caching_autotuner_class()
         if caching is not None:
             original = caching.__dict__["benchmark_all_configs"]
@@ -134,12 +147,8 @@ def _hopifier_class() -> tuple[Any, str]:
     if list(inspect.signature(method).parameters) != HOOK_PARAMETERS:
         return None, f"TritonHOPifier.call_triton_kernel{inspect.signature(method)} changed"
     subclasses = [getattr(tkw, "TracingTritonHOPifier", None)]
-    try:
-        from torch._dynamo.variables.functions import DynamoTritonHOPifier
-
-        subclasses.append(DynamoTritonHOPifier)
-    except Exception:  # Dynamo unavailable: wrap_triton/make_fx tracing is still pinned
-        pass
+    dynamo = sys.modules.get(_DYNAMO_HOPIFIER_MODULE)  # not imported for this check (~1 s)
+    subclasses.append(getattr(dynamo, "DynamoTritonHOPifier", None))
     overriding = [c.__name__ for c in subclasses if c is not None and "call_triton_kernel" in c.__dict__]
     if overriding:
         return None, f"{', '.join(overriding)} overrides call_triton_kernel"
@@ -160,6 +169,8 @@ def _caching_autotuner_class() -> Any:
 def _make_call_triton_kernel(original: Any) -> Any:
     @functools.wraps(original)
     def call_triton_kernel(self: Any, variable: Any, args: Any, kwargs: Any, tx: Any) -> Any:
+        if "benchmark_all_configs" not in _originals and _originals:
+            _patch_tripwire()  # deferred from patch(): this process compiles kernels after all
         kernel = variable.kernel
         if getattr(_tls, "depth", 0):
             # The HOPifier recursing on our one-config copy (heuristics applied, special kwargs

@@ -128,6 +128,26 @@ def deterministic(**changes: Any) -> TuningPolicy:
 # --------------------------------------------------------------------------- scenarios
 
 
+def deferred_tripwire() -> dict[str, Any]:
+    """First scenario: nothing has imported Inductor's runtime yet when the library installs."""
+    from megatron_tuning.runtime import inductor
+
+    heuristics = "torch._inductor.runtime.triton_heuristics"
+    before = {"dynamo_loaded": "torch._dynamo" in sys.modules, "inductor_loaded": heuristics in sys.modules}
+    start(deterministic())
+    at_install = sorted(inductor._originals)
+    compiled(write_block, (1000,), fullgraph=True)
+    from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+
+    wrapped = hasattr(CachingAutotuner.__dict__["benchmark_all_configs"], "__wrapped__")
+    return {
+        **before,
+        "at_install": at_install,
+        "after_trace": sorted(inductor._originals),
+        "wrapped": wrapped,
+    }
+
+
 def static() -> dict[str, Any]:
     start(deterministic(), table=TABLE)
     eager_first = eager_block(write_block, 1000)
@@ -207,14 +227,23 @@ def triton_op_compiled() -> dict[str, Any]:
         wrap_triton(ck.write_block)[lambda meta: (triton.cdiv(n, meta["BLOCK"]),)](y, n)
         return y
 
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = []
+
+    def forward_compiler(gm: torch.fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
+        graphs.append(hop_configs(gm))  # the kernel node AOTAutograd hands the compiler
+        return gm.forward  # runs the node eagerly: Autotuner.run of the kernel it points at
+
     start(deterministic(), table=TABLE)
-    compiled_fn = torch.compile(lambda x: op(x), backend="aot_eager", dynamic=True, fullgraph=True)
+    backend = aot_autograd(fw_compiler=forward_compiler)
+    compiled_fn = torch.compile(lambda x: op(x), backend=backend, dynamic=True, fullgraph=True)
     launched = []
     for n in (1000, 2000, 1000):
         ck.LAUNCHES.clear()
         compiled_fn(torch.zeros(n))
         launched.append([launch["BLOCK"] for launch in ck.LAUNCHES])
-    return {"compiled": launched, "decisions": decisions()}
+    return {"graphs": graphs, "compiled": launched, "decisions": decisions()}
 
 
 def chaos() -> dict[str, Any]:
@@ -276,6 +305,7 @@ def not_installed() -> dict[str, Any]:
 SCENARIOS = {
     fn.__name__: fn
     for fn in (
+        deferred_tripwire,  # first: it needs a process where Inductor is not imported yet
         static,
         dynamic,
         automatic_dynamic,

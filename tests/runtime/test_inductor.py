@@ -137,6 +137,7 @@ def test_wrap_triton_tracing_is_pinned_and_guards_the_key(scenarios):
 
 def test_triton_op_is_pinned_and_decided_once_per_key(scenarios):
     result = _result(scenarios, "triton_op_compiled")
+    assert result["graphs"] == [[[128]], [[32]]]  # what AOTAutograd hands the compiler, per key
     assert result["compiled"] == [[128], [32], [128]]  # traced several times per compile
     assert [d[1] for d in result["decisions"]] == [WB_1000, WB_2000]
 
@@ -182,6 +183,13 @@ def test_compiled_decision_is_filed_in_tritons_cache(scenarios):
 
 
 # --------------------------------------------------------------------------- install, uninstall, warnings
+
+
+def test_install_imports_neither_dynamo_nor_inductor_and_the_first_trace_sets_the_tripwire(scenarios):
+    result = _result(scenarios, "deferred_tripwire")
+    assert result["dynamo_loaded"] is False and result["inductor_loaded"] is False
+    assert result["at_install"] == ["call_triton_kernel"]
+    assert result["after_trace"] == ["benchmark_all_configs", "call_triton_kernel"] and result["wrapped"]
 
 
 def test_install_patches_and_uninstall_restores_torch_exactly():
