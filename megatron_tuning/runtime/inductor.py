@@ -368,8 +368,12 @@ def _original_kernel(generated: Any) -> Any:
     autotuner = autotuner_class()
     matches = []
     for kernel in list(kernel_side_table.id_to_kernel.values()):
-        if not isinstance(kernel, autotuner) or not kernel.keys:
-            continue  # the HOPifier's own rewrites have key=[]; the user's kernel is also there
+        if (
+            not isinstance(kernel, autotuner)
+            or not kernel.keys
+            or interception.PINNED_ATTR in kernel.__dict__
+        ):
+            continue  # the HOPifier's own rewrites (key=[]) and our copies; the user's kernel is there too
         try:
             if kernel.base_fn.__name__ not in (name, _generated_name(generated)):
                 continue
@@ -378,9 +382,7 @@ def _original_kernel(generated: Any) -> Any:
             continue
         matches.append((_body_digest(source) == digest, kernel))
     same_body = [k for exact, k in matches if exact]
-    if same_body or matches:
-        return (same_body or [k for _, k in matches])[0]
-    return None
+    return (same_body or [k for _, k in matches] or [None])[0]
 
 
 def _key_text(kernel: Any, caching_autotuner: Any, args: tuple[Any, ...]) -> str:

@@ -5,6 +5,8 @@
 * ``run``: for in-scope kernels under ``deterministic``/``chaos``/``tune`` the config is chosen
   at the first use of each key (after the kernel's own pruning), recorded in the decision log,
   and launched the way Triton's cache-hit path launches: ``Config.pre_hook`` then ``fn.run``.
+  The decision is also filed in the autotuner's own ``cache`` under Triton's key (removed again
+  at ``uninstall``), and ``best_config`` is set at every launch, as Triton's hit path leaves them.
   Autotuner-level ``reset_to_zero``/``restore_value``/``pre_hook``/``post_hook`` only protect
   benchmarking, so they do not run when nothing is benchmarked (as on Triton's hit path).
   Under ``record`` Triton autotunes as usual and its winner is recorded. Out-of-scope kernels
@@ -14,8 +16,10 @@
 * ``__init__`` (only on releases that resolve the benchmarker eagerly, 3.2/3.3): passes a lazy
   benchmarker so kernels can be decorated without a GPU driver (``triton_compat``).
 
-``uninstall()`` restores the original attributes exactly. Contract tests in
-``tests/test_triton_contract.py`` pin every private attribute used here.
+``install`` also patches torch.compile's handling of user kernels (``runtime/inductor.py``), so
+compiled graphs launch the same decisions. ``uninstall()`` restores the original attributes
+exactly. Contract tests in ``tests/runtime/test_triton_contract.py`` pin every private attribute
+used here.
 """
 
 from __future__ import annotations
