@@ -11,6 +11,7 @@
 #   reproducibility  >= 10 fresh processes, stock vs pinned (uses configs/sm90/matmul.msgpack)
 #   retune           >= 5 fresh processes: the tuner's choice vs Triton's
 #   record           record -> merge -> pin end to end (4 recording processes, then a pinned one)
+#   compile          torch.compile: eager vs compiled, stock vs pinned, 3 fresh processes per kind
 #   smoke            every script's --smoke (CPU interpreter) path: a plumbing check, no numbers
 #
 # Budget: MT_BUDGET_S seconds for the whole call (default 480); a stage that would start with less
@@ -31,7 +32,7 @@ stages=("$@")
 ((${#stages[@]})) || stages=(tables quality first_launch overhead)
 
 # Typical H200 seconds per stage; a stage is skipped when less than this is left.
-declare -A NEED=([tables]=120 [quality]=60 [first_launch]=150 [overhead]=30 [reproducibility]=280 [retune]=120 [record]=120 [smoke]=120)
+declare -A NEED=([tables]=120 [quality]=60 [first_launch]=150 [overhead]=30 [reproducibility]=280 [retune]=120 [record]=120 [compile]=240 [smoke]=120)
 
 {
   echo "date: $(date -u '+%Y-%m-%d %H:%M:%SZ')"
@@ -73,8 +74,9 @@ for stage in "${stages[@]}"; do
       run_stage retune "$PY" benchmarks/bench_retune.py --processes "${MT_RETUNE_PROCESSES:-5}" \
         --plot "$OUT/plots/retune" --out "$OUT/retune.json" ;;
     record) run_stage record "$PY" benchmarks/record_merge_e2e.py --out "$OUT/record.json" ;;
+    compile) run_stage compile "$PY" benchmarks/bench_compile.py --out "$OUT/compile.json" ;;
     smoke)
-      run_stage smoke bash -c "set -e; for s in bench_quality bench_launch_overhead bench_first_launch bench_retune bench_reproducibility record_merge_e2e; do
+      run_stage smoke bash -c "set -e; for s in bench_quality bench_launch_overhead bench_first_launch bench_retune bench_reproducibility record_merge_e2e bench_compile; do
         $PY benchmarks/\$s.py --smoke --out $OUT/smoke/\$s.json; done
         $PY benchmarks/make_sm90_tables.py --smoke --out-dir $OUT/smoke/tables" ;;
     *) echo "unknown stage $stage (see the header of $0)" | tee -a "$OUT/summary.txt" ;;

@@ -388,7 +388,10 @@ def _original_kernel(generated: Any) -> Any:
 def _key_text(kernel: Any, caching_autotuner: Any, args: tuple[Any, ...]) -> str:
     """The tuning key of the launch Inductor is about to benchmark, from its launcher's arguments."""
     try:
-        names = list(caching_autotuner.launchers[0].def_args)
-        return tuning_key(kernel, (), dict(zip(names, args)))
-    except Exception:  # a launcher without def_args: still name the kernel
+        names = getattr(caching_autotuner.launchers[0], "def_args", None)
+        if names is None:  # the launcher's parameters are the signature's non-constexpr arguments
+            signature = caching_autotuner.triton_meta["signature"]
+            names = [name for name, kind in signature.items() if kind != "constexpr"]
+        return tuning_key(kernel, (), dict(zip(list(names), args)))
+    except Exception:  # an unexpected launcher: still name the kernel
         return "?"

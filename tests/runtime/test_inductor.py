@@ -267,6 +267,14 @@ def test_strict_mode_raises_when_compiled_code_benchmarks_an_in_scope_kernel(tra
     assert error.kernel == kernel_id(sk.scale_add) and error.candidates == 4
     assert error.key == "n=64 | x_ptr:torch.float32, y_ptr:torch.float32, out_ptr:torch.float32"
     assert error.kernel in str(error) and error.key in str(error)
+    # A launcher without def_args: the key comes from the signature's non-constexpr arguments.
+    copy = _generated_copy(sk.scale_add, 64)
+    copy.launchers = [types.SimpleNamespace()] * 4
+    names = ["x_ptr", "y_ptr", "out_ptr", "n", "alpha"]
+    copy.triton_meta = {"signature": {**dict.fromkeys(names, "*fp32"), "BLOCK_SIZE": "constexpr"}}
+    with pytest.raises(CompiledLaunchNotPinnedError) as info:
+        CachingAutotuner.benchmark_all_configs(copy, *traced_scale_add)
+    assert info.value.key == error.key
 
 
 def test_tripwire_warns_without_strict_and_stays_quiet_for_what_it_does_not_own(traced_scale_add, caplog):
