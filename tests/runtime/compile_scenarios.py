@@ -287,6 +287,31 @@ def miss_error() -> dict[str, Any]:
     return {"outcome": outcome, "decisions": decisions()}
 
 
+def agreement_listener() -> dict[str, Any]:
+    """The agreement check is a decision-log listener: it sees compiled decisions, and can stop them."""
+    from megatron_tuning.core.errors import DivergenceError
+
+    seen: list[str] = []
+
+    def check(decision: Any) -> None:
+        seen.append(decision.key)
+        if decision.key.startswith("n=2000"):
+            raise DivergenceError(decision.kernel, decision.key, {0: decision.signature, 1: "other"})
+
+    start(deterministic(), table=TABLE)
+    decision_log().add_listener(check)
+    try:
+        graphs = compiled(write_block, (1000,), fullgraph=True)
+        try:
+            compiled(write_block, (2000,))  # not fullgraph: the graph breaks, the eager launch raises
+            outcome = ["no error", ""]
+        except Exception as e:
+            outcome = [type(e).__name__, str(e)]
+    finally:
+        decision_log().remove_listener(check)
+    return {"graphs": graphs, "seen": seen, "outcome": outcome, "launches": len(ck.LAUNCHES)}
+
+
 def out_of_scope() -> dict[str, Any]:
     start(deterministic(scope=("some_other_package",)), table=TABLE)
     return {"graphs": compiled(write_block, (1000,), fullgraph=True), "decisions": decisions()}
@@ -315,6 +340,7 @@ SCENARIOS = {
         chaos,
         tune_at_trace_time,
         miss_error,
+        agreement_listener,
         out_of_scope,
         mode_off,
         not_installed,

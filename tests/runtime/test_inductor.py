@@ -165,6 +165,17 @@ def test_a_decision_error_in_compiled_code_names_kernel_and_key(scenarios):
     assert error == "Unsupported" and "TableMissError" in message and WB in message and WB_1000 in message
 
 
+def test_the_agreement_check_sees_compiled_decisions_and_its_error_surfaces(scenarios):
+    result = _result(scenarios, "agreement_listener")
+    assert result["graphs"] == [[[128]]]
+    # n=2000 is checked at trace time (raises: graph break; Dynamo may trace it again), then at
+    # the eager launch, which raises the error itself.
+    assert result["seen"][0] == WB_1000 and set(result["seen"][1:]) == {WB_2000}
+    error, message = result["outcome"]
+    assert error == "DivergenceError" and WB in message and WB_2000 in message
+    assert result["launches"] == 0  # nothing launched for the diverging key
+
+
 def test_out_of_scope_kernels_and_mode_off_keep_inductors_behaviour(scenarios):
     out_of_scope = _result(scenarios, "out_of_scope")
     assert out_of_scope["graphs"] == ALL_CONFIGS
