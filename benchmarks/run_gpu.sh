@@ -14,6 +14,7 @@
 #   auto             auto mode run 1 / run 2 vs stock (2 processes sharing a store), nearest-shape rule
 #   mamba            megatron-core's Mamba SSD kernels: stock, MAMBA_DETERMINISTIC, ours, auto run 1/2
 #                    (needs megatron-core importable: see benchmarks/bench_mamba_ssd.py)
+#   compile          torch.compile: eager vs compiled, stock vs pinned, 3 fresh processes per kind
 #   smoke            every script's --smoke (CPU interpreter) path: a plumbing check, no numbers
 #
 # Budget: MT_BUDGET_S seconds for the whole call (default 480); a stage that would start with less
@@ -34,7 +35,7 @@ stages=("$@")
 ((${#stages[@]})) || stages=(tables quality first_launch overhead)
 
 # Typical H200 seconds per stage; a stage is skipped when less than this is left.
-declare -A NEED=([tables]=120 [quality]=60 [first_launch]=150 [overhead]=30 [reproducibility]=280 [retune]=120 [record]=120 [smoke]=120 [auto]=150 [mamba]=200)
+declare -A NEED=([tables]=120 [quality]=60 [first_launch]=150 [overhead]=30 [reproducibility]=280 [retune]=120 [record]=120 [smoke]=120 [auto]=150 [mamba]=200 [compile]=240)
 
 {
   echo "date: $(date -u '+%Y-%m-%d %H:%M:%SZ')"
@@ -81,8 +82,9 @@ for stage in "${stages[@]}"; do
       run_stage mamba "$PY" benchmarks/bench_mamba_ssd.py --driver --processes "${MT_MAMBA_PROCESSES:-3}" \
         --budget-s "${MT_MAMBA_BUDGET_S:-240}" --work-dir "${TMPDIR:-/tmp}/mt_mamba_bench" \
         --out "$OUT/mamba_runs.jsonl" --summary-out "$OUT/mamba_summary.json" ;;
+    compile) run_stage compile "$PY" benchmarks/bench_compile.py --out "$OUT/compile.json" ;;
     smoke)
-      run_stage smoke bash -c "set -e; for s in bench_quality bench_launch_overhead bench_first_launch bench_retune bench_reproducibility record_merge_e2e; do
+      run_stage smoke bash -c "set -e; for s in bench_quality bench_launch_overhead bench_first_launch bench_retune bench_reproducibility record_merge_e2e bench_compile; do
         $PY benchmarks/\$s.py --smoke --out $OUT/smoke/\$s.json; done
         $PY benchmarks/make_sm90_tables.py --smoke --out-dir $OUT/smoke/tables" ;;
     *) echo "unknown stage $stage (see the header of $0)" | tee -a "$OUT/summary.txt" ;;

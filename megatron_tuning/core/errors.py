@@ -92,6 +92,30 @@ class BenchmarkForbiddenError(MegatronTuningError, RuntimeError):
         return (type(self), (self.kernel, self.mode))
 
 
+class CompiledLaunchNotPinnedError(MegatronTuningError, RuntimeError):
+    """Strict mode: compiled code (torch.compile / Inductor) launched an in-scope kernel unpinned.
+
+    Raised when Inductor is about to benchmark the config list of an in-scope user kernel, which
+    means the trace-time pin was bypassed (a torch release the adapter cannot intercept, or a graph
+    compiled before ``init_deterministic_tuning``).
+    """
+
+    def __init__(self, kernel: str, key: str, candidates: int, reason: str) -> None:
+        self.kernel = kernel
+        self.key = key
+        self.candidates = int(candidates)
+        self.reason = reason
+        super().__init__(
+            f"Compiled code is about to benchmark {self.candidates} configs of kernel {kernel} with "
+            f"key {key}: the launch bypassed the pinned config ({reason}). Call "
+            "torch._dynamo.reset() after init_deterministic_tuning so graphs are traced again, use "
+            "a supported torch release, or unset MEGATRON_TUNING_STRICT to only warn."
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.kernel, self.key, self.candidates, self.reason))
+
+
 class TableError(MegatronTuningError, ValueError):
     """A tuning table file is unreadable, corrupt, or of the wrong schema."""
 

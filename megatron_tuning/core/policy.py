@@ -76,7 +76,8 @@ class TuningPolicy:
     """How long an ``allgather`` check waits for missing ranks before naming them."""
 
     strict: bool = False
-    """Raise instead of warn on stale table entries (same as ``stale_entries='error'``)."""
+    """Raise instead of warn on stale table entries (same as ``stale_entries='error'``), and when
+    compiled code launches an in-scope kernel without the pin (``CompiledLaunchNotPinnedError``)."""
 
     stale_entries: str = "use"
     """An entry tuned for another kernel source or Triton version: use (warn once), miss, or error."""

@@ -5,6 +5,8 @@
 * ``run``: for in-scope kernels under ``deterministic``/``chaos``/``tune`` the config is chosen
   at the first use of each key (after the kernel's own pruning), recorded in the decision log,
   and launched the way Triton's cache-hit path launches: ``Config.pre_hook`` then ``fn.run``.
+  The decision is also filed in the autotuner's own ``cache`` under Triton's key (removed again
+  at ``uninstall``), and ``best_config`` is set at every launch, as Triton's hit path leaves them.
   Autotuner-level ``reset_to_zero``/``restore_value``/``pre_hook``/``post_hook`` only protect
   benchmarking, so they do not run when nothing is benchmarked (as on Triton's hit path).
   Under ``record`` Triton autotunes as usual and its winner is recorded. Out-of-scope kernels
@@ -14,8 +16,10 @@
 * ``__init__`` (only on releases that resolve the benchmarker eagerly, 3.2/3.3): passes a lazy
   benchmarker so kernels can be decorated without a GPU driver (``triton_compat``).
 
-``uninstall()`` restores the original attributes exactly. Contract tests in
-``tests/test_triton_contract.py`` pin every private attribute used here.
+``install`` also patches torch.compile's handling of user kernels (``runtime/inductor.py``), so
+compiled graphs launch the same decisions. ``uninstall()`` restores the original attributes
+exactly. Contract tests in ``tests/runtime/test_triton_contract.py`` pin every private attribute
+used here.
 """
 
 from __future__ import annotations
@@ -42,12 +46,22 @@ from ..core.identity import (
     tuning_key,
 )
 from ..core.policy import TuningPolicy
+from . import inductor
 from .auto import Consensus, Measure, auto_choice
-from .triton_compat import acquire_lazy_init, autotuner_class, check_triton_contract, release_lazy_init
+from .triton_compat import (
+    acquire_lazy_init,
+    autotuner_class,
+    check_triton_contract,
+    release_lazy_init,
+    triton_cache_key,
+)
 
 logger = logging.getLogger(__name__)
 
 _STATE_ATTR = "_megatron_tuning_state"
+# Set on the one-config Autotuner copies compiled code launches (runtime/inductor.py): the value is
+# the config to launch, already decided, so ``run`` launches it without a new decision.
+PINNED_ATTR = "_megatron_tuning_pinned_config"
 
 # Modes whose in-scope launches never reach Triton's own benchmarking: ``_bench`` raises there.
 _GUARDED_MODES = ("deterministic", "chaos", "auto")
@@ -74,6 +88,8 @@ class _AutotunerState:
     pins: dict[tuple[Any, ...], Any] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
     source_hash: str | None = None
+    triton_keys: dict[tuple[Any, ...], Any] = field(default_factory=dict)
+    """Entries this installation wrote into the autotuner's own ``cache`` (removed at uninstall)."""
 
 
 _lock = threading.RLock()
@@ -117,6 +133,7 @@ def install(
         _installation = _Installation(
             policy, as_config_table(table), measure, _generation, arch_tag(), consensus
         )
+    inductor.warn_if_unsupported(policy)
     logger.debug("interception installed: %s", policy.describe())
 
 
@@ -131,9 +148,12 @@ def uninstall() -> None:
         for name, original in _originals.items():
             setattr(autotuner, name, original)
         _originals.clear()
+        inductor.unpatch()
         release_lazy_init()
         for instance in list(_touched):
-            instance.__dict__.pop(_STATE_ATTR, None)
+            state = instance.__dict__.pop(_STATE_ATTR, None)
+            if state is not None:
+                _forget_triton_cache(instance, state)
     logger.debug("interception uninstalled")
 
 
@@ -144,6 +164,7 @@ def _patch() -> None:
     autotuner.run = _make_run(_originals["run"])
     autotuner._bench = _make_bench(_originals["_bench"])
     acquire_lazy_init()
+    inductor.patch()
 
 
 def _make_bench(original: Any) -> Any:
@@ -163,6 +184,8 @@ def _state_for(autotuner: Any, installation: _Installation) -> _AutotunerState:
     state = autotuner.__dict__.get(_STATE_ATTR)
     if state is not None and state.generation == installation.generation:
         return state
+    if state is not None:
+        _forget_triton_cache(autotuner, state)
     arg_names = list(autotuner.arg_names)
     kernel = kernel_id(autotuner)
     state = _AutotunerState(
@@ -208,6 +231,9 @@ def _make_run(original: Any) -> Any:
     @functools.wraps(original)
     def run(self: Any, *args: Any, **kwargs: Any) -> Any:
         installation = _installation
+        pinned = self.__dict__.get(PINNED_ATTR)
+        if pinned is not None:  # a compiled graph's one-config copy: decided when it was traced
+            return _launch_pinned(self, pinned, args, kwargs)
         if installation is None or installation.policy.mode == "off":
             return original(self, *args, **kwargs)
         state = self.__dict__.get(_STATE_ATTR)
@@ -228,6 +254,31 @@ def _make_run(original: Any) -> Any:
         return self.fn.run(*args, **kwargs, **config.all_kwargs())
 
     return run
+
+
+def _launch_pinned(autotuner: Any, config: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    autotuner.best_config = config
+    if config.pre_hook is not None:
+        config.pre_hook({**dict(zip(autotuner.arg_names, args)), **kwargs, **config.all_kwargs()})
+    return autotuner.fn.run(*args, **kwargs, **config.all_kwargs())
+
+
+def _remember_in_triton_cache(
+    autotuner: Any, state: _AutotunerState, args: tuple[Any, ...], kwargs: dict[str, Any], config: Any
+) -> None:
+    """File the decision under Triton's own key, as Triton's hit path leaves it, for code that reads it."""
+    key = triton_cache_key(autotuner, args, kwargs)
+    autotuner.cache[key] = config
+    state.triton_keys[key] = config
+
+
+def _forget_triton_cache(autotuner: Any, state: _AutotunerState) -> None:
+    # Only entries still holding what we wrote: Triton may have re-tuned a key since (mode off).
+    cache = autotuner.__dict__.get("cache")
+    for key, config in state.triton_keys.items():
+        if cache is not None and cache.get(key) is config:
+            del cache[key]
+    state.triton_keys.clear()
 
 
 def _live_candidates(autotuner: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
@@ -253,7 +304,7 @@ def _decide(
 ) -> Any:
     """Choose, record and pin the config for one (kernel, key); the first use of it in this process.
 
-    ``may_measure=False`` where no real arguments exist (compiled-code tracing): ``tune`` and
+    ``may_measure=False`` where no real arguments exist (torch.compile trace time): ``tune`` and
     ``auto`` then apply the policy's miss rule instead of measuring. A new key first launched
     while a CUDA graph is being captured is never measured either (timing would break the capture).
     """
@@ -289,6 +340,14 @@ def _decide(
                 may_measure=may_measure,
             )
         else:
+            if policy.mode == "tune" and len(candidates) > 1:
+                logger.warning(
+                    "megatron_tuning: kernel %s key %s is first seen where nothing can be measured "
+                    "(compiled code, or a CUDA graph capture); using the deterministic choice "
+                    "instead of tuning it",
+                    state.kernel,
+                    key,
+                )
             choice = choose_deterministically(
                 autotuner,
                 candidates,
@@ -324,6 +383,7 @@ def _decide(
         )
         decision_log().record(decision)  # listeners (agreement) may raise: then nothing is pinned
         state.pins[raw] = config
+        _remember_in_triton_cache(autotuner, state, args, kwargs, config)
         return config
 
 

@@ -63,6 +63,20 @@ def check_triton_contract() -> None:
         )
 
 
+def triton_cache_key(autotuner: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    """The key Triton's own ``Autotuner.run`` files a call under in ``autotuner.cache`` (3.2+).
+
+    The values of the ``key=`` arguments in ``key=`` order, then ``str(dtype)`` of every argument
+    that has one: positional arguments first, then keyword arguments in call order.
+    """
+    arg_names = autotuner.arg_names
+    named = {**dict(zip(arg_names, args)), **kwargs}
+    present = {name: value for name, value in named.items() if name in arg_names}
+    key = [present[name] for name in autotuner.keys if name in present]
+    key.extend(str(value.dtype) for value in present.values() if hasattr(value, "dtype"))
+    return tuple(key)
+
+
 def _needs_lazy_init() -> bool:
     # 3.4+ resolve the benchmarker lazily themselves (a cached_property); 3.2/3.3 do it in __init__.
     autotuner = autotuner_class()

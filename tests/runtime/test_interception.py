@@ -53,7 +53,10 @@ def test_deterministic_launch_is_correct_and_never_benchmarks():
         d.signature == "BLOCK_SIZE=8, num_warps=2, num_stages=" + str(sk.ADD_CONFIGS[0].num_stages)
         for d in decisions
     )
-    assert sk.scale_add.cache == {}  # Triton's own cache untouched
+    # Triton's own cache holds each decision under Triton's key, as after its hit path.
+    assert sk.scale_add.cache[(257, "torch.float32", "torch.float32", "torch.float32")] is sk.ADD_CONFIGS[0]
+    assert sk.scale_add.cache[(33, "torch.float16", "torch.float16", "torch.float16")] is sk.ADD_CONFIGS[0]
+    assert len(sk.scale_add.cache) == 4
 
 
 def test_one_decision_per_key_not_per_launch():
@@ -256,3 +259,54 @@ def test_tune_mode_uses_the_measure_function():
     assert calls == [(kernel_id(sk.scale_add), get_decisions()[0].key, len(sk.ADD_CONFIGS))]
     assert get_decisions()[0].source == "tuned"
     assert get_decisions()[0].config["kwargs"] == {"BLOCK_SIZE": 128}
+
+
+def test_pinned_launch_leaves_tritons_cache_and_best_config_as_its_hit_path_does():
+    key = "n=40 | x_ptr:torch.float32, y_ptr:torch.float32, out_ptr:torch.float32"
+    interception.install(
+        TuningPolicy(mode="deterministic"), table={(kernel_id(sk.scale_add), key): sk.ADD_CONFIGS[3]}
+    )
+    _run_scale_add(40)
+    assert sk.scale_add.best_config is sk.ADD_CONFIGS[3]
+    assert sk.scale_add.cache == {(40, "torch.float32", "torch.float32", "torch.float32"): sk.ADD_CONFIGS[3]}
+    _run_scale_add(40)  # the key is in Triton's cache now; the pinned launch still never benchmarks
+    assert sk.BENCH_CALLS == [] and len(get_decisions()) == 1
+
+
+def test_keyword_arguments_follow_tritons_key_order():
+    interception.install(TuningPolicy(mode="deterministic"))
+    x, y, out = torch.zeros(6), torch.zeros(6, dtype=torch.float16), torch.zeros(6)
+    sk.scale_add[grid(6)](x, out_ptr=out, y_ptr=y, n=6, alpha=1.0)
+    # Triton: key values, then dtypes of positional args, then keyword args in call order.
+    assert list(sk.scale_add.cache) == [(6, "torch.float32", "torch.float32", "torch.float16")]
+
+
+def test_uninstall_and_reinstall_forget_the_entries_they_wrote_in_tritons_cache():
+    interception.install(TuningPolicy(mode="deterministic"))
+    _run_scale_add(12)
+    interception.install(TuningPolicy(mode="chaos"))
+    _run_scale_add(13)  # a new installation: the old entry for n=12 goes at the kernel's next decision
+    assert list(sk.scale_add.cache) == [(13, "torch.float32", "torch.float32", "torch.float32")]
+    interception.uninstall()
+    assert sk.scale_add.cache == {}
+    _run_scale_add(13)  # stock Triton autotunes the key again instead of reusing our pin
+    assert len(sk.BENCH_CALLS) == len(sk.ADD_CONFIGS)
+
+
+def test_decide_without_measuring_uses_the_deterministic_choice_in_tune_mode(caplog):
+    def measure(*args):  # noqa: ANN002, ANN202
+        raise AssertionError("measured where nothing may be measured")
+
+    interception.install(TuningPolicy(mode="tune"), measure=measure)
+    installation = interception._installation
+    state = interception._state_for(sk.scale_add, installation)
+    x = torch.zeros(20)
+    args = (x, x, x, 20, 1.0)
+    raw = interception._raw_key(state, args, {})
+    with caplog.at_level("WARNING", logger="megatron_tuning"):
+        config = interception._decide(sk.scale_add, state, installation, raw, args, {}, may_measure=False)
+    assert config is sk.ADD_CONFIGS[0]
+    assert [d.source for d in get_decisions()] == ["cheapest"]
+    assert "first seen in compiled code" in caplog.text and "scale_add" in caplog.text
+    _run_scale_add(20)  # eager reuses the pin: still nothing measured
+    assert len(get_decisions()) == 1

@@ -92,3 +92,25 @@ def test_stock_run_sets_best_config_and_timings():
     finally:  # other tests count benchmark calls on these kernels
         sk.scale_add.cache.clear()
         sk.BENCH_CALLS.clear()
+
+
+def test_triton_files_a_launch_under_the_key_the_interception_writes():
+    # After a pinned launch the interception stores the config in kernel.cache under
+    # triton_cache_key; Triton's own run must file the same call under the same key.
+    interception.uninstall()
+    sk.scale_add.cache.clear()
+    x, y16 = torch.zeros(16), torch.zeros(16, dtype=torch.float16)
+    try:
+        sk.scale_add[grid(16)](x, out_ptr=x, y_ptr=y16, n=16, alpha=1.0)
+        expected = triton_compat.triton_cache_key(
+            sk.scale_add, (x,), {"out_ptr": x, "y_ptr": y16, "n": 16, "alpha": 1.0}
+        )
+        assert (
+            list(sk.scale_add.cache)
+            == [expected]
+            == [(16, "torch.float32", "torch.float32", "torch.float16")]
+        )
+        assert sk.scale_add.cache[expected] is sk.scale_add.best_config
+    finally:
+        sk.scale_add.cache.clear()
+        sk.BENCH_CALLS.clear()
