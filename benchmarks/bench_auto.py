@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -50,21 +51,6 @@ JOBS = ("stock_cold", "auto1_cold", "stock_warm", "auto2_warm")
 # --------------------------------------------------------------------------- children
 
 
-def _count_triton_benchmarks() -> list[int]:
-    """Count calls that reach Triton's own ``Autotuner._bench`` (installed before ours wraps it)."""
-    from triton.runtime.autotuner import Autotuner
-
-    calls = [0]
-    original = Autotuner._bench
-
-    def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
-        calls[0] += 1
-        return original(self, *args, **kwargs)
-
-    Autotuner._bench = counted
-    return calls
-
-
 def _matmul_module(smoke: bool) -> Any:
     from megatron_tuning.kernels import matmul as mm
 
@@ -81,7 +67,7 @@ def child_worker(args: argparse.Namespace) -> None:
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    bench_calls = _count_triton_benchmarks()
+    bench_calls = common.count_triton_benchmarks()
     mm = _matmul_module(args.smoke)
     shapes = common.SMOKE_MATMUL_SHAPES if args.smoke else common.MATMUL_SHAPES
     operands = [common.matmul_operands(shape, args.smoke, seed=rank) for shape in shapes]
@@ -119,7 +105,7 @@ def child_worker(args: argparse.Namespace) -> None:
         "launched": launched,
         "sources": sorted(sources.values()),
         "our_measurements": measured,
-        "triton_bench_calls": bench_calls[0],
+        "triton_bench_calls": sum(bench_calls.values()),
     }
     Path(args.child_out, f"rank{rank}.json").write_text(json.dumps(result))
     dist.barrier()
@@ -214,6 +200,8 @@ def child_nearest(args: argparse.Namespace) -> None:
 
 
 def child(args: argparse.Namespace) -> None:
+    if args.smoke:  # one timed round: interpreted candidates are slow, and smoke numbers mean nothing
+        os.environ["MEGATRON_TUNING_TUNE_ROUNDS"] = "1"
     {"worker": child_worker, "judge": child_judge, "nearest": child_nearest}[args.child](args)
 
 

@@ -80,3 +80,12 @@ def test_compile_benchmark_smoke(tmp_path: Path) -> None:
     assert result["goals"] and all(goal["met"] for goal in result["goals"])
     pinned = [s for s in result["summary"] if s["variant"] == "pinned"]
     assert len(pinned) == 4 and all(s["decisions_per_process"] == [1] for s in pinned)
+
+
+def test_auto_benchmark_nearest_part_smoke(tmp_path: Path) -> None:
+    # CPU plumbing of bench_auto's nearest part: auto tunes the M sweep, then the rule is judged.
+    result = _smoke("bench_auto.py", tmp_path, "--parts", "nearest")
+    rows = result["nearest"]["rows"]
+    assert [r["nearest_source"] for r in rows] == ["nearest", "nearest"]
+    assert all(r["nearest_entry"].startswith("M=") for r in rows)
+

@@ -122,6 +122,9 @@ def start(policy: TuningPolicy | None, **install: Any) -> None:
 
 
 def deterministic(**changes: Any) -> TuningPolicy:
+    # min_cost, not the default nearest: a key without an entry must get a decision of its own
+    # (the cheapest), so that the two keys of a scenario launch different configs.
+    changes.setdefault("on_miss", "min_cost")
     return TuningPolicy(mode="deterministic", agreement="off", use_shipped_tables=False, **changes)
 
 

@@ -307,6 +307,6 @@ def test_decide_without_measuring_uses_the_deterministic_choice_in_tune_mode(cap
         config = interception._decide(sk.scale_add, state, installation, raw, args, {}, may_measure=False)
     assert config is sk.ADD_CONFIGS[0]
     assert [d.source for d in get_decisions()] == ["cheapest"]
-    assert "first seen in compiled code" in caplog.text and "scale_add" in caplog.text
+    assert "first seen where nothing can be measured" in caplog.text and "scale_add" in caplog.text
     _run_scale_add(20)  # eager reuses the pin: still nothing measured
     assert len(get_decisions()) == 1
