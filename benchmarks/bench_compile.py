@@ -81,15 +81,7 @@ class Probe:
 
     def install(self, smoke: bool) -> None:
         # Installed before the library, which then wraps these wrappers (and restores them).
-        from triton.runtime.autotuner import Autotuner
-
-        bench = Autotuner._bench
-
-        def _bench(autotuner: Any, *args: Any, **kwargs: Any) -> Any:
-            self.triton_bench[getattr(autotuner.base_fn, "__name__", "?")] += 1
-            return bench(autotuner, *args, **kwargs)
-
-        Autotuner._bench = _bench
+        self.triton_bench = common.count_triton_benchmarks()
         if smoke:
             return  # no Inductor on the CPU path: Dynamo runs these kernels eagerly there
         from torch._inductor.runtime.triton_heuristics import CachingAutotuner

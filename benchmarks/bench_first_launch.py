@@ -31,20 +31,12 @@ CONFIG_COUNT = 16
 
 def child(args: argparse.Namespace) -> None:
     import triton
-    from triton.runtime.autotuner import Autotuner
 
     from megatron_tuning.core.decisions import get_decisions
     from megatron_tuning.core.identity import arch_tag, config_data, config_signature, tuning_key
     from megatron_tuning.kernels import matmul as mm
 
-    bench_calls = []
-    original_bench = Autotuner._bench
-
-    def counting_bench(self: Any, *a: Any, **k: Any) -> Any:  # under the interception's guard, if any
-        bench_calls.append(1)
-        return original_bench(self, *a, **k)
-
-    Autotuner._bench = counting_bench
+    bench_calls = common.count_triton_benchmarks()  # under the interception's guard, if any
     kernel = triton.autotune(configs=mm.MATMUL_CONFIGS[:CONFIG_COUNT], key=["M", "N", "K"])(
         mm.matmul_kernel.fn
     )
@@ -77,7 +69,7 @@ def child(args: argparse.Namespace) -> None:
             "mode": args.child,
             "first_launch_s": elapsed,
             "prewarm_startup_s": startup_s,
-            "bench_calls": len(bench_calls),
+            "bench_calls": sum(bench_calls.values()),
             "signature": config_signature(kernel.best_config),
             "config": config_data(kernel.best_config),
             "key": tuning_key(kernel, kargs, {}),

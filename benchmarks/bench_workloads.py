@@ -104,21 +104,6 @@ def _launchers(kernels: list[tuple[str, Any]], gpu: bool) -> list[Callable[[], N
     return out
 
 
-def _count_triton_benchmarks() -> list[int]:
-    """Count calls reaching Triton's own ``Autotuner._bench`` (patched before ours wraps it)."""
-    from triton.runtime.autotuner import Autotuner
-
-    calls = [0]
-    original = Autotuner._bench
-
-    def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
-        calls[0] += 1
-        return original(self, *args, **kwargs)
-
-    Autotuner._bench = counted
-    return calls
-
-
 def _count_measurements(args: argparse.Namespace, rank: int, counts: dict[str, Any]) -> None:
     """Wrap auto's measurement (fake or the real tuner) so each call is counted and timed."""
     from megatron_tuning import session
@@ -153,7 +138,7 @@ def _worker(args: argparse.Namespace) -> int:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     dist.init_process_group(args.backend, timeout=timedelta(seconds=args.pg_timeout))
     rank, world = dist.get_rank(), dist.get_world_size()
-    bench_calls = _count_triton_benchmarks()
+    bench_calls = common.count_triton_benchmarks()
     measured: dict[str, Any] = {"calls": 0, "seconds": 0.0, "keys": []}
     _count_measurements(args, rank, measured)
 
@@ -192,7 +177,7 @@ def _worker(args: argparse.Namespace) -> int:
     ]
     handle.close()  # auto: persists the cache
     result.update(
-        triton_bench_calls=bench_calls[0],
+        triton_bench_calls=sum(bench_calls.values()),
         measured=measured["calls"],
         measure_s=measured["seconds"],
         measured_keys=measured["keys"],

@@ -10,6 +10,7 @@ end to end before any GPU minute is spent; smoke numbers mean nothing.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import json
 import os
@@ -300,6 +301,25 @@ def time_configs_interleaved(
                 samples[i].append(float("inf"))
                 print(f"config {i}: {type(exc).__name__}: {exc}", file=sys.stderr)
     return samples
+
+
+def count_triton_benchmarks() -> collections.Counter[str]:
+    """Count, per kernel name, the calls that reach Triton's own ``Autotuner._bench``.
+
+    Install it before the library: the interception then wraps this wrapper, so a count is a
+    config Triton really benchmarked (our tuner never goes through ``_bench``).
+    """
+    from triton.runtime.autotuner import Autotuner
+
+    counts: collections.Counter[str] = collections.Counter()
+    original = Autotuner._bench
+
+    def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        counts[getattr(getattr(self, "base_fn", None), "__name__", "?")] += 1
+        return original(self, *args, **kwargs)
+
+    Autotuner._bench = counted
+    return counts
 
 
 def install_pinned(table_paths: Sequence[str]) -> Any:
