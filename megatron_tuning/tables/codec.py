@@ -36,7 +36,7 @@ from .entry import (
     entry_from_data,
     make_entry,
 )
-from .unpacking import ENTRY_BYTES, check_json_budget, json_text, unpack_table
+from .unpacking import ENTRY_BYTES, check_json_budget, json_text, unique_map, unpack_table
 
 FORMAT = "megatron_tuning.table"
 SCHEMA = 1
@@ -288,12 +288,7 @@ def decode_json(text: str | bytes) -> _Decoded:
     check_json_budget(text, per_object=ENTRY_BYTES // 3, size=size)
 
     def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for k, v in pairs:
-            if k in out:
-                raise Invalid(f"duplicate JSON field {k!r}")
-            out[k] = v
-        return out
+        return unique_map(pairs, "JSON field")
 
     def no_constants(name: str) -> Any:
         raise Invalid(f"non-finite number {name} is not allowed")

@@ -362,7 +362,7 @@ def _decode_configs(view: memoryview, n: int) -> list[Any]:
         max_buffer_size=max(1, len(view)),
         max_bin_len=0,
         max_ext_len=0,
-        object_pairs_hook=_unique_map,
+        object_pairs_hook=unique_map,
     )
     unpacker.feed(view)
     try:
@@ -376,12 +376,12 @@ def _decode_configs(view: memoryview, n: int) -> list[Any]:
     return configs
 
 
-def _unique_map(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
-    # msgpack would keep the last of two equal keys silently; JSON views refuse them too.
+def unique_map(pairs: list[tuple[Any, Any]], what: str = "map key") -> dict[Any, Any]:
+    """A dict of ``pairs``, refusing a repeated key (msgpack and json would keep the last silently)."""
     out: dict[Any, Any] = {}
     for key, value in pairs:
         if key in out:
-            raise Invalid(f"duplicate map key {key!r}")
+            raise Invalid(f"duplicate {what} {key!r}")
         out[key] = value
     return out
 
