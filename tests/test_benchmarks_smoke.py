@@ -88,4 +88,3 @@ def test_auto_benchmark_nearest_part_smoke(tmp_path: Path) -> None:
     rows = result["nearest"]["rows"]
     assert [r["nearest_source"] for r in rows] == ["nearest", "nearest"]
     assert all(r["nearest_entry"].startswith("M=") for r in rows)
-
