@@ -11,7 +11,7 @@ graph's first run. So the choice has to be made while the call is traced.
   (``DynamoTritonHOPifier``) and ``wrap_triton``/``triton_op`` (``TracingTritonHOPifier``), that
   turns a kernel call into that node. For an in-scope Autotuner under a pinning mode it
   specializes the ``key=`` arguments (a guard per value, so a dynamic-shape graph is recompiled
-  per key value, like eager keys), decides through ``interception._decide`` with
+  per key value, like eager keys), decides through ``pinning.decide`` with
   ``may_measure=False`` (same kernel id, key, decision log entry and agreement check as eager),
   and hands the original a one-config ``triton.autotune`` copy of the kernel. Everything
   downstream (heuristics, grids, lowering, codegen, the FX graph cache key) sees one config, so
@@ -44,7 +44,7 @@ from ..core.errors import CompiledLaunchNotPinnedError, MegatronTuningError
 from ..core.identity import tuning_key
 from ..core.policy import TuningPolicy
 from ..core.warn import warn_once
-from . import interception
+from . import pinning
 from .triton_compat import autotuner_class
 
 logger = logging.getLogger(__name__)
@@ -177,15 +177,15 @@ def _make_call_triton_kernel(original: Any) -> Any:
             # moved): the Autotuner it builds inherits the pin.
             _mark_nested_copy(kernel)
             return original(self, variable, args, kwargs, tx)
-        installation = interception._installation
+        installation = pinning.active
         if (
             installation is None
             or installation.policy.mode in PASS_THROUGH_MODES
             or not isinstance(kernel, autotuner_class())
-            or interception.PINNED_ATTR in kernel.__dict__
+            or pinning.PINNED_ATTR in kernel.__dict__
         ):
             return original(self, variable, args, kwargs, tx)
-        state = interception._state_for(kernel, installation)
+        state = pinning.state_for(kernel, installation)
         if not state.in_scope:
             return original(self, variable, args, kwargs, tx)
         args, kwargs = list(args), dict(kwargs)
@@ -196,12 +196,12 @@ def _make_call_triton_kernel(original: Any) -> Any:
                 kwargs[name] = _specialize(variable, kwargs[name])
         values = tuple(_concrete(a) for a in args)
         named = {k: _concrete(v) for k, v in kwargs.items()}
-        raw = interception._raw_key(state, values, named)
+        raw = pinning.raw_key(state, values, named)
         config = state.pins.get(raw)
         if config is None:
             try:
                 with _no_tracing_modes():  # the agreement check may create tensors: keep them real
-                    config = interception._decide(
+                    config = pinning.decide(
                         kernel, state, installation, raw, values, named, may_measure=False
                     )
             except MegatronTuningError as error:
@@ -273,7 +273,7 @@ def _one_config_copy(kernel: Any, config: Any) -> Any:
             reset_to_zero=list(getattr(kernel, "reset_to_zero", None) or []) or None,
             restore_value=list(getattr(kernel, "restore_value", None) or []) or None,
         )(kernel.fn)
-        copy.__dict__[interception.PINNED_ATTR] = config
+        copy.__dict__[pinning.PINNED_ATTR] = config
         per_kernel[id(config)] = (copy, config)  # holding config keeps its id() unique
         return copy
 
@@ -281,10 +281,10 @@ def _one_config_copy(kernel: Any, config: Any) -> Any:
 def _mark_nested_copy(kernel: Any) -> None:
     if (
         isinstance(kernel, autotuner_class())
-        and interception.PINNED_ATTR not in kernel.__dict__
+        and pinning.PINNED_ATTR not in kernel.__dict__
         and len(kernel.configs) == 1
     ):
-        kernel.__dict__[interception.PINNED_ATTR] = kernel.configs[0]
+        kernel.__dict__[pinning.PINNED_ATTR] = kernel.configs[0]
 
 
 def _recreate(hopifier: Any, variable: Any, kernel: Any) -> Any:
@@ -300,7 +300,7 @@ def _recreate(hopifier: Any, variable: Any, kernel: Any) -> Any:
 def _make_benchmark_all_configs(original: Any) -> Any:
     @functools.wraps(original)
     def benchmark_all_configs(self: Any, *args: Any, **kwargs: Any) -> Any:
-        installation = interception._installation
+        installation = pinning.active
         if (
             installation is not None
             and installation.policy.mode not in PASS_THROUGH_MODES
@@ -316,7 +316,7 @@ def _make_benchmark_all_configs(original: Any) -> Any:
 def _report_bypass(caching_autotuner: Any, installation: Any, args: tuple[Any, ...]) -> None:
     kernel = _original_kernel(caching_autotuner.fn)
     if kernel is not None:
-        state = interception._state_for(kernel, installation)
+        state = pinning.state_for(kernel, installation)
         if not state.in_scope:
             return
         name, key = state.kernel, _key_text(kernel, caching_autotuner, args)
@@ -368,11 +368,7 @@ def _original_kernel(generated: Any) -> Any:
     autotuner = autotuner_class()
     matches = []
     for kernel in list(kernel_side_table.id_to_kernel.values()):
-        if (
-            not isinstance(kernel, autotuner)
-            or not kernel.keys
-            or interception.PINNED_ATTR in kernel.__dict__
-        ):
+        if not isinstance(kernel, autotuner) or not kernel.keys or pinning.PINNED_ATTR in kernel.__dict__:
             continue  # the HOPifier's own rewrites (key=[]) and our copies; the user's kernel is there too
         try:
             if kernel.base_fn.__name__ not in (name, _generated_name(generated)):

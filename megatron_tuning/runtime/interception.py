@@ -27,12 +27,9 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-import weakref
-from dataclasses import dataclass, field
 from typing import Any
 
-from ..core.choice import Choice, ConfigTable, as_config_table, chaos_index, choose_deterministically
-from ..core.cost import order_by_cost
+from ..core.choice import as_config_table
 from ..core.decisions import Decision, decision_log
 from ..core.errors import BenchmarkForbiddenError
 from ..core.identity import (
@@ -40,72 +37,36 @@ from ..core.identity import (
     config_data,
     config_signature,
     current_rank,
-    kernel_id,
-    kernel_module,
     kernel_source_hash,
     tuning_key,
 )
 from ..core.policy import TuningPolicy
-from . import inductor
-from .auto import Consensus, Measure, auto_choice
-from .triton_compat import (
-    acquire_lazy_init,
-    autotuner_class,
-    check_triton_contract,
-    release_lazy_init,
-    triton_cache_key,
+from . import inductor, pinning
+from .auto import Consensus, Measure
+from .pinning import (
+    PINNED_ATTR,
+    STATE_ATTR,
+    AutotunerState,
+    Installation,
+    current_policy,
+    decide,
+    forget_triton_cache,
+    installed,
+    raw_key,
+    state_for,
 )
+from .triton_compat import acquire_lazy_init, autotuner_class, check_triton_contract, release_lazy_init
 
 logger = logging.getLogger(__name__)
-
-_STATE_ATTR = "_megatron_tuning_state"
-# Set on the one-config Autotuner copies compiled code launches (runtime/inductor.py): the value is
-# the config to launch, already decided, so ``run`` launches it without a new decision.
-PINNED_ATTR = "_megatron_tuning_pinned_config"
 
 # Modes whose in-scope launches never reach Triton's own benchmarking: ``_bench`` raises there.
 _GUARDED_MODES = ("deterministic", "chaos", "auto")
 
-
-@dataclass(frozen=True)
-class _Installation:
-    policy: TuningPolicy
-    table: ConfigTable | None
-    measure: Measure | None
-    generation: int
-    arch: str
-    consensus: Consensus | None = None
-
-
-@dataclass
-class _AutotunerState:
-    """Per-autotuner cache, valid for one installation generation."""
-
-    generation: int
-    in_scope: bool
-    kernel: str
-    key_index: tuple[tuple[str, int], ...]
-    pins: dict[tuple[Any, ...], Any] = field(default_factory=dict)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    source_hash: str | None = None
-    triton_keys: dict[tuple[Any, ...], Any] = field(default_factory=dict)
-    """Entries this installation wrote into the autotuner's own ``cache`` (removed at uninstall)."""
-
-
 _lock = threading.RLock()
-_installation: _Installation | None = None
 _generation = 0
 _originals: dict[str, Any] = {}
-_touched: weakref.WeakSet[Any] = weakref.WeakSet()
 
-
-def installed() -> bool:
-    return _installation is not None
-
-
-def current_policy() -> TuningPolicy | None:
-    installation = _installation
-    return None if installation is None else installation.policy
+__all__ = ["current_policy", "install", "installed", "uninstall"]
 
 
 def install(
@@ -122,7 +83,7 @@ def install(
     without one, a miss falls back to the policy's miss rule. ``consensus`` shares ``auto``
     decisions across the job's ranks (``distributed.consensus``); ``None``: this process alone.
     """
-    global _installation, _generation
+    global _generation
     if policy.mode == "tune" and measure is None:
         raise ValueError("policy mode 'tune' needs a measure function (see megatron_tuning.tuning.tuner)")
     check_triton_contract()
@@ -130,7 +91,7 @@ def install(
         if not _originals:
             _patch()
         _generation += 1
-        _installation = _Installation(
+        pinning.active = Installation(
             policy, as_config_table(table), measure, _generation, arch_tag(), consensus
         )
     inductor.warn_if_unsupported(policy)
@@ -139,9 +100,8 @@ def install(
 
 def uninstall() -> None:
     """Restore Triton's Autotuner exactly as it was before ``install``."""
-    global _installation
     with _lock:
-        _installation = None
+        pinning.active = None
         if not _originals:
             return
         autotuner = autotuner_class()
@@ -150,10 +110,10 @@ def uninstall() -> None:
         _originals.clear()
         inductor.unpatch()
         release_lazy_init()
-        for instance in list(_touched):
-            state = instance.__dict__.pop(_STATE_ATTR, None)
+        for instance in list(pinning.touched):
+            state = instance.__dict__.pop(STATE_ATTR, None)
             if state is not None:
-                _forget_triton_cache(instance, state)
+                forget_triton_cache(instance, state)
     logger.debug("interception uninstalled")
 
 
@@ -170,9 +130,9 @@ def _patch() -> None:
 def _make_bench(original: Any) -> Any:
     @functools.wraps(original)
     def _bench(self: Any, *args: Any, **kwargs: Any) -> Any:
-        installation = _installation
+        installation = pinning.active
         if installation is not None and installation.policy.mode in _GUARDED_MODES:
-            state = _state_for(self, installation)
+            state = state_for(self, installation)
             if state.in_scope:
                 raise BenchmarkForbiddenError(state.kernel, installation.policy.mode)
         return original(self, *args, **kwargs)
@@ -180,73 +140,26 @@ def _make_bench(original: Any) -> Any:
     return _bench
 
 
-def _state_for(autotuner: Any, installation: _Installation) -> _AutotunerState:
-    state = autotuner.__dict__.get(_STATE_ATTR)
-    if state is not None and state.generation == installation.generation:
-        return state
-    if state is not None:
-        _forget_triton_cache(autotuner, state)
-    arg_names = list(autotuner.arg_names)
-    kernel = kernel_id(autotuner)
-    state = _AutotunerState(
-        generation=installation.generation,
-        in_scope=installation.policy.in_scope(kernel_module(autotuner)),
-        kernel=kernel,
-        key_index=tuple((name, arg_names.index(name)) for name in autotuner.keys if name in arg_names),
-    )
-    autotuner.__dict__[_STATE_ATTR] = state
-    _touched.add(autotuner)
-    if not state.in_scope:
-        decision_log().record(
-            Decision(
-                kernel=kernel,
-                key="*",
-                signature="",
-                source="out_of_scope",
-                arch=installation.arch,
-                rank=current_rank(),
-            )
-        )
-    return state
-
-
-def _raw_key(state: _AutotunerState, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
-    """Hot-path cache key: Triton's key values and dtypes, without building text.
-
-    Each key value is paired with its type so ``True``/``1``/``1.0`` stay distinct keys, as they
-    are in ``tuning_key`` (in a plain tuple they compare equal and would share one decision).
-    """
-    count = len(args)
-    values: list[Any] = []
-    for name, i in state.key_index:
-        value = args[i] if i < count else kwargs.get(name)
-        values.append((value.__class__, value))
-    values.extend(a.dtype for a in args if hasattr(a, "dtype"))
-    if kwargs:
-        values.extend(v.dtype for v in kwargs.values() if hasattr(v, "dtype"))
-    return tuple(values)
-
-
 def _make_run(original: Any) -> Any:
     @functools.wraps(original)
     def run(self: Any, *args: Any, **kwargs: Any) -> Any:
-        installation = _installation
+        installation = pinning.active
         pinned = self.__dict__.get(PINNED_ATTR)
         if pinned is not None:  # a compiled graph's one-config copy: decided when it was traced
             return _launch_pinned(self, pinned, args, kwargs)
         if installation is None or installation.policy.mode == "off":
             return original(self, *args, **kwargs)
-        state = self.__dict__.get(_STATE_ATTR)
+        state = self.__dict__.get(STATE_ATTR)
         if state is None or state.generation != installation.generation:
-            state = _state_for(self, installation)
+            state = state_for(self, installation)
         if not state.in_scope:
             return original(self, *args, **kwargs)
         if installation.policy.mode == "record":
             return _record_run(original, self, state, installation, args, kwargs)
-        raw = _raw_key(state, args, kwargs)
+        raw = raw_key(state, args, kwargs)
         config = state.pins.get(raw)
         if config is None:
-            config = _decide(self, state, installation, raw, args, kwargs)
+            config = decide(self, state, installation, raw, args, kwargs)
         # Triton's cache-hit launch: Config.pre_hook sees the full argument dict, then fn.run.
         self.best_config = config
         if config.pre_hook is not None:
@@ -263,150 +176,16 @@ def _launch_pinned(autotuner: Any, config: Any, args: tuple[Any, ...], kwargs: d
     return autotuner.fn.run(*args, **kwargs, **config.all_kwargs())
 
 
-def _remember_in_triton_cache(
-    autotuner: Any, state: _AutotunerState, args: tuple[Any, ...], kwargs: dict[str, Any], config: Any
-) -> None:
-    """File the decision under Triton's own key, as Triton's hit path leaves it, for code that reads it."""
-    key = triton_cache_key(autotuner, args, kwargs)
-    autotuner.cache[key] = config
-    state.triton_keys[key] = config
-
-
-def _forget_triton_cache(autotuner: Any, state: _AutotunerState) -> None:
-    # Only entries still holding what we wrote: Triton may have re-tuned a key since (mode off).
-    cache = autotuner.__dict__.get("cache")
-    for key, config in state.triton_keys.items():
-        if cache is not None and cache.get(key) is config:
-            del cache[key]
-    state.triton_keys.clear()
-
-
-def _live_candidates(autotuner: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
-    """The kernel's own pruning (early_config_prune, perf_model/top_k), as Triton applies it."""
-    if len(autotuner.configs) <= 1:
-        return list(autotuner.configs)
-    autotuner.nargs = dict(zip(autotuner.arg_names, args))  # prune_configs reads self.nargs
-    try:
-        return list(autotuner.prune_configs(kwargs))
-    finally:
-        autotuner.nargs = None
-
-
-def _decide(
-    autotuner: Any,
-    state: _AutotunerState,
-    installation: _Installation,
-    raw: tuple[Any, ...],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    *,
-    may_measure: bool = True,
-) -> Any:
-    """Choose, record and pin the config for one (kernel, key); the first use of it in this process.
-
-    ``may_measure=False`` where no real arguments exist (torch.compile trace time): ``tune`` and
-    ``auto`` then apply the policy's miss rule instead of measuring. A new key first launched
-    while a CUDA graph is being captured is never measured either (timing would break the capture).
-    """
-    with state.lock:
-        config = state.pins.get(raw)
-        if config is not None:
-            return config
-        policy = installation.policy
-        may_measure = may_measure and not _capturing()
-        key = tuning_key(autotuner, args, kwargs)
-        candidates = _live_candidates(autotuner, args, kwargs)
-        rank = current_rank()
-        timings = None
-        if policy.mode == "chaos":
-            ordered = order_by_cost(candidates)
-            choice = Choice(ordered[chaos_index(state.kernel, key, rank, len(ordered))], "chaos")
-        elif policy.mode == "tune" and len(candidates) > 1 and may_measure:
-            assert installation.measure is not None
-            config, timings = installation.measure(autotuner, candidates, args, kwargs, state.kernel, key)
-            choice = Choice(config, "tuned")
-        elif policy.mode == "auto":
-            choice, timings = auto_choice(
-                autotuner,
-                candidates,
-                key,
-                (args, kwargs),
-                kernel=state.kernel,
-                arch=installation.arch,
-                policy=policy,
-                table=installation.table,
-                measure=installation.measure,
-                consensus=installation.consensus,
-                may_measure=may_measure,
-            )
-        else:
-            if policy.mode == "tune" and len(candidates) > 1:
-                logger.warning(
-                    "megatron_tuning: kernel %s key %s is first seen where nothing can be measured "
-                    "(compiled code, or a CUDA graph capture); using the deterministic choice "
-                    "instead of tuning it",
-                    state.kernel,
-                    key,
-                )
-            choice = choose_deterministically(
-                autotuner,
-                candidates,
-                key,
-                table=installation.table,
-                on_miss=policy.on_miss,
-                block_sizes=policy.block_sizes,
-            )
-        config, source, origin = choice.config, choice.source, choice.origin
-        if state.source_hash is None:
-            state.source_hash = kernel_source_hash(autotuner)
-        decision = Decision(
-            kernel=state.kernel,
-            key=key,
-            signature=config_signature(config),
-            source=source,
-            config=config_data(config),
-            arch=installation.arch,
-            rank=rank,
-            origin=origin,
-            source_hash=state.source_hash,
-            timings=timings,
-            nearest_key=choice.nearest_key,
-        )
-        logger.info(
-            "kernel %s key %s -> %s (%s%s%s)",
-            state.kernel,
-            key,
-            decision.signature,
-            source,
-            f" from {origin}" if origin else "",
-            f", entry for {choice.nearest_key}" if choice.nearest_key else "",
-        )
-        decision_log().record(decision)  # listeners (agreement) may raise: then nothing is pinned
-        state.pins[raw] = config
-        _remember_in_triton_cache(autotuner, state, args, kwargs, config)
-        return config
-
-
-def _capturing() -> bool:
-    """Whether the current CUDA stream is capturing a graph (never imports torch itself)."""
-    import sys
-
-    torch = sys.modules.get("torch")
-    if torch is None or not torch.cuda.is_available():
-        return False
-    return bool(torch.cuda.is_current_stream_capturing())
-
-
 def _record_run(
     original: Any,
     autotuner: Any,
-    state: _AutotunerState,
-    installation: _Installation,
+    state: AutotunerState,
+    installation: Installation,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
 ) -> Any:
     """Record mode: Triton autotunes as usual; record its winner and timings once per key."""
-    raw = _raw_key(state, args, kwargs)
+    raw = raw_key(state, args, kwargs)
     if raw in state.pins:
         return original(autotuner, *args, **kwargs)
     timings_before = autotuner.__dict__.get("configs_timings")

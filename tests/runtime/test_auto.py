@@ -21,7 +21,7 @@ from megatron_tuning.core.policy import TuningPolicy
 from megatron_tuning.core.warn import reset_warnings
 from megatron_tuning.distributed.agreement import unchecked_sources
 from megatron_tuning.distributed.consensus import StoreConsensus
-from megatron_tuning.runtime import interception
+from megatron_tuning.runtime import interception, pinning
 from megatron_tuning.runtime.auto import auto_choice
 from megatron_tuning.tables.table import load_table
 
@@ -210,7 +210,7 @@ def test_a_second_run_pins_every_key_from_the_cache_with_zero_measurements(tmp_p
 
 
 def test_a_new_key_during_cuda_graph_capture_is_never_measured(monkeypatch):
-    monkeypatch.setattr(interception, "_capturing", lambda: True)
+    monkeypatch.setattr(pinning, "_capturing", lambda: True)
     measure = FakeMeasure(block=32)
     interception.install(TuningPolicy(mode="auto", on_miss="min_cost"), measure=measure)
     launch(100)

@@ -12,7 +12,7 @@ from megatron_tuning.core.errors import BenchmarkForbiddenError, TableMissError
 from megatron_tuning.core.identity import config_signature, kernel_id
 from megatron_tuning.core.policy import TuningPolicy
 from megatron_tuning.core.warn import reset_warnings
-from megatron_tuning.runtime import interception
+from megatron_tuning.runtime import interception, pinning
 
 from .. import support_kernels as sk
 from ..support_kernels import grid
@@ -298,13 +298,13 @@ def test_decide_without_measuring_uses_the_deterministic_choice_in_tune_mode(cap
         raise AssertionError("measured where nothing may be measured")
 
     interception.install(TuningPolicy(mode="tune"), measure=measure)
-    installation = interception._installation
-    state = interception._state_for(sk.scale_add, installation)
+    installation = pinning.active
+    state = pinning.state_for(sk.scale_add, installation)
     x = torch.zeros(20)
     args = (x, x, x, 20, 1.0)
-    raw = interception._raw_key(state, args, {})
+    raw = pinning.raw_key(state, args, {})
     with caplog.at_level("WARNING", logger="megatron_tuning"):
-        config = interception._decide(sk.scale_add, state, installation, raw, args, {}, may_measure=False)
+        config = pinning.decide(sk.scale_add, state, installation, raw, args, {}, may_measure=False)
     assert config is sk.ADD_CONFIGS[0]
     assert [d.source for d in get_decisions()] == ["cheapest"]
     assert "first seen where nothing can be measured" in caplog.text and "scale_add" in caplog.text

@@ -1,0 +1,261 @@
+"""The per-process pinning state: the active installation, each autotuner's decisions, and how a
+new (kernel, key) is decided, recorded and pinned.
+
+Shared by the two adapters that launch pinned configs: ``interception`` (Triton's
+``Autotuner.run``) and ``inductor`` (torch.compile's handling of user kernels), so an eager launch
+and a compiled one of the same key go through one decision, one decision-log entry and one
+agreement check. The only Triton internals used here are the autotuner's pruning
+(``prune_configs``/``nargs``) and its ``cache`` (``triton_compat.triton_cache_key``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..core.choice import Choice, ConfigTable, chaos_index, choose_deterministically
+from ..core.cost import order_by_cost
+from ..core.decisions import Decision, decision_log
+from ..core.identity import (
+    config_data,
+    config_signature,
+    current_rank,
+    kernel_id,
+    kernel_module,
+    kernel_source_hash,
+    tuning_key,
+)
+from ..core.policy import TuningPolicy
+from .auto import Consensus, Measure, auto_choice
+from .triton_compat import triton_cache_key
+
+logger = logging.getLogger("megatron_tuning.runtime.interception")
+
+STATE_ATTR = "_megatron_tuning_state"
+# Set on the one-config Autotuner copies compiled code launches (runtime/inductor.py): the value is
+# the config to launch, already decided, so ``run`` launches it without a new decision.
+PINNED_ATTR = "_megatron_tuning_pinned_config"
+
+
+@dataclass(frozen=True)
+class Installation:
+    policy: TuningPolicy
+    table: ConfigTable | None
+    measure: Measure | None
+    generation: int
+    arch: str
+    consensus: Consensus | None = None
+
+
+@dataclass
+class AutotunerState:
+    """Per-autotuner cache, valid for one installation generation."""
+
+    generation: int
+    in_scope: bool
+    kernel: str
+    key_index: tuple[tuple[str, int], ...]
+    pins: dict[tuple[Any, ...], Any] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    source_hash: str | None = None
+    triton_keys: dict[tuple[Any, ...], Any] = field(default_factory=dict)
+    """Entries this installation wrote into the autotuner's own ``cache`` (removed at uninstall)."""
+
+
+active: Installation | None = None
+"""The installation ``interception.install`` made current; read on every launch (hot path)."""
+touched: weakref.WeakSet[Any] = weakref.WeakSet()
+"""Autotuners that carry a state, so ``uninstall`` can clear them."""
+
+
+def installed() -> bool:
+    return active is not None
+
+
+def current_policy() -> TuningPolicy | None:
+    installation = active
+    return None if installation is None else installation.policy
+
+
+def state_for(autotuner: Any, installation: Installation) -> AutotunerState:
+    state = autotuner.__dict__.get(STATE_ATTR)
+    if state is not None and state.generation == installation.generation:
+        return state
+    if state is not None:
+        forget_triton_cache(autotuner, state)
+    arg_names = list(autotuner.arg_names)
+    kernel = kernel_id(autotuner)
+    state = AutotunerState(
+        generation=installation.generation,
+        in_scope=installation.policy.in_scope(kernel_module(autotuner)),
+        kernel=kernel,
+        key_index=tuple((name, arg_names.index(name)) for name in autotuner.keys if name in arg_names),
+    )
+    autotuner.__dict__[STATE_ATTR] = state
+    touched.add(autotuner)
+    if not state.in_scope:
+        decision_log().record(
+            Decision(
+                kernel=kernel,
+                key="*",
+                signature="",
+                source="out_of_scope",
+                arch=installation.arch,
+                rank=current_rank(),
+            )
+        )
+    return state
+
+
+def raw_key(state: AutotunerState, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    """Hot-path cache key: Triton's key values and dtypes, without building text.
+
+    Each key value is paired with its type so ``True``/``1``/``1.0`` stay distinct keys, as they
+    are in ``tuning_key`` (in a plain tuple they compare equal and would share one decision).
+    """
+    count = len(args)
+    values: list[Any] = []
+    for name, i in state.key_index:
+        value = args[i] if i < count else kwargs.get(name)
+        values.append((value.__class__, value))
+    values.extend(a.dtype for a in args if hasattr(a, "dtype"))
+    if kwargs:
+        values.extend(v.dtype for v in kwargs.values() if hasattr(v, "dtype"))
+    return tuple(values)
+
+
+def live_candidates(autotuner: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    """The kernel's own pruning (early_config_prune, perf_model/top_k), as Triton applies it."""
+    if len(autotuner.configs) <= 1:
+        return list(autotuner.configs)
+    autotuner.nargs = dict(zip(autotuner.arg_names, args))  # prune_configs reads self.nargs
+    try:
+        return list(autotuner.prune_configs(kwargs))
+    finally:
+        autotuner.nargs = None
+
+
+def decide(
+    autotuner: Any,
+    state: AutotunerState,
+    installation: Installation,
+    raw: tuple[Any, ...],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    may_measure: bool = True,
+) -> Any:
+    """Choose, record and pin the config for one (kernel, key); the first use of it in this process.
+
+    ``may_measure=False`` where no real arguments exist (torch.compile trace time): ``tune`` and
+    ``auto`` then apply the policy's miss rule instead of measuring. A new key first launched
+    while a CUDA graph is being captured is never measured either (timing would break the capture).
+    """
+    with state.lock:
+        config = state.pins.get(raw)
+        if config is not None:
+            return config
+        policy = installation.policy
+        may_measure = may_measure and not _capturing()
+        key = tuning_key(autotuner, args, kwargs)
+        candidates = live_candidates(autotuner, args, kwargs)
+        rank = current_rank()
+        timings = None
+        if policy.mode == "chaos":
+            ordered = order_by_cost(candidates)
+            choice = Choice(ordered[chaos_index(state.kernel, key, rank, len(ordered))], "chaos")
+        elif policy.mode == "tune" and len(candidates) > 1 and may_measure:
+            assert installation.measure is not None
+            config, timings = installation.measure(autotuner, candidates, args, kwargs, state.kernel, key)
+            choice = Choice(config, "tuned")
+        elif policy.mode == "auto":
+            choice, timings = auto_choice(
+                autotuner,
+                candidates,
+                key,
+                (args, kwargs),
+                kernel=state.kernel,
+                arch=installation.arch,
+                policy=policy,
+                table=installation.table,
+                measure=installation.measure,
+                consensus=installation.consensus,
+                may_measure=may_measure,
+            )
+        else:
+            if policy.mode == "tune" and len(candidates) > 1:
+                logger.warning(
+                    "megatron_tuning: kernel %s key %s is first seen where nothing can be measured "
+                    "(compiled code, or a CUDA graph capture); using the deterministic choice "
+                    "instead of tuning it",
+                    state.kernel,
+                    key,
+                )
+            choice = choose_deterministically(
+                autotuner,
+                candidates,
+                key,
+                table=installation.table,
+                on_miss=policy.on_miss,
+                block_sizes=policy.block_sizes,
+            )
+        config, source, origin = choice.config, choice.source, choice.origin
+        if state.source_hash is None:
+            state.source_hash = kernel_source_hash(autotuner)
+        decision = Decision(
+            kernel=state.kernel,
+            key=key,
+            signature=config_signature(config),
+            source=source,
+            config=config_data(config),
+            arch=installation.arch,
+            rank=rank,
+            origin=origin,
+            source_hash=state.source_hash,
+            timings=timings,
+            nearest_key=choice.nearest_key,
+        )
+        logger.info(
+            "kernel %s key %s -> %s (%s%s%s)",
+            state.kernel,
+            key,
+            decision.signature,
+            source,
+            f" from {origin}" if origin else "",
+            f", entry for {choice.nearest_key}" if choice.nearest_key else "",
+        )
+        decision_log().record(decision)  # listeners (agreement) may raise: then nothing is pinned
+        state.pins[raw] = config
+        remember_in_triton_cache(autotuner, state, args, kwargs, config)
+        return config
+
+
+def _capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (never imports torch itself)."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available():
+        return False
+    return bool(torch.cuda.is_current_stream_capturing())
+
+
+def remember_in_triton_cache(
+    autotuner: Any, state: AutotunerState, args: tuple[Any, ...], kwargs: dict[str, Any], config: Any
+) -> None:
+    """File the decision under Triton's own key, as Triton's hit path leaves it, for code that reads it."""
+    key = triton_cache_key(autotuner, args, kwargs)
+    autotuner.cache[key] = config
+    state.triton_keys[key] = config
+
+
+def forget_triton_cache(autotuner: Any, state: AutotunerState) -> None:
+    # Only entries still holding what we wrote: Triton may have re-tuned a key since (mode off).
+    cache = autotuner.__dict__.get("cache")
+    for key, config in state.triton_keys.items():
+        if cache is not None and cache.get(key) is config:
+            del cache[key]
+    state.triton_keys.clear()
