@@ -1,6 +1,6 @@
 """Offline table checks (``megatron-tuning validate``): would these entries apply here, unchanged?
 
-The runtime validators in ``tableset`` act per lookup; this module checks a whole table
+The runtime validators in ``tables.search`` act per lookup; this module checks a whole table
 ahead of time, e.g. in CI after a Triton upgrade or a kernel edit: every entry's arch is
 this machine's, it was tuned with the installed Triton, and, for kernels of modules the
 caller names, the kernel still exists, its source hash matches, and the entry's config

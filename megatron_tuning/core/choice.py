@@ -93,7 +93,7 @@ def as_config_table(table: ConfigTable | Mapping[tuple[str, str], Any] | None) -
 
 @dataclass(frozen=True, slots=True)
 class Choice:
-    """A chosen live config and why: ``source`` is a ``decisions.SOURCES`` value."""
+    """A chosen live config and why: ``source`` is a ``core.decisions.SOURCES`` value."""
 
     config: Any
     source: str

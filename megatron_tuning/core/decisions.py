@@ -42,7 +42,7 @@ class Decision:
     source: str
     """One of ``SOURCES``."""
     config: dict[str, Any] = field(default_factory=dict)
-    """``selection.config_data`` of the launched config."""
+    """``config_data`` of the launched config."""
     arch: str = "unknown"
     rank: int = 0
     origin: str | None = None

@@ -58,7 +58,7 @@ class _EntryFields(NamedTuple):
     key: str
     """Tuning-key text from ``selection.tuning_key``."""
     config: dict[str, Any]
-    """``selection.config_data`` form, keys sorted. Shared between entries: read-only."""
+    """``config_data`` form, keys sorted. Shared between entries: read-only."""
     how: str
     """``tuned`` | ``recorded`` | ``hand``."""
     source_hash: str | None
@@ -227,7 +227,7 @@ _INTERN_LIMIT = 65536
 
 
 def check_config(config: Any) -> dict[str, Any]:
-    """Validate config data (``selection.config_data`` form) and return its canonical, shared form."""
+    """Validate config data (``config_data`` form) and return its canonical, shared form."""
     try:
         blob = msgpack.packb(config, use_bin_type=True, strict_types=True)
     except Exception:  # anything msgpack cannot pack exactly: the slow path says what is wrong
@@ -248,7 +248,7 @@ def check_config(config: Any) -> dict[str, Any]:
 
 def _check_config(config: Any) -> dict[str, Any]:
     if type(config) is not dict:
-        raise Invalid("config must be a map (selection.config_data form)")
+        raise Invalid("config must be a map (config_data form)")
     kwargs = config.get("kwargs")
     if type(kwargs) is not dict:
         raise Invalid("config.kwargs must be a map")

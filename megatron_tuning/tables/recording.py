@@ -68,7 +68,7 @@ def write_recording(
     """Write this rank's recorded winners to ``directory`` and return the file's path.
 
     ``decisions=None`` takes the process's decision log; ``rank=None`` takes
-    ``selection.current_rank()``. An existing recording for the rank (an earlier run of
+    ``core.identity.current_rank()``. An existing recording for the rank (an earlier run of
     the job) is updated: new winners replace old ones for the same (arch, kernel, key),
     entries only the earlier run saw are kept. The file is only ever touched by this
     rank, so the lock it takes is uncontended.

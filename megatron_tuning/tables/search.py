@@ -102,7 +102,7 @@ def expand_table_paths(
 
 
 class TableSet:
-    """Tables searched in order, earlier wins; implements ``selection.ConfigTable``."""
+    """Tables searched in order, earlier wins; implements ``core.choice.ConfigTable``."""
 
     def __init__(
         self,

@@ -1,7 +1,7 @@
 """Persisted per-shape tuning tables: canonical msgpack on disk, a lossless JSON view.
 
 A table maps (GPU arch, kernel id ``module:qualname``, tuning-key text) to the config
-to launch (``selection.config_data`` form) plus provenance: the kernel source hash, the
+to launch (``config_data`` form) plus provenance: the kernel source hash, the
 Triton version, how the entry was chosen, and timing statistics when it was measured.
 
 Encoding is canonical (see ``codec``) so the same content always gives the same

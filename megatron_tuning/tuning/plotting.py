@@ -1,7 +1,7 @@
 """One PNG per (kernel, key): candidate medians with p20-p80 bars, the tie band, the winner.
 
 For people who would rather look than read a table of numbers. Works on the records of
-``tune_command`` (``tuned`` timings, with a tie band) and on Triton's own ``recorded`` timings
+``commands.tune`` (``tuned`` timings, with a tie band) and on Triton's own ``recorded`` timings
 (no tie band: the band is drawn at the default width for reference). matplotlib is an optional
 dependency; without it ``plot_records`` raises an ``ImportError`` that says how to install it.
 """

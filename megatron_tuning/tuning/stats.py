@@ -131,7 +131,7 @@ class TuneResult:
     tie_band: float
     overlap_cap: float
     configs: tuple[dict[str, Any], ...] = field(default=())
-    """``selection.config_data`` of each candidate, when known (needed to pool results later)."""
+    """``config_data`` of each candidate, when known (needed to pool results later)."""
 
     @property
     def winner_signature(self) -> str:
