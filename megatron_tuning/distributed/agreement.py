@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from ..core.decisions import Decision, decision_log
 from ..core.errors import AgreementTimeoutError, DivergenceError, PolicyError, SessionMismatchError
+from ..runtime.pinning import is_capturing
 from .sessions import SESSION_KIND, SessionRegistry, mismatch_from_record, mismatch_record, policy_summary
 from .wire import (
     DIGEST_BYTES,
@@ -46,7 +47,6 @@ from .wire import (
     default_store,
     group_ranks,
     identity_digest,
-    is_capturing,
     pack_text,
     scope_id,
     signature_digest,

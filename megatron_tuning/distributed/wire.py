@@ -39,11 +39,6 @@ def group_ranks(group: Any) -> list[int]:
     return list(dist.get_process_group_ranks(group))
 
 
-def is_capturing() -> bool:
-    """Whether the current CUDA stream is capturing a graph (then no traffic is allowed)."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
 def identity_digest(kernel: str, key: str, arch: str) -> bytes:
     """32-byte digest of what must agree; arch is part of it (other GPUs may pick otherwise)."""
     # JSON, not a separator join: no text in one field can pass for a field boundary.

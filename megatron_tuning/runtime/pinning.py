@@ -159,7 +159,7 @@ def decide(
         if config is not None:
             return config
         policy = installation.policy
-        may_measure = may_measure and not _capturing()
+        may_measure = may_measure and not is_capturing()
         key = tuning_key(autotuner, args, kwargs)
         candidates = live_candidates(autotuner, args, kwargs)
         rank = current_rank()
@@ -233,8 +233,12 @@ def decide(
         return config
 
 
-def _capturing() -> bool:
-    """Whether the current CUDA stream is capturing a graph (never imports torch itself)."""
+def is_capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (never imports torch itself).
+
+    Nothing may be measured then (timing would break the capture), and the agreement layer sends
+    no store or collective traffic.
+    """
     import sys
 
     torch = sys.modules.get("torch")

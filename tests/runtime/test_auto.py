@@ -210,7 +210,7 @@ def test_a_second_run_pins_every_key_from_the_cache_with_zero_measurements(tmp_p
 
 
 def test_a_new_key_during_cuda_graph_capture_is_never_measured(monkeypatch):
-    monkeypatch.setattr(pinning, "_capturing", lambda: True)
+    monkeypatch.setattr(pinning, "is_capturing", lambda: True)
     measure = FakeMeasure(block=32)
     interception.install(TuningPolicy(mode="auto", on_miss="min_cost"), measure=measure)
     launch(100)
