@@ -51,11 +51,16 @@ def _copy_package(tmp_path: Path) -> Path:
     return root
 
 
-def test_an_upward_import_breaks_the_layer_contract(tmp_path):
+def _lint_with_planted_import(tmp_path: Path, module: str, line: str) -> subprocess.CompletedProcess[str]:
+    """Lint a copy of the package in which ``module`` (a path under it) ends with ``line``."""
     root = _copy_package(tmp_path)
-    with open(root / "megatron_tuning" / "core" / "env.py", "a", encoding="utf-8") as handle:
-        handle.write("\nfrom ..tables import table as _upward  # planted by the test\n")
-    result = _lint(root)
+    with open(root / "megatron_tuning" / module, "a", encoding="utf-8") as handle:
+        handle.write(f"\n{line}  # planted by the test\n")
+    return _lint(root)
+
+
+def test_an_upward_import_breaks_the_layer_contract(tmp_path):
+    result = _lint_with_planted_import(tmp_path, "core/env.py", "from ..tables import table as _upward")
     assert result.returncode != 0
     assert "megatron_tuning layers point down BROKEN" in result.stdout
     assert "megatron_tuning.core.env -> megatron_tuning.tables.table" in result.stdout
@@ -70,9 +75,7 @@ def test_a_new_top_level_module_must_declare_its_layer(tmp_path):
 
 
 def test_an_import_cycle_inside_a_layer_breaks_the_acyclic_contract(tmp_path):
-    root = _copy_package(tmp_path)
-    with open(root / "megatron_tuning" / "runtime" / "pinning.py", "a", encoding="utf-8") as handle:
-        handle.write("\nfrom . import inductor as _cycle  # planted by the test: inductor imports pinning\n")
-    result = _lint(root)
+    # inductor imports pinning: pinning importing inductor closes a cycle.
+    result = _lint_with_planted_import(tmp_path, "runtime/pinning.py", "from . import inductor as _cycle")
     assert result.returncode != 0
     assert "no import cycles between modules of one package BROKEN" in result.stdout
