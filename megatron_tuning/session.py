@@ -96,7 +96,8 @@ def init_deterministic_tuning(
     ``policy`` defaults to ``TuningPolicy.from_env(default_mode="deterministic")``. ``table``
     overrides the tables the policy names (a ``ConfigTable`` or a ``{(kernel, key): config}``
     mapping; in ``auto`` mode the cache table is then not read, but still written). ``group`` is
-    the process group for ``allgather`` agreement (default: world).
+    the process group for ``allgather`` agreement (default: world); in chaos mode its ranks
+    avoid each other's first pick.
     Calling it again replaces the previous session.
     """
     global _active
@@ -111,7 +112,8 @@ def init_deterministic_tuning(
     resolved_table = table if table is not None else _load_tables(policy, cache)
     measure = _make_measure(policy) if policy.mode in ("tune", "auto") else None
     consensus = _start_consensus() if policy.mode == "auto" else None
-    interception.install(policy, table=resolved_table, measure=measure, consensus=consensus)
+    chaos = _start_chaos(group) if policy.mode == "chaos" else None
+    interception.install(policy, table=resolved_table, measure=measure, consensus=consensus, chaos=chaos)
     try:
         agreement = _start_agreement(policy, group)
     except BaseException:
@@ -172,6 +174,12 @@ def _start_consensus() -> Any:
     from .distributed.consensus import start_consensus
 
     return start_consensus()
+
+
+def _start_chaos(group: Any) -> Any:
+    from .distributed.chaos import start_chaos
+
+    return start_chaos(group)
 
 
 def _make_measure(policy: TuningPolicy) -> Any:

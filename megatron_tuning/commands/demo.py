@@ -137,6 +137,7 @@ def main(argv: Sequence[str] | None = None, out: Callable[[str], Any] = print) -
     shapes = _GPU_SHAPES if on_gpu else _CPU_SHAPES
     show = rank == 0 or args.all_ranks
 
+    from ..core.decisions import chaos_can_differ
     from ..core.policy import TuningPolicy
 
     policy = TuningPolicy.from_env(default_mode="deterministic")
@@ -178,7 +179,15 @@ def main(argv: Sequence[str] | None = None, out: Callable[[str], Any] = print) -
                     else f"all {len(decisions)} kernel/shape results match torch (one process)"
                 )
         else:
-            if error is None and world > 1:
+            # A key with one distinct config cannot differ between ranks: it is no proof either way.
+            provable = [d for d in decisions if chaos_can_differ(d)]
+            if error is None and world > 1 and not provable:
+                out(
+                    f"rank {rank}: chaos could not make ranks differ (no key had two distinct configs): "
+                    "this run proves nothing about the agreement check"
+                )
+                status = status or 4
+            elif error is None and world > 1:
                 out(f"rank {rank}: chaos ran and no divergence was detected: the agreement check is blind")
                 status = status or 4
             elif error is not None and show:

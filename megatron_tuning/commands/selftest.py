@@ -25,6 +25,7 @@ import tempfile
 import time
 from typing import Any, TextIO
 
+from ..core.decisions import CHAOS_NO_OTHER_CONFIG
 from ..tables.files import write_atomic
 
 KERNEL_MODULE = "megatron_tuning.kernels.tiny"
@@ -181,7 +182,15 @@ def _judge(mode: str, outcome: dict[str, Any], nproc: int) -> tuple[bool, str]:
             f"all ranks agree on {pinned} (kernel, key) choices "
             f"(verify_agreement compared {shared}), no alarm {took}"
         )
+    # A key with one distinct config cannot differ between ranks: it proves nothing either way.
+    chaos_rows = [d for res in ranks.values() for d in res.get("decisions", []) if d[3] == "chaos"]
+    provable = {(d[0], d[1]) for d in chaos_rows if len(d) < 5 or d[4] != CHAOS_NO_OTHER_CONFIG}
     if not errors:
+        if not provable:
+            return False, (
+                f"inconclusive: no chaos key had two distinct configs, so the ranks could not "
+                f"differ and this run proves nothing about the check {took}"
+            )
         return False, (
             f"chaos ranks launched different configs and nothing noticed: the agreement check is blind {took}"
         )
@@ -192,7 +201,7 @@ def _judge(mode: str, outcome: dict[str, Any], nproc: int) -> tuple[bool, str]:
         return False, f"ranks raised different messages for the same divergence {took}"
     return True, (
         f"DivergenceError on ranks {sorted(errors)} for {first['kernel']} key {first['key']}, "
-        f"naming ranks {named} {took}"
+        f"naming ranks {named}; {len(provable)} chaos key(s) could differ {took}"
     )
 
 
@@ -267,7 +276,9 @@ def _exercise(args: argparse.Namespace, rank: int, result: dict[str, Any]) -> No
                 _keep_error(result, error)
     finally:
         handle.close()
-    result["decisions"] = [[d.kernel, d.key, d.signature, d.source] for d in decision_log().decisions()]
+    result["decisions"] = [
+        [d.kernel, d.key, d.signature, d.source, d.chaos] for d in decision_log().decisions()
+    ]
 
 
 def _write_result(folder: str, rank: int, result: dict[str, Any]) -> None:

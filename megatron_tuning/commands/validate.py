@@ -17,7 +17,14 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..core.identity import arch_tag, config_signature, kernel_id, kernel_module, kernel_source_hash
+from ..core.identity import (
+    arch_tag,
+    config_signature,
+    kernel_id,
+    kernel_module,
+    kernel_source_hash,
+    split_kernel_id,
+)
 from ..core.text import printable
 from ..tables.entry import Entry
 from ..tables.search import installed_triton_version
@@ -124,6 +131,16 @@ def _import_kernels(modules: Sequence[str], report: ValidationReport) -> tuple[s
     return covered, kernels
 
 
+def _split_ids(kernels: dict[str, _Kernel]) -> dict[str, list[str]]:
+    """Plain ``module:qualname`` -> the ``@digest`` ids of the autotuners told apart under it."""
+    split: dict[str, list[str]] = {}
+    for kernel in kernels:
+        module, qualname, digest = split_kernel_id(kernel)
+        if digest is not None:
+            split.setdefault(f"{module}:{qualname}", []).append(kernel)
+    return split
+
+
 def _describe(autotuner: Any) -> _Kernel:
     return _Kernel(
         kernel_source_hash(autotuner),
@@ -136,7 +153,7 @@ def _resolve_kernel(kernel: str, kernels: dict[str, _Kernel]) -> _Kernel | None:
     """A kernel that is no module global (e.g. a class attribute), found by its qualname."""
     from triton.runtime.autotuner import Autotuner
 
-    module_name, _, qualname = kernel.partition(":")
+    module_name, qualname, _ = split_kernel_id(kernel)
     obj: Any = sys.modules.get(module_name)
     for part in qualname.split("."):
         obj = getattr(obj, part, None) if obj is not None else None
@@ -145,7 +162,7 @@ def _resolve_kernel(kernel: str, kernels: dict[str, _Kernel]) -> _Kernel | None:
             break
         obj = getattr(obj, "fn", None)
     if not isinstance(obj, Autotuner) or kernel_id(obj) != kernel:
-        return None
+        return None  # a ``@digest`` id names a module-level autotuner, found by the scan or nowhere
     kernels[kernel] = _describe(obj)
     return kernels[kernel]
 
@@ -194,6 +211,14 @@ def _entry_problems(
         return problems
     kernel = kernels.get(entry.kernel) or _resolve_kernel(entry.kernel, kernels)
     if kernel is None:
+        split = _split_ids(kernels).get(entry.kernel)
+        if split:
+            problems.append(
+                f"{len(split)} autotuners with different config lists wrap this function, so they are "
+                f"told apart as {', '.join(sorted(split))}: this entry cannot say which one it was tuned "
+                "for and is not used; re-tune to get entries under those ids"
+            )
+            return problems
         if "<locals>" in entry.kernel:  # made inside a function: only a run can tell
             return problems
         problems.append(f"no autotuned kernel {entry.kernel} in module {module} (renamed or removed?)")

@@ -1,26 +1,26 @@
 """Choosing a config without measuring: table entry, override, then a static rule.
 
 Every rule is a pure function of the candidate list and the call signature, so each rank
-computes the same answer. ``deterministic_choice`` and ``chaos_choice`` are the seed API;
-``choose_deterministically`` is the same rule with a precomputed key, returning the source.
+computes the same answer. ``deterministic_choice`` is the seed API (``chaos_choice`` lives in
+``core.chaos``); ``choose_deterministically`` is the same rule with a precomputed key, returning
+the source.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from .cost import as_block_sizes, cheapest, filter_configs_by_block_sizes, order_by_cost
+from .cost import as_block_sizes, cheapest, filter_configs_by_block_sizes
 from .errors import BlockSizeOverrideError, PolicyError, TableMissError
 from .identity import (
     arch_tag,
+    base_kernel_id,
     config_data,
     config_signature,
-    current_rank,
     kernel_id,
     kernel_source_hash,
     tuning_key,
@@ -44,6 +44,9 @@ class TableHit:
     origin: str
     key: str | None = None
     """The entry's own key, when it was found for another key (a nearest-shape neighbour)."""
+    kernel: str | None = None
+    """The entry's own kernel id, when it was found by content: same qualname (and config-list
+    digest) and the same source hash, under another module name. ``None``: found by kernel id."""
 
 
 @runtime_checkable
@@ -52,7 +55,8 @@ class ConfigTable(Protocol):
 
     A table may also offer ``neighbours(kernel, key, *, arch, source_hash)``: the usable entries
     of the same kernel and arch for comparable keys, nearest first (``core.nearest``). Without
-    it, ``on_miss='nearest'`` finds no neighbour and falls back to the cheapest config.
+    it, ``on_miss='nearest'`` finds no neighbour and falls back to the cheapest config. A table
+    may answer for another kernel id by content (``TableHit.kernel``), never by qualname alone.
     """
 
     def lookup(
@@ -100,6 +104,23 @@ class Choice:
     origin: str | None = None
     nearest_key: str | None = None
     """For ``source == "nearest"``: the key of the table entry that was used."""
+    matched_by: str | None = None
+    """``"content"`` when the table entry was found under another kernel id (``entry_kernel``)."""
+    entry_kernel: str | None = None
+    chaos: str | None = None
+    """For ``source == "chaos"``: a ``core.decisions.CHAOS_OUTCOMES`` value."""
+
+
+def _from_hit(config: Any, source: str, hit: TableHit, nearest_key: str | None = None) -> Choice:
+    by_content = hit.kernel is not None
+    return Choice(
+        config,
+        source,
+        hit.origin,
+        nearest_key=nearest_key,
+        matched_by="content" if by_content else None,
+        entry_kernel=hit.kernel,
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,18 +154,21 @@ def pin_without_fallback(
     lookup = as_config_table(table)
     reason = "no table configured" if lookup is None else "no table entry"
     if lookup is not None:
-        hit = lookup.lookup(kernel, key, arch=arch_tag(), source_hash=kernel_source_hash(autotuner))
+        arch = arch_tag()
+        hit = lookup.lookup(kernel, key, arch=arch, source_hash=kernel_source_hash(autotuner))
+        if hit is None:
+            _warn_if_ambiguous_entry(lookup, autotuner, kernel, key, arch)
         if hit is not None:
             live = match_live(hit.config, candidates)
             if live is not None:
-                return Choice(live, "table", hit.origin)
+                return _from_hit(live, "table", hit)
             reason = "the table entry matches no live config"
             wanted = config_signature(hit.config)
             warn_once(
                 ("entry-no-match", kernel, key, hit.origin),
                 "Table entry for kernel %s key %s in %s (%s) matches none of the %d live configs "
                 "after pruning; treating it as a miss.",
-                kernel,
+                hit.kernel or kernel,
                 key,
                 hit.origin,
                 wanted,
@@ -160,6 +184,33 @@ def pin_without_fallback(
     if len(candidates) == 1:
         return Choice(candidates[0], "single")
     return Miss(reason)
+
+
+def _warn_if_ambiguous_entry(lookup: ConfigTable, autotuner: Any, kernel: str, key: str, arch: str) -> None:
+    """A miss for ``module:qualname@digest`` while the table holds a plain ``module:qualname`` entry.
+
+    Such an entry was tuned before the autotuners over this function were told apart; it cannot
+    say which of them it was tuned for, so it is not used. Say so once, with the fix.
+    """
+    base = base_kernel_id(autotuner)
+    if base == kernel:
+        return
+    find = getattr(lookup, "find", None)  # TableSet: no validators, no stale warnings
+    found = find(base, key, arch=arch) if find is not None else lookup.lookup(base, key, arch=arch)
+    if found is None:
+        return
+    origin = found[1] if isinstance(found, tuple) else found.origin
+    warn_once(
+        ("ambiguous-entry", base, origin),
+        "Table %s has an entry for kernel %s (key %s) but several autotuners with different config "
+        "lists wrap that function, so it is now told apart as %s and the others; the entry cannot "
+        "say which autotuner it was tuned for and is not used. Re-tune (tune or auto mode) to get "
+        "entries under the new ids. Other keys of this kernel are skipped without another warning.",
+        origin,
+        base,
+        key,
+        kernel,
+    )
 
 
 def choose_on_miss(
@@ -183,7 +234,7 @@ def choose_on_miss(
         for hit in neighbours(kernel, key, arch=arch_tag(), source_hash=kernel_source_hash(autotuner)):
             live = match_live(hit.config, candidates)
             if live is not None:  # a neighbour tuned with other live configs cannot be launched
-                return Choice(live, "nearest", hit.origin, nearest_key=hit.key)
+                return _from_hit(live, "nearest", hit, nearest_key=hit.key)
     return Choice(cheapest(candidates), "cheapest")
 
 
@@ -227,27 +278,6 @@ def deterministic_choice(
     return choose_deterministically(
         autotuner, candidates, key, table=table, on_miss=on_miss, block_sizes=block_sizes
     ).config
-
-
-def chaos_index(kernel: str, key: str, rank: int, count: int) -> int:
-    """Position in cost order that chaos mode picks: distinct for ranks ``count`` apart or less."""
-    offset = int(hashlib.sha256(f"{kernel}\n{key}".encode()).hexdigest()[:8], 16)
-    return (rank + offset) % count
-
-
-def chaos_choice(
-    autotuner: Any, candidates: Sequence[Any], args: Sequence[Any], kwargs: Mapping[str, Any]
-) -> Any:
-    """A per-rank different config, on purpose: the positive control for the agreement check.
-
-    Reproducible (the same rank picks the same config in every run); with two or more
-    candidates, consecutive ranks always pick different configs.
-    """
-    if not candidates:
-        raise ValueError(f"no live configs for kernel {kernel_id(autotuner)}")
-    ordered = order_by_cost(candidates)
-    key = tuning_key(autotuner, args, kwargs)
-    return ordered[chaos_index(kernel_id(autotuner), key, current_rank(), len(ordered))]
 
 
 def autotune_configs(configs: Sequence[Any], *, policy: TuningPolicy | None = None) -> list[Any]:

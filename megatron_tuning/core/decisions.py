@@ -28,13 +28,28 @@ SOURCES = (
     "out_of_scope",  # passed through to Triton untouched (key is "*")
 )
 
+# How a chaos pick relates to the other ranks' (``Decision.chaos``).
+CHAOS_OUTCOMES = (
+    "first",  # this rank claimed the (kernel, key) first in the job; every later rank avoids its pick
+    "differs",  # picked a config other than the first claim (so this rank must raise DivergenceError)
+    "rank_formula",  # no process group (or inside a CUDA graph capture): picked by rank alone
+    "no_other_config",  # one distinct live config: ranks cannot differ, so this key proves nothing
+)
+CHAOS_NO_OTHER_CONFIG = "no_other_config"
+
+
+def chaos_can_differ(decision: Decision) -> bool:
+    """Whether a chaos decision could have differed between ranks (counts as proof when caught)."""
+    return decision.source == "chaos" and decision.chaos != CHAOS_NO_OTHER_CONFIG
+
 
 @dataclass(frozen=True, slots=True)
 class Decision:
     """One choice made at the first use of a (kernel, key) in this process."""
 
     kernel: str
-    """Kernel id, ``module:qualname`` of the user function."""
+    """Kernel id (``core.identity.kernel_id``): ``module:qualname`` of the user function, with
+    ``@<config-list digest>`` when several autotuners wrap that function."""
     key: str
     """Stable tuning-key text (``selection.tuning_key``); ``"*"`` for out-of-scope kernels."""
     signature: str
@@ -52,6 +67,13 @@ class Decision:
     """Measurement statistics for ``tuned`` / ``recorded`` decisions."""
     nearest_key: str | None = None
     """For ``nearest``: the key of the table entry whose config was launched."""
+    matched_by: str | None = None
+    """``"content"`` when a ``table``/``nearest`` entry was found under another kernel id with the
+    same qualname and source hash (the same code loaded under another module name); else ``None``."""
+    entry_kernel: str | None = None
+    """For ``matched_by="content"``: the kernel id the entry was tuned under."""
+    chaos: str | None = None
+    """For ``chaos``: one of ``CHAOS_OUTCOMES``, how this rank's pick relates to the other ranks'."""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

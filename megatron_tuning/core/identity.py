@@ -13,7 +13,11 @@ import inspect
 import numbers
 import os
 import re
+import sys
 import textwrap
+import threading
+import types
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -93,10 +97,110 @@ def kernel_module(autotuner: Any) -> str:
     return str(_user_function(autotuner).__module__)
 
 
-def kernel_id(autotuner: Any) -> str:
-    """``module:qualname``: the kernel's identity in tables, logs and across ranks."""
+def base_kernel_id(autotuner: Any) -> str:
+    """``module:qualname`` of the kernel's Python function, whatever autotuner wraps it."""
     fn = _user_function(autotuner)
     return f"{fn.__module__}:{fn.__qualname__}"
+
+
+def config_list_digest(autotuner: Any) -> str:
+    """12 hex digits naming the autotuner's declared config list (``configs=``).
+
+    sha256 over the sorted distinct ``config_signature`` texts, so it is the same in every
+    process and on Triton 3.3-3.9, and list order or duplicate entries do not change it (neither
+    changes which configs can be launched). Hooks are not part of it.
+    """
+    signatures = sorted({config_signature(c) for c in autotuner.configs})
+    return hashlib.sha256("\n".join(signatures).encode("utf-8")).hexdigest()[:DIGEST_CHARS]
+
+
+DIGEST_CHARS = 12
+_DIGEST_SEP = "@"
+_ids: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+_ids_lock = threading.Lock()
+
+
+def kernel_id(autotuner: Any) -> str:
+    """The kernel's identity in tables, logs and across ranks.
+
+    ``module:qualname`` of the user function, unless two or more autotuners with different
+    config lists wrap that one function: then each is ``module:qualname@<config_list_digest>``,
+    so they are separate kernels (separate decisions, table entries and agreement checks).
+
+    The rule is a pure function of the code, so every rank and every process computes the same
+    id: the autotuners counted are this one and those reachable from the function's module
+    globals (through ``triton.heuristics`` wrappers), e.g. torchao HQQ's two autotuners over one
+    ``@triton.jit`` function. A second autotuner made elsewhere (inside a function, or in another
+    module) sees the module's own one and is told apart; two made outside the module cannot see
+    each other and share the plain id. Computed once per autotuner, at its first use.
+    """
+    try:
+        cached = _ids.get(autotuner)
+    except TypeError:  # not weak-referenceable (a test double): compute every time
+        return _compute_kernel_id(autotuner)
+    if cached is not None:
+        return cached
+    kernel = _compute_kernel_id(autotuner)
+    with _ids_lock:
+        return _ids.setdefault(autotuner, kernel)
+
+
+def split_kernel_id(kernel: str) -> tuple[str, str, str | None]:
+    """``(module, qualname, config-list digest or None)`` of a ``kernel_id`` text."""
+    module, _, rest = kernel.partition(":")
+    qualname, sep, digest = rest.partition(_DIGEST_SEP)
+    return module, qualname, digest if sep else None
+
+
+def content_name(kernel: str) -> str:
+    """A kernel id without its module (``qualname`` or ``qualname@digest``): what a content match
+    compares, together with the source hash, when the same code is loaded under another module name."""
+    return kernel.partition(":")[2]
+
+
+def _compute_kernel_id(autotuner: Any) -> str:
+    base = base_kernel_id(autotuner)
+    mine = config_list_digest(autotuner)
+    fn = _user_function(autotuner)
+    digests = {mine}
+    for other in _module_autotuners_over(fn):
+        if other is not autotuner:
+            try:
+                digests.add(config_list_digest(other))
+            except Exception:  # a foreign object that only looks like an autotuner
+                continue
+    return base if len(digests) == 1 else f"{base}{_DIGEST_SEP}{mine}"
+
+
+_MAX_WRAPPERS = 8  # heuristics/autotune decorators stacked on one kernel, far above real use
+
+
+def _module_autotuners_over(fn: Any) -> list[Any]:
+    """Triton autotuners over ``fn`` among the globals of ``fn``'s module (through ``.fn`` wrappers)."""
+    module = sys.modules.get("triton.runtime.autotuner")
+    autotuner_type = getattr(module, "Autotuner", None)
+    scope = getattr(fn, "__globals__", None)
+    if autotuner_type is None or not isinstance(scope, dict):
+        return []
+    found: list[Any] = []
+    for value in list(scope.values()):
+        try:
+            _collect_autotuners(value, fn, autotuner_type, found)
+        except Exception:  # an odd global (a proxy, a half-built object) is no autotuner of ours
+            continue
+    return found
+
+
+def _collect_autotuners(value: Any, fn: Any, autotuner_type: type, found: list[Any]) -> None:
+    obj = value
+    for _ in range(_MAX_WRAPPERS):
+        if obj is None or isinstance(obj, (types.ModuleType, type)):
+            return  # modules and classes: never walk their attributes (lazy imports, descriptors)
+        if isinstance(obj, autotuner_type) and not any(obj is f for f in found) and _user_function(obj) is fn:
+            found.append(obj)
+        attributes = getattr(obj, "__dict__", None)
+        # The instance dict, not getattr: no __getattr__ of a foreign object runs.
+        obj = attributes.get("fn") if isinstance(attributes, dict) else None
 
 
 @functools.cache

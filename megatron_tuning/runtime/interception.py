@@ -29,6 +29,7 @@ import logging
 import threading
 from typing import Any
 
+from ..core.chaos import ChaosCoordinator
 from ..core.choice import as_config_table
 from ..core.decisions import Decision, decision_log
 from ..core.errors import BenchmarkForbiddenError
@@ -75,6 +76,7 @@ def install(
     table: Any = None,
     measure: Measure | None = None,
     consensus: Consensus | None = None,
+    chaos: ChaosCoordinator | None = None,
 ) -> None:
     """Patch Triton's Autotuner for ``policy``. Idempotent; a second call replaces the policy.
 
@@ -82,6 +84,7 @@ def install(
     mapping. ``measure`` (``tuning.tuner.make_measure``) is required in mode ``tune``; in ``auto``
     without one, a miss falls back to the policy's miss rule. ``consensus`` shares ``auto``
     decisions across the job's ranks (``distributed.consensus``); ``None``: this process alone.
+    ``chaos`` lets chaos-mode ranks avoid the job's first pick (``distributed.chaos``).
     """
     global _generation
     if policy.mode == "tune" and measure is None:
@@ -92,7 +95,7 @@ def install(
             _patch()
         _generation += 1
         pinning.active = Installation(
-            policy, as_config_table(table), measure, _generation, arch_tag(), consensus
+            policy, as_config_table(table), measure, _generation, arch_tag(), consensus, chaos
         )
     inductor.warn_if_unsupported(policy)
     logger.debug("interception installed: %s", policy.describe())

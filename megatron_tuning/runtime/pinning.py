@@ -16,8 +16,8 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..core.choice import Choice, ConfigTable, chaos_index, choose_deterministically
-from ..core.cost import order_by_cost
+from ..core.chaos import ChaosCoordinator, choose_chaos
+from ..core.choice import Choice, ConfigTable, choose_deterministically
 from ..core.decisions import Decision, decision_log
 from ..core.identity import (
     config_data,
@@ -48,6 +48,8 @@ class Installation:
     generation: int
     arch: str
     consensus: Consensus | None = None
+    chaos: ChaosCoordinator | None = None
+    """Chaos mode's job-wide coordinator (``distributed.chaos``); ``None``: the rank formula."""
 
 
 @dataclass
@@ -165,8 +167,11 @@ def decide(
         rank = current_rank()
         timings = None
         if policy.mode == "chaos":
-            ordered = order_by_cost(candidates)
-            choice = Choice(ordered[chaos_index(state.kernel, key, rank, len(ordered))], "chaos")
+            # No store traffic inside a CUDA graph capture: the rank formula picks there.
+            coordinator = None if is_capturing() else installation.chaos
+            choice = choose_chaos(
+                state.kernel, key, candidates, rank=rank, arch=installation.arch, coordinator=coordinator
+            )
         elif policy.mode == "tune" and len(candidates) > 1 and may_measure:
             assert installation.measure is not None
             config, timings = installation.measure(autotuner, candidates, args, kwargs, state.kernel, key)
@@ -217,15 +222,19 @@ def decide(
             source_hash=state.source_hash,
             timings=timings,
             nearest_key=choice.nearest_key,
+            matched_by=choice.matched_by,
+            entry_kernel=choice.entry_kernel,
+            chaos=choice.chaos,
         )
         logger.info(
-            "kernel %s key %s -> %s (%s%s%s)",
+            "kernel %s key %s -> %s (%s%s%s%s)",
             state.kernel,
             key,
             decision.signature,
             source,
             f" from {origin}" if origin else "",
             f", entry for {choice.nearest_key}" if choice.nearest_key else "",
+            f", matched by content: tuned as {choice.entry_kernel}" if choice.matched_by else "",
         )
         decision_log().record(decision)  # listeners (agreement) may raise: then nothing is pinned
         state.pins[raw] = config

@@ -55,6 +55,8 @@ class Cell:
     status: str
     signature: str
     origin: str | None
+    entry_kernel: str | None = None
+    """Set when the table entry was matched by content: the kernel id it was tuned under."""
 
 
 @dataclass(slots=True)
@@ -94,7 +96,13 @@ class Coverage:
                     "key": row.key,
                     "diverged": row.diverged,
                     "ranks": {
-                        label: {"status": c.status, "signature": c.signature, "origin": c.origin}
+                        label: {
+                            "status": c.status,
+                            "signature": c.signature,
+                            "origin": c.origin,
+                            "matched_by": "content" if c.entry_kernel else None,
+                            "entry_kernel": c.entry_kernel,
+                        }
                         for label, c in row.cells.items()
                     },
                 }
@@ -122,11 +130,14 @@ class Coverage:
             cell = row.cells.get(label)
             by_status.setdefault(cell.status if cell else "absent", []).append(label)
         origins = sorted({c.origin for c in row.cells.values() if c.origin})
+        twins = sorted({c.entry_kernel for c in row.cells.values() if c.entry_kernel})
         parts = []
         for status, labels in by_status.items():
             who = "all ranks" if len(labels) == len(self.ranks) else "rank(s) " + ",".join(labels)
             parts.append(f"{status}: {who}")
         suffix = f"  from {', '.join(origins)}" if origins else ""
+        if twins:
+            suffix += f"  (matched by content: tuned as {', '.join(twins)})"
         return "; ".join(parts) + suffix
 
 
@@ -159,8 +170,9 @@ def coverage_of(logs: Sequence[tuple[str, Iterable[Decision]]]) -> Coverage:
                 labels.append(label)
             row = rows.setdefault((decision.kernel, decision.key), Row(decision.kernel, decision.key))
             # The first decision per (kernel, key) in a process is the one that launched.
+            twin = decision.entry_kernel if decision.matched_by == "content" else None
             row.cells.setdefault(
-                label, Cell(STATUS.get(decision.source, "other"), decision.signature, decision.origin)
+                label, Cell(STATUS.get(decision.source, "other"), decision.signature, decision.origin, twin)
             )
     labels.sort(key=_label_order)
     for row in rows.values():

@@ -42,7 +42,7 @@ def read_decisions(path: str | os.PathLike[str]) -> list[Decision]:
 # What ``Decision.to_json`` writes. Every reader (coverage, report, tune pooling) relies on these
 # types, so a hand-edited or hostile log fails here, named, instead of deep inside a reader.
 _TEXT_FIELDS = ("kernel", "key", "signature", "source")
-_OPTIONAL_TEXT = ("arch", "origin", "source_hash", "nearest_key")
+_OPTIONAL_TEXT = ("arch", "origin", "source_hash", "nearest_key", "matched_by", "entry_kernel", "chaos")
 
 
 def _row_problem(row: Any) -> str | None:

@@ -9,6 +9,15 @@ a path that does not exist, or a folder with no ``*.msgpack`` table, fails the s
 (``TableError`` naming it) instead of silently pinning nothing;
 shipped tables load lazily, per arch, on the first lookup for that arch.
 
+Content matches: the same code loaded under another module name (an eval pipeline's
+``spec_from_file_location("candidate", path)``) finds the entries tuned under the first name.
+When no entry for the kernel id itself is fresh for the running source, an entry of another
+kernel id with the same qualname (and config-list digest, ``core.identity.kernel_id``) and the
+*same* source hash answers, and the hit names that id (``TableHit.kernel``). A qualname alone
+never matches: an entry without a source hash, or with another one, is never a content match.
+Twins are tried in search order (first file, then first entry), so the answer is a pure
+function of the tables.
+
 Validators on use: an entry for another arch never applies (arch is part of the key);
 an entry whose kernel source hash or Triton version differs from the running one is
 *stale*: warned about once per (kernel, file, reason), then used, skipped (a miss, so a
@@ -28,6 +37,7 @@ from typing import TYPE_CHECKING
 from ..core import env
 from ..core.choice import TableHit
 from ..core.errors import StaleEntryError, TableError
+from ..core.identity import content_name
 from ..core.nearest import nearest_keys
 from ..core.warn import warn_once
 from .files import broken_link_problem
@@ -140,6 +150,8 @@ class TableSet:
         self._index: dict[_Ident, tuple[Entry, str]] = {}
         # (arch, kernel) -> keys with an entry, for the nearest-shape rule.
         self._keys: dict[tuple[str, str], list[str]] = {}
+        # (arch, content name) -> kernel ids in search order; built on the first content query.
+        self._content: dict[tuple[str, str], list[str]] | None = None
         for name, table in self._tables:
             self._add_to_index(name, table)
         logger.info("Tuning tables: %s", ", ".join(self.files) or "(none)")
@@ -177,9 +189,27 @@ class TableSet:
         return self._index.get((arch, kernel, key))
 
     def lookup(self, kernel: str, key: str, *, arch: str, source_hash: str | None = None) -> TableHit | None:
-        """The config to launch for (kernel, key) on ``arch``, or ``None`` (a miss)."""
+        """The config to launch for (kernel, key) on ``arch``, or ``None`` (a miss).
+
+        The kernel id's own entry first; where it is missing or tuned for other source, an entry
+        of the same code under another module name (a content match, ``TableHit.kernel`` set).
+        """
         self._load_shipped(arch)
-        return self._resolve((arch, kernel, key), source_hash, self.stale_entries)
+        ident = (arch, kernel, key)
+        if source_hash is not None and not self._has_own_entry(ident, source_hash):
+            hit = self._content_hit(arch, kernel, key, source_hash, self.stale_entries)
+            if hit is not None:
+                return hit
+        return self._resolve(ident, source_hash, self.stale_entries)
+
+    def _has_own_entry(self, ident: _Ident, source_hash: str) -> bool:
+        """Whether an entry of this very kernel id may be for the running source (then it wins)."""
+        first = self._index.get(ident)
+        if first is None:
+            return False
+        if first[0].source_hash in (None, source_hash):
+            return True
+        return any(entry.source_hash in (None, source_hash) for entry, _ in self._all_for(ident))
 
     def neighbours(
         self, kernel: str, key: str, *, arch: str, source_hash: str | None = None
@@ -198,16 +228,59 @@ class TableSet:
             hit = self._resolve((arch, kernel, other), source_hash, strictness)
             if hit is not None:
                 hits.append(TableHit(hit.config, hit.origin, other))
+        if source_hash is None:
+            return hits
+        # Then the same code's entries under other module names, twin by twin in search order.
+        for twin in self._twins(arch, kernel):
+            with self._lock:
+                twin_keys = list(self._keys.get((arch, twin), ()))
+            for other in nearest_keys(key, twin_keys):
+                hit = self._twin_hit((arch, twin, other), source_hash, strictness)
+                if hit is not None:
+                    hits.append(TableHit(hit.config, hit.origin, other, kernel=twin))
         return hits
 
+    def _content_hit(
+        self, arch: str, kernel: str, key: str, source_hash: str, stale_entries: str
+    ) -> TableHit | None:
+        for twin in self._twins(arch, kernel):
+            hit = self._twin_hit((arch, twin, key), source_hash, stale_entries)
+            if hit is not None:
+                return TableHit(hit.config, hit.origin, kernel=twin)
+        return None
+
+    def _twin_hit(self, ident: _Ident, source_hash: str, stale_entries: str) -> TableHit | None:
+        same_code = [(e, origin) for e, origin in self._all_for(ident) if e.source_hash == source_hash]
+        return self._pick(ident, same_code, source_hash, stale_entries)
+
+    def _twins(self, arch: str, kernel: str) -> list[str]:
+        """Other kernel ids with this one's content name on ``arch``, in search order."""
+        with self._lock:
+            if self._content is None:
+                content: dict[tuple[str, str], list[str]] = {}
+                for entry_arch, entry_kernel in self._keys:
+                    content.setdefault((entry_arch, content_name(entry_kernel)), []).append(entry_kernel)
+                self._content = content
+            named = self._content.get((arch, content_name(kernel)), ())
+            return [other for other in named if other != kernel]
+
     def _resolve(self, ident: _Ident, source_hash: str | None, stale_entries: str) -> TableHit | None:
-        arch, kernel, key = ident
         first = self._index.get(ident)
         if first is None:
             return None
         candidates = (
             [first] if stale_entries != "miss" and first[1] != self._cache_file else self._all_for(ident)
         )
+        return self._pick(ident, candidates, source_hash, stale_entries)
+
+    def _pick(
+        self,
+        ident: _Ident,
+        candidates: list[tuple[Entry, str]],
+        source_hash: str | None,
+        stale_entries: str,
+    ) -> TableHit | None:
+        arch, kernel, key = ident
         for entry, origin in candidates:
             detail = self._staleness(entry, source_hash)
             if detail is None:
@@ -272,6 +345,7 @@ class TableSet:
         return found
 
     def _add_to_index(self, name: str, table: Table) -> None:
+        self._content = None  # rebuilt from _keys on the next content query
         for entry in table.values():
             if entry.ident not in self._index:
                 self._index[entry.ident] = (entry, name)

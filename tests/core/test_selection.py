@@ -15,9 +15,9 @@ import torch
 import triton
 
 from megatron_tuning.core import identity
+from megatron_tuning.core.chaos import chaos_choice
 from megatron_tuning.core.choice import (
     autotune_configs,
-    chaos_choice,
     deterministic_choice,
     warn_if_mamba_env_ignored,
 )
