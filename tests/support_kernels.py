@@ -90,6 +90,19 @@ with lazy_benchmarker():
         mask = offsets < n
         tl.store(out_ptr + offsets, tl.load(x_ptr + offsets, mask=mask), mask=mask)
 
+    # Two autotuners over one @triton.jit function, as torchao's HQQ does (18 and 218 configs):
+    # they are two kernels. The lists overlap, so an entry of one could launch in the other.
+    @triton.jit
+    def twin_body(x_ptr, out_ptr, n, BLOCK_SIZE: tl.constexpr):
+        offsets = tl.program_id(0) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+        mask = offsets < n
+        tl.store(out_ptr + offsets, tl.load(x_ptr + offsets, mask=mask) * 3, mask=mask)
+
+    TWIN_SMALL_CONFIGS = ADD_CONFIGS[:3]  # BLOCK_SIZE 8, 16, 32
+    TWIN_LARGE_CONFIGS = ADD_CONFIGS[1:]  # BLOCK_SIZE 16, 32, 64, 128
+    twin_small = triton.autotune(configs=TWIN_SMALL_CONFIGS, key=["n"], do_bench=counting_do_bench)(twin_body)
+    twin_large = triton.autotune(configs=TWIN_LARGE_CONFIGS, key=["n"], do_bench=counting_do_bench)(twin_body)
+
 
 def grid(n: int):  # noqa: ANN201
     return lambda meta: (triton.cdiv(n, meta["BLOCK_SIZE"]),)

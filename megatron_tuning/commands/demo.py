@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from ..core.decisions import chaos_can_differ
+
 Shape = tuple[int, int, int]
 
 # Interpreted launches cost ~0.1-0.3 s each on CPU: keep the CPU shapes small and odd.
@@ -107,6 +109,26 @@ def _run_phase(
     return [d for d in get_decisions() if d.source != "out_of_scope"], failures, error, shared
 
 
+def chaos_verdict(
+    decisions: Sequence[Any], error: Exception | None, rank: int, world: int
+) -> tuple[int, list[str]]:
+    """Judge one rank's chaos phase: (exit status, lines to print). Only a divergence is proof.
+
+    A key with one distinct config cannot differ between ranks (``Decision.chaos ==
+    "no_other_config"``), so a run without such proof is inconclusive, not a pass.
+    """
+    if error is not None:
+        return 0, [f"chaos mode: the agreement check fired, as it must ({type(error).__name__}):", str(error)]
+    if world <= 1:
+        return 0, ["chaos mode in one process: nothing to compare (run under torchrun with 2+ ranks)"]
+    if not any(chaos_can_differ(d) for d in decisions):
+        return 4, [
+            f"rank {rank}: chaos could not make ranks differ (no key had two distinct configs): "
+            "this run proves nothing about the agreement check"
+        ]
+    return 4, [f"rank {rank}: chaos ran and no divergence was detected: the agreement check is blind"]
+
+
 def main(argv: Sequence[str] | None = None, out: Callable[[str], Any] = print) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m megatron_tuning.demo", description=__doc__.splitlines()[0]
@@ -137,7 +159,6 @@ def main(argv: Sequence[str] | None = None, out: Callable[[str], Any] = print) -
     shapes = _GPU_SHAPES if on_gpu else _CPU_SHAPES
     show = rank == 0 or args.all_ranks
 
-    from ..core.decisions import chaos_can_differ
     from ..core.policy import TuningPolicy
 
     policy = TuningPolicy.from_env(default_mode="deterministic")
@@ -179,22 +200,10 @@ def main(argv: Sequence[str] | None = None, out: Callable[[str], Any] = print) -
                     else f"all {len(decisions)} kernel/shape results match torch (one process)"
                 )
         else:
-            # A key with one distinct config cannot differ between ranks: it is no proof either way.
-            provable = [d for d in decisions if chaos_can_differ(d)]
-            if error is None and world > 1 and not provable:
-                out(
-                    f"rank {rank}: chaos could not make ranks differ (no key had two distinct configs): "
-                    "this run proves nothing about the agreement check"
-                )
-                status = status or 4
-            elif error is None and world > 1:
-                out(f"rank {rank}: chaos ran and no divergence was detected: the agreement check is blind")
-                status = status or 4
-            elif error is not None and show:
-                out(f"chaos mode: the agreement check fired, as it must ({type(error).__name__}):")
-                out(str(error))
-            elif show:
-                out("chaos mode in one process: nothing to compare (run under torchrun with 2+ ranks)")
+            code, lines = chaos_verdict(decisions, error, rank, world)
+            status = status or code
+            for line in lines if (show or code) else ():
+                out(line)
     if world > 1:
         import torch.distributed as dist
 

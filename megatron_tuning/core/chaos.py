@@ -53,10 +53,14 @@ class ChaosCoordinator(Protocol):
 
     ``claim`` records ``signature`` as the job's first pick for (kernel, key, arch) unless a rank
     was first, and returns the first claim either way (one atomic store request); ``None`` when
-    it cannot coordinate (no process group yet), so the rank formula applies.
+    it cannot coordinate (no process group yet), so the rank formula applies. ``recall`` returns
+    the last claim this process got for (kernel, key, arch), in any session, without store
+    traffic (inside a CUDA graph capture), so a key re-decided there launches what it did outside.
     """
 
     def claim(self, kernel: str, key: str, arch: str, signature: str) -> ChaosClaim | None: ...
+
+    def recall(self, kernel: str, key: str, arch: str) -> ChaosClaim | None: ...
 
 
 def choose_chaos(
@@ -67,6 +71,7 @@ def choose_chaos(
     rank: int,
     arch: str = "unknown",
     coordinator: ChaosCoordinator | None = None,
+    offline: bool = False,
 ) -> Choice:
     """Chaos mode's pick for one rank: a config other ranks do not launch, on purpose.
 
@@ -76,25 +81,37 @@ def choose_chaos(
     the first claim, another one), so any two ranks that reach a key include one that differs
     from the first: the agreement check must fire, whatever the layout or number of ranks.
     With a single distinct config no rank can differ: ``chaos="no_other_config"`` says so.
+    ``offline`` (inside a CUDA graph capture): no claim is made, the coordinator's recalled claim
+    (or else the rank formula) decides.
     """
     if not candidates:
         raise ValueError(f"no live configs for kernel {kernel}")
-    distinct = distinct_by_signature(order_by_cost(candidates))
-    if len(distinct) == 1:
+    by_signature: dict[str, Any] = {}  # distinct signatures in cost order, first config of each
+    for config in order_by_cost(candidates):
+        by_signature.setdefault(config_signature(config), config)
+    signatures = list(by_signature)
+    if len(signatures) == 1:
         detail = f"no other distinct config (1 distinct of {len(candidates)} live)"
-        return Choice(distinct[0], "chaos", detail, chaos=CHAOS_NO_OTHER_CONFIG)
-    mine = distinct[chaos_index(kernel, key, rank, len(distinct))]
-    claim = coordinator.claim(kernel, key, arch, config_signature(mine)) if coordinator else None
+        return Choice(by_signature[signatures[0]], "chaos", detail, chaos=CHAOS_NO_OTHER_CONFIG)
+    mine = signatures[chaos_index(kernel, key, rank, len(signatures))]
+    if coordinator is None:
+        claim = None
+    else:
+        claim = (
+            coordinator.recall(kernel, key, arch) if offline else coordinator.claim(kernel, key, arch, mine)
+        )
     if claim is None:
-        return Choice(mine, "chaos", "rank formula", chaos="rank_formula")
+        detail = "rank formula (CUDA graph capture: no store traffic)" if offline else "rank formula"
+        return Choice(by_signature[mine], "chaos", detail, chaos="rank_formula")
     if claim.rank == rank:  # ours (also when a second autotuner of this id asks again)
-        first = next((c for c in distinct if config_signature(c) == claim.signature), mine)
-        return Choice(first, "chaos", "first claim", chaos="first")
-    if config_signature(mine) != claim.signature:
-        return Choice(mine, "chaos", f"differs from rank {claim.rank}'s claim", chaos="differs")
-    others = [c for c in distinct if config_signature(c) != claim.signature]
+        return Choice(
+            by_signature.get(claim.signature, by_signature[mine]), "chaos", "first claim", chaos="first"
+        )
+    if mine != claim.signature:
+        return Choice(by_signature[mine], "chaos", f"differs from rank {claim.rank}'s claim", chaos="differs")
+    others = [s for s in signatures if s != claim.signature]
     moved = others[chaos_index(kernel, key, rank, len(others))]
-    return Choice(moved, "chaos", f"moved off rank {claim.rank}'s claim", chaos="differs")
+    return Choice(by_signature[moved], "chaos", f"moved off rank {claim.rank}'s claim", chaos="differs")
 
 
 def chaos_choice(

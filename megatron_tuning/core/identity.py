@@ -158,8 +158,11 @@ def content_name(kernel: str) -> str:
     return kernel.partition(":")[2]
 
 
-def _compute_kernel_id(autotuner: Any) -> str:
-    base = base_kernel_id(autotuner)
+def _compute_kernel_id(wrapper: Any) -> str:
+    base = base_kernel_id(wrapper)
+    autotuner = _autotuner_in(wrapper)
+    if autotuner is None:  # a bare @triton.jit (or heuristics) function: nothing to tell apart
+        return base
     mine = config_list_digest(autotuner)
     fn = _user_function(autotuner)
     digests = {mine}
@@ -173,6 +176,18 @@ def _compute_kernel_id(autotuner: Any) -> str:
 
 
 _MAX_WRAPPERS = 8  # heuristics/autotune decorators stacked on one kernel, far above real use
+
+
+def _autotuner_in(wrapper: Any) -> Any:
+    """The autotuner ``wrapper`` is or wraps (``triton.heuristics`` outside it), else ``None``."""
+    obj = wrapper
+    for _ in range(_MAX_WRAPPERS):
+        if obj is None or inspect.isfunction(obj):
+            return None
+        if isinstance(getattr(obj, "configs", None), (list, tuple)):
+            return obj
+        obj = getattr(obj, "fn", None)
+    return None
 
 
 def _module_autotuners_over(fn: Any) -> list[Any]:

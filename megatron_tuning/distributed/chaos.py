@@ -5,13 +5,15 @@ distinct configs (8 ranks, pipeline stage ``rank % 4``, 4 configs: each stage's 
 the same config under ``(rank + h) % 4``, and the positive control passes silently). So the
 first rank to reach a (kernel, key) claims its pick in the job's c10d store with one atomic
 ``compare_set``, and every later rank gets that claim back from the same call and launches a
-different config (``core.choice.choose_chaos``). Any two ranks that reach a key then include one
+different config (``core.chaos.choose_chaos``). Any two ranks that reach a key then include one
 that differs from the first: the agreement check must fire in every layout.
 
 Chaos is a test mode, so one store request per new (kernel, key) per rank is fine. A rank never
-waits: ``compare_set`` returns at once. The process group is looked up at each claim, so a
-coordinator made before ``init_process_group`` starts coordinating once one exists. Claims are
-scoped to the agreement group, so a group check compares ranks that avoided one claim.
+waits: ``compare_set`` returns at once. Inside a CUDA graph capture nothing touches the store: a
+key re-decided there (a new session after a warm-up) uses this process's last claim for it. The
+process group is looked up at each claim, so a coordinator made before ``init_process_group``
+starts coordinating once one exists. Claims are scoped to the agreement group, so a group check
+compares ranks that avoided one claim.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ logger = logging.getLogger(__name__)
 _PREFIX = "megatron_tuning/chaos/v1"
 _sessions = 0  # coordinators made in this process: each session claims under fresh store keys
 _sessions_lock = threading.Lock()
+# The last claim this process got per (kernel, key, arch), any session: what ``recall`` answers.
+_recalled: dict[tuple[str, str, str], ChaosClaim] = {}
 
 
 class StoreChaos:
@@ -71,7 +75,16 @@ class StoreChaos:
             return None
         mine = f"{self._rank}\n{signature}"
         raw = store.compare_set("c/" + identity_digest(kernel, key, arch).hex(), "", mine)
-        return _decode(raw, kernel, key)
+        claim = _decode(raw, kernel, key)
+        if claim is not None:
+            with _sessions_lock:
+                _recalled[(kernel, key, arch)] = claim
+        return claim
+
+    def recall(self, kernel: str, key: str, arch: str) -> ChaosClaim | None:
+        """The last claim this process got for (kernel, key, arch), without touching the store."""
+        with _sessions_lock:
+            return _recalled.get((kernel, key, arch))
 
     def _bound_store(self) -> Any:
         with self._lock:

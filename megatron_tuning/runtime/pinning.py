@@ -167,10 +167,14 @@ def decide(
         rank = current_rank()
         timings = None
         if policy.mode == "chaos":
-            # No store traffic inside a CUDA graph capture: the rank formula picks there.
-            coordinator = None if is_capturing() else installation.chaos
             choice = choose_chaos(
-                state.kernel, key, candidates, rank=rank, arch=installation.arch, coordinator=coordinator
+                state.kernel,
+                key,
+                candidates,
+                rank=rank,
+                arch=installation.arch,
+                coordinator=installation.chaos,
+                offline=is_capturing(),  # no store traffic inside a CUDA graph capture
             )
         elif policy.mode == "tune" and len(candidates) > 1 and may_measure:
             assert installation.measure is not None

@@ -331,12 +331,13 @@ _PROBE = textwrap.dedent(
     import torch
     from tests import support_kernels as sk
     from types import SimpleNamespace
-    from megatron_tuning.core import choice, cost, identity
-    s = SimpleNamespace(**{**vars(identity), **vars(cost), **vars(choice)})
+    from megatron_tuning.core import chaos, choice, cost, identity
+    s = SimpleNamespace(**{**vars(identity), **vars(cost), **vars(choice), **vars(chaos)})
     x, h = torch.zeros(3), torch.zeros(3, dtype=torch.float16)
     args = (x, h, x, 3, 0.25)
     out = {"key": s.tuning_key(sk.scale_add, args, {}), "id": s.kernel_id(sk.copy_hooked),
            "hash": s.kernel_source_hash(sk.scale_add),
+           "twins": [s.kernel_id(sk.twin_small), s.kernel_id(sk.twin_large)],
            "sigs": [s.config_signature(c) for c in sk.ADD_CONFIGS],
            "cheapest": s.config_signature(s.deterministic_choice(sk.scale_add, sk.ADD_CONFIGS, args, {})),
            "order": [s.config_signature(c) for c in s.order_by_cost(list(reversed(sk.ADD_CONFIGS)))],
@@ -365,3 +366,5 @@ def test_results_identical_across_fresh_processes():
         outputs.append(json.loads(done.stdout.strip().splitlines()[-1]))
     assert outputs[0] == outputs[1]
     assert len(set(outputs[0]["chaos"])) >= 2
+    small, large = outputs[0]["twins"]  # the config-list digest is the same in every process
+    assert small != large and small.startswith(f"{sk.__name__}:twin_body@")

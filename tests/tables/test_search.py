@@ -280,3 +280,92 @@ def test_stale_neighbours_are_skipped_unless_stale_entries_are_used(tmp_path):
     lenient = TableSet([path], stale_entries="use", triton_version="3.6.0")
     hits = lenient.neighbours(KERNEL, nkey(1536), arch="sm90", source_hash=HASH)
     assert [h.key for h in hits] == [nkey(2048), nkey(512)]
+
+
+# ------------------------------------------------------------------ content matches
+
+TWIN = "candidate:matmul"  # the same code as KERNEL ("pkg.kernels:matmul"), loaded under another name
+OTHER_HASH = "22" * 32
+
+
+def test_the_same_code_under_another_module_name_hits_by_content(tmp_path):
+    path = write(tmp_path / "a.msgpack", entry(64))
+    tables = TableSet([path], triton_version="3.6.0")
+    hit = tables.lookup(TWIN, KEY, arch="sm90", source_hash=HASH)
+    assert hit is not None and (hit.kernel, hit.origin) == (KERNEL, path)
+    assert hit.config["kwargs"] == {"BLOCK": 64}
+    own = tables.lookup(KERNEL, KEY, arch="sm90", source_hash=HASH)
+    assert own is not None and own.kernel is None  # found by its own id: no content match
+
+
+def test_a_content_match_needs_the_same_source_hash_never_the_qualname_alone(tmp_path, caplog):
+    path = write(
+        tmp_path / "a.msgpack", entry(64), entry(32, kernel="pkg.nohash:matmul", key="k2", source_hash=None)
+    )
+    tables = TableSet([path], triton_version="3.6.0", stale_entries="use")
+    with caplog.at_level(logging.WARNING):
+        assert tables.lookup(TWIN, KEY, arch="sm90", source_hash=OTHER_HASH) is None
+        assert tables.lookup(TWIN, KEY, arch="sm90", source_hash=None) is None  # no source here
+        assert tables.lookup(TWIN, "k2", arch="sm90", source_hash=HASH) is None  # no hash in the entry
+        assert tables.lookup(TWIN, KEY, arch="sm80", source_hash=HASH) is None  # arch still applies
+    assert stale_warnings(caplog) == []
+
+
+def test_the_config_list_digest_is_part_of_a_content_match(tmp_path):
+    path = write(tmp_path / "a.msgpack", entry(64, kernel=KERNEL + "@aaaaaaaaaaaa"))
+    tables = TableSet([path], triton_version="3.6.0")
+    hit = tables.lookup(TWIN + "@aaaaaaaaaaaa", KEY, arch="sm90", source_hash=HASH)
+    assert hit is not None and hit.kernel == KERNEL + "@aaaaaaaaaaaa"
+    assert tables.lookup(TWIN + "@bbbbbbbbbbbb", KEY, arch="sm90", source_hash=HASH) is None
+    assert tables.lookup(TWIN, KEY, arch="sm90", source_hash=HASH) is None
+
+
+def test_an_own_fresh_entry_beats_a_twin_and_a_fresh_twin_beats_an_own_stale_entry(tmp_path, caplog):
+    own = write(tmp_path / "own.msgpack", entry(16, kernel=TWIN))
+    twin = write(tmp_path / "twin.msgpack", entry(64))
+    tables = TableSet([own, twin], triton_version="3.6.0")
+    hit = tables.lookup(TWIN, KEY, arch="sm90", source_hash=HASH)
+    assert hit is not None and hit.kernel is None and hit.config["kwargs"] == {"BLOCK": 16}
+    stale_own = write(tmp_path / "stale.msgpack", entry(16, kernel=TWIN, source_hash=OTHER_HASH))
+    tables = TableSet([stale_own, twin], triton_version="3.6.0", stale_entries="use")
+    with caplog.at_level(logging.WARNING):
+        hit = tables.lookup(TWIN, KEY, arch="sm90", source_hash=HASH)
+    assert hit is not None and hit.kernel == KERNEL and hit.config["kwargs"] == {"BLOCK": 64}
+    assert stale_warnings(caplog) == []  # the stale own entry was not needed
+
+
+def test_twins_answer_in_search_order(tmp_path):
+    first = write(tmp_path / "first.msgpack", entry(32, kernel="zz.late:matmul"))
+    second = write(tmp_path / "second.msgpack", entry(64), entry(128, kernel="aa.early:matmul"))
+    tables = TableSet([first, second], triton_version="3.6.0")
+    hit = tables.lookup(TWIN, KEY, arch="sm90", source_hash=HASH)
+    assert hit is not None and (hit.kernel, hit.origin) == ("zz.late:matmul", first)
+
+
+def test_a_twin_stale_only_by_triton_version_follows_stale_entries(tmp_path):
+    path = write(tmp_path / "a.msgpack", entry(64, triton_version="3.5.0"))
+    assert (
+        TableSet([path], triton_version="3.6.0", stale_entries="miss").lookup(
+            TWIN, KEY, arch="sm90", source_hash=HASH
+        )
+        is None
+    )
+    with pytest.raises(StaleEntryError, match="Triton 3.5.0"):
+        TableSet([path], triton_version="3.6.0", stale_entries="error").lookup(
+            TWIN, KEY, arch="sm90", source_hash=HASH
+        )
+
+
+def test_neighbours_include_a_twins_entries_after_the_kernels_own(tmp_path):
+    path = write(
+        tmp_path / "a.msgpack",
+        entry(16, key=nkey(1024)),
+        entry(32, kernel=TWIN, key=nkey(4096)),
+        entry(64, kernel=TWIN, key=nkey(1024), source_hash=OTHER_HASH),
+    )
+    tables = TableSet([path], triton_version="3.6.0", stale_entries="miss")
+    hits = tables.neighbours(TWIN, nkey(1536), arch="sm90", source_hash=HASH)
+    assert [(h.key, h.kernel, h.config["kwargs"]["BLOCK"]) for h in hits] == [
+        (nkey(4096), None, 32),  # its own fresh entry first (the stale own one is skipped)
+        (nkey(1024), KERNEL, 16),  # then the same code's entry under another module name
+    ]

@@ -1,4 +1,4 @@
-"""Two tiny autotuned elementwise kernels for the distributed tests (fast in the interpreter).
+"""Tiny autotuned elementwise kernels for the distributed tests (fast in the interpreter).
 
 Imported only after ``TRITON_INTERPRET=1`` is set and the interception is installed (Triton
 3.2/3.3 resolve a GPU benchmarker at decoration otherwise).
@@ -34,19 +34,36 @@ def scale_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
     tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=mask) * 2.0, mask=mask)
 
 
+# Two autotuners over one @triton.jit function (as torchao's HQQ has): two kernels, two ids.
+@triton.jit
+def _shift_body(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(axis=0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=mask) + 3.0, mask=mask)
+
+
+shift_small = triton.autotune(configs=_CONFIGS[:2], key=["n"])(_shift_body)  # cheapest: BLOCK 16
+shift_large = triton.autotune(configs=_CONFIGS[1:], key=["n"])(_shift_body)  # cheapest: BLOCK 32
+
+
 def launch(name: str, x: torch.Tensor, y: torch.Tensor) -> None:
-    """``y = x + 1`` ("add") or ``y = 2 x`` ("scale"), without waiting or checking."""
+    """``y = x + 1`` ("add"), ``y = 2 x`` ("scale") or ``y = x + 3`` ("shift_*"), unchecked."""
     n = x.numel()
-    kernel = add_kernel if name == "add" else scale_kernel
-    kernel[lambda meta: (triton.cdiv(n, meta["BLOCK"]),)](x, y, n)
+    kernels = {
+        "add": add_kernel,
+        "scale": scale_kernel,
+        "shift_small": shift_small,
+        "shift_large": shift_large,
+    }
+    kernels[name][lambda meta: (triton.cdiv(n, meta["BLOCK"]),)](x, y, n)
 
 
 def run(name: str, n: int, device: str = "cpu") -> torch.Tensor:
-    """Launch kernel ``name`` ("add" or "scale") on a vector of ``n`` floats and check the result."""
+    """Launch kernel ``name`` (see ``launch``) on a vector of ``n`` floats and check the result."""
     x = torch.arange(n, dtype=torch.float32, device=device)
     y = torch.empty_like(x)
     launch(name, x, y)
-    expected = x + 1.0 if name == "add" else x * 2.0
+    expected = {"add": x + 1.0, "scale": x * 2.0}.get(name, x + 3.0)
     if not torch.equal(y, expected):
         raise AssertionError(f"{name} kernel computed a wrong result for n={n}")
     return y

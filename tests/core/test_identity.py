@@ -1,0 +1,111 @@
+"""Kernel identity: autotuners over one function are told apart; one autotuner keeps ``module:qualname``."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import textwrap
+from pathlib import Path
+
+import triton
+
+from megatron_tuning.core.identity import (
+    DIGEST_CHARS,
+    base_kernel_id,
+    config_list_digest,
+    config_signature,
+    content_name,
+    kernel_id,
+    kernel_source_hash,
+    split_kernel_id,
+)
+from megatron_tuning.runtime.triton_compat import lazy_benchmarker
+
+from .. import support_kernels as sk
+
+
+def test_one_autotuner_keeps_the_plain_id_that_todays_tables_use():
+    for autotuner, name in ((sk.scale_add, "scale_add"), (sk.copy_hooked, "copy_hooked")):
+        assert kernel_id(autotuner) == base_kernel_id(autotuner) == f"{sk.__name__}:{name}"
+        assert split_kernel_id(kernel_id(autotuner)) == (sk.__name__, name, None)
+    # Heuristics outside the autotuner: the module global is the wrapper, still one autotuner.
+    assert kernel_id(sk.maybe_double) == f"{sk.__name__}:maybe_double"
+
+
+def test_two_autotuners_over_one_function_are_two_kernels():
+    small, large = kernel_id(sk.twin_small), kernel_id(sk.twin_large)
+    assert small != large
+    for autotuner, kernel in ((sk.twin_small, small), (sk.twin_large, large)):
+        module, qualname, digest = split_kernel_id(kernel)
+        assert (module, qualname) == (sk.__name__, "twin_body")
+        assert digest == config_list_digest(autotuner) and len(digest) == DIGEST_CHARS
+        assert base_kernel_id(autotuner) == f"{sk.__name__}:twin_body"
+        assert content_name(kernel) == f"twin_body@{digest}"
+    # One function, one source: the hash is shared; only the config lists differ.
+    assert kernel_source_hash(sk.twin_small) == kernel_source_hash(sk.twin_large)
+
+
+def test_config_list_digest_ignores_order_and_duplicates_but_not_content():
+    def digest(configs: list[triton.Config]) -> str:
+        return config_list_digest(triton.autotune(configs=configs, key=["n"])(sk.twin_body))
+
+    with lazy_benchmarker():
+        base = digest(sk.ADD_CONFIGS)
+        assert digest(list(reversed(sk.ADD_CONFIGS))) == base
+        assert digest(sk.ADD_CONFIGS + sk.ADD_CONFIGS[:2]) == base
+        assert digest(sk.ADD_CONFIGS[:4]) != base
+        changed = [triton.Config({"BLOCK_SIZE": 8}, num_warps=4)] + sk.ADD_CONFIGS[1:]
+        assert digest(changed) != base
+    assert sorted({config_signature(c) for c in sk.ADD_CONFIGS})  # the digest's input is the signatures
+
+
+def test_an_autotuner_made_outside_the_module_is_told_apart_from_the_modules_own():
+    # The module's own autotuner sees no other in its module: its id (and its tables) stay.
+    with lazy_benchmarker():
+        local = triton.autotune(configs=sk.ADD_CONFIGS[:2], key=["n"])(sk.scale_add.fn)
+    assert kernel_id(sk.scale_add) == f"{sk.__name__}:scale_add"
+    assert kernel_id(local) == f"{sk.__name__}:scale_add@{config_list_digest(local)}"
+    # Same config list as the module's autotuner: the same kernel, the same id.
+    with lazy_benchmarker():
+        same = triton.autotune(configs=list(sk.ADD_CONFIGS), key=["n"])(sk.scale_add.fn)
+    assert kernel_id(same) == kernel_id(sk.scale_add)
+
+
+_TWIN_FILE = """
+import triton
+import triton.language as tl
+
+CONFIGS = [triton.Config({"BLOCK": b}) for b in (8, 16, 32, 64)]
+
+
+@triton.jit
+def body(x_ptr, n, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(x_ptr + offsets, tl.load(x_ptr + offsets, mask=offsets < n) + 1, mask=offsets < n)
+
+
+first = triton.autotune(configs=CONFIGS[:2], key=["n"])(body)
+second = triton.autotune(configs=CONFIGS[2:], key=["n"])(body)
+"""
+
+
+def _load(path: Path, name: str) -> object:
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)  # never put in sys.modules, as eval pipelines do
+    with lazy_benchmarker():
+        spec.loader.exec_module(module)
+    assert name not in sys.modules
+    return module
+
+
+def test_the_rule_is_a_function_of_the_code_not_of_the_module_name(tmp_path: Path):
+    path = tmp_path / "twins.py"
+    path.write_text(textwrap.dedent(_TWIN_FILE))
+    a, b = _load(path, "mykernels_ident"), _load(path, "candidate_ident")
+    ids_a = [kernel_id(a.first), kernel_id(a.second)]  # type: ignore[attr-defined]
+    ids_b = [kernel_id(b.first), kernel_id(b.second)]  # type: ignore[attr-defined]
+    assert ids_a[0] != ids_a[1] and all("@" in k for k in ids_a + ids_b)
+    assert [content_name(k) for k in ids_a] == [content_name(k) for k in ids_b]
+    assert [split_kernel_id(k)[0] for k in ids_b] == ["candidate_ident"] * 2
+    assert kernel_source_hash(a.first) == kernel_source_hash(b.second)  # type: ignore[attr-defined]
