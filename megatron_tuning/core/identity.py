@@ -103,6 +103,14 @@ def base_kernel_id(autotuner: Any) -> str:
     return f"{fn.__module__}:{fn.__qualname__}"
 
 
+_MAX_WRAPPERS = 8  # heuristics/autotune decorators stacked on one kernel, far above real use
+DIGEST_CHARS = 12
+"""Hex digits of the config-list digest in a ``module:qualname@<digest>`` kernel id."""
+_DIGEST_SEP = "@"
+_ids: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+_ids_lock = threading.Lock()
+
+
 def config_list_digest(autotuner: Any) -> str:
     """12 hex digits naming the autotuner's declared config list (``configs=``).
 
@@ -112,12 +120,6 @@ def config_list_digest(autotuner: Any) -> str:
     """
     signatures = sorted({config_signature(c) for c in autotuner.configs})
     return hashlib.sha256("\n".join(signatures).encode("utf-8")).hexdigest()[:DIGEST_CHARS]
-
-
-DIGEST_CHARS = 12
-_DIGEST_SEP = "@"
-_ids: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
-_ids_lock = threading.Lock()
 
 
 def kernel_id(autotuner: Any) -> str:
@@ -173,9 +175,6 @@ def _compute_kernel_id(wrapper: Any) -> str:
             except Exception:  # a foreign object that only looks like an autotuner
                 continue
     return base if len(digests) == 1 else f"{base}{_DIGEST_SEP}{mine}"
-
-
-_MAX_WRAPPERS = 8  # heuristics/autotune decorators stacked on one kernel, far above real use
 
 
 def _autotuner_in(wrapper: Any) -> Any:

@@ -58,6 +58,12 @@ class Cell:
     entry_kernel: str | None = None
     """Set when the table entry was matched by content: the kernel id it was tuned under."""
 
+    def to_json(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"status": self.status, "signature": self.signature, "origin": self.origin}
+        if self.entry_kernel is not None:  # only content matches carry these keys
+            data.update(matched_by="content", entry_kernel=self.entry_kernel)
+        return data
+
 
 @dataclass(slots=True)
 class Row:
@@ -95,16 +101,7 @@ class Coverage:
                     "kernel": row.kernel,
                     "key": row.key,
                     "diverged": row.diverged,
-                    "ranks": {
-                        label: {
-                            "status": c.status,
-                            "signature": c.signature,
-                            "origin": c.origin,
-                            "matched_by": "content" if c.entry_kernel else None,
-                            "entry_kernel": c.entry_kernel,
-                        }
-                        for label, c in row.cells.items()
-                    },
+                    "ranks": {label: c.to_json() for label, c in row.cells.items()},
                 }
                 for row in self.rows
             ],
