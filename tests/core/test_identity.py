@@ -79,13 +79,15 @@ CONFIGS = [triton.Config({"BLOCK": b}) for b in (8, 16, 32, 64)]
 
 
 @triton.jit
-def body(x_ptr, n, BLOCK: tl.constexpr):
+def body(x_ptr, n, BLOCK: tl.constexpr, EVEN: tl.constexpr):
     offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     tl.store(x_ptr + offsets, tl.load(x_ptr + offsets, mask=offsets < n) + 1, mask=offsets < n)
 
 
-first = triton.autotune(configs=CONFIGS[:2], key=["n"])(body)
-second = triton.autotune(configs=CONFIGS[2:], key=["n"])(body)
+# torchao HQQ's shape: one heuristics wrapper, two autotuners over it, the jit function a global too.
+_body = triton.heuristics({"EVEN": lambda args: args["n"] % 2 == 0})(body)
+first = triton.autotune(configs=CONFIGS[:2], key=["n"])(_body)
+second = triton.autotune(configs=CONFIGS[2:], key=["n"])(_body)
 """
 
 
