@@ -35,7 +35,9 @@ setup(
     package_dir=package_dir,
     package_data=package_data,
     include_package_data=False,
-    install_requires=["torch", "triton", "msgpack", "numpy", "filelock", "platformdirs"],
+    # filelock >= 3.20.1: older releases follow a planted <table>.lock symlink and truncate its
+    # target (CVE-2025-68146); tables/files.py refuses such a lock path itself as well.
+    install_requires=["torch", "triton", "msgpack", "numpy", "filelock>=3.20.1", "platformdirs"],
     extras_require={
         "test": TEST_REQUIRES,
         "dev": ["ruff", "mypy", *TEST_REQUIRES],

@@ -30,6 +30,7 @@ from .core.errors import (
 )
 from .core.policy import TuningPolicy
 from .core.version import __version__
+from .core.warn import TuningWarning, install_default_handler
 from .runtime.triton_compat import lazy_benchmarker
 from .selection import (
     arch_tag,
@@ -58,7 +59,9 @@ def verify_agreement(group: Any = None, *, timeout_s: float | None = None) -> in
     return _verify(group, timeout_s=timeout_s)
 
 
-logging.getLogger(__name__).addHandler(logging.NullHandler())
+# Not a NullHandler: records reach stderr while the application configures no logging of its own
+# (so ``setLevel(logging.INFO)`` alone shows INFO lines); see ``core.warn``.
+install_default_handler(logging.getLogger(__name__))
 
 __all__ = [
     "AgreementTimeoutError",
@@ -75,6 +78,7 @@ __all__ = [
     "TableMissError",
     "TuningHandle",
     "TuningPolicy",
+    "TuningWarning",
     "UnsupportedTritonError",
     "__version__",
     "arch_tag",

@@ -84,6 +84,13 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     )
     p.add_argument("table", metavar="TABLE")
     p.add_argument("out", nargs="?", default="-", metavar="OUT")
+    p.add_argument(
+        "--no-provenance",
+        action="store_true",
+        help="a review view for pull requests: configs only, without how/hashes/versions/timing/"
+        "votes/notes (what `diff --ignore-provenance` ignores), so one config change is a few-line "
+        "diff; not lossless, keep the table itself as the source",
+    )
     p.set_defaults(handler=_cmd_export)
 
     p = sub.add_parser(
@@ -157,7 +164,16 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     p.add_argument("logs", nargs="+", metavar="DECISION_FILE")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument(
-        "--fail-on-fallback", action="store_true", help="also exit 1 when any launch was a fallback"
+        "--fail-on-fallback",
+        action="store_true",
+        help="also exit 1 when any launch fell back to the cheapest config",
+    )
+    p.add_argument(
+        "--require-table",
+        action="store_true",
+        help="also exit 1 unless every in-scope launch was its own table entry (a nearest-shape "
+        "entry, the cheapest fallback or an auto-tuned config fails; an override or a single-config "
+        "kernel passes), listing the keys that are missing from the table",
     )
     p.set_defaults(handler=_cmd_coverage)
 
@@ -307,7 +323,12 @@ def _cmd_export(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_USAGE
-    text = load_table(args.table).to_json()
+    table = load_table(args.table)
+    if args.no_provenance:
+        from .tables.review import review_view
+
+        table = review_view(table)
+    text = table.to_json()
     if args.out == "-":
         _write_utf8(text)
     else:
@@ -378,6 +399,12 @@ def _cmd_coverage(args: argparse.Namespace) -> int:
     coverage = coverage_of(read_decision_files(args.logs))
     print(coverage_json_text(coverage) if args.json else coverage.report())
     found = bool(coverage.diverged()) or (args.fail_on_fallback and coverage.counts().get("fallback", 0) > 0)
+    if args.require_table:
+        missing = coverage.not_in_table()
+        for row in missing:  # on stderr: stdout stays the report (or the JSON document)
+            statuses = ", ".join(sorted({c.status for c in row.cells.values()}))
+            print(printable(f"not in the table: {row.kernel}  [{row.key}]  ({statuses})"), file=sys.stderr)
+        found = found or bool(missing)
     return EXIT_FOUND if found else EXIT_OK
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+import warnings
 from collections.abc import Callable, Iterator
 from types import ModuleType
 
@@ -70,6 +71,37 @@ def _no_interception_leak() -> Iterator[None]:
         yield
     finally:
         _uninstall_interception()
+
+
+class Notices:
+    """The ``TuningWarning`` notices issued while the ``notices`` fixture is active."""
+
+    def __init__(self, caught: list[warnings.WarningMessage]) -> None:
+        self._caught = caught
+
+    @property
+    def messages(self) -> list[str]:
+        from megatron_tuning.core.warn import TuningWarning
+
+        return [str(w.message) for w in self._caught if issubclass(w.category, TuningWarning)]
+
+    def matching(self, text: str) -> list[str]:
+        return [m for m in self.messages if text in m]
+
+    @property
+    def text(self) -> str:
+        return "\n".join(self.messages)
+
+    def clear(self) -> None:
+        self._caught.clear()
+
+
+@pytest.fixture
+def notices() -> Iterator[Notices]:
+    """Record every warning the test issues (notices are ``TuningWarning``s, see ``core.warn``)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield Notices(caught)
 
 
 def _import_kernel_module(name: str) -> ModuleType:

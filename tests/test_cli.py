@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parent.parent
 KERNEL = "pkg.kernels:matmul"
 
 
-def entry(block: int, key: str = "M=1", **changes: object) -> Entry:
+def entry(block: int, key: str = "M=1 | a:torch.float16", **changes: object) -> Entry:
     fields: dict[str, object] = {
         "arch": "sm90",
         "kernel": KERNEL,
@@ -42,7 +42,7 @@ def entry(block: int, key: str = "M=1", **changes: object) -> Entry:
 def table_path(tmp_path: Path) -> Path:
     path = tmp_path / "t.msgpack"
     save_table(
-        Table([entry(64), entry(128, key="M=2"), entry(32, arch="sm80", kernel="pkg.other:gemm")]), path
+        Table([entry(64), entry(128, key="M=2 | a:torch.float16"), entry(32, arch="sm80", kernel="pkg.other:gemm")]), path
     )
     return path
 
@@ -91,7 +91,7 @@ def test_python_dash_m_reports_bad_input_without_traceback(tmp_path):
 def test_show_lists_entries_with_provenance_and_filters(capsys, table_path):
     code, out, _ = run(capsys, "show", table_path)
     assert code == 0
-    assert "sm90  pkg.kernels:matmul" in out and "[M=2]" in out
+    assert "sm90  pkg.kernels:matmul" in out and "[M=2 | a:torch.float16]" in out
     assert "BLOCK=64, num_warps=4, num_stages=3  (tuned, median 0.25 ms" in out and "runner-up +4.0%" in out
     code, out, _ = run(capsys, "show", table_path, "--arch", "sm80")
     assert code == 0 and "pkg.other:gemm" in out and "matmul" not in out
@@ -144,7 +144,7 @@ def test_export_refuses_a_msgpack_output_name(capsys, tmp_path, table_path):
 
 def test_import_of_json_with_lone_surrogate_exits_2(capsys, tmp_path, table_path):
     view = tmp_path / "sur.json"
-    view.write_text(Table([entry(64)]).to_json().replace('"M=1"', '"M=\\ud800"'))
+    view.write_text(Table([entry(64)]).to_json().replace('"M=1 | a:torch.float16"', '"M=\\ud800 | a:torch.float16"'))
     code, _, err = run(capsys, "import", view, tmp_path / "out.msgpack")
     assert code == 2 and "lone surrogate" in err and str(view) in err
     assert not (tmp_path / "out.msgpack").exists()
@@ -192,17 +192,17 @@ def test_diff_exit_codes_and_output(capsys, tmp_path, table_path):
         f"--- {table_path}\n+++ {table_path}\nno differences\n",
     )
     other = tmp_path / "other.json"  # either format on either side
-    changed = Table([entry(64, timing=Timing(median_ms=0.3)), entry(256, key="M=2"), entry(16, key="M=3")])
+    changed = Table([entry(64, timing=Timing(median_ms=0.3)), entry(256, key="M=2 | a:torch.float16"), entry(16, key="M=3 | a:torch.float16")])
     save_table(changed, other)
     code, out, _ = run(capsys, "diff", table_path, other)
     assert code == 1
-    assert "- sm80  pkg.other:gemm  [M=1]" in out
-    assert "+ sm90  pkg.kernels:matmul  [M=3]  BLOCK=16" in out
-    assert "~ sm90  pkg.kernels:matmul  [M=2]" in out and "config: BLOCK=128" in out and "-> BLOCK=256" in out
+    assert "- sm80  pkg.other:gemm  [M=1 | a:torch.float16]" in out
+    assert "+ sm90  pkg.kernels:matmul  [M=3 | a:torch.float16]  BLOCK=16" in out
+    assert "~ sm90  pkg.kernels:matmul  [M=2 | a:torch.float16]" in out and "config: BLOCK=128" in out and "-> BLOCK=256" in out
     assert "1 added, 1 removed, 2 changed" in out
     code, out, _ = run(capsys, "diff", table_path, other, "--ignore-provenance", "--json")
     doc = json.loads(out)
-    assert code == 1 and [c["key"] for c in doc["changed"]] == ["M=2"]  # the timing-only change is ignored
+    assert code == 1 and [c["key"] for c in doc["changed"]] == ["M=2 | a:torch.float16"]  # the timing-only change is ignored
     assert run(capsys, "diff", table_path, tmp_path / "absent.msgpack")[0] == 2
 
 
@@ -214,7 +214,7 @@ def _recordings(folder: Path) -> None:
             [
                 Decision(
                     kernel=KERNEL,
-                    key="M=1",
+                    key="M=1 | a:torch.float16",
                     signature=config_signature(cfg),
                     source="recorded",
                     config=cfg,
@@ -233,7 +233,7 @@ def test_merge_writes_table_and_reports_disagreement(capsys, tmp_path):
     code, out, _ = run(capsys, "merge", out_path, tmp_path / "rec")
     assert code == 0
     assert "1 with disagreement" in out and "-> 2 vote(s)" in out and "recording-rank00001" in out
-    assert load_table(out_path).get("sm90", KERNEL, "M=1").votes == (2, 3)
+    assert load_table(out_path).get("sm90", KERNEL, "M=1 | a:torch.float16").votes == (2, 3)
     code, out, _ = run(capsys, "merge", out_path, tmp_path / "rec", "--json", "--strict")
     assert code == 1 and json.loads(out)["disagreements"][0]["votes"][0]["votes"] == 2
     bad = tmp_path / "rec" / "zz.msgpack"
@@ -344,7 +344,7 @@ def test_validate_scans_the_home_module_of_re_exported_kernels(capsys, tmp_path,
     monkeypatch.syspath_prepend(str(tmp_path))
     config = {"kwargs": {"B": 16}, "num_warps": 4, "num_stages": 3}
     entries = [
-        Entry(arch="sm90", kernel=f"reexport_pkg_a.kernels:{k}", key="n=1", config=config)
+        Entry(arch="sm90", kernel=f"reexport_pkg_a.kernels:{k}", key="n=1 | x:f", config=config)
         for k in ("k1", "k2")
     ]
     path = tmp_path / "v.msgpack"
@@ -375,14 +375,14 @@ def test_validate_finds_class_attribute_kernels_and_skips_local_ones(capsys, tmp
     good = {"kwargs": {"B": 16}, "num_warps": 4, "num_stages": 3}
     odd = {"kwargs": {"B": 99}, "num_warps": 4, "num_stages": 3}
     entries = [
-        Entry(arch="sm90", kernel="nested_kernels_b:Ops.k", key="n=1", config=good),
-        Entry(arch="sm90", kernel="nested_kernels_b:Ops.k", key="n=2", config=odd),
-        Entry(arch="sm90", kernel="nested_kernels_b:make.<locals>.inner", key="n=1", config=good),
+        Entry(arch="sm90", kernel="nested_kernels_b:Ops.k", key="n=1 | x:f", config=good),
+        Entry(arch="sm90", kernel="nested_kernels_b:Ops.k", key="n=2 | x:f", config=odd),
+        Entry(arch="sm90", kernel="nested_kernels_b:make.<locals>.inner", key="n=1 | x:f", config=good),
     ]
     path = tmp_path / "v.msgpack"
     save_table(Table(entries), path)
     code, out, _ = run(capsys, "validate", path, "--arch", "sm90", "--import", "nested_kernels_b")
-    assert code == 1 and "1 problem(s)" in out and "[n=2]: config B=99" in out
+    assert code == 1 and "1 problem(s)" in out and "[n=2 | x:f]: config B=99" in out
     assert "no autotuned kernel" not in out
 
 
@@ -423,7 +423,12 @@ def test_coverage_per_rank_and_exit_codes(capsys, tmp_path):
     doc = json.loads(out)
     assert code == 1  # ranks launched different configs
     row = next(e for e in doc["entries"] if e["key"] == "M=1")
-    assert row["diverged"] and row["ranks"]["2"] == {"status": "fallback", "signature": "S9", "origin": None}
+    assert row["diverged"] and row["ranks"]["2"] == {
+        "status": "fallback",
+        "signature": "S9",
+        "origin": None,
+        "nearest_key": None,
+    }
     code, out, _ = run(capsys, "coverage", r0, r2)
     assert "DIVERGED: a:k [M=1]" in out and "rank 2: S9 (fallback)" in out
 

@@ -114,11 +114,10 @@ def test_corrupt_table_file_is_a_clear_error_and_installs_nothing(tmp_path, monk
     assert not interception.installed()
 
 
-def test_mamba_variable_warns_when_mode_is_off(monkeypatch, caplog):
+def test_mamba_variable_warns_when_mode_is_off(monkeypatch, notices):
     monkeypatch.setenv("MAMBA_DETERMINISTIC", "1")
-    with caplog.at_level(logging.WARNING, logger="megatron_tuning"):
-        megatron_tuning.init_deterministic_tuning(megatron_tuning.TuningPolicy(mode="off")).close()
-    assert any("MAMBA_DETERMINISTIC" in r.getMessage() for r in caplog.records)
+    megatron_tuning.init_deterministic_tuning(megatron_tuning.TuningPolicy(mode="off")).close()
+    assert any("MAMBA_DETERMINISTIC" in m for m in notices.messages)
 
 
 @pytest.mark.parametrize(

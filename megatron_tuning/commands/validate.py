@@ -26,7 +26,7 @@ from ..core.identity import (
     split_kernel_id,
 )
 from ..core.text import printable
-from ..tables.entry import Entry
+from ..tables.entry import KEY_FORM, Entry, canonical_key
 from ..tables.search import installed_triton_version
 from ..tables.table import load_table
 
@@ -202,6 +202,13 @@ def _entry_problems(
     kernels: dict[str, _Kernel],
 ) -> list[str]:
     problems = []
+    canonical = canonical_key(entry.key)
+    if canonical is None:
+        problems.append(f"key is not a tuning key ({KEY_FORM}): it can never match a launch")
+    elif canonical != entry.key:
+        problems.append(
+            f"key is not spelt as launches spell it, so it never matches; write it as [{canonical}]"
+        )
     if arch is not None and entry.arch != arch:
         problems.append(f"entry is for arch {entry.arch}, this machine is {arch}: it never applies here")
     if version is not None and entry.triton_version is not None and entry.triton_version != version:

@@ -8,6 +8,7 @@ the source.
 
 from __future__ import annotations
 
+import difflib
 import logging
 import os
 from collections.abc import Iterable, Mapping, Sequence
@@ -27,11 +28,19 @@ from .identity import (
 )
 from .nearest import nearest_keys
 from .policy import TuningPolicy
-from .warn import warn_once
+from .warn import tallies, tally, warn_once
 
 logger = logging.getLogger(__name__)
 
 ON_MISS_CHOICES = ("nearest", "min_cost", "error")
+
+# What the cheapest-config rule costs, measured (benchmarks/RESULTS.md, README "Results"): quoted in
+# the fallback notice so a user can weigh it against tuning.
+CHEAPEST_COST = "on an H200 the cheapest-config rule ran large GEMMs at 12-14% of the best config's speed"
+FIX_A_MISS = (
+    "use MEGATRON_TUNING_MODE=auto (tunes each new key once per job and caches it), a tuning table "
+    "(MEGATRON_TUNING_TABLE=...), or build one with `python -m megatron_tuning tune -- <your command>`"
+)
 
 # --------------------------------------------------------------------------- tables
 
@@ -166,16 +175,20 @@ def pin_without_fallback(
             wanted = config_signature(hit.config)
             warn_once(
                 ("entry-no-match", kernel, key, hit.origin),
-                "Table entry for kernel %s key %s in %s (%s) matches none of the %d live configs "
-                "after pruning; treating it as a miss.",
+                "table entry for kernel %s key %s in %s (%s) matches none of the %d live configs "
+                "after pruning, so it is a miss (the miss rule applies). Re-tune the kernel, or fix "
+                "the entry's config to one the kernel offers: %s",
                 hit.kernel or kernel,
                 key,
                 hit.origin,
                 wanted,
                 len(candidates),
+                "; ".join(config_signature(c) for c in candidates[:8])
+                + ("; ..." if len(candidates) > 8 else ""),
             )
     override = as_block_sizes(block_sizes)
     if override:
+        _tally_override_names(kernel, override, candidates)
         matching = filter_configs_by_block_sizes(candidates, override)
         if not matching:
             raise BlockSizeOverrideError(kernel, override, [config_signature(c) for c in candidates])
@@ -234,8 +247,110 @@ def choose_on_miss(
         for hit in neighbours(kernel, key, arch=arch_tag(), source_hash=kernel_source_hash(autotuner)):
             live = match_live(hit.config, candidates)
             if live is not None:  # a neighbour tuned with other live configs cannot be launched
+                _notice_nearest(kernel, key, hit)
                 return _from_hit(live, "nearest", hit, nearest_key=hit.key)
-    return Choice(cheapest(candidates), "cheapest")
+    choice = Choice(cheapest(candidates), "cheapest")
+    _notice_cheapest(kernel, key, miss, choice.config, len(candidates), on_miss)
+    return choice
+
+
+def _notice_cheapest(kernel: str, key: str, miss: Miss, config: Any, count: int, on_miss: str) -> None:
+    """Once per kernel and policy: a miss launched the cheapest config (``report_policy_end`` counts keys)."""
+    tally(("cheapest", kernel), key)
+    rule = "on_miss='min_cost'" if on_miss == "min_cost" else "no nearest-shape entry either"
+    warn_once(
+        ("cheapest", kernel),
+        "kernel %s has no tuned config for key %s (%s; %s), so it launches the cheapest of its %d "
+        "configs by static cost (%s), and so will every other key of this kernel without an entry "
+        "(counted when the policy ends). That is pinned but can be slow: %s. To be pinned and fast, "
+        "%s.",
+        kernel,
+        key,
+        miss.reason,
+        rule,
+        count,
+        config_signature(config),
+        CHEAPEST_COST,
+        FIX_A_MISS,
+    )
+
+
+def _notice_nearest(kernel: str, key: str, hit: TableHit) -> None:
+    """Once per kernel and policy: a miss launched the entry of a neighbouring shape."""
+    tally(("nearest", kernel), key)
+    warn_once(
+        ("nearest", kernel),
+        "kernel %s has no table entry for key %s; it launches the entry tuned for the nearest shape "
+        "[%s] from %s (on_miss='nearest'), and so will every other key of this kernel without an "
+        "entry (counted when the policy ends). To pin each shape's own best config, %s.",
+        kernel,
+        key,
+        hit.key,
+        hit.origin,
+        FIX_A_MISS,
+    )
+
+
+def _tally_override_names(kernel: str, override: Mapping[str, int], candidates: Sequence[Any]) -> None:
+    names = {name for c in candidates for name in getattr(c, "kwargs", {})}
+    for name in override:
+        if name in names:
+            tally(("override-name-used", name), kernel)
+    for name in names:
+        tally(("kernel-config-names", kernel), name)
+
+
+def report_policy_end(policy: TuningPolicy | None) -> None:
+    """What only the end of a policy can tell: how many keys fell back, and unmatched override names.
+
+    ``interception`` calls it when a policy is replaced or uninstalled (before ``reset_warnings``).
+    """
+    counts = {
+        kind: {group[1]: len(keys) for group, keys in tallies(kind).items()}
+        for kind in ("cheapest", "nearest")
+    }
+    for kind, what in (("cheapest", "the cheapest config"), ("nearest", "a nearest-shape entry")):
+        by_kernel = counts[kind]
+        # One key per kernel was already said by the kernel's own notice; only more is news.
+        if sum(by_kernel.values()) > len(by_kernel):
+            listing = ", ".join(
+                f"{kernel} ({n} key{'s' * (n > 1)})" for kernel, n in sorted(by_kernel.items())
+            )
+            warn_once(
+                ("policy-end", kind),
+                "%d keys of %d kernel(s) launched %s for lack of a table entry under this policy: "
+                "%s. To pin them to their best configs, %s.",
+                sum(by_kernel.values()),
+                len(by_kernel),
+                what,
+                listing,
+                FIX_A_MISS,
+            )
+    if policy is not None and policy.block_sizes:
+        used = {group[1] for group in tallies("override-name-used")}
+        kernels = {
+            group[1]: sorted(map(str, names)) for group, names in tallies("kernel-config-names").items()
+        }
+        if not kernels:
+            return  # no in-scope kernel launched with the override: nothing to compare it with
+        everything = sorted({name for names in kernels.values() for name in names})
+        for name, value in policy.block_sizes:
+            if name in used:
+                continue
+            close = difflib.get_close_matches(name, everything, n=1)
+            hint = f" Did you mean {close[0]}?" if close else ""
+            listing = "; ".join(f"{k}: {', '.join(v)}" for k, v in sorted(kernels.items()))
+            warn_once(
+                ("override-name-unused", name),
+                "block-size override %s=%d (MEGATRON_TUNING_BLOCK_SIZES / block_sizes) names a "
+                "parameter that none of the %d kernel(s) launched under this policy has, so it "
+                "changed nothing.%s The kernels' config names: %s.",
+                name,
+                value,
+                len(kernels),
+                hint,
+                listing,
+            )
 
 
 def choose_deterministically(
@@ -302,18 +417,36 @@ def autotune_configs(configs: Sequence[Any], *, policy: TuningPolicy | None = No
     return [cheapest(matching)]
 
 
+# Modes that launch one config per (kernel, key) for every rank and run without measuring at
+# launch (``auto`` measures a new key once per job, then every process reuses the result).
+_PINNING_MODES = ("deterministic", "auto")
+
+_UNPINNED_BECAUSE = {
+    "off": "Triton's own autotuner times the configs and keeps whichever wins in this process",
+    "record": "Triton's own autotuner times the configs and keeps whichever wins in this process",
+    "tune": "every process re-tunes each key with the noise-aware tuner",
+    "chaos": "each rank launches a different config on purpose (the positive control)",
+}
+
+
 def warn_if_mamba_env_ignored(policy: TuningPolicy | None = None) -> bool:
-    """Warn once when ``MAMBA_DETERMINISTIC`` asks for determinism but our mode is not deterministic."""
+    """Warn once when ``MAMBA_DETERMINISTIC`` asks for determinism but our mode does not pin configs.
+
+    ``deterministic`` and ``auto`` pin (one config per key, the same on every rank and in every run
+    that reads the same table or cache), so they are silent.
+    """
     raw = os.environ.get("MAMBA_DETERMINISTIC", "").strip().lower()
     if raw in ("", "0", "false", "no", "off"):
         return False
     policy = policy if policy is not None else TuningPolicy.from_env()
-    if policy.mode == "deterministic":
+    if policy.mode in _PINNING_MODES:
         return False
     return warn_once(
         ("mamba-env", policy.mode),
-        "MAMBA_DETERMINISTIC=%s is set but megatron_tuning's mode is %r, so autotuned kernels "
-        "are not pinned. Set MEGATRON_TUNING_MODE=deterministic.",
+        "MAMBA_DETERMINISTIC=%s is set but megatron_tuning's mode is %r: %s, so the choice of "
+        "config can differ between runs. Set MEGATRON_TUNING_MODE=deterministic (tables, never "
+        "measures) or MEGATRON_TUNING_MODE=auto (tunes each new key once and reuses it).",
         raw,
         policy.mode,
+        _UNPINNED_BECAUSE.get(policy.mode, "configs are not pinned"),
     )

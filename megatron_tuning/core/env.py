@@ -2,23 +2,51 @@
 
 Variables are read when a function here is called, never at import, so tests and
 launchers can change the environment at any time. A bad value raises ``PolicyError``
-naming the variable, the value and what is allowed.
+naming the variable, the value and what is allowed. The rule for every variable
+(docs/policy.md): surrounding whitespace is ignored, an empty value means unset (the
+default), words and booleans are read in any case.
 """
 
 from __future__ import annotations
 
 import contextlib
+import difflib
 import math
 import os
 import re
 from collections.abc import Iterator, Mapping, Sequence
 
 from .errors import PolicyError
+from .warn import warn_once
 
 PREFIX = "MEGATRON_TUNING_"
 
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off", "")
+TRUE_WORDS = ("1", "true", "yes", "on")
+FALSE_WORDS = ("0", "false", "no", "off")
+
+# Every variable the package reads, whatever layer reads it: a name outside this list is a typo
+# (MEGATRON_TUNING_TABLES for ..._TABLE) and gets one warning naming the closest. A test checks
+# that each ``MEGATRON_TUNING_*`` name written in the package is listed here.
+KNOWN_VARIABLES = frozenset(
+    {
+        "MEGATRON_TUNING_MODE",
+        "MEGATRON_TUNING_SCOPE",
+        "MEGATRON_TUNING_ON_MISS",
+        "MEGATRON_TUNING_TABLE",
+        "MEGATRON_TUNING_AGREEMENT",
+        "MEGATRON_TUNING_AGREEMENT_TIMEOUT",
+        "MEGATRON_TUNING_STRICT",
+        "MEGATRON_TUNING_STALE_ENTRIES",
+        "MEGATRON_TUNING_BLOCK_SIZES",
+        "MEGATRON_TUNING_RECORD_DIR",
+        "MEGATRON_TUNING_DECISION_LOG",
+        "MEGATRON_TUNING_SHIPPED_TABLES",
+        "MEGATRON_TUNING_CACHE",
+        "MEGATRON_TUNING_TUNE_ROUNDS",
+        "MEGATRON_TUNING_TUNE_TIE_BAND",
+        "MEGATRON_TUNING_TUNE_DIR",
+    }
+)
 
 # ASCII only, written out: Python's int()/float() also accept "١" (Arabic-Indic one), "1_000",
 # "nan", "inf" and "1e400" (inf), none of which belongs in a setting.
@@ -43,15 +71,42 @@ def env_choice(name: str, choices: Sequence[str]) -> str | None:
 
 
 def env_bool(name: str) -> bool | None:
+    """1/0, true/false, yes/no, on/off in any case; ``None`` when unset or empty (the default)."""
     value = env_str(name)
-    if value is None:
+    if value is None or value == "":
         return None
     lowered = value.lower()
-    if lowered in _TRUE:
+    if lowered in TRUE_WORDS:
         return True
-    if lowered in _FALSE:
+    if lowered in FALSE_WORDS:
         return False
-    raise PolicyError(name, value, "a boolean (1/0, true/false, yes/no, on/off)")
+    raise PolicyError(name, value, "a boolean (1/0, true/false, yes/no, on/off; any case)")
+
+
+def unknown_variables(environ: Mapping[str, str] | None = None) -> list[tuple[str, str | None]]:
+    """``MEGATRON_TUNING_*`` names set that the package does not read, each with the closest known one."""
+    names = sorted(n for n in (os.environ if environ is None else environ) if n.startswith(PREFIX))
+    known = sorted(KNOWN_VARIABLES)
+    out = []
+    for name in names:
+        if name in KNOWN_VARIABLES:
+            continue
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+        out.append((name, close[0] if close else None))
+    return out
+
+
+def warn_unknown_variables() -> None:
+    """One notice per unknown ``MEGATRON_TUNING_*`` name: it is ignored, so it is most likely a typo."""
+    for name, close in unknown_variables():
+        warn_once(
+            ("unknown-env", name),
+            "%s is set but is not a megatron_tuning setting, so it is ignored.%s Known variables: %s "
+            "(docs/policy.md).",
+            name,
+            f" Did you mean {close}?" if close else "",
+            ", ".join(sorted(KNOWN_VARIABLES)),
+        )
 
 
 def env_float(name: str, *, minimum: float | None = None, maximum: float | None = None) -> float | None:

@@ -42,9 +42,12 @@ class TableMissError(MegatronTuningError, LookupError):
         self.key = key
         self.reason = reason
         super().__init__(
-            f"No tuned config for kernel {kernel} with key {key} ({reason}). "
-            "Add an entry to a tuning table (see `python -m megatron_tuning show`), "
-            "or set MEGATRON_TUNING_ON_MISS=min_cost to fall back to the cheapest config."
+            f"No tuned config for kernel {kernel} with key {key} ({reason}), and on_miss='error'. "
+            "To pin it: build a table entry with `python -m megatron_tuning tune -- <your command>` "
+            "(review tables with `python -m megatron_tuning show`), or set MEGATRON_TUNING_MODE=auto "
+            "(tunes a missing key once per job and caches it); to launch something anyway, set "
+            "MEGATRON_TUNING_ON_MISS=nearest (the entry of the nearest shape, else the cheapest "
+            "config) or min_cost (the cheapest config by static cost)."
         )
 
     def __reduce__(self) -> tuple[Any, ...]:

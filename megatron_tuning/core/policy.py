@@ -2,13 +2,18 @@
 
 A ``TuningPolicy`` is a frozen, validated value. Build it in code, or from the
 ``MEGATRON_TUNING_*`` environment with ``TuningPolicy.from_env()`` (read when called,
-never at import). Every rank of a job must use the same policy.
+never at import). Every rank of a job must use the same policy. One rule holds for every
+knob, in code and environment alike (docs/policy.md): words in any case, booleans are bools
+(env: 1/0, true/false, yes/no, on/off), numbers are finite non-bools, paths are ``str`` or
+``os.PathLike``, lists any sequence; an empty variable means unset.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import math
+import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,7 +61,8 @@ class TuningPolicy:
     the noise-aware tuner and publish it (first writer wins); tuned decisions persist in ``cache``."""
 
     scope: tuple[str, ...] = ()
-    """Module prefixes of the kernels to pin (``pkg`` covers ``pkg`` and ``pkg.sub``); empty = all."""
+    """Module prefixes of the kernels to pin (``pkg`` covers ``pkg`` and ``pkg.sub``); empty = all.
+    Any sequence of strings is accepted and stored as a tuple."""
 
     on_miss: str = "nearest"
     """No usable table entry (and, in ``auto``, no way to measure): ``nearest`` launches the entry
@@ -64,7 +70,8 @@ class TuningPolicy:
     cheapest live config; ``min_cost`` launches the cheapest live config; ``error`` raises."""
 
     tables: tuple[str, ...] = ()
-    """Table files searched before ``MEGATRON_TUNING_TABLE`` and the shipped tables; earlier wins."""
+    """Table files searched before ``MEGATRON_TUNING_TABLE`` and the shipped tables; earlier wins.
+    Any sequence of ``str`` or ``os.PathLike`` paths is accepted and stored as a tuple of ``str``."""
 
     use_shipped_tables: bool = True
     """Search the tables shipped in the package's ``configs/<arch>/`` after the others."""
@@ -83,7 +90,8 @@ class TuningPolicy:
     """An entry tuned for another kernel source or Triton version: use (warn once), miss, or error."""
 
     block_sizes: tuple[tuple[str, int], ...] = ()
-    """Explicit block-size override, e.g. ``(("BLOCK_SIZE_M", 64),)``, for kernels that have those names."""
+    """Explicit block-size override, e.g. ``{"BLOCK_SIZE_M": 64}`` or ``(("BLOCK_SIZE_M", 64),)``, for
+    kernels that have those names. Each name once; stored as sorted ``(name, int)`` pairs."""
 
     record_dir: str | None = None
     """Where record/tune mode writes per-rank results (one file per rank)."""
@@ -95,45 +103,50 @@ class TuningPolicy:
     """``auto`` mode's cache table: decisions it tuned or adopted are merged into this msgpack file
     at ``close()`` and at exit, and it is searched after the explicit tables and before the shipped
     ones. ``None``: ``<user cache dir>/megatron_tuning/<arch>/auto.msgpack``; ``"off"``: none.
-    Read and written in ``auto`` mode only, so other modes never depend on a per-user file."""
+    The words off/0/false/no (any case) are stored as ``"off"``, on/1/true/yes as ``None``: a
+    word is never a file name. Read and written in ``auto`` mode only, so other modes never
+    depend on a per-user file."""
 
     def __post_init__(self) -> None:
-        _check_choice("mode", self.mode, MODES)
-        _check_choice("on_miss", self.on_miss, ON_MISS)
-        _check_choice("agreement", self.agreement, AGREEMENT_MODES)
-        _check_choice("stale_entries", self.stale_entries, STALE_ENTRIES)
-        for name in ("scope", "tables", "block_sizes"):
-            if not isinstance(getattr(self, name), tuple):
-                raise PolicyError(name, getattr(self, name), "a tuple")
-        if any(not isinstance(p, str) or not env.is_module_prefix(p) for p in self.scope):
-            raise PolicyError("scope", self.scope, "module-name prefixes such as 'my_pkg.kernels'")
-        for item in self.block_sizes:
-            if not (
-                isinstance(item, tuple)
-                and len(item) == 2
-                and isinstance(item[0], str)
-                and type(item[1]) is int
-            ):
-                raise PolicyError("block_sizes", self.block_sizes, "(name, int) pairs")
+        # One rule for every knob, in code and in the environment alike (docs/policy.md): words
+        # in any case, stored lower-case; booleans are bools; numbers are finite and not bools;
+        # paths are text or os.PathLike, stored as text; lists are any sequence, stored as tuples.
+        # Normalised values are written back (``object.__setattr__``: the dataclass is frozen).
+        for name, allowed in (
+            ("mode", MODES),
+            ("on_miss", ON_MISS),
+            ("agreement", AGREEMENT_MODES),
+            ("stale_entries", STALE_ENTRIES),
+        ):
+            _set(self, name, _word(name, getattr(self, name), allowed))
+        scope = _sequence("scope", self.scope, "module-name prefixes such as ['my_pkg.kernels']")
+        if any(not isinstance(p, str) or not env.is_module_prefix(p.strip()) for p in scope):
+            raise PolicyError("scope", self.scope, "module-name prefixes such as ['my_pkg.kernels']")
+        _set(self, "scope", tuple(p.strip() for p in scope))
+        tables = _sequence("tables", self.tables, "file system paths such as ['tables/sm90.msgpack']")
+        _set(self, "tables", tuple(_path("tables", p) for p in tables))
+        _set(self, "block_sizes", _block_sizes(self.block_sizes))
+        for name in ("strict", "use_shipped_tables"):
+            if not isinstance(getattr(self, name), bool):
+                raise PolicyError(name, getattr(self, name), "True or False (a bool)")
         timeout = self.agreement_timeout_s
-        if not isinstance(timeout, (int, float)) or not 0 < timeout <= MAX_AGREEMENT_TIMEOUT_S:
+        if (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, (int, float))
+            or not math.isfinite(timeout)
+            or not 0 < timeout <= MAX_AGREEMENT_TIMEOUT_S
+        ):
             raise PolicyError(
                 "agreement_timeout_s",
                 timeout,
-                f"a positive number of seconds up to {MAX_AGREEMENT_TIMEOUT_S:g}",
+                f"a positive number of seconds up to {MAX_AGREEMENT_TIMEOUT_S:g} (not a bool)",
             )
+        _set(self, "agreement_timeout_s", float(timeout))
         for name in ("decision_log", "record_dir"):
-            path = getattr(self, name)
-            if path is not None and (not isinstance(path, str) or "\0" in path):
-                raise PolicyError(name, path, "a file system path (text without NUL characters)")
-        if any(not isinstance(p, str) or "\0" in p for p in self.tables):
-            raise PolicyError("tables", self.tables, "file system paths (text without NUL characters)")
-        if not isinstance(self.strict, bool):
-            raise PolicyError("strict", self.strict, "True or False")
-        if self.cache is not None and (
-            not isinstance(self.cache, str) or not self.cache or "\0" in self.cache
-        ):
-            raise PolicyError("cache", self.cache, f"a file path or {CACHE_OFF!r}")
+            value = getattr(self, name)
+            if value is not None:
+                _set(self, name, _path(name, value))
+        _set(self, "cache", _cache(self.cache))
 
     @property
     def effective_stale_entries(self) -> str:
@@ -191,20 +204,92 @@ class TuningPolicy:
             "use_shipped_tables": env.env_bool(ENV_SHIPPED_TABLES),
             "record_dir": env.env_str(ENV_RECORD_DIR) or None,
             "decision_log": env.env_str(ENV_DECISION_LOG) or None,
-            "cache": env.env_str(ENV_CACHE) or None,
+            "cache": _env_cache(),
         }
         fields.update({k: v for k, v in optional.items() if v is not None})
         if fields.get("agreement_timeout_s") is not None and fields["agreement_timeout_s"] <= 0:
             raise PolicyError(
                 ENV_AGREEMENT_TIMEOUT, env.env_str(ENV_AGREEMENT_TIMEOUT), "a positive number of seconds"
             )
+        env.warn_unknown_variables()  # MEGATRON_TUNING_TABLES=... would otherwise be ignored silently
         fields.update(overrides)
         return cls(**fields)
 
 
-def _check_choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise PolicyError(name, value, "one of " + "|".join(allowed))
+def _set(policy: TuningPolicy, name: str, value: Any) -> None:
+    object.__setattr__(policy, name, value)
+
+
+def _word(name: str, value: object, allowed: tuple[str, ...]) -> str:
+    """A word from ``allowed``, in any case and with surrounding spaces ignored; stored lower-case."""
+    if isinstance(value, str) and value.strip().lower() in allowed:
+        return value.strip().lower()
+    raise PolicyError(name, value, "one of " + "|".join(allowed) + " (any case)")
+
+
+def _sequence(name: str, value: object, allowed: str) -> tuple[Any, ...]:
+    """Any sequence (list, tuple, ...) as a tuple; one bare string or path is refused, not split."""
+    if isinstance(value, (str, bytes, os.PathLike)) or not isinstance(value, Sequence):
+        raise PolicyError(name, value, f"a list or tuple of {allowed}; a single one goes in a list")
+    return tuple(value)
+
+
+def _path(name: str, value: object) -> str:
+    """A file system path: text or ``os.PathLike`` (``pathlib.Path``), non-empty, without NUL."""
+    text = os.fspath(value) if isinstance(value, os.PathLike) else value
+    if not isinstance(text, str) or not text or "\0" in text:
+        raise PolicyError(
+            name, value, "a file system path: a non-empty str or os.PathLike without NUL characters"
+        )
+    return text
+
+
+def _block_sizes(value: object) -> tuple[tuple[str, int], ...]:
+    """``{name: int}`` or ``(name, int)`` pairs, each name once; stored sorted, as the env parser does."""
+    allowed = (
+        "{NAME: int} or (NAME, int) pairs with identifier names, each name once, e.g. {'BLOCK_SIZE_M': 64}"
+    )
+    items: Any = list(value.items()) if isinstance(value, Mapping) else value
+    if isinstance(items, (str, bytes)) or not isinstance(items, Sequence):
+        raise PolicyError("block_sizes", value, allowed)
+    seen: dict[str, int] = {}
+    for item in items:
+        if not (
+            isinstance(item, (tuple, list))
+            and len(item) == 2
+            and isinstance(item[0], str)
+            and item[0].isidentifier()
+            and type(item[1]) is int
+        ):
+            raise PolicyError("block_sizes", value, allowed)
+        if item[0] in seen:  # the last would silently win, as a repeated env name would
+            raise PolicyError("block_sizes", value, f"each name once ({item[0]} is given twice)")
+        seen[item[0]] = item[1]
+    return tuple(sorted(seen.items()))
+
+
+def _cache(value: object) -> str | None:
+    """A cache path, ``off`` (or another false word: 0, false, no; any case), or None (the default).
+
+    A true word (1, true, yes, on) also means the default: words are settings, never file names
+    (``MEGATRON_TUNING_CACHE=OFF`` must not create a file called ``OFF``).
+    """
+    if value is None:
+        return None
+    if isinstance(value, str) and value.strip().lower() in env.FALSE_WORDS and value.strip():
+        return CACHE_OFF
+    if isinstance(value, str) and value.strip().lower() in env.TRUE_WORDS:
+        return None
+    try:
+        return _path("cache", value)
+    except PolicyError:
+        allowed = f"a file path, {CACHE_OFF!r} (no cache), or None (the default)"
+        raise PolicyError("cache", value, allowed) from None
+
+
+def _env_cache() -> str | None:
+    raw = env.env_str(ENV_CACHE)
+    return raw or None  # empty means unset; words are read by ``_cache``
 
 
 def _torch_deterministic() -> bool:

@@ -30,11 +30,10 @@ import threading
 from typing import Any
 
 from ..core.chaos import ChaosCoordinator
-from ..core.choice import as_config_table
+from ..core.choice import as_config_table, report_policy_end
 from ..core.decisions import Decision, decision_log
 from ..core.errors import BenchmarkForbiddenError
 from ..core.identity import (
-    arch_tag,
     config_data,
     config_signature,
     current_rank,
@@ -42,6 +41,7 @@ from ..core.identity import (
     tuning_key,
 )
 from ..core.policy import TuningPolicy
+from ..core.warn import reset_warnings
 from . import inductor, pinning
 from .auto import Consensus, Measure
 from .pinning import (
@@ -91,12 +91,18 @@ def install(
         raise ValueError("policy mode 'tune' needs a measure function (see megatron_tuning.tuning.tuner)")
     check_triton_contract()
     with _lock:
+        previous = pinning.active
         if not _originals:
             _patch()
         _generation += 1
+        # The arch is read per decision on the launching device (``Installation.arch``): a rank that
+        # installs before ``torch.cuda.set_device`` must not touch (and record) GPU 0 here.
         pinning.active = Installation(
-            policy, as_config_table(table), measure, _generation, arch_tag(), consensus, chaos
+            policy, as_config_table(table), measure, _generation, consensus, chaos
         )
+    if previous is not None:
+        report_policy_end(previous.policy)
+    reset_warnings()  # a new policy reports every notice again, once
     inductor.warn_if_unsupported(policy)
     logger.debug("interception installed: %s", policy.describe())
 
@@ -104,19 +110,21 @@ def install(
 def uninstall() -> None:
     """Restore Triton's Autotuner exactly as it was before ``install``."""
     with _lock:
+        previous = pinning.active
         pinning.active = None
-        if not _originals:
-            return
-        autotuner = autotuner_class()
-        for name, original in _originals.items():
-            setattr(autotuner, name, original)
-        _originals.clear()
-        inductor.unpatch()
-        release_lazy_init()
-        for instance in list(pinning.touched):
-            state = instance.__dict__.pop(STATE_ATTR, None)
-            if state is not None:
-                forget_triton_cache(instance, state)
+        if _originals:
+            autotuner = autotuner_class()
+            for name, original in _originals.items():
+                setattr(autotuner, name, original)
+            _originals.clear()
+            inductor.unpatch()
+            release_lazy_init()
+            for instance in list(pinning.touched):
+                state = instance.__dict__.pop(STATE_ATTR, None)
+                if state is not None:
+                    forget_triton_cache(instance, state)
+    if previous is not None:
+        report_policy_end(previous.policy)  # the policy's end: how many keys fell back, and so on
     logger.debug("interception uninstalled")
 
 

@@ -20,6 +20,7 @@ from ..core.chaos import ChaosCoordinator, choose_chaos
 from ..core.choice import Choice, ConfigTable, choose_deterministically
 from ..core.decisions import Decision, decision_log
 from ..core.identity import (
+    arch_tag,
     config_data,
     config_signature,
     current_rank,
@@ -29,6 +30,7 @@ from ..core.identity import (
     tuning_key,
 )
 from ..core.policy import TuningPolicy
+from ..core.warn import warn_once
 from .auto import Consensus, Measure, auto_choice
 from .triton_compat import triton_cache_key
 
@@ -46,10 +48,19 @@ class Installation:
     table: ConfigTable | None
     measure: Measure | None
     generation: int
-    arch: str
     consensus: Consensus | None = None
     chaos: ChaosCoordinator | None = None
     """Chaos mode's job-wide coordinator (``distributed.chaos``); ``None``: the rank formula."""
+
+    @property
+    def arch(self) -> str:
+        """The arch of the device current now: read when a decision is made, never at install.
+
+        A rank may install before ``torch.cuda.set_device(local_rank)``; reading the device then
+        would open a context on GPU 0 and record its arch. Decisions are once per (kernel, key),
+        so this is not on the launch path.
+        """
+        return arch_tag()
 
 
 @dataclass
@@ -165,6 +176,7 @@ def decide(
         key = tuning_key(autotuner, args, kwargs)
         candidates = live_candidates(autotuner, args, kwargs)
         rank = current_rank()
+        arch = installation.arch  # the launching device's, resolved once per decision
         timings = None
         if policy.mode == "chaos":
             choice = choose_chaos(
@@ -187,7 +199,7 @@ def decide(
                 key,
                 (args, kwargs),
                 kernel=state.kernel,
-                arch=installation.arch,
+                arch=arch,
                 policy=policy,
                 table=installation.table,
                 measure=installation.measure,
@@ -196,10 +208,12 @@ def decide(
             )
         else:
             if policy.mode == "tune" and len(candidates) > 1:
-                logger.warning(
-                    "megatron_tuning: kernel %s key %s is first seen where nothing can be measured "
-                    "(compiled code, or a CUDA graph capture); using the deterministic choice "
-                    "instead of tuning it",
+                warn_once(
+                    ("tune-cannot-measure", state.kernel, key),
+                    "kernel %s key %s is first seen where nothing can be measured (compiled code, "
+                    "or a CUDA graph capture); using the deterministic choice instead of tuning it. "
+                    "Launch this key once eagerly, outside graph capture, before compiling or "
+                    "capturing, so the tuner can time it",
                     state.kernel,
                     key,
                 )
@@ -220,7 +234,7 @@ def decide(
             signature=config_signature(config),
             source=source,
             config=config_data(config),
-            arch=installation.arch,
+            arch=arch,
             rank=rank,
             origin=origin,
             source_hash=state.source_hash,

@@ -28,9 +28,11 @@ import msgpack
 from .entry import (
     HOW_VALUES,
     INT_MAX,
+    KEY_FORM,
     Entry,
     Invalid,
     Timing,
+    canonical_key,
     check_config,
     check_text,
     entry_from_data,
@@ -315,6 +317,15 @@ def decode_json(text: str | bytes) -> _Decoded:
             entry = entry_from_data(row)
         except Invalid as exc:
             raise Invalid(f"entry {index}: {exc}") from None
+        # JSON is what people edit: a key spelt "M=32,N=32" would import fine and never match.
+        key = canonical_key(entry.key)
+        if key is None:
+            raise Invalid(
+                f"entry {index}: key {entry.key!r} (kernel {entry.kernel!r}) is not a tuning key: expected "
+                f"{KEY_FORM}, as a decision log or `show` prints it"
+            )
+        if key != entry.key:
+            entry = make_entry((*entry[:2], key, *entry[3:]))
         if entry.ident in entries:
             raise Invalid(f"entry {index}: duplicate entry for arch={entry.arch!r} kernel={entry.kernel!r}")
         entries[entry.ident] = entry

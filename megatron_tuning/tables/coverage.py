@@ -48,6 +48,11 @@ STATUS_ORDER = (
 )
 
 
+# Statuses that pin a key without a table entry of its own: what ``--require-table`` accepts
+# besides a hit (an explicit override, or a kernel with one live config: nothing to choose).
+PINNED_WITHOUT_TABLE = ("override", "single")
+
+
 @dataclass(frozen=True, slots=True)
 class Cell:
     """What one rank did for one (kernel, key)."""
@@ -57,11 +62,15 @@ class Cell:
     origin: str | None
     entry_kernel: str | None = None
     """Set when the table entry was matched by content: the kernel id it was tuned under."""
+    nearest_key: str | None = None
+    """For ``nearest``: the key of the table entry (the neighbour) whose config was launched."""
 
     def to_json(self) -> dict[str, Any]:
         data: dict[str, Any] = {"status": self.status, "signature": self.signature, "origin": self.origin}
         if self.entry_kernel is not None:  # only content matches carry these keys
             data.update(matched_by="content", entry_kernel=self.entry_kernel)
+        if self.nearest_key is not None:  # only nearest-shape launches carry the neighbour's key
+            data["nearest_key"] = self.nearest_key
         return data
 
 
@@ -90,6 +99,16 @@ class Coverage:
 
     def diverged(self) -> list[Row]:
         return [row for row in self.rows if row.diverged]
+
+    def not_in_table(self) -> list[Row]:
+        """Rows where some rank launched something other than its own table entry.
+
+        What CI means by "every shape is in the table": a nearest-shape entry, the cheapest
+        fallback, a tuned or adopted config (``auto``) all count; an override or a kernel with a
+        single config pins without an entry and does not; out-of-scope kernels are not pinned.
+        """
+        allowed = ("hit", "out_of_scope", *PINNED_WITHOUT_TABLE)
+        return [row for row in self.rows if any(c.status not in allowed for c in row.cells.values())]
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -128,6 +147,7 @@ class Coverage:
             by_status.setdefault(cell.status if cell else "absent", []).append(label)
         origins = sorted({c.origin for c in row.cells.values() if c.origin})
         twins = sorted({c.entry_kernel for c in row.cells.values() if c.entry_kernel})
+        neighbours = sorted({c.nearest_key for c in row.cells.values() if c.nearest_key})
         parts = []
         for status, labels in by_status.items():
             who = "all ranks" if len(labels) == len(self.ranks) else "rank(s) " + ",".join(labels)
@@ -135,6 +155,8 @@ class Coverage:
         suffix = f"  from {', '.join(origins)}" if origins else ""
         if twins:
             suffix += f"  (matched by content: tuned as {', '.join(twins)})"
+        if neighbours:  # which neighbour's config ran: what a reviewer checks before trusting it
+            suffix += "  using the entry for " + "; ".join(f"[{k}]" for k in neighbours)
         return "; ".join(parts) + suffix
 
 
@@ -169,7 +191,14 @@ def coverage_of(logs: Sequence[tuple[str, Iterable[Decision]]]) -> Coverage:
             # The first decision per (kernel, key) in a process is the one that launched.
             twin = decision.entry_kernel if decision.matched_by == "content" else None
             row.cells.setdefault(
-                label, Cell(STATUS.get(decision.source, "other"), decision.signature, decision.origin, twin)
+                label,
+                Cell(
+                    STATUS.get(decision.source, "other"),
+                    decision.signature,
+                    decision.origin,
+                    entry_kernel=twin,
+                    nearest_key=decision.nearest_key,
+                ),
             )
     labels.sort(key=_label_order)
     for row in rows.values():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -330,6 +331,77 @@ def _check_votes(votes: Any) -> tuple[int, int] | None:
     ):
         raise Invalid("votes must be [winner_votes, total] with 0 < winner_votes <= total")
     return (votes[0], votes[1])
+
+
+# -- tuning keys ---------------------------------------------------------------------
+# The key text ``core.identity.tuning_key`` writes: ``M=32, N=32, K=32 | a_ptr:torch.float16, ...``
+# (items joined by ", ", parts by " | "; the values part is empty for a kernel without ``key=``
+# arguments, the dtypes part for one without tensor arguments). A hand-written key such as
+# ``M=32,N=32,K=32 | ...`` would never match a launch, so JSON views are read through
+# ``canonical_key``, which respells the separators and refuses what is not a key at all.
+KEY_FORM = "'NAME=VALUE, NAME=VALUE | ARG:DTYPE, ARG:DTYPE' (e.g. 'M=32, N=32 | a_ptr:torch.float16')"
+_VALUE_START = re.compile(r"[A-Za-z_]\w*\s*=")
+_DTYPE_START = re.compile(r"[A-Za-z_]\w*\s*:")
+_VALUE_ITEM = re.compile(r"\s*([A-Za-z_]\w*)\s*=\s*(.*?)\s*", re.DOTALL)
+_DTYPE_ITEM = re.compile(r"\s*([A-Za-z_]\w*)\s*:\s*(.*?)\s*", re.DOTALL)
+_OPEN, _CLOSE = "([{", ")]}"
+
+
+def canonical_key(key: str) -> str | None:
+    """``key`` spelt as ``tuning_key`` spells it, or ``None`` when it is not in that form.
+
+    Only the separators are respelt (spaces around ``,``, ``|``, ``=`` and ``:``); a value's own
+    text is kept, and a comma inside quotes or brackets is part of its value, so every key
+    ``tuning_key`` writes is returned unchanged.
+    """
+    values_text, bar, dtypes_text = key.rpartition("|")  # dtype names never contain "|"
+    if not bar:
+        return None
+    values = []
+    if values_text.strip():
+        for piece in _split_items(values_text, _VALUE_START):
+            match = _VALUE_ITEM.fullmatch(piece)
+            if match is None:
+                return None
+            values.append(f"{match.group(1)}={match.group(2)}")
+    dtypes = []
+    if dtypes_text.strip():
+        for piece in _split_items(dtypes_text, _DTYPE_START):
+            match = _DTYPE_ITEM.fullmatch(piece)
+            if match is None:
+                return None
+            dtypes.append(f"{match.group(1)}:{match.group(2)}")
+    return ", ".join(values) + " | " + ", ".join(dtypes)
+
+
+def _split_items(text: str, item_start: re.Pattern[str]) -> list[str]:
+    """Split at commas outside quotes and brackets that are followed by a new item's start."""
+    pieces, start, depth, quote, i = [], 0, 0, "", 0
+    while i < len(text):
+        ch = text[i]
+        if quote:
+            if ch == "\\":
+                i += 1  # an escaped character, e.g. \' inside a repr
+            elif ch == quote:
+                quote = ""
+        elif ch in "'\"":
+            quote = ch
+        elif ch in _OPEN:
+            depth += 1
+        elif ch in _CLOSE:
+            depth = max(0, depth - 1)
+        elif ch == "," and depth == 0 and item_start.match(text, _skip_spaces(text, i + 1)):
+            pieces.append(text[start:i])
+            start = i + 1
+        i += 1
+    pieces.append(text[start:])
+    return pieces
+
+
+def _skip_spaces(text: str, i: int) -> int:
+    while i < len(text) and text[i].isspace():
+        i += 1
+    return i
 
 
 def entry_with(entry: Entry, **changes: Any) -> Entry:

@@ -285,9 +285,10 @@ def locked(
     """
     real = resolve_target(path)
     lock_path = real + ".lock"
+    check_lock_file(lock_path, os.fspath(path), error)
     lock = filelock.FileLock(lock_path)
     try:
-        lock.acquire(timeout=0)
+        _acquire(lock, 0, lock_path, os.fspath(path), error)
     except filelock.Timeout:
         logger.warning(
             "waiting up to %gs for %s (held by %s) before writing %s",
@@ -297,7 +298,7 @@ def locked(
             os.fspath(path),
         )
         try:
-            lock.acquire(timeout=timeout_s)
+            _acquire(lock, timeout_s, lock_path, os.fspath(path), error)
         except filelock.Timeout:
             raise error(
                 os.fspath(path),
@@ -309,6 +310,56 @@ def locked(
         yield real
     finally:
         lock.release()
+
+
+def check_lock_file(lock_path: str, path: str, error: ErrorFactory = TableError) -> None:
+    """Create ``lock_path`` if needed, refusing a symlink, a hard link or anything not a regular file.
+
+    ``filelock`` opens the lock with ``O_TRUNC``: before 3.20.1 (CVE-2025-68146) it followed a
+    planted ``<table>.lock`` symlink and truncated the target (seen: 9 B -> 0 B, exit 0). Opening
+    it here first with ``O_NOFOLLOW`` (and without ``O_TRUNC``) makes any filelock release safe
+    against a lock path planted before the run; a file with other hard links would be truncated
+    through them the same way, so it is refused too.
+    """
+    flags = os.O_RDWR | os.O_CREAT | _NOFOLLOW | _CLOEXEC | _NONBLOCK
+    try:
+        try:
+            fd = os.open(lock_path, flags, 0o644)
+        except FileNotFoundError:  # a folder still to be made: filelock creates it too
+            os.makedirs(os.path.dirname(lock_path) or ".", exist_ok=True)
+            fd = os.open(lock_path, flags, 0o644)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP or os.path.islink(lock_path):
+            try:
+                target = repr(os.readlink(lock_path))
+            except OSError:  # replaced again meanwhile
+                target = "another file"
+            raise error(path, _planted(lock_path, f"is a symbolic link to {target}")) from None
+        raise error(path, f"cannot create the lock file {lock_path}: {exc.strerror or exc}") from None
+    try:
+        st = os.fstat(fd)
+    finally:
+        os.close(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise error(path, _planted(lock_path, f"is a {file_kind(st.st_mode)}, not a regular file"))
+    if st.st_nlink > 1:
+        raise error(path, _planted(lock_path, f"has {st.st_nlink} hard links (another name for one file)"))
+
+
+def _planted(lock_path: str, what: str) -> str:
+    return (
+        f"the lock file {lock_path} {what}: refusing to lock through it, since taking the lock would "
+        "truncate what it points to. Remove it (it holds nothing) and retry"
+    )
+
+
+def _acquire(lock: Any, timeout_s: float, lock_path: str, path: str, error: ErrorFactory) -> None:
+    try:
+        lock.acquire(timeout=timeout_s)
+    except filelock.Timeout:
+        raise
+    except OSError as exc:  # e.g. ELOOP from filelock >= 3.20.1: a symlink planted since our check
+        raise error(path, _planted(lock_path, f"cannot be opened ({exc.strerror or exc})")) from None
 
 
 def describe_holders(lock_path: str) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fnmatch
+import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -55,11 +56,43 @@ def _runner_up(runner_up_ms: float, median_ms: float) -> str:
     return f"runner-up +{delta:.1f}%"
 
 
+# A number in key text: after "=", a bracket, a space, a comma or at the start (not "float16").
+_NUMBER = re.compile(r"(?:(?<=[=\[(,\s])|^)(-?\d+(?:\.\d+)?)")
+
+
+def natural_key(text: str) -> tuple[Any, ...]:
+    """Sort key that orders the numbers in ``text`` as numbers: ``M=32`` before ``M=100``.
+
+    Text and numbers alternate (``re.split`` with a group), so two keys compare text with text
+    and number with number at each position.
+    """
+    parts: list[Any] = _NUMBER.split(text)
+    for i in range(1, len(parts), 2):
+        parts[i] = float(parts[i]) if "." in parts[i] else int(parts[i])
+    return tuple(parts)
+
+
+def entry_order(entry: Entry) -> tuple[Any, ...]:
+    """How people read a table: by arch, kernel, then key with its numbers in numeric order."""
+    return (entry.arch, entry.kernel, natural_key(entry.key), entry.key)
+
+
+def review_view(table: Table) -> Table:
+    """The table without provenance (how, hashes, versions, timing, votes, note): configs only.
+
+    What ``export --no-provenance`` writes for a pull request, where a re-tune would otherwise
+    show every timing and vote that moved; one config change is then a few-line diff. Loading
+    it gives ``how='hand'`` entries without timings: a view for review, not a replacement table.
+    """
+    entries = [Entry(arch=e.arch, kernel=e.kernel, key=e.key, config=e.config) for e in table.entries()]
+    return Table(entries, library_version=table.library_version, meta=table.meta)
+
+
 def entry_lines(entries: Iterable[Entry]) -> list[str]:
-    """Entries grouped under an ``arch  kernel`` heading, one indented line per key."""
+    """Entries grouped under an ``arch  kernel`` heading, one indented line per key, numbers in order."""
     lines: list[str] = []
     heading: tuple[str, str] | None = None
-    for entry in entries:
+    for entry in sorted(entries, key=entry_order):
         if (entry.arch, entry.kernel) != heading:
             heading = (entry.arch, entry.kernel)
             lines.append(printable(f"{entry.arch}  {entry.kernel}"))
@@ -128,4 +161,13 @@ def _show(value: Any) -> str:
     return "-" if value is None else str(value)
 
 
-__all__ = ["describe_entry", "diff_tables", "entry_lines", "format_diff", "kernel_matches"]
+__all__ = [
+    "describe_entry",
+    "diff_tables",
+    "entry_lines",
+    "entry_order",
+    "format_diff",
+    "kernel_matches",
+    "natural_key",
+    "review_view",
+]

@@ -62,6 +62,11 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+progress_logger = logging.getLogger(__name__ + ".progress")
+"""The per-key "tuned ..." lines. At INFO by default so they reach stderr (``core.warn``'s default
+handler, or the application's handlers) without any logging setup; silence them with
+``logging.getLogger("megatron_tuning.tuning.tuner.progress").setLevel(logging.WARNING)``."""
+progress_logger.setLevel(logging.INFO)
 
 # --------------------------------------------------------------------------- timing
 
@@ -147,9 +152,13 @@ def default_timer(settings: TuneSettings) -> Timer:
 
     if arch_tag() != "unknown":
         return CudaEventTimer(flush_l2=settings.flush_l2)
-    logger.warning(
-        "No GPU (or the Triton interpreter is active): timing with the host clock; "
-        "the tuned choices are only meaningful on a GPU."
+    from ..core.warn import warn_once
+
+    warn_once(
+        ("host-clock",),
+        "no GPU (or the Triton interpreter is active): tuning times candidates with the host clock, "
+        "so what it picks is only meaningful for smoke tests. Tune on the GPU the job runs on, or "
+        "use MEGATRON_TUNING_MODE=deterministic with a table tuned there.",
     )
     return ClockTimer()
 
@@ -272,7 +281,9 @@ def make_measure(
     ``measure(autotuner, candidates, args, kwargs, kernel, key) -> (config, timings)`` times the
     live candidates with the real call arguments and returns the chosen live ``Config`` and
     ``TuneResult.to_timings()``. ``timer`` is a ``Timer`` or a factory for one (default: CUDA
-    events on a GPU). A tqdm bar shows progress when tqdm is installed and stderr is a terminal.
+    events on a GPU). With ``progress``, a tqdm bar naming the kernel and key shows on a terminal
+    (when tqdm is installed), and each tuned (kernel, key) logs one line with its time on
+    ``progress_logger``, which reaches stderr by default, so batch logs show progress too.
     """
     # A policy (what ``session`` passes) carries no tuner settings: those come from the environment.
     settings = settings if isinstance(settings, TuneSettings) else TuneSettings.from_env()
@@ -299,7 +310,7 @@ def make_measure(
         started = time.perf_counter()
         launchers = [make_launcher(autotuner, config, args, kwargs) for config in candidates]
         total = len(candidates) * (1 + settings.warmup_rounds + settings.rounds)
-        bar = _progress_bar(total, f"tune {kernel.rsplit(':', 1)[-1]}") if progress else None
+        bar = _progress_bar(total, _bar_label(kernel, key)) if progress else None
         try:
             samples, errors = time_candidates(
                 launchers,
@@ -323,7 +334,9 @@ def make_measure(
         autotuner.configs_timings = {c: [s.median, s.low, s.high] for c, s in zip(candidates, result.stats)}
         autotuner.bench_time = elapsed
         best = result.stats[result.winner]
-        logger.info(
+        # One line per (kernel, key) tuned, shown by default (``progress_logger``): a batch log has
+        # no progress bar (tqdm draws only on a terminal), and a long first run must not be silent.
+        (progress_logger if progress else logger).info(
             "tuned %s [%s] in %.1fs: %s (median %.4f ms; %d tied; fastest %s)",
             kernel,
             key,
@@ -338,6 +351,12 @@ def make_measure(
         return chosen, timings
 
     return measure
+
+
+def _bar_label(kernel: str, key: str, width: int = 60) -> str:
+    """``tune <qualname> [<key>]``, the key cut to ``width`` characters: the bar names the shape."""
+    shape = key if len(key) <= width else key[: width - 3] + "..."
+    return f"tune {kernel.rsplit(':', 1)[-1]} [{shape}]"
 
 
 def _progress_bar(total: int, desc: str) -> Any:

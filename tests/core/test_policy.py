@@ -136,7 +136,7 @@ def test_overrides_win_over_env(monkeypatch):
         ("on_miss", None),
         ("agreement", "all"),
         ("stale_entries", "x"),
-        ("scope", ["a"]),
+        ("scope", "a"),
         ("scope", ("",)),
         ("block_sizes", (("BLOCK", "64"),)),
         ("block_sizes", (("BLOCK", True),)),

@@ -219,14 +219,15 @@ def test_choice_prefers_table_entry_matched_to_live_object():
     assert deterministic_choice(sk.scale_add, sk.ADD_CONFIGS, ARGS, {}, table=table) is sk.ADD_CONFIGS[2]
 
 
-def test_table_entry_matching_no_candidate_is_a_miss_with_warning(caplog):
+def test_table_entry_matching_no_candidate_is_a_miss_with_warning(notices):
     table = {(kernel_id(sk.scale_add), KEY): config_data(C({"BLOCK_SIZE": 4096}))}
-    with caplog.at_level(logging.WARNING, logger="megatron_tuning.selection"):
-        chosen = deterministic_choice(sk.scale_add, sk.ADD_CONFIGS, ARGS, {}, table=table)
-        deterministic_choice(sk.scale_add, sk.ADD_CONFIGS, ARGS, {}, table=table)
+    chosen = deterministic_choice(sk.scale_add, sk.ADD_CONFIGS, ARGS, {}, table=table)
+    deterministic_choice(sk.scale_add, sk.ADD_CONFIGS, ARGS, {}, table=table)
     assert chosen is sk.ADD_CONFIGS[0]
-    warnings = [r.getMessage() for r in caplog.records if "matches none" in r.getMessage()]
+    warnings = notices.matching("matches none")
     assert len(warnings) == 1 and "scale_add" in warnings[0] and "BLOCK_SIZE=4096" in warnings[0]
+    # The fix is named: the configs the kernel does offer.
+    assert "Re-tune the kernel" in warnings[0] and "BLOCK_SIZE=8, num_warps=2, num_stages=3" in warnings[0]
     with pytest.raises(TableMissError, match="matches no live config"):
         deterministic_choice(sk.scale_add, sk.ADD_CONFIGS, ARGS, {}, table=table, on_miss="error")
 
@@ -307,14 +308,13 @@ def test_autotune_configs_follows_torch_determinism(monkeypatch):
         torch.use_deterministic_algorithms(False)
 
 
-def test_mamba_env_warning_once(monkeypatch, caplog):
+def test_mamba_env_warning_once(monkeypatch, notices):
     monkeypatch.setenv("MAMBA_DETERMINISTIC", "1")
     off = TuningPolicy(mode="off")
-    with caplog.at_level(logging.WARNING, logger="megatron_tuning.selection"):
-        assert warn_if_mamba_env_ignored(off) is True
-        assert warn_if_mamba_env_ignored(off) is False
-        assert warn_if_mamba_env_ignored(TuningPolicy(mode="deterministic")) is False
-    assert sum("MAMBA_DETERMINISTIC" in r.getMessage() for r in caplog.records) == 1
+    assert warn_if_mamba_env_ignored(off) is True
+    assert warn_if_mamba_env_ignored(off) is False
+    assert warn_if_mamba_env_ignored(TuningPolicy(mode="deterministic")) is False
+    assert len(notices.matching("MAMBA_DETERMINISTIC")) == 1
     reset_warnings()
     assert warn_if_mamba_env_ignored(off) is True
     monkeypatch.setenv("MAMBA_DETERMINISTIC", "0")

@@ -217,17 +217,18 @@ def test_install_patches_and_uninstall_restores_torch_exactly():
     assert not inductor.supported()
 
 
-def test_a_torch_that_cannot_be_intercepted_is_named_in_one_warning(monkeypatch, caplog):
+def test_a_torch_that_cannot_be_intercepted_is_named_in_one_warning(monkeypatch, notices):
     import torch
 
     monkeypatch.setattr(
         inductor, "_hopifier_class", lambda: (None, "TritonHOPifier.call_triton_kernel is missing")
     )
-    with caplog.at_level(logging.WARNING, logger="megatron_tuning"):
-        interception.install(TuningPolicy(mode="deterministic"))
-        interception.install(TuningPolicy(mode="deterministic"))
-    warnings = [r.getMessage() for r in caplog.records if "cannot be intercepted" in r.getMessage()]
+    interception.install(TuningPolicy(mode="deterministic"))
+    inductor.warn_if_unsupported(TuningPolicy(mode="deterministic"))  # the same policy: said once
+    warnings = notices.matching("cannot be intercepted")
     assert len(warnings) == 1
+    interception.install(TuningPolicy(mode="deterministic"))  # a new policy reports again, once
+    assert len(notices.matching("cannot be intercepted")) == 2
     assert f"torch {torch.__version__}" in warnings[0] and "call_triton_kernel is missing" in warnings[0]
     assert "NOT pinned" in warnings[0] and "MEGATRON_TUNING_STRICT" in warnings[0]
     assert not inductor.supported()  # the hook is not installed; the tripwire is
@@ -235,14 +236,13 @@ def test_a_torch_that_cannot_be_intercepted_is_named_in_one_warning(monkeypatch,
     assert CachingAutotuner.__dict__["benchmark_all_configs"].__wrapped__ is not None
 
 
-def test_no_warning_when_supported_or_when_nothing_is_pinned(monkeypatch, caplog):
-    with caplog.at_level(logging.WARNING, logger="megatron_tuning"):
-        interception.install(TuningPolicy(mode="deterministic"))
-        interception.uninstall()
-        monkeypatch.setattr(inductor, "_hopifier_class", lambda: (None, "missing"))
-        interception.install(TuningPolicy(mode="off"))
-        interception.install(TuningPolicy(mode="record"))
-    assert "cannot be intercepted" not in caplog.text
+def test_no_warning_when_supported_or_when_nothing_is_pinned(monkeypatch, notices):
+    interception.install(TuningPolicy(mode="deterministic"))
+    interception.uninstall()
+    monkeypatch.setattr(inductor, "_hopifier_class", lambda: (None, "missing"))
+    interception.install(TuningPolicy(mode="off"))
+    interception.install(TuningPolicy(mode="record"))
+    assert "cannot be intercepted" not in notices.text
 
 
 # --------------------------------------------------------------------------- the tripwire
@@ -288,26 +288,24 @@ def test_strict_mode_raises_when_compiled_code_benchmarks_an_in_scope_kernel(tra
     assert info.value.key == error.key
 
 
-def test_tripwire_warns_without_strict_and_stays_quiet_for_what_it_does_not_own(traced_scale_add, caplog):
+def test_tripwire_warns_without_strict_and_stays_quiet_for_what_it_does_not_own(traced_scale_add, notices):
     calls: list[Any] = []
     tripwire = inductor._make_benchmark_all_configs(lambda self, *args, **kwargs: calls.append(self))
     interception.install(TuningPolicy(mode="deterministic"))
-    with caplog.at_level(logging.WARNING, logger="megatron_tuning"):
-        tripwire(_generated_copy(sk.scale_add, 64), *traced_scale_add)
-    assert "benchmarks 4 configs of kernel " + kernel_id(sk.scale_add) in caplog.text
-    assert "n=64 | x_ptr:torch.float32" in caplog.text
-    caplog.clear()
+    tripwire(_generated_copy(sk.scale_add, 64), *traced_scale_add)
+    assert "benchmarks 4 configs of kernel " + kernel_id(sk.scale_add) in notices.text
+    assert "n=64 | x_ptr:torch.float32" in notices.text
+    notices.clear()
     quiet = [
         _generated_copy(sk.scale_add, 64, launchers=1),  # pinned: one config, nothing to benchmark
         _generated_copy(sk.scale_add, 64, custom=False),  # Inductor's own kernel
     ]
-    with caplog.at_level(logging.WARNING, logger="megatron_tuning"):
-        for copy in quiet:
-            tripwire(copy, *traced_scale_add)
-        interception.install(TuningPolicy(mode="deterministic", strict=True, scope=("elsewhere",)))
-        tripwire(_generated_copy(sk.scale_add, 64), *traced_scale_add)  # out of scope
-        interception.install(TuningPolicy(mode="off", strict=True))
-        tripwire(_generated_copy(sk.scale_add, 64), *traced_scale_add)
-    assert "benchmarks" not in caplog.text
+    for copy in quiet:
+        tripwire(copy, *traced_scale_add)
+    interception.install(TuningPolicy(mode="deterministic", strict=True, scope=("elsewhere",)))
+    tripwire(_generated_copy(sk.scale_add, 64), *traced_scale_add)  # out of scope
+    interception.install(TuningPolicy(mode="off", strict=True))
+    tripwire(_generated_copy(sk.scale_add, 64), *traced_scale_add)
+    assert "benchmarks" not in notices.text
     assert len(calls) == 5  # Inductor's own benchmark always runs after the check
     assert [d.source for d in get_decisions()] == ["out_of_scope"]

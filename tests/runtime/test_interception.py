@@ -293,7 +293,7 @@ def test_uninstall_and_reinstall_forget_the_entries_they_wrote_in_tritons_cache(
     assert len(sk.BENCH_CALLS) == len(sk.ADD_CONFIGS)
 
 
-def test_decide_without_measuring_uses_the_deterministic_choice_in_tune_mode(caplog):
+def test_decide_without_measuring_uses_the_deterministic_choice_in_tune_mode(notices):
     def measure(*args):  # noqa: ANN002, ANN202
         raise AssertionError("measured where nothing may be measured")
 
@@ -303,10 +303,10 @@ def test_decide_without_measuring_uses_the_deterministic_choice_in_tune_mode(cap
     x = torch.zeros(20)
     args = (x, x, x, 20, 1.0)
     raw = pinning.raw_key(state, args, {})
-    with caplog.at_level("WARNING", logger="megatron_tuning"):
-        config = pinning.decide(sk.scale_add, state, installation, raw, args, {}, may_measure=False)
+    config = pinning.decide(sk.scale_add, state, installation, raw, args, {}, may_measure=False)
     assert config is sk.ADD_CONFIGS[0]
     assert [d.source for d in get_decisions()] == ["cheapest"]
-    assert "first seen where nothing can be measured" in caplog.text and "scale_add" in caplog.text
+    (message,) = notices.matching("first seen where nothing can be measured")
+    assert "scale_add" in message and "Launch this key once eagerly" in message
     _run_scale_add(20)  # eager reuses the pin: still nothing measured
     assert len(get_decisions()) == 1

@@ -46,8 +46,8 @@ def write(path, *entries: Entry):
     return str(path)
 
 
-def stale_warnings(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records if "stale" in r.getMessage()]
+def stale_warnings(notices) -> list[str]:
+    return notices.matching("stale")
 
 
 def test_hit_reports_config_and_origin(tmp_path):
@@ -80,31 +80,29 @@ def test_earlier_file_wins_and_folders_expand(tmp_path):
     assert tables.lookup(KERNEL, "only here", arch="sm90").origin == second
 
 
-def test_changed_source_hash_warns_once_then_uses_entry(tmp_path, caplog):
+def test_changed_source_hash_warns_once_then_uses_entry(tmp_path, notices):
     path = write(tmp_path / "a.msgpack", entry(64))
     tables = TableSet([path], triton_version="3.6.0", stale_entries="use")
-    with caplog.at_level(logging.WARNING):
-        for _ in range(3):
-            hit = tables.lookup(KERNEL, KEY, arch="sm90", source_hash="22" * 32)
-            assert hit is not None and hit.config["kwargs"] == {"BLOCK": 64}
-    (message,) = stale_warnings(caplog)
+    for _ in range(3):
+        hit = tables.lookup(KERNEL, KEY, arch="sm90", source_hash="22" * 32)
+        assert hit is not None and hit.config["kwargs"] == {"BLOCK": 64}
+    (message,) = stale_warnings(notices)
     assert KERNEL in message and KEY in message and path in message and "source hash" in message
     # A fresh hash is not stale and says nothing.
-    caplog.clear()
+    notices.clear()
     assert tables.lookup(KERNEL, KEY, arch="sm90", source_hash=HASH) is not None
-    assert stale_warnings(caplog) == []
+    assert stale_warnings(notices) == []
 
 
-def test_stale_entry_as_miss_falls_through_to_a_fresh_later_entry(tmp_path, caplog):
+def test_stale_entry_as_miss_falls_through_to_a_fresh_later_entry(tmp_path, notices):
     stale = write(tmp_path / "a.msgpack", entry(64, source_hash="00" * 32))
     fresh = write(tmp_path / "b.msgpack", entry(128))
-    with caplog.at_level(logging.WARNING):
-        tables = TableSet([stale, fresh], triton_version="3.6.0", stale_entries="miss")
-        hit = tables.lookup(KERNEL, KEY, arch="sm90", source_hash=HASH)
-        assert hit is not None and hit.origin == fresh
-        alone = TableSet([stale], triton_version="3.6.0", stale_entries="miss")
-        assert alone.lookup(KERNEL, KEY, arch="sm90", source_hash=HASH) is None
-    assert len(stale_warnings(caplog)) == 1  # once per (kernel, key, file)
+    tables = TableSet([stale, fresh], triton_version="3.6.0", stale_entries="miss")
+    hit = tables.lookup(KERNEL, KEY, arch="sm90", source_hash=HASH)
+    assert hit is not None and hit.origin == fresh
+    alone = TableSet([stale], triton_version="3.6.0", stale_entries="miss")
+    assert alone.lookup(KERNEL, KEY, arch="sm90", source_hash=HASH) is None
+    assert len(stale_warnings(notices)) == 1  # once per (kernel, key, file)
 
 
 def test_strict_raises_stale_entry_error(tmp_path):
@@ -119,13 +117,12 @@ def test_strict_raises_stale_entry_error(tmp_path):
     assert tables.lookup(KERNEL, KEY, arch="sm90", source_hash=HASH) is not None  # fresh: no error
 
 
-def test_triton_version_mismatch_is_stale(tmp_path, caplog):
+def test_triton_version_mismatch_is_stale(tmp_path, notices):
     path = write(tmp_path / "a.msgpack", entry(64))
     with pytest.raises(StaleEntryError, match="Triton 3.6.0"):
         TableSet([path], triton_version="3.9.0", stale_entries="error").lookup(KERNEL, KEY, arch="sm90")
-    with caplog.at_level(logging.WARNING):
-        assert TableSet([path], triton_version="3.9.0").lookup(KERNEL, KEY, arch="sm90") is not None
-    assert any("running 3.9.0" in m for m in stale_warnings(caplog))
+    assert TableSet([path], triton_version="3.9.0").lookup(KERNEL, KEY, arch="sm90") is not None
+    assert any("running 3.9.0" in m for m in stale_warnings(notices))
 
 
 def test_entries_without_provenance_are_never_stale(tmp_path, caplog):
@@ -164,7 +161,7 @@ def test_a_single_path_string_is_one_path_not_its_characters(tmp_path):
     assert expand_table_paths(tmp_path) == [path]
 
 
-def test_stale_warning_once_per_cause_not_per_key(tmp_path, caplog):
+def test_stale_warning_once_per_cause_not_per_key(tmp_path, notices):
     keys = [f"M={m} | a:torch.float16" for m in range(5)]
     path = write(
         tmp_path / "a.msgpack",
@@ -172,10 +169,9 @@ def test_stale_warning_once_per_cause_not_per_key(tmp_path, caplog):
         entry(64, key="other hash", source_hash="99" * 32),
     )
     tables = TableSet([path], triton_version="3.6.0", stale_entries="use")
-    with caplog.at_level(logging.WARNING):
-        for key in [*keys, "other hash"]:
-            assert tables.lookup(KERNEL, key, arch="sm90", source_hash="22" * 32) is not None
-    messages = stale_warnings(caplog)
+    for key in [*keys, "other hash"]:
+        assert tables.lookup(KERNEL, key, arch="sm90", source_hash="22" * 32) is not None
+    messages = stale_warnings(notices)
     assert len(messages) == 2  # one kernel edit, two different tuned sources: two causes
     assert keys[0] in messages[0] and "other hash" in messages[1]
 
@@ -240,13 +236,13 @@ def test_cache_sits_after_explicit_tables_and_before_shipped(tmp_path, monkeypat
     assert tables.lookup(KERNEL, "shipped key", arch="sm90").origin.endswith("ref.msgpack")
 
 
-def test_a_stale_cache_entry_is_a_miss_even_when_stale_entries_are_used(tmp_path, caplog):
+def test_a_stale_cache_entry_is_a_miss_even_when_stale_entries_are_used(tmp_path, notices):
     cache_path = str(tmp_path / "auto.msgpack")
     cache = Table([entry(64, source_hash="22" * 32), entry(64, key="fresh")])
     tables = TableSet(stale_entries="use", triton_version="3.6.0", cache=(cache_path, cache))
     assert tables.lookup(KERNEL, KEY, arch="sm90", source_hash=HASH) is None  # re-tuned, not reused
     assert tables.lookup(KERNEL, "fresh", arch="sm90", source_hash=HASH).origin == cache_path
-    assert stale_warnings(caplog) == []  # our own cache going stale is not the user's problem
+    assert stale_warnings(notices) == []  # our own cache going stale is not the user's problem
 
 
 def nkey(m: int) -> str:
