@@ -42,7 +42,14 @@ def entry(block: int, key: str = "M=1 | a:torch.float16", **changes: object) -> 
 def table_path(tmp_path: Path) -> Path:
     path = tmp_path / "t.msgpack"
     save_table(
-        Table([entry(64), entry(128, key="M=2 | a:torch.float16"), entry(32, arch="sm80", kernel="pkg.other:gemm")]), path
+        Table(
+            [
+                entry(64),
+                entry(128, key="M=2 | a:torch.float16"),
+                entry(32, arch="sm80", kernel="pkg.other:gemm"),
+            ]
+        ),
+        path,
     )
     return path
 
@@ -144,7 +151,9 @@ def test_export_refuses_a_msgpack_output_name(capsys, tmp_path, table_path):
 
 def test_import_of_json_with_lone_surrogate_exits_2(capsys, tmp_path, table_path):
     view = tmp_path / "sur.json"
-    view.write_text(Table([entry(64)]).to_json().replace('"M=1 | a:torch.float16"', '"M=\\ud800 | a:torch.float16"'))
+    view.write_text(
+        Table([entry(64)]).to_json().replace('"M=1 | a:torch.float16"', '"M=\\ud800 | a:torch.float16"')
+    )
     code, _, err = run(capsys, "import", view, tmp_path / "out.msgpack")
     assert code == 2 and "lone surrogate" in err and str(view) in err
     assert not (tmp_path / "out.msgpack").exists()
@@ -192,17 +201,29 @@ def test_diff_exit_codes_and_output(capsys, tmp_path, table_path):
         f"--- {table_path}\n+++ {table_path}\nno differences\n",
     )
     other = tmp_path / "other.json"  # either format on either side
-    changed = Table([entry(64, timing=Timing(median_ms=0.3)), entry(256, key="M=2 | a:torch.float16"), entry(16, key="M=3 | a:torch.float16")])
+    changed = Table(
+        [
+            entry(64, timing=Timing(median_ms=0.3)),
+            entry(256, key="M=2 | a:torch.float16"),
+            entry(16, key="M=3 | a:torch.float16"),
+        ]
+    )
     save_table(changed, other)
     code, out, _ = run(capsys, "diff", table_path, other)
     assert code == 1
     assert "- sm80  pkg.other:gemm  [M=1 | a:torch.float16]" in out
     assert "+ sm90  pkg.kernels:matmul  [M=3 | a:torch.float16]  BLOCK=16" in out
-    assert "~ sm90  pkg.kernels:matmul  [M=2 | a:torch.float16]" in out and "config: BLOCK=128" in out and "-> BLOCK=256" in out
+    assert (
+        "~ sm90  pkg.kernels:matmul  [M=2 | a:torch.float16]" in out
+        and "config: BLOCK=128" in out
+        and "-> BLOCK=256" in out
+    )
     assert "1 added, 1 removed, 2 changed" in out
     code, out, _ = run(capsys, "diff", table_path, other, "--ignore-provenance", "--json")
     doc = json.loads(out)
-    assert code == 1 and [c["key"] for c in doc["changed"]] == ["M=2 | a:torch.float16"]  # the timing-only change is ignored
+    assert code == 1 and [c["key"] for c in doc["changed"]] == [
+        "M=2 | a:torch.float16"
+    ]  # the timing-only change is ignored
     assert run(capsys, "diff", table_path, tmp_path / "absent.msgpack")[0] == 2
 
 
@@ -588,3 +609,113 @@ def test_validate_refuses_an_impossible_num_warps(capsys, tmp_path):
     path.write_bytes(data)
     code, _, err = run(capsys, "validate", path, "--arch", "sm90")
     assert code == 2 and "num_warps=-9223372036854775808 is outside 1..1024" in err
+
+
+# -- review and CI (issue 17 item 6) ----------------------------------------------
+def test_show_sorts_the_numbers_in_keys_as_numbers(capsys, tmp_path):
+    path = tmp_path / "t.msgpack"
+    keys = [
+        "M=100 | a:torch.float16",
+        "M=32 | a:torch.float16",
+        "M=4096 | a:torch.float16",
+        "M=8 | a:torch.float16",
+    ]
+    save_table(Table([entry(64, key=k) for k in keys]), path)
+    code, out, _ = run(capsys, "show", path)
+    assert code == 0
+    shown = [line.split("]")[0].strip(" [") for line in out.splitlines() if line.startswith("    [")]
+    assert shown == [
+        "M=8 | a:torch.float16",
+        "M=32 | a:torch.float16",
+        "M=100 | a:torch.float16",
+        "M=4096 | a:torch.float16",
+    ]
+
+
+def test_export_no_provenance_makes_a_retune_invisible_and_a_config_change_a_few_lines(capsys, tmp_path):
+    import difflib
+
+    keys = [f"M={m} | a:torch.float16" for m in (16, 32, 64, 128)]
+
+    def tuned(blocks: dict[str, int], median: float, votes: tuple[int, int]) -> Path:
+        path = tmp_path / f"t{len(list(tmp_path.iterdir()))}.msgpack"
+        rows = [
+            entry(blocks.get(k, 64), key=k, timing=Timing(median_ms=median, samples=10), votes=votes)
+            for k in keys
+        ]
+        save_table(Table(rows), path)
+        return path
+
+    def review(path: Path) -> list[str]:
+        code, out, _ = run(capsys, "export", path, "--no-provenance")
+        assert code == 0
+        return out.splitlines()
+
+    before = tuned({}, 0.25, (2, 3))
+    retuned = tuned({}, 0.31, (3, 3))  # timings and votes moved, every config the same
+    changed = tuned({keys[2]: 128}, 0.29, (1, 3))  # one config changed, and all the churn
+    full = [
+        line
+        for line in difflib.unified_diff(
+            run(capsys, "export", before)[1].splitlines(), run(capsys, "export", changed)[1].splitlines(), n=0
+        )
+        if line[:1] in "+-" and line[:3] not in ("+++", "---")
+    ]
+    assert review(before) == review(retuned)
+    diff = [
+        line
+        for line in difflib.unified_diff(review(before), review(changed), n=0)
+        if line[:1] in "+-" and line[:3] not in ("+++", "---")
+    ]
+    assert diff == ['-     "BLOCK": 64', '+     "BLOCK": 128'] and len(full) > 4 * len(diff)
+    assert '"timing"' not in "\n".join(review(before)) and '"votes"' not in "\n".join(review(before))
+
+
+def test_coverage_require_table_fails_on_a_nearest_entry_and_names_the_neighbour(capsys, tmp_path):
+    hit = Decision(kernel="a:k", key="n=1 | x:f", signature="S1", source="table", origin="t.msgpack")
+    near = Decision(
+        kernel="a:k",
+        key="n=3 | x:f",
+        signature="S1",
+        source="nearest",
+        origin="t.msgpack",
+        nearest_key="n=4 | x:f",
+    )
+    single = Decision(kernel="b:k", key="n=1 | x:f", signature="S", source="single")
+    path = tmp_path / "d.json"
+    write_decisions(path, [hit, near, single])
+    code, out, err = run(capsys, "coverage", path, "--fail-on-fallback")
+    assert code == 0  # no cheapest fallback: --fail-on-fallback lets the nearest entry through
+    assert "a:k  [n=3 | x:f]  nearest: all ranks  from t.msgpack  using the entry for [n=4 | x:f]" in out
+    code, out, err = run(capsys, "coverage", path, "--require-table")
+    assert code == 1 and err == "not in the table: a:k  [n=3 | x:f]  (nearest)\n"
+    code, out, _ = run(capsys, "coverage", path, "--json")
+    row = next(e for e in json.loads(out)["entries"] if e["key"] == "n=3 | x:f")
+    assert row["ranks"]["0"]["nearest_key"] == "n=4 | x:f"
+
+
+def test_coverage_require_table_passes_when_every_shape_is_in_the_table(capsys, tmp_path):
+    path = tmp_path / "d.json"
+    write_decisions(
+        path,
+        [
+            Decision(kernel="a:k", key="n=1 | x:f", signature="S1", source="table", origin="t.msgpack"),
+            Decision(kernel="a:k", key="n=2 | x:f", signature="S1", source="override"),
+            Decision(kernel="c:k", key="*", signature="", source="out_of_scope"),
+        ],
+    )
+    code, _, err = run(capsys, "coverage", path, "--require-table")
+    assert code == 0 and err == ""
+
+
+def test_a_table_miss_error_is_one_message_without_a_traceback(capsys, monkeypatch, table_path):
+    from megatron_tuning.core.errors import TableMissError
+
+    def miss(args: object) -> int:
+        raise TableMissError("pkg:k", "n=1 | x:f", "no table entry")
+
+    monkeypatch.setattr(cli, "_cmd_show", miss)
+    code, out, err = run(capsys, "show", table_path)
+    assert code == 2 and out == "" and "Traceback" not in err
+    assert err.startswith("megatron-tuning show: No tuned config for kernel pkg:k with key n=1 | x:f")
+    assert "MEGATRON_TUNING_MODE=auto" in err and "ON_MISS=nearest" in err and "megatron_tuning tune" in err

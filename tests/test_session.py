@@ -147,3 +147,63 @@ def test_a_record_dir_that_is_a_file_fails_at_init(tmp_path, monkeypatch):
     with pytest.raises(PolicyError, match="MEGATRON_TUNING_RECORD_DIR") as info:
         megatron_tuning.init_deterministic_tuning()
     assert "not a folder" in str(info.value) and not interception.installed()
+
+
+# -- what a new user sees on stderr, with no logging or warnings setup (issue 17 items 2, 3) --
+_FIRST_RUN = """
+import torch, megatron_tuning
+from tests import support_kernels as sk
+handle = megatron_tuning.init_deterministic_tuning()
+for _ in range(2):
+    for n in (7, 100, 257):
+        x = torch.zeros(n)
+        sk.scale_add[sk.grid(n)](x, x, torch.empty(n), n, 1.0)
+handle.close()
+"""
+
+
+def _fresh_process(script: str, tmp_path, **env: str):  # noqa: ANN001, ANN003, ANN202
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("MEGATRON_TUNING_", "PYTHONWARNINGS"))}
+    return subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=tmp_path,
+        env={**base, "PYTHONPATH": str(repo), "TRITON_INTERPRET": "1", **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_a_first_deterministic_run_says_once_that_it_fell_back_and_how_often(tmp_path):
+    result = _fresh_process(_FIRST_RUN, tmp_path, MEGATRON_TUNING_TABLES=str(tmp_path / "t.msgpack"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    err = result.stderr
+    assert (
+        err.count("TuningWarning: megatron_tuning: kernel tests.support_kernels:scale_add has no tuned") == 1
+    )
+    assert "12-14% of the best config" in err and "MEGATRON_TUNING_MODE=auto" in err
+    assert "3 keys of 1 kernel(s) launched the cheapest config" in err  # at close
+    assert err.count("MEGATRON_TUNING_TABLES is set but is not a megatron_tuning setting") == 1
+    assert "Did you mean MEGATRON_TUNING_TABLE?" in err
+
+
+def test_a_first_auto_run_on_cpu_says_it_times_with_the_host_clock_and_shows_each_key(tmp_path):
+    result = _fresh_process(
+        _FIRST_RUN,
+        tmp_path,
+        MEGATRON_TUNING_MODE="auto",
+        MEGATRON_TUNING_CACHE=str(tmp_path / "auto.msgpack"),
+        MEGATRON_TUNING_TUNE_ROUNDS="1",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    err = result.stderr
+    assert err.count("tuning times candidates with the host clock") == 1  # once, not per key
+    tuned = [line for line in err.splitlines() if "INFO megatron_tuning.tuning.tuner.progress: tuned" in line]
+    assert len(tuned) == 3 and "tuned tests.support_kernels:scale_add [n=7 | x_ptr:torch.float32" in tuned[0]
+    assert "has no tuned config" not in err  # auto tuned every key: no fallback to report

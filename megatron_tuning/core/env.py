@@ -25,7 +25,7 @@ TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off")
 
 # Every variable the package reads, whatever layer reads it: a name outside this list is a typo
-# (MEGATRON_TUNING_TABLES for ..._TABLE) and gets one warning naming the closest. A test checks
+# (..._TABLES for ..._TABLE) and gets one warning naming the closest. A test checks
 # that each ``MEGATRON_TUNING_*`` name written in the package is listed here.
 KNOWN_VARIABLES = frozenset(
     {
@@ -86,26 +86,26 @@ def env_bool(name: str) -> bool | None:
 def unknown_variables(environ: Mapping[str, str] | None = None) -> list[tuple[str, str | None]]:
     """``MEGATRON_TUNING_*`` names set that the package does not read, each with the closest known one."""
     names = sorted(n for n in (os.environ if environ is None else environ) if n.startswith(PREFIX))
-    known = sorted(KNOWN_VARIABLES)
+    # Compared without the shared prefix, which would make every name look close to every other.
+    known = sorted(name[len(PREFIX) :] for name in KNOWN_VARIABLES)
     out = []
     for name in names:
         if name in KNOWN_VARIABLES:
             continue
-        close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
-        out.append((name, close[0] if close else None))
+        close = difflib.get_close_matches(name[len(PREFIX) :], known, n=1, cutoff=0.6)
+        out.append((name, PREFIX + close[0] if close else None))
     return out
 
 
 def warn_unknown_variables() -> None:
     """One notice per unknown ``MEGATRON_TUNING_*`` name: it is ignored, so it is most likely a typo."""
     for name, close in unknown_variables():
+        hint = f"Did you mean {close}?" if close else "Known variables: " + ", ".join(sorted(KNOWN_VARIABLES))
         warn_once(
             ("unknown-env", name),
-            "%s is set but is not a megatron_tuning setting, so it is ignored.%s Known variables: %s "
-            "(docs/policy.md).",
+            "%s is set but is not a megatron_tuning setting, so it is ignored. %s (docs/policy.md)",
             name,
-            f" Did you mean {close}?" if close else "",
-            ", ".join(sorted(KNOWN_VARIABLES)),
+            hint,
         )
 
 

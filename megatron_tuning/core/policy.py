@@ -211,7 +211,7 @@ class TuningPolicy:
             raise PolicyError(
                 ENV_AGREEMENT_TIMEOUT, env.env_str(ENV_AGREEMENT_TIMEOUT), "a positive number of seconds"
             )
-        env.warn_unknown_variables()  # MEGATRON_TUNING_TABLES=... would otherwise be ignored silently
+        env.warn_unknown_variables()  # a misspelt name (..._TABLES) would otherwise be ignored silently
         fields.update(overrides)
         return cls(**fields)
 

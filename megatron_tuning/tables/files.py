@@ -341,16 +341,16 @@ def check_lock_file(lock_path: str, path: str, error: ErrorFactory = TableError)
     finally:
         os.close(fd)
     if not stat.S_ISREG(st.st_mode):
-        raise error(path, _planted(lock_path, f"is a {file_kind(st.st_mode)}, not a regular file"))
+        what = f"is a {file_kind(st.st_mode)}, not a regular file"
+        raise error(path, _planted(lock_path, what, "a lock must be an ordinary empty file"))
     if st.st_nlink > 1:
         raise error(path, _planted(lock_path, f"has {st.st_nlink} hard links (another name for one file)"))
 
 
-def _planted(lock_path: str, what: str) -> str:
-    return (
-        f"the lock file {lock_path} {what}: refusing to lock through it, since taking the lock would "
-        "truncate what it points to. Remove it (it holds nothing) and retry"
-    )
+def _planted(
+    lock_path: str, what: str, why: str = "taking the lock would truncate the file it leads to"
+) -> str:
+    return f"the lock file {lock_path} {what}: refusing to lock through it ({why}). Remove it and retry"
 
 
 def _acquire(lock: Any, timeout_s: float, lock_path: str, path: str, error: ErrorFactory) -> None:

@@ -12,9 +12,13 @@ from megatron_tuning.core.choice import (
     choose_on_miss,
     deterministic_choice,
     pin_without_fallback,
+    report_policy_end,
+    warn_if_mamba_env_ignored,
 )
 from megatron_tuning.core.errors import TableMissError
 from megatron_tuning.core.identity import config_data, config_signature, kernel_id, tuning_key
+from megatron_tuning.core.policy import TuningPolicy
+from megatron_tuning.core.warn import reset_warnings
 
 from .. import support_kernels as sk
 
@@ -36,6 +40,13 @@ def table_with(**blocks: int) -> InMemoryTable:
     """``table_with(n1024=64)``: an entry for n=1024 launching the BLOCK_SIZE=64 config."""
     by_block = {c.kwargs["BLOCK_SIZE"]: c for c in CONFIGS}
     return InMemoryTable({(KERNEL, key(int(n[1:]))): config_data(by_block[b]) for n, b in blocks.items()})
+
+
+@pytest.fixture(autouse=True)
+def _fresh_notices():
+    reset_warnings()
+    yield
+    reset_warnings()
 
 
 def block(config) -> int:
@@ -107,3 +118,83 @@ def test_pin_without_fallback_reports_a_miss_and_choose_on_miss_explains_it():
         choose_on_miss(sk.scale_add, CONFIGS, key(1500), miss, on_miss="error")
     single = pin_without_fallback(sk.scale_add, CONFIGS[:1], key(1500))
     assert single.source == "single" and config_signature(single.config) == config_signature(CONFIGS[0])
+
+
+# ------------------------------------------------------------------ notices (issue 17 items 2, 6)
+
+
+def test_the_cheapest_fallback_is_said_once_per_kernel_with_its_cost_and_the_fix(notices):
+    for n in (100, 200, 300):
+        choice = choose_deterministically(sk.scale_add, CONFIGS, key(n), on_miss="nearest")
+        assert choice.source == "cheapest"
+    (message,) = notices.matching("has no tuned config")
+    assert message.startswith(f"megatron_tuning: kernel {KERNEL} has no tuned config for key {key(100)}")
+    assert "no table configured" in message and "cheapest of its 5 configs" in message
+    assert "BLOCK_SIZE=8, num_warps=2, num_stages=3" in message
+    assert "12-14% of the best config" in message  # the measured cost of the rule
+    assert "MEGATRON_TUNING_MODE=auto" in message and "MEGATRON_TUNING_TABLE" in message
+    assert "python -m megatron_tuning tune" in message
+    report_policy_end(None)  # the end of the policy counts the keys the notice could not
+    (summary,) = notices.matching("keys of")
+    assert "3 keys of 1 kernel(s) launched the cheapest config" in summary and f"{KERNEL} (3 keys)" in summary
+
+
+def test_a_table_hit_and_a_single_fallback_key_say_nothing_more(notices):
+    table = table_with(n100=64)
+    assert choose_deterministically(sk.scale_add, CONFIGS, key(100), table=table).source == "table"
+    assert notices.messages == []
+    choose_deterministically(sk.scale_add, CONFIGS, key(100), on_miss="min_cost")
+    report_policy_end(None)
+    assert len(notices.matching("has no tuned config")) == 1 and "on_miss='min_cost'" in notices.text
+    assert notices.matching("keys of") == []  # one key: the kernel's notice already said it all
+
+
+def test_the_nearest_fallback_names_the_neighbour_used(notices):
+    table = table_with(n1024=64)
+    for n in (1500, 1600):
+        choice = choose_deterministically(sk.scale_add, CONFIGS, key(n), table=table, on_miss="nearest")
+        assert choice.source == "nearest"
+    (message,) = notices.matching("nearest shape")
+    assert f"kernel {KERNEL} has no table entry for key {key(1500)}" in message
+    assert f"[{key(1024)}] from <memory>" in message and "MEGATRON_TUNING_MODE=auto" in message
+    report_policy_end(None)
+    assert "2 keys of 1 kernel(s) launched a nearest-shape entry" in notices.text
+
+
+def test_a_block_size_name_no_kernel_has_is_reported_naming_the_kernels_names(notices):
+    policy = TuningPolicy(block_sizes={"BLOCK_SZE": 64})
+    for n in (100, 200):
+        choose_deterministically(sk.scale_add, CONFIGS, key(n), block_sizes=policy.block_sizes)
+    report_policy_end(policy)
+    (message,) = notices.matching("block-size override")
+    assert "BLOCK_SZE=64" in message and "none of the 1 kernel(s)" in message
+    assert "Did you mean BLOCK_SIZE?" in message and f"{KERNEL}: BLOCK_SIZE" in message
+
+
+def test_a_block_size_name_some_kernel_has_is_quiet(notices):
+    policy = TuningPolicy(block_sizes={"BLOCK_SIZE": 64})
+    choice = choose_deterministically(sk.scale_add, CONFIGS, key(100), block_sizes=policy.block_sizes)
+    assert choice.source == "override"
+    report_policy_end(policy)
+    assert notices.matching("block-size override") == []
+
+
+def test_mamba_deterministic_is_quiet_under_auto_and_names_the_reason_otherwise(monkeypatch, notices):
+    monkeypatch.setenv("MAMBA_DETERMINISTIC", "1")
+    assert warn_if_mamba_env_ignored(TuningPolicy(mode="auto")) is False
+    assert warn_if_mamba_env_ignored(TuningPolicy(mode="deterministic")) is False
+    assert notices.messages == []
+    assert warn_if_mamba_env_ignored(TuningPolicy(mode="tune")) is True
+    (message,) = notices.messages
+    assert "mode is 'tune'" in message and "re-tunes each key" in message
+    assert "MEGATRON_TUNING_MODE=deterministic" in message and "MEGATRON_TUNING_MODE=auto" in message
+    assert "are not pinned" not in message
+
+
+def test_on_miss_error_names_every_way_out():
+    with pytest.raises(TableMissError) as info:
+        choose_deterministically(sk.scale_add, CONFIGS, key(100), on_miss="error")
+    message = str(info.value)
+    assert KERNEL in message and key(100) in message
+    for way in ("MEGATRON_TUNING_MODE=auto", "python -m megatron_tuning tune", "ON_MISS=nearest", "min_cost"):
+        assert way in message

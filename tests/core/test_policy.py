@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -168,3 +169,156 @@ def test_scope_matches_module_prefixes():
 def test_describe_is_one_line():
     line = TuningPolicy(scope=("a", "b"), tables=("t.msgpack",)).describe()
     assert "\n" not in line and "scope=a,b" in line and "tables=t.msgpack" in line
+
+
+# ------------------------------------------------------------------ one rule for every knob
+
+
+def test_words_are_read_in_any_case_in_code_and_env_alike(monkeypatch):
+    policy = TuningPolicy(mode=" Deterministic", on_miss="MIN_COST", agreement="Off", stale_entries="Use")
+    assert (policy.mode, policy.on_miss, policy.agreement, policy.stale_entries) == (
+        "deterministic",
+        "min_cost",
+        "off",
+        "use",
+    )
+    monkeypatch.setenv("MEGATRON_TUNING_MODE", "Deterministic")
+    assert TuningPolicy.from_env().mode == "deterministic"
+    with pytest.raises(PolicyError) as info:
+        TuningPolicy(mode="fast")
+    assert "one of off|deterministic|chaos|record|tune|auto (any case)" in str(info.value)
+
+
+def test_paths_may_be_path_objects_and_lists_any_sequence(tmp_path):
+    policy = TuningPolicy(
+        tables=[tmp_path / "a.msgpack", str(tmp_path / "b.msgpack")],
+        scope=["pkg.kernels", "other"],
+        record_dir=tmp_path,
+        decision_log=tmp_path / "d-{rank}.json",
+        cache=tmp_path / "auto.msgpack",
+    )
+    assert policy.tables == (str(tmp_path / "a.msgpack"), str(tmp_path / "b.msgpack"))
+    assert policy.scope == ("pkg.kernels", "other")
+    assert policy.record_dir == str(tmp_path) and policy.decision_log == str(tmp_path / "d-{rank}.json")
+    assert policy.cache == str(tmp_path / "auto.msgpack")
+    assert policy == TuningPolicy(
+        tables=(str(tmp_path / "a.msgpack"), str(tmp_path / "b.msgpack")),
+        scope=("pkg.kernels", "other"),
+        record_dir=str(tmp_path),
+        decision_log=str(tmp_path / "d-{rank}.json"),
+        cache=str(tmp_path / "auto.msgpack"),
+    )
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("tables", "a.msgpack", "a single one goes in a list"),
+        ("tables", Path("a.msgpack"), "a single one goes in a list"),
+        ("tables", [b"a.msgpack"], "non-empty str or os.PathLike"),
+        ("tables", [""], "non-empty str or os.PathLike"),
+        ("scope", "pkg", "a single one goes in a list"),
+        ("use_shipped_tables", "no", "True or False (a bool)"),
+        ("strict", "yes", "True or False (a bool)"),
+        ("agreement_timeout_s", True, "(not a bool)"),
+        ("agreement_timeout_s", float("nan"), "positive number of seconds"),
+        ("block_sizes", (("BLOCK", 64), ("BLOCK", 128)), "each name once (BLOCK is given twice)"),
+        ("block_sizes", {"BLOCK-M": 64}, "identifier names"),
+        ("block_sizes", "BLOCK=64", "{NAME: int} or (NAME, int) pairs"),
+        ("record_dir", "", "non-empty str or os.PathLike"),
+        ("cache", "", "a file path, 'off' (no cache), or None"),
+    ],
+)
+def test_every_knob_refuses_what_the_rule_refuses_naming_field_and_rule(field, value, message):
+    with pytest.raises(PolicyError) as info:
+        TuningPolicy(**{field: value})
+    assert field in str(info.value) and message in str(info.value)
+
+
+def test_block_sizes_take_a_mapping_or_pairs_and_are_stored_as_the_env_parser_stores_them(monkeypatch):
+    in_code = TuningPolicy(block_sizes={"BLOCK_SIZE_N": 128, "BLOCK_SIZE_M": 64})
+    assert in_code.block_sizes == (("BLOCK_SIZE_M", 64), ("BLOCK_SIZE_N", 128))
+    assert TuningPolicy(block_sizes=[["BLOCK_SIZE_N", 128], ("BLOCK_SIZE_M", 64)]) == in_code
+    monkeypatch.setenv("MEGATRON_TUNING_BLOCK_SIZES", "BLOCK_SIZE_N=128,BLOCK_SIZE_M=64")
+    assert TuningPolicy.from_env().block_sizes == in_code.block_sizes
+
+
+@pytest.mark.parametrize("word", ["OFF", "Off", "off", "0", "false", "No", " off "])
+def test_a_cache_word_is_a_setting_never_a_file_name(monkeypatch, word):
+    monkeypatch.setenv("MEGATRON_TUNING_CACHE", word)
+    assert TuningPolicy.from_env(mode="auto").cache == "off"
+    assert TuningPolicy(cache=word).cache == "off"
+
+
+def test_a_true_cache_word_is_the_default_location_and_a_dotted_path_is_a_file(monkeypatch):
+    for word in ("on", "1", "TRUE"):
+        monkeypatch.setenv("MEGATRON_TUNING_CACHE", word)
+        assert TuningPolicy.from_env(mode="auto").cache is None
+    monkeypatch.setenv("MEGATRON_TUNING_CACHE", "./off")
+    assert TuningPolicy.from_env(mode="auto").cache == "./off"
+
+
+@pytest.mark.parametrize("name", ENV)
+def test_an_empty_variable_means_unset(monkeypatch, name):
+    unset = TuningPolicy.from_env()
+    for empty in ("", "  "):
+        monkeypatch.setenv(f"MEGATRON_TUNING_{name}", empty)
+        assert TuningPolicy.from_env() == unset
+
+
+def test_an_empty_shipped_tables_variable_keeps_the_shipped_tables_on(monkeypatch):
+    monkeypatch.setenv("MEGATRON_TUNING_SHIPPED_TABLES", "")
+    assert TuningPolicy.from_env().use_shipped_tables is True
+    monkeypatch.setenv("MEGATRON_TUNING_SHIPPED_TABLES", "Off")
+    assert TuningPolicy.from_env().use_shipped_tables is False
+
+
+def test_a_misspelt_variable_gets_one_notice_naming_the_closest(monkeypatch, notices):
+    monkeypatch.setenv("MEGATRON_TUNING_TABLES", "/t.msgpack")
+    TuningPolicy.from_env()
+    TuningPolicy.from_env()
+    (message,) = notices.messages
+    assert message.startswith("megatron_tuning: MEGATRON_TUNING_TABLES is set but is not a megatron_tuning")
+    assert "it is ignored" in message and "Did you mean MEGATRON_TUNING_TABLE?" in message
+
+
+def test_known_variables_say_nothing(monkeypatch, notices):
+    for name in ENV:
+        monkeypatch.setenv(f"MEGATRON_TUNING_{name}", "")
+    monkeypatch.setenv("MEGATRON_TUNING_TUNE_ROUNDS", "3")
+    TuningPolicy.from_env()
+    assert notices.messages == []
+
+
+def test_every_variable_the_package_reads_is_known():
+    import re
+
+    import megatron_tuning
+    from megatron_tuning.core.env import KNOWN_VARIABLES
+
+    root = Path(megatron_tuning.__file__).parent
+    written = {
+        name
+        for path in root.rglob("*.py")
+        for name in re.findall(r"MEGATRON_TUNING_[A-Z0-9_]*[A-Z0-9]", path.read_text(encoding="utf-8"))
+    }
+    assert written - KNOWN_VARIABLES == set()
+
+
+def test_docs_policy_md_names_every_field_and_variable():
+    from megatron_tuning.core.env import KNOWN_VARIABLES
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "policy.md").read_text(encoding="utf-8")
+    for field in dataclasses.fields(TuningPolicy):
+        assert f"`{field.name}`" in text, field.name
+    for name in KNOWN_VARIABLES:
+        assert f"`{name}`" in text, name
+
+
+def test_a_variable_close_to_nothing_lists_the_known_ones(monkeypatch, notices):
+    monkeypatch.setenv("MEGATRON_TUNING_XYZZY", "1")
+    TuningPolicy.from_env()
+    (message,) = notices.messages
+    assert (
+        "MEGATRON_TUNING_XYZZY is set" in message and "Known variables: MEGATRON_TUNING_AGREEMENT" in message
+    )

@@ -12,7 +12,6 @@ CUDA graphs, zero benchmarks) is ``benchmarks/bench_compile.py``.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import subprocess
 import sys

@@ -310,3 +310,48 @@ def test_decide_without_measuring_uses_the_deterministic_choice_in_tune_mode(not
     assert "scale_add" in message and "Launch this key once eagerly" in message
     _run_scale_add(20)  # eager reuses the pin: still nothing measured
     assert len(get_decisions()) == 1
+
+
+# --------------------------------------------------------------------------- notices and the arch
+
+
+def test_every_new_policy_reports_the_fallback_again_and_its_end_counts_the_keys(notices):
+    interception.install(TuningPolicy(mode="deterministic"))
+    for n in (7, 100, 257):
+        _run_scale_add(n)
+    assert len(notices.matching("has no tuned config")) == 1  # once per kernel, not per key
+    interception.install(TuningPolicy(mode="deterministic"))  # a new policy: the old one ends
+    assert "3 keys of 1 kernel(s) launched the cheapest config" in notices.text
+    _run_scale_add(7)
+    assert len(notices.matching("has no tuned config")) == 2  # and the new one reports again
+    interception.uninstall()
+    assert len(notices.matching("keys of")) == 1  # one key under the second policy: nothing to add
+
+
+def test_install_does_not_touch_the_cuda_device(monkeypatch):
+    def no_device() -> int:
+        raise AssertionError("install touched torch.cuda.current_device()")
+
+    monkeypatch.delenv("TRITON_INTERPRET")  # arch_tag() returns "unknown" early under the interpreter
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", no_device)
+    interception.install(TuningPolicy(mode="deterministic"))
+    interception.install(TuningPolicy(mode="chaos"))
+    assert interception.installed()
+
+
+def test_the_arch_is_read_at_the_first_launch_of_each_key_on_the_launching_device(monkeypatch):
+    device = {"index": 1}
+    capability = {0: (8, 0), 1: (9, 0)}
+    interception.install(TuningPolicy(mode="deterministic"))  # before "set_device": nothing read
+    monkeypatch.delenv("TRITON_INTERPRET")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: device["index"])
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability[index])
+    monkeypatch.setattr(torch.version, "hip", None, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    _run_scale_add(7)
+    _run_scale_add(7)  # the hit path reads nothing
+    device["index"] = 0
+    _run_scale_add(100)
+    assert [(d.key.split(" ")[0], d.arch) for d in get_decisions()] == [("n=7", "sm90"), ("n=100", "sm80")]

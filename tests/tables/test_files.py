@@ -287,3 +287,72 @@ def test_decision_logs_go_through_the_safe_writer(tmp_path):
     write_decisions(path, [Decision(kernel="m:k", key="k", signature="S", source="table")])
     assert [d.kernel for d in read_decisions(path)] == ["m:k"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d.json"]
+
+
+# -- planted lock files (issue 16 item 9) ------------------------------------------
+def _victim(tmp_path: Path) -> Path:
+    victim = tmp_path / "victim.txt"
+    victim.write_text("123456789")
+    return victim
+
+
+def test_a_planted_lock_symlink_is_refused_and_its_target_kept_through_merge_entries(tmp_path):
+    table = tmp_path / "t.msgpack"
+    save_table(Table([_entry(0)]), table)
+    victim = _victim(tmp_path)
+    Path(f"{table}.lock").symlink_to(victim)
+    with pytest.raises(TableError) as info:
+        merge_entries(table, [_entry(1)])  # what auto's cache persist does
+    message = str(info.value)
+    assert f"the lock file {table}.lock is a symbolic link to {str(victim)!r}" in message
+    assert "Remove it" in message
+    assert victim.read_text() == "123456789"  # filelock < 3.20.1 truncated it to 0 bytes here
+    assert load_table(table).get(*_entry(1).ident) is None
+
+
+def test_a_planted_lock_symlink_is_refused_through_merge_and_the_auto_cache(tmp_path, caplog):
+    from megatron_tuning.core.policy import TuningPolicy
+    from megatron_tuning.tables.cache import open_cache
+
+    out = tmp_path / "t.msgpack"
+    save_table(Table([_entry(0)]), out)
+    victim = _victim(tmp_path)
+    Path(f"{out}.lock").symlink_to(victim)
+    with pytest.raises(TableError, match="is a symbolic link"):
+        merge_files(out, [out])
+    cache_file = tmp_path / "auto.msgpack"
+    Path(f"{cache_file}.lock").symlink_to(victim)
+    cache = open_cache(TuningPolicy(mode="auto", cache=str(cache_file)), "sm90")
+    assert cache is not None
+    config = {"kwargs": {"BLOCK": 64}, "num_warps": 4, "num_stages": 3, "num_ctas": 1, "maxnreg": None}
+    decision = Decision(
+        kernel="pkg:k", key="n=2 | x:f", signature="s", source="tuned", config=config, arch="sm90"
+    )
+    assert cache.persist([decision]) == 0
+    assert any("is a symbolic link" in r.getMessage() for r in caplog.records)
+    assert victim.read_text() == "123456789"
+
+
+def test_a_lock_file_with_other_names_or_of_another_kind_is_refused(tmp_path):
+    table = tmp_path / "t.msgpack"
+    save_table(Table([_entry(0)]), table)
+    victim = _victim(tmp_path)
+    os.link(victim, f"{table}.lock")
+    with pytest.raises(TableError, match="has 2 hard links"):
+        merge_entries(table, [_entry(1)])
+    assert victim.read_text() == "123456789"
+    os.unlink(f"{table}.lock")
+    os.mkfifo(f"{table}.lock")
+    with pytest.raises(TableError, match="is a FIFO \\(named pipe\\), not a regular file"):
+        merge_entries(table, [_entry(1)])
+
+
+def test_an_ordinary_lock_file_is_reused_and_a_missing_folder_is_made(tmp_path):
+    table = tmp_path / "t.msgpack"
+    save_table(Table([_entry(0)]), table)
+    Path(f"{table}.lock").write_text("")  # left by an earlier writer: harmless
+    merge_entries(table, [_entry(1)])
+    assert load_table(table).get(*_entry(1).ident) is not None
+    nested = tmp_path / "new" / "folder" / "t.msgpack"
+    merge_entries(nested, [_entry(2)])
+    assert load_table(nested).get(*_entry(2).ident) is not None

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 
 from megatron_tuning.core.choice import ConfigTable, TableHit

@@ -180,7 +180,9 @@ def test_corrupt_msgpack_errors_always_say_what_is_wrong(data):
     ],
 )
 def test_json_views_must_be_utf8_without_bom(tmp_path, encode, match):
-    text = Table([Entry(arch="sm90", kernel="m:k", key="n=1 | x:torch.float16", config=BASE["configs"][0])]).to_json()
+    text = Table(
+        [Entry(arch="sm90", kernel="m:k", key="n=1 | x:torch.float16", config=BASE["configs"][0])]
+    ).to_json()
     assert Table.from_json(text.encode()) is not None
     path = tmp_path / "t.json"
     path.write_bytes(encode(text))

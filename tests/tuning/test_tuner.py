@@ -467,3 +467,28 @@ def test_cuda_event_timer_flushes_spins_then_times_back_to_back_launches() -> No
     fake.log.clear()
     CudaEventTimer(flush_l2=False, torch_module=fake).sample(lambda: fake.log.append("launch"), 1)
     assert fake.log[0] == "spin"
+
+
+# --------------------------------------------------------------------------- progress in batch logs
+
+
+def test_each_tuned_key_logs_one_line_with_its_time_without_any_logging_setup(caplog) -> None:
+    tuner = _hooked_autotuner([])
+    measure = make_measure(TuneSettings(rounds=2, warmup_rounds=0), timer=ClockTimer(), progress=True)
+    # No caplog.set_level: the progress logger is at INFO by itself, so a batch log shows it.
+    measure(tuner, list(tuner.configs), _args(), {"grid": (1,)}, "pkg.mod:k", "n=4 | x:torch.float32")
+    lines = [r for r in caplog.records if r.name == "megatron_tuning.tuning.tuner.progress"]
+    assert len(lines) == 1 and lines[0].levelname == "INFO"
+    message = lines[0].getMessage()
+    assert message.startswith("tuned pkg.mod:k [n=4 | x:torch.float32] in ") and "s: BLOCK=" in message
+
+
+def test_the_progress_bar_names_the_shape() -> None:
+    from megatron_tuning.tuning.tuner import _bar_label
+
+    assert (
+        _bar_label("pkg.mod:matmul", "M=64, N=64 | a:torch.float16")
+        == "tune matmul [M=64, N=64 | a:torch.float16]"
+    )
+    long = _bar_label("m:k", "M=" + "9" * 100)
+    assert long.startswith("tune k [M=999") and long.endswith("...]") and len(long) < 80

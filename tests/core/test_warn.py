@@ -1,0 +1,145 @@
+"""Notices reach stderr by default, once per cause; diagnostics reach it while logging is unconfigured."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+
+import pytest
+
+from megatron_tuning.core import warn
+from megatron_tuning.core.warn import TuningWarning, reset_warnings, tallies, tally, warn_once
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _python(code: str, *flags: str) -> subprocess.CompletedProcess[str]:
+    """A fresh interpreter with no logging or warnings setup of its own: what a user's script gets."""
+    return subprocess.run(
+        [sys.executable, *flags, "-c", textwrap.dedent(code)],
+        cwd=REPO,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "TRITON_INTERPRET": "1"},
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+
+
+NOTICE_TWICE = """
+    from megatron_tuning.core.warn import warn_once
+    for _ in range(2):
+        warn_once(("cause",), "kernel k:f key %s is not pinned; fix: run tune", "n=1 | x:f")
+    print("done")
+"""
+
+
+def test_a_notice_reaches_stderr_once_with_no_setup_at_all():
+    result = _python(NOTICE_TWICE)
+    assert result.returncode == 0 and result.stdout == "done\n"
+    assert result.stderr.count("TuningWarning: megatron_tuning: kernel k:f key n=1 | x:f is not pinned") == 1
+    assert "fix: run tune" in result.stderr
+    # Attributed to the caller's line (here the -c script), not to megatron_tuning's own code.
+    assert "<string>:4" in result.stderr and "megatron_tuning/core/warn.py" not in result.stderr
+
+
+def test_notices_are_filtered_with_the_standard_tools():
+    assert _python(NOTICE_TWICE, "-W", "ignore:megatron_tuning").stderr == ""
+    failed = _python(NOTICE_TWICE, "-W", "error:megatron_tuning")
+    assert failed.returncode == 1 and "TuningWarning: megatron_tuning: kernel k:f" in failed.stderr
+    by_category = _python(
+        """
+        import warnings, megatron_tuning
+        warnings.filterwarnings("ignore", category=megatron_tuning.TuningWarning)
+        from megatron_tuning.core.warn import warn_once
+        warn_once(("cause",), "kernel k:f is not pinned")
+        """
+    )
+    assert by_category.returncode == 0 and by_category.stderr == ""
+
+
+def test_set_level_info_alone_shows_info_lines_and_warnings_need_nothing():
+    result = _python(
+        """
+        import logging, megatron_tuning
+        log = logging.getLogger("megatron_tuning.tables.search")
+        log.info("hidden at the default level")
+        log.warning("a warning record")
+        logging.getLogger("megatron_tuning").setLevel(logging.INFO)
+        log.info("Tuning tables: a.msgpack")
+        """
+    )
+    assert result.returncode == 0
+    assert "WARNING megatron_tuning.tables.search: a warning record" in result.stderr
+    assert "INFO megatron_tuning.tables.search: Tuning tables: a.msgpack" in result.stderr
+    assert "hidden at the default level" not in result.stderr
+
+
+def test_the_default_handler_steps_aside_for_the_applications_logging():
+    result = _python(
+        """
+        import logging, sys, megatron_tuning
+        logging.basicConfig(level=logging.INFO, format="APP %(name)s %(message)s", stream=sys.stderr)
+        logging.getLogger("megatron_tuning.runtime.interception").info("kernel k -> BLOCK=64")
+        """
+    )
+    assert result.returncode == 0
+    assert result.stderr == "APP megatron_tuning.runtime.interception kernel k -> BLOCK=64\n"  # once, theirs
+    silenced = _python(
+        """
+        import logging, megatron_tuning
+        logging.getLogger("megatron_tuning").addHandler(logging.NullHandler())
+        logging.getLogger("megatron_tuning.x").warning("not shown: the application chose")
+        """
+    )
+    assert silenced.returncode == 0 and silenced.stderr == ""
+
+
+def test_importing_twice_does_not_stack_default_handlers():
+    import importlib
+
+    import megatron_tuning
+
+    package = logging.getLogger("megatron_tuning")
+    before = list(package.handlers)
+    importlib.reload(megatron_tuning)
+    assert package.handlers == before
+    assert sum(isinstance(h, warn._StderrUnlessConfigured) for h in package.handlers) == 1
+
+
+def test_once_per_cause_until_reset(notices):
+    assert warn_once(("a",), "first %s", "x") is True
+    assert warn_once(("a",), "first %s", "x") is False
+    assert warn_once(("b",), "second") is True
+    assert notices.messages == ["megatron_tuning: first x", "megatron_tuning: second"]
+    reset_warnings()  # a new policy: it reports again
+    assert warn_once(("a",), "first %s", "x") is True
+    assert len(notices.messages) == 3
+
+
+def test_an_error_filter_raises_every_time_not_only_the_first():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TuningWarning)
+        for _ in range(2):
+            with pytest.raises(TuningWarning, match="megatron_tuning: kernel k"):
+                warn_once(("strict",), "kernel k falls back")
+
+
+def test_the_notice_points_at_the_callers_file(notices):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warn_once(("where",), "here")
+    assert caught[0].filename == __file__ and caught[0].category is TuningWarning
+
+
+def test_tallies_count_distinct_items_per_group_until_reset():
+    assert tally(("cheapest", "k:a"), "n=1") == 1
+    assert tally(("cheapest", "k:a"), "n=1") == 1
+    assert tally(("cheapest", "k:a"), "n=2") == 2
+    tally(("nearest", "k:b"), "n=1")
+    assert tallies("cheapest") == {("cheapest", "k:a"): frozenset({"n=1", "n=2"})}
+    reset_warnings()
+    assert tallies("cheapest") == {}
