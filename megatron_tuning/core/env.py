@@ -61,12 +61,13 @@ def env_str(name: str) -> str | None:
 
 
 def env_choice(name: str, choices: Sequence[str]) -> str | None:
+    """One of ``choices`` in any case, stored lower-case; ``None`` when unset or empty."""
     value = env_str(name)
     if value is None or value == "":
         return None
     lowered = value.lower()
     if lowered not in choices:
-        raise PolicyError(name, value, "one of " + "|".join(choices))
+        raise PolicyError(name, value, "one of " + "|".join(choices) + " (any case)")
     return lowered
 
 

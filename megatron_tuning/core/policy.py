@@ -204,7 +204,7 @@ class TuningPolicy:
             "use_shipped_tables": env.env_bool(ENV_SHIPPED_TABLES),
             "record_dir": env.env_str(ENV_RECORD_DIR) or None,
             "decision_log": env.env_str(ENV_DECISION_LOG) or None,
-            "cache": _env_cache(),
+            "cache": cache_from_env(),
         }
         fields.update({k: v for k, v in optional.items() if v is not None})
         if fields.get("agreement_timeout_s") is not None and fields["agreement_timeout_s"] <= 0:
@@ -287,9 +287,19 @@ def _cache(value: object) -> str | None:
         raise PolicyError("cache", value, allowed) from None
 
 
-def _env_cache() -> str | None:
+def cache_from_env() -> str | None:
+    """``MEGATRON_TUNING_CACHE`` read now by the knob rule: ``"off"``, a path, or ``None`` (default).
+
+    For code that falls back to the variable when a policy built in code names no cache
+    (``tables.cache.cache_path``): the raw text would turn ``OFF`` or ``1`` into a file name.
+    """
     raw = env.env_str(ENV_CACHE)
-    return raw or None  # empty means unset; words are read by ``_cache``
+    if not raw:  # empty means unset
+        return None
+    try:
+        return _cache(raw)
+    except PolicyError:
+        raise PolicyError(ENV_CACHE, raw, f"a file path, or {CACHE_OFF!r} for no cache") from None
 
 
 def _torch_deterministic() -> bool:

@@ -19,10 +19,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..core import env
 from ..core.decisions import Decision
 from ..core.errors import TableError
-from ..core.policy import CACHE_OFF, ENV_CACHE, TuningPolicy
+from ..core.policy import CACHE_OFF, ENV_CACHE, TuningPolicy, cache_from_env
 from .entry import entry_with
 from .recording import entry_from_decision
 from .search import installed_triton_version
@@ -46,7 +45,7 @@ def cache_path(policy: TuningPolicy, arch: str) -> str | None:
     """The cache file for ``arch``: the policy's ``cache``, else ``MEGATRON_TUNING_CACHE`` (read now,
     as ``MEGATRON_TUNING_TABLE`` is for a policy built in code), else the per-user default.
     ``None`` when the cache is ``off``."""
-    chosen = policy.cache or env.env_str(ENV_CACHE) or None
+    chosen = policy.cache or cache_from_env()  # by the knob rule: "OFF" and "0" are off, not files
     if chosen == CACHE_OFF:
         return None
     if chosen:

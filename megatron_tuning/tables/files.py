@@ -335,7 +335,7 @@ def check_lock_file(lock_path: str, path: str, error: ErrorFactory = TableError)
             except OSError:  # replaced again meanwhile
                 target = "another file"
             raise error(path, _planted(lock_path, f"is a symbolic link to {target}")) from None
-        raise error(path, f"cannot create the lock file {lock_path}: {exc.strerror or exc}") from None
+        raise  # an unwritable folder and the like: the OSError filelock itself would raise
     try:
         st = os.fstat(fd)
     finally:

@@ -322,3 +322,14 @@ def test_a_variable_close_to_nothing_lists_the_known_ones(monkeypatch, notices):
     assert (
         "MEGATRON_TUNING_XYZZY is set" in message and "Known variables: MEGATRON_TUNING_AGREEMENT" in message
     )
+
+
+@pytest.mark.parametrize(("word", "expected"), [("OFF", None), ("0", None), ("1", "default"), (" ", "default")])
+def test_a_policy_built_in_code_reads_the_cache_variable_by_the_same_rule(monkeypatch, tmp_path, word, expected):
+    from megatron_tuning.tables.cache import cache_path, default_cache_dir
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MEGATRON_TUNING_CACHE", word)
+    path = cache_path(TuningPolicy(mode="auto"), "sm90")  # no cache in code: the variable decides
+    assert path == (None if expected is None else str(default_cache_dir() / "sm90" / "auto.msgpack"))
+    assert list(tmp_path.iterdir()) == []
