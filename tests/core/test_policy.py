@@ -324,8 +324,12 @@ def test_a_variable_close_to_nothing_lists_the_known_ones(monkeypatch, notices):
     )
 
 
-@pytest.mark.parametrize(("word", "expected"), [("OFF", None), ("0", None), ("1", "default"), (" ", "default")])
-def test_a_policy_built_in_code_reads_the_cache_variable_by_the_same_rule(monkeypatch, tmp_path, word, expected):
+@pytest.mark.parametrize(
+    ("word", "expected"), [("OFF", None), ("0", None), ("1", "default"), (" ", "default")]
+)
+def test_a_policy_built_in_code_reads_the_cache_variable_by_the_same_rule(
+    monkeypatch, tmp_path, word, expected
+):
     from megatron_tuning.tables.cache import cache_path, default_cache_dir
 
     monkeypatch.chdir(tmp_path)
