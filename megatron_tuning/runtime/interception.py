@@ -97,9 +97,7 @@ def install(
         _generation += 1
         # The arch is read per decision on the launching device (``Installation.arch``): a rank that
         # installs before ``torch.cuda.set_device`` must not touch (and record) GPU 0 here.
-        pinning.active = Installation(
-            policy, as_config_table(table), measure, _generation, consensus, chaos
-        )
+        pinning.active = Installation(policy, as_config_table(table), measure, _generation, consensus, chaos)
     if previous is not None:
         report_policy_end(previous.policy)
     reset_warnings()  # a new policy reports every notice again, once

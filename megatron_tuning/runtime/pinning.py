@@ -184,7 +184,7 @@ def decide(
                 key,
                 candidates,
                 rank=rank,
-                arch=installation.arch,
+                arch=arch,
                 coordinator=installation.chaos,
                 offline=is_capturing(),  # no store traffic inside a CUDA graph capture
             )
