@@ -1,6 +1,7 @@
 """Concurrent table writers SIGKILLed at random: are committed entries ever lost, or reads corrupt?
 
     python benchmarks/stress_tables.py [--writers 3] [--kills 200] [--readers 2] [--out r.json]
+    python benchmarks/stress_tables.py --cache [...]     # writers persist through auto's cache
 
 CPU only. One table, ``v3.msgpack``, and a symlink to it, ``current.msgpack``: odd-numbered
 writers write through the link, even-numbered ones name the file, so the test also covers
@@ -15,6 +16,11 @@ At the end: **lost** = entries in a commit log but not in the table (must be 0);
 *unlogged*, not lost: the kill came between the write and the log. Temp files a killed writer
 left behind (``.v3.msgpack.<pid>.<token>.tmp``) are counted; they are never read as tables.
 ``--smoke`` runs 2 writers and 6 kills (the CI check of this script).
+
+``--cache``: each writer is a job of ``auto`` mode instead: it opens the table as its cache
+(``tables.cache.open_cache``) once per start and, after each new decision, calls
+``AutoCache.persist`` with all its decisions so far (as ``handle.persist()`` at a checkpoint
+does); numbers are logged once a persist reported them written.
 """
 
 from __future__ import annotations
@@ -45,6 +51,35 @@ def _entry(writer: int, number: int) -> Entry:
 
 
 # -- children --------------------------------------------------------------------------------------
+def run_cache_writer(path: str, writer: int, log: str, pause_s: float) -> None:
+    """Like ``run_writer``, through ``AutoCache.persist`` (a job persisting at every checkpoint)."""
+    from megatron_tuning.core.decisions import Decision
+    from megatron_tuning.core.policy import TuningPolicy
+    from megatron_tuning.tables.cache import open_cache
+
+    done = _logged(log)
+    number = done[-1] + 1 if done else 0
+    cache = open_cache(TuningPolicy(mode="auto", cache=path, use_shipped_tables=False), "cpu")
+    assert cache is not None and cache.writable, f"writer {writer}: the cache {path} did not open"
+    decisions, unlogged = [], []
+    with open(log, "a", encoding="ascii") as handle:
+        while True:
+            entry = _entry(writer, number)
+            decisions.append(
+                Decision(kernel=entry.kernel, key=entry.key, signature="BLOCK=64", source="tuned",
+                         config=CONFIG, arch="cpu")
+            )  # fmt: skip
+            unlogged.append(number)
+            if cache.persist(decisions):  # every pending decision is written in one atomic replace
+                handle.write("".join(f"{n}\n" for n in unlogged))
+                handle.flush()
+                os.fsync(handle.fileno())
+                unlogged.clear()
+            number += 1
+            if pause_s:
+                time.sleep(random.uniform(0, pause_s))
+
+
 def run_writer(path: str, writer: int, log: str, pause_s: float) -> None:
     """Add entries one by one forever; log each number once ``merge_entries`` returned."""
     done = _logged(log)
@@ -105,7 +140,9 @@ def _wait_for_first_commits(logs: list[str], procs: list[subprocess.Popen[bytes]
         time.sleep(0.05)
 
 
-def stress(folder: Path, writers: int, kills: int, readers: int, seed: int, pause_s: float) -> dict[str, Any]:
+def stress(
+    folder: Path, writers: int, kills: int, readers: int, seed: int, pause_s: float, cache: bool = False
+) -> dict[str, Any]:
     rng = random.Random(seed)
     real, link = folder / "v3.msgpack", folder / "current.msgpack"
     save_table(Table(), real)
@@ -114,7 +151,7 @@ def stress(folder: Path, writers: int, kills: int, readers: int, seed: int, paus
     logs = [str(folder / f"writer{w}.log") for w in range(writers)]
 
     def start_writer(w: int) -> subprocess.Popen[bytes]:
-        return _spawn(["--_writer", paths[w], str(w), logs[w], str(pause_s)])
+        return _spawn(["--_cache-writer" if cache else "--_writer", paths[w], str(w), logs[w], str(pause_s)])
 
     procs = [start_writer(w) for w in range(writers)]
     reader_outs = [str(folder / f"reader{r}.json") for r in range(readers)]
@@ -148,6 +185,7 @@ def stress(folder: Path, writers: int, kills: int, readers: int, seed: int, paus
     }
     reads = [json.loads(Path(out).read_text()) for out in reader_outs]
     return {
+        "through": "AutoCache.persist" if cache else "merge_entries",
         "writers": writers,
         "writers_via_symlink": sum(1 for w in range(writers) if w % 2),
         "kills": kills,
@@ -177,12 +215,14 @@ def main() -> int:
     parser.add_argument("--dir", default=None, help="work folder (default: a temp folder, removed)")
     parser.add_argument("--smoke", action="store_true", help="2 writers, 6 kills: the CI check")
     parser.add_argument("--out", default=None, help="write the JSON results here")
+    parser.add_argument("--cache", action="store_true", help="writers persist through auto's cache")
     parser.add_argument("--_writer", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument("--_cache-writer", nargs=4, help=argparse.SUPPRESS)
     parser.add_argument("--_reader", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args._writer:
-        path, writer, log, pause = args._writer
-        run_writer(path, int(writer), log, float(pause))
+    if args._writer or args._cache_writer:
+        path, writer, log, pause = args._writer or args._cache_writer
+        (run_cache_writer if args._cache_writer else run_writer)(path, int(writer), log, float(pause))
         return 0
     if args._reader:
         run_reader(args._reader[:2], args._reader[2])
@@ -191,7 +231,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="stress_tables_") as scratch:
         folder = Path(args.dir or scratch)
         folder.mkdir(parents=True, exist_ok=True)
-        result = stress(folder, writers, kills, readers, args.seed, args.pause_ms / 1000)
+        result = stress(folder, writers, kills, readers, args.seed, args.pause_ms / 1000, args.cache)
     result["command"] = " ".join(["benchmarks/stress_tables.py", *sys.argv[1:]])
     for name, value in result.items():
         print(f"{name:22} {value}")

@@ -74,6 +74,7 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     p.add_argument(
         "--json", action="store_true", help="print the (filtered) table as its JSON view (one TABLE only)"
     )
+    _add_max_size(p)
     p.set_defaults(handler=_cmd_show)
 
     p = sub.add_parser(
@@ -91,6 +92,7 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
         "votes/notes (what `diff --ignore-provenance` ignores), so one config change is a few-line "
         "diff; not lossless, keep the table itself as the source",
     )
+    _add_max_size(p)
     p.set_defaults(handler=_cmd_export)
 
     p = sub.add_parser(
@@ -189,6 +191,26 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
 
     _add_hooks(sub, argv)
     return parser
+
+
+def _add_max_size(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--max-size",
+        type=_mebibytes,
+        default=None,
+        metavar="MIB",
+        help="read tables up to MIB MiB (default 64): for a genuine file over the limit, e.g. an "
+        "auto cache an older version let grow",
+    )
+
+
+def _mebibytes(text: str) -> int:
+    from .core.env import parse_int
+
+    value = parse_int(text)
+    if value is None or not 1 <= value <= 65536:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of MiB from 1 to 65536")
+    return value * 2**20
 
 
 def _add_hooks(sub: Any, argv: Sequence[str] | None) -> None:
@@ -291,7 +313,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
         print("megatron-tuning show: --json takes one TABLE (run it once per table)", file=sys.stderr)
         return EXIT_USAGE
     for index, path in enumerate(args.tables):
-        table = load_table(path)
+        table = load_table(path, max_bytes=args.max_size)
         chosen = [
             e
             for e in table.entries()
@@ -323,7 +345,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_USAGE
-    table = load_table(args.table)
+    table = load_table(args.table, max_bytes=args.max_size)
     if args.no_provenance:
         from .tables.review import review_view
 
@@ -410,8 +432,7 @@ def _cmd_coverage(args: argparse.Namespace) -> int:
 
 def _cmd_cache(args: argparse.Namespace) -> int:
     from .core.policy import TuningPolicy
-    from .tables.cache import cache_path
-    from .tables.table import load_table
+    from .tables.cache import cache_path, read_cache_file
 
     if args.arch is None:
         from .core.identity import arch_tag
@@ -421,7 +442,9 @@ def _cmd_cache(args: argparse.Namespace) -> int:
     if path is None:
         print("auto cache: off (MEGATRON_TUNING_CACHE=off)")
     elif os.path.isfile(path):
-        print(f"{path}\t{len(load_table(path))} entries")
+        # The cache's own reader: it also reads a cache an older version let grow past the
+        # table read limit (with a warning on stderr).
+        print(f"{path}\t{len(read_cache_file(path)[1])} entries")
     else:
         print(f"{path}\t(not written yet)")
     return EXIT_OK

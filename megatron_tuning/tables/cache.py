@@ -3,35 +3,53 @@
 The cache is an ordinary table file (``show``, ``validate``, ``coverage`` read it like any
 other), kept per user and per GPU arch: ``<user cache dir>/megatron_tuning/<arch>/auto.msgpack``
 (``platformdirs``; ``XDG_CACHE_HOME`` is respected), or ``MEGATRON_TUNING_CACHE`` / the policy's
-``cache``. Decisions that ``auto`` tuned or adopted are merged into it under its file lock with an
-atomic write, so a crash loses at most the entries not yet written, never the file.
+``cache``. The full reference is ``docs/cache.md``; in short:
 
-The cache is ours, not the user's, so problems with it never stop a job: a corrupt cache is left
-untouched and ignored for the run (with one warning that names it and the fix), and an unwritable
-folder turns persistence off for the run (one warning at start, naming the path).
+* **First persisted wins.** An entry already in the file that is still valid (same kernel source
+  hash and Triton version as the running ones) is kept, never replaced: overlapping jobs that tuned
+  one key differently leave the config of whichever persisted first, for every later run.
+* **Bounded.** Each persist evicts stale entries (another source hash of a kernel this run used,
+  another Triton version, an older cache format), then, past ``MEGATRON_TUNING_CACHE_MAX_ENTRIES``
+  entries (default 50,000) or ``max_cache_bytes()`` (a quarter of the table read limit), the entries
+  persisted longest ago, with one warning naming the file, the cap and the fix. The file's rows are
+  kept in the order entries first entered the cache: that order *is* the eviction order.
+* **Cheap and concurrent.** A persist with nothing new writes nothing and takes no lock. Otherwise
+  it reads, merges and encodes without the lock, then takes the lock only to check that the file
+  is unchanged and replace it (re-doing the merge if another writer got in first). A writer that
+  cannot get the lock in time warns, naming the holder, and keeps its entries for the next persist.
+* **Never stops a job.** A corrupt cache is left untouched and ignored for the run, an unwritable
+  folder turns persistence off for the run (one warning each, naming the path and the fix), and
+  a crash loses at most the entries not yet written (writes are atomic), never the file.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..core.decisions import Decision
+from ..core import env
 from ..core.errors import TableError
 from ..core.policy import CACHE_OFF, ENV_CACHE, TuningPolicy, cache_from_env
-from .entry import entry_with
-from .recording import entry_from_decision
-from .search import installed_triton_version
-from .table import Table, load_table, merge_entries
+from . import files
+from .cache_bounds import CACHE_FORMAT, CACHE_META, cache_format_of
+from .cache_persist import (
+    DEFAULT_MAX_ENTRIES,
+    ENV_CACHE_MAX_ENTRIES,
+    LOCK_TIMEOUT_S,
+    MAX_ENTRIES_SETTING,
+    PERSISTED_SOURCES,
+    AutoCache,
+    content_digest,
+    legacy_read_bytes,
+    max_cache_bytes,
+    read_cache_bytes,
+)
+from .table import Table, table_from_data
 
 logger = logging.getLogger(__name__)
 
 CACHE_FILE_NAME = "auto.msgpack"
-PERSISTED_SOURCES = ("tuned", "adopted")
-_LOCK_TIMEOUT_S = 60.0
 
 
 def default_cache_dir() -> Path:
@@ -53,68 +71,22 @@ def cache_path(policy: TuningPolicy, arch: str) -> str | None:
     return str(default_cache_dir() / arch / CACHE_FILE_NAME)
 
 
-@dataclass
-class AutoCache:
-    """One run's view of the cache: what was loaded, and the decisions still to persist."""
-
-    path: str
-    table: Table
-    writable: bool
-    _written: set[tuple[str, str, str]] = field(default_factory=set)
-
-    def persist(self, decisions: Iterable[Decision]) -> int:
-        """Merge this run's ``tuned``/``adopted`` decisions not yet written; return how many were new.
-
-        Never raises: a failed write is logged as an error naming the cache file (the run's
-        results are not at stake, only the next run's start-up time).
-        """
-        if not self.writable:
-            return 0
-        version = installed_triton_version()
-        entries = []
-        for decision in decisions:
-            ident = (decision.arch, decision.kernel, decision.key)
-            if decision.source not in PERSISTED_SOURCES or ident in self._written:
-                continue
-            entry = entry_from_decision(decision, triton_version=version)
-            if entry is None:
-                continue
-            if decision.source == "adopted":
-                entry = entry_with(
-                    entry, note=f"adopted in auto mode from {decision.origin or 'another rank'}"
-                )
-            entries.append((ident, entry))
-        if not entries:
-            return 0
-        try:
-            os.makedirs(os.path.dirname(self.path), exist_ok=True)
-            merge_entries(self.path, [entry for _, entry in entries], timeout_s=_LOCK_TIMEOUT_S)
-        except (OSError, TableError) as exc:
-            logger.error(
-                "megatron_tuning: could not write %d tuned entr%s to the auto cache %s: %s. "
-                "They will be tuned again next run; set %s to a writable file to keep them.",
-                len(entries),
-                "y" if len(entries) == 1 else "ies",
-                self.path,
-                exc,
-                ENV_CACHE,
-            )
-            return 0
-        self._written.update(ident for ident, _ in entries)
-        logger.info(
-            "auto cache: %d entr%s merged into %s",
-            len(entries),
-            "y" if len(entries) == 1 else "ies",
-            self.path,
-        )
-        return len(entries)
+def cache_max_entries() -> int:
+    """``MEGATRON_TUNING_CACHE_MAX_ENTRIES`` (read now), default ``DEFAULT_MAX_ENTRIES``; a bad
+    value raises ``PolicyError`` naming it."""
+    value = env.env_int(ENV_CACHE_MAX_ENTRIES, minimum=1, maximum=MAX_ENTRIES_SETTING)
+    return DEFAULT_MAX_ENTRIES if value is None else value
 
 
 def open_cache(policy: TuningPolicy, arch: str) -> AutoCache | None:
-    """Load the cache ``policy`` names for ``arch`` (missing file: empty); ``None`` when off or corrupt."""
+    """Load the cache ``policy`` names for ``arch`` (missing file: empty); ``None`` when off or corrupt.
+
+    Reads ``MEGATRON_TUNING_CACHE_MAX_ENTRIES`` (a bad value raises ``PolicyError``).
+    """
     path = cache_path(policy, arch)
     if path is None:
         return None
+    max_entries = cache_max_entries()
     if os.path.isdir(path):
         logger.warning(
             "megatron_tuning: the auto cache %s is a folder, not a table file; running without a cache. "
@@ -124,10 +96,10 @@ def open_cache(policy: TuningPolicy, arch: str) -> AutoCache | None:
             os.path.join(path, CACHE_FILE_NAME),
         )
         return None
-    table = Table(meta={"kind": "auto-cache"})
-    if os.path.exists(path):
+    table, data = Table(meta=CACHE_META), None
+    if os.path.exists(path):  # a dangling symlink is a cache not written yet (written through)
         try:
-            table = load_table(path)
+            data, table = read_cache_file(path)
         except TableError as exc:
             logger.warning(
                 "megatron_tuning: ignoring the auto cache for this run, it is unreadable (%s). The file "
@@ -136,7 +108,59 @@ def open_cache(policy: TuningPolicy, arch: str) -> AutoCache | None:
                 ENV_CACHE,
             )
             return None
-    return AutoCache(path=path, table=table, writable=_writable(path))
+    found = cache_format_of(table)
+    usable = found == CACHE_FORMAT
+    if not usable:
+        _warn_format(path, found)
+    newer = not usable and not (isinstance(found, int) and found < CACHE_FORMAT)
+    return AutoCache(
+        path=path,
+        table=table if usable else Table(meta=CACHE_META),
+        writable=not newer and _writable(path),
+        max_entries=max_entries,
+        digest=content_digest(data),
+        loaded=table if data is not None else None,
+        warned_oversize=data is not None and len(data) > max_cache_bytes(),
+    )
+
+
+def read_cache_file(path: str) -> tuple[bytes, Table]:
+    """A cache file's bytes and table, read up to ``legacy_read_bytes()``: a file over the table
+    read limit (older versions let caches grow) is read with one warning saying what happens to it.
+    Problems raise ``TableError``."""
+    data = read_cache_bytes(path)
+    if data is None:
+        raise TableError(path, "no such file")
+    table = table_from_data(data, path)
+    if len(data) > max_cache_bytes():
+        over_limit = len(data) > files.MAX_FILE_BYTES
+        logger.warning(
+            "megatron_tuning: the auto cache %s is %d bytes (%d entries), over this version's bound "
+            "of %d bytes%s: read anyway as the auto cache; the next persist evicts the entries "
+            "persisted longest ago down to the cap (%s).%s",
+            path,
+            len(data),
+            len(table),
+            max_cache_bytes(),
+            f" and the {files.MAX_FILE_BYTES}-byte read limit for tables" if over_limit else "",
+            ENV_CACHE_MAX_ENTRIES,
+            f" Until then `show`/`export` need `--max-size {-(-len(data) // 2**20)}`." if over_limit else "",
+        )
+    return data, table
+
+
+def _warn_format(path: str, found: int | str) -> None:
+    # Entries of another cache format mean something else (e.g. keys written another way): unused.
+    older = isinstance(found, int) and found < CACHE_FORMAT
+    logger.warning(
+        "megatron_tuning: the auto cache %s is in cache format %s, this version uses %d: its "
+        "entries are not used, and %s. Set %s to another file to keep versions apart.",
+        path,
+        found,
+        CACHE_FORMAT,
+        "the next persist replaces them" if older else "this run does not write to it (a newer version's)",
+        ENV_CACHE,
+    )
 
 
 def _writable(path: str) -> bool:
@@ -159,4 +183,19 @@ def _writable(path: str) -> bool:
     return False
 
 
-__all__ = ["AutoCache", "cache_path", "default_cache_dir", "open_cache"]
+__all__ = [
+    "CACHE_FILE_NAME",
+    "DEFAULT_MAX_ENTRIES",
+    "ENV_CACHE_MAX_ENTRIES",
+    "LOCK_TIMEOUT_S",
+    "PERSISTED_SOURCES",
+    "AutoCache",
+    "cache_max_entries",
+    "cache_path",
+    "content_digest",
+    "default_cache_dir",
+    "legacy_read_bytes",
+    "max_cache_bytes",
+    "open_cache",
+    "read_cache_file",
+]

@@ -275,12 +275,17 @@ def read_json_file(path: str | os.PathLike[str], *, error: ErrorFactory, what: s
 
 @contextlib.contextmanager
 def locked(
-    path: str | os.PathLike[str], *, timeout_s: float = LOCK_TIMEOUT_S, error: ErrorFactory = TableError
+    path: str | os.PathLike[str],
+    *,
+    timeout_s: float = LOCK_TIMEOUT_S,
+    error: ErrorFactory = TableError,
+    wait_level: int = logging.WARNING,
 ) -> Iterator[str]:
     """Hold ``<resolved path>.lock`` for a read-modify-write of ``path``; yields the resolved path.
 
     The lock belongs to the file that is really written: ``current.msgpack -> v3.msgpack`` and
-    ``v3.msgpack`` share one lock. A writer that has to wait logs who holds the lock; after
+    ``v3.msgpack`` share one lock. A writer that has to wait logs who holds the lock (at
+    ``wait_level``: the auto cache, where waiting for a peer is routine, logs it at INFO); after
     ``timeout_s`` it raises ``error(path, ...)`` naming the lock file and its holder.
     """
     real = resolve_target(path)
@@ -290,7 +295,8 @@ def locked(
     try:
         _acquire(lock, 0, lock_path, os.fspath(path), error)
     except filelock.Timeout:
-        logger.warning(
+        logger.log(
+            wait_level,
             "waiting up to %gs for %s (held by %s) before writing %s",
             timeout_s,
             lock_path,

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 
 from ..core.errors import TableError
 from ..core.version import __version__
+from . import files
 from .codec import (
     FORMAT,
     SCHEMA,
@@ -32,7 +33,7 @@ from .codec import (
     encode_msgpack,
 )
 from .entry import HOW_VALUES, Entry, Invalid, Timing, entry_with
-from .files import LOCK_TIMEOUT_S, locked, read_table_bytes, write_atomic
+from .files import LOCK_TIMEOUT_S, locked, read_regular_file, write_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +93,16 @@ class Table:
         """Entries in canonical order (arch, kernel, key)."""
         return [self._entries[ident] for ident in sorted(self._entries)]
 
+    def entries_in_order(self) -> list[Entry]:
+        """Entries in the order they were added (a loaded table: its file's row order)."""
+        return list(self._entries.values())
+
+    def copy(self) -> Table:
+        """A shallow copy: entries are immutable and shared, the mapping is not."""
+        twin = Table(library_version=self.library_version, meta=self.meta)
+        twin._entries = dict(self._entries)
+        return twin
+
     def __len__(self) -> int:
         return len(self._entries)
 
@@ -113,13 +124,22 @@ class Table:
         return f"Table({len(self)} entries, library_version={self.library_version!r})"
 
     # -- encoding ------------------------------------------------------------------
-    def to_bytes(self) -> bytes:
-        """Canonical msgpack bytes: same content, same bytes."""
-        return encode_msgpack(self.library_version, self.meta, self.entries())
+    def to_bytes(self, *, keep_order: bool = False) -> bytes:
+        """Canonical msgpack bytes: same content, same bytes.
 
-    def to_json(self) -> str:
-        """Lossless, reviewable JSON text (sorted keys, one field per line)."""
-        return encode_json(self.library_version, self.meta, self.entries())
+        ``keep_order``: rows in the order entries were added instead of (arch, kernel, key)
+        order. Every reader accepts such a file (row order carries no meaning for lookups);
+        ``auto``'s cache uses it as its eviction order. Not canonical: do not commit it.
+        """
+        rows = self.entries_in_order() if keep_order else self.entries()
+        with _no_gc():  # see _no_gc: encoding builds ~10 columns of 100k-entry containers
+            return encode_msgpack(self.library_version, self.meta, rows)
+
+    def to_json(self, *, keep_order: bool = False) -> str:
+        """Lossless, reviewable JSON text (sorted keys, one field per line); ``keep_order`` as for
+        ``to_bytes``."""
+        rows = self.entries_in_order() if keep_order else self.entries()
+        return encode_json(self.library_version, self.meta, rows)
 
     @classmethod
     def from_bytes(cls, data: bytes, *, path: str = "<bytes>") -> Table:
@@ -165,10 +185,29 @@ def _no_gc() -> Iterator[None]:
 
 
 # -- files -------------------------------------------------------------------------
-def load_table(path: str | os.PathLike[str]) -> Table:
-    """Load a msgpack table, or the JSON view when the name ends in ``.json``."""
+def load_table(path: str | os.PathLike[str], *, max_bytes: int | None = None) -> Table:
+    """Load a msgpack table, or the JSON view when the name ends in ``.json``.
+
+    ``max_bytes`` raises the read limit (default ``files.MAX_FILE_BYTES``) for one file known to
+    be genuine, e.g. an ``auto`` cache an older version let grow past it.
+    """
     name = os.fspath(path)
-    data = read_table_bytes(name)
+    limit = files.MAX_FILE_BYTES if max_bytes is None else max_bytes
+    with contextlib.suppress(OSError):  # the reader reports missing files and odd kinds itself
+        size = os.stat(name).st_size
+        if size > limit:
+            raise TableError(
+                name,
+                f"file is {size} bytes, over the {limit}-byte limit for reading a table. If it is "
+                "genuine (e.g. an auto cache an older megatron_tuning let grow), read it with "
+                f"`show`/`export --max-size {-(-size // 2**20)}` (MiB) and split it",
+            )
+    data = read_regular_file(name, error=TableError, max_bytes=limit)
+    return table_from_data(data, name)
+
+
+def table_from_data(data: bytes, name: str) -> Table:
+    """Decode a table file's bytes: the JSON view when ``name`` ends in ``.json``, else msgpack."""
     if name.endswith(".json"):
         return Table.from_json(data, path=name)
     return Table.from_bytes(data, path=name)
@@ -197,10 +236,13 @@ def update_table(
     with locked(name, timeout_s=timeout_s):
         exists = os.path.exists(name)
         table = load_table(name) if exists else Table()
-        before = table.to_bytes()
+        # A snapshot, not the encoding: comparing mappings whose unchanged entries are the same
+        # objects costs milliseconds, encoding a 100k-entry table twice cost seconds.
+        version, meta, entries = table.library_version, dict(table.meta), dict(table._entries)
         mutate(table)
         table.library_version = _current_version()
-        if not exists or table.to_bytes() != before:
+        changed = (table.library_version, table.meta, table._entries) != (version, meta, entries)
+        if not exists or changed:
             save_table(table, name)
     return table
 
@@ -235,6 +277,7 @@ __all__ = [
     "load_table",
     "merge_entries",
     "save_table",
+    "table_from_data",
     "update_table",
     "write_atomic",
 ]

@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
 import textwrap
 import time
 
+import pytest
+
 from megatron_tuning.core.decisions import Decision
+from megatron_tuning.core.errors import PolicyError, TableError
 from megatron_tuning.core.policy import TuningPolicy
 from megatron_tuning.tables.cache import AutoCache, cache_path, default_cache_dir, open_cache
-from megatron_tuning.tables.table import Table, load_table
+from megatron_tuning.tables.entry import Entry
+from megatron_tuning.tables.table import Table, load_table, save_table
 
 CONFIG = {"kwargs": {"BLOCK": 64}, "num_warps": 4, "num_stages": 3, "num_ctas": 1, "maxnreg": None}
 
@@ -140,3 +145,245 @@ def test_a_process_killed_mid_write_leaves_a_loadable_cache(tmp_path):
     assert [e.key for e in load_table(path)] == ["n=1 | x:f"]
     again = open_cache(TuningPolicy(mode="auto", cache=str(path)), "sm90")
     assert again is not None and len(again.table) == 1
+
+
+# -- first persisted wins (issue 16 item 2) ------------------------------------------------------
+def config(block: int) -> dict:
+    return {**CONFIG, "kwargs": {"BLOCK": block}}
+
+
+def blocks(path) -> dict[str, int]:
+    return {e.key: e.config["kwargs"]["BLOCK"] for e in load_table(path)}
+
+
+def auto(path, **policy) -> AutoCache:
+    cache = open_cache(TuningPolicy(mode="auto", cache=str(path), **policy), "sm90")
+    assert cache is not None
+    return cache
+
+
+def test_an_entry_already_in_the_cache_is_kept_not_replaced(tmp_path, caplog):
+    path = tmp_path / "auto.msgpack"
+    first, second = auto(path), auto(path)  # two jobs that started before either persisted
+    assert first.persist([decision("n=1 | x:f", config=config(16))]) == 1
+    with caplog.at_level(logging.INFO, logger="megatron_tuning"):
+        assert second.persist([decision("n=1 | x:f", config=config(128))]) == 0
+    assert blocks(path) == {"n=1 | x:f": 16}
+    (kept,) = [r.getMessage() for r in caplog.records if "persisted first" in r.getMessage()]
+    assert str(path) in kept and "BLOCK=16" in kept and "BLOCK=128" in kept
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    # Forever: later runs with yet another result leave it as it is.
+    assert auto(path).persist([decision("n=1 | x:f", config=config(64))]) == 0
+    assert blocks(path) == {"n=1 | x:f": 16}
+
+
+def test_a_stale_entry_is_replaced_by_a_new_result(tmp_path):
+    path = tmp_path / "auto.msgpack"
+    auto(path).persist([decision("n=1 | x:f", config=config(16)), decision("n=2 | x:f", config=config(16))])
+    # The kernel was edited: its source hash changed, so the old entry is stale and replaced.
+    assert auto(path).persist([decision("n=1 | x:f", config=config(128), source_hash="cd" * 32)]) == 1
+    table = load_table(path)
+    assert blocks(path) == {"n=1 | x:f": 128}  # n=2, stale for the same reason, was evicted too
+    assert table.get("sm90", "pkg.k:kern", "n=1 | x:f").source_hash == "cd" * 32
+
+
+_RACER = textwrap.dedent(
+    """
+    import os, sys, time
+    from megatron_tuning.core.decisions import Decision
+    from megatron_tuning.core.policy import TuningPolicy
+    from megatron_tuning.tables import files
+    from megatron_tuning.tables.cache import open_cache
+    path, block, role, marker = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    cache = open_cache(TuningPolicy(mode="auto", cache=path), "sm90")  # both open an empty cache
+    open(marker + "." + role + ".open", "w").close()
+    while not all(os.path.exists(marker + "." + r + ".open") for r in ("first", "second")):
+        time.sleep(0.01)
+    if role == "first":
+        def hold(tmp):  # written, not yet visible: the second job reads the old file meanwhile
+            open(marker + ".holding", "w").close()
+            time.sleep(1.0)
+        files._BEFORE_REPLACE = hold
+    else:
+        while not os.path.exists(marker + ".holding"):
+            time.sleep(0.01)
+    config = {"kwargs": {"BLOCK": block}, "num_warps": 4, "num_stages": 3, "num_ctas": 1, "maxnreg": None}
+    decisions = [Decision(kernel="pkg.k:kern", key=f"n={n} | x:f", signature=f"BLOCK={block}", source="tuned",
+                          config=config, arch="sm90", source_hash="ab" * 32) for n in (1, 2, 3)]
+    print(cache.persist(decisions))
+    """
+)
+
+
+def test_two_processes_persisting_one_key_at_once_the_first_committed_wins(tmp_path):
+    path, marker = tmp_path / "auto.msgpack", str(tmp_path / "marker")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _RACER, str(path), str(block), role, marker],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for block, role in ((16, "first"), (128, "second"))
+    ]
+    outs = [proc.communicate(timeout=120)[0].strip() for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0]
+    # The second read the cache while the first was writing, then found the first's entries
+    # under the lock and kept them: before, it replaced them (last persisted won).
+    assert outs == ["3", "0"]
+    assert blocks(path) == {"n=1 | x:f": 16, "n=2 | x:f": 16, "n=3 | x:f": 16}
+    assert auto(path).persist([decision("n=2 | x:f", config=config(128))]) == 0
+    assert blocks(path) == {"n=1 | x:f": 16, "n=2 | x:f": 16, "n=3 | x:f": 16}
+
+
+# -- a bounded cache (issue 16 item 7) -------------------------------------------------------------
+def test_past_its_cap_the_cache_evicts_the_entries_persisted_longest_ago_with_one_warning(
+    tmp_path, monkeypatch, caplog
+):
+    monkeypatch.setenv("MEGATRON_TUNING_CACHE_MAX_ENTRIES", "3")
+    path = tmp_path / "auto.msgpack"
+    cache = auto(path)
+    assert cache.max_entries == 3
+    with caplog.at_level(logging.INFO, logger="megatron_tuning"):
+        # Keys in non-sorted order: eviction follows persist order, not key order.
+        assert cache.persist([decision(k) for k in ("n=5 | x:f", "n=1 | x:f", "n=9 | x:f")]) == 3
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+        assert cache.persist([decision("n=0 | x:f")]) == 1
+        assert [e.key for e in load_table(path).entries_in_order()] == ["n=1 | x:f", "n=9 | x:f", "n=0 | x:f"]
+        assert cache.persist([decision("n=7 | x:f")]) == 1
+    assert [e.key for e in load_table(path).entries_in_order()] == ["n=9 | x:f", "n=0 | x:f", "n=7 | x:f"]
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    for part in (str(path), "cap (3 entries", "evicted the 1 entry persisted longest ago", "n=5 | x:f"):
+        assert part in warning
+    for fix in ("megatron_tuning export", "delete the cache", "MEGATRON_TUNING_CACHE_MAX_ENTRIES"):
+        assert fix in warning
+    # The second eviction in the same run is logged at INFO, not warned again.
+    assert any("cap" in r.getMessage() and r.levelno == logging.INFO for r in caplog.records)
+
+
+def test_the_byte_bound_keeps_every_file_the_cache_writes_readable(tmp_path, monkeypatch, caplog):
+    from megatron_tuning.tables import files
+
+    monkeypatch.setattr(files, "MAX_FILE_BYTES", 8192)  # the cache's own bound: 2048 bytes
+    path = tmp_path / "auto.msgpack"
+    cache = auto(path)
+    with caplog.at_level(logging.WARNING):
+        for batch in range(6):
+            cache.persist([decision(f"n={batch * 20 + i} | x:f") for i in range(20)])
+            assert os.path.getsize(path) <= 2048
+            assert len(load_table(path)) > 0  # the plain table reader, at its plain limit
+    kept = [e.key for e in load_table(path).entries_in_order()]
+    assert kept[-1] == "n=119 | x:f" and "n=0 | x:f" not in kept  # the newest kept, the oldest gone
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert "2048 bytes" in warning and str(path) in warning
+    again = auto(path)
+    assert len(again.table) == len(kept) and not [r for r in caplog.records if "over" in r.getMessage()]
+
+
+def test_stale_entries_are_evicted_at_persist_and_unknown_provenance_is_kept(tmp_path, caplog):
+    path = tmp_path / "auto.msgpack"
+    old_triton = Entry(arch="sm90", kernel="pkg.k:other", key="a", config=CONFIG, how="tuned",
+                       triton_version="0.0.1")  # fmt: skip
+    old_source = Entry(arch="sm90", kernel="pkg.k:kern", key="b", config=CONFIG, how="tuned",
+                       source_hash="ef" * 32)  # fmt: skip
+    unknown = Entry(arch="sm90", kernel="pkg.k:third", key="c", config=CONFIG, how="tuned")
+    save_table(Table([old_triton, old_source, unknown]), path)
+    with caplog.at_level(logging.INFO, logger="megatron_tuning"):
+        assert auto(path).persist([decision("n=1 | x:f")]) == 1
+    assert sorted(e.key for e in load_table(path)) == ["c", "n=1 | x:f"]
+    (message,) = [r.getMessage() for r in caplog.records if "stale entries (" in r.getMessage()]
+    assert "evicted 2 stale entries" in message and "Triton 0.0.1" in message and "kernel source" in message
+
+
+def test_a_persist_with_nothing_new_neither_locks_nor_writes(tmp_path, caplog):
+    import filelock
+
+    path = tmp_path / "auto.msgpack"
+    auto(path).persist([decision("n=1 | x:f"), decision("n=2 | x:f", source="adopted", origin="rank 1")])
+    before = os.stat(path)
+    peer = auto(path)  # another rank: its decisions are already in the file
+    peer.lock_timeout_s = 0.2
+    with filelock.FileLock(str(path) + ".lock"), caplog.at_level(logging.INFO, logger="megatron_tuning"):
+        assert peer.persist([decision("n=1 | x:f", source="adopted", origin="rank 0")]) == 0
+    after = os.stat(path)
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+    assert not [r for r in caplog.records if "waiting" in r.getMessage() or "not written" in r.getMessage()]
+
+
+def test_a_writer_that_cannot_get_the_lock_warns_naming_the_holder_and_keeps_its_entries(tmp_path, caplog):
+    import filelock
+
+    path = tmp_path / "auto.msgpack"
+    cache = auto(path)
+    cache.lock_timeout_s = 0.2
+    decisions = [decision("n=1 | x:f")]
+    with filelock.FileLock(str(path) + ".lock"), caplog.at_level(logging.WARNING):
+        assert cache.persist(decisions) == 0
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert str(path) in warning and f"pid {os.getpid()}" in warning
+    assert "1 new entry kept in memory for the next persist" in warning
+    assert not path.exists()
+    assert cache.persist(decisions) == 1  # the lock is free again: the kept entry is written
+    assert blocks(path) == {"n=1 | x:f": 64}
+
+
+def test_a_cache_over_the_read_limit_is_still_read_and_shrunk_at_the_next_persist(
+    tmp_path, monkeypatch, caplog
+):
+    from megatron_tuning.tables import files
+
+    path = tmp_path / "auto.msgpack"
+    save_table(
+        Table([Entry(arch="sm90", kernel="pkg.k:kern", key=f"n={i}", config=CONFIG) for i in range(400)]),
+        path,
+    )
+    size = os.path.getsize(path)
+    monkeypatch.setattr(files, "MAX_FILE_BYTES", size // 2)  # as an older version let it grow
+    with pytest.raises(TableError, match="--max-size"):
+        load_table(path)
+    with caplog.at_level(logging.WARNING):
+        cache = auto(path)
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert str(path) in warning and f"{size} bytes (400 entries)" in warning and "--max-size" in warning
+    assert len(cache.table) == 400  # read, not ignored
+    with caplog.at_level(logging.WARNING):
+        assert cache.persist([decision("n=1 | x:f")]) == 1
+    assert len(caplog.records) == 1  # opening warned; the eviction that follows is not warned again
+    assert os.path.getsize(path) <= size // 8 and "n=1 | x:f" in blocks(path)
+
+
+def test_a_cache_in_another_format_is_not_used_and_a_newer_one_is_never_rewritten(tmp_path, caplog):
+    older, newer = tmp_path / "older.msgpack", tmp_path / "newer.msgpack"
+    for path, fmt in ((older, "0"), (newer, "2")):
+        save_table(Table([Entry(arch="sm90", kernel="pkg.k:kern", key="n=1 | x:f", config=config(16))],
+                         meta={"kind": "auto-cache", "cache_format": fmt}), path)  # fmt: skip
+    data = newer.read_bytes()
+    with caplog.at_level(logging.WARNING):
+        old_cache, new_cache = auto(older), auto(newer)
+        assert len(old_cache.table) == 0 and len(new_cache.table) == 0
+        assert new_cache.persist([decision("n=1 | x:f")]) == 0
+        assert old_cache.persist([decision("n=1 | x:f")]) == 1
+    assert newer.read_bytes() == data
+    assert blocks(older) == {"n=1 | x:f": 64}
+    assert load_table(older).meta["cache_format"] == "1"
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 2  # one per file, at open
+    assert "cache format 0" in warnings[0] and "the next persist replaces them" in warnings[0]
+    assert "cache format 2" in warnings[1] and "does not write to it" in warnings[1]
+
+
+def test_a_bad_cap_setting_is_refused_naming_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("MEGATRON_TUNING_CACHE_MAX_ENTRIES", "0")
+    with pytest.raises(PolicyError, match="MEGATRON_TUNING_CACHE_MAX_ENTRIES"):
+        auto(tmp_path / "auto.msgpack")
+
+
+def test_digest_and_origin_tell_caches_and_their_hits_apart(tmp_path):
+    path = tmp_path / "auto.msgpack"
+    empty = auto(path)
+    assert empty.digest == "" and empty.is_cache_file(str(path)) and not empty.is_cache_file(None)
+    empty.persist([decision("n=1 | x:f")])
+    a, b = auto(path), auto(path)
+    assert a.digest == b.digest != ""
+    assert a.is_cache_file(str(tmp_path / "." / "auto.msgpack")) and not a.is_cache_file("configs/x.msgpack")
+    a.persist([decision("n=2 | x:f")])
+    assert auto(path).digest != a.digest
