@@ -70,7 +70,9 @@ def make_decisions(start: int, count: int, *, tag: str = "") -> list[Any]:
         out.append(
             Decision(
                 kernel=kernel,
-                key=f"M={m}, N=4096, K=4096{tag} | a_ptr:torch.bfloat16, b_ptr:torch.bfloat16",
+                key=f"M={m}, N=4096, K=4096, stride_am=4096, stride_ak=1, stride_bk=4096, stride_bn=1, "
+                f"stride_cm=4096, stride_cn=1{tag} | a_ptr:torch.bfloat16, b_ptr:torch.bfloat16, "
+                "c_ptr:torch.bfloat16",
                 signature=f"BLOCK_N={block_n}",
                 source="adopted" if adopted else "tuned",
                 config=config,
@@ -301,6 +303,7 @@ def _cli_checks(path: Path, folder: Path) -> dict[str, Any]:
     checks = {
         "cache": ["cache", "--arch", ARCH],
         "show": ["show", str(path), "--kernel", "kernel_7"],
+        "show --max-size 256": ["show", str(path), "--kernel", "kernel_7", "--max-size", "256"],
         "export": ["export", str(path), str(folder / "export.json")],
     }
     out = {}
@@ -331,6 +334,7 @@ def environment(repo: Path) -> dict[str, Any]:
         "checkout": str(REPO),
         "commit": commit or None,
         "library_from": str(repo),
+        "load_average_at_start": os.getloadavg(),
     }
 
 
@@ -345,6 +349,9 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--parts", default="init,persist,concurrent,growth")
     parser.add_argument("--repo", default=str(REPO), help="checkout to import megatron_tuning from")
+    parser.add_argument(
+        "--compare", default=None, metavar="DIR", help="also run every part on the checkout in DIR (before)"
+    )
     parser.add_argument(
         "--max-entries",
         type=int,
@@ -367,30 +374,77 @@ def main() -> int:
         return 0
     if args.smoke:
         args.entries, args.procs, args.new, args.rounds, args.repeat = 2_000, 3, 20, 2, 1
-    parts = set(args.parts.split(","))
+    parts = [p for p in ("init", "persist", "concurrent", "growth") if p in args.parts.split(",")]
+    runs = [("before", Path(args.compare).resolve()), ("after", repo)] if args.compare else [("this", repo)]
     result: dict[str, Any] = {
         "environment": environment(repo),
         "entries": args.entries,
         "max_entries_setting": args.max_entries,
+        "runs": {label: {"library_from": str(where)} for label, where in runs},
     }
     with tempfile.TemporaryDirectory(prefix="bench_cache_") as scratch:
         folder = Path(scratch)
-        base = str(folder / "base.msgpack")
-        if parts & {"init", "persist", "concurrent"}:
-            result["build"] = _run(repo, "build", base, args.entries)
-        if "init" in parts:
-            result["init"] = part_init(repo, base, args.repeat)
-        if "persist" in parts:
-            result["persist"] = part_persist(repo, base, folder, args.entries, args.new, args.repeat)
-        if "concurrent" in parts:
-            result["concurrent"] = part_concurrent(repo, base, folder, args.procs, args.new)
-        if "growth" in parts:
-            result["growth"] = part_growth(repo, folder, args.entries, args.rounds)
+        for label, where in runs:
+            if set(parts) & {"init", "persist", "concurrent"}:
+                result["runs"][label]["build"] = _run(
+                    where, "build", folder / f"base-{label}.msgpack", args.entries
+                )
+        for part in parts:  # each part for every library back to back: ratios from one run
+            for label, where in runs:
+                base, sub = str(folder / f"base-{label}.msgpack"), folder / label
+                sub.mkdir(exist_ok=True)
+                if part == "init":
+                    out = part_init(where, base, args.repeat)
+                elif part == "persist":
+                    out = part_persist(where, base, sub, args.entries, args.new, args.repeat)
+                elif part == "concurrent":
+                    out = part_concurrent(where, base, sub, args.procs, args.new)
+                else:
+                    out = part_growth(where, sub, args.entries, args.rounds)
+                result["runs"][label][part] = out
     result["command"] = " ".join(["benchmarks/bench_cache.py", *sys.argv[1:]])
-    print(json.dumps(result, indent=1))
+    result["environment"]["load_average_at_end"] = os.getloadavg()
+    _print_summary(result)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     return 0
+
+
+_SUMMARY = [
+    ("init: open_cache + TableSet, s (best)", "init", "init_s_best"),
+    ("first persist of 1 new entry, s", "persist", "first_new_s"),
+    ("second persist of 1 new entry, s", "persist", "second_new_s"),
+    ("persist, nothing new, s", "persist", "nothing_new_s"),
+    ("concurrent: slowest persist, s", "concurrent", "persist_s_max"),
+    ("concurrent: median persist, s", "concurrent", "persist_s_median"),
+    ("concurrent: entries lost", "concurrent", "lost"),
+]
+
+
+def _print_summary(result: dict[str, Any]) -> None:
+    runs = result["runs"]
+    labels = list(runs)
+    print(f"{result['command']}   ({result['entries']} entries)")
+    print(" | ".join(["metric", *labels, *(["after/before"] if len(labels) == 2 else [])]))
+    for name, part, key in _SUMMARY:
+        values = [runs[label].get(part, {}).get(key) for label in labels]
+        if all(v is None for v in values):
+            continue
+        cells = [f"{v:.3f}" if isinstance(v, float) else str(v) for v in values]
+        if len(values) == 2 and all(isinstance(v, float) and v for v in values):
+            cells.append(f"{values[1] / values[0]:.2f}x")
+        print(" | ".join([name, *cells]))
+    for label in labels:
+        growth = runs[label].get("growth")
+        if growth is None:
+            continue
+        print(f"growth ({label}): round, readable at open, entries at open, persisted, bytes after")
+        for step in growth["rounds"]:
+            print(
+                f"  {step['round']}  {step['readable_at_open']}  {step['entries_at_open']}  "
+                f"{step['persisted']}  {step['bytes_after']}  warnings: {len(step['warnings'])}"
+            )
+        print("  cli: " + ", ".join(f"{name} exit {check['exit']}" for name, check in growth["cli"].items()))
 
 
 if __name__ == "__main__":

@@ -70,6 +70,23 @@ def test_table_stress_loses_nothing_and_reads_nothing_corrupt(tmp_path: Path) ->
     assert result["entries_lost"] == 0 and result["corrupt_reads"] == 0
 
 
+def test_cache_table_stress_through_auto_persist_loses_nothing(tmp_path: Path) -> None:
+    result = _smoke("stress_tables.py", tmp_path, "--cache")
+    assert result["through"] == "AutoCache.persist" and result["kills"] == 6
+    assert result["entries_committed"] > 0
+    assert result["entries_lost"] == 0 and result["corrupt_reads"] == 0
+
+
+def test_cache_benchmark_smoke(tmp_path: Path) -> None:
+    # CPU-only script: init/persist costs, concurrent persisters, and a cache grown over several runs.
+    run = _smoke("bench_cache.py", tmp_path)["runs"]["this"]
+    assert run["init"]["entries"] == 2000
+    assert run["persist"]["written"] == [1, 1, 0] and not run["persist"]["rewrote_on_nothing_new"]
+    assert run["concurrent"]["lost"] == 0 and run["concurrent"]["persisted"] == [20, 20, 20]
+    assert [step["readable_at_open"] for step in run["growth"]["rounds"]] == [True, True]
+    assert all(check["exit"] == 0 for check in run["growth"]["cli"].values())
+
+
 def test_compile_benchmark_smoke(tmp_path: Path) -> None:
     # On CPU the "compiled" calls are plain calls (plumbing only); the GPU run checks the real thing.
     result = _smoke("bench_compile.py", tmp_path, "--kinds", "static")

@@ -552,6 +552,29 @@ def test_cache_prints_the_auto_cache_path_and_its_size(tmp_path, monkeypatch, ca
     assert code == 0 and "off" in out
 
 
+def test_show_export_and_cache_read_a_cache_over_the_table_read_limit(tmp_path, monkeypatch, capsys, caplog):
+    # An auto cache an older version let grow past the read limit: still readable, on request.
+    path = tmp_path / "auto.msgpack"
+    save_table(Table([entry(64, key=f"M={i}") for i in range(300)]), path)
+    monkeypatch.setattr("megatron_tuning.tables.files.MAX_FILE_BYTES", path.stat().st_size // 2)
+    code, _, err = run(capsys, "show", path)
+    assert code == 2 and "--max-size 1" in err and str(path) in err
+    code, out, _ = run(capsys, "show", path, "--max-size", "1")
+    assert code == 0 and "300 of 300 entries" in out
+    assert run(capsys, "export", path, tmp_path / "view.json", "--max-size", "1")[0] == 0
+    assert len(load_table(tmp_path / "view.json", max_bytes=2**20)) == 300
+    monkeypatch.setenv("MEGATRON_TUNING_CACHE", str(path))
+    assert run(capsys, "cache", "--arch", "sm90")[:2] == (0, f"{path}\t300 entries\n")
+    assert any("--max-size" in r.getMessage() for r in caplog.records)  # the cache reader says why
+
+
+@pytest.mark.parametrize("size", ["0", "-1", "1.5", "x", "65537"])
+def test_a_bad_max_size_is_a_usage_error(table_path, capsys, size):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["show", str(table_path), "--max-size", size])
+    assert exc.value.code == 2 and "MiB" in capsys.readouterr().err
+
+
 # -- control characters in human output ------------------------------------------
 EVIL_KEY = "M=1\r\x1b[2Kall good\u202e"
 

@@ -113,10 +113,22 @@ def plan_persist(
         if entry.source_hash is not None:
             hashes.setdefault((entry.arch, entry.kernel), entry.source_hash)
     plan = Plan(table=table, payload=None)
-    for entry in table.entries_in_order():
-        reason = f"in cache format {found}" if older else staleness(entry, triton_version, hashes)
-        if reason is not None:
-            plan.stale.append((entry, reason))
+    if older:
+        plan.stale = [(entry, f"in cache format {found}") for entry in table.entries_in_order()]
+    else:
+        # Staleness depends only on (arch, kernel, source hash, Triton version), and a cache has
+        # few distinct ones: judge those first and walk the entries only when one is stale.
+        provenance = {(e.arch, e.kernel, e.source_hash, e.triton_version): e for e in table.values()}
+        reasons = {
+            combo: reason
+            for combo, sample in provenance.items()
+            if (reason := staleness(sample, triton_version, hashes)) is not None
+        }
+        if reasons:
+            for entry in table.entries_in_order():
+                reason = reasons.get((entry.arch, entry.kernel, entry.source_hash, entry.triton_version))
+                if reason is not None:
+                    plan.stale.append((entry, reason))
     for entry, _ in plan.stale:
         table.remove(*entry.ident)
     for entry in pending:
