@@ -575,6 +575,16 @@ def test_a_bad_max_size_is_a_usage_error(table_path, capsys, size):
     assert exc.value.code == 2 and "MiB" in capsys.readouterr().err
 
 
+def test_the_commands_in_docs_cache_md_parse():
+    text = (REPO / "docs" / "cache.md").read_text(encoding="utf-8")
+    commands = [line.split("python -m megatron_tuning ", 1)[1] for line in text.splitlines()
+                if line.startswith("python -m megatron_tuning ")]  # fmt: skip
+    assert len(commands) >= 5
+    for command in commands:
+        words = command.split("#", 1)[0].split()
+        cli.build_parser(words).parse_args(words)
+
+
 # -- control characters in human output ------------------------------------------
 EVIL_KEY = "M=1\r\x1b[2Kall good\u202e"
 

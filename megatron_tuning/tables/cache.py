@@ -121,6 +121,7 @@ def open_cache(policy: TuningPolicy, arch: str) -> AutoCache | None:
         digest=content_digest(data),
         loaded=table if data is not None else None,
         warned_oversize=data is not None and len(data) > max_cache_bytes(),
+        shrink_due=data is not None and (len(data) > max_cache_bytes() or len(table) > max_entries),
     )
 
 

@@ -51,10 +51,13 @@ class Plan:
     evicted: list[Entry] = field(default_factory=list)
     """Entries evicted by the cap, oldest first (may include some of ``added``)."""
 
+    rewrite: bool = False
+    """Write even if nothing was added or evicted (a file over its bounds)."""
+
     @property
     def changed(self) -> bool:
-        """Whether the file must be written: something added or evicted."""
-        return bool(self.added or self.stale or self.evicted)
+        """Whether the file must be written: something added or evicted, or a rewrite asked for."""
+        return bool(self.added or self.stale or self.evicted or self.rewrite)
 
     @property
     def evicted_new(self) -> list[Entry]:
@@ -95,8 +98,12 @@ def plan_persist(
     triton_version: str | None,
     source_hashes: dict[tuple[str, str], str],
     max_entries: int,
+    rewrite: bool = False,
 ) -> Plan:
     """Merge ``pending`` into a copy of ``base`` by the rules above; ``base`` is not changed.
+
+    ``rewrite``: the table must be written even if nothing was added or evicted by count (it is
+    over the byte bound, which only ``encode_plan`` can tell).
 
     Raises ``CacheFormatError`` when ``base`` is in a newer cache format.
     """
@@ -141,6 +148,7 @@ def plan_persist(
     order = table.entries_in_order()
     if len(order) > max_entries:
         plan.evicted.extend(_evict(table, order[: len(order) - max_entries]))
+    plan.rewrite = rewrite
     if not plan.changed:
         return Plan(table=base, payload=None, kept=plan.kept)
     table.meta = {**base.meta, **CACHE_META}

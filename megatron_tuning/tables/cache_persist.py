@@ -87,6 +87,8 @@ class AutoCache:
     merges into it without decoding the file again if the file is unchanged."""
     warned_oversize: bool = False
     """Whether opening already warned that the file is over its bound (the eviction then logs at INFO)."""
+    shrink_due: bool = False
+    """The file as loaded is over the cap: the next persist rewrites it even with nothing new."""
     _view: _View | None = None
     _written: set[tuple[str, str, str]] = field(default_factory=set)
     _warned_cap: bool = False
@@ -113,7 +115,7 @@ class AutoCache:
         decisions = list(decisions)
         with self._lock:
             pending = self._pending(decisions)
-            if not pending:
+            if not pending and not self.shrink_due:
                 return 0
             hashes = {(d.arch, d.kernel): d.source_hash for d in decisions if d.source_hash}
             try:
@@ -151,6 +153,7 @@ class AutoCache:
                 )
                 return 0
             self._written.update(entry.ident for entry in pending)
+            self.shrink_due = False
             self._report(plan)
             return len(plan.added) - len(plan.evicted_new)
 
@@ -202,6 +205,7 @@ class AutoCache:
             triton_version=installed_triton_version(),
             source_hashes=hashes,
             max_entries=self.max_entries,
+            rewrite=self.shrink_due,
         )
 
     def _base(self, data: bytes | None) -> Table:

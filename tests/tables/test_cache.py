@@ -258,6 +258,10 @@ def test_past_its_cap_the_cache_evicts_the_entries_persisted_longest_ago_with_on
         assert fix in warning
     # The second eviction in the same run is logged at INFO, not warned again.
     assert any("cap" in r.getMessage() and r.levelno == logging.INFO for r in caplog.records)
+    # A lower cap set later shrinks the cache at the next persist, even with nothing new.
+    monkeypatch.setenv("MEGATRON_TUNING_CACHE_MAX_ENTRIES", "1")
+    assert auto(path).persist([]) == 0
+    assert [e.key for e in load_table(path).entries_in_order()] == ["n=7 | x:f"]
 
 
 def test_the_byte_bound_keeps_every_file_the_cache_writes_readable(tmp_path, monkeypatch, caplog):
@@ -326,14 +330,14 @@ def test_a_writer_that_cannot_get_the_lock_warns_naming_the_holder_and_keeps_its
     assert blocks(path) == {"n=1 | x:f": 64}
 
 
-def test_a_cache_over_the_read_limit_is_still_read_and_shrunk_at_the_next_persist(
+def test_a_cache_over_the_read_limit_is_still_read_and_shrunk_at_its_next_persist(
     tmp_path, monkeypatch, caplog
 ):
     from megatron_tuning.tables import files
 
     path = tmp_path / "auto.msgpack"
     save_table(
-        Table([Entry(arch="sm90", kernel="pkg.k:kern", key=f"n={i}", config=CONFIG) for i in range(400)]),
+        Table([Entry(arch="sm90", kernel="pkg.k:kern", key=f"n={i:03}", config=CONFIG) for i in range(400)]),
         path,
     )
     size = os.path.getsize(path)
@@ -346,9 +350,13 @@ def test_a_cache_over_the_read_limit_is_still_read_and_shrunk_at_the_next_persis
     assert str(path) in warning and f"{size} bytes (400 entries)" in warning and "--max-size" in warning
     assert len(cache.table) == 400  # read, not ignored
     with caplog.at_level(logging.WARNING):
-        assert cache.persist([decision("n=1 | x:f")]) == 1
+        # A run whose keys were all in the cache has nothing new, yet its close shrinks the file.
+        assert cache.persist([decision("n=1", source="table")]) == 0
     assert len(caplog.records) == 1  # opening warned; the eviction that follows is not warned again
-    assert os.path.getsize(path) <= size // 8 and "n=1 | x:f" in blocks(path)
+    assert os.path.getsize(path) <= size // 8
+    kept = [e.key for e in load_table(path).entries_in_order()]
+    # A file written in key order (as older versions did) is evicted from its first rows.
+    assert kept == [f"n={i:03}" for i in range(400 - len(kept), 400)]
 
 
 def test_a_cache_in_another_format_is_not_used_and_a_newer_one_is_never_rewritten(tmp_path, caplog):
