@@ -245,8 +245,7 @@ def _run(repo: Path, name: str, *args: Any) -> dict[str, Any]:
     return _result(_spawn(repo, name, *args))
 
 
-def part_init(repo: Path, base: str, repeat: int) -> dict[str, Any]:
-    runs = [_run(repo, "init", base) for _ in range(repeat)]
+def summarize_init(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "entries": runs[0]["entries"],
         "open_s_best": min(r["open_s"] for r in runs),
@@ -255,16 +254,19 @@ def part_init(repo: Path, base: str, repeat: int) -> dict[str, Any]:
     }
 
 
-def part_persist(repo: Path, base: str, folder: Path, entries: int, new: int, repeat: int) -> dict[str, Any]:
-    runs = []
-    for index in range(repeat):
-        copy = folder / f"persist{index}.msgpack"
-        shutil.copyfile(base, copy)
-        runs.append(_run(repo, "persist", copy, entries, new))
-    return {name: min(r[name] for r in runs) for name in ("first_new_s", "second_new_s", "nothing_new_s")} | {
-        "written": runs[0]["written"],
-        "rewrote_on_nothing_new": runs[0]["rewrote_on_nothing_new"],
-    }
+def run_persist(repo: Path, base: str, folder: Path, index: int, entries: int, new: int) -> dict[str, Any]:
+    copy = folder / f"persist{index}.msgpack"
+    shutil.copyfile(base, copy)
+    return _run(repo, "persist", copy, entries, new)
+
+
+def summarize_persist(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    names = ("first_new_s", "second_new_s", "nothing_new_s")
+    return (
+        {name: min(r[name] for r in runs) for name in names}
+        | {f"{name}_median": statistics.median(r[name] for r in runs) for name in names}
+        | {"written": runs[0]["written"], "rewrote_on_nothing_new": runs[0]["rewrote_on_nothing_new"]}
+    )
 
 
 def part_concurrent(repo: Path, base: str, folder: Path, procs: int, new: int) -> dict[str, Any]:
@@ -389,15 +391,29 @@ def main() -> int:
                 result["runs"][label]["build"] = _run(
                     where, "build", folder / f"base-{label}.msgpack", args.entries
                 )
-        for part in parts:  # each part for every library back to back: ratios from one run
-            for label, where in runs:
+        for part in parts:
+            if part in ("init", "persist"):
+                # Repeats alternate between the libraries (ABBA...), so a machine whose load
+                # changes over minutes biases neither side.
+                samples: dict[str, list[dict[str, Any]]] = {label: [] for label, _ in runs}
+                for index in range(args.repeat):
+                    for label, where in runs if index % 2 == 0 else runs[::-1]:
+                        base, sub = str(folder / f"base-{label}.msgpack"), folder / label
+                        sub.mkdir(exist_ok=True)
+                        if part == "init":
+                            samples[label].append(_run(where, "init", base))
+                        else:
+                            samples[label].append(
+                                run_persist(where, base, sub, index, args.entries, args.new)
+                            )
+                for label, _ in runs:
+                    summary = summarize_init if part == "init" else summarize_persist
+                    result["runs"][label][part] = summary(samples[label])
+                continue
+            for label, where in runs:  # one library after the other
                 base, sub = str(folder / f"base-{label}.msgpack"), folder / label
                 sub.mkdir(exist_ok=True)
-                if part == "init":
-                    out = part_init(where, base, args.repeat)
-                elif part == "persist":
-                    out = part_persist(where, base, sub, args.entries, args.new, args.repeat)
-                elif part == "concurrent":
+                if part == "concurrent":
                     out = part_concurrent(where, base, sub, args.procs, args.new)
                 else:
                     out = part_growth(where, sub, args.entries, args.rounds)
