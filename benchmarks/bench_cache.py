@@ -292,6 +292,16 @@ def part_concurrent(repo: Path, base: str, folder: Path, procs: int, new: int) -
     }
 
 
+def summarize_concurrent(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """The first round's details, and the slowest persist of every round."""
+    return rounds[0] | {
+        "persist_s_max": statistics.median(r["persist_s_max"] for r in rounds),
+        "persist_s_max_per_round": [r["persist_s_max"] for r in rounds],
+        "persist_s_median": statistics.median(r["persist_s_median"] for r in rounds),
+        "lost": sum(r["lost"] for r in rounds),
+    }
+
+
 def part_growth(repo: Path, folder: Path, entries: int, rounds: int) -> dict[str, Any]:
     path = folder / "growth.msgpack"
     steps = [_run(repo, "growth", path, index, entries) for index in range(rounds)]
@@ -348,7 +358,10 @@ def main() -> int:
     parser.add_argument("--procs", type=int, default=10)
     parser.add_argument("--new", type=int, default=100, help="new entries per process (concurrent, persist)")
     parser.add_argument("--rounds", type=int, default=4, help="growth runs")
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--repeat", type=int, default=4, help="init and persist processes per library")
+    parser.add_argument(
+        "--concurrent-repeat", type=int, default=2, help="concurrent rounds per library (median of slowest)"
+    )
     parser.add_argument("--parts", default="init,persist,concurrent,growth")
     parser.add_argument("--repo", default=str(REPO), help="checkout to import megatron_tuning from")
     parser.add_argument(
@@ -376,6 +389,7 @@ def main() -> int:
         return 0
     if args.smoke:
         args.entries, args.procs, args.new, args.rounds, args.repeat = 2_000, 3, 20, 2, 1
+        args.concurrent_repeat = 1
     parts = [p for p in ("init", "persist", "concurrent", "growth") if p in args.parts.split(",")]
     runs = [("before", Path(args.compare).resolve()), ("after", repo)] if args.compare else [("this", repo)]
     result: dict[str, Any] = {
@@ -410,14 +424,21 @@ def main() -> int:
                     summary = summarize_init if part == "init" else summarize_persist
                     result["runs"][label][part] = summary(samples[label])
                 continue
-            for label, where in runs:  # one library after the other
-                base, sub = str(folder / f"base-{label}.msgpack"), folder / label
+            if part == "concurrent":
+                rounds: dict[str, list[dict[str, Any]]] = {label: [] for label, _ in runs}
+                for index in range(args.concurrent_repeat):
+                    for label, where in runs if index % 2 == 0 else runs[::-1]:
+                        sub = folder / label / f"concurrent{index}"
+                        sub.mkdir(parents=True, exist_ok=True)
+                        base = str(folder / f"base-{label}.msgpack")
+                        rounds[label].append(part_concurrent(where, base, sub, args.procs, args.new))
+                for label, _ in runs:
+                    result["runs"][label][part] = summarize_concurrent(rounds[label])
+                continue
+            for label, where in runs:  # growth: one library after the other
+                sub = folder / label
                 sub.mkdir(exist_ok=True)
-                if part == "concurrent":
-                    out = part_concurrent(where, base, sub, args.procs, args.new)
-                else:
-                    out = part_growth(where, sub, args.entries, args.rounds)
-                result["runs"][label][part] = out
+                result["runs"][label][part] = part_growth(where, sub, args.entries, args.rounds)
     result["command"] = " ".join(["benchmarks/bench_cache.py", *sys.argv[1:]])
     result["environment"]["load_average_at_end"] = os.getloadavg()
     _print_summary(result)
@@ -431,7 +452,7 @@ _SUMMARY = [
     ("first persist of 1 new entry, s", "persist", "first_new_s"),
     ("second persist of 1 new entry, s", "persist", "second_new_s"),
     ("persist, nothing new, s", "persist", "nothing_new_s"),
-    ("concurrent: slowest persist, s", "concurrent", "persist_s_max"),
+    ("concurrent: slowest persist, s (median over rounds)", "concurrent", "persist_s_max"),
     ("concurrent: median persist, s", "concurrent", "persist_s_median"),
     ("concurrent: entries lost", "concurrent", "lost"),
 ]
