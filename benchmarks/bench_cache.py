@@ -54,6 +54,8 @@ def make_decisions(start: int, count: int, *, tag: str = "") -> list[Any]:
     """``count`` decisions with keys numbered from ``start``; ``tag`` makes keys distinct per writer."""
     from megatron_tuning.core.decisions import Decision
 
+    pad = "x" * int(os.environ.get("BENCH_CACHE_KEY_PAD", "0"))  # --key-pad: longer keys
+    tag = f"{tag}, pad={pad}" if pad else tag
     out = []
     for index in range(start, start + count):
         kernel = f"pkg.ops.kernels_{index % 4}:kernel_{index % 40}"
@@ -221,6 +223,7 @@ _CHILDREN = {
 
 # -- parent ----------------------------------------------------------------------------------------
 MAX_ENTRIES: int | None = None  # --max-entries, passed to every child
+KEY_PAD = 0  # --key-pad
 
 
 def _env(repo: Path) -> dict[str, str]:
@@ -228,6 +231,7 @@ def _env(repo: Path) -> dict[str, str]:
     env["PYTHONPATH"] = str(repo)
     if MAX_ENTRIES is not None:
         env["MEGATRON_TUNING_CACHE_MAX_ENTRIES"] = str(MAX_ENTRIES)
+    env["BENCH_CACHE_KEY_PAD"] = str(KEY_PAD)
     env["OMP_NUM_THREADS"] = "1"
     return env
 
@@ -383,14 +387,17 @@ def main() -> int:
         default=None,
         help="MEGATRON_TUNING_CACHE_MAX_ENTRIES for every child (default: unset, the library's cap)",
     )
+    parser.add_argument(
+        "--key-pad", type=int, default=0, help="make every key this many bytes longer (a file grows sooner)"
+    )
     parser.add_argument("--smoke", action="store_true", help="2,000 entries, 3 processes: the CI check")
     parser.add_argument("--out", default=None, help="write the JSON results here")
     parser.add_argument("--_child", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     args = parser.parse_args()
     repo = Path(args.repo).resolve()
     sys.path.insert(0, str(repo))
-    global MAX_ENTRIES
-    MAX_ENTRIES = args.max_entries
+    global MAX_ENTRIES, KEY_PAD
+    MAX_ENTRIES, KEY_PAD = args.max_entries, args.key_pad
     if args._child:
         name, *raw = args._child
         fn, types = _CHILDREN[name]
@@ -449,6 +456,13 @@ def main() -> int:
                 sub = folder / label
                 sub.mkdir(exist_ok=True)
                 result["runs"][label][part] = part_growth(where, sub, args.entries, args.rounds)
+            if args.compare:
+                # The upgrade: the new library's next run on the file the old one let grow.
+                grown = folder / "before" / "growth.msgpack"
+                upgrade = _run(repo, "growth", grown, args.rounds, args.entries)
+                result["runs"]["before"]["growth"]["upgrade"] = upgrade | {
+                    "cli_after": _cli_checks(grown, folder / "before")
+                }
     result["command"] = " ".join(["benchmarks/bench_cache.py", *sys.argv[1:]])
     result["environment"]["load_average_at_end"] = os.getloadavg()
     _print_summary(result)
@@ -497,6 +511,14 @@ def _print_summary(result: dict[str, Any]) -> None:
                 f"{step['persisted']}  {step['bytes_after']}  warnings: {len(step['warnings'])}"
             )
         print("  cli: " + ", ".join(f"{name} exit {check['exit']}" for name, check in growth["cli"].items()))
+        upgrade = growth.get("upgrade")
+        if upgrade is not None:
+            print(
+                f"  upgrade (this checkout's next run on that file): readable {upgrade['readable_at_open']}, "
+                f"{upgrade['entries_at_open']} entries, persisted {upgrade['persisted']}, "
+                f"bytes after {upgrade['bytes_after']}, warnings {len(upgrade['warnings'])}; cli: "
+                + ", ".join(f"{name} exit {check['exit']}" for name, check in upgrade["cli_after"].items())
+            )
 
 
 if __name__ == "__main__":
