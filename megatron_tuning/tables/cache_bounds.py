@@ -50,6 +50,8 @@ class Plan:
     """Evicted stale entries and why."""
     evicted: list[Entry] = field(default_factory=list)
     """Entries evicted by the cap, oldest first (may include some of ``added``)."""
+    evicted_for: set[str] = field(default_factory=set)
+    """Which bounds evicted them: ``entries``, ``bytes``."""
 
     rewrite: bool = False
     """Write even if nothing was added or evicted (a file over its bounds)."""
@@ -148,6 +150,7 @@ def plan_persist(
     order = table.entries_in_order()
     if len(order) > max_entries:
         plan.evicted.extend(_evict(table, order[: len(order) - max_entries]))
+        plan.evicted_for.add("entries")
     plan.rewrite = rewrite
     if not plan.changed:
         return Plan(table=base, payload=None, kept=plan.kept)
@@ -168,6 +171,7 @@ def encode_plan(plan: Plan, *, max_bytes: int, as_json: bool = False) -> bytes:
         # A little more than the excess, so one re-encode almost always suffices.
         drop = min(len(order), math.ceil((len(payload) - max_bytes) * 1.02 / per_entry) + 1)
         plan.evicted.extend(_evict(table, order[:drop]))
+        plan.evicted_for.add("bytes")
         payload = _encode(table, as_json)
     plan.payload = payload
     return payload

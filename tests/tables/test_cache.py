@@ -264,7 +264,7 @@ def test_past_its_cap_the_cache_evicts_the_entries_persisted_longest_ago_with_on
         assert cache.persist([decision("n=7 | x:f")]) == 1
     assert [e.key for e in load_table(path).entries_in_order()] == ["n=9 | x:f", "n=0 | x:f", "n=7 | x:f"]
     (warning,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
-    for part in (str(path), "cap (3 entries", "evicted the 1 entry persisted longest ago", "n=5 | x:f"):
+    for part in (str(path), "cap of 3 entries", "evicted the 1 entry persisted longest ago", "n=5 | x:f"):
         assert part in warning
     for fix in ("megatron_tuning export", "delete the cache", "MEGATRON_TUNING_CACHE_MAX_ENTRIES"):
         assert fix in warning
@@ -290,7 +290,7 @@ def test_the_byte_bound_keeps_every_file_the_cache_writes_readable(tmp_path, mon
     kept = [e.key for e in load_table(path).entries_in_order()]
     assert kept[-1] == "n=119 | x:f" and "n=0 | x:f" not in kept  # the newest kept, the oldest gone
     (warning,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
-    assert "2048 bytes" in warning and str(path) in warning
+    assert "bound of 2048 bytes" in warning and str(path) in warning
     again = auto(path)
     assert len(again.table) == len(kept) and not [r for r in caplog.records if "over" in r.getMessage()]
 
