@@ -8,8 +8,9 @@ writers write through the link, even-numbered ones name the file, so the test al
 writers that name one table differently (they must share one lock). Each writer adds one new
 entry per ``merge_entries`` call and, once the call has returned, appends the entry's number to
 its own commit log (fsynced). The parent SIGKILLs a random writer at a random moment (``--kills``
-times, 20-200 ms apart) and restarts it; the restarted writer continues after its last logged
-entry. Readers load the table in a loop, alternating the two names, and count loads that fail.
+times, 20-200 ms apart, or ``--kill-gap-ms``) and restarts it; the restarted writer continues
+after its last logged entry. Readers load the table in a loop, alternating the two names, and
+count loads that fail.
 
 At the end: **lost** = entries in a commit log but not in the table (must be 0); **corrupt reads**
 = loads that raised (must be 0). An entry written but not yet logged when its writer died is
@@ -141,7 +142,14 @@ def _wait_for_first_commits(logs: list[str], procs: list[subprocess.Popen[bytes]
 
 
 def stress(
-    folder: Path, writers: int, kills: int, readers: int, seed: int, pause_s: float, cache: bool = False
+    folder: Path,
+    writers: int,
+    kills: int,
+    readers: int,
+    seed: int,
+    pause_s: float,
+    cache: bool = False,
+    gap_s: tuple[float, float] = (0.02, 0.2),
 ) -> dict[str, Any]:
     rng = random.Random(seed)
     real, link = folder / "v3.msgpack", folder / "current.msgpack"
@@ -159,7 +167,7 @@ def stress(
     start = time.monotonic()
     _wait_for_first_commits(logs, procs)  # a writer killed while importing would test nothing
     for _ in range(kills):
-        time.sleep(rng.uniform(0.02, 0.2))
+        time.sleep(rng.uniform(*gap_s))
         w = rng.randrange(writers)
         if procs[w].poll() is not None:  # a writer that died by itself is a failure of the test
             err = procs[w].stderr.read().decode() if procs[w].stderr else ""
@@ -186,6 +194,7 @@ def stress(
     reads = [json.loads(Path(out).read_text()) for out in reader_outs]
     return {
         "through": "AutoCache.persist" if cache else "merge_entries",
+        "kill_gap_ms": [gap_s[0] * 1000, gap_s[1] * 1000],
         "writers": writers,
         "writers_via_symlink": sum(1 for w in range(writers) if w % 2),
         "kills": kills,
@@ -211,6 +220,14 @@ def main() -> int:
     parser.add_argument("--kills", type=int, default=200)
     parser.add_argument("--readers", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--kill-gap-ms",
+        type=float,
+        nargs=2,
+        default=(20.0, 200.0),
+        metavar=("MIN", "MAX"),
+        help="random gap between kills (default 20 200); longer gaps let restarted writers commit",
+    )
     parser.add_argument("--pause-ms", type=float, default=0.0, help="random pause after each commit")
     parser.add_argument("--dir", default=None, help="work folder (default: a temp folder, removed)")
     parser.add_argument("--smoke", action="store_true", help="2 writers, 6 kills: the CI check")
@@ -231,7 +248,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="stress_tables_") as scratch:
         folder = Path(args.dir or scratch)
         folder.mkdir(parents=True, exist_ok=True)
-        result = stress(folder, writers, kills, readers, args.seed, args.pause_ms / 1000, args.cache)
+        gap = (args.kill_gap_ms[0] / 1000, args.kill_gap_ms[1] / 1000)
+        result = stress(folder, writers, kills, readers, args.seed, args.pause_ms / 1000, args.cache, gap)
     result["command"] = " ".join(["benchmarks/stress_tables.py", *sys.argv[1:]])
     for name, value in result.items():
         print(f"{name:22} {value}")
