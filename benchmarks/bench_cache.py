@@ -313,6 +313,8 @@ def summarize_concurrent(rounds: list[dict[str, Any]]) -> dict[str, Any]:
         "persist_s_median": statistics.median(r["persist_s_median"] for r in rounds),
         "cpu_s_total": statistics.median(r["cpu_s_total"] for r in rounds),
         "lost": sum(r["lost"] for r in rounds),
+        # A persist that returned 0 wrote nothing: with the old code, a lock timeout did that.
+        "wrote_nothing_per_round": [r["persisted"].count(0) for r in rounds],
     }
 
 
@@ -484,6 +486,7 @@ _SUMMARY = [
     ("concurrent: median persist, s", "concurrent", "persist_s_median"),
     ("concurrent: CPU s, all processes", "concurrent", "cpu_s_total"),
     ("concurrent: entries lost", "concurrent", "lost"),
+    ("concurrent: processes whose persist wrote nothing, per round", "concurrent", "wrote_nothing_per_round"),
 ]
 
 
