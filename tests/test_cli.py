@@ -555,7 +555,7 @@ def test_cache_prints_the_auto_cache_path_and_its_size(tmp_path, monkeypatch, ca
 def test_show_export_and_cache_read_a_cache_over_the_table_read_limit(tmp_path, monkeypatch, capsys, caplog):
     # An auto cache an older version let grow past the read limit: still readable, on request.
     path = tmp_path / "auto.msgpack"
-    save_table(Table([entry(64, key=f"M={i}") for i in range(300)]), path)
+    save_table(Table([entry(64, key=f"M={i} | a:torch.float16") for i in range(300)]), path)
     monkeypatch.setattr("megatron_tuning.tables.files.MAX_FILE_BYTES", path.stat().st_size // 2)
     code, _, err = run(capsys, "show", path)
     assert code == 2 and "--max-size 1" in err and str(path) in err
