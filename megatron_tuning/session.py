@@ -117,6 +117,11 @@ def init_deterministic_tuning(
     Calling it again replaces the previous session.
     """
     global _active
+    # Triton first: in a process armed by `run` or the environment switch, this import starts the
+    # armed session, which is then the previous one, closed below, rather than one started from
+    # inside this call (the policy given here wins).
+    import triton  # noqa: F401
+
     policy = policy if policy is not None else TuningPolicy.from_env(default_mode="deterministic")
     warn_if_mamba_env_ignored(policy)
     check_output_paths(policy)  # outputs are written at close: a bad path must fail now, not then

@@ -167,3 +167,22 @@ def test_write_bootstrap_refuses_an_existing_folder(tmp_path: Path) -> None:
     (tmp_path / "bootstrap").mkdir()
     with pytest.raises(FileExistsError):
         bootstrap.write_bootstrap(tmp_path / "bootstrap", "run")
+
+
+def test_a_job_that_starts_its_own_session_replaces_the_armed_one(
+    tmp_path: Path, capfd: CaptureFixture[str]
+) -> None:
+    (tmp_path / "own.py").write_text(
+        textwrap.dedent("""
+            import sys
+            import megatron_tuning  # before Triton: arming happens inside the call below
+            from megatron_tuning import session
+            from megatron_tuning.runtime import interception, pinning
+            handle = megatron_tuning.init_deterministic_tuning(megatron_tuning.TuningPolicy(mode="chaos"))
+            hooks = [hook.handle is handle for hook in pinning.before_decision]
+            print("policy:", interception.current_policy().mode, "hooks of the active session:", hooks)
+        """)
+    )
+    assert cli.main(["run", "--mode", "deterministic", "--", str(tmp_path / "own.py")]) == 0
+    # The armed session was closed (its hook gone), not left behind half-replaced.
+    assert "policy: chaos hooks of the active session: [True]" in capfd.readouterr().out
