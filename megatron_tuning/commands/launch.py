@@ -96,10 +96,10 @@ def run_job(argv: Sequence[str], env: Mapping[str, str], prog: str) -> int:
         return EXIT_CANNOT_EXECUTE
     with _signals_passed_to(process):
         returncode = process.wait()
-    status, message = exit_status(returncode)
-    if message:
-        print(f"{prog}: {message}", file=sys.stderr)
-    return status
+    code, note = exit_status(returncode)
+    if note:
+        print(f"{prog}: {note}", file=sys.stderr)
+    return code
 
 
 @contextmanager
