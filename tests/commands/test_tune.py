@@ -204,7 +204,8 @@ def _fake_job(monkeypatch: MonkeyPatch, returncode: int = 0, n: int = 100) -> li
     def fake_run_job(argv: list[str], env: dict[str, str], prog: str) -> int:
         calls.append(argv)
         directory = Path(env[tune_command.ENV_TUNE_DIR])
-        write_decisions(directory / "tuned-host-1.json", _tiny_records(n=n)[:1])
+        # One file name per process (the real names carry the pid), so jobs do not overwrite each other.
+        write_decisions(directory / f"tuned-host-{n}.json", _tiny_records(n=n)[:1])
         return returncode
 
     monkeypatch.setattr(tune_command, "command_problem", lambda argv, env: None)
