@@ -26,6 +26,10 @@ from .launch import EXIT_USAGE
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``enable`` and ``disable``."""
+    parser.epilog = (
+        "enable writes megatron_tuning_enable.pth into site-packages; disable removes it. In between, "
+        "a process of this environment is armed when MEGATRON_TUNING_MODE is set. See docs/launcher.md."
+    )
     parser.add_argument(
         "--site-dir",
         default=None,

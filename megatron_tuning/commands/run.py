@@ -69,8 +69,8 @@ _OPTIONS = {
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of the ``run`` command."""
     parser.description = (
-        "Run a command with every autotuned Triton kernel of each of its Python processes pinned, "
-        "without editing it."
+        "Run a command with every autotuned Triton kernel of each of its Python processes\n"
+        "pinned, without editing it. Each option sets one MEGATRON_TUNING_* variable for the job."
     )
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = EXAMPLES
@@ -103,7 +103,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="pin only kernels defined in these modules (prefixes, repeatable; default all)",
     )
     parser.add_argument(
-        "--on-miss", choices=policy_vars.ON_MISS, default=None, help="no table entry: nearest (default), ..."
+        "--on-miss",
+        choices=policy_vars.ON_MISS,
+        default=None,
+        help="no usable table entry: the nearest shape's entry, else the cheapest (nearest, the "
+        "default); the cheapest (min_cost); or raise (error)",
     )
     parser.add_argument(
         "--agreement",
