@@ -299,9 +299,9 @@ class _LateAttach:
             warn_once(
                 ("late_attach_never", os.getpid()),
                 "megatron_tuning: the %s never ran in this process (rank %d of WORLD_SIZE=%d): no "
-                "process group existed at any of its %d kernel decisions. Call "
-                "torch.distributed.init_process_group before the first launch of an autotuned kernel "
-                "(or call megatron_tuning.verify_agreement() at a step boundary).",
+                "process group existed at any of its %d kernel decisions. Create the process group "
+                "before the first launch of an autotuned kernel, or call "
+                "megatron_tuning.verify_agreement() on every rank once it exists.",
                 _what_attaches(self.handle.policy),
                 current_rank(),
                 self.world_size,
