@@ -23,6 +23,7 @@ logger = logging.getLogger(__name__)
 
 _active_lock = threading.Lock()
 _active: TuningHandle | None = None
+_initializing = threading.local()
 
 
 class TuningHandle:
@@ -116,12 +117,25 @@ def init_deterministic_tuning(
     avoid each other's first pick.
     Calling it again replaces the previous session.
     """
-    global _active
-    # Triton first: in a process armed by `run` or the environment switch, this import starts the
-    # armed session, which is then the previous one, closed below, rather than one started from
-    # inside this call (the policy given here wins).
-    import triton  # noqa: F401
+    _initializing.depth = getattr(_initializing, "depth", 0) + 1
+    try:
+        return _init(policy, table, group)
+    finally:
+        _initializing.depth -= 1
 
+
+def initializing() -> bool:
+    """Whether ``init_deterministic_tuning`` is running in this thread.
+
+    A process armed by ``run`` or the environment switch starts its session at ``import triton``;
+    when that import happens inside the job's own ``init_deterministic_tuning`` call, the armed
+    session must not start (it would be orphaned there): the job's call, and its policy, win.
+    """
+    return getattr(_initializing, "depth", 0) > 0
+
+
+def _init(policy: TuningPolicy | None, table: Any, group: Any) -> TuningHandle:
+    global _active
     policy = policy if policy is not None else TuningPolicy.from_env(default_mode="deterministic")
     warn_if_mamba_env_ignored(policy)
     check_output_paths(policy)  # outputs are written at close: a bad path must fail now, not then

@@ -237,10 +237,13 @@ def activate() -> None:
     """In a process of the job, at its ``import triton``: start tuning with the job's policy.
 
     A failure stops the process (the exception propagates out of ``import triton``): the user
-    asked for pinned kernels, so none may run unpinned without a word.
+    asked for pinned kernels, so none may run unpinned without a word. When the job imports
+    Triton inside its own ``init_deterministic_tuning`` call, nothing is armed: that call wins.
     """
-    from ..session import init_deterministic_tuning
+    from ..session import init_deterministic_tuning, initializing
 
+    if initializing():
+        return  # Triton is imported inside the job's own init_deterministic_tuning: its call wins
     try:
         init_deterministic_tuning()
     except Exception as exc:
