@@ -113,17 +113,14 @@ def _first_config(autotuner: Any, candidates: list[Any], *rest: Any) -> tuple[An
 
 
 def test_a_session_that_never_sees_its_group_warns_that_the_checks_never_ran(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    monkeypatch: pytest.MonkeyPatch, notices: Any
 ) -> None:
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "1")
-    with (
-        caplog.at_level(logging.WARNING, logger="megatron_tuning"),
-        megatron_tuning.init_deterministic_tuning(megatron_tuning.TuningPolicy()),
-    ):
+    with megatron_tuning.init_deterministic_tuning(megatron_tuning.TuningPolicy()):
         _launch(30)
         _launch(31)
-    (warning,) = [r.getMessage() for r in caplog.records if "never ran" in r.getMessage()]
+    (warning,) = notices.matching("never ran")
     assert "agreement check never ran in this process (rank 1 of WORLD_SIZE=2)" in warning
     assert "its 2 kernel decisions" in warning and "Create the process group before" in warning
     assert pinning.before_decision == []
@@ -138,16 +135,13 @@ def test_a_session_that_never_sees_its_group_warns_that_the_checks_never_ran(
     ],
 )
 def test_no_warning_when_nothing_went_unchecked(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, world: str, launches: bool, policy: Any
+    monkeypatch: pytest.MonkeyPatch, notices: Any, world: str, launches: bool, policy: Any
 ) -> None:
     monkeypatch.setenv("WORLD_SIZE", world)
-    with (
-        caplog.at_level(logging.WARNING, logger="megatron_tuning"),
-        megatron_tuning.init_deterministic_tuning(policy),
-    ):
+    with megatron_tuning.init_deterministic_tuning(policy):
         if launches:
             _launch(30)
-    assert not [r for r in caplog.records if "never ran" in r.getMessage()]
+    assert notices.matching("never ran") == []
     assert pinning.before_decision == []
 
 
