@@ -4,7 +4,8 @@ Exit codes scripts can rely on: 0 ok; 1 differences or problems found (``diff``,
 ``validate``, and ``coverage`` when ranks diverged); 2 usage error or bad input (an
 unreadable table or decision log: one line on stderr, no traceback).
 
-Subcommands owned by other modules (``selftest``, ``tune``, ``report``) are wired in
+Subcommands owned by other modules (``selftest``, ``tune``, ``report``, ``run``, ``enable``,
+``disable``) are wired in
 lazily: only if their module exists, and it is imported only when that command runs,
 so ``show``/``diff`` never pay for importing torch.
 """
@@ -47,6 +48,24 @@ _HOOKS: dict[str, tuple[str, str, str, str]] = {
         "add_arguments",
         "run",
         "report on a tuning run (timings, noise, plots)",
+    ),
+    "run": (
+        "megatron_tuning.commands.run",
+        "add_arguments",
+        "run",
+        "run a command with its autotuned kernels pinned, without editing it",
+    ),
+    "enable": (
+        "megatron_tuning.commands.enable",
+        "add_arguments",
+        "run_enable",
+        "pin every process of this Python environment that sets MEGATRON_TUNING_MODE",
+    ),
+    "disable": (
+        "megatron_tuning.commands.enable",
+        "add_arguments",
+        "run_disable",
+        "undo `enable`",
     ),
 }
 
@@ -438,7 +457,8 @@ def _cmd_cache(args: argparse.Namespace) -> int:
         from .core.identity import arch_tag
 
         args.arch = arch_tag()
-    path = cache_path(TuningPolicy.from_env(mode="auto"), args.arch)
+    # Only the cache setting: an unrelated bad MEGATRON_TUNING_* value is no reason to fail here.
+    path = cache_path(TuningPolicy(mode="auto"), args.arch)
     if path is None:
         print("auto cache: off (MEGATRON_TUNING_CACHE=off)")
     elif os.path.isfile(path):

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
+import os
 import threading
 from types import TracebackType
 from typing import Any
@@ -13,13 +15,15 @@ from .core.decisions import get_decisions
 from .core.errors import PolicyError
 from .core.identity import current_rank
 from .core.policy import TuningPolicy
-from .runtime import interception
+from .core.warn import warn_once
+from .runtime import interception, pinning
 from .tables.decision_files import write_decisions
 
 logger = logging.getLogger(__name__)
 
 _active_lock = threading.Lock()
 _active: TuningHandle | None = None
+_initializing = threading.local()
 
 
 class TuningHandle:
@@ -31,6 +35,7 @@ class TuningHandle:
         self.cache = cache
         """``auto`` mode's cache (``tables.cache.AutoCache``), or ``None``."""
         self._agreement = agreement
+        self._late: _LateAttach | None = None
         self._closed = False
 
     @property
@@ -52,6 +57,8 @@ class TuningHandle:
             return
         self._closed = True
         try:
+            if self._late is not None:
+                self._late.cancel()
             if self._agreement is not None:
                 self._agreement.stop()
             self.persist()
@@ -83,15 +90,25 @@ def _write_outputs(policy: TuningPolicy) -> None:
             policy.mode,
         )
     if policy.decision_log:
-        path = policy.decision_log.replace("{rank}", str(current_rank()))
+        path = decision_log_path(policy.decision_log)
         write_decisions(path)
         logger.info("decision log written to %s", path)
+
+
+def decision_log_path(template: str) -> str:
+    """The decision log file of this process: ``{rank}`` and ``{pid}`` replaced."""
+    return template.replace("{rank}", str(current_rank())).replace("{pid}", str(os.getpid()))
 
 
 def init_deterministic_tuning(
     policy: TuningPolicy | None = None, *, table: Any = None, group: Any = None
 ) -> TuningHandle:
-    """Install deterministic tuning for this process; call after process-group init.
+    """Install deterministic tuning for this process.
+
+    Call it after ``init_process_group`` when you can. Called before (or armed by ``python -m
+    megatron_tuning run``), it attaches to the default process group at the first new (kernel, key)
+    launched once the group exists: the agreement check (which then also checks the decisions made
+    before) and ``auto``'s shared decisions start there.
 
     ``policy`` defaults to ``TuningPolicy.from_env(default_mode="deterministic")``. ``table``
     overrides the tables the policy names (a ``ConfigTable`` or a ``{(kernel, key): config}``
@@ -100,10 +117,28 @@ def init_deterministic_tuning(
     avoid each other's first pick.
     Calling it again replaces the previous session.
     """
+    _initializing.depth = getattr(_initializing, "depth", 0) + 1
+    try:
+        return _init(policy, table, group)
+    finally:
+        _initializing.depth -= 1
+
+
+def initializing() -> bool:
+    """Whether ``init_deterministic_tuning`` is running in this thread.
+
+    A process armed by ``run`` or the environment switch starts its session at ``import triton``;
+    when that import happens inside the job's own ``init_deterministic_tuning`` call, the armed
+    session must not start (it would be orphaned there): the job's call, and its policy, win.
+    """
+    return getattr(_initializing, "depth", 0) > 0
+
+
+def _init(policy: TuningPolicy | None, table: Any, group: Any) -> TuningHandle:
     global _active
     policy = policy if policy is not None else TuningPolicy.from_env(default_mode="deterministic")
     warn_if_mamba_env_ignored(policy)
-    _check_output_paths(policy)  # outputs are written at close: a bad path must fail now, not then
+    check_output_paths(policy)  # outputs are written at close: a bad path must fail now, not then
     with _active_lock:
         previous = _active
     if previous is not None:
@@ -120,6 +155,8 @@ def init_deterministic_tuning(
         interception.uninstall()
         raise
     handle = TuningHandle(policy, resolved_table, agreement, cache)
+    if _needs_group(policy) and not _group_exists():
+        handle._late = _LateAttach(handle, group)
     with _active_lock:
         _active = handle
     files = getattr(resolved_table, "files", None)
@@ -140,12 +177,13 @@ def _load_tables(policy: TuningPolicy, cache: Any) -> Any:
     return TableSet.from_policy(policy, cache=(cache.path, cache.table) if cache is not None else None)
 
 
-def _check_output_paths(policy: TuningPolicy) -> None:
+def check_output_paths(policy: TuningPolicy) -> None:
+    """Raise ``PolicyError`` when an output the policy names could not be written at close."""
     from .core.policy import ENV_DECISION_LOG, ENV_RECORD_DIR
     from .tables.files import output_file_problem, output_folder_problem
 
     if policy.decision_log:
-        path = policy.decision_log.replace("{rank}", str(current_rank()))
+        path = decision_log_path(policy.decision_log)
         problem = output_file_problem(path)
         if problem:
             raise PolicyError(
@@ -192,6 +230,103 @@ def _start_agreement(policy: TuningPolicy, group: Any) -> Any:
     from .distributed.agreement import start_agreement
 
     return start_agreement(policy, group)
+
+
+def _needs_group(policy: TuningPolicy) -> bool:
+    """Whether the policy does anything across ranks: the agreement check, or auto's consensus."""
+    if policy.mode == "auto":
+        return True
+    return policy.mode in ("deterministic", "chaos") and policy.agreement != "off"
+
+
+def _group_exists() -> bool:
+    import torch.distributed as dist
+
+    return bool(dist.is_available() and dist.is_initialized())
+
+
+def _world_size_env() -> int:
+    raw = os.environ.get("WORLD_SIZE", "").strip()
+    return int(raw) if raw.isdigit() else 1
+
+
+class _LateAttach:
+    """Attach a session started before ``init_process_group`` to the group, once it exists.
+
+    Registered in ``runtime.pinning.before_decision``, so it runs at each new (kernel, key)
+    decision (never on a launch that hits a pinned key) until a process group is up; then it
+    starts ``auto``'s consensus and the agreement check, has the checker compare the decisions
+    this session made before, and unregisters itself.
+    """
+
+    def __init__(self, handle: TuningHandle, group: Any) -> None:
+        self.handle = handle
+        self.group = group
+        self.first_decision = len(get_decisions())  # the log is per process: ours start here
+        self.attached = False
+        self._lock = threading.Lock()
+        self.world_size = _world_size_env()
+        if self.world_size > 1:
+            logger.info(
+                "megatron_tuning: no process group yet (WORLD_SIZE=%d): the %s start at the first new "
+                "kernel key launched after init_process_group",
+                self.world_size,
+                _what_attaches(handle.policy),
+            )
+        pinning.before_decision.append(self)
+
+    def __call__(self, installation: pinning.Installation) -> pinning.Installation:
+        if self.attached or not _group_exists():
+            return installation
+        with self._lock:
+            if self.attached:
+                return installation
+            self.attached = True
+            self.cancel()
+            policy = self.handle.policy
+            if policy.mode == "auto" and installation.consensus is None:
+                installation = dataclasses.replace(installation, consensus=_start_consensus())
+            agreement = _start_agreement(policy, self.group)
+            self.handle._agreement = agreement
+            earlier = get_decisions()[self.first_decision :]
+            logger.info(
+                "megatron_tuning: attached to the process group (rank %d); checking %d earlier decision(s)",
+                current_rank(),
+                len(earlier),
+            )
+            check = getattr(agreement, "check", None)
+            if check is not None:
+                for decision in earlier:
+                    check(decision)
+        return installation
+
+    def cancel(self) -> None:
+        """Stop waiting for a group; at close, say which checks never ran."""
+        try:
+            pinning.before_decision.remove(self)
+        except ValueError:
+            pass
+        if self.attached or self.world_size <= 1:
+            return
+        unchecked = [d for d in get_decisions()[self.first_decision :] if d.source != "out_of_scope"]
+        if unchecked:
+            warn_once(
+                ("late_attach_never", os.getpid()),
+                "megatron_tuning: the %s never ran in this process (rank %d of WORLD_SIZE=%d): no "
+                "process group existed at any of its %d kernel decisions. Create the process group "
+                "before the first launch of an autotuned kernel, or call "
+                "megatron_tuning.verify_agreement() on every rank once it exists.",
+                _what_attaches(self.handle.policy),
+                current_rank(),
+                self.world_size,
+                len(unchecked),
+            )
+
+
+def _what_attaches(policy: TuningPolicy) -> str:
+    checks = "agreement check" if policy.agreement != "off" else ""
+    shared = "auto mode's shared decisions" if policy.mode == "auto" else ""
+    return " and ".join(p for p in (checks, shared) if p) or "cross-rank checks"
 
 
 @atexit.register

@@ -585,6 +585,15 @@ def test_the_commands_in_docs_cache_md_parse():
         cli.build_parser(words).parse_args(words)
 
 
+def test_cache_needs_only_the_cache_setting(tmp_path, monkeypatch, capsys):
+    table = tmp_path / "mine.msgpack"
+    save_table(Table([entry(64)]), table)
+    monkeypatch.setenv("MEGATRON_TUNING_CACHE", str(table))
+    monkeypatch.setenv("MEGATRON_TUNING_SCOPE", "my-pkg")  # bad, but nothing `cache` uses
+    monkeypatch.setenv("MEGATRON_TUNING_ON_MISS", "sometimes")
+    assert run(capsys, "cache", "--arch", "sm90") == (0, f"{table}\t1 entries\n", "")
+
+
 # -- control characters in human output ------------------------------------------
 EVIL_KEY = "M=1\r\x1b[2Kall good\u202e"
 

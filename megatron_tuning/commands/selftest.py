@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import signal
@@ -32,11 +33,40 @@ KERNEL_MODULE = "megatron_tuning.kernels.tiny"
 SIZES = (64, 200, 1000)
 
 
+MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a week: longer is a typo (and overflows a timedelta later)
+
+
+def _ranks(text: str) -> int:
+    """``--nproc``: an integer of at least 2 (agreement needs two ranks to compare)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer number of ranks, not {text!r}") from None
+    if value < 2:
+        raise argparse.ArgumentTypeError(
+            f"must be at least 2 (agreement needs two ranks to compare), not {value}"
+        )
+    return value
+
+
+def _seconds(text: str) -> float:
+    """``--timeout``: a finite number of seconds, above 0 and at most a week."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, not {text!r}") from None
+    if not math.isfinite(value) or not 0 < value <= MAX_TIMEOUT_S:
+        raise argparse.ArgumentTypeError(
+            f"expected a number of seconds above 0 and at most {MAX_TIMEOUT_S:g}, not {text!r}"
+        )
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of the ``selftest`` command."""
-    parser.add_argument("--nproc", type=int, default=2, help="ranks per run (>= 2; default 2)")
+    """Options of the ``selftest`` command (bad values are usage errors: exit 2, before any job)."""
+    parser.add_argument("--nproc", type=_ranks, default=2, help="ranks per run (>= 2; default 2)")
     parser.add_argument(
-        "--timeout", type=float, default=180.0, help="seconds allowed for each torchrun job (default 180)"
+        "--timeout", type=_seconds, default=180.0, help="seconds allowed for each torchrun job (default 180)"
     )
     parser.add_argument(
         "--agreement",

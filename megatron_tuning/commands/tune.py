@@ -1,9 +1,11 @@
 """``python -m megatron_tuning tune -- <command>``: tune a real job, write a table.
 
 ``tune`` runs the user's command (a Python script, ``python -m ...`` or a ``torchrun`` job) with
-``MEGATRON_TUNING_MODE=tune`` and a bootstrap on ``PYTHONPATH`` that, in every Python process
-that imports Triton, installs the interception with the noise-aware tuner and writes each
-process's ``tuned`` decisions (with all their samples) to its own file as they happen. After
+``MEGATRON_TUNING_MODE=tune`` and the shared bootstrap (``commands/bootstrap.py``, as ``run``) on
+``PYTHONPATH`` that, in every Python process that imports Triton, installs the interception with
+the noise-aware tuner and writes each process's ``tuned`` decisions (with all their samples) to
+its own file as they happen. Each job works in a fresh folder of its own (under ``--work-dir``,
+or a temporary one), so nothing an earlier job or anyone else left there is pooled or run. After
 the command ends the per-process results are pooled per (arch, kernel, key), so ranks that
 tuned the same shape collapse into one answer, and merged into the ``--out`` table, together
 with a results file that keeps every candidate's statistics for review and plotting.
@@ -16,16 +18,15 @@ import argparse
 import os
 import shutil
 import socket
-import subprocess
 import sys
 import tempfile
-from collections.abc import Mapping
+import time
 from pathlib import Path
 from typing import Any
 
 from ..core.decisions import decision_log, get_decisions
 from ..tables.decision_files import write_decisions
-from ..tables.files import write_atomic
+from ..tables.files import output_file_problem, output_folder_problem, write_atomic
 from ..tuning.results import (
     PROCESS_PREFIX,
     default_results_path,
@@ -35,19 +36,17 @@ from ..tuning.results import (
     write_results,
 )
 from ..tuning.stats import ENV_ROUNDS, ENV_TIE_BAND, TuneSettings
+from .bootstrap import job_environment, write_bootstrap
+from .launch import EXIT_USAGE, command_problem, job_argv, run_job
 from .report import plot_records_to
 
 ENV_TUNE_DIR = "MEGATRON_TUNING_TUNE_DIR"
+WORK_DIR_MARKER = ".megatron_tuning_tune"
+"""Written into a ``--work-dir`` that tune created or adopted (empty): later jobs may use it too."""
 
-_SITECUSTOMIZE = """\
-# Written by `python -m megatron_tuning tune`: turns tune mode on in every Python process of the job.
-try:
-    from megatron_tuning.commands.tune import bootstrap_process as _mt_bootstrap
-    _mt_bootstrap(__file__)
-except Exception as _mt_exc:  # never stop the user's program from starting
-    import sys as _mt_sys
-    print(f"megatron_tuning tune: bootstrap failed: {_mt_exc!r}", file=_mt_sys.stderr)
-"""
+
+class _Refused(Exception):
+    """A check before the job failed: the message says why (a usage error, exit 2)."""
 
 
 # --------------------------------------------------------------------------- arguments
@@ -75,14 +74,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds per candidate (default 10)")
     parser.add_argument(
-        "--work-dir", default=None, help="keep per-process results here (default: a temp dir)"
+        "--work-dir",
+        default=None,
+        help="keep per-process results in a new subfolder of this folder for each job "
+        "(a new or empty folder, or one tune used before; default: a temp dir, removed)",
     )
     # dest "job", not "command": the top-level parser already keeps the subcommand's name there.
     parser.add_argument(
         "job",
         metavar="COMMAND",
         nargs=argparse.REMAINDER,
-        help="the job to run after `--`: script.py [args], python -m mod, torchrun ...",
+        help="the job to run after `--`: script.py [args], -m mod, python -m mod, torchrun ...",
     )
 
 
@@ -99,18 +101,18 @@ def run(args: argparse.Namespace) -> int:
             "`python -m megatron_tuning tune --out t.msgpack -- train.py --steps 3`",
             file=sys.stderr,
         )
-        return 2
+        return EXIT_USAGE
     settings = TuneSettings.from_env(**_setting_overrides(args))  # validate before the long run
-    if args.plot:
-        from ..tuning.plotting import require_matplotlib
-
-        try:
-            require_matplotlib()  # before the long run, not after it
-        except ImportError as exc:
-            print(f"tune: {exc}", file=sys.stderr)
-            return 2
-    temporary = not args.work_dir
-    work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="megatron_tuning_tune_"))
+    problem = command_problem(job_argv(command), os.environ)
+    if problem is not None:
+        print(f"tune: {problem[1]}", file=sys.stderr)
+        return problem[0]
+    try:
+        _check_outputs(args)  # written after the job: a path that cannot be written fails now
+        work, temporary = _job_folder(args.work_dir)
+    except _Refused as exc:
+        print(f"tune: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     try:
         returncode, records = _run_job(command, work, settings, args)
     except BaseException:
@@ -132,20 +134,66 @@ def run(args: argparse.Namespace) -> int:
     return returncode
 
 
+def _check_outputs(args: argparse.Namespace) -> None:
+    out = Path(args.out)
+    results = Path(args.results) if args.results else default_results_path(out)
+    for flag, path in (("--out", out), ("--results", results)):
+        # A missing folder is created when the file is written: then that folder must be creatable.
+        parent = path.parent if str(path.parent) else Path(".")
+        problem = output_file_problem(str(path)) if parent.is_dir() else output_folder_problem(str(parent))
+        if problem:
+            raise _Refused(f"cannot write {flag} {path}: {problem}")
+    if args.plot:
+        from ..tuning.plotting import require_matplotlib
+
+        try:
+            require_matplotlib()  # before the long run, not after it
+        except ImportError as exc:
+            raise _Refused(str(exc)) from None
+        problem = output_folder_problem(args.plot)
+        if problem:
+            raise _Refused(f"cannot write plots into --plot {args.plot}: {problem}")
+
+
+def _job_folder(work_dir: str | None) -> tuple[Path, bool]:
+    """A fresh folder for this job's files, and whether it is temporary (removed at the end).
+
+    Under ``--work-dir`` each job gets a new subfolder, so a second job pools only its own
+    results; a folder that holds files tune did not write is refused, not mixed into.
+    """
+    if not work_dir:
+        return Path(tempfile.mkdtemp(prefix="megatron_tuning_tune_")), True
+    root = Path(work_dir)
+    if root.exists() and not root.is_dir():
+        raise _Refused(f"--work-dir {root} is not a folder")
+    if root.is_dir() and any(root.iterdir()) and not (root / WORK_DIR_MARKER).is_file():
+        raise _Refused(
+            f"--work-dir {root} already holds files tune did not write; name a new or empty folder "
+            "(each job gets a fresh subfolder of it)"
+        )
+    problem = output_folder_problem(str(root))
+    if problem:
+        raise _Refused(f"cannot use --work-dir {root}: {problem}")
+    root.mkdir(parents=True, exist_ok=True)
+    if not (root / WORK_DIR_MARKER).is_file():
+        write_atomic(
+            root / WORK_DIR_MARKER,
+            b"Per-job folders of `python -m megatron_tuning tune --work-dir`; safe to delete.\n",
+        )
+    job = tempfile.mkdtemp(prefix=time.strftime("job-%Y%m%d-%H%M%S-"), dir=root)
+    return Path(job), False
+
+
 def _run_job(
     command: list[str], work: Path, settings: TuneSettings, args: argparse.Namespace
 ) -> tuple[int, list[dict[str, Any]]]:
     """Run the job, pool its per-process results, write ``--results`` and merge into ``--out``."""
     results_dir = work / "results"
-    results_dir.mkdir(parents=True, exist_ok=True)
-    env = job_environment(work, settings)
-    argv = [sys.executable, *command] if command[0].endswith(".py") else command
+    results_dir.mkdir()
+    env = tune_environment(work, settings)
+    argv = job_argv(command)
     print(f"tune: running {' '.join(argv)} (per-process results in {results_dir})", file=sys.stderr)
-    try:
-        returncode = subprocess.run(argv, env=env, check=False).returncode
-    except FileNotFoundError as exc:
-        print(f"tune: cannot run {argv[0]!r}: {exc}", file=sys.stderr)
-        return 2, []
+    returncode = run_job(argv, env, prog="tune")
     records = pool_directory(results_dir, settings)
     if not records:
         print(
@@ -175,17 +223,9 @@ def _setting_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return overrides
 
 
-def job_environment(
-    work: Path, settings: TuneSettings, base: Mapping[str, str] | None = None
-) -> dict[str, str]:
-    """The job's environment: tune mode, where to write, the bootstrap first on ``PYTHONPATH``."""
-    env = dict(os.environ if base is None else base)
-    bootstrap = work / "bootstrap"
-    bootstrap.mkdir(parents=True, exist_ok=True)
-    write_atomic(bootstrap / "sitecustomize.py", _SITECUSTOMIZE.encode("utf-8"))  # never via a planted link
-    package_parent = str(Path(__file__).resolve().parents[2])
-    paths = [str(bootstrap), package_parent] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+def tune_environment(work: Path, settings: TuneSettings) -> dict[str, str]:
+    """The job's environment: tune mode, where to write, the bootstrap (written into ``work``)."""
+    env = job_environment(write_bootstrap(work / "bootstrap", "tune"), "tune")
     env["MEGATRON_TUNING_MODE"] = "tune"
     env[ENV_TUNE_DIR] = str(work / "results")
     # The session also writes each rank's winners (summary only) there at exit; harmless, and it
@@ -199,25 +239,23 @@ def job_environment(
 # --------------------------------------------------------------------------- inside the job
 
 
-def bootstrap_process(sitecustomize_file: str) -> None:
-    """Run from the generated ``sitecustomize``: arm tune mode, then chain any other sitecustomize."""
-    _chain_sitecustomize(os.path.dirname(os.path.abspath(sitecustomize_file)))
-    if "triton" in sys.modules:
-        activate()
-    else:
-        # Importing Triton (and torch) in every Python process of the job, the torchrun launcher
-        # included, would be slow and pointless: wait until the process imports Triton itself.
-        sys.meta_path.insert(0, _AfterImport("triton", activate))
-
-
 def activate() -> None:
-    """Install tune mode in this process and persist its tuned decisions as they happen."""
+    """Install tune mode in this process and persist its tuned decisions as they happen.
+
+    Called by the bootstrap at the process's ``import triton``. A failure is reported and the
+    process goes on untuned: the job's own work matters more than one process's measurements,
+    and ``tune`` says at the end when nothing was tuned.
+    """
     from .. import session
 
     directory = os.environ.get(ENV_TUNE_DIR)
     if not directory:
         return
-    session.init_deterministic_tuning()  # the policy comes from MEGATRON_TUNING_MODE=tune
+    try:
+        session.init_deterministic_tuning()  # the policy comes from MEGATRON_TUNING_MODE=tune
+    except Exception as exc:
+        print(f"megatron_tuning tune: could not enable tune mode: {exc!r}", file=sys.stderr)
+        return
     path = Path(directory) / f"{PROCESS_PREFIX}{socket.gethostname()}-{os.getpid()}.json"
     decision_log().add_listener(_ResultWriter(path))
 
@@ -233,66 +271,3 @@ class _ResultWriter:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         write_decisions(self.path, [d for d in get_decisions() if d.source == "tuned"])
-
-
-class _AfterImport:
-    """A meta-path finder that runs ``callback`` once module ``name`` has finished importing."""
-
-    def __init__(self, name: str, callback: Any) -> None:
-        self.name = name
-        self.callback = callback
-
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if fullname != self.name:
-            return None
-        sys.meta_path.remove(self)
-        import importlib.util
-
-        spec = importlib.util.find_spec(fullname)
-        if spec is None or spec.loader is None:
-            return spec
-        loader, callback = spec.loader, self.callback
-
-        class _Loader:
-            def create_module(self, spec: Any) -> Any:
-                return loader.create_module(spec)
-
-            def __getattr__(self, attr: str) -> Any:  # everything else: the real loader
-                return getattr(loader, attr)
-
-            def exec_module(self, module: Any) -> None:
-                loader.exec_module(module)
-                try:
-                    callback()
-                except Exception as exc:
-                    print(f"megatron_tuning tune: could not enable tune mode: {exc!r}", file=sys.stderr)
-
-        spec.loader = _Loader()  # type: ignore[assignment]
-        return spec
-
-
-def _chain_sitecustomize(own_dir: str) -> None:
-    """Import the sitecustomize ours shadows (a venv's or distro's), as if ours were not there."""
-    import importlib
-
-    saved = sys.path[:]
-    ours = sys.modules.pop("sitecustomize", None)
-    try:
-        sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != own_dir]
-        importlib.import_module("sitecustomize")
-    except ImportError as exc:
-        if exc.name != "sitecustomize":  # it exists but failed: report it, as site.py does
-            _report_sitecustomize_error(exc)
-    except Exception as exc:  # a broken sitecustomize must not keep tune mode off
-        _report_sitecustomize_error(exc)
-    finally:
-        sys.path[:] = saved
-        if ours is not None:
-            sys.modules["sitecustomize"] = ours
-
-
-def _report_sitecustomize_error(exc: BaseException) -> None:
-    print(
-        f"Error in sitecustomize; set PYTHONVERBOSE for traceback:\n{type(exc).__name__}: {exc}",
-        file=sys.stderr,
-    )

@@ -46,6 +46,7 @@ KNOWN_VARIABLES = frozenset(
         "MEGATRON_TUNING_TUNE_ROUNDS",
         "MEGATRON_TUNING_TUNE_TIE_BAND",
         "MEGATRON_TUNING_TUNE_DIR",
+        "MEGATRON_TUNING_LAUNCHER",  # set by `run`/`tune` for their job (commands/bootstrap.py)
     }
 )
 

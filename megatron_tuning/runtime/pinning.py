@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,6 +83,10 @@ active: Installation | None = None
 """The installation ``interception.install`` made current; read on every launch (hot path)."""
 touched: weakref.WeakSet[Any] = weakref.WeakSet()
 """Autotuners that carry a state, so ``uninstall`` can clear them."""
+before_decision: list[Callable[[Installation], Installation]] = []
+"""Called at each new (kernel, key) decision, never on a launch of a pinned key; may return a
+replacement installation, which becomes the active one. The session registers one while it waits
+for a process group created after it started (``session._LateAttach``)."""
 
 
 def installed() -> bool:
@@ -171,6 +176,8 @@ def decide(
         config = state.pins.get(raw)
         if config is not None:
             return config
+        for hook in tuple(before_decision):
+            installation = _replace_active(installation, hook(installation))
         policy = installation.policy
         may_measure = may_measure and not is_capturing()
         key = tuning_key(autotuner, args, kwargs)
@@ -258,6 +265,13 @@ def decide(
         state.pins[raw] = config
         remember_in_triton_cache(autotuner, state, args, kwargs, config)
         return config
+
+
+def _replace_active(old: Installation, new: Installation) -> Installation:
+    global active
+    if new is not old and active is old:
+        active = new
+    return new
 
 
 def is_capturing() -> bool:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import textwrap
@@ -53,7 +52,7 @@ def _parse(argv: list[str], report: bool = False) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _tiny_records(signatures_fast: int = 0) -> list[Decision]:
+def _tiny_records(signatures_fast: int = 0, n: int = 100) -> list[Decision]:
     import triton
 
     configs = [triton.Config({"BLOCK": b}, num_warps=w) for b, w in ((64, 1), (128, 2), (256, 4))]
@@ -64,7 +63,7 @@ def _tiny_records(signatures_fast: int = 0) -> list[Decision]:
         decisions.append(
             Decision(
                 kernel="pkg.mod:k",
-                key="n=100 | x:torch.float32",
+                key=f"n={n} | x:torch.float32",
                 signature=result.winner_signature,
                 source="tuned",
                 config=config_data(configs[result.winner]),
@@ -196,19 +195,21 @@ def _no_matplotlib(monkeypatch: MonkeyPatch) -> None:
         monkeypatch.setitem(sys.modules, name, None)
 
 
-def _fake_job(monkeypatch: MonkeyPatch, returncode: int = 0) -> list[list[str]]:
+def _fake_job(monkeypatch: MonkeyPatch, returncode: int = 0, n: int = 100) -> list[list[str]]:
     """Replace the job by one that writes a per-process result, as the bootstrap would."""
     from megatron_tuning.commands import tune as tune_command
 
     calls: list[list[str]] = []
 
-    def fake_run(argv: list[str], env: dict[str, str], check: bool) -> Any:
+    def fake_run_job(argv: list[str], env: dict[str, str], prog: str) -> int:
         calls.append(argv)
         directory = Path(env[tune_command.ENV_TUNE_DIR])
-        write_decisions(directory / "tuned-host-1.json", _tiny_records()[:1])
-        return subprocess.CompletedProcess(argv, returncode)
+        # One file name per process (the real names carry the pid), so jobs do not overwrite each other.
+        write_decisions(directory / f"tuned-host-{n}.json", _tiny_records(n=n)[:1])
+        return returncode
 
-    monkeypatch.setattr(tune_command.subprocess, "run", fake_run)
+    monkeypatch.setattr(tune_command, "command_problem", lambda argv, env: None)
+    monkeypatch.setattr(tune_command, "run_job", fake_run_job)
     return calls
 
 
@@ -223,12 +224,12 @@ def test_tune_plot_without_matplotlib_fails_before_running_the_job(
     assert calls == [] and not out.exists()  # no hour-long run ending in a traceback
 
 
-def test_tune_removes_its_temp_dir_when_the_command_cannot_start(
+def test_tune_names_a_command_that_cannot_start_before_making_anything(
     monkeypatch: MonkeyPatch, tmp_path: Path, capsys: CaptureFixture[str]
 ) -> None:
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    assert run(_parse(["--out", str(tmp_path / "t.msgpack"), "--", "/no/such/command"])) == 2
-    assert "cannot run" in capsys.readouterr().err
+    assert run(_parse(["--out", str(tmp_path / "t.msgpack"), "--", "/no/such/command"])) == 127
+    assert "no such program: /no/such/command" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
 
 
@@ -240,10 +241,14 @@ def test_tune_keeps_the_measurements_when_the_table_cannot_be_written(
     temp = tmp_path / "tmp"
     temp.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(temp))
-    blocker = tmp_path / "not_a_dir"
-    blocker.write_text("")
+    from megatron_tuning.commands import tune as tune_command
+
+    def disk_full(out: Any, records: Any) -> int:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(tune_command, "merge_into_table", disk_full)
     args = _parse(
-        ["--out", str(blocker / "t.msgpack"), "--results", str(tmp_path / "r.json"), "--", "job.py"]
+        ["--out", str(tmp_path / "t.msgpack"), "--results", str(tmp_path / "r.json"), "--", "job.py"]
     )
     with pytest.raises(OSError):
         run(args)
@@ -261,23 +266,101 @@ def test_tune_removes_its_temp_dir_after_a_successful_run(monkeypatch: MonkeyPat
     assert (tmp_path / "t.msgpack").exists() and list(temp.iterdir()) == []
 
 
+# -- --work-dir: each job in a fresh folder of its own ---------------------------------------------
+
+
+def test_a_reused_work_dir_pools_only_the_new_jobs_results(monkeypatch: MonkeyPatch, tmp_path: Path) -> None:
+    pytest.importorskip("msgpack")
+    from megatron_tuning.tables.table import load_table
+
+    work = tmp_path / "work"
+    for n, out in ((100, tmp_path / "first.msgpack"), (200, tmp_path / "second.msgpack")):
+        _fake_job(monkeypatch, n=n)
+        assert run(_parse(["--out", str(out), "--work-dir", str(work), "--", "job.py"])) == 0
+    assert [e.key for e in load_table(tmp_path / "second.msgpack").entries()] == ["n=200 | x:torch.float32"]
+    jobs = sorted(p.name for p in work.iterdir() if p.is_dir())
+    assert len(jobs) == 2 and all(name.startswith("job-") for name in jobs)  # both kept, apart
+
+
+def _planting_job(tmp_path: Path) -> tuple[Path, Path]:
+    """A job that imports ``fractions``, and a folder whose bootstrap/ plants a fake one."""
+    marker = tmp_path / "planted_code_ran"
+    script = tmp_path / "job.py"
+    script.write_text("import fractions\nprint(fractions.__file__)\n")
+    work = tmp_path / "work"
+    (work / "bootstrap").mkdir(parents=True)
+    (work / "bootstrap" / "fractions.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    return work, script
+
+
+def test_a_work_dir_with_foreign_files_is_refused(tmp_path: Path, capsys: CaptureFixture[str]) -> None:
+    work, script = _planting_job(tmp_path)
+    args = _parse(["--out", str(tmp_path / "t.msgpack"), "--work-dir", str(work), "--", str(script)])
+    assert run(args) == 2
+    assert "already holds files tune did not write" in capsys.readouterr().err
+    assert not (tmp_path / "planted_code_ran").exists()
+
+
+def test_files_planted_in_a_used_work_dir_never_run_in_the_job(
+    tmp_path: Path, capfd: CaptureFixture[str]
+) -> None:
+    from megatron_tuning.commands.tune import WORK_DIR_MARKER
+
+    work, script = _planting_job(tmp_path)
+    (work / WORK_DIR_MARKER).write_text("")  # a folder tune used before, then someone planted code
+    args = _parse(["--out", str(tmp_path / "t.msgpack"), "--work-dir", str(work), "--", str(script)])
+    assert run(args) == 1  # the job ran (and tuned nothing)
+    assert not (tmp_path / "planted_code_ran").exists()
+    assert "recorded no tuned" in capfd.readouterr().err
+
+
+# -- outputs are checked before the job, and the job's end is reported as a shell would -----------
+
+
 @pytest.mark.parametrize(
-    "body, shown",
+    "which, shown",
     [
-        ("raise RuntimeError('site setup broke')\n", "RuntimeError: site setup broke"),
-        ("import no_such_module_for_megatron_tuning\n", "no_such_module_for_megatron_tuning"),
+        ("out-dir", "is a folder; name a file in it"),
+        ("out-under-file", "is a regular file, not a folder"),
+        ("results-dir", "is a folder; name a file in it"),
     ],
 )
-def test_a_broken_user_sitecustomize_is_reported_and_does_not_stop_tune_mode(
-    monkeypatch: MonkeyPatch, tmp_path: Path, capsys: CaptureFixture[str], body: str, shown: str
+def test_an_unwritable_output_fails_before_the_job(
+    monkeypatch: MonkeyPatch, tmp_path: Path, capsys: CaptureFixture[str], which: str, shown: str
 ) -> None:
-    from megatron_tuning.commands import tune as tune_command
+    calls = _fake_job(monkeypatch)
+    folder = tmp_path / "a_folder"
+    folder.mkdir()
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    argv = {
+        "out-dir": ["--out", str(folder)],
+        "out-under-file": ["--out", str(blocker / "sub" / "t.msgpack")],
+        "results-dir": ["--out", str(tmp_path / "t.msgpack"), "--results", str(folder)],
+    }[which]
+    assert run(_parse([*argv, "--", "job.py"])) == 2
+    err = capsys.readouterr().err
+    assert shown in err and ("--results" if which == "results-dir" else "--out") in err
+    assert calls == []  # no hour-long job that ends in "cannot write"
 
-    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
-    ours.mkdir()
-    theirs.mkdir()
-    (theirs / "sitecustomize.py").write_text(body)
-    monkeypatch.setattr(sys, "path", [str(ours), str(theirs), *sys.path])
-    monkeypatch.delitem(sys.modules, "sitecustomize", raising=False)
-    tune_command._chain_sitecustomize(str(ours))  # raised (or said nothing) before
-    assert shown in capsys.readouterr().err
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
+def test_a_read_only_out_folder_fails_before_the_job(
+    monkeypatch: MonkeyPatch, tmp_path: Path, capsys: CaptureFixture[str]
+) -> None:
+    calls = _fake_job(monkeypatch)
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    folder.chmod(0o555)
+    try:
+        assert run(_parse(["--out", str(folder / "t.msgpack"), "--", "job.py"])) == 2
+    finally:
+        folder.chmod(0o755)
+    assert "is not writable" in capsys.readouterr().err and calls == []
+
+
+def test_a_job_killed_by_sigkill_exits_137_and_says_so(tmp_path: Path, capsys: CaptureFixture[str]) -> None:
+    script = tmp_path / "killed.py"
+    script.write_text("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n")
+    assert run(_parse(["--out", str(tmp_path / "t.msgpack"), "--", str(script)])) == 137
+    assert "the job was killed by SIGKILL (exit status 137)" in capsys.readouterr().err

@@ -1,0 +1,253 @@
+"""Arm megatron_tuning in every Python process of a job that was not edited for it.
+
+Two ways in, one mechanism:
+
+* The launchers (``run``, ``tune``) write a ``sitecustomize.py`` into a fresh private folder
+  (``write_bootstrap``) and put that folder first on the job's ``PYTHONPATH``
+  (``job_environment``), so every Python process the job starts (the script, ``python -m``,
+  each torchrun rank, spawned workers) runs it at start-up.
+* ``enable`` writes a one-line ``.pth`` file (``pth_text``) into an environment's site-packages;
+  Python runs it at the start of every process of that environment, and it arms the process only
+  when ``MEGATRON_TUNING_MODE`` is set.
+
+Both load *this file* by its path, under the name ``_megatron_tuning_bootstrap``, and not as
+``megatron_tuning.commands.bootstrap``: importing the package costs about 0.2 s, and a process
+that never imports Triton (torchrun's launcher, pip, a shell-out ``python -c``) should pay
+nothing. So this module imports only the standard library at its top; what it needs from the
+package (the launcher side: ``write_bootstrap``) it imports inside functions.
+
+In the process, nothing happens until Triton is imported: a meta-path hook (``_AfterImport``)
+runs the activation right after ``import triton`` completes, before any kernel is decorated. The
+activation is ``megatron_tuning.commands.<launcher>.activate`` for the launcher named in
+``MEGATRON_TUNING_LAUNCHER`` (``run`` when the ``.pth`` armed the process).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+ENV_LAUNCHER = "MEGATRON_TUNING_LAUNCHER"
+"""Set by ``run``/``tune`` for their job: which activation to run; the ``.pth`` then stands down."""
+ENV_MODE = "MEGATRON_TUNING_MODE"  # core.policy.ENV_MODE, repeated: this file imports no package module
+MODULE_NAME = "_megatron_tuning_bootstrap"
+LAUNCHERS = ("run", "tune")
+
+_HERE = os.path.abspath(__file__)
+_PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(_HERE)))
+
+# Loads this file by path (once per process), then calls ``entry`` on it.
+_LOADER = """\
+_mt_boot = _mt_sys.modules.get({name!r})
+if _mt_boot is None:
+    import importlib.util as _mt_util
+    _mt_spec = _mt_util.spec_from_file_location({name!r}, {path!r})
+    _mt_boot = _mt_util.module_from_spec(_mt_spec)
+    _mt_sys.modules[{name!r}] = _mt_boot
+    _mt_spec.loader.exec_module(_mt_boot)
+"""
+
+_SITECUSTOMIZE = """\
+# Written by `python -m megatron_tuning {launcher}` for one job: arms megatron_tuning in each of its
+# Python processes (at their `import triton`), then runs any sitecustomize this one shadows.
+import sys as _mt_sys
+try:
+{loader}    _mt_boot.bootstrap_process(__file__)
+except Exception as _mt_exc:  # never stop the user's program from starting
+    print(
+        f"megatron_tuning {launcher}: bootstrap failed ({{_mt_exc!r}}); this process is NOT armed",
+        file=_mt_sys.stderr,
+    )
+"""
+
+PTH_NAME = "megatron_tuning_enable.pth"
+PTH_MARKER = "# megatron_tuning environment switch"
+
+
+# --------------------------------------------------------------------------- launcher side
+
+
+def write_bootstrap(folder: Path, launcher: str) -> Path:
+    """Create ``folder`` (it must not exist) holding only our ``sitecustomize.py``; return it.
+
+    The folder goes first on the job's ``PYTHONPATH``, so whatever it holds runs ahead of the
+    standard library in every process of the job: it is created here, private (mode 0700), and
+    only this file is ever written into it.
+    """
+    from megatron_tuning.tables.files import write_atomic
+
+    if launcher not in LAUNCHERS:
+        raise ValueError(f"launcher must be one of {LAUNCHERS}, not {launcher!r}")
+    folder.mkdir(mode=0o700)  # FileExistsError for a folder someone else could have filled
+    loader = "".join(f"    {line}\n" for line in _loader_code().splitlines())
+    text = _SITECUSTOMIZE.format(launcher=launcher, loader=loader)
+    write_atomic(folder / "sitecustomize.py", text.encode("utf-8"))
+    return folder
+
+
+def job_environment(bootstrap: Path, launcher: str, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The job's environment: ``bootstrap`` first on ``PYTHONPATH``, the launcher named."""
+    env = dict(os.environ if base is None else base)
+    paths = [str(bootstrap)]
+    if not is_site_dir(_PACKAGE_PARENT):
+        # A source checkout: the job must import this very copy. An installed copy is already on
+        # the job's path, and a site-packages folder on PYTHONPATH would shadow the standard library.
+        paths.append(_PACKAGE_PARENT)
+    paths += [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    env[ENV_LAUNCHER] = launcher
+    return env
+
+
+def pth_text(pth_path: str) -> str:
+    """The ``.pth`` file ``enable`` writes: a marker comment, then one line Python executes.
+
+    The line costs one environment lookup when ``MEGATRON_TUNING_MODE`` is unset; when it is set,
+    it loads this file by path and arms the process at its ``import triton``.
+    """
+    code = (
+        "try:\n"
+        + "".join(f" {line}\n" for line in _loader_code().splitlines())
+        + " _mt_boot.arm_environment()\n"
+        "except Exception as _mt_exc:\n"
+        " print('megatron_tuning: the environment switch %s failed (%r); this process is NOT armed. "
+        "Remove it with: python -m megatron_tuning disable'"
+        f" % ({pth_path!r}, _mt_exc), file=_mt_sys.stderr)\n"
+    )
+    line = f"import os, sys as _mt_sys; os.environ.get({ENV_MODE!r}) and exec({code!r})"
+    return (
+        f"{PTH_MARKER}, written by `python -m megatron_tuning enable`; remove it with "
+        "`python -m megatron_tuning disable`.\n"
+        f"{line}\n"
+    )
+
+
+def _loader_code() -> str:
+    return _LOADER.format(name=MODULE_NAME, path=_HERE)
+
+
+def is_site_dir(path: str) -> bool:
+    """Whether ``path`` is one of this interpreter's site-packages folders."""
+    import site
+    import sysconfig
+
+    candidates = set(site.getsitepackages()) | {site.getusersitepackages()}
+    candidates |= {sysconfig.get_path("purelib"), sysconfig.get_path("platlib")}
+    return os.path.realpath(path) in {os.path.realpath(c) for c in candidates if c}
+
+
+# --------------------------------------------------------------------------- inside the job
+
+
+def bootstrap_process(sitecustomize_file: str) -> None:
+    """Run from a launcher's ``sitecustomize``: arm this process, then chain any other sitecustomize."""
+    _chain_sitecustomize(os.path.dirname(os.path.abspath(sitecustomize_file)))
+    launcher = os.environ.get(ENV_LAUNCHER, "run")
+    arm(launcher if launcher in LAUNCHERS else "run")
+
+
+def arm_environment() -> None:
+    """Run from the ``.pth``: arm this process unless a launcher's bootstrap does, or the mode is off."""
+    if os.environ.get(ENV_LAUNCHER):
+        return  # `run`/`tune` put their own sitecustomize on the path: it arms this process
+    if os.environ.get(ENV_MODE, "").strip().lower() in ("", "off"):
+        return
+    arm("run")
+
+
+def arm(launcher: str) -> None:
+    """Activate ``launcher`` once Triton is imported (now, if it already is)."""
+
+    def activate() -> None:
+        _activate(launcher)
+
+    if "triton" in sys.modules:
+        activate()
+    elif not any(isinstance(f, _AfterImport) and f.name == "triton" for f in sys.meta_path):
+        # Importing Triton (and torch) in every Python process of the job, the torchrun launcher
+        # included, would be slow and pointless: wait until the process imports Triton itself.
+        sys.meta_path.insert(0, _AfterImport("triton", activate))
+
+
+def _activate(launcher: str) -> None:
+    import importlib
+    import importlib.util
+
+    if "megatron_tuning" not in sys.modules and importlib.util.find_spec("megatron_tuning") is None:
+        # Armed from a copy the process cannot import by name (an uninstalled checkout, through
+        # the .pth): import that copy, the one this file belongs to.
+        sys.path.insert(0, _PACKAGE_PARENT)
+        try:
+            importlib.import_module("megatron_tuning")
+        finally:
+            sys.path.remove(_PACKAGE_PARENT)
+    module = importlib.import_module(f"megatron_tuning.commands.{launcher}")
+    module.activate()
+
+
+class _AfterImport:
+    """A meta-path finder that runs ``callback`` once module ``name`` has finished importing.
+
+    An exception from ``callback`` propagates out of the ``import``: the activation decides
+    whether the process may go on (``tune`` reports and continues; ``run`` stops the process
+    rather than let it run unpinned).
+    """
+
+    def __init__(self, name: str, callback: Callable[[], None]) -> None:
+        self.name = name
+        self.callback = callback
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)
+        import importlib.util
+
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        loader, callback = spec.loader, self.callback
+
+        class _Loader:
+            def create_module(self, spec: Any) -> Any:
+                return loader.create_module(spec)
+
+            def __getattr__(self, attr: str) -> Any:  # everything else: the real loader
+                return getattr(loader, attr)
+
+            def exec_module(self, module: Any) -> None:
+                loader.exec_module(module)
+                callback()
+
+        spec.loader = _Loader()  # type: ignore[assignment]
+        return spec
+
+
+def _chain_sitecustomize(own_dir: str) -> None:
+    """Import the sitecustomize ours shadows (a venv's or distro's), as if ours were not there."""
+    import importlib
+
+    saved = sys.path[:]
+    ours = sys.modules.pop("sitecustomize", None)
+    try:
+        sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != own_dir]
+        importlib.import_module("sitecustomize")
+    except ImportError as exc:
+        if exc.name != "sitecustomize":  # it exists but failed: report it, as site.py does
+            _report_sitecustomize_error(exc)
+    except Exception as exc:  # a broken sitecustomize must not keep the library off
+        _report_sitecustomize_error(exc)
+    finally:
+        sys.path[:] = saved
+        if ours is not None:
+            sys.modules["sitecustomize"] = ours
+
+
+def _report_sitecustomize_error(exc: BaseException) -> None:
+    print(
+        f"Error in sitecustomize; set PYTHONVERBOSE for traceback:\n{type(exc).__name__}: {exc}",
+        file=sys.stderr,
+    )

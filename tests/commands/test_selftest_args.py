@@ -1,0 +1,41 @@
+"""``selftest``'s options: a bad value is a usage error (exit 2, one line), never a traceback or "FAILED"."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_tuning import cli
+from megatron_tuning.commands import selftest
+
+
+@pytest.mark.parametrize(
+    "argv, shown",
+    [
+        (["--timeout", "nan"], "argument --timeout: expected a number of seconds above 0"),
+        (["--timeout", "inf"], "argument --timeout: expected a number of seconds above 0"),
+        (["--timeout", "-1"], "argument --timeout: expected a number of seconds above 0"),
+        (["--timeout", "0"], "argument --timeout: expected a number of seconds above 0"),
+        (["--timeout", "soon"], "argument --timeout: expected a number of seconds, not 'soon'"),
+        (["--nproc", "1"], "argument --nproc: must be at least 2"),
+        (["--nproc", "two"], "argument --nproc: expected an integer number of ranks"),
+    ],
+)
+def test_a_bad_option_is_a_usage_error_before_any_job(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], argv: list[str], shown: str
+) -> None:
+    launched: list[str] = []
+    monkeypatch.setattr(selftest, "_launch", lambda *a, **k: launched.append("job") or {})
+    with pytest.raises(SystemExit) as info:
+        cli.main(["selftest", *argv])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and shown in err and "Traceback" not in err
+    assert launched == []
+
+
+def test_good_values_are_accepted() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    selftest.add_arguments(parser)
+    args = parser.parse_args(["--timeout", "2.5", "--nproc", "3"])
+    assert (args.timeout, args.nproc) == (2.5, 3)

@@ -1,0 +1,160 @@
+"""A session started before ``init_process_group`` attaches to the group once it exists (session.py).
+
+Single process, a real gloo group of one rank: the attach happens at the first new key after the
+group is up, checks the decisions made before it, and never runs on a pinned key's launch. A job
+with ``WORLD_SIZE>1`` that never creates its group is told that the checks never ran.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import megatron_tuning
+from megatron_tuning import session
+from megatron_tuning.distributed import agreement
+from megatron_tuning.runtime import pinning
+
+from . import support_kernels as sk
+from .support_kernels import grid
+
+
+def _launch(n: int) -> None:
+    x, y = torch.randn(n), torch.randn(n)
+    out = torch.empty(n)
+    sk.scale_add[grid(n)](x, y, out, n, 2.0)
+    torch.testing.assert_close(out, 2.0 * x + y)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_kernels() -> Iterator[None]:
+    sk.scale_add.cache.clear()
+    yield
+    sk.scale_add.cache.clear()
+
+
+@pytest.fixture
+def one_rank_group(tmp_path: Path) -> Iterator[Any]:
+    """``start()`` creates a gloo process group of one rank; it is destroyed after the test."""
+
+    def start() -> None:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+
+    yield start
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _spy_on_checks(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Keys the late attach hands to the checker (what it checks of the decisions made before)."""
+    checked: list[str] = []
+    real = session._start_agreement
+
+    def start(policy: Any, group: Any) -> Any:
+        handle = real(policy, group)
+        original = getattr(handle, "check", None)
+        if original is None:  # no group yet: nothing to check with
+            return handle
+
+        def check(decision: Any) -> None:
+            checked.append(decision.key.split(" |")[0])
+            original(decision)
+
+        handle.check = check
+        return handle
+
+    monkeypatch.setattr(session, "_start_agreement", start)
+    return checked
+
+
+def test_init_before_the_group_attaches_at_the_next_new_key_and_checks_what_came_before(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, one_rank_group: Any
+) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "2")  # a torchrun rank, before its init_process_group
+    checked = _spy_on_checks(monkeypatch)
+    with caplog.at_level(logging.INFO, logger="megatron_tuning"):
+        handle = megatron_tuning.init_deterministic_tuning(megatron_tuning.TuningPolicy())
+    assert any("no process group yet (WORLD_SIZE=2)" in r.getMessage() for r in caplog.records)
+    _launch(30)
+    assert agreement.active_checker() is None and len(pinning.before_decision) == 1
+    one_rank_group()
+    _launch(30)  # a pinned key: no attach on the launch path
+    assert agreement.active_checker() is None
+    _launch(31)  # the first new key with a group: attach, then check n=30 (before) and n=31
+    assert agreement.active_checker() is not None and pinning.before_decision == []
+    assert checked == ["n=30"]  # n=31 reaches the checker through the decision log, as usual
+    handle.close()
+    assert agreement.active_checker() is None
+
+
+def test_auto_gets_the_jobs_consensus_at_the_attach(
+    monkeypatch: pytest.MonkeyPatch, one_rank_group: Any
+) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(session, "_make_measure", lambda policy: _first_config)
+    policy = megatron_tuning.TuningPolicy(mode="auto", cache="off", use_shipped_tables=False)
+    with megatron_tuning.init_deterministic_tuning(policy):
+        assert pinning.active is not None and pinning.active.consensus is None
+        one_rank_group()
+        _launch(40)
+        assert pinning.active is not None and pinning.active.consensus is not None
+        (decision,) = [d for d in megatron_tuning.get_decisions() if d.key.startswith("n=40")]
+        assert decision.source == "tuned"  # published to the job's store: this rank was first
+
+
+def _first_config(autotuner: Any, candidates: list[Any], *rest: Any) -> tuple[Any, dict[str, Any]]:
+    return candidates[0], {"format": "fake"}
+
+
+def test_a_session_that_never_sees_its_group_warns_that_the_checks_never_ran(
+    monkeypatch: pytest.MonkeyPatch, notices: Any
+) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    with megatron_tuning.init_deterministic_tuning(megatron_tuning.TuningPolicy()):
+        _launch(30)
+        _launch(31)
+    (warning,) = notices.matching("never ran")
+    assert "agreement check never ran in this process (rank 1 of WORLD_SIZE=2)" in warning
+    assert "its 2 kernel decisions" in warning and "Create the process group before" in warning
+    assert pinning.before_decision == []
+
+
+@pytest.mark.parametrize(
+    "world, launches, policy",
+    [
+        ("", True, megatron_tuning.TuningPolicy()),  # a single process: nothing to check
+        ("2", False, megatron_tuning.TuningPolicy()),  # nothing was decided, nothing went unchecked
+        ("2", True, megatron_tuning.TuningPolicy(agreement="off")),  # checks were not asked for
+    ],
+)
+def test_no_warning_when_nothing_went_unchecked(
+    monkeypatch: pytest.MonkeyPatch, notices: Any, world: str, launches: bool, policy: Any
+) -> None:
+    monkeypatch.setenv("WORLD_SIZE", world)
+    with megatron_tuning.init_deterministic_tuning(policy):
+        if launches:
+            _launch(30)
+    assert notices.matching("never ran") == []
+    assert pinning.before_decision == []
+
+
+def test_a_session_started_with_its_group_registers_no_hook(one_rank_group: Any) -> None:
+    one_rank_group()
+    with megatron_tuning.init_deterministic_tuning(megatron_tuning.TuningPolicy()):
+        assert pinning.before_decision == [] and agreement.active_checker() is not None
+
+
+def test_the_decision_log_path_takes_the_pid(tmp_path: Path) -> None:
+    import os
+
+    log = tmp_path / "d-{pid}.json"
+    with megatron_tuning.init_deterministic_tuning(megatron_tuning.TuningPolicy(decision_log=str(log))):
+        _launch(30)
+    assert (tmp_path / f"d-{os.getpid()}.json").is_file()

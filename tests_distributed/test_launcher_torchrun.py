@@ -1,0 +1,128 @@
+"""Zero-edit use across real torchrun ranks (gloo, CPU, Triton interpreter).
+
+``python -m megatron_tuning run -- torchrun ... unedited_job.py``: a job that never mentions the
+library, creates its process group after importing its kernels, and must still be pinned on every
+rank with the agreement check on (chaos is caught) and ``auto``'s decisions shared. And the same
+late attach for a job that calls ``init_deterministic_tuning`` before ``init_process_group``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _launch import WORKERS, gloo_available, read_results, run_bounded
+
+NPROC = 2
+
+
+@pytest.fixture(autouse=True)
+def _needs_gloo() -> None:
+    if not gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+
+
+def _torchrun() -> list[str]:
+    """The ``torchrun`` program of this interpreter's environment (else its module form)."""
+    program = Path(sys.executable).parent / "torchrun"
+    return [str(program)] if program.exists() else [sys.executable, "-m", "torch.distributed.run"]
+
+
+def _run_unedited(tmp: Path, *options: str) -> tuple[Any, dict[int, dict[str, Any]]]:
+    out = tmp / "out"
+    out.mkdir()
+    command = [
+        sys.executable,
+        "-m",
+        "megatron_tuning",
+        "run",
+        *options,
+        "--",
+        *_torchrun(),
+        "--standalone",
+        f"--nproc_per_node={NPROC}",
+        str(WORKERS / "unedited_job.py"),
+        str(out),
+    ]
+    done = run_bounded(command, tmp, 240, "run -- torchrun unedited_job.py")
+    return done, read_results(out, NPROC)
+
+
+def _decisions(path: Path) -> list[dict[str, Any]]:
+    return [d for d in json.loads(path.read_text())["decisions"] if d["kernel"].endswith(":add_kernel")]
+
+
+def test_run_pins_every_rank_of_an_unedited_torchrun_job(tmp_path: Path) -> None:
+    log = tmp_path / "d-{rank}.json"
+    done, results = _run_unedited(tmp_path, "--no-shipped-tables", "--decision-log", str(log))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert [results[r]["error"] for r in range(NPROC)] == [None] * NPROC
+    per_rank = [_decisions(tmp_path / f"d-{rank}.json") for rank in range(NPROC)]
+    assert all(len(d) == 3 and {x["source"] for x in d} == {"cheapest"} for d in per_rank)
+    assert [(d["key"], d["signature"]) for d in per_rank[0]] == [
+        (d["key"], d["signature"]) for d in per_rank[1]
+    ]
+    assert [d["rank"] for d in per_rank[1]] == [1, 1, 1]
+
+
+def test_the_agreement_check_is_on_in_an_unedited_torchrun_job(tmp_path: Path) -> None:
+    done, results = _run_unedited(tmp_path, "--mode", "chaos")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    errors = {results[r]["error"] for r in range(NPROC)}
+    assert "DivergenceError" in errors, results
+    message = next(results[r]["message"] for r in range(NPROC) if results[r]["error"])
+    assert "_kernels:add_kernel" in message and "Rank(s) [0]" in message and "Rank(s) [1]" in message
+
+
+def test_auto_shares_one_decision_per_key_in_an_unedited_torchrun_job(tmp_path: Path) -> None:
+    log = tmp_path / "d-{rank}.json"
+    cache = tmp_path / "cache.msgpack"
+    done, results = _run_unedited(
+        tmp_path, "--mode", "auto", "--cache", str(cache), "--no-shipped-tables", "--decision-log", str(log)
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert [results[r]["error"] for r in range(NPROC)] == [None] * NPROC
+    per_rank = [_decisions(tmp_path / f"d-{rank}.json") for rank in range(NPROC)]
+    for key in {d["key"] for d in per_rank[0]}:
+        rows = [d for decisions in per_rank for d in decisions if d["key"] == key]
+        assert sorted(d["source"] for d in rows) == ["adopted", "tuned"], rows
+        assert len({d["signature"] for d in rows}) == 1
+
+
+# -- init_deterministic_tuning before init_process_group ---------------------------------------
+
+
+def _late(tmp: Path, mode: str) -> dict[int, dict[str, Any]]:
+    out = tmp / mode
+    out.mkdir()
+    command = [
+        *_torchrun(),
+        "--standalone",
+        f"--nproc_per_node={NPROC}",
+        str(WORKERS / "late_attach_worker.py"),
+        "--out",
+        str(out),
+        "--mode",
+        mode,
+    ]
+    done = run_bounded(command, tmp, 240, f"late_attach_worker.py {mode}")
+    results = read_results(out, NPROC)
+    assert done.returncode == 0 and len(results) == NPROC, done.stdout[-3000:] + done.stderr[-3000:]
+    return results
+
+
+def test_init_before_the_group_still_catches_chaos(tmp_path: Path) -> None:
+    results = _late(tmp_path, "chaos")
+    assert "DivergenceError" in {results[r]["error"] for r in range(NPROC)}, results
+
+
+def test_init_before_the_group_still_shares_auto_decisions(tmp_path: Path) -> None:
+    results = _late(tmp_path, "auto")
+    assert [results[r]["error"] for r in range(NPROC)] == [None] * NPROC, results
+    for n in (101, 102, 103):
+        rows = [d for r in range(NPROC) for d in results[r]["decisions"] if d["key"].startswith(f"n={n} ")]
+        assert sorted(d["source"] for d in rows) == ["adopted", "tuned"], rows  # before: tuned, tuned
+        assert len({d["signature"] for d in rows}) == 1

@@ -1,0 +1,40 @@
+"""A torchrun job as a user has it: no megatron_tuning anywhere (the launcher tests run it under
+``python -m megatron_tuning run``). It imports its kernels, then creates its process group, as
+training scripts do, launches one kernel on three sizes, and writes ``<out>/rank<r>.json`` with
+the error it hit, if any, for ``tests_distributed/test_launcher_torchrun.py`` to judge.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from datetime import timedelta
+
+import torch.distributed as dist
+from _kernels import run  # kernels first (the bootstrap arms the process at their `import triton`)
+
+SIZES = (100, 200, 300)
+
+
+def main() -> int:
+    out = sys.argv[1]
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    rank = dist.get_rank()
+    result: dict[str, object] = {"error": None}
+    dist.barrier()
+    for n in SIZES:
+        try:
+            run("add", n)
+        except Exception as error:  # what the user would see: kept for the test
+            result["error"], result["message"] = type(error).__name__, str(error)
+            break
+    dist.barrier()
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as handle:
+        json.dump(result, handle)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
