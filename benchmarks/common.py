@@ -52,12 +52,7 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
 def require_device(args: argparse.Namespace, name: str) -> bool:
     """True when the benchmark can run: a CUDA GPU, or ``--smoke``. Explains itself otherwise."""
     if args.smoke:
-        os.environ["TRITON_INTERPRET"] = "1"
-        # Triton 3.3 resolves its benchmarker when a kernel is decorated, which fails without a
-        # GPU driver: keep the lazy one for this whole (short-lived) smoke process.
-        from megatron_tuning.runtime.triton_compat import lazy_benchmarker
-
-        _PROCESS_CONTEXTS.enter_context(lazy_benchmarker())
+        use_cpu_interpreter()
         return True
     try:
         import torch
@@ -73,6 +68,23 @@ def require_device(args: argparse.Namespace, name: str) -> bool:
         file=sys.stderr,
     )
     return False
+
+
+def use_cpu_interpreter() -> None:
+    """Run this process's kernels in the Triton interpreter (``--smoke``, CPU modes)."""
+    os.environ["TRITON_INTERPRET"] = "1"
+    # Triton 3.3 resolves its benchmarker when a kernel is decorated, which fails without a
+    # GPU driver: keep the lazy one for this whole (short-lived) process.
+    from megatron_tuning.runtime.triton_compat import lazy_benchmarker
+
+    _PROCESS_CONTEXTS.enter_context(lazy_benchmarker())
+
+
+def rotated(items: Sequence[Any], shift: int) -> list[Any]:
+    """``items`` starting at position ``shift`` (mod length): interleaved rounds rotate their start
+    so slow drift hits every item alike."""
+    start = shift % len(items)
+    return list(items[start:]) + list(items[:start])
 
 
 def run_parent_or_child(
