@@ -7,6 +7,9 @@
   and launched the way Triton's cache-hit path launches: ``Config.pre_hook`` then ``fn.run``.
   The decision is also filed in the autotuner's own ``cache`` under Triton's key (removed again
   at ``uninstall``), and ``best_config`` is set at every launch, as Triton's hit path leaves them.
+  Every later launch of the key takes the *hit path*: a launch key (``pinning.launch_key``,
+  compiled per call shape) finds the key's launch record (the config and its ``all_kwargs()``,
+  computed once), valid only while the installation that made it is the active one.
   Autotuner-level ``reset_to_zero``/``restore_value``/``pre_hook``/``post_hook`` only protect
   benchmarking, so they do not run when nothing is benchmarked (as on Triton's hit path).
   Under ``record`` Triton autotunes as usual and its winner is recorded. Out-of-scope kernels
