@@ -82,6 +82,46 @@ def test_compile_benchmark_smoke(tmp_path: Path) -> None:
     assert len(pinned) == 4 and all(s["decisions_per_process"] == [1] for s in pinned)
 
 
+MAMBA_RESULTS = REPO / "benchmarks" / "results" / "2026-12-01-h200" / "call1"
+
+
+def _script(script: str, tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRON_TUNING_")}
+    env["PYTHONPATH"] = str(REPO)
+    command = [sys.executable, str(REPO / "benchmarks" / script), *args]
+    done = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
+
+
+def test_mamba_summary_of_the_published_runs_is_unchanged(tmp_path: Path) -> None:
+    # RESULTS section 10 was printed from these runs: the summary code must still give its numbers.
+    out = tmp_path / "summary.json"
+    modes = ["stock", "mamba_deterministic", "ours_cheapest", "auto"]
+    runs = str(MAMBA_RESULTS / "mamba_runs.jsonl")
+    _script("bench_mamba_ssd.py", tmp_path, "--summarize", runs, "--summary-out", str(out), "--modes", *modes)
+    published = json.loads((MAMBA_RESULTS / "mamba_summary.json").read_text())["summary"]
+    again = json.loads(out.read_text())["summary"]
+    assert {k: again[k] for k in ("modes", "kernels", "output_hashes", "prewarm")} == {
+        k: published[k] for k in ("modes", "kernels", "output_hashes", "prewarm")
+    }
+
+
+def test_mamba_driver_runs_rounds_of_fresh_workers_and_summarizes_them(tmp_path: Path) -> None:
+    # --fake-worker: synthetic results of the real shape, so the driver runs without megatron-core.
+    out, runs = tmp_path / "summary.json", tmp_path / "runs.jsonl"
+    argv = ["--driver", "--fake-worker", "--processes", "2", "--work-dir", str(tmp_path / "work")]
+    done = _script("bench_mamba_ssd.py", tmp_path, *argv, "--summary-out", str(out), "--out", str(runs))
+    assert "== per mode" in done.stdout and "== configs launched per kernel" in done.stdout
+    modes = json.loads(out.read_text())["summary"]["modes"]
+    assert set(modes) == {"stock", "mamba_deterministic", "ours_cheapest", "auto"}
+    assert all(m["processes"] == 2 and m["failed"] == 0 for m in modes.values())
+    assert modes["stock"]["bench_calls"] == 41 and modes["auto"]["bench_calls"] == 0
+    recorded = [json.loads(line) for line in runs.read_text().splitlines()]
+    assert [r["tag"] for r in recorded][0] == "prewarm"
+    assert sorted(r["round"] for r in recorded if r["tag"] != "prewarm") == [1] * 4 + [2] * 4
+
+
 def test_launch_overhead_cpu_mode_times_the_three_host_paths(tmp_path: Path) -> None:
     result = _smoke("bench_launch_overhead.py", tmp_path, "--cpu", "--calls", "2000", "--repeats", "2")
     assert set(result["best_us"]) == {"direct", "triton_hit", "pinned"}
