@@ -13,7 +13,7 @@
 #   reproducibility  >= 10 fresh processes, stock vs pinned (uses configs/sm90/matmul.msgpack)
 #   retune           >= 5 fresh processes: the tuner's choice vs Triton's
 #   record           record -> merge -> pin end to end (4 recording processes, then a pinned one)
-#   auto             auto mode run 1 / run 2 vs stock (2 processes sharing a store), nearest-shape rule
+#   auto             auto mode run 1 / run 2 vs stock (2 processes sharing a store), then the nearest stage
 #   mamba            megatron-core's Mamba SSD kernels: stock, MAMBA_DETERMINISTIC, ours, auto run 1/2
 #                    (needs megatron-core importable: see benchmarks/bench_mamba_ssd.py)
 #   compile          torch.compile: eager vs compiled, stock vs pinned, 3 fresh processes per kind
@@ -40,7 +40,7 @@ stages=("$@")
 ((${#stages[@]})) || stages=(tables quality first_launch overhead)
 
 # Typical H200 seconds per stage; a stage is skipped when less than this is left.
-declare -A NEED=([tables]=120 [quality]=60 [first_launch]=150 [overhead]=60 [tuner_judge]=150 [nearest]=180 [reproducibility]=280 [retune]=120 [record]=120 [smoke]=120 [auto]=150 [mamba]=200 [compile]=240)
+declare -A NEED=([tables]=120 [quality]=60 [first_launch]=150 [overhead]=60 [tuner_judge]=150 [nearest]=180 [reproducibility]=280 [retune]=120 [record]=120 [smoke]=120 [auto]=300 [mamba]=200 [compile]=240)
 
 {
   echo "date: $(date -u '+%Y-%m-%d %H:%M:%SZ')"
@@ -78,7 +78,7 @@ for stage in "${stages[@]}"; do
       run_stage overhead bash -c "set -e; $PY benchmarks/bench_launch_overhead.py --out $OUT/overhead.json
         $PY benchmarks/bench_launch_overhead.py --cpu --out $OUT/overhead_cpu.json" ;;
     tuner_judge) run_stage tuner_judge "$PY" benchmarks/bench_tuner_judge.py --out "$OUT/tuner_judge.json" ;;
-    nearest) run_stage nearest "$PY" benchmarks/bench_auto.py --parts nearest --out "$OUT/nearest.json" ;;
+    nearest) run_stage nearest "$PY" benchmarks/bench_nearest.py --out "$OUT/nearest.json" ;;
     reproducibility)
       run_stage reproducibility "$PY" benchmarks/bench_reproducibility.py --processes "${MT_REPRO_PROCESSES:-10}" \
         --out "$OUT/reproducibility.json" ;;
@@ -86,14 +86,16 @@ for stage in "${stages[@]}"; do
       run_stage retune "$PY" benchmarks/bench_retune.py --processes "${MT_RETUNE_PROCESSES:-5}" \
         --plot "$OUT/plots/retune" --out "$OUT/retune.json" ;;
     record) run_stage record "$PY" benchmarks/record_merge_e2e.py --out "$OUT/record.json" ;;
-    auto) run_stage auto "$PY" benchmarks/bench_auto.py --out "$OUT/auto.json" ;;
+    auto)  # auto mode, then the nearest-shape fallback (one script each since issue 18)
+      run_stage auto bash -c "set -e; $PY benchmarks/bench_auto.py --out $OUT/auto.json
+        $PY benchmarks/bench_nearest.py --out $OUT/nearest.json" ;;
     mamba)
       run_stage mamba "$PY" benchmarks/bench_mamba_ssd.py --driver --processes "${MT_MAMBA_PROCESSES:-3}" \
         --budget-s "${MT_MAMBA_BUDGET_S:-240}" --work-dir "${TMPDIR:-/tmp}/mt_mamba_bench" \
         --out "$OUT/mamba_runs.jsonl" --summary-out "$OUT/mamba_summary.json" ;;
     compile) run_stage compile "$PY" benchmarks/bench_compile.py --out "$OUT/compile.json" ;;
     smoke)
-      run_stage smoke bash -c "set -e; for s in bench_quality bench_launch_overhead bench_tuner_judge bench_first_launch bench_retune bench_reproducibility record_merge_e2e bench_compile; do
+      run_stage smoke bash -c "set -e; for s in bench_quality bench_launch_overhead bench_tuner_judge bench_nearest bench_first_launch bench_retune bench_reproducibility record_merge_e2e bench_compile; do
         $PY benchmarks/\$s.py --smoke --out $OUT/smoke/\$s.json; done
         $PY benchmarks/make_sm90_tables.py --smoke --out-dir $OUT/smoke/tables" ;;
     *) echo "unknown stage $stage (see the header of $0)" | tee -a "$OUT/summary.txt" ;;
