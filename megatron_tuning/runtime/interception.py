@@ -7,7 +7,7 @@
   and launched the way Triton's cache-hit path launches: ``Config.pre_hook`` then ``fn.run``.
   The decision is also filed in the autotuner's own ``cache`` under Triton's key (removed again
   at ``uninstall``), and ``best_config`` is set at every launch, as Triton's hit path leaves them.
-  Every later launch of the key takes the *hit path*: a launch key (``pinning.launch_key``,
+  Every later launch of the key takes the *hit path*: a launch key (``launches.launch_key``,
   compiled per call shape) finds the key's launch record (the config and its ``all_kwargs()``,
   computed once), valid only while the installation that made it is the active one.
   Autotuner-level ``reset_to_zero``/``restore_value``/``pre_hook``/``post_hook`` only protect
@@ -47,19 +47,16 @@ from ..core.policy import TuningPolicy
 from ..core.warn import reset_warnings
 from . import inductor, pinning
 from .auto import Consensus, Measure
+from .launches import Launch, launch_key, raw_key, specialize_launch_key
 from .pinning import (
     PINNED_ATTR,
     STATE_ATTR,
     AutotunerState,
     Installation,
-    Launch,
     current_policy,
     decide,
     forget_triton_cache,
     installed,
-    launch_key,
-    raw_key,
-    specialize_launch_key,
     state_for,
 )
 from .triton_compat import acquire_lazy_init, autotuner_class, check_triton_contract, release_lazy_init

@@ -1,4 +1,4 @@
-"""The pinned hit path: per-key launch records, and every way a record could go stale.
+"""Launch records (``runtime/launches.py``) on the pinned hit path, and every way one could go stale.
 
 Each test here watches the config a launch really hands the kernel (``fn.run`` is wrapped to
 record its ``BLOCK_SIZE``), not only ``best_config``, so a fast path that launched an old record
@@ -20,7 +20,8 @@ from megatron_tuning.core.decisions import decision_log, get_decisions
 from megatron_tuning.core.identity import config_data, kernel_id, tuning_key
 from megatron_tuning.core.policy import TuningPolicy
 from megatron_tuning.runtime import interception, pinning
-from megatron_tuning.runtime.pinning import STATE_ATTR, launch_key, raw_key, specialize_launch_key
+from megatron_tuning.runtime.launches import launch_key, raw_key, specialize_launch_key
+from megatron_tuning.runtime.pinning import STATE_ATTR
 
 from .. import support_kernels as sk
 from ..support_kernels import grid
