@@ -17,8 +17,8 @@ bare per launch.
 Python around the launch is timed: ``direct`` (the no-op called with the launch keywords),
 ``triton_hit`` (``Autotuner.run`` with the key in its ``cache``) and ``pinned`` (our ``run``
 after first use). ``--calls`` calls per sample, best of ``--repeats`` samples, all three paths in
-one process, interleaved. Goal (issue 18): pinned adds <= 1.5 us over direct, and <= 0.2x of what
-Triton's hit path adds.
+one process, interleaved; ``--clock thread`` times this thread's CPU time instead of the wall.
+Goal (issue 18): pinned adds <= 1.5 us over direct, and <= 0.2x of what Triton's hit path adds.
 """
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ CPU_PATHS = ("direct", "triton_hit", "pinned")
 CPU_GOAL_ADDED_US = 1.5
 CPU_GOAL_SHARE = 0.2
 GPU_GOAL_VS_BARE = 1.05
+# wall: what the goal is stated in; thread: this thread's CPU time, steadier on a shared machine.
+CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}
 
 
 def _policy() -> Any:
@@ -172,7 +174,7 @@ def measure_cpu(args: argparse.Namespace) -> dict[str, list[float]]:
                 elif path == "pinned":
                     interception.install(_policy(), table=table)
                 try:
-                    timer = timeit.Timer(calls[path])
+                    timer = timeit.Timer(calls[path], timer=CLOCKS[args.clock])
                     timer.timeit(min(args.calls, 10_000))  # first use, and the caches settled
                     samples[path].append(timer.timeit(args.calls) / args.calls * 1e6)
                 finally:
@@ -226,6 +228,9 @@ def main() -> int:
     parser.add_argument("--trials", type=int, default=None, help="GPU: trials per path (default 7)")
     parser.add_argument("--calls", type=int, default=200_000, help="CPU: calls per sample (default 200000)")
     parser.add_argument("--repeats", type=int, default=5, help="CPU: samples per path, best kept (default 5)")
+    parser.add_argument(
+        "--clock", choices=sorted(CLOCKS), default="wall", help="CPU: the clock (default wall)"
+    )
     args = parser.parse_args()
     if args.cpu:
         common.use_cpu_interpreter()
@@ -238,6 +243,7 @@ def main() -> int:
                 "environment": common.environment(),
                 "calls": args.calls,
                 "repeats": args.repeats,
+                "clock": args.clock,
                 **result,
                 "samples_us": samples,
             },
