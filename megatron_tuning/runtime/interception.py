@@ -7,9 +7,9 @@
   and launched the way Triton's cache-hit path launches: ``Config.pre_hook`` then ``fn.run``.
   The decision is also filed in the autotuner's own ``cache`` under Triton's key (removed again
   at ``uninstall``), and ``best_config`` is set at every launch, as Triton's hit path leaves them.
-  Every later launch of the key takes the *hit path*: a launch key (``launches.launch_key``,
-  compiled per call shape) finds the key's launch record (the config and its ``all_kwargs()``,
-  computed once), valid only while the installation that made it is the active one.
+  Every later launch of the key takes the *hit path*: one lookup (``state.find``, compiled per
+  call shape, ``runtime/launches.py``) finds the key's launch record (the config and its
+  ``all_kwargs()``, computed once), valid only while the installation that made it is active.
   Autotuner-level ``reset_to_zero``/``restore_value``/``pre_hook``/``post_hook`` only protect
   benchmarking, so they do not run when nothing is benchmarked (as on Triton's hit path).
   Under ``record`` Triton autotunes as usual and its winner is recorded. Out-of-scope kernels
@@ -47,7 +47,7 @@ from ..core.policy import TuningPolicy
 from ..core.warn import reset_warnings
 from . import inductor, pinning
 from .auto import Consensus, Measure
-from .launches import Launch, launch_key, raw_key, specialize_launch_key
+from .launches import Launch, launch_key, raw_key, specialize_find
 from .pinning import (
     PINNED_ATTR,
     STATE_ATTR,
@@ -160,7 +160,7 @@ def _make_run(original: Any) -> Any:
         # at the key's first launch (``_first_launch``).
         state = self.__dict__.get(STATE_ATTR)
         if state is not None and state.live is pinning.active:
-            launch = state.launches.get(state.fast_key(args, kwargs))
+            launch = state.find(args, kwargs)
             if launch is not None:
                 if pinning.flush_pending:  # the one hook on this path: work due at a repeated launch
                     pinning.run_pending_flush()
@@ -200,7 +200,7 @@ def _first_launch(original: Any, autotuner: Any, args: tuple[Any, ...], kwargs: 
     launch = Launch(config, config.all_kwargs())
     if len(state.launches) < pinning.MAX_LAUNCHES:
         if not state.launches:  # the first launch's call pattern is the one compiled for speed
-            specialize_launch_key(state, args)
+            specialize_find(state, args)
         state.launches[launch_key(state, args, kwargs)] = launch
         state.live = installation
     return _launch(autotuner, launch, args, kwargs)

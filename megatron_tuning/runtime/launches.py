@@ -1,11 +1,11 @@
 """Launch records and the keys that find them: the pinned launch path's data, computed once per key.
 
 ``raw_key`` is the decision key (one decision per key, as fine as ``identity.tuning_key``);
-``launch_key`` the hit path's key, at least as fine and cheaper to build; ``specialize_launch_key``
-compiles a version of it for the call shape a kernel is launched with. A ``Launch`` holds what
-every launch of a key needs (the config and its ``all_kwargs()``). The functions read a few
-fields of ``pinning.AutotunerState`` (``KeyedState`` here), so this module imports nothing of
-the runtime package.
+``launch_key`` the hit path's key, at least as fine and cheaper to build; ``specialize_find``
+compiles the hit path's lookup (key, then record) for the call shape a kernel is launched with.
+A ``Launch`` holds what every launch of a key needs (the config and its ``all_kwargs()``). The
+functions read a few fields of ``pinning.AutotunerState`` (``KeyedState``), so this module
+imports nothing of the runtime package.
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ class KeyedState(Protocol):
     key_index: tuple[tuple[str, int], ...]
     arg_names: tuple[str, ...]
     arg_set: frozenset[str]
-    fast_key: Any
-    """The hit path's ``launch_key`` for this state (``specialize_launch_key`` sets it)."""
+    launches: dict[tuple[Any, ...], Launch]
+    find: Any
+    """The hit path's lookup, ``find(args, kwargs) -> Launch | None`` (``specialize_find`` sets it)."""
 
 
 class Launch(NamedTuple):
@@ -91,18 +92,24 @@ def launch_key(state: KeyedState, args: tuple[Any, ...], kwargs: dict[str, Any])
 _PLAIN_TYPES = {int: "int", float: "float", bool: "bool", str: "str", type(None): "_NONE_TYPE"}
 
 
-def specialize_launch_key(state: KeyedState, args: tuple[Any, ...]) -> None:
-    """Make ``state.fast_key`` a function compiled for calls shaped like ``args``.
+def find_launch(state: KeyedState, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Launch | None:
+    """The launch record of this call, if there is one: ``state.find`` before it is specialized."""
+    return state.launches.get(launch_key(state, args, kwargs))
 
-    The hit path builds a launch key at every launch; a loop over the key arguments and a walk
-    over ``args`` cost more than the launch they guard. For calls with as many positional
+
+def specialize_find(state: KeyedState, args: tuple[Any, ...]) -> None:
+    """Make ``state.find`` a lookup compiled for calls shaped like ``args``.
+
+    The hit path looks up a launch record at every launch; a loop over the key arguments and a
+    walk over ``args`` cost more than the launch they guard. For calls with as many positional
     arguments as ``args`` and no kernel argument by keyword, the compiled function unpacks
-    ``args`` and builds the same tuple as ``launch_key`` in one expression (as Triton's own JIT
-    binder is generated per signature): ``.dtype`` read directly where ``args`` had a tensor,
-    a class check where it had a plain ``int``/``float``/``bool``/``str``/``None``. Any other
-    call, or an argument of another kind (``AttributeError``), goes to ``launch_key`` itself, so
-    the two agree on every call (``tests/runtime/test_launches.py`` checks it). Only integer
-    positions and the names above enter the source; argument names never do.
+    ``args``, builds the same tuple as ``launch_key`` in one expression (as Triton's own JIT
+    binder is generated per signature) and looks it up in ``state.launches`` (a dict that is
+    never rebound): ``.dtype`` read directly where ``args`` had a tensor, a class check where it
+    had a plain ``int``/``float``/``bool``/``str``/``None``. Any other call, or an argument of
+    another kind (``AttributeError``), is looked up by ``launch_key`` itself, so the two agree on
+    every call (``tests/runtime/test_launches.py`` checks it). Only integer positions and the
+    names above enter the source; argument names never do.
     """
     count = len(args)
     names = [f"a{i}" for i in range(count)]
@@ -118,21 +125,23 @@ def specialize_launch_key(state: KeyedState, args: tuple[Any, ...]) -> None:
         else:
             parts.append(f"getattr({name}, 'dtype', _ABSENT)")
     source = (
-        "def fast_key(args, kwargs):\n"
+        "def find(args, kwargs):\n"
         f"    if len(args) != {count} or not arg_set.isdisjoint(kwargs):\n"
-        "        return launch_key(state, args, kwargs)\n"
+        "        return get(launch_key(state, args, kwargs))\n"
         + (f"    {', '.join(names)}, = args\n" if names else "")
         + "    try:\n"
-        f"        return ({''.join(part + ', ' for part in parts)})\n"
+        f"        key = ({''.join(part + ', ' for part in parts)})\n"
         "    except AttributeError:  # no dtype where the first call had one\n"
-        "        return launch_key(state, args, kwargs)\n"
+        "        return get(launch_key(state, args, kwargs))\n"
+        "    return get(key)\n"
     )
     scope = {
         "arg_set": state.arg_set,
+        "get": state.launches.get,
         "launch_key": launch_key,
         "state": state,
         "_ABSENT": _ABSENT,
         "_NONE_TYPE": type(None),
     }
-    exec(compile(source, f"<megatron_tuning launch key {state.kernel}>", "exec"), scope)  # noqa: S102
-    state.fast_key = scope["fast_key"]  # type: ignore[assignment]
+    exec(compile(source, f"<megatron_tuning launch lookup {state.kernel}>", "exec"), scope)  # noqa: S102
+    state.find = scope["find"]

@@ -36,7 +36,7 @@ from ..core.warn import warn_once
 from .auto import Consensus, Measure, auto_choice
 
 # Re-exported: the adapters and tests reach the launch records and keys through this module.
-from .launches import MAX_LAUNCHES, Launch, launch_key, raw_key, specialize_launch_key  # noqa: F401
+from .launches import MAX_LAUNCHES, Launch, find_launch, launch_key, raw_key, specialize_find  # noqa: F401
 from .triton_compat import triton_cache_key
 
 logger = logging.getLogger("megatron_tuning.runtime.interception")
@@ -84,19 +84,20 @@ class AutotunerState:
     triton_keys: dict[tuple[Any, ...], Any] = field(default_factory=dict)
     """Entries this installation wrote into the autotuner's own ``cache`` (removed at uninstall)."""
     launches: dict[tuple[Any, ...], Launch] = field(default_factory=dict)
-    """Launch key (``launch_key``) -> ``Launch``: what the hit path reads, one dict lookup a launch."""
+    """Launch key (``launch_key``) -> ``Launch``: what the hit path reads, one dict lookup a
+    launch. Never rebound (``find`` holds its ``get``)."""
     live: Installation | None = None
     """The installation ``launches`` serve: set by the interception once a pinned launch of this
     state was made. The hit path uses ``launches`` only while this ``is`` the active installation,
     so a new policy, table or ``uninstall`` can never launch a record of an old one."""
     arg_set: frozenset[str] = field(init=False)
-    fast_key: Any = field(init=False)
-    """``fast_key(args, kwargs) -> launch key``: ``launches.launch_key`` for this state until
-    ``specialize_launch_key`` compiles a faster one for the first launch's call shape."""
+    find: Any = field(init=False)
+    """``find(args, kwargs) -> Launch | None``, the hit path's lookup in ``launches``:
+    ``launches.find_launch`` until ``specialize_find`` compiles one for the first call's shape."""
 
     def __post_init__(self) -> None:
         self.arg_set = frozenset(self.arg_names)
-        self.fast_key = functools.partial(launch_key, self)
+        self.find = functools.partial(find_launch, self)
 
 
 active: Installation | None = None

@@ -20,7 +20,7 @@ from megatron_tuning.core.decisions import decision_log, get_decisions
 from megatron_tuning.core.identity import config_data, kernel_id, tuning_key
 from megatron_tuning.core.policy import TuningPolicy
 from megatron_tuning.runtime import interception, pinning
-from megatron_tuning.runtime.launches import launch_key, raw_key, specialize_launch_key
+from megatron_tuning.runtime.launches import Launch, launch_key, raw_key, specialize_find
 from megatron_tuning.runtime.pinning import STATE_ATTR
 
 from .. import support_kernels as sk
@@ -248,7 +248,7 @@ def _calls() -> st.SearchStrategy[tuple[tuple[Any, ...], dict[str, Any]]]:
 
 @settings(max_examples=300, deadline=None)
 @given(first=_calls(), calls=st.lists(_calls(), min_size=2, max_size=6))
-def test_launch_keys_are_exact_and_the_compiled_key_agrees_with_the_generic_one(first, calls):
+def test_launch_keys_are_exact_and_the_compiled_lookup_agrees_with_the_generic_one(first, calls):
     state = pinning.AutotunerState(
         generation=0,
         in_scope=True,
@@ -256,9 +256,11 @@ def test_launch_keys_are_exact_and_the_compiled_key_agrees_with_the_generic_one(
         key_index=(("n", 3),),
         arg_names=tuple(sk.scale_add.arg_names),
     )
-    specialize_launch_key(state, first[0])
+    specialize_find(state, first[0])
+    for args, kwargs in [first, *calls[:-1]]:  # a record each (the last call may find none)
+        state.launches.setdefault(launch_key(state, args, kwargs), Launch(object(), {}))
     for args, kwargs in [first, *calls]:
-        assert state.fast_key(args, kwargs) == launch_key(state, args, kwargs)
+        assert state.find(args, kwargs) is state.launches.get(launch_key(state, args, kwargs))
     for (args_a, kw_a), (args_b, kw_b) in itertools.combinations([first, *calls], 2):
         same_raw = raw_key(state, args_a, kw_a) == raw_key(state, args_b, kw_b)
         same_text = tuning_key(sk.scale_add, args_a, kw_a) == tuning_key(sk.scale_add, args_b, kw_b)
