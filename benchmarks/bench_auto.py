@@ -1,4 +1,4 @@
-"""auto mode and the nearest-shape rule on the reference matmul: pinned AND fast without a hand-made table.
+"""auto mode on the reference matmul: pinned AND fast without a hand-made table.
 
     PYTHONPATH=. python benchmarks/bench_auto.py --out auto.json      # GPU, ~3 minutes on an H200
     PYTHONPATH=. python benchmarks/bench_auto.py --smoke              # CPU check of the code paths
@@ -18,10 +18,7 @@ measurements. Then one ``judge`` process times every candidate config of every s
 interleaved, so the steady-state ratios (auto's config vs the configs stock chose) come from one
 process and one run.
 
-Part ``nearest``: one process tunes the matmul at M in {1024, ..., 16384} (N, K fixed) with
-``auto`` into a fresh cache, then, for M in {1536, 3072, 6144, 12288} (no entries), reports the
-throughput of the nearest shape's config and of the cheapest config as fractions of the best
-candidate's, all timed interleaved in that process.
+The nearest-shape fallback on held-out shapes is ``bench_nearest.py``.
 """
 
 from __future__ import annotations
@@ -39,12 +36,6 @@ from typing import Any
 
 import common
 
-NEAREST_TUNED_M = [1024, 2048, 4096, 8192, 16384]
-NEAREST_QUERY_M = [1536, 3072, 6144, 12288]
-NEAREST_NK = (4096, 4096)
-SMOKE_NEAREST_TUNED_M = [16, 64]
-SMOKE_NEAREST_QUERY_M = [24, 48]
-SMOKE_NEAREST_NK = (32, 40)
 JOBS = ("stock_cold", "auto1_cold", "stock_warm", "auto2_warm")
 
 
@@ -136,73 +127,10 @@ def child_judge(args: argparse.Namespace) -> None:
     common.emit({"medians_ms": rows})
 
 
-def child_nearest(args: argparse.Namespace) -> None:
-    """Tune the M sweep with auto, then judge nearest vs cheapest on the M values in between."""
-    import megatron_tuning
-    from megatron_tuning.core.choice import Miss, choose_on_miss
-    from megatron_tuning.core.cost import cheapest
-    from megatron_tuning.core.identity import config_signature, tuning_key
-    from megatron_tuning.tables.search import TableSet
-
-    mm = _matmul_module(args.smoke)
-    tuned_m, query_m = (
-        (SMOKE_NEAREST_TUNED_M, SMOKE_NEAREST_QUERY_M) if args.smoke else (NEAREST_TUNED_M, NEAREST_QUERY_M)
-    )
-    n, k = SMOKE_NEAREST_NK if args.smoke else NEAREST_NK
-    policy = megatron_tuning.TuningPolicy(
-        mode="auto",
-        cache=args.cache,
-        use_shipped_tables=False,
-        scope=("megatron_tuning.kernels",),
-        agreement="off",
-    )
-    with megatron_tuning.init_deterministic_tuning(policy):
-        for m in tuned_m:
-            _, _, _, kargs = common.matmul_operands((m, n, k), args.smoke)
-            mm.matmul_kernel[mm.matmul_grid(m, n)](*kargs)
-    common.synchronize(args.smoke)
-    table = TableSet([args.cache], shipped_dir=None)
-    configs = list(mm.MATMUL_CONFIGS)
-    rows = []
-    for m in query_m:
-        shape = (m, n, k)
-        _, _, _, kargs = common.matmul_operands(shape, args.smoke)
-        key = tuning_key(mm.matmul_kernel, kargs, {})
-        nearest = choose_on_miss(
-            mm.matmul_kernel, configs, key, Miss("benchmark"), table=table, on_miss="nearest"
-        )
-        cheap = cheapest(configs)
-        samples = common.time_configs_interleaved(
-            mm.matmul_kernel,
-            configs,
-            kargs,
-            mm.matmul_grid(m, n),
-            rounds=args.rounds,
-            rep_ms=args.rep_ms,
-            smoke=args.smoke,
-        )
-        medians = {config_signature(c): statistics.median(s) for c, s in zip(configs, samples)}
-        best_ms = min(medians.values())
-        rows.append(
-            {
-                "shape": common.shape_name(shape),
-                "nearest_source": nearest.source,
-                "nearest_entry": nearest.nearest_key,
-                "nearest": config_signature(nearest.config),
-                "nearest_ratio": best_ms / medians[config_signature(nearest.config)],
-                "cheapest": config_signature(cheap),
-                "cheapest_ratio": best_ms / medians[config_signature(cheap)],
-                "best": min(medians, key=medians.__getitem__),
-                "best_tflops": common.tflops(shape, best_ms),
-            }
-        )
-    common.emit({"rows": rows})
-
-
 def child(args: argparse.Namespace) -> None:
     if args.smoke:  # one timed round: interpreted candidates are slow, and smoke numbers mean nothing
         os.environ["MEGATRON_TUNING_TUNE_ROUNDS"] = "1"
-    {"worker": child_worker, "judge": child_judge, "nearest": child_nearest}[args.child](args)
+    {"worker": child_worker, "judge": child_judge}[args.child](args)
 
 
 # --------------------------------------------------------------------------- parent
@@ -297,72 +225,36 @@ def part_auto(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     return {"jobs": jobs, "rows": rows, "first_step_median_s": first, "counts": counts}
 
 
-def part_nearest(args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    return common.run_child(
-        "bench_auto.py",
-        [
-            "--child",
-            "nearest",
-            "--cache",
-            str(work / "nearest" / "auto.msgpack"),
-            "--rounds",
-            str(args.rounds),
-            "--rep-ms",
-            str(args.rep_ms),
-        ]
-        + (["--smoke"] if args.smoke else []),
-        common.child_env(args.smoke, TRITON_CACHE_DIR=str(work / "triton_A")),
-        timeout=args.job_timeout_s,
-    )
-
-
 def parent(args: argparse.Namespace) -> int:
     work = Path(tempfile.mkdtemp(prefix="bench_auto_"))
     payload: dict[str, Any] = {"benchmark": "auto", "environment": common.environment()}
-    if "auto" in args.parts:
-        result = part_auto(args, work)
-        payload["auto"] = result
-        common.print_table(
-            ["shape", "auto/stock", "auto/best", "stock/best", "auto 1 config", "run2 same", "auto config"],
+    result = part_auto(args, work)
+    payload["auto"] = result
+    common.print_table(
+        ["shape", "auto/stock", "auto/best", "stock/best", "auto 1 config", "run2 same", "auto config"],
+        [
             [
-                [
-                    r["shape"],
-                    r["auto_vs_stock"],
-                    r["auto_vs_best"],
-                    r["stock_vs_best"],
-                    r["auto1_one_config_across_processes"],
-                    r["auto_run2_same_config"],
-                    "; ".join(r["auto_configs"]),
-                ]
-                for r in result["rows"]
-            ],
-        )
-        f = result["first_step_median_s"]
-        c = result["counts"]
-        common.print_table(
-            ["job", "first step s (median of 2)", "Triton _bench calls", "our measurements"],
-            [[job, f[job], c[job]["triton_bench_calls"], c[job]["our_measurements"]] for job in JOBS],
-        )
-        print(
-            f"first step: auto run 1 / stock (cold) = {f['auto1_cold'] / f['stock_cold']:.3f}; "
-            f"stock (warm) / auto run 2 = {f['stock_warm'] / f['auto2_warm']:.1f}x"
-        )
-    if "nearest" in args.parts:
-        result = part_nearest(args, work)
-        payload["nearest"] = result
-        common.print_table(
-            ["shape", "nearest % of best", "cheapest % of best", "nearest entry", "best TF/s"],
-            [
-                [
-                    r["shape"],
-                    100 * r["nearest_ratio"],
-                    100 * r["cheapest_ratio"],
-                    (r["nearest_entry"] or r["nearest_source"]).split(",")[0],
-                    r["best_tflops"],
-                ]
-                for r in result["rows"]
-            ],
-        )
+                r["shape"],
+                r["auto_vs_stock"],
+                r["auto_vs_best"],
+                r["stock_vs_best"],
+                r["auto1_one_config_across_processes"],
+                r["auto_run2_same_config"],
+                "; ".join(r["auto_configs"]),
+            ]
+            for r in result["rows"]
+        ],
+    )
+    f = result["first_step_median_s"]
+    c = result["counts"]
+    common.print_table(
+        ["job", "first step s (median of 2)", "Triton _bench calls", "our measurements"],
+        [[job, f[job], c[job]["triton_bench_calls"], c[job]["our_measurements"]] for job in JOBS],
+    )
+    print(
+        f"first step: auto run 1 / stock (cold) = {f['auto1_cold'] / f['stock_cold']:.3f}; "
+        f"stock (warm) / auto run 2 = {f['stock_warm'] / f['auto2_warm']:.1f}x"
+    )
     common.write_json(args.out, payload)
     return 0
 
@@ -372,7 +264,6 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     common.add_common_arguments(parser)
-    parser.add_argument("--parts", default="auto,nearest", help="comma-separated: auto, nearest")
     parser.add_argument(
         "--rounds", type=int, default=None, help="interleaved rounds per candidate (default 5)"
     )
@@ -382,7 +273,6 @@ def main() -> int:
     parser.add_argument("--cache", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    args.parts = [p for p in args.parts.split(",") if p]
     args.rounds = args.rounds or (2 if args.smoke else 5)
     if not common.require_device(args, "bench_auto"):
         return 2

@@ -9,6 +9,8 @@
     PYTHONPATH=.:/tmp/site python3 benchmarks/bench_mamba_ssd.py --driver --smoke
     # the kernel inventory: configs, keys, megatron's and our cheapest pick (no GPU needed)
     PYTHONPATH=.:/tmp/site python3 benchmarks/bench_mamba_ssd.py --list-kernels
+    # the summary again from recorded runs (no GPU, no megatron-core)
+    PYTHONPATH=. python3 benchmarks/bench_mamba_ssd.py --summarize runs.jsonl
 
 The workload is the prefill path of megatron-core's ``MambaMixer`` in dynamic inference
 (megatron-core 0.19.2, unedited): ``causal_conv1d_varlen_fn`` (optional, ``--no-conv`` drops it)
@@ -41,15 +43,9 @@ launched (read off the launch itself, the same way for every mode), Triton's ``a
 and the decision log; hashes the outputs (sha256 of the bytes); checks the first ``--ref-tokens``
 tokens against a sequential fp32 recurrence (written here from the SSM definition).
 
-Import: ``import megatron.core.ssm.ops`` runs ``megatron/core/__init__.py``, which imports most
-of megatron-core (parallel_state, distributed, optimizer, inference, transformer; optional
-apex/transformer_engine/... are tried and skipped), seconds of import and dozens of unrelated
-modules. ``--import-style stub`` (default) registers ``megatron.core`` and ``megatron.core.ssm``
-as empty packages whose ``__path__`` is the installed folder (``importlib.util.module_from_spec``
-without executing them), then imports ``megatron.core.ssm.ops`` normally: same files, same module
-names (so ``module:qualname`` kernel ids and the ``megatron.core`` scope are the real ones), only
-the parents' ``__init__`` is skipped. The ops need only torch, triton and packaging.
-``--import-style plain`` does the ordinary import.
+Import: ``--import-style stub`` (default) imports ``megatron.core.ssm.ops`` without running
+``megatron/core/__init__.py`` (same files and module names, so kernel ids and the ``megatron.core``
+scope are the real ones); ``plain`` does the ordinary import (``mamba_workload.import_ops``).
 
 Driver: one shared ``TRITON_CACHE_DIR`` (``--compile-cache shared``, default) warmed by one
 uncounted stock "prewarm" process that compiles every candidate (its first step is the cold-compile
@@ -64,10 +60,6 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import hashlib
-import importlib
-import importlib.util
-import inspect
 import json
 import os
 import shutil
@@ -80,318 +72,19 @@ from pathlib import Path
 from typing import Any
 
 import common
+import mamba_workload as mw
 
 SCRIPT = "bench_mamba_ssd.py"
 MODES = ("stock", "mamba_deterministic", "ours_cheapest", "ours_default", "auto")
 DEFAULT_MODES = ("stock", "mamba_deterministic", "ours_cheapest", "auto")
-OPS_PACKAGE = "megatron.core.ssm.ops"
 SCOPE = ("megatron.core",)
-SEED = 1234
 # Env variables that change what megatron's ops or Triton choose; the driver sets them explicitly.
 _SCRUB_PREFIXES = ("TRITON_AUTOTUNE_BLOCK",)  # megatron's own block-size filter (determinism.py)
 _SCRUB = ("MAMBA_DETERMINISTIC", "TRITON_CACHE_AUTOTUNING", "TRITON_PRINT_AUTOTUNING", "TRITON_INTERPRET")
+COUNTERS = common.LaunchCounters()
 
-GPU_SHAPE = {
-    "lens": [5000, 3000, 6000, 2384],
-    "nheads": 64,
-    "headdim": 64,
-    "dstate": 128,
-    "ngroups": 1,
-    "chunk": 256,
-}
-SMOKE_SHAPE = {"lens": [40, 24], "nheads": 4, "headdim": 16, "dstate": 16, "ngroups": 2, "chunk": 16}
 
-
-# =========================================================================== worker: counters
-
-
-class _Counters:
-    """Process-wide counters, installed on Triton's classes before anything else patches them."""
-
-    def __init__(self) -> None:
-        self.bench_calls = 0  # Autotuner._bench calls reaching Triton's own (configs timed by Triton)
-        self.do_bench_calls = 0  # triton.testing.do_bench calls (Triton's benchmarker)
-        self.launches = 0  # kernel launches (JITFunction.run / InterpretedFunction.run)
-        self.launch_log: list[tuple[Any, dict[str, Any]]] | None = (
-            None  # (jit fn, bound args) while recording
-        )
-        self.events: list[tuple[str, Any, Any]] | None = None  # (kernel, start, end) while profiling
-
-
-COUNTERS = _Counters()
-
-
-def install_counters() -> None:
-    """Wrap Triton's benchmark entry points and kernel launch before the kernels or our library load.
-
-    ``megatron_tuning`` saves ``Autotuner.__dict__["_bench"]`` when it installs and wraps it, so
-    a call counted here is one that got past our guard into Triton's benchmarking.
-    """
-    import functools
-
-    import triton
-    import triton.testing
-    from triton.runtime.autotuner import Autotuner
-
-    original_bench = Autotuner.__dict__.get("_bench") or Autotuner._bench
-
-    @functools.wraps(original_bench)
-    def _bench(self: Any, *args: Any, **kwargs: Any) -> Any:
-        COUNTERS.bench_calls += 1
-        return original_bench(self, *args, **kwargs)
-
-    Autotuner._bench = _bench
-
-    original_do_bench = triton.testing.do_bench
-
-    @functools.wraps(original_do_bench)
-    def do_bench(*args: Any, **kwargs: Any) -> Any:
-        COUNTERS.do_bench_calls += 1
-        return original_do_bench(*args, **kwargs)
-
-    triton.testing.do_bench = do_bench  # the CUDA driver's get_benchmarker() imports it at call time
-
-    classes = [triton.runtime.jit.JITFunction]
-    with contextlib.suppress(ImportError, AttributeError):
-        from triton.runtime.interpreter import InterpretedFunction
-
-        classes.append(InterpretedFunction)
-    for cls in classes:
-        _wrap_run(cls)
-
-
-def _wrap_run(cls: Any) -> None:
-    import functools
-
-    original_run = cls.__dict__.get("run") or cls.run
-
-    @functools.wraps(original_run)
-    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
-        COUNTERS.launches += 1
-        if COUNTERS.launch_log is not None:
-            COUNTERS.launch_log.append((self, dict(kwargs, __positional__=args)))
-        events = COUNTERS.events
-        if events is None:
-            return original_run(self, *args, **kwargs)
-        import torch
-
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        result = original_run(self, *args, **kwargs)
-        end.record()
-        events.append((_fn_id(getattr(self, "fn", None)), start, end))
-        return result
-
-    cls.run = run
-
-
-def _fn_id(fn: Any) -> str:
-    return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', getattr(fn, '__name__', '?'))}"
-
-
-# =========================================================================== worker: import
-
-
-def import_ops(style: str) -> Any:
-    """Import ``megatron.core.ssm.ops``, skipping (``stub``) or running (``plain``) megatron-core's init."""
-    if style == "stub" and "megatron.core" not in sys.modules:
-        import megatron  # noqa: F401  (its __init__ is a comment)
-
-        for name in ("megatron.core", "megatron.core.ssm"):
-            spec = importlib.util.find_spec(name)
-            if spec is None or not spec.submodule_search_locations:
-                raise ImportError(f"{name} not found: install megatron-core (see the module docstring)")
-            module = importlib.util.module_from_spec(spec)  # __path__ set, __init__ NOT executed
-            sys.modules[name] = module
-            parent, _, child = name.rpartition(".")
-            setattr(sys.modules[parent], child, module)
-    ops = importlib.import_module(OPS_PACKAGE)
-    from megatron.core.ssm.ops.causal_conv1d_varlen import causal_conv1d_varlen_fn
-    from megatron.core.ssm.ops.ssd_combined import mamba_chunk_scan_combined_varlen
-
-    return ops, mamba_chunk_scan_combined_varlen, causal_conv1d_varlen_fn
-
-
-def ops_autotuners() -> dict[str, Any]:
-    """``module:qualname`` -> Autotuner for every autotuned kernel in the ops package."""
-    from triton.runtime.autotuner import Autotuner
-
-    found: dict[str, Any] = {}
-    for name, module in sorted(sys.modules.items()):
-        if module is None or not (name == OPS_PACKAGE or name.startswith(OPS_PACKAGE + ".")):
-            continue
-        for value in vars(module).values():
-            if isinstance(value, Autotuner):
-                fn = value.fn
-                while not inspect.isfunction(fn) and hasattr(fn, "fn"):  # JITFunction (or heuristics)
-                    fn = fn.fn
-                found[_fn_id(fn)] = value
-    return dict(sorted(found.items()))
-
-
-def config_sig(config: Any) -> str:
-    """``BLOCK_SIZE_M=64, ..., num_warps=4, num_stages=3`` for a triton.Config."""
-    parts = [f"{k}={v}" for k, v in sorted(config.kwargs.items())]
-    parts += [f"num_warps={config.num_warps}", f"num_stages={config.num_stages}"]
-    return ", ".join(parts)
-
-
-def _config_names(autotuner: Any) -> list[str]:
-    names = sorted({k for c in autotuner.configs for k in c.kwargs})
-    return names + ["num_warps", "num_stages"]
-
-
-def _launched_sig(autotuner: Any, kwargs: dict[str, Any]) -> str:
-    return ", ".join(f"{n}={kwargs.get(n, '?')}" for n in _config_names(autotuner))
-
-
-def _launch_key(autotuner: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
-    bound = {**dict(zip(autotuner.arg_names, args)), **kwargs}
-    return ", ".join(f"{k}={bound.get(k, '?')}" for k in autotuner.keys)
-
-
-# =========================================================================== worker: workload
-
-
-def build_inputs(shape: dict[str, Any], device: str, dtype: Any, seed: int) -> dict[str, Any]:
-    """Packed varlen prefill inputs, chunk metadata built the way ``MambaMixer`` builds it."""
-    import torch
-
-    lens, nheads, headdim = shape["lens"], shape["nheads"], shape["headdim"]
-    dstate, ngroups, chunk = shape["dstate"], shape["ngroups"], shape["chunk"]
-    total = sum(lens)
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-
-    def randn(*size: int, scale: float = 1.0) -> Any:
-        return (torch.randn(*size, generator=gen) * scale).to(device=device, dtype=dtype)
-
-    # Chunks start at each sequence's start; the last chunk of a sequence may be short.
-    bounds, last, seq_idx, cu = [0], [], [], [0]
-    start = 0
-    for i, n in enumerate(lens):
-        end = start + n
-        pos = start + chunk
-        while pos < end:
-            bounds.append(pos)
-            seq_idx.append(i)
-            pos += chunk
-        bounds.append(end)
-        seq_idx.append(i)
-        last.append(len(bounds) - 2)
-        cu.append(end)
-        start = end
-    i32 = {"device": device, "dtype": torch.int32}
-    dt_init = torch.empty(nheads).uniform_(0.001, 0.1, generator=gen)
-    conv_dim = nheads * headdim + 2 * ngroups * dstate
-    return {
-        "x": randn(total, nheads, headdim),
-        "dt": randn(total, nheads, scale=0.5),
-        "A": (-torch.empty(nheads).uniform_(1.0, 16.0, generator=gen)).to(device),
-        "B": randn(total, ngroups, dstate),
-        "C": randn(total, ngroups, dstate),
-        "D": torch.randn(nheads, generator=gen).to(device),
-        "dt_bias": torch.log(torch.expm1(dt_init)).to(device),  # softplus(dt_bias) = dt_init
-        "cu_chunk_seqlens": torch.tensor(bounds, **i32),
-        "last_chunk_indices": torch.tensor(last, **i32),
-        "seq_idx": torch.tensor(seq_idx, **i32),
-        "cu_seqlens": torch.tensor(cu, **i32),
-        # Per-token request id and request start, precomputed as the mixer does (no host sync).
-        "conv_seq_idx": torch.tensor([i for i, n in enumerate(lens) for _ in range(n)], **i32),
-        "conv_seq_start": torch.tensor([cu[i] for i, n in enumerate(lens) for _ in range(n)], **i32),
-        "xBC": randn(total, conv_dim),
-        "conv_weight": randn(conv_dim, 4, scale=0.5).contiguous(),
-        "conv_bias": randn(conv_dim, scale=0.1),
-        "chunk": chunk,
-    }
-
-
-def make_step(inp: dict[str, Any], ssd: Any, conv: Any, with_conv: bool) -> tuple[Any, dict[str, Any]]:
-    import torch
-
-    buffers = {"out": torch.empty_like(inp["x"])}
-
-    def step() -> None:
-        if with_conv:
-            buffers["conv_out"] = conv(
-                inp["xBC"],
-                inp["conv_weight"],
-                inp["conv_bias"],
-                inp["cu_seqlens"],
-                precomputed_seq_idx=inp["conv_seq_idx"],
-                precomputed_seq_start=inp["conv_seq_start"],
-            )
-        buffers["states"] = ssd(
-            x=inp["x"],
-            dt=inp["dt"],
-            A=inp["A"],
-            B=inp["B"],
-            C=inp["C"],
-            chunk_size=inp["chunk"],
-            cu_chunk_seqlens=inp["cu_chunk_seqlens"],
-            last_chunk_indices=inp["last_chunk_indices"],
-            seq_idx=inp["seq_idx"],
-            out=buffers["out"],
-            D=inp["D"],
-            dt_bias=inp["dt_bias"],
-            dt_softplus=True,
-        )
-
-    return step, buffers
-
-
-def digest(buffers: dict[str, Any]) -> dict[str, str]:
-    """sha256 of each output's bytes, and of all of them together."""
-    import torch
-
-    hashes: dict[str, str] = {}
-    total = hashlib.sha256()
-    for name in ("out", "states", "conv_out"):
-        tensor = buffers.get(name)
-        if tensor is None:
-            continue
-        data = tensor.detach().contiguous().cpu().reshape(-1).view(dtype=torch.uint8).numpy().tobytes()
-        hashes[name] = hashlib.sha256(data).hexdigest()[:16]
-        total.update(name.encode() + data)
-    hashes["all"] = total.hexdigest()[:16]
-    return hashes
-
-
-def reference_error(inp: dict[str, Any], out: Any, ntokens: int) -> dict[str, float]:
-    """Max |kernel - reference| over the first ``ntokens`` tokens of sequence 0.
-
-    Reference: the SSM recurrence in fp32, one token at a time:
-    ``dt = softplus(dt_raw + dt_bias)``, ``h = exp(dt*A) h + dt * x B^T``, ``y = h C + D x``.
-    """
-    import torch
-    import torch.nn.functional as F
-
-    n = min(ntokens, int(inp["cu_seqlens"][1]))
-    if n <= 0:
-        return {}
-    x, B, C = (inp[k][:n].float() for k in ("x", "B", "C"))
-    dt = F.softplus(inp["dt"][:n].float() + inp["dt_bias"].float())
-    A, D = inp["A"].float(), inp["D"].float()
-    nheads, headdim = x.shape[1], x.shape[2]
-    group = torch.arange(nheads, device=x.device) // (nheads // B.shape[1])
-    h = torch.zeros(nheads, headdim, B.shape[2], device=x.device)
-    ref = torch.empty_like(x)
-    for t in range(n):
-        h = (
-            torch.exp(dt[t] * A)[:, None, None] * h
-            + (dt[t][:, None] * x[t])[:, :, None] * B[t, group][:, None, :]
-        )
-        ref[t] = (h * C[t, group][:, None, :]).sum(-1) + D[:, None] * x[t]
-    err = (out[:n].float() - ref).abs().max().item()
-    scale = ref.abs().max().item()
-    return {
-        "tokens": n,
-        "max_abs_err": err,
-        "max_abs_ref": scale,
-        "rel_err": err / scale if scale else float("nan"),
-    }
-
-
-# =========================================================================== worker: main
+# =========================================================================== worker (one process, one mode)
 
 
 def install_policy(mode: str) -> dict[str, Any]:
@@ -400,13 +93,13 @@ def install_policy(mode: str) -> dict[str, Any]:
     from megatron_tuning import TuningPolicy
 
     if mode == "ours_cheapest":
-        policy = TuningPolicy(mode="deterministic", scope=SCOPE, on_miss="min_cost")
-        handle = megatron_tuning.init_deterministic_tuning(policy)
+        handle = megatron_tuning.init_deterministic_tuning(
+            TuningPolicy(mode="deterministic", scope=SCOPE, on_miss="min_cost")
+        )
     elif mode == "ours_default":
         handle = megatron_tuning.init_deterministic_tuning()  # policy from MEGATRON_TUNING_* (scope only)
-    elif mode == "auto":
-        policy = TuningPolicy(mode="auto", scope=SCOPE)  # cache path: MEGATRON_TUNING_CACHE (env)
-        handle = megatron_tuning.init_deterministic_tuning(policy)
+    elif mode == "auto":  # cache path: MEGATRON_TUNING_CACHE (env)
+        handle = megatron_tuning.init_deterministic_tuning(TuningPolicy(mode="auto", scope=SCOPE))
     else:
         raise ValueError(mode)
     policy = getattr(handle, "policy", None)
@@ -416,17 +109,10 @@ def install_policy(mode: str) -> dict[str, Any]:
 
 def worker(args: argparse.Namespace) -> dict[str, Any]:
     t_start = time.perf_counter()
-    result: dict[str, Any] = {
-        "mode": args.mode,
-        "tag": args.tag,
-        "pid": os.getpid(),
-        "ok": False,
-        "smoke": args.smoke,
-    }
-    result["env"] = {
-        k: os.environ.get(k)
-        for k in _SCRUB + ("TRITON_CACHE_DIR", "MEGATRON_TUNING_CACHE", "MEGATRON_TUNING_SCOPE")
-    }
+    result: dict[str, Any] = {"mode": args.mode, "tag": args.tag, "pid": os.getpid(), "ok": False}
+    result["smoke"] = args.smoke
+    watched = _SCRUB + ("TRITON_CACHE_DIR", "MEGATRON_TUNING_CACHE", "MEGATRON_TUNING_SCOPE")
+    result["env"] = {k: os.environ.get(k) for k in watched}
     try:
         _worker(args, result)
         result["ok"] = True
@@ -452,14 +138,14 @@ def _worker(args: argparse.Namespace, result: dict[str, Any]) -> None:
         torch.cuda.device = lambda index: contextlib.nullcontext() if index is None else _device_ctx(index)  # type: ignore[assignment]
     elif not torch.cuda.is_available():
         raise RuntimeError("no CUDA GPU visible: run on a GPU machine, or add --smoke")
-    install_counters()
+    COUNTERS.install()
 
     t0 = time.perf_counter()
-    _, ssd, conv = import_ops(args.import_style)
+    _, ssd, conv = mw.import_ops(args.import_style)
     result["import_s"] = time.perf_counter() - t0
     result["import_style"] = args.import_style
     result["megatron_modules_loaded"] = sum(1 for k in sys.modules if k.startswith("megatron"))
-    autotuners = ops_autotuners()
+    autotuners = mw.ops_autotuners()
     result["n_configs"] = {k: len(a.configs) for k, a in autotuners.items()}
     result["versions"] = _versions()
     if args.smoke:
@@ -474,12 +160,10 @@ def _worker(args: argparse.Namespace, result: dict[str, Any]) -> None:
         result["policy"] = installed["policy"]
     result["init_s"] = time.perf_counter() - t0
 
-    shape = dict(SMOKE_SHAPE if args.smoke else GPU_SHAPE)
+    shape = dict(mw.SMOKE_SHAPE if args.smoke else mw.GPU_SHAPE)
     if args.lens:
         shape["lens"] = args.lens
-    for name in ("nheads", "headdim", "dstate", "ngroups", "chunk"):
-        if getattr(args, name) is not None:
-            shape[name] = getattr(args, name)
+    shape.update({name: getattr(args, name) for name in mw.SHAPE_FIELDS if getattr(args, name) is not None})
     device, dtype = ("cpu", torch.float32) if args.smoke else ("cuda", torch.bfloat16)
     result["shape"] = {
         **shape,
@@ -487,8 +171,8 @@ def _worker(args: argparse.Namespace, result: dict[str, Any]) -> None:
         "dtype": str(dtype),
         "with_conv": not args.no_conv,
     }
-    inp = build_inputs(shape, device, dtype, SEED)
-    step, buffers = make_step(inp, ssd, conv, with_conv=not args.no_conv)
+    inp = mw.build_inputs(shape, device, dtype, mw.SEED)
+    step, buffers = mw.make_step(inp, ssd, conv, with_conv=not args.no_conv)
     sync = (lambda: None) if args.smoke else torch.cuda.synchronize
 
     # Triton's once-per-process start-up (driver, launcher) on a bare kernel, outside the timed step.
@@ -505,9 +189,27 @@ def _worker(args: argparse.Namespace, result: dict[str, Any]) -> None:
     sync()
     result["first_step_s"] = time.perf_counter() - t0
     result["first_step_launches"] = COUNTERS.launches
-    result["first_out"] = digest(buffers)
+    result["first_out"] = mw.digest(buffers)
+    result["launched"] = _launched_configs(step, sync, autotuners)
+    _time_steady_state(args, step, sync, result)
 
-    # The config every kernel launches, read off one post-first-step launch (same for every mode).
+    # Outputs: a clean step into a zeroed buffer, hashed; then the reference check.
+    buffers["out"].zero_()
+    step()
+    sync()
+    result["out"] = mw.digest(buffers)
+    result["first_matches_steady"] = result["first_out"]["all"] == result["out"]["all"]
+    out = buffers["out"].float()
+    result["out_stats"] = {"sum": float(out.sum()), "abs_sum": float(out.abs().sum())}
+    result["reference"] = mw.reference_error(inp, buffers["out"], args.ref_tokens)
+    _record_choices(autotuners, result)
+    if handle is not None:
+        with contextlib.suppress(Exception):
+            handle.close()
+
+
+def _launched_configs(step: Any, sync: Any, autotuners: dict[str, Any]) -> dict[str, dict[str, str]]:
+    """The config every kernel launches, read off one post-first-step launch (same for every mode)."""
     COUNTERS.launch_log = []
     step()
     sync()
@@ -517,13 +219,15 @@ def _worker(args: argparse.Namespace, result: dict[str, Any]) -> None:
         if id(fn) in by_fn:
             kernel, autotuner = by_fn[id(fn)]
             positional = kwargs.pop("__positional__")
-            launched.setdefault(kernel, {})[_launch_key(autotuner, positional, kwargs)] = _launched_sig(
-                autotuner, kwargs
-            )
+            key = mw.launch_key_text(autotuner, positional, kwargs)
+            launched.setdefault(kernel, {})[key] = mw.launched_sig(autotuner, kwargs)
     COUNTERS.launch_log = None
-    result["launched"] = launched
+    return launched
 
-    # Steady state.
+
+def _time_steady_state(args: argparse.Namespace, step: Any, sync: Any, result: dict[str, Any]) -> None:
+    import torch
+
     for _ in range(args.warmup):
         step()
     sync()
@@ -544,9 +248,8 @@ def _worker(args: argparse.Namespace, result: dict[str, Any]) -> None:
             end.record()
         sync()
         samples = [s.elapsed_time(e) for s, e in pairs]
-    result["steady_ms"] = _quantiles(samples)
+    result["steady_ms"] = common.quantiles(samples)
     result["steady_samples_ms"] = [round(s, 5) for s in samples]
-
     # Each kernel's share (events around each launch; a separate pass so the step timing is clean).
     if not args.smoke and args.kernel_steps:
         per_kernel: dict[str, list[float]] = collections.defaultdict(list)
@@ -559,23 +262,13 @@ def _worker(args: argparse.Namespace, result: dict[str, Any]) -> None:
         COUNTERS.events = None
         result["kernel_ms"] = {k: statistics.median(v) for k, v in sorted(per_kernel.items())}
 
-    # Outputs: a clean step into a zeroed buffer, hashed; then the reference check.
-    buffers["out"].zero_()
-    step()
-    sync()
-    result["out"] = digest(buffers)
-    result["first_matches_steady"] = result["first_out"]["all"] == result["out"]["all"]
-    result["out_stats"] = {
-        "sum": float(buffers["out"].float().sum()),
-        "abs_sum": float(buffers["out"].float().abs().sum()),
-    }
-    result["reference"] = reference_error(inp, buffers["out"], args.ref_tokens)
 
-    # What each chose, as Triton and as our library saw it.
+def _record_choices(autotuners: dict[str, Any], result: dict[str, Any]) -> None:
+    """What each kernel chose, as Triton and as our library saw it."""
     result["triton_bench_calls"] = COUNTERS.bench_calls
     result["do_bench_calls"] = COUNTERS.do_bench_calls
     result["triton_cache"] = {
-        k: {repr(key): config_sig(cfg) for key, cfg in a.cache.items()}
+        k: {repr(key): mw.config_sig(cfg) for key, cfg in a.cache.items()}
         for k, a in autotuners.items()
         if a.cache
     }
@@ -584,36 +277,20 @@ def _worker(args: argparse.Namespace, result: dict[str, Any]) -> None:
     }
     result["timings_ms"] = {
         k: dict(
-            sorted(((config_sig(c), _first(t)) for c, t in a.configs_timings.items()), key=lambda kv: kv[1])
+            sorted(
+                ((mw.config_sig(c), _first(t)) for c, t in a.configs_timings.items()), key=lambda kv: kv[1]
+            )
         )
         for k, a in autotuners.items()
         if getattr(a, "configs_timings", None)
     }
     result["decisions"] = _decisions()
-    if handle is not None:
-        with contextlib.suppress(Exception):
-            handle.close()
 
 
 def _first(value: Any) -> float:
     if isinstance(value, (list, tuple)):
         value = value[0]
     return round(float(value), 6)
-
-
-def _quantiles(samples: list[float]) -> dict[str, float]:
-    ordered = sorted(samples)
-
-    def q(p: float) -> float:
-        return ordered[min(len(ordered) - 1, int(p * len(ordered)))]
-
-    return {
-        "median": statistics.median(ordered),
-        "p20": q(0.2),
-        "p80": q(0.8),
-        "min": ordered[0],
-        "n": len(ordered),
-    }
 
 
 def _decisions() -> list[dict[str, Any]]:
@@ -627,11 +304,12 @@ def _decisions() -> list[dict[str, Any]]:
             row = d.to_json() if hasattr(d, "to_json") else dict(vars(d))
             timings = row.pop("timings", None)
             if timings:  # keep the shape of what was measured, not every sample
-                row["timings_summary"] = {
+                kept = {
                     k: v
                     for k, v in timings.items()
                     if isinstance(v, (int, float, str)) or k in ("winner", "tied")
                 }
+                row["timings_summary"] = kept
                 row["timings_keys"] = sorted(timings)
             rows.append(row)
         return rows
@@ -657,44 +335,43 @@ def _versions() -> dict[str, str]:
     return info
 
 
-# =========================================================================== kernel inventory
+def fake_worker(args: argparse.Namespace) -> dict[str, Any]:
+    """A synthetic result with the real shape, for checking the driver and summary without torch."""
+    import random
 
-
-def list_kernels(args: argparse.Namespace) -> int:
-    """Print every autotuned kernel: configs, key, megatron's deterministic pick, our cheapest pick."""
-    os.environ.pop("MAMBA_DETERMINISTIC", None)
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # decorating needs no GPU then
-    import_ops(args.import_style)
-    from megatron.core.ssm.ops import determinism
-
-    try:
-        from megatron_tuning import cheapest as ours_cheapest
-    except ImportError:
-        ours_cheapest = None
-    rows = []
-    for kernel, a in ops_autotuners().items():
-        hooks = [n for n in ("reset_to_zero", "restore_value") if getattr(a, n, None)]
-        prune = bool(getattr(a, "early_config_prune", None) or getattr(a, "perf_model", None))
-        theirs = config_sig(min(a.configs, key=determinism._estimate_config_cost))
-        ours = config_sig(ours_cheapest(a.configs)) if ours_cheapest else "(megatron_tuning.cheapest n/a)"
-        rows.append(
-            [
-                kernel,
-                len(a.configs),
-                ",".join(a.keys),
-                "prune" if prune else "-",
-                ",".join(hooks) or "-",
-                theirs,
-                ours if ours != theirs else "same",
-            ]
-        )
-    common.print_table(
-        ["kernel", "configs", "key", "prune", "hooks", "MAMBA_DETERMINISTIC=1 pick", "ours min_cost"], rows
+    rng = random.Random(f"{args.mode}{args.tag}{os.getpid()}")
+    stock = args.mode == "stock"
+    sig = f"BLOCK_SIZE_M={rng.choice([64, 128]) if stock else 64}, num_warps=4, num_stages=3"
+    if args.mode == "auto" and os.environ.get("MEGATRON_TUNING_FAKE_NO_AUTO"):
+        error = "PolicyError: mode='auto' is not one of ..."
+        return {"mode": args.mode, "tag": args.tag, "ok": False, "unsupported": True, "error": error}
+    watched = (
+        "MAMBA_DETERMINISTIC",
+        "TRITON_CACHE_AUTOTUNING",
+        "MEGATRON_TUNING_CACHE",
+        "MEGATRON_TUNING_SCOPE",
     )
-    return 0
+    return {
+        "mode": args.mode,
+        "tag": args.tag,
+        "ok": True,
+        "fake": True,
+        "first_step_s": rng.uniform(5, 9) if stock else rng.uniform(0.1, 0.3),
+        "first_step_launches": 4000 if stock else 5,
+        "triton_bench_calls": 41 if stock else 0,
+        "do_bench_calls": 41 if stock else 0,
+        "steady_ms": {"median": rng.uniform(0.9, 1.1)},
+        "kernel_ms": {"m:_k": 0.5},
+        "launched": {"m:_k": {"chunk_size=256": sig}},
+        "out": {"all": sig[-20:], "out": sig[-20:]},
+        "first_matches_steady": True,
+        "reference": {"rel_err": 0.004},
+        "decisions": [],
+        "env": {k: os.environ.get(k) for k in watched},
+    }
 
 
-# =========================================================================== driver
+# =========================================================================== driver (fresh processes)
 
 
 def child_env(
@@ -718,45 +395,31 @@ def child_env(
 
 
 def worker_argv(args: argparse.Namespace, mode: str, tag: str) -> list[str]:
-    argv = [
-        "--mode",
-        mode,
-        "--tag",
-        tag,
-        "--import-style",
-        args.import_style,
-        "--steps",
-        str(args.steps),
-        "--warmup",
-        str(args.warmup),
-        "--kernel-steps",
-        str(args.kernel_steps),
-        "--ref-tokens",
-        str(args.ref_tokens),
-    ]
+    argv = ["--mode", mode, "--tag", tag, "--import-style", args.import_style]
+    for name in ("steps", "warmup", "kernel_steps", "ref_tokens"):
+        argv += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     if args.lens:
         argv += ["--lens", *map(str, args.lens)]
-    for name in ("nheads", "headdim", "dstate", "ngroups", "chunk"):
+    for name in mw.SHAPE_FIELDS:
         if getattr(args, name) is not None:
             argv += [f"--{name}", str(getattr(args, name))]
-    if args.no_conv:
-        argv.append("--no-conv")
-    if args.smoke:
-        argv.append("--smoke")
-    if args.fake_worker:
-        argv.append("--fake-worker")
-    return argv
+    flags = {"--no-conv": args.no_conv, "--smoke": args.smoke, "--fake-worker": args.fake_worker}
+    return argv + [flag for flag, on in flags.items() if on]
 
 
-def run_worker(args: argparse.Namespace, mode: str, tag: str, env: dict[str, str]) -> dict[str, Any]:
+def run_worker(
+    args: argparse.Namespace, mode: str, tag: str, env: dict[str, str], round_index: int | None = None
+) -> dict[str, Any]:
     started = time.perf_counter()
     try:
         result = common.run_child(SCRIPT, worker_argv(args, mode, tag), env, timeout=args.timeout)
     except Exception as exc:  # crashed or timed out: keep going, report it
         result = {"mode": mode, "tag": tag, "ok": False, "error": f"{type(exc).__name__}: {str(exc)[-1500:]}"}
     result["wall_s"] = time.perf_counter() - started
+    if round_index is not None:
+        result["round"] = round_index
     if args.out:
-        append_jsonl(args.out, result)
+        common.append_jsonl(args.out, result)
     status = "ok" if result.get("ok") else f"FAILED: {result.get('error', '?')[:300]}"
     print(
         f"process {tag:>10s} {mode:20s} {result['wall_s']:6.1f}s  "
@@ -767,13 +430,6 @@ def run_worker(args: argparse.Namespace, mode: str, tag: str, env: dict[str, str
         flush=True,
     )
     return result
-
-
-def append_jsonl(path: str, record: dict[str, Any]) -> None:
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with target.open("a", encoding="utf-8") as handle:
-        handle.write(json.dumps(record, sort_keys=True) + "\n")
 
 
 def driver(args: argparse.Namespace) -> int:
@@ -798,14 +454,14 @@ def driver(args: argparse.Namespace) -> int:
     tuning_cache = auto_cache / "tuning_cache.msgpack"  # the library reads MEGATRON_TUNING_CACHE
 
     runs: list[dict[str, Any]] = []
-    prewarm_modes = ["stock"] if args.compile_cache == "shared" else modes
     if args.prewarm:
-        for mode in prewarm_modes:
+        for mode in ["stock"] if args.compile_cache == "shared" else modes:
             throwaway = work / f"prewarm_tuning_cache_{mode}.msgpack"
             with contextlib.suppress(FileNotFoundError):
                 throwaway.unlink()
-            result = run_worker(args, mode, "prewarm", child_env(args, mode, compile_cache(mode), throwaway))
-            runs.append(result)
+            runs.append(
+                run_worker(args, mode, "prewarm", child_env(args, mode, compile_cache(mode), throwaway))
+            )
 
     skipped = []
     auto_unsupported = False
@@ -820,25 +476,15 @@ def driver(args: argparse.Namespace) -> int:
             )
             break
         t_round = time.perf_counter()
-        order = modes if index % 2 == 0 else modes[::-1]
-        for mode in order:
+        for mode in modes if index % 2 == 0 else modes[::-1]:
             if mode == "auto" and auto_unsupported:
                 continue
-            tag = f"run{index + 1}"
-            result = run_worker(
-                args,
-                mode,
-                tag,
-                child_env(args, mode, compile_cache(mode), tuning_cache if mode == "auto" else None),
-            )
-            result["round"] = index + 1
+            env = child_env(args, mode, compile_cache(mode), tuning_cache if mode == "auto" else None)
+            result = run_worker(args, mode, f"run{index + 1}", env, round_index=index + 1)
             runs.append(result)
             if mode == "auto" and result.get("unsupported"):
                 auto_unsupported = True
-                print(
-                    f"auto: not available in this megatron_tuning ({result.get('error')}); "
-                    "skipping its later runs"
-                )
+                print(f"auto: not available in this megatron_tuning ({result.get('error')}); skipping it")
         round_s.append(time.perf_counter() - t_round)
 
     summary = summarize(runs, modes)
@@ -854,11 +500,23 @@ def driver(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+# =========================================================================== summary
+
+
+def _round(run: dict[str, Any]) -> int | None:
+    """The driver's round of a run: recorded, or read from its tag (``run2``; older JSONL files)."""
+    if run.get("round") is not None:
+        return int(run["round"])
+    tag = str(run.get("tag", ""))
+    return int(tag[3:]) if tag.startswith("run") and tag[3:].isdigit() else None
+
+
 def summarize(runs: list[dict[str, Any]], modes: list[str]) -> dict[str, Any]:
     """Per mode: config spread, output hashes, benchmark calls, first-step and steady-state times."""
     counted = [r for r in runs if r.get("tag") != "prewarm"]
     ok = [r for r in counted if r.get("ok")]
-    stock_steady = _median([r["steady_ms"]["median"] for r in ok if r["mode"] == "stock"])
+    median = common.median_or_none
+    stock_steady = median([r["steady_ms"]["median"] for r in ok if r["mode"] == "stock"])
     per_mode: dict[str, Any] = {}
     per_kernel: dict[str, dict[str, collections.Counter[str]]] = collections.defaultdict(dict)
     for mode in modes:
@@ -874,8 +532,7 @@ def summarize(runs: list[dict[str, Any]], modes: list[str]) -> dict[str, Any]:
         for (kernel, _key), counter in configs.items():
             per_kernel[kernel][mode] = per_kernel[kernel].get(mode, collections.Counter()) + counter
         steady = [r["steady_ms"]["median"] for r in mine]
-        first = [r["first_step_s"] for r in mine]
-        row: dict[str, Any] = {
+        per_mode[mode] = {
             "processes": len(mine),
             "failed": len(failed),
             "errors": sorted({str(r.get("error"))[:200] for r in failed}),
@@ -888,45 +545,30 @@ def summarize(runs: list[dict[str, Any]], modes: list[str]) -> dict[str, Any]:
                 for t in ("out", "states", "conv_out")
                 if mine and t in mine[0]["out"]
             },
-            "bench_calls": _median([r["triton_bench_calls"] for r in mine]),
-            "do_bench_calls": _median([r["do_bench_calls"] for r in mine]),
-            "first_step_launches": _median([r["first_step_launches"] for r in mine]),
-            "first_step_s": _median(first),
-            "first_step_s_run1": next((r["first_step_s"] for r in mine if r.get("round") == 1), None),
-            "first_step_s_later": _median([r["first_step_s"] for r in mine if r.get("round", 1) > 1]),
-            "steady_ms": _median(steady),
+            "bench_calls": median([r["triton_bench_calls"] for r in mine]),
+            "do_bench_calls": median([r["do_bench_calls"] for r in mine]),
+            "first_step_launches": median([r["first_step_launches"] for r in mine]),
+            "first_step_s": median([r["first_step_s"] for r in mine]),
+            "first_step_s_run1": next((r["first_step_s"] for r in mine if _round(r) == 1), None),
+            "first_step_s_later": median([r["first_step_s"] for r in mine if (_round(r) or 1) > 1]),
+            "steady_ms": median(steady),
             "steady_spread": common.spread(steady)["rel_range"] if steady else None,
-            "ratio_to_stock": (_median(steady) / stock_steady) if steady and stock_steady else None,
+            "ratio_to_stock": (median(steady) / stock_steady) if steady and stock_steady else None,
             "kernel_ms": _kernel_medians(mine),
             "ref_rel_err_max": max((r.get("reference", {}).get("rel_err", 0.0) for r in mine), default=None),
             "first_matches_steady": all(r.get("first_matches_steady") for r in mine) if mine else None,
             "decision_sources": dict(
                 collections.Counter(d.get("source", "?") for r in mine for d in r.get("decisions", []))
             ),
-            "import_s": _median([r.get("import_s", 0.0) for r in mine]),
+            "import_s": median([r.get("import_s", 0.0) for r in mine]),
         }
-        per_mode[mode] = row
     prewarm = [r for r in runs if r.get("tag") == "prewarm"]
-    hashes = {m: sorted({r["out"]["all"] for r in ok if r["mode"] == m}) for m in modes}
     return {
         "modes": per_mode,
         "kernels": {k: {m: dict(c) for m, c in v.items()} for k, v in sorted(per_kernel.items())},
-        "output_hashes": hashes,
-        "prewarm": [
-            {
-                "mode": r["mode"],
-                "ok": r.get("ok"),
-                "first_step_s": r.get("first_step_s"),
-                "error": r.get("error"),
-            }
-            for r in prewarm
-        ],
+        "output_hashes": {m: sorted({r["out"]["all"] for r in ok if r["mode"] == m}) for m in modes},
+        "prewarm": [{k: r.get(k) for k in ("mode", "ok", "first_step_s", "error")} for r in prewarm],
     }
-
-
-def _median(values: list[Any]) -> Any:
-    values = [v for v in values if v is not None]
-    return statistics.median(values) if values else None
 
 
 def _kernel_medians(runs: list[dict[str, Any]]) -> dict[str, float]:
@@ -937,62 +579,42 @@ def _kernel_medians(runs: list[dict[str, Any]]) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in sorted(pooled.items())}
 
 
-def _short(kernel: str) -> str:
-    return kernel.rsplit(":", 1)[-1].strip("_")
+# (header, summary field, suffix) of the per-mode table.
+MODE_COLUMNS = (
+    ("procs", "processes", ""),
+    ("fail", "failed", ""),
+    ("keys>1cfg", "keys_with_several_configs", ""),
+    ("max cfgs/key", "max_distinct_configs", ""),
+    ("out hashes", "distinct_output_hashes", ""),
+    ("bench calls", "bench_calls", ""),
+    ("launches 1st", "first_step_launches", ""),
+    ("1st step s (run1)", "first_step_s_run1", ""),
+    ("1st step s (later)", "first_step_s_later", ""),
+    ("steady ms", "steady_ms", ""),
+    ("vs stock", "ratio_to_stock", "x"),
+    ("ref rel err", "ref_rel_err_max", ""),
+)
 
 
 def print_summary(summary: dict[str, Any]) -> None:
     modes = summary["modes"]
     print("\n== per mode (counted processes; prewarm excluded)")
-    rows = []
-    for mode, r in modes.items():
-        rows.append(
-            [
-                mode,
-                r["processes"],
-                r["failed"],
-                r["keys_with_several_configs"],
-                r["max_distinct_configs"],
-                r["distinct_output_hashes"],
-                _na(r["bench_calls"]),
-                _na(r["first_step_launches"]),
-                _na(r["first_step_s_run1"]),
-                _na(r["first_step_s_later"]),
-                _na(r["steady_ms"]),
-                _na(r["ratio_to_stock"], "x"),
-                _na(r["ref_rel_err_max"]),
-            ]
-        )
-    common.print_table(
-        [
-            "mode",
-            "procs",
-            "fail",
-            "keys>1cfg",
-            "max cfgs/key",
-            "out hashes",
-            "bench calls",
-            "launches 1st",
-            "1st step s (run1)",
-            "1st step s (later)",
-            "steady ms",
-            "vs stock",
-            "ref rel err",
-        ],
-        rows,
-    )
+    rows = [
+        [mode] + [common.dash(r[field], suffix) for _, field, suffix in MODE_COLUMNS]
+        for mode, r in modes.items()
+    ]
+    common.print_table(["mode"] + [header for header, _, _ in MODE_COLUMNS], rows)
     for mode, r in modes.items():
         for error in r["errors"]:
             print(f"  {mode} error: {error}")
-    kernels = summary["kernels"]
-    if kernels:
+    if summary["kernels"]:
         print("\n== configs launched per kernel (count of processes)")
         rows = []
-        for kernel, by_mode in kernels.items():
+        for kernel, by_mode in summary["kernels"].items():
             for mode, counter in by_mode.items():
+                ms = modes.get(mode, {}).get("kernel_ms", {}).get(kernel)
                 for sig, n in sorted(counter.items(), key=lambda kv: -kv[1]):
-                    ms = modes.get(mode, {}).get("kernel_ms", {}).get(kernel)
-                    rows.append([_short(kernel), mode, n, sig, _na(ms)])
+                    rows.append([kernel.rsplit(":", 1)[-1].strip("_"), mode, n, sig, common.dash(ms)])
         common.print_table(["kernel", "mode", "procs", "config", "kernel ms (mode median)"], rows)
     for p in summary.get("prewarm", []):
         print(
@@ -1001,165 +623,111 @@ def print_summary(summary: dict[str, Any]) -> None:
         )
 
 
-def _na(value: Any, suffix: str = "") -> Any:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.4g}{suffix}"
-    return value
-
-
-# =========================================================================== fake worker (driver tests)
-
-
-def fake_worker(args: argparse.Namespace) -> dict[str, Any]:
-    """A synthetic result with the real shape, for checking the driver and summary without torch."""
-    import random
-
-    rng = random.Random(f"{args.mode}{args.tag}{os.getpid()}")
-    stock = args.mode == "stock"
-    sig = f"BLOCK_SIZE_M={rng.choice([64, 128]) if stock else 64}, num_warps=4, num_stages=3"
-    if args.mode == "auto" and os.environ.get("MEGATRON_TUNING_FAKE_NO_AUTO"):
-        return {
-            "mode": args.mode,
-            "tag": args.tag,
-            "ok": False,
-            "unsupported": True,
-            "error": "PolicyError: mode='auto' is not one of ...",
-        }
-    return {
-        "mode": args.mode,
-        "tag": args.tag,
-        "ok": True,
-        "fake": True,
-        "first_step_s": rng.uniform(5, 9) if stock else rng.uniform(0.1, 0.3),
-        "first_step_launches": 4000 if stock else 5,
-        "triton_bench_calls": 41 if stock else 0,
-        "do_bench_calls": 41 if stock else 0,
-        "steady_ms": {"median": rng.uniform(0.9, 1.1)},
-        "kernel_ms": {"m:_k": 0.5},
-        "launched": {"m:_k": {"chunk_size=256": sig}},
-        "out": {"all": sig[-20:], "out": sig[-20:]},
-        "first_matches_steady": True,
-        "reference": {"rel_err": 0.004},
-        "decisions": [],
-        "env": {
-            k: os.environ.get(k)
-            for k in (
-                "MAMBA_DETERMINISTIC",
-                "TRITON_CACHE_AUTOTUNING",
-                "MEGATRON_TUNING_CACHE",
-                "MEGATRON_TUNING_SCOPE",
-            )
-        },
-    }
-
-
 # =========================================================================== main
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--mode", choices=MODES, help="worker: run this mode in this process")
-    parser.add_argument(
-        "--driver", action="store_true", help="launch fresh worker processes per mode and summarize"
-    )
-    parser.add_argument(
-        "--list-kernels", action="store_true", help="print the autotuned kernels of megatron.core.ssm.ops"
-    )
-    parser.add_argument(
-        "--modes", nargs="+", choices=MODES, help=f"driver: modes to run (default {' '.join(DEFAULT_MODES)})"
-    )
-    parser.add_argument(
-        "--processes", type=int, default=None, help="driver: processes per mode (default 4; smoke 2)"
-    )
-    parser.add_argument(
+    add = parser.add_argument
+    add("--mode", choices=MODES, help="worker: run this mode in this process")
+    add("--driver", action="store_true", help="launch fresh worker processes per mode and summarize")
+    add("--list-kernels", action="store_true", help="print the autotuned kernels of megatron.core.ssm.ops")
+    add("--summarize", default=None, metavar="RUNS_JSONL", help="print the summary of recorded runs and exit")
+    add("--modes", nargs="+", choices=MODES, help=f"driver: modes to run (default {' '.join(DEFAULT_MODES)})")
+    add("--processes", type=int, default=None, help="driver: processes per mode (default 4; smoke 2)")
+    add(
         "--work-dir",
         default=None,
         help="driver: folder for the compile and tuning caches (default: a temp dir)",
     )
-    parser.add_argument(
+    add(
         "--compile-cache",
         choices=("shared", "per-mode"),
         default="shared",
         help="driver: one TRITON_CACHE_DIR for all modes (default) or one per mode",
     )
-    parser.add_argument(
+    add(
         "--no-prewarm",
         dest="prewarm",
         action="store_false",
-        help="driver: skip the uncounted compile-cache warm-up process(es)",
+        help="driver: skip the uncounted warm-up process(es)",
     )
-    parser.add_argument(
+    add(
         "--budget-s",
         type=float,
         default=330.0,
-        help="driver: start no new round past this many seconds (default 330)",
+        help="driver: start no new round past this many seconds (330)",
     )
-    parser.add_argument("--timeout", type=float, default=300.0, help="driver: seconds per worker process")
-    parser.add_argument("--summary-out", default=None, help="driver: write the summary JSON here")
-    parser.add_argument("--out", default=None, help="append one JSON line per process to this file")
-    parser.add_argument("--tag", default="single", help=argparse.SUPPRESS)
-    parser.add_argument(
+    add("--timeout", type=float, default=300.0, help="driver: seconds per worker process")
+    add("--summary-out", default=None, help="driver: write the summary JSON here")
+    add("--out", default=None, help="append one JSON line per process to this file")
+    add("--tag", default="single", help=argparse.SUPPRESS)
+    add(
         "--import-style",
         choices=("stub", "plain"),
         default="stub",
         help="stub: skip megatron/core/__init__.py (default); plain: ordinary import",
     )
-    parser.add_argument(
+    add(
         "--lens",
         type=int,
         nargs="+",
         default=None,
-        help="sequence lengths packed in the batch (default 5000 3000 6000 2384)",
+        help="sequence lengths in the batch (default 5000 3000 6000 2384)",
     )
-    parser.add_argument("--nheads", type=int, default=None)
-    parser.add_argument("--headdim", type=int, default=None)
-    parser.add_argument("--dstate", type=int, default=None)
-    parser.add_argument("--ngroups", type=int, default=None)
-    parser.add_argument("--chunk", type=int, default=None)
-    parser.add_argument(
-        "--no-conv", action="store_true", help="time the SSD only (no causal_conv1d_varlen_fn)"
-    )
-    parser.add_argument(
-        "--steps", type=int, default=None, help="timed steady-state steps (default 100; smoke 2)"
-    )
-    parser.add_argument(
-        "--warmup", type=int, default=None, help="untimed steps before them (default 10; smoke 1)"
-    )
-    parser.add_argument(
-        "--kernel-steps", type=int, default=20, help="steps of the per-kernel timing pass (0: skip)"
-    )
-    parser.add_argument(
+    for name in mw.SHAPE_FIELDS:
+        add(f"--{name}", type=int, default=None)
+    add("--no-conv", action="store_true", help="time the SSD only (no causal_conv1d_varlen_fn)")
+    add("--steps", type=int, default=None, help="timed steady-state steps (default 100; smoke 2)")
+    add("--warmup", type=int, default=None, help="untimed steps before them (default 10; smoke 1)")
+    add("--kernel-steps", type=int, default=20, help="steps of the per-kernel timing pass (0: skip)")
+    add(
         "--ref-tokens",
         type=int,
         default=None,
-        help="tokens checked against the fp32 recurrence (default 512; smoke 24)",
+        help="tokens checked against the fp32 recurrence (512; smoke 24)",
     )
-    parser.add_argument(
-        "--smoke",
-        action="store_true",
-        help="CPU, Triton interpreter, tiny fp32 shapes: a plumbing check, numbers meaningless",
-    )
-    parser.add_argument(
-        "--fake-worker", action="store_true", help=argparse.SUPPRESS
-    )  # driver tests without torch
+    add("--smoke", action="store_true", help="CPU, Triton interpreter, tiny fp32 shapes: numbers meaningless")
+    add("--fake-worker", action="store_true", help=argparse.SUPPRESS)  # driver tests without torch
     args = parser.parse_args()
     args.steps = args.steps if args.steps is not None else (2 if args.smoke else 100)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.smoke else 10)
     args.ref_tokens = args.ref_tokens if args.ref_tokens is not None else (24 if args.smoke else 512)
+    if not (args.mode or args.driver or args.list_kernels or args.summarize):
+        parser.error("give --mode (one worker process), --driver, --list-kernels or --summarize")
+    return args
 
+
+def main() -> int:
+    args = parse_args()
     if args.list_kernels:
-        return list_kernels(args)
+        os.environ.pop("MAMBA_DETERMINISTIC", None)
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # decorating needs no GPU then
+        headers = [
+            "kernel",
+            "configs",
+            "key",
+            "prune",
+            "hooks",
+            "MAMBA_DETERMINISTIC=1 pick",
+            "ours min_cost",
+        ]
+        common.print_table(headers, mw.kernel_inventory(args.import_style))
+        return 0
+    if args.summarize:
+        runs = [json.loads(line) for line in Path(args.summarize).read_text().splitlines() if line.strip()]
+        modes = [m for m in MODES if any(r.get("mode") == m for r in runs)]
+        summary = summarize(runs, list(args.modes or modes))
+        print_summary(summary)
+        common.write_json(args.summary_out, {"summary": summary})
+        return 0
     if args.driver:
         return driver(args)
-    if not args.mode:
-        parser.error("give --mode (one worker process), --driver or --list-kernels")
     result = fake_worker(args) if args.fake_worker else worker(args)
     if args.out:
-        append_jsonl(args.out, result)
+        common.append_jsonl(args.out, result)
     common.emit(result)
     if not result.get("ok"):
         print(result.get("traceback", result.get("error")), file=sys.stderr)

@@ -52,12 +52,7 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
 def require_device(args: argparse.Namespace, name: str) -> bool:
     """True when the benchmark can run: a CUDA GPU, or ``--smoke``. Explains itself otherwise."""
     if args.smoke:
-        os.environ["TRITON_INTERPRET"] = "1"
-        # Triton 3.3 resolves its benchmarker when a kernel is decorated, which fails without a
-        # GPU driver: keep the lazy one for this whole (short-lived) smoke process.
-        from megatron_tuning.runtime.triton_compat import lazy_benchmarker
-
-        _PROCESS_CONTEXTS.enter_context(lazy_benchmarker())
+        use_cpu_interpreter()
         return True
     try:
         import torch
@@ -73,6 +68,23 @@ def require_device(args: argparse.Namespace, name: str) -> bool:
         file=sys.stderr,
     )
     return False
+
+
+def use_cpu_interpreter() -> None:
+    """Run this process's kernels in the Triton interpreter (``--smoke``, CPU modes)."""
+    os.environ["TRITON_INTERPRET"] = "1"
+    # Triton 3.3 resolves its benchmarker when a kernel is decorated, which fails without a
+    # GPU driver: keep the lazy one for this whole (short-lived) process.
+    from megatron_tuning.runtime.triton_compat import lazy_benchmarker
+
+    _PROCESS_CONTEXTS.enter_context(lazy_benchmarker())
+
+
+def rotated(items: Sequence[Any], shift: int) -> list[Any]:
+    """``items`` starting at position ``shift`` (mod length): interleaved rounds rotate their start
+    so slow drift hits every item alike."""
+    start = shift % len(items)
+    return list(items[start:]) + list(items[:start])
 
 
 def run_parent_or_child(
@@ -209,6 +221,45 @@ def spread(values: Sequence[float]) -> dict[str, float]:
     }
 
 
+def append_jsonl(path: str, record: Mapping[str, Any]) -> None:
+    """Append one JSON line (a process's raw result) to ``path``."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with target.open("a", encoding="utf-8") as handle:
+        handle.write(json.dumps(record, sort_keys=True) + "\n")
+
+
+def quantiles(samples: Sequence[float]) -> dict[str, float]:
+    """Median, p20, p80 (nearest rank), min and count of a non-empty sample."""
+    ordered = sorted(samples)
+
+    def q(p: float) -> float:
+        return ordered[min(len(ordered) - 1, int(p * len(ordered)))]
+
+    return {
+        "median": statistics.median(ordered),
+        "p20": q(0.2),
+        "p80": q(0.8),
+        "min": ordered[0],
+        "n": len(ordered),
+    }
+
+
+def median_or_none(values: Sequence[Any]) -> Any:
+    """The median of the values that are not ``None``; ``None`` when there are none."""
+    kept = [v for v in values if v is not None]
+    return statistics.median(kept) if kept else None
+
+
+def dash(value: Any, suffix: str = "") -> Any:
+    """A table cell: ``-`` for a missing value, 4 significant digits (and ``suffix``) for a float."""
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.4g}{suffix}"
+    return value
+
+
 # --------------------------------------------------------------------------- inside a child
 
 
@@ -301,6 +352,82 @@ def time_configs_interleaved(
                 samples[i].append(float("inf"))
                 print(f"config {i}: {type(exc).__name__}: {exc}", file=sys.stderr)
     return samples
+
+
+class LaunchCounters:
+    """Process-wide counts of Triton's benchmarking and of kernel launches (``install`` them first).
+
+    ``bench_calls``: ``Autotuner._bench`` calls that reach Triton's own benchmarking (installed
+    before ``megatron_tuning``, whose guard then wraps this wrapper); ``do_bench_calls``:
+    ``triton.testing.do_bench`` calls; ``launches``: ``JITFunction.run`` (and interpreted) calls.
+    While ``launch_log`` is a list, each launch appends ``(jit function, keyword arguments with
+    "__positional__")``; while ``events`` is a list, each launch is timed with CUDA events and
+    appends ``(function id, start, end)``.
+    """
+
+    def __init__(self) -> None:
+        self.bench_calls = 0
+        self.do_bench_calls = 0
+        self.launches = 0
+        self.launch_log: list[tuple[Any, dict[str, Any]]] | None = None
+        self.events: list[tuple[str, Any, Any]] | None = None
+
+    def install(self) -> None:
+        import functools
+
+        import triton
+        import triton.testing
+        from triton.runtime.autotuner import Autotuner
+
+        original_bench = Autotuner.__dict__.get("_bench") or Autotuner._bench
+
+        @functools.wraps(original_bench)
+        def _bench(autotuner: Any, *args: Any, **kwargs: Any) -> Any:
+            self.bench_calls += 1
+            return original_bench(autotuner, *args, **kwargs)
+
+        Autotuner._bench = _bench
+        original_do_bench = triton.testing.do_bench
+
+        @functools.wraps(original_do_bench)
+        def do_bench(*args: Any, **kwargs: Any) -> Any:
+            self.do_bench_calls += 1
+            return original_do_bench(*args, **kwargs)
+
+        triton.testing.do_bench = do_bench  # the CUDA driver's get_benchmarker() imports it at call time
+        classes = [triton.runtime.jit.JITFunction]
+        with contextlib.suppress(ImportError, AttributeError):
+            from triton.runtime.interpreter import InterpretedFunction
+
+            classes.append(InterpretedFunction)
+        for cls in classes:
+            self._wrap_run(cls)
+
+    def _wrap_run(self, cls: Any) -> None:
+        import functools
+
+        original_run = cls.__dict__.get("run") or cls.run
+
+        @functools.wraps(original_run)
+        def run(fn: Any, *args: Any, **kwargs: Any) -> Any:
+            self.launches += 1
+            if self.launch_log is not None:
+                self.launch_log.append((fn, dict(kwargs, __positional__=args)))
+            events = self.events
+            if events is None:
+                return original_run(fn, *args, **kwargs)
+            import torch
+
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            result = original_run(fn, *args, **kwargs)
+            end.record()
+            inner = getattr(fn, "fn", None)
+            name = getattr(inner, "__qualname__", getattr(inner, "__name__", "?"))
+            events.append((f"{getattr(inner, '__module__', '?')}:{name}", start, end))
+            return result
+
+        cls.run = run
 
 
 def count_triton_benchmarks() -> collections.Counter[str]:

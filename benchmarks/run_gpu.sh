@@ -7,15 +7,20 @@
 #   tables           tune the reference kernels -> configs/<arch>/*.msgpack (+ copies in $OUT/configs), validate
 #   quality          pinned vs best candidate throughput (uses configs/sm90/matmul.msgpack)
 #   first_launch     time to first launch, table hit vs stock autotune, warm and cold compile cache
-#   overhead         launches/s: pinned vs Triton's hit path vs bare @triton.jit
+#   overhead         launches/s: pinned vs Triton's hit path vs bare @triton.jit (+ the host-only CPU mode)
+#   tuner_judge      does the tuner rank sub-20 us matmuls as an independent do_bench judge does?
+#   nearest          held-out shapes: the nearest-shape rule (and the single nearest entry) vs the best
 #   reproducibility  >= 10 fresh processes, stock vs pinned (uses configs/sm90/matmul.msgpack)
 #   retune           >= 5 fresh processes: the tuner's choice vs Triton's
 #   record           record -> merge -> pin end to end (4 recording processes, then a pinned one)
-#   auto             auto mode run 1 / run 2 vs stock (2 processes sharing a store), nearest-shape rule
+#   auto             auto mode run 1 / run 2 vs stock (2 processes sharing a store), then the nearest stage
 #   mamba            megatron-core's Mamba SSD kernels: stock, MAMBA_DETERMINISTIC, ours, auto run 1/2
 #                    (needs megatron-core importable: see benchmarks/bench_mamba_ssd.py)
 #   compile          torch.compile: eager vs compiled, stock vs pinned, 3 fresh processes per kind
 #   smoke            every script's --smoke (CPU interpreter) path: a plumbing check, no numbers
+#
+# Issue 18's GPU check, one call of ~5 minutes on one H200:
+#   OUT=/some/dir PYTHONPATH=. MT_BUDGET_S=530 bash benchmarks/run_gpu.sh overhead tuner_judge nearest
 #
 # Budget: MT_BUDGET_S seconds for the whole call (default 480); a stage that would start with less
 # than its usual time left is skipped and says so. MT_REPRO_PROCESSES (default 10) and
@@ -35,7 +40,7 @@ stages=("$@")
 ((${#stages[@]})) || stages=(tables quality first_launch overhead)
 
 # Typical H200 seconds per stage; a stage is skipped when less than this is left.
-declare -A NEED=([tables]=120 [quality]=60 [first_launch]=150 [overhead]=30 [reproducibility]=280 [retune]=120 [record]=120 [smoke]=120 [auto]=150 [mamba]=200 [compile]=240)
+declare -A NEED=([tables]=120 [quality]=60 [first_launch]=150 [overhead]=60 [tuner_judge]=150 [nearest]=180 [reproducibility]=280 [retune]=120 [record]=120 [smoke]=120 [auto]=300 [mamba]=200 [compile]=240)
 
 {
   echo "date: $(date -u '+%Y-%m-%d %H:%M:%SZ')"
@@ -69,7 +74,11 @@ for stage in "${stages[@]}"; do
       mkdir -p "$OUT/configs" && cp -r "$ROOT"/configs/sm* "$OUT/configs/" 2>/dev/null || true ;;
     quality) run_stage quality "$PY" benchmarks/bench_quality.py --out "$OUT/quality.json" ;;
     first_launch) run_stage first_launch "$PY" benchmarks/bench_first_launch.py --out "$OUT/first_launch.json" ;;
-    overhead) run_stage overhead "$PY" benchmarks/bench_launch_overhead.py --out "$OUT/overhead.json" ;;
+    overhead)
+      run_stage overhead bash -c "set -e; $PY benchmarks/bench_launch_overhead.py --out $OUT/overhead.json
+        $PY benchmarks/bench_launch_overhead.py --cpu --out $OUT/overhead_cpu.json" ;;
+    tuner_judge) run_stage tuner_judge "$PY" benchmarks/bench_tuner_judge.py --out "$OUT/tuner_judge.json" ;;
+    nearest) run_stage nearest "$PY" benchmarks/bench_nearest.py --out "$OUT/nearest.json" ;;
     reproducibility)
       run_stage reproducibility "$PY" benchmarks/bench_reproducibility.py --processes "${MT_REPRO_PROCESSES:-10}" \
         --out "$OUT/reproducibility.json" ;;
@@ -77,14 +86,16 @@ for stage in "${stages[@]}"; do
       run_stage retune "$PY" benchmarks/bench_retune.py --processes "${MT_RETUNE_PROCESSES:-5}" \
         --plot "$OUT/plots/retune" --out "$OUT/retune.json" ;;
     record) run_stage record "$PY" benchmarks/record_merge_e2e.py --out "$OUT/record.json" ;;
-    auto) run_stage auto "$PY" benchmarks/bench_auto.py --out "$OUT/auto.json" ;;
+    auto)  # auto mode, then the nearest-shape fallback (one script each since issue 18)
+      run_stage auto bash -c "set -e; $PY benchmarks/bench_auto.py --out $OUT/auto.json
+        $PY benchmarks/bench_nearest.py --out $OUT/nearest.json" ;;
     mamba)
       run_stage mamba "$PY" benchmarks/bench_mamba_ssd.py --driver --processes "${MT_MAMBA_PROCESSES:-3}" \
         --budget-s "${MT_MAMBA_BUDGET_S:-240}" --work-dir "${TMPDIR:-/tmp}/mt_mamba_bench" \
         --out "$OUT/mamba_runs.jsonl" --summary-out "$OUT/mamba_summary.json" ;;
     compile) run_stage compile "$PY" benchmarks/bench_compile.py --out "$OUT/compile.json" ;;
     smoke)
-      run_stage smoke bash -c "set -e; for s in bench_quality bench_launch_overhead bench_first_launch bench_retune bench_reproducibility record_merge_e2e bench_compile; do
+      run_stage smoke bash -c "set -e; for s in bench_quality bench_launch_overhead bench_tuner_judge bench_nearest bench_first_launch bench_retune bench_reproducibility record_merge_e2e bench_compile; do
         $PY benchmarks/\$s.py --smoke --out $OUT/smoke/\$s.json; done
         $PY benchmarks/make_sm90_tables.py --smoke --out-dir $OUT/smoke/tables" ;;
     *) echo "unknown stage $stage (see the header of $0)" | tee -a "$OUT/summary.txt" ;;

@@ -26,7 +26,7 @@ from .identity import (
     kernel_source_hash,
     tuning_key,
 )
-from .nearest import nearest_keys
+from .nearest import nearest_keys, pick_neighbour
 from .policy import TuningPolicy
 from .warn import tallies, tally, warn_once
 
@@ -235,7 +235,11 @@ def choose_on_miss(
     table: ConfigTable | Mapping[tuple[str, str], Any] | None = None,
     on_miss: str = "nearest",
 ) -> Choice:
-    """What a miss launches, without measuring: the nearest shape's entry, the cheapest, or an error."""
+    """What a miss launches, without measuring: the nearest shape's entry, the cheapest, or an error.
+
+    The nearest shape's entry is ``core.nearest.pick_neighbour``'s: the nearest usable entry, or
+    the lower of two bracketing entries that disagree; ``Choice.nearest_key`` names the one used.
+    """
     if on_miss not in ON_MISS_CHOICES:
         raise PolicyError("on_miss", on_miss, "one of " + "|".join(ON_MISS_CHOICES))
     kernel = kernel_id(autotuner)
@@ -244,11 +248,20 @@ def choose_on_miss(
     lookup = as_config_table(table)
     neighbours = getattr(lookup, "neighbours", None)
     if on_miss == "nearest" and neighbours is not None:
-        for hit in neighbours(kernel, key, arch=arch_tag(), source_hash=kernel_source_hash(autotuner)):
-            live = match_live(hit.config, candidates)
-            if live is not None:  # a neighbour tuned with other live configs cannot be launched
-                _notice_nearest(kernel, key, hit)
-                return _from_hit(live, "nearest", hit, nearest_key=hit.key)
+        hits = neighbours(kernel, key, arch=arch_tag(), source_hash=kernel_source_hash(autotuner))
+        # A neighbour tuned with other live configs cannot be launched: only matched ones count.
+        usable = [(hit, live) for hit in hits if (live := match_live(hit.config, candidates)) is not None]
+        if usable:
+            hit, live = usable[0]
+            if hit.key is not None:  # the nearest, or the lower of two bracketing entries
+                by_key: dict[str, tuple[TableHit, Any]] = {}
+                for other, other_live in usable:
+                    if other.key is not None:
+                        by_key.setdefault(other.key, (other, other_live))
+                signatures = {k: config_signature(c) for k, (_, c) in by_key.items()}
+                hit, live = by_key[pick_neighbour(key, signatures) or hit.key]
+            _notice_nearest(kernel, key, hit)
+            return _from_hit(live, "nearest", hit, nearest_key=hit.key)
     choice = Choice(cheapest(candidates), "cheapest")
     _notice_cheapest(kernel, key, miss, choice.config, len(candidates), on_miss)
     return choice

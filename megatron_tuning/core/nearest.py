@@ -6,13 +6,21 @@ number here, so it must match exactly, as must strings, ``None`` and every other
 distance between comparable keys is the sum over their numeric values of
 ``|s(a) - s(b)|`` with ``s(v) = sign(v) * log2(1 + |v|)`` (log space, defined at 0). The
 nearest entry wins; ties break by key text, so the answer depends only on the table and the key.
+
+One refinement (``pick_neighbour``): when the nearest entry lies *above* the key (every number
+>= the key's) and the nearest entry *below* it (every number <=) has a different config and is at
+most ``BRACKET_RATIO`` times as far, the lower entry's config is used. Between two tuned shapes,
+a config tuned for the smaller one keeps more tiles in flight as the problem grows, while one
+tuned for the larger problem leaves SMs idle when it shrinks (measured: M=1536 between entries at
+M=1024 and M=2048 ran the M=2048 config at 90.7% of the best, RESULTS section 9). Far from the
+lower entry (past two thirds of the way up, in log space) the nearer entry wins as before.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 # Key text is ``name=value, name=value | arg:dtype, ...`` (``identity.tuning_key``). Values are
@@ -20,6 +28,8 @@ from dataclasses import dataclass
 # ", word=": such a string key argument would be read as two values.
 _VALUE_START = re.compile(r"(?:^|, )([A-Za-z_]\w*)=")
 _INT = re.compile(r"-?\d+")
+BRACKET_RATIO = 2.0
+"""The lower bracketing entry is used while it is at most this many times as far as the upper one."""
 _FLOAT = re.compile(r"-?(?:\d+\.\d*|\.\d+|\d+)(?:e[-+]?\d+)?|-?inf|nan", re.IGNORECASE)
 
 
@@ -96,3 +106,42 @@ def nearest_keys(key: str, candidates: Iterable[str]) -> list[str]:
             ranked.append((distance, candidate))
     ranked.sort()
     return [candidate for _, candidate in ranked]
+
+
+def side_of(key: KeyShape, other: KeyShape) -> int | None:
+    """``-1`` when every number of ``other`` is <= the key's, ``1`` when every one is >=, ``0``
+    when all are equal; ``None`` for a mixed direction or keys that are not comparable."""
+    if key.fixed != other.fixed:
+        return None
+    below = any(o < k for k, o in zip(key.numbers, other.numbers))
+    above = any(o > k for k, o in zip(key.numbers, other.numbers))
+    if below and above:
+        return None
+    return -1 if below else 1 if above else 0
+
+
+def pick_neighbour(key: str, signatures: Mapping[str, str]) -> str | None:
+    """The neighbour whose entry a miss of ``key`` launches, by the rule in the module docstring.
+
+    ``signatures`` maps each usable neighbour key, nearest first (``nearest_keys`` order), to the
+    signature of the config its entry launches. A pure function of its arguments; ``None`` when
+    there is no neighbour.
+    """
+    ordered = list(signatures)
+    if not ordered:
+        return None
+    nearest = ordered[0]
+    target = key_shape(key)
+    nearest_shape = key_shape(nearest)
+    if target is None or nearest_shape is None or side_of(target, nearest_shape) != 1:
+        return nearest
+    for candidate in ordered[1:]:  # nearest first: the first entry below is the lower bracket
+        shape = key_shape(candidate)
+        if shape is None or side_of(target, shape) not in (-1, 0):
+            continue
+        if signatures[candidate] == signatures[nearest]:
+            return nearest  # the brackets agree: nothing to choose
+        if key_distance(target, shape) <= BRACKET_RATIO * key_distance(target, nearest_shape):
+            return candidate
+        return nearest
+    return nearest

@@ -7,6 +7,9 @@
   and launched the way Triton's cache-hit path launches: ``Config.pre_hook`` then ``fn.run``.
   The decision is also filed in the autotuner's own ``cache`` under Triton's key (removed again
   at ``uninstall``), and ``best_config`` is set at every launch, as Triton's hit path leaves them.
+  Every later launch of the key takes the *hit path*: one lookup (``state.find``, compiled per
+  call shape, ``runtime/launches.py``) finds the key's launch record (the config and its
+  ``all_kwargs()``, computed once), valid only while the installation that made it is active.
   Autotuner-level ``reset_to_zero``/``restore_value``/``pre_hook``/``post_hook`` only protect
   benchmarking, so they do not run when nothing is benchmarked (as on Triton's hit path).
   Under ``record`` Triton autotunes as usual and its winner is recorded. Out-of-scope kernels
@@ -44,6 +47,7 @@ from ..core.policy import TuningPolicy
 from ..core.warn import reset_warnings
 from . import inductor, pinning
 from .auto import Consensus, Measure
+from .launches import Launch, launch_key, raw_key, specialize_find
 from .pinning import (
     PINNED_ATTR,
     STATE_ATTR,
@@ -53,7 +57,6 @@ from .pinning import (
     decide,
     forget_triton_cache,
     installed,
-    raw_key,
     state_for,
 )
 from .triton_compat import acquire_lazy_init, autotuner_class, check_triton_contract, release_lazy_init
@@ -152,37 +155,64 @@ def _make_bench(original: Any) -> Any:
 def _make_run(original: Any) -> Any:
     @functools.wraps(original)
     def run(self: Any, *args: Any, **kwargs: Any) -> Any:
-        installation = pinning.active
-        pinned = self.__dict__.get(PINNED_ATTR)
-        if pinned is not None:  # a compiled graph's one-config copy: decided when it was traced
-            return _launch_pinned(self, pinned, args, kwargs)
-        if installation is None or installation.policy.mode == "off":
-            return original(self, *args, **kwargs)
+        # The hit path: a key this autotuner already launched under the active installation.
+        # One dict lookup for the state, one for the launch record; everything else was computed
+        # at the key's first launch (``_first_launch``).
         state = self.__dict__.get(STATE_ATTR)
-        if state is None or state.generation != installation.generation:
-            state = state_for(self, installation)
-        if not state.in_scope:
-            return original(self, *args, **kwargs)
-        if installation.policy.mode == "record":
-            return _record_run(original, self, state, installation, args, kwargs)
-        raw = raw_key(state, args, kwargs)
-        config = state.pins.get(raw)
-        if config is None:
-            config = decide(self, state, installation, raw, args, kwargs)
-        # Triton's cache-hit launch: Config.pre_hook sees the full argument dict, then fn.run.
-        self.best_config = config
-        if config.pre_hook is not None:
-            config.pre_hook({**dict(zip(self.arg_names, args)), **kwargs, **config.all_kwargs()})
-        return self.fn.run(*args, **kwargs, **config.all_kwargs())
+        if state is not None and state.live is pinning.active:
+            launch = state.find(args, kwargs)
+            if launch is not None:
+                if pinning.flush_pending:  # the one hook on this path: work due at a repeated launch
+                    pinning.run_pending_flush()
+                config, options = launch
+                # Triton's cache-hit launch: Config.pre_hook sees the full argument dict, then fn.run.
+                self.best_config = config
+                if config.pre_hook is not None:
+                    config.pre_hook({**dict(zip(self.arg_names, args)), **kwargs, **options})
+                return self.fn.run(*args, **kwargs, **options)
+        return _first_launch(original, self, args, kwargs)
 
     return run
 
 
-def _launch_pinned(autotuner: Any, config: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def _first_launch(original: Any, autotuner: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Every launch the hit path does not take: decide a new key (and keep its launch record for
+    the hit path), or route to Triton or record mode."""
+    pinned = autotuner.__dict__.get(PINNED_ATTR)
+    if pinned is not None:  # a compiled graph's one-config copy: decided when it was traced
+        return _launch(autotuner, Launch(pinned, pinned.all_kwargs()), args, kwargs)
+    installation = pinning.active
+    if installation is None or installation.policy.mode == "off":
+        return original(autotuner, *args, **kwargs)
+    state = autotuner.__dict__.get(STATE_ATTR)
+    if state is None or state.generation != installation.generation:
+        state = state_for(autotuner, installation)
+    if not state.in_scope:
+        return original(autotuner, *args, **kwargs)
+    if installation.policy.mode == "record":
+        return _record_run(original, autotuner, state, installation, args, kwargs)
+    raw = raw_key(state, args, kwargs)
+    config = state.pins.get(raw)
+    if config is None:
+        config = decide(autotuner, state, installation, raw, args, kwargs)
+    elif pinning.flush_pending:  # a key decided before (another call pattern, compiled code): a repeat
+        pinning.run_pending_flush()
+    launch = Launch(config, config.all_kwargs())
+    if len(state.launches) < pinning.MAX_LAUNCHES:
+        if not state.launches:  # the first launch's call pattern is the one compiled for speed
+            specialize_find(state, args)
+        state.launches[launch_key(state, args, kwargs)] = launch
+        state.live = installation
+    return _launch(autotuner, launch, args, kwargs)
+
+
+def _launch(autotuner: Any, launch: Launch, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Triton's cache-hit launch (``run``'s hit path does the same inline, to save a call)."""
+    config, options = launch
     autotuner.best_config = config
     if config.pre_hook is not None:
-        config.pre_hook({**dict(zip(autotuner.arg_names, args)), **kwargs, **config.all_kwargs()})
-    return autotuner.fn.run(*args, **kwargs, **config.all_kwargs())
+        config.pre_hook({**dict(zip(autotuner.arg_names, args)), **kwargs, **options})
+    return autotuner.fn.run(*args, **kwargs, **options)
 
 
 def _record_run(

@@ -10,6 +10,7 @@ agreement check. The only Triton internals used here are the autotuner's pruning
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import weakref
@@ -33,6 +34,9 @@ from ..core.identity import (
 from ..core.policy import TuningPolicy
 from ..core.warn import warn_once
 from .auto import Consensus, Measure, auto_choice
+
+# Re-exported: the adapters and tests reach the launch records and keys through this module.
+from .launches import MAX_LAUNCHES, Launch, find_launch, launch_key, raw_key, specialize_find  # noqa: F401
 from .triton_compat import triton_cache_key
 
 logger = logging.getLogger("megatron_tuning.runtime.interception")
@@ -72,11 +76,28 @@ class AutotunerState:
     in_scope: bool
     kernel: str
     key_index: tuple[tuple[str, int], ...]
+    arg_names: tuple[str, ...]
     pins: dict[tuple[Any, ...], Any] = field(default_factory=dict)
+    """Decision key (``raw_key``) -> the decided config: one decision per key."""
     lock: threading.Lock = field(default_factory=threading.Lock)
     source_hash: str | None = None
     triton_keys: dict[tuple[Any, ...], Any] = field(default_factory=dict)
     """Entries this installation wrote into the autotuner's own ``cache`` (removed at uninstall)."""
+    launches: dict[tuple[Any, ...], Launch] = field(default_factory=dict)
+    """Launch key (``launch_key``) -> ``Launch``: what the hit path reads, one dict lookup a
+    launch. Never rebound (``find`` holds its ``get``)."""
+    live: Installation | None = None
+    """The installation ``launches`` serve: set by the interception once a pinned launch of this
+    state was made. The hit path uses ``launches`` only while this ``is`` the active installation,
+    so a new policy, table or ``uninstall`` can never launch a record of an old one."""
+    arg_set: frozenset[str] = field(init=False)
+    find: Any = field(init=False)
+    """``find(args, kwargs) -> Launch | None``, the hit path's lookup in ``launches``:
+    ``launches.find_launch`` until ``specialize_find`` compiles one for the first call's shape."""
+
+    def __post_init__(self) -> None:
+        self.arg_set = frozenset(self.arg_names)
+        self.find = functools.partial(find_launch, self)
 
 
 active: Installation | None = None
@@ -87,6 +108,25 @@ before_decision: list[Callable[[Installation], Installation]] = []
 """Called at each new (kernel, key) decision, never on a launch of a pinned key; may return a
 replacement installation, which becomes the active one. The session registers one while it waits
 for a process group created after it started (``session._LateAttach``)."""
+
+flush_pending: bool = False
+"""Checked once on every pinned hit-path launch (``interception``'s ``run``), normally ``False``.
+Set it (with ``flush_hook``) to run work at the first repeated launch after new keys, e.g. an
+agreement flush; ``run_pending_flush`` clears it before calling the hook."""
+flush_hook: Callable[[], None] | None = None
+_flush_lock = threading.Lock()
+
+
+def run_pending_flush() -> None:
+    """Clear ``flush_pending`` and call ``flush_hook`` once, however many threads saw the flag."""
+    global flush_pending
+    with _flush_lock:
+        if not flush_pending:
+            return
+        flush_pending = False
+        hook = flush_hook
+    if hook is not None:
+        hook()
 
 
 def installed() -> bool:
@@ -111,6 +151,7 @@ def state_for(autotuner: Any, installation: Installation) -> AutotunerState:
         in_scope=installation.policy.in_scope(kernel_module(autotuner)),
         kernel=kernel,
         key_index=tuple((name, arg_names.index(name)) for name in autotuner.keys if name in arg_names),
+        arg_names=tuple(arg_names),
     )
     autotuner.__dict__[STATE_ATTR] = state
     touched.add(autotuner)
@@ -126,23 +167,6 @@ def state_for(autotuner: Any, installation: Installation) -> AutotunerState:
             )
         )
     return state
-
-
-def raw_key(state: AutotunerState, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
-    """Hot-path cache key: Triton's key values and dtypes, without building text.
-
-    Each key value is paired with its type so ``True``/``1``/``1.0`` stay distinct keys, as they
-    are in ``tuning_key`` (in a plain tuple they compare equal and would share one decision).
-    """
-    count = len(args)
-    values: list[Any] = []
-    for name, i in state.key_index:
-        value = args[i] if i < count else kwargs.get(name)
-        values.append((value.__class__, value))
-    values.extend(a.dtype for a in args if hasattr(a, "dtype"))
-    if kwargs:
-        values.extend(v.dtype for v in kwargs.values() if hasattr(v, "dtype"))
-    return tuple(values)
 
 
 def live_candidates(autotuner: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:

@@ -12,18 +12,22 @@ reproducible instead:
    overlaps the best's, up to ``overlap_cap``) is tied with it, and the tie is broken by the same
    static cost and signature order the deterministic fallback uses (``selection.order_by_cost``).
 
-The decision rules (``analyze``, ``pool``) are pure and live in ``tune_stats`` (re-exported here).
-The timing (``time_candidates``) takes an injectable ``Timer``; ``make_measure`` builds the
-callable that ``interception.install(policy, measure=...)`` calls in policy mode ``tune``.
+Short kernels (fastest candidate under ``TuneSettings.cold_below_ms``) are timed one launch at a
+time after an L2 flush, as ``triton.testing.do_bench`` times them, so the tuner ranks them as an
+independent ``do_bench`` judge does; longer ones back to back. The decision rules (``analyze``,
+``pool``) are pure and live in ``stats`` (re-exported here); the clocks in ``timers``. The timing
+(``time_candidates``) takes an injectable ``Timer``; ``make_measure`` builds the callable that
+``interception.install(policy, measure=...)`` calls in policy mode ``tune``.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .stats import (
     ENV_ROUNDS,
@@ -36,7 +40,9 @@ from .stats import (
     analyze_configs,
     pool,
     summarize,
+    timing_method,
 )
+from .timers import ClockTimer, CudaEventTimer, Timer, default_timer
 
 if TYPE_CHECKING:
     from ..core.policy import TuningPolicy
@@ -49,6 +55,7 @@ __all__ = [
     "ClockTimer",
     "CudaEventTimer",
     "Measure",
+    "Timed",
     "Timer",
     "TuneResult",
     "TuneSettings",
@@ -59,6 +66,7 @@ __all__ = [
     "pool",
     "summarize",
     "time_candidates",
+    "timing_method",
 ]
 
 logger = logging.getLogger(__name__)
@@ -67,100 +75,6 @@ progress_logger = logging.getLogger(__name__ + ".progress")
 handler, or the application's handlers) without any logging setup; silence them with
 ``logging.getLogger("megatron_tuning.tuning.tuner.progress").setLevel(logging.WARNING)``."""
 progress_logger.setLevel(logging.INFO)
-
-# --------------------------------------------------------------------------- timing
-
-
-class Timer(Protocol):
-    """Times launches. ``sample`` returns milliseconds per launch over ``launches`` back-to-back launches."""
-
-    def synchronize(self) -> None: ...
-
-    def sample(self, launch: Callable[[], None], launches: int) -> float: ...
-
-
-class ClockTimer:
-    """Host clock around a synchronize. For the interpreter, smoke runs and tests (inject ``clock``)."""
-
-    def __init__(
-        self, clock: Callable[[], float] = time.perf_counter, synchronize: Callable[[], None] | None = None
-    ) -> None:
-        self._clock = clock
-        self._sync = synchronize or (lambda: None)
-
-    def synchronize(self) -> None:
-        self._sync()
-
-    def sample(self, launch: Callable[[], None], launches: int) -> float:
-        self._sync()
-        start = self._clock()
-        for _ in range(launches):
-            launch()
-        self._sync()
-        return (self._clock() - start) * 1e3 / launches
-
-
-class CudaEventTimer:
-    """CUDA events around ``launches`` back-to-back launches on the current stream.
-
-    Short kernels launched from Python are host-bound: the GPU would idle between launches
-    and the events would time the host. So each sample first enqueues a GPU spin
-    (``torch.cuda._sleep``) long enough for the host to queue every launch behind it; the
-    events then time the kernels back to back. The L2 flush before a sample (a 256 MiB memset,
-    as in ``triton.testing.do_bench``) keeps one candidate from inheriting another's cached data.
-    """
-
-    _FLUSH_BYTES = 256 * 1024 * 1024
-
-    def __init__(self, *, flush_l2: bool = True, torch_module: Any = None) -> None:
-        if torch_module is None:
-            import torch as torch_module
-        torch = torch_module  # injectable so CPU tests can drive this class with a fake
-        self._torch = torch
-        self._start = torch.cuda.Event(enable_timing=True)
-        self._end = torch.cuda.Event(enable_timing=True)
-        self._flush = (
-            torch.empty(self._FLUSH_BYTES // 4, dtype=torch.int32, device="cuda") if flush_l2 else None
-        )
-        props = torch.cuda.get_device_properties(torch.cuda.current_device())
-        # _sleep counts SM clock cycles; assume ~2 GHz where torch does not report the clock.
-        self._cycles_per_s = float(getattr(props, "clock_rate", 0) or 2.0e6) * 1e3
-        self._host_s_per_launch = 50e-6
-
-    def synchronize(self) -> None:
-        self._torch.cuda.synchronize()
-
-    def sample(self, launch: Callable[[], None], launches: int) -> float:
-        torch = self._torch
-        if self._flush is not None:
-            self._flush.zero_()
-        spin_s = min(0.05, 20e-6 + 1.5 * launches * self._host_s_per_launch)
-        torch.cuda._sleep(int(spin_s * self._cycles_per_s))
-        self._start.record()
-        host_start = time.perf_counter()
-        for _ in range(launches):
-            launch()
-        self._host_s_per_launch = max(1e-6, (time.perf_counter() - host_start) / launches)
-        self._end.record()
-        self._end.synchronize()
-        return float(self._start.elapsed_time(self._end)) / launches
-
-
-def default_timer(settings: TuneSettings) -> Timer:
-    """CUDA events on a GPU, else the host clock (timings then only mean something for smoke tests)."""
-    from ..core.identity import arch_tag
-
-    if arch_tag() != "unknown":
-        return CudaEventTimer(flush_l2=settings.flush_l2)
-    from ..core.warn import warn_once
-
-    warn_once(
-        ("host-clock",),
-        "no GPU (or the Triton interpreter is active): tuning times candidates with the host clock, "
-        "so what it picks is only meaningful for smoke tests. Tune on the GPU the job runs on, or "
-        "use MEGATRON_TUNING_MODE=deterministic with a table tuned there.",
-    )
-    return ClockTimer()
 
 
 def benchmark_failures() -> tuple[type[BaseException], ...]:
@@ -211,6 +125,17 @@ def make_launcher(
     return launch
 
 
+class Timed(NamedTuple):
+    """What ``time_candidates`` measured for one key."""
+
+    samples: list[list[float]]
+    """Per candidate, one value (ms per launch) per timed round; empty for a failed candidate."""
+    errors: list[str | None]
+    method: str
+    """``"cold"`` (each launch alone after an L2 flush, as ``do_bench``) or ``"batched"``
+    (back-to-back launches); ``stats.timing_method``."""
+
+
 def time_candidates(
     launchers: Sequence[Callable[[], None]],
     *,
@@ -218,33 +143,46 @@ def time_candidates(
     settings: TuneSettings,
     on_step: Callable[[], None] | None = None,
     failures: tuple[type[BaseException], ...] | None = None,
-) -> tuple[list[list[float]], list[str | None]]:
+) -> Timed:
     """Compile and warm up each candidate, then sample them in interleaved, rotating rounds.
 
-    Returns per-candidate samples (ms per launch) and errors; a candidate that raised one of
-    ``failures`` (compile/resource errors) gets no samples and an error text. Other errors
-    propagate, as in Triton.
+    A key whose fastest candidate is shorter than ``settings.cold_below_ms`` is timed cold
+    (``Timer.sample_cold``, ``settings.cold_launches`` launches a sample); any other key back to
+    back, ``sample_ms`` of launches a sample. ``settings.warmup_ms`` of device work (``warm_up``)
+    precede the rounds. A candidate that raised one of ``failures`` (compile/resource errors)
+    gets no samples and an error text. Other errors propagate, as in Triton.
     """
     failures = benchmark_failures() if failures is None else failures
     step = on_step or (lambda: None)
     n = len(launchers)
     samples: list[list[float]] = [[] for _ in range(n)]
     errors: list[str | None] = [None] * n
-    launches = [1] * n
+    estimates = [math.nan] * n
     for i, launch in enumerate(launchers):
         try:
             launch()  # compiles on first use; compile errors surface here
             timer.synchronize()
             # Best of three single launches: a rough per-launch time to size the samples.
-            estimate = min(timer.sample(launch, 1) for _ in range(3))
+            estimates[i] = min(timer.sample(launch, 1) for _ in range(3))
         except failures as exc:
             errors[i] = f"{type(exc).__name__}: {exc}"
             logger.info("candidate %d failed to compile or launch: %s", i, errors[i])
-        else:
-            # A NaN estimate (a timer that failed to time) gets single launches, not a crash.
-            wanted = 1 if math.isnan(estimate) else math.ceil(settings.sample_ms / max(estimate, 1e-6))
-            launches[i] = max(1, min(settings.max_launches, wanted))
         step()
+    method = timing_method([e for e, err in zip(estimates, errors) if err is None], settings)
+    sample = _sampler(timer, method)
+    if method == "cold":
+        launches = [min(settings.cold_launches, settings.max_launches)] * n
+    else:
+        # A NaN estimate (a timer that failed to time) gets single launches, not a crash.
+        launches = [
+            1
+            if math.isnan(e)
+            else max(1, min(settings.max_launches, math.ceil(settings.sample_ms / max(e, 1e-6))))
+            for e in estimates
+        ]
+    warm_up = getattr(timer, "warm_up", None)
+    if warm_up is not None and settings.warmup_ms > 0 and any(err is None for err in errors):
+        warm_up(settings.warmup_ms)
     for round_index in range(settings.warmup_rounds + settings.rounds):
         live = [i for i in range(n) if errors[i] is None]
         if not live:
@@ -253,7 +191,7 @@ def time_candidates(
         # Rotating the start spreads slow drift evenly over the candidates' positions in a round.
         for i in live[start:] + live[:start]:
             try:
-                value = timer.sample(launchers[i], launches[i])
+                value = sample(launchers[i], launches[i])
             except failures as exc:
                 errors[i] = f"{type(exc).__name__}: {exc}"
                 samples[i] = []
@@ -262,7 +200,16 @@ def time_candidates(
                 step()
             if round_index >= settings.warmup_rounds:
                 samples[i].append(value)
-    return samples, errors
+    return Timed(samples, errors, method)
+
+
+def _sampler(timer: Timer, method: str) -> Callable[[Callable[[], None], int], float]:
+    if method == "batched":
+        return timer.sample
+    cold = getattr(timer, "sample_cold", None)
+    if cold is not None:
+        return cold  # type: ignore[no-any-return]
+    return lambda launch, launches: statistics.median(timer.sample(launch, 1) for _ in range(launches))
 
 
 # --------------------------------------------------------------------------- the measure callable
@@ -312,7 +259,7 @@ def make_measure(
         total = len(candidates) * (1 + settings.warmup_rounds + settings.rounds)
         bar = _progress_bar(total, _bar_label(kernel, key)) if progress else None
         try:
-            samples, errors = time_candidates(
+            timed = time_candidates(
                 launchers,
                 timer=get_timer(),
                 settings=settings,
@@ -321,8 +268,9 @@ def make_measure(
         finally:
             if bar is not None:
                 bar.close()
-        result = analyze_configs(candidates, samples, settings=settings, errors=errors)
+        result = analyze_configs(candidates, timed.samples, settings=settings, errors=timed.errors)
         timings = result.to_timings()
+        timings["method"] = timed.method
         chosen = candidates[result.winner]
         # As Triton does after benchmarking: zero reset_to_zero tensors once more so the real
         # launch starts from the state the caller prepared, not from the last benchmark's output.

@@ -61,6 +61,18 @@ def test_nearest_takes_the_nearest_shapes_entry_and_names_it():
     assert (far.source, block(far.config), far.nearest_key) == ("nearest", 128, key(8192))
 
 
+def test_between_bracketing_entries_that_disagree_the_lower_one_is_launched_and_named():
+    table = table_with(n1024=64, n2048=128)
+    choice = choose_deterministically(sk.scale_add, CONFIGS, key(1536), table=table, on_miss="nearest")
+    assert (choice.source, block(choice.config), choice.nearest_key) == ("nearest", 64, key(1024))
+    near_top = choose_deterministically(sk.scale_add, CONFIGS, key(1900), table=table, on_miss="nearest")
+    assert (block(near_top.config), near_top.nearest_key) == (128, key(2048))
+    # A lower entry whose config is not live is no bracket: the nearest usable entry is launched.
+    live = [c for c in CONFIGS if block(c) != 64]
+    choice = choose_deterministically(sk.scale_add, live, key(1536), table=table, on_miss="nearest")
+    assert (block(choice.config), choice.nearest_key) == (128, key(2048))
+
+
 def test_an_exact_entry_still_wins_over_a_neighbour():
     table = table_with(n1024=64, n1500=16)
     choice = choose_deterministically(sk.scale_add, CONFIGS, key(1500), table=table, on_miss="nearest")

@@ -10,7 +10,14 @@ import sys
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_tuning.core.nearest import key_distance, key_shape, nearest_keys
+from megatron_tuning.core.nearest import (
+    BRACKET_RATIO,
+    key_distance,
+    key_shape,
+    nearest_keys,
+    pick_neighbour,
+    side_of,
+)
 
 DT = " | a_ptr:torch.bfloat16, b_ptr:torch.bfloat16, c_ptr:torch.bfloat16"
 
@@ -102,3 +109,74 @@ def test_nearest_is_the_same_in_every_process():
     assert len(outputs) == 1
     # log2(1 + n): 5 -> 2.585; 6 -> 2.807, 4 -> 2.322, 7 -> 3.0
     assert json.loads(outputs.pop())[:3] == ["n=6 | x:f", "n=4 | x:f", "n=7 | x:f"]
+
+
+# --------------------------------------------------------------------------- bracketing entries
+
+
+def _pick(key: str, configs: dict[str, str]) -> str | None:
+    """``pick_neighbour`` fed as ``choose_on_miss`` feeds it: usable neighbours, nearest first."""
+    return pick_neighbour(key, {k: configs[k] for k in nearest_keys(key, configs)})
+
+
+def test_between_two_disagreeing_entries_the_lower_one_is_used_while_at_most_twice_as_far():
+    table = {mnk(1024): "a", mnk(2048): "b"}
+    # 1536: 2048 is nearer (0.415 vs 0.585 in log2), but the lower entry is within 2x its distance.
+    assert nearest_keys(mnk(1536), table)[0] == mnk(2048)
+    assert _pick(mnk(1536), table) == mnk(1024)
+    # 1800: the lower entry is 4.4x as far (0.81 vs 0.19): the nearer one wins, as before.
+    assert _pick(mnk(1800), table) == mnk(2048)
+    assert _pick(mnk(1200), table) == mnk(1024)  # the nearest is the lower entry anyway
+    # With s(n) = log2(1 + n), n=1023 and n=2047 sit at 10 and 11; two thirds of the way up is
+    # s = 10 + 2/3, i.e. n = 2 ** (32 / 3) - 1 = 1624.5.
+    assert BRACKET_RATIO == 2.0
+    pow2 = {"n=1023 | x:f": "a", "n=2047 | x:f": "b"}
+    assert _pick("n=1624 | x:f", pow2) == "n=1023 | x:f"
+    assert _pick("n=1625 | x:f", pow2) == "n=2047 | x:f"
+
+
+def test_brackets_that_agree_or_a_missing_side_leave_the_nearest_entry():
+    assert _pick(mnk(1536), {mnk(1024): "a", mnk(2048): "a"}) == mnk(2048)
+    assert _pick(mnk(512), {mnk(1024): "a", mnk(2048): "b"}) == mnk(1024)  # nothing below
+    assert _pick(mnk(3072), {mnk(1024): "a", mnk(2048): "b"}) == mnk(2048)  # nothing above
+    assert _pick(mnk(1536), {}) is None
+
+
+def test_only_an_entry_below_in_every_number_is_a_lower_bracket():
+    # (1024, 8192) is below in M but above in N: mixed, so it is no bracket; (1024, 2048) is one.
+    table = {mnk(2048, 4096): "b", mnk(1024, 8192): "c", mnk(1024, 2048): "a"}
+    key = mnk(1536, 3072)
+    assert side_of(key_shape(key), key_shape(mnk(1024, 8192))) is None
+    assert side_of(key_shape(key), key_shape(mnk(1024, 2048))) == -1
+    assert side_of(key_shape(key), key_shape(mnk(2048, 4096))) == 1
+    assert _pick(key, table) == mnk(1024, 2048)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    key=st.tuples(st.integers(1, 1 << 16), st.integers(1, 64)),
+    rows=st.lists(
+        st.tuples(st.integers(1, 1 << 16), st.integers(1, 64), st.sampled_from("abc")), max_size=10
+    ),
+    seed=st.randoms(),
+)
+def test_the_bracketing_rule_is_pure_and_picks_the_nearest_or_the_lower_bracket(key, rows, seed):
+    target = f"M={key[0]}, N={key[1]} | a:f"
+    configs = {f"M={m}, N={n} | a:f": c for m, n, c in rows}
+    picked = _pick(target, configs)
+    shuffled = list(configs.items())
+    seed.shuffle(shuffled)
+    assert _pick(target, dict(shuffled)) == picked  # table order does not matter
+    ordered = nearest_keys(target, configs)
+    if not ordered:
+        assert picked is None
+        return
+    shape = key_shape(target)
+    below = [k for k in ordered if side_of(shape, key_shape(k)) in (-1, 0)]
+    assert picked in (ordered[0], below[0] if below else None)
+    if picked != ordered[0]:  # the rule moved the choice: only for disagreeing brackets
+        assert side_of(shape, key_shape(ordered[0])) == 1 and configs[picked] != configs[ordered[0]]
+        near, low = (key_distance(shape, key_shape(k)) for k in (ordered[0], picked))
+        assert low <= BRACKET_RATIO * near
+    if len(set(configs.values())) == 1:
+        assert picked == ordered[0]

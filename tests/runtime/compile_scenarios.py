@@ -315,6 +315,32 @@ def agreement_listener() -> dict[str, Any]:
     return {"graphs": graphs, "seen": seen, "outcome": outcome, "launches": len(ck.LAUNCHES)}
 
 
+def dynamo_reset() -> dict[str, Any]:
+    """After ``torch._dynamo.reset()`` a recompile launches the current pin, never an old record."""
+
+    def compiled_blocks(n: int) -> list[int]:
+        ck.LAUNCHES.clear()
+        torch.compile(write_block, backend="aot_eager", fullgraph=True)(torch.zeros(n))
+        return [launch["BLOCK"] for launch in ck.LAUNCHES]
+
+    start(deterministic(), table=TABLE)
+    first = [eager_block(write_block, 1000), compiled_blocks(1000), eager_block(write_block, 1000)]
+    torch._dynamo.reset()
+    recompiled = [compiled_blocks(1000), eager_block(write_block, 1000)]
+    decisions_before = len(get_decisions())
+    torch._dynamo.reset()
+    interception.install(deterministic(), table={(WB, "n=1000 | y_ptr:torch.float32"): BY_BLOCK[64]})
+    reinstalled = [compiled_blocks(1000), eager_block(write_block, 1000), eager_block(write_block, 1000)]
+    return {
+        "first": first,
+        "recompiled": recompiled,
+        "decisions_before": decisions_before,
+        "reinstalled": reinstalled,
+        "graphs": compiled(write_block, (1000,), fullgraph=True),
+        "decisions": decisions(),
+    }
+
+
 def out_of_scope() -> dict[str, Any]:
     start(deterministic(scope=("some_other_package",)), table=TABLE)
     return {"graphs": compiled(write_block, (1000,), fullgraph=True), "decisions": decisions()}
@@ -344,6 +370,7 @@ SCENARIOS = {
         tune_at_trace_time,
         miss_error,
         agreement_listener,
+        dynamo_reset,
         out_of_scope,
         mode_off,
         not_installed,

@@ -183,6 +183,16 @@ def test_out_of_scope_kernels_and_mode_off_keep_inductors_behaviour(scenarios):
     assert off["graphs"] == ALL_CONFIGS and off["decisions"] == []
 
 
+def test_a_recompile_after_dynamo_reset_launches_the_current_pin(scenarios):
+    result = _result(scenarios, "dynamo_reset")
+    assert result["first"] == [128, [128], 128]  # eager, compiled (aot_eager), eager hit path
+    assert result["recompiled"] == [[128], 128]  # the same installation: its pin, no new decision
+    assert result["decisions_before"] == 1
+    assert result["reinstalled"] == [[64], 64, 64]  # another table: never the old 128 record
+    assert result["graphs"] == [[[64]]]
+    assert [d[3] for d in result["decisions"]] == ["table", "table"]
+
+
 def test_compiled_decision_is_filed_in_tritons_cache(scenarios):
     result = _result(scenarios, "static")
     stages = _stages(result)

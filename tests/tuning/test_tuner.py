@@ -12,7 +12,14 @@ from triton.runtime.autotuner import Autotuner
 from megatron_tuning.core.cost import order_by_cost
 from megatron_tuning.core.errors import PolicyError
 from megatron_tuning.core.identity import config_signature
-from megatron_tuning.tuning.stats import TuneSettings, analyze, analyze_configs, pool, summarize
+from megatron_tuning.tuning.stats import (
+    TuneSettings,
+    analyze,
+    analyze_configs,
+    pool,
+    summarize,
+    timing_method,
+)
 from megatron_tuning.tuning.tuner import ClockTimer, make_launcher, make_measure, time_candidates
 
 
@@ -153,6 +160,24 @@ def test_settings_validate_and_read_the_environment(monkeypatch: pytest.MonkeyPa
         TuneSettings.from_env()
 
 
+def test_cold_timing_settings_are_validated_and_name_the_field() -> None:
+    for field, bad in (("cold_below_ms", -1.0), ("cold_below_ms", float("nan")), ("cold_launches", 0)):
+        with pytest.raises(PolicyError, match=field):
+            TuneSettings(**{field: bad})
+    with pytest.raises(PolicyError, match="warmup_ms"):
+        TuneSettings(warmup_ms=float("inf"))
+    quiet = TuneSettings(cold_below_ms=0.0, cold_launches=1, warmup_ms=0.0)
+    assert (quiet.cold_below_ms, quiet.cold_launches, quiet.warmup_ms) == (0.0, 1, 0.0)
+
+
+def test_the_fastest_candidate_decides_cold_or_batched_for_the_whole_key() -> None:
+    settings = TuneSettings()  # cold below 0.02 ms
+    assert timing_method([0.007, 0.5, float("nan")], settings) == "cold"
+    assert timing_method([0.02, 0.5], settings) == "batched"
+    assert timing_method([float("nan"), float("inf")], settings) == "batched"  # nothing timed
+    assert timing_method([0.007], TuneSettings(cold_below_ms=0.0)) == "batched"
+
+
 @pytest.mark.parametrize("value", ["inf", "nan", "-inf", "1e308", "1e3", "١٠", "1_0", "100000"])
 def test_non_finite_rounds_in_the_environment_are_a_policy_error(
     monkeypatch: pytest.MonkeyPatch, value: str
@@ -204,7 +229,7 @@ def _fake_launchers(clock: FakeClock, costs_ms: list[float], log: list[int]) -> 
 def test_rounds_interleave_with_a_rotating_start() -> None:
     clock, log = FakeClock(), []
     settings = TuneSettings(rounds=3, warmup_rounds=1, sample_ms=1.0)
-    samples, errors = time_candidates(
+    samples, errors, _ = time_candidates(
         _fake_launchers(clock, [1.0, 1.0, 1.0], log), timer=ClockTimer(clock), settings=settings
     )
     assert errors == [None, None, None]
@@ -217,13 +242,64 @@ def test_rounds_interleave_with_a_rotating_start() -> None:
 
 def test_short_kernels_get_several_launches_per_sample() -> None:
     clock, log = FakeClock(), []
-    settings = TuneSettings(rounds=2, warmup_rounds=0, sample_ms=1.0, max_launches=8)
-    samples, _ = time_candidates(
+    settings = TuneSettings(rounds=2, warmup_rounds=0, sample_ms=1.0, max_launches=8, cold_below_ms=0.0)
+    samples, _, _ = time_candidates(
         _fake_launchers(clock, [0.25, 0.01], log), timer=ClockTimer(clock), settings=settings
     )
     assert log[8:].count(0) == 2 * 4  # 1 ms / 0.25 ms
     assert log[8:].count(1) == 2 * 8  # capped by max_launches
     assert samples[0] == pytest.approx([0.25, 0.25])
+
+
+class RecordingTimer:
+    """Host-clock timer (fake clock) that logs which sampling method each sample used."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        self.clock = ClockTimer(clock)
+        self.calls: list[tuple[str, int]] = []
+
+    def synchronize(self) -> None:
+        pass
+
+    def sample(self, launch, launches: int) -> float:  # noqa: ANN001
+        self.calls.append(("sample", launches))
+        return self.clock.sample(launch, launches)
+
+    def sample_cold(self, launch, launches: int) -> float:  # noqa: ANN001
+        self.calls.append(("cold", launches))
+        return self.clock.sample_cold(launch, launches)
+
+    def warm_up(self, ms: float) -> None:
+        self.calls.append(("warm_up", int(ms)))
+
+
+def test_short_keys_are_timed_cold_for_every_candidate_after_a_warm_up() -> None:
+    clock, log = FakeClock(), []
+    timer = RecordingTimer(clock)
+    settings = TuneSettings(rounds=2, warmup_rounds=1, cold_launches=7, warmup_ms=30.0)
+    timed = time_candidates(_fake_launchers(clock, [0.007, 0.05], log), timer=timer, settings=settings)
+    assert timed.method == "cold"
+    assert timer.calls[:6] == [("sample", 1)] * 6  # 3 single-launch estimates per candidate
+    assert timer.calls[6] == ("warm_up", 30)  # once, after the estimates, before any round
+    assert timer.calls[7:] == [("cold", 7)] * 6  # 3 rounds x 2 candidates, the slow one cold too
+    assert timed.samples[0] == pytest.approx([0.007, 0.007]) and timed.samples[1] == pytest.approx([0.05] * 2)
+
+
+def test_longer_keys_stay_back_to_back_and_a_zero_warm_up_is_skipped() -> None:
+    clock, log = FakeClock(), []
+    timer = RecordingTimer(clock)
+    settings = TuneSettings(rounds=1, warmup_rounds=0, sample_ms=1.0, warmup_ms=0.0)
+    timed = time_candidates(_fake_launchers(clock, [0.25, 0.5], log), timer=timer, settings=settings)
+    assert timed.method == "batched"
+    assert timer.calls[6:] == [("sample", 4), ("sample", 2)]  # sized to ~1 ms; no warm_up
+
+    # A timer without sample_cold times a short key with single back-to-back samples instead.
+    class PlainTimer:
+        synchronize = ClockTimer(clock).synchronize
+        sample = staticmethod(ClockTimer(clock).sample)
+
+    short = time_candidates(_fake_launchers(clock, [0.004], log), timer=PlainTimer(), settings=settings)
+    assert short.method == "cold" and short.samples[0] == pytest.approx([0.004])
 
 
 def test_a_timer_that_returns_nan_does_not_crash_the_sizing() -> None:
@@ -237,7 +313,7 @@ def test_a_timer_that_returns_nan_does_not_crash_the_sizing() -> None:
 
     clock, log = FakeClock(), []
     settings = TuneSettings(rounds=2, warmup_rounds=0)
-    samples, errors = time_candidates(
+    samples, errors, _ = time_candidates(
         _fake_launchers(clock, [1.0, 1.0], log), timer=NanTimer(), settings=settings
     )
     assert errors == [None, None] and [len(s) for s in samples] == [2, 2]
@@ -257,7 +333,7 @@ def test_resource_errors_score_infinite_and_other_errors_propagate() -> None:
         raise OutOfResources("shared memory")
 
     settings = TuneSettings(rounds=2, warmup_rounds=0)
-    samples, errors = time_candidates(
+    samples, errors, _ = time_candidates(
         [launchers[0], broken], timer=ClockTimer(clock), settings=settings, failures=(OutOfResources,)
     )
     assert samples[1] == [] and errors[1] == "OutOfResources: shared memory"
@@ -397,76 +473,6 @@ def test_measure_leaves_triton_shaped_configs_timings_when_a_candidate_fails(
     assert tuner.configs_timings[tuner.configs[1]] == [inf, inf, inf]
     assert all(isinstance(v, float) for t in tuner.configs_timings.values() for v in t)
     assert min(tuner.configs_timings, key=tuner.configs_timings.get) is chosen
-
-
-# --------------------------------------------------------------------------- CUDA event timer, fake torch
-
-
-class _FakeCuda:
-    def __init__(self, log: list) -> None:
-        self.log = log
-        test = self
-
-        class Event:
-            def __init__(self, enable_timing: bool = False) -> None:
-                assert enable_timing
-                self.at = None
-
-            def record(self) -> None:
-                test.log.append("record")
-                self.at = len(test.log)
-
-            def synchronize(self) -> None:
-                test.log.append("event_sync")
-
-            def elapsed_time(self, end) -> float:  # noqa: ANN001
-                return 2.0 * (end.at - self.at - 1)  # 2 ms per launch logged in between
-
-        self.Event = Event
-
-    def _sleep(self, cycles: int) -> None:
-        assert cycles > 0
-        self.log.append("spin")
-
-    def get_device_properties(self, index: int) -> object:
-        return object()  # no clock_rate: the timer assumes ~2 GHz
-
-    def current_device(self) -> int:
-        return 0
-
-    def synchronize(self) -> None:
-        self.log.append("sync")
-
-
-class _FakeTorch:
-    int32 = "int32"
-
-    def __init__(self) -> None:
-        self.log: list = []
-        self.cuda = _FakeCuda(self.log)
-
-    def empty(self, n: int, dtype: str, device: str):  # noqa: ANN201
-        log = self.log
-
-        class Buffer:
-            def zero_(self) -> None:
-                log.append("flush")
-
-        assert device == "cuda" and n * 4 == 256 * 1024 * 1024
-        return Buffer()
-
-
-def test_cuda_event_timer_flushes_spins_then_times_back_to_back_launches() -> None:
-    from megatron_tuning.tuning.tuner import CudaEventTimer
-
-    fake = _FakeTorch()
-    timer = CudaEventTimer(torch_module=fake)
-    per_launch = timer.sample(lambda: fake.log.append("launch"), 3)
-    assert fake.log == ["flush", "spin", "record", "launch", "launch", "launch", "record", "event_sync"]
-    assert per_launch == pytest.approx(2.0)
-    fake.log.clear()
-    CudaEventTimer(flush_l2=False, torch_module=fake).sample(lambda: fake.log.append("launch"), 1)
-    assert fake.log[0] == "spin"
 
 
 # --------------------------------------------------------------------------- progress in batch logs

@@ -1,0 +1,147 @@
+"""Launch records and the keys that find them: the pinned launch path's data, computed once per key.
+
+``raw_key`` is the decision key (one decision per key, as fine as ``identity.tuning_key``);
+``launch_key`` the hit path's key, at least as fine and cheaper to build; ``specialize_find``
+compiles the hit path's lookup (key, then record) for the call shape a kernel is launched with.
+A ``Launch`` holds what every launch of a key needs (the config and its ``all_kwargs()``). The
+functions read a few fields of ``pinning.AutotunerState`` (``KeyedState``), so this module
+imports nothing of the runtime package.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, NamedTuple, Protocol
+
+
+class KeyedState(Protocol):
+    """The fields of ``pinning.AutotunerState`` the keys are built from."""
+
+    kernel: str
+    key_index: tuple[tuple[str, int], ...]
+    arg_names: tuple[str, ...]
+    arg_set: frozenset[str]
+    launches: dict[tuple[Any, ...], Launch]
+    find: Any
+    """The hit path's lookup, ``find(args, kwargs) -> Launch | None`` (``specialize_find`` sets it)."""
+
+
+class Launch(NamedTuple):
+    """What a pinned launch of one key needs, computed once per (autotuner, launch key)."""
+
+    config: Any
+    """The decided live ``Config`` (its ``pre_hook`` is read at every launch)."""
+    options: dict[str, Any]
+    """``config.all_kwargs()``, merged into every ``fn.run`` call (never handed out to be mutated)."""
+
+
+MAX_LAUNCHES = 4096
+"""Launch records kept per autotuner and installation; past this, launches take the slow path
+(still correct), so a key argument that is a fresh object every call cannot grow memory."""
+
+
+def raw_key(state: KeyedState, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    """The decision key: the parts of ``tuning_key`` by argument name, without building text.
+
+    The ``key=`` values present, each with its name and type (so ``True``/``1``/``1.0`` stay
+    distinct keys, as in ``tuning_key``), then ``(name, dtype)`` of every named argument that has
+    a dtype, in parameter order. Positional and keyword passing of the same arguments give the
+    same key; arguments that are not the kernel's (``grid``, ``warmup``) play no part.
+    """
+    named = dict(zip(state.arg_names, args))
+    for name, value in kwargs.items():
+        if name in state.arg_set:
+            named[name] = value
+    values = tuple((name, named[name].__class__, named[name]) for name, _ in state.key_index if name in named)
+    dtypes = tuple((name, named[name].dtype) for name in state.arg_names if hasattr(named.get(name), "dtype"))
+    return (values, dtypes)
+
+
+_ABSENT = object()  # a key argument not passed at all (its default applies), or no dtype
+_KEYWORDS = object()  # starts the keyword part of a launch key
+_DTYPE = itertools.repeat("dtype")
+_NO_DTYPE = itertools.repeat(_ABSENT)
+
+
+def launch_key(state: KeyedState, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    """The hit path's key: at least as fine as ``raw_key``, cheaper to build (no names, no dict).
+
+    Each ``key=`` value with its type, then each positional argument's dtype (``_ABSENT`` where it
+    has none), then, only when kernel arguments are passed by keyword, ``(name, dtype)`` of each
+    in call order. Equal launch keys imply equal raw keys: the same count of positional
+    arguments (the dtype part has one entry per argument), the same keyword names, so the same
+    arguments are present, with the same key values and dtypes. It may be finer (keyword order),
+    which only costs another record for the same decision.
+    """
+    count = len(args)
+    key: list[Any] = []
+    for name, i in state.key_index:
+        value = args[i] if i < count else kwargs.get(name, _ABSENT)
+        key.append(value.__class__)
+        key.append(value)
+    key.extend(map(getattr, args, _DTYPE, _NO_DTYPE))
+    if not state.arg_set.isdisjoint(kwargs):
+        key.append(_KEYWORDS)
+        names = state.arg_set
+        key.extend((name, getattr(v, "dtype", _ABSENT)) for name, v in kwargs.items() if name in names)
+    return tuple(key)
+
+
+# Exact builtin types whose instances never have a ``dtype``: a class check is cheaper than a
+# failed attribute lookup, and gives the same launch-key entry (``_ABSENT``).
+_PLAIN_TYPES = {int: "int", float: "float", bool: "bool", str: "str", type(None): "_NONE_TYPE"}
+
+
+def find_launch(state: KeyedState, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Launch | None:
+    """The launch record of this call, if there is one: ``state.find`` before it is specialized."""
+    return state.launches.get(launch_key(state, args, kwargs))
+
+
+def specialize_find(state: KeyedState, args: tuple[Any, ...]) -> None:
+    """Make ``state.find`` a lookup compiled for calls shaped like ``args``.
+
+    The hit path looks up a launch record at every launch; a loop over the key arguments and a
+    walk over ``args`` cost more than the launch they guard. For calls with as many positional
+    arguments as ``args`` and no kernel argument by keyword, the compiled function unpacks
+    ``args``, builds the same tuple as ``launch_key`` in one expression (as Triton's own JIT
+    binder is generated per signature) and looks it up in ``state.launches`` (a dict that is
+    never rebound): ``.dtype`` read directly where ``args`` had a tensor, a class check where it
+    had a plain ``int``/``float``/``bool``/``str``/``None``. Any other call, or an argument of
+    another kind (``AttributeError``), is looked up by ``launch_key`` itself, so the two agree on
+    every call (``tests/runtime/test_launches.py`` checks it). Only integer positions and the
+    names above enter the source; argument names never do.
+    """
+    count = len(args)
+    names = [f"a{i}" for i in range(count)]
+    parts: list[str] = []
+    for _, i in state.key_index:
+        parts += [f"{names[i]}.__class__", names[i]] if i < count else ["_ABSENT.__class__", "_ABSENT"]
+    for name, value in zip(names, args):
+        plain = _PLAIN_TYPES.get(value.__class__)
+        if plain is not None:
+            parts.append(f"(_ABSENT if {name}.__class__ is {plain} else getattr({name}, 'dtype', _ABSENT))")
+        elif hasattr(value, "dtype"):
+            parts.append(f"{name}.dtype")
+        else:
+            parts.append(f"getattr({name}, 'dtype', _ABSENT)")
+    source = (
+        "def find(args, kwargs):\n"
+        f"    if len(args) != {count} or not arg_set.isdisjoint(kwargs):\n"
+        "        return get(launch_key(state, args, kwargs))\n"
+        + (f"    {', '.join(names)}, = args\n" if names else "")
+        + "    try:\n"
+        f"        key = ({''.join(part + ', ' for part in parts)})\n"
+        "    except AttributeError:  # no dtype where the first call had one\n"
+        "        return get(launch_key(state, args, kwargs))\n"
+        "    return get(key)\n"
+    )
+    scope = {
+        "arg_set": state.arg_set,
+        "get": state.launches.get,
+        "launch_key": launch_key,
+        "state": state,
+        "_ABSENT": _ABSENT,
+        "_NONE_TYPE": type(None),
+    }
+    exec(compile(source, f"<megatron_tuning launch lookup {state.kernel}>", "exec"), scope)  # noqa: S102
+    state.find = scope["find"]
