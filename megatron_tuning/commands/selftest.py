@@ -70,7 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--agreement",
-        choices=("store", "allgather", "off"),
+        choices=("store", "allgather", "digest", "off"),
         default="store",
         help="agreement mode under test (default store; 'off' shows the chaos run "
         "going unnoticed, so the selftest fails)",

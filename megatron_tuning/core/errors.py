@@ -276,3 +276,65 @@ def _signature_diff(first: str, second: str) -> str:
         if a.get(k) != b.get(k)
     ]
     return "; ".join(changed) or "(signatures differ only in formatting)"
+
+
+class StoreRequestError(MegatronTuningError, RuntimeError):
+    """A request to the job's c10d store failed (its host died, or stayed silent past its timeout)."""
+
+    def __init__(self, what: str, address: str, detail: str) -> None:
+        self.what = what
+        self.address = address
+        self.detail = detail
+        super().__init__(
+            f"The job's store ({address}) failed during {what}: {detail}. The store lives in the "
+            "rendezvous host's process (rank 0's agent under torchrun): if that host died or hung, the "
+            "job cannot check its configs. Restart the job; with many ranks, agreement 'digest' sends "
+            "far fewer requests (MEGATRON_TUNING_AGREEMENT=digest)."
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.what, self.address, self.detail))
+
+
+class StoreRecordError(MegatronTuningError, RuntimeError):
+    """A record under one of the library's store keys is not what the library writes there."""
+
+    def __init__(self, what: str, problem: str) -> None:
+        self.what = what
+        self.problem = problem
+        super().__init__(
+            f"{what}: the job's store holds {problem}. Something other than this megatron_tuning "
+            "version wrote under the library's keys (another version on some ranks, or foreign code); "
+            "run every rank with the same install."
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.what, self.problem))
+
+
+class InputMismatchError(MegatronTuningError, RuntimeError):
+    """Ranks of one arch started a tuning session with different inputs (policy, tables, versions).
+
+    Every deterministic choice is a pure function of these inputs, so ranks that differ here would
+    launch different configs; ``differences`` maps each input that differs to each rank's value.
+    """
+
+    def __init__(
+        self, session: str, ranks: Sequence[int], differences: Mapping[str, Mapping[int, str]]
+    ) -> None:
+        self.session = session
+        self.ranks = [int(r) for r in ranks]
+        self.differences = {k: {int(r): str(v) for r, v in d.items()} for k, d in differences.items()}
+        lines = [f"Ranks {self.ranks} started {session} with different inputs:"]
+        for name, by_rank in sorted(self.differences.items()):
+            listing = "; ".join(f"rank {r}: {v}" for r, v in sorted(by_rank.items()))
+            lines.append(f"  {name}: {listing}")
+        lines.append(
+            "  Choices are a pure function of policy, tables and versions, so these ranks would launch "
+            "different configs. Give every rank the same MEGATRON_TUNING_* settings, table files and "
+            "installs (compare with `python -m megatron_tuning show TABLE`)."
+        )
+        super().__init__("\n".join(lines))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.session, self.ranks, self.differences))

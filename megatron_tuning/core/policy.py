@@ -22,7 +22,7 @@ from .errors import PolicyError
 
 MODES = ("off", "deterministic", "chaos", "record", "tune", "auto")
 ON_MISS = ("nearest", "min_cost", "error")
-AGREEMENT_MODES = ("store", "allgather", "off")
+AGREEMENT_MODES = ("store", "allgather", "digest", "off")
 STALE_ENTRIES = ("use", "miss", "error")
 
 # Modes in which the interception chooses without measuring; benchmarking is an error there.
@@ -76,8 +76,11 @@ class TuningPolicy:
     use_shipped_tables: bool = True
     """Search the tables shipped in the package's ``configs/<arch>/`` after the others."""
 
-    agreement: str = "store"
-    """Cross-rank check at first use of each (kernel, key): store, allgather, or off."""
+    agreement: str | None = None
+    """Cross-rank check of each (kernel, key): ``store`` (at first use, before the launch),
+    ``digest`` (batched at flushes, O(1) store requests per rank per flush: for large worlds),
+    ``allgather`` (strictly SPMD groups), or ``off``. ``None``: ``store`` up to 64 ranks, ``digest``
+    above (``distributed.agreement.DIGEST_ABOVE_RANKS``)."""
 
     agreement_timeout_s: float = 300.0
     """How long an ``allgather`` check waits for missing ranks before naming them."""
@@ -118,6 +121,8 @@ class TuningPolicy:
             ("agreement", AGREEMENT_MODES),
             ("stale_entries", STALE_ENTRIES),
         ):
+            if name == "agreement" and self.agreement is None:
+                continue  # unset: chosen by world size at start (distributed.agreement.resolve_mode)
             _set(self, name, _word(name, getattr(self, name), allowed))
         scope = _sequence("scope", self.scope, "module-name prefixes such as ['my_pkg.kernels']")
         if any(not isinstance(p, str) or not env.is_module_prefix(p.strip()) for p in scope):
@@ -173,7 +178,7 @@ class TuningPolicy:
         cache = f" cache={self.cache or 'default'}" if self.mode == "auto" else ""
         return (
             f"mode={self.mode} scope={scope} on_miss={self.on_miss} tables={tables} "
-            f"agreement={self.agreement} strict={int(self.strict)}{cache}"
+            f"agreement={self.agreement or 'by-size'} strict={int(self.strict)}{cache}"
         )
 
     @classmethod

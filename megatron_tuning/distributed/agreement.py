@@ -17,7 +17,15 @@ Modes (``policy.agreement``):
   barrier with a timeout (so a rank that never arrives is named, not waited for forever), then
   all-gather 64-byte digests of (kernel, key, arch) and signature. Every rank raises the same
   error on a mismatch.
+* ``digest``: for large worlds. First use records the decision and launches; at a flush (the
+  first repeated launch after new keys, ``verify_agreement``, ``close``) each rank sends one
+  digest of its new rows, and only distinct row sets are uploaded and compared (``digest.py``):
+  O(1) store requests per rank per flush, whatever the number of keys. A divergence is noticed at
+  the flush after it was launched instead of before the launch.
 * ``off``: nothing.
+
+Unset (``policy.agreement is None``): ``store`` up to ``DIGEST_ABOVE_RANKS`` ranks, ``digest``
+above (measured in ``benchmarks/bench_scale.py``; see RESULTS.md).
 
 ``verify_agreement(group)`` (``verify.py``) compares whole decision logs at a step boundary.
 
@@ -37,9 +45,18 @@ from typing import Any, Protocol
 import torch.distributed as dist
 
 from ..core.decisions import Decision, decision_log
-from ..core.errors import AgreementTimeoutError, DivergenceError, PolicyError, SessionMismatchError
+from ..core.errors import (
+    AgreementTimeoutError,
+    DivergenceError,
+    PolicyError,
+    SessionMismatchError,
+    StoreRecordError,
+)
+from ..runtime import pinning
 from ..runtime.pinning import is_capturing
+from .digest import Conflict, DigestLedger
 from .sessions import SESSION_KIND, SessionRegistry, mismatch_from_record, mismatch_record, policy_summary
+from .storeops import BadRecord, decode_record, decode_text, parse_rank_text, record_field, request
 from .wire import (
     DIGEST_BYTES,
     all_gather_bytes,
@@ -55,7 +72,9 @@ from .wire import (
 
 logger = logging.getLogger(__name__)
 
-MODES = ("store", "allgather", "off")
+MODES = ("store", "allgather", "digest", "off")
+DIGEST_ABOVE_RANKS = 64
+"""Worlds larger than this use ``digest`` when the policy leaves ``agreement`` unset."""
 UNCHECKED_SOURCES = frozenset({"out_of_scope", "recorded", "tuned"})
 """Sources never compared: pass-through kernels, and measured picks that may differ by design."""
 CHECKED_MODES = ("deterministic", "chaos", "auto")
@@ -102,7 +121,7 @@ def start_agreement(policy: Any, group: Any = None) -> AgreementHandle:
     check (default: the whole job). A previous checker is stopped first.
     """
     global _active, _epochs
-    mode = getattr(policy, "agreement", "store")
+    mode = resolve_mode(policy, group)
     if mode not in MODES:
         raise PolicyError("agreement", mode, "one of " + "|".join(MODES))
     if mode == "off" or getattr(policy, "mode", "deterministic") not in CHECKED_MODES:
@@ -118,12 +137,22 @@ def start_agreement(policy: Any, group: Any = None) -> AgreementHandle:
         previous.stop()
     # Elastic restarts reuse the rendezvous store: the restart count keeps old claims apart.
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    checker = AgreementChecker(policy, group, namespace=f"r{restart}/e{epoch}")
+    checker = AgreementChecker(policy, group, namespace=f"r{restart}/e{epoch}", mode=mode)
     checker.start_session(f"r{restart}", epoch, policy)  # unequal init calls are named, not missed
     checker.attach()
     with _active_lock:
         _active = checker
     return checker
+
+
+def resolve_mode(policy: Any, group: Any = None) -> str:
+    """The agreement mode ``policy`` asks for; unset means ``store`` for small worlds, else ``digest``."""
+    mode = getattr(policy, "agreement", None)
+    if mode is not None:
+        return str(mode)
+    if not (dist.is_available() and dist.is_initialized()):
+        return "store"
+    return "digest" if len(group_ranks(group)) > DIGEST_ABOVE_RANKS else "store"
 
 
 def session_number() -> int:
@@ -151,8 +180,9 @@ class AgreementChecker:
         store: Any = None,
         rank: int | None = None,
         ranks: Sequence[int] | None = None,
+        mode: str | None = None,
     ) -> None:
-        self.mode: str = getattr(policy, "agreement", "store")
+        self.mode: str = mode if mode is not None else (getattr(policy, "agreement", None) or "store")
         if self.mode not in MODES:
             raise PolicyError("agreement", self.mode, "one of " + "|".join(MODES))
         self.timeout_s = float(getattr(policy, "agreement_timeout_s", DEFAULT_TIMEOUT_S))
@@ -169,6 +199,8 @@ class AgreementChecker:
         self._pending: list[Decision] = []
         self._seq = 0
         self._attached = False
+        self._world = max(self.ranks) + 1 if self.ranks else 1
+        self.ledger = DigestLedger(self._store, self.rank, len(self.ranks)) if self.mode == "digest" else None
 
     def start_session(self, job: str, number: int, policy: Any) -> None:
         """Publish this process's session ``number``; raise ``SessionMismatchError`` when another
@@ -191,12 +223,19 @@ class AgreementChecker:
             self._attached = False
 
     def stop(self) -> None:
-        """Detach; checks deferred by a CUDA graph capture and never flushed are logged and dropped."""
+        """Detach; ``digest`` mode sends what is pending first (and may raise ``DivergenceError``).
+
+        Checks deferred by a CUDA graph capture and never flushed are logged and dropped.
+        """
         global _active
         self.detach()
         with _active_lock:
             if _active is self:
                 _active = None
+        pinning.cancel_flush(self.flush)
+        if self.ledger is not None and not is_capturing():
+            with self._lock:
+                self._close_digest()
         if self._pending:
             logger.warning(
                 "agreement: %d check(s) deferred during CUDA graph capture were never run", len(self._pending)
@@ -211,6 +250,12 @@ class AgreementChecker:
             if ident in self._seen:
                 return
             self._seen.add(ident)
+            if self.ledger is not None:
+                if self.ledger.add(decision) and not is_capturing():
+                    self._flush_digest()  # a full batch goes now, not at the next repeated launch
+                else:
+                    pinning.request_flush(self.flush)
+                return
             if is_capturing():
                 self._pending.append(decision)
                 return
@@ -224,17 +269,51 @@ class AgreementChecker:
                 raise
 
     def flush(self) -> None:
-        """Run checks deferred by a CUDA graph capture (no-op while still capturing)."""
+        """Send ``digest`` decisions, run checks deferred by a CUDA graph capture (not while capturing)."""
         with self._lock:
-            if not is_capturing():
-                self._flush_locked()
+            if is_capturing():
+                pinning.request_flush(self.flush)  # try again at a launch after the capture
+                return
+            if self.ledger is not None:
+                self._flush_digest()
+            self._flush_locked()
 
     def poll(self) -> None:
-        """Raise the divergence another rank recorded in the store, if any (store mode)."""
-        if self.mode == "store":
-            record = self._store.compare_set(_FLAG, "", "")
+        """Raise the divergence another rank recorded in the store, if any (store and digest modes)."""
+        if self.mode in ("store", "digest"):
+            record = request(
+                "the agreement's divergence flag", lambda: self._store.compare_set(_FLAG, "", "")
+            )
             if record:
                 raise _error_from_record(record)
+
+    # -- digest mode ---------------------------------------------------------------------
+    def _flush_digest(self) -> None:
+        assert self.ledger is not None
+        self.ledger.flush(self._on_conflict)
+        self.poll()
+
+    def _close_digest(self) -> None:
+        """Last flush at stop; the last rank of the group to stop also reads every shard."""
+        assert self.ledger is not None
+        self.ledger.flush(self._on_conflict)
+        closed = request("the digest agreement's close count", lambda: self._store.add("closed", 1))
+        if int(closed) >= len(self.ranks):
+            self.ledger.read_shards(self.ledger.all_shards(), self._on_conflict)
+        self.poll()
+
+    def _on_conflict(self, conflict: Conflict) -> None:
+        assert self.ledger is not None
+        (rank_a, flush_a, _), (rank_b, flush_b, _) = conflict.mine, conflict.theirs
+        text_a = self.ledger.texts_of(rank_a, flush_a).get(conflict.ident)
+        text_b = self.ledger.texts_of(rank_b, flush_b).get(conflict.ident)
+        kernel, key = next(((t[0], t[1]) for t in (text_a, text_b) if t), ("?", conflict.ident.hex()))
+        signatures = {
+            rank_a: text_a[2] if text_a else f"(signature digest {conflict.mine[2].hex()})",
+            rank_b: text_b[2] if text_b else f"(signature digest {conflict.theirs[2].hex()})",
+        }
+        d = Decision(kernel=kernel, key=key, signature=signatures.get(self.rank, ""), source="table")
+        self._raise_divergence(d, signatures, "Found by the digest check at a flush (after the launch).")
 
     def _flush_locked(self) -> None:
         while self._pending:
@@ -249,13 +328,19 @@ class AgreementChecker:
     def _store_check(self, d: Decision) -> None:
         mine = f"{self.rank}\n{d.signature}"
         # Atomic claim: on an absent key this sets ours; otherwise it returns the first claim.
-        claim = self._store.compare_set("k/" + identity_digest(d.kernel, d.key, d.arch).hex(), "", mine)
-        claim_text = bytes(claim).decode("utf-8", "replace")
-        if claim_text != mine:
-            first_rank, _, first_signature = claim_text.partition("\n")
-            if first_signature != d.signature:
-                signatures = {int(first_rank): first_signature, self.rank: d.signature}
-                self._raise_divergence(d, signatures, "Found by the store check at first use.")
+        what = f"the store check of kernel {d.kernel} with key {d.key}"
+        name = "k/" + identity_digest(d.kernel, d.key, d.arch).hex()
+        claim = request(what, lambda: self._store.compare_set(name, "", mine))
+        try:
+            claim_text = decode_text(claim, what)
+            first, _, first_signature = claim_text.partition("\n")
+            first_rank = parse_rank_text(first, what, self._world)
+        except BadRecord as bad:
+            detail = f"The store's claim for this key is unreadable: {bad.problem}."
+            self._raise_divergence(d, {self.rank: d.signature}, detail)
+        if claim_text != mine and first_signature != d.signature:
+            signatures = {first_rank: first_signature, self.rank: d.signature}
+            self._raise_divergence(d, signatures, "Found by the store check at first use.")
         self.poll()
 
     def _raise_divergence(self, d: Decision, signatures: dict[int, str], detail: str) -> None:
@@ -304,11 +389,27 @@ class AgreementChecker:
 
 
 def _error_from_record(record: bytes | str) -> DivergenceError | SessionMismatchError:
-    data = json.loads(bytes(record).decode() if not isinstance(record, str) else record)
-    if data.get("kind") == SESSION_KIND:
-        return mismatch_from_record(data)
-    signatures = {int(r): s for r, s in data["signatures"].items()}
-    return DivergenceError(data["kernel"], data["key"], signatures, data["detail"])
+    what = "the agreement's divergence flag"
+    try:
+        data = decode_record(record, what)
+        if data.get("kind") == SESSION_KIND:
+            return mismatch_from_record(data)
+        raw = record_field(data, "signatures", dict, what)
+        signatures = {}
+        for rank, signature in raw.items():
+            if not isinstance(signature, str):
+                raise BadRecord(what, f"signature {signature!r} for rank {rank!r}")
+            signatures[parse_rank_text(str(rank), what, None)] = signature
+        kernel = record_field(data, "kernel", str, what)
+        key = record_field(data, "key", str, what)
+        detail = record_field(data, "detail", str, what)
+    except BadRecord as bad:
+        raise StoreRecordError(bad.what, bad.problem) from None
+    except (KeyError, TypeError, ValueError) as exc:
+        raise StoreRecordError(
+            what, f"a record the library cannot read ({type(exc).__name__}: {exc})"
+        ) from None
+    return DivergenceError(kernel, key, signatures, detail)
 
 
 def _allgather_error(

@@ -1,9 +1,28 @@
-"""``verify_agreement``: compare every rank's whole decision log at a step boundary (collective)."""
+"""``verify_agreement``: compare every rank's whole decision log at a step boundary (collective).
+
+Digest first, rows only where logs differ, sharded by identity, so the cost per rank does not
+grow with the number of ranks:
+
+1. one store barrier with a deadline (O(1) requests per rank), so a missing rank is named;
+2. an all-gather of a 32-byte header per rank: a digest of its sorted (identity, signature) rows,
+   its row count and its session number. Ranks with equal digests hold identical logs: when every
+   rank has the same digest (tensor/data parallel jobs) the call ends here;
+3. otherwise one *representative* per distinct digest (its lowest rank) sends each row to the rank
+   that owns the row's identity (identity digest mod world), in one ``all_to_all_single``. Each
+   owner compares the rows it received and all-gathers a fixed-size summary (shared and differing
+   counts, its first differing entries), so every rank computes the same verdict;
+4. on a divergence, the representatives that hold the named entries broadcast their texts, and
+   every rank raises the same ``DivergenceError``.
+
+Exchanged per rank: 32 bytes x ranks, then its own rows (O(keys)), never O(ranks x keys).
+"""
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import struct
 from typing import Any
 
 import torch.distributed as dist
@@ -15,11 +34,11 @@ from . import agreement
 from .agreement import DEFAULT_TIMEOUT_S, PREFIX, unchecked_sources
 from .sessions import compare_session_numbers
 from .wire import (
-    DIGEST_BYTES,
-    ROW_BYTES,
     TEXT_BYTES,
     all_gather_bytes,
+    all_to_all_bytes,
     arrive,
+    broadcast_bytes,
     default_store,
     group_ranks,
     identity_digest,
@@ -32,6 +51,11 @@ from .wire import (
 logger = logging.getLogger(__name__)
 
 MAX_NAMED = 8  # differing entries named by verify_agreement; the rest are counted
+MAX_SIGNATURES_NAMED = 4  # distinct logs whose configs are listed per named entry
+_HEADER = struct.Struct("<16sQQ")  # log digest, row count, session number
+_ROW = struct.Struct("<16s16sI")  # identity, signature, position in the sender's log
+_NAMED = struct.Struct("<16sII")  # identity, first observer's group index, its log position
+_SUMMARY = struct.Struct("<QQ")  # shared entries, differing entries (this owner's)
 _verify_calls: dict[str, int] = {}
 
 
@@ -42,8 +66,8 @@ def verify_agreement(group: Any = None, *, timeout_s: float | None = None) -> in
     (kernel, key) entries that two or more ranks observed are compared. On a mismatch every
     rank raises the same ``DivergenceError``, naming up to ``MAX_NAMED`` differing entries. A
     rank that does not arrive within ``timeout_s`` (default: the active policy's agreement
-    timeout) is named in an ``AgreementTimeoutError``. Also runs checks deferred by a CUDA
-    graph capture. Without a process group it returns 0.
+    timeout) is named in an ``AgreementTimeoutError``. Also flushes the ``digest`` mode's pending
+    decisions and checks deferred by a CUDA graph capture. Without a process group it returns 0.
     """
     if not (dist.is_available() and dist.is_initialized()):
         return 0
@@ -54,7 +78,7 @@ def verify_agreement(group: Any = None, *, timeout_s: float | None = None) -> in
             checker.flush()
             checker.poll()
         except (DivergenceError, SessionMismatchError) as error:
-            if checker.mode != "store" and isinstance(error, DivergenceError):
+            if checker.mode == "allgather" and isinstance(error, DivergenceError):
                 raise  # allgather errors are raised on every rank alike
             late_error = error  # one-sided: raising before the collective would hang the others
     timeout = timeout_s if timeout_s is not None else (checker.timeout_s if checker else DEFAULT_TIMEOUT_S)
@@ -68,42 +92,140 @@ def verify_agreement(group: Any = None, *, timeout_s: float | None = None) -> in
     policy = current_policy()
     table = _log_table(unchecked_sources(policy.mode if policy is not None else None))
     idents = list(table)  # launch order, so the first divergence named is the earliest one
-    # Each rank's entry count and session number: ranks that called init_deterministic_tuning a
-    # different number of times compare nothing at first use; here every rank names them alike.
-    header = len(idents).to_bytes(8, "little") + agreement.session_number().to_bytes(8, "little")
-    headers = all_gather_bytes(header, group)
-    sessions = {rank: int.from_bytes(h[8:], "little") for rank, h in zip(ranks, headers)}
-    compare_session_numbers(sessions, f"verify_agreement call #{seq}")
-    sizes = [int.from_bytes(h[:8], "little") for h in headers]
-    width = max(sizes) * ROW_BYTES
-    if width == 0:
-        return 0
-    mine = b"".join(i + signature_digest(table[i].signature) for i in idents).ljust(width, b"\0")
-    gathered = all_gather_bytes(mine, group)
-    seen: dict[bytes, dict[int, bytes]] = {}
-    order: dict[bytes, tuple[int, int]] = {}  # (group index, log position) of the first observer
-    for index, (rank, blob, size) in enumerate(zip(ranks, gathered, sizes)):
-        for n in range(size):
-            row = blob[n * ROW_BYTES : (n + 1) * ROW_BYTES]
-            seen.setdefault(row[:DIGEST_BYTES], {})[rank] = row[DIGEST_BYTES:]
-            order.setdefault(row[:DIGEST_BYTES], (index, n))
-    shared = {i: by_rank for i, by_rank in seen.items() if len(by_rank) >= 2}
-    differing = sorted(
-        (i for i, by_rank in shared.items() if len(set(by_rank.values())) > 1), key=lambda i: (order[i], i)
-    )
+    rows = sorted(i[:16] + signature_digest(table[i].signature)[:16] for i in idents)
+    digest = hashlib.sha256(b"".join(rows)).digest()[:16]
+    headers = all_gather_bytes(_HEADER.pack(digest, len(idents), agreement.session_number()), group)
+    parsed = [_HEADER.unpack(h) for h in headers]
+    compare_session_numbers({r: p[2] for r, p in zip(ranks, parsed)}, f"verify_agreement call #{seq}")
+    groups: dict[bytes, list[int]] = {}
+    for index, (log_digest, _, _) in enumerate(parsed):
+        groups.setdefault(log_digest, []).append(index)
+    if len(groups) == 1:
+        shared = parsed[0][1] if len(ranks) >= 2 else 0
+        return _agreed(shared, ranks, late_error)
+    weight = {members[0]: len(members) for members in groups.values()}  # representative -> ranks
+    me = ranks.index(dist.get_rank())
+    found = _compare_sharded(table, idents, me in weight, weight, len(ranks), group)
+    shared, differing, named = found
     if differing:
-        named = differing[:MAX_NAMED]
-        # Only ranks that saw an entry fill its row; the others send zeros (an empty text).
-        blob = b"".join(
-            pack_text(table[i].kernel, table[i].key, table[i].signature) if i in table else bytes(TEXT_BYTES)
-            for i in named
-        )
-        texts = all_gather_bytes(blob, group)
-        raise _verify_error(named, len(differing), len(shared), shared, texts, ranks)
+        raise _divergence(named, differing, shared, table, weight, groups, ranks, group)
+    return _agreed(shared, ranks, late_error)
+
+
+def _agreed(shared: int, ranks: list[int], late_error: Exception | None) -> int:
     if late_error is not None:
         raise late_error
-    logger.info("verify_agreement: %d shared (kernel, key) entries agree across ranks %s", len(shared), ranks)
-    return len(shared)
+    logger.info("verify_agreement: %d shared (kernel, key) entries agree across ranks %s", shared, ranks)
+    return shared
+
+
+def _compare_sharded(
+    table: dict[bytes, Decision],
+    idents: list[bytes],
+    representative: bool,
+    weight: dict[int, int],
+    world: int,
+    group: Any,
+) -> tuple[int, int, list[tuple[bytes, int, int]]]:
+    """Owners compare the representatives' rows; every rank gets the same (shared, differing, named)."""
+    chunks: list[list[bytes]] = [[] for _ in range(world)]
+    if representative:
+        for position, ident in enumerate(idents):
+            signature = signature_digest(table[ident].signature)[:16]
+            chunks[_owner(ident, world)].append(_ROW.pack(ident[:16], signature, position))
+    received = all_to_all_bytes([b"".join(c) for c in chunks], group)
+    holders: dict[bytes, dict[bytes, tuple[int, int]]] = {}  # ident -> signature -> (index, position)
+    count: dict[bytes, int] = {}
+    for index, blob in enumerate(received):
+        for offset in range(0, len(blob), _ROW.size):
+            ident, signature, position = _ROW.unpack_from(blob, offset)
+            holders.setdefault(ident, {}).setdefault(signature, (index, position))
+            count[ident] = count.get(ident, 0) + weight.get(index, 0)
+    shared = sum(1 for ident in holders if count[ident] >= 2)
+    differing = sorted(
+        (min(observers.values()), ident) for ident, observers in holders.items() if len(observers) > 1
+    )
+    mine = _SUMMARY.pack(shared, len(differing)) + b"".join(
+        _NAMED.pack(ident, index, position) for (index, position), ident in differing[:MAX_NAMED]
+    )
+    summaries = all_gather_bytes(mine.ljust(_SUMMARY.size + MAX_NAMED * _NAMED.size, b"\0"), group)
+    total_shared = total_differing = 0
+    named: list[tuple[bytes, int, int]] = []
+    for blob in summaries:
+        owner_shared, owner_differing = _SUMMARY.unpack_from(blob)
+        total_shared += owner_shared
+        total_differing += owner_differing
+        for n in range(min(owner_differing, MAX_NAMED)):
+            ident, index, position = _NAMED.unpack_from(blob, _SUMMARY.size + n * _NAMED.size)
+            named.append((ident, index, position))
+    named.sort(key=lambda item: (item[1], item[2], item[0]))
+    return total_shared, total_differing, named[:MAX_NAMED]
+
+
+def _owner(ident: bytes, world: int) -> int:
+    return int.from_bytes(ident[:8], "little") % world
+
+
+def _divergence(
+    named: list[tuple[bytes, int, int]],
+    total: int,
+    shared: int,
+    table: dict[bytes, Decision],
+    weight: dict[int, int],
+    groups: dict[bytes, list[int]],
+    ranks: list[int],
+    group: Any,
+) -> DivergenceError:
+    """Every rank builds the same error from texts the representatives broadcast."""
+    short = {ident[:16]: ident for ident in table}
+    texts: dict[int, list[tuple[str, str, str] | None]] = {}
+    for index in sorted(weight):  # one broadcast per distinct log: few on an error path
+        if index == ranks.index(dist.get_rank()):
+            block = b"".join(
+                pack_text(table[short[i]].kernel, table[short[i]].key, table[short[i]].signature)
+                if i in short
+                else bytes(TEXT_BYTES)
+                for i, _, _ in named
+            )
+        else:
+            block = b""
+        data = broadcast_bytes(block, TEXT_BYTES * len(named), ranks[index], group)
+        texts[index] = [
+            unpack_text(data[n * TEXT_BYTES : (n + 1) * TEXT_BYTES])
+            if any(data[n * TEXT_BYTES : (n + 1) * TEXT_BYTES])
+            else None
+            for n in range(len(named))
+        ]
+    members = {members[0]: members for members in groups.values()}
+    entries = []
+    for n in range(len(named)):
+        by_signature: dict[str, list[int]] = {}
+        seen = [(index, row) for index, rows in texts.items() if (row := rows[n]) is not None]
+        for index, row in seen:
+            by_signature.setdefault(row[2], []).extend(ranks[m] for m in members[index])
+        kernel, key = seen[0][1][0], seen[0][1][1]
+        entries.append((kernel, key, by_signature))
+    kernel, key, first = entries[0]
+    signatures = {}
+    for signature, holders in list(first.items())[:MAX_SIGNATURES_NAMED]:
+        for rank in holders[:MAX_SIGNATURES_NAMED]:
+            signatures[rank] = signature
+    lines = [f"Found by verify_agreement over {len(ranks)} ranks: {total} of {shared} shared entries differ."]
+    for signature, holders in first.items():
+        if len(holders) > MAX_SIGNATURES_NAMED:
+            lines.append(f"  {len(holders)} ranks ran {signature} (first {holders[:MAX_SIGNATURES_NAMED]})")
+    for other_kernel, other_key, other in entries[1:]:
+        listing = "; ".join(f"rank(s) {_ranks_text(r)}: {s}" for s, r in other.items())
+        lines.append(f"  Also kernel {other_kernel} with key {other_key}: {listing}")
+    if total > len(named):
+        lines.append(f"  ... and {total - len(named)} more.")
+    return DivergenceError(kernel, key, signatures, "\n".join(lines))
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    shown = ranks[:MAX_SIGNATURES_NAMED]
+    more = f" and {len(ranks) - len(shown)} more" if len(ranks) > len(shown) else ""
+    return f"{shown}{more}"
 
 
 def _log_table(unchecked: frozenset[str]) -> dict[bytes, Decision]:
@@ -117,29 +239,3 @@ def _log_table(unchecked: frozenset[str]) -> dict[bytes, Decision]:
         for d in decision_log().decisions()
         if d.source not in unchecked
     }
-
-
-def _verify_error(
-    named: list[bytes],
-    total: int,
-    shared: int,
-    seen: dict[bytes, dict[int, bytes]],
-    texts: list[bytes],
-    ranks: list[int],
-) -> DivergenceError:
-    entries = []
-    for n, ident in enumerate(named):
-        rows = {
-            rank: unpack_text(blob[n * TEXT_BYTES : (n + 1) * TEXT_BYTES]) for rank, blob in zip(ranks, texts)
-        }
-        observed = {rank: rows[rank] for rank in sorted(seen[ident])}
-        kernel, key, _ = next(iter(observed.values()))
-        entries.append((kernel, key, {rank: row[2] for rank, row in observed.items()}))
-    kernel, key, signatures = entries[0]
-    lines = [f"Found by verify_agreement over ranks {ranks}: {total} of {shared} shared entries differ."]
-    for other_kernel, other_key, other in entries[1:]:
-        listing = "; ".join(f"rank {r}: {s}" for r, s in other.items())
-        lines.append(f"  Also kernel {other_kernel} with key {other_key}: {listing}")
-    if total > len(named):
-        lines.append(f"  ... and {total - len(named)} more.")
-    return DivergenceError(kernel, key, signatures, "\n".join(lines))

@@ -77,6 +77,42 @@ def all_gather_bytes(data: bytes, group: Any) -> list[bytes]:
     return [_tensor_bytes(t) for t in out]
 
 
+def all_to_all_bytes(chunks: Sequence[bytes], group: Any) -> list[bytes]:
+    """Send ``chunks[i]`` to the group's i-th rank; return what each rank sent to this one.
+
+    Sizes travel first (one int64 per rank pair), then one ``all_to_all_single`` of the bytes, so
+    each rank moves only its own data: O(rows) per rank, not O(ranks x rows) as an all-gather.
+    """
+    device = _collective_device(group)
+    world = dist.get_world_size(group)
+    if len(chunks) != world:
+        raise ValueError(f"all_to_all_bytes needs {world} chunks, got {len(chunks)}")
+    send_sizes = torch.tensor([len(c) for c in chunks], dtype=torch.int64, device=device)
+    recv_sizes = torch.empty_like(send_sizes)
+    dist.all_to_all_single(recv_sizes, send_sizes, group=group)
+    incoming = [int(n) for n in recv_sizes.cpu().tolist()]
+    payload = b"".join(chunks)
+    send = torch.frombuffer(bytearray(payload or b"\0"), dtype=torch.uint8)[: len(payload)].to(device)
+    recv = torch.empty(sum(incoming), dtype=torch.uint8, device=device)
+    dist.all_to_all_single(
+        recv, send, output_split_sizes=incoming, input_split_sizes=[len(c) for c in chunks], group=group
+    )
+    data = _tensor_bytes(recv)
+    out, start = [], 0
+    for size in incoming:
+        out.append(data[start : start + size])
+        start += size
+    return out
+
+
+def broadcast_bytes(data: bytes, size: int, source: int, group: Any) -> bytes:
+    """Broadcast ``size`` bytes from global rank ``source`` (others pass anything; it is padded)."""
+    device = _collective_device(group)
+    tensor = torch.frombuffer(bytearray(data[:size].ljust(size, b"\0")), dtype=torch.uint8).to(device)
+    dist.broadcast(tensor, src=source, group=group)
+    return _tensor_bytes(tensor)
+
+
 def _tensor_bytes(tensor: torch.Tensor) -> bytes:
     try:
         return tensor.cpu().numpy().tobytes()
@@ -96,34 +132,65 @@ def arrive(
 ) -> None:
     """Store barrier with a deadline: return when every rank arrived, else name the missing ones.
 
-    All ranks settle on one verdict through ``compare_set``, so a rank arriving just after the
-    others gave up also raises instead of entering a collective that nobody else will join.
-    ``on_wait`` is called with the missing ranks about once a second while waiting; it may raise
-    (e.g. when a missing rank is known never to come).
+    O(1) requests per rank, whatever the group size: an arrival counter, one ``go`` key the last
+    arrival sets, and a list of arrivals read only on a timeout. All ranks settle on one verdict
+    through ``compare_set``, so a rank arriving just after the others gave up also raises instead of
+    entering a collective that nobody else will join. The last rank to leave deletes the barrier's
+    keys, so a long job does not fill the store.
+
+    ``on_wait`` (small groups: allgather checks) is called with the missing ranks about once a
+    second while waiting and may raise; the wait then polls with ``check`` instead of one long
+    ``wait``, because each timed-out ``wait`` makes torch print two warnings.
     """
-    store.set(f"{tag}/{rank}", "1")
-    keys = [f"{tag}/{r}" for r in ranks]
-    deadline = time.monotonic() + timeout_s
+    count = len(ranks)
+    store.append(f"{tag}/in", f"{rank},")
+    if store.add(f"{tag}/n", 1) >= count:
+        store.set(f"{tag}/go", "go")
     proposal = "go"
-    while True:
-        left = deadline - time.monotonic()
-        step = left if on_wait is None else min(left, _WAIT_SLICE_S)
-        try:
-            store.wait(keys, timedelta(seconds=max(step, 0.001)))
-            break
-        except _store_timeout_errors():
-            missing = [r for r in ranks if not store.check([f"{tag}/{r}"])]
-            if not missing:
-                break
-            if time.monotonic() >= deadline:
-                proposal = "timeout:" + ",".join(map(str, missing))
-                break
-            if on_wait is not None:
-                on_wait(missing)
-    verdict = bytes(store.compare_set(f"{tag}/verdict", "", proposal)).decode()
+    if not _wait_for(store, f"{tag}/go", timeout_s, lambda: _missing(store, tag, ranks), on_wait):
+        missing = _missing(store, tag, ranks)
+        proposal = "timeout:" + ",".join(map(str, missing)) if missing else "go"
+    verdict = bytes(store.compare_set(f"{tag}/verdict", "", proposal)).decode("utf-8", "replace")
+    if store.add(f"{tag}/out", 1) >= count:
+        for suffix in ("in", "n", "go", "verdict", "out"):
+            store.delete_key(f"{tag}/{suffix}")
     if verdict != "go":
-        missing = [int(r) for r in verdict.partition(":")[2].split(",") if r]
+        missing = [int(r) for r in verdict.partition(":")[2].split(",") if r.isdigit()]
         raise AgreementTimeoutError(what, missing, timeout_s)
+
+
+def _missing(store: Any, tag: str, ranks: Sequence[int]) -> list[int]:
+    arrived = bytes(store.compare_set(f"{tag}/in", "", "")).decode("utf-8", "replace").split(",")
+    here = {int(r) for r in arrived if r.isdigit()}
+    return [r for r in ranks if r not in here]
+
+
+def _wait_for(
+    store: Any,
+    key: str,
+    timeout_s: float,
+    missing: Callable[[], list[int]],
+    on_wait: Callable[[list[int]], None] | None,
+) -> bool:
+    """Whether ``key`` appeared within ``timeout_s``."""
+    if on_wait is None:
+        try:
+            store.wait([key], timedelta(seconds=max(timeout_s, 0.001)))
+            return True
+        except _store_timeout_errors():
+            return bool(store.check([key]))
+    deadline = time.monotonic() + timeout_s
+    pause, last_report = 0.002, time.monotonic()
+    while not store.check([key]):
+        now = time.monotonic()
+        if now >= deadline:
+            return False
+        if now - last_report >= _WAIT_SLICE_S:
+            last_report = now
+            on_wait(missing())
+        time.sleep(min(pause, max(deadline - now, 0.0)))
+        pause = min(pause * 2, 0.25)
+    return True
 
 
 _WAIT_SLICE_S = 1.0

@@ -180,6 +180,8 @@ def _first_launch(original: Any, autotuner: Any, args: tuple[Any, ...], kwargs: 
     the hit path), or route to Triton or record mode."""
     pinned = autotuner.__dict__.get(PINNED_ATTR)
     if pinned is not None:  # a compiled graph's one-config copy: decided when it was traced
+        if pinning.flush_pending:
+            pinning.run_pending_flush()
         return _launch(autotuner, Launch(pinned, pinned.all_kwargs()), args, kwargs)
     installation = pinning.active
     if installation is None or installation.policy.mode == "off":

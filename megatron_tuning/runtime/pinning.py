@@ -100,6 +100,12 @@ class AutotunerState:
         self.find = functools.partial(find_launch, self)
 
 
+flush_pending = False
+"""Set when the agreement layer holds decisions to send at the next repeated launch (``digest``
+mode); the launch hit path reads it, so it must stay a plain module-level bool."""
+_flush_callbacks: list[Callable[[], None]] = []
+_flush_lock = threading.Lock()
+
 active: Installation | None = None
 """The installation ``interception.install`` made current; read on every launch (hot path)."""
 touched: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -127,6 +133,34 @@ def run_pending_flush() -> None:
         hook = flush_hook
     if hook is not None:
         hook()
+
+
+def request_flush(callback: Callable[[], None]) -> None:
+    """Run ``callback`` at the next launch of an already-pinned key (the first repeated launch)."""
+    global flush_pending
+    with _flush_lock:
+        if callback not in _flush_callbacks:
+            _flush_callbacks.append(callback)
+        flush_pending = True
+
+
+def cancel_flush(callback: Callable[[], None]) -> None:
+    global flush_pending
+    with _flush_lock:
+        if callback in _flush_callbacks:
+            _flush_callbacks.remove(callback)
+        flush_pending = bool(_flush_callbacks)
+
+
+def run_pending_flush() -> None:
+    """Called from the launch hit path when ``flush_pending``: the callbacks may raise (a divergence)."""
+    global flush_pending
+    with _flush_lock:
+        callbacks = list(_flush_callbacks)
+        _flush_callbacks.clear()
+        flush_pending = False
+    for callback in callbacks:
+        callback()
 
 
 def installed() -> bool:

@@ -1,0 +1,251 @@
+"""In-process tests of the ``digest`` agreement: fake ranks share one in-memory store.
+
+Covers the flush protocol (dedup of identical batches, the per-flush reference, shard readers,
+the last closer), the request counts the mode promises, the hot-path flush trigger, and bad
+records under the library's keys. Multi-process runs are in ``test_agreement_torchrun.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+dist = pytest.importorskip("torch.distributed")
+
+from megatron_tuning.core.decisions import Decision
+from megatron_tuning.core.errors import DivergenceError, StoreRecordError
+from megatron_tuning.core.policy import TuningPolicy
+from megatron_tuning.distributed import agreement
+from megatron_tuning.runtime import pinning
+
+KERNEL = "pkg.kernels:matmul"
+SIG_A = "BLOCK_M=64, num_warps=4, num_stages=3"
+SIG_B = "BLOCK_M=128, num_warps=8, num_stages=3"
+
+
+class Counter:
+    """Counts every request the checkers send (with a reply or not), through a proxy per checker."""
+
+    def __init__(self) -> None:
+        self.calls: dict[str, int] = {}
+
+    def wrap(self, store: Any) -> Any:
+        counter = self
+
+        class _Counting:
+            def __getattr__(self, name: str) -> Any:
+                method = getattr(store, name)
+
+                def counted(*args: Any, **kwargs: Any) -> Any:
+                    counter.calls[name] = counter.calls.get(name, 0) + 1
+                    return method(*args, **kwargs)
+
+                return counted
+
+        return _Counting()
+
+    def total(self) -> int:
+        return sum(self.calls.values())
+
+
+def _ranks(count: int, counter: Counter | None = None) -> list[agreement.AgreementChecker]:
+    store = dist.HashStore()
+    policy = TuningPolicy(agreement="digest")
+    checkers = [
+        agreement.AgreementChecker(policy, store=store, rank=r, ranks=range(count), namespace="t")
+        for r in range(count)
+    ]
+    if counter is not None:
+        for checker in checkers:
+            checker._store = counter.wrap(checker._store)
+            assert checker.ledger is not None
+            checker.ledger.store = checker._store
+    return checkers
+
+
+def _d(key: str, signature: str = SIG_A, kernel: str = KERNEL) -> Decision:
+    return Decision(kernel=kernel, key=key, signature=signature, source="table")
+
+
+def _decide(checker: agreement.AgreementChecker, keys: list[str], signature: str = SIG_A) -> None:
+    for key in keys:
+        checker.check(_d(key, signature))
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_flush() -> Any:
+    yield
+    pinning.run_pending_flush.__globals__["_flush_callbacks"].clear()
+    pinning.flush_pending = False
+
+
+def test_first_use_sends_nothing_and_a_flush_sends_one_batch() -> None:
+    store = Counter()
+    (checker,) = _ranks(1, store)
+    before = store.total()
+    _decide(checker, [f"M={n}" for n in range(50)])
+    assert store.total() == before  # the launch path makes no store request
+    assert pinning.flush_pending
+    checker.flush()
+    assert checker.ledger is not None and checker.ledger.flushes == 1
+
+
+def test_identical_batches_are_sent_once_and_agree() -> None:
+    store = Counter()
+    ranks = _ranks(4, store)
+    keys = [f"M={n}" for n in range(200)]
+    for checker in ranks:
+        _decide(checker, keys)
+    counts = []
+    for checker in ranks:
+        before = store.total()
+        checker.flush()
+        counts.append(store.total() - before)
+    # The first sender uploads (reference, texts, shards); the others: one add, one read of the
+    # shard each rank reads (4 ranks, 4 shards), and the flag poll.
+    assert counts[1:] == [3, 3, 3]
+    assert counts[0] == 3 + 2 + 4  # + the texts, the reference, and one append per shard (no reply)
+    for checker in ranks:
+        checker.stop()
+
+
+def test_requests_per_rank_do_not_grow_with_keys() -> None:
+    def per_rank(keys: int) -> int:
+        store = Counter()
+        ranks = _ranks(2, store)
+        for checker in ranks:
+            _decide(checker, [f"M={n}" for n in range(keys)])
+        before = store.total()
+        for checker in ranks:
+            checker.flush()
+        return store.total() - before
+
+    assert per_rank(100) <= 1.5 * per_rank(10)
+
+
+def test_a_rank_that_differs_from_the_reference_raises_at_its_flush_and_the_others_at_theirs() -> None:
+    first, second, third = _ranks(3)
+    keys = ["M=1", "M=2", "M=3"]
+    _decide(first, keys)
+    _decide(second, keys[:2])
+    second.check(_d("M=3", SIG_B))
+    _decide(third, keys)
+    first.flush()  # rank 0's batch is the reference of flush #1
+    with pytest.raises(DivergenceError) as raised:
+        second.flush()
+    error = raised.value
+    assert (error.kernel, error.key) == (KERNEL, "M=3")
+    assert error.signatures == {0: SIG_A, 1: SIG_B}
+    assert "digest check" in str(error)
+    with pytest.raises(DivergenceError) as at_third:
+        third.flush()  # identical to rank 0's batch, so only the flag tells it
+    with pytest.raises(DivergenceError) as at_first:
+        first.poll()
+    assert str(at_third.value) == str(at_first.value) == str(error)
+
+
+def test_pipeline_stages_with_disjoint_keys_agree() -> None:
+    ranks = _ranks(8)
+    for checker in ranks:
+        stage = checker.rank % 4
+        _decide(checker, [f"stage={stage}, M={n}" for n in range(30)], f"BLOCK={stage}")
+    for checker in ranks:
+        checker.flush()
+    for checker in ranks:
+        checker.stop()
+
+
+def test_rows_only_some_ranks_share_are_compared_by_the_shard_reader() -> None:
+    """Varlen-like: shared keys plus own keys; two ranks share an own key with different configs."""
+    ranks = _ranks(4)
+    shared = [f"M={n}" for n in range(40)]
+    for checker in ranks:
+        _decide(checker, shared)
+        _decide(checker, [f"own={checker.rank}, n={n}" for n in range(5)])
+    ranks[2].check(_d("seq=777", SIG_A))
+    ranks[3].check(_d("seq=777", SIG_B))
+    errors = []
+    for checker in reversed(ranks):  # rank 0 reads shard 0.., after everyone sent
+        try:
+            checker.flush()
+        except DivergenceError as error:
+            errors.append(error)
+    if not errors:  # the rows fell in a shard whose reader flushed before both were sent
+        for checker in ranks:
+            try:
+                checker.stop()
+            except DivergenceError as error:
+                errors.append(error)
+    assert errors, "the shared own key with two configs was never noticed"
+    assert errors[0].key == "seq=777"
+    assert set(errors[0].signatures.values()) == {SIG_A, SIG_B}
+
+
+def test_the_last_rank_to_close_reads_every_shard() -> None:
+    first, second = _ranks(2)
+    # Neither row is in the other's reference (different flush numbers) and each rank reads only
+    # its own shard: the conflict is found when the second rank closes and reads them all.
+    first.check(_d("M=1"))
+    first.flush()
+    second.check(_d("other"))
+    second.flush()
+    second.check(_d("M=1", SIG_B))
+    first.stop()
+    with pytest.raises(DivergenceError) as raised:
+        second.stop()
+    assert raised.value.key == "M=1"
+
+
+def test_a_repeated_launch_runs_the_pending_flush() -> None:
+    (checker,) = _ranks(1)
+    calls = []
+    original = checker.flush
+    checker.flush = lambda: calls.append(1) or original()  # type: ignore[method-assign]
+    checker.check(_d("M=1"))
+    assert pinning.flush_pending
+    pinning.run_pending_flush()
+    assert not pinning.flush_pending
+    assert checker.ledger is not None and checker.ledger.flushes == 1
+
+
+def test_a_full_batch_flushes_without_waiting_for_a_repeat(monkeypatch: pytest.MonkeyPatch) -> None:
+    from megatron_tuning.distributed import digest
+
+    monkeypatch.setattr(digest, "MAX_BATCH", 8)
+    (checker,) = _ranks(1)
+    _decide(checker, [f"M={n}" for n in range(8)])
+    assert checker.ledger is not None and checker.ledger.flushes == 1
+
+
+def test_garbage_in_the_flag_is_a_store_record_error() -> None:
+    (checker,) = _ranks(1)
+    prefixed = checker._store
+    prefixed.set("divergence", b"\xff\xfe not text")
+    with pytest.raises(StoreRecordError, match="not UTF-8"):
+        checker.poll()
+    prefixed.set("divergence", '{"kernel": "k", "key": "y", "detail": "", "signatures": {"1": 5}}')
+    with pytest.raises(StoreRecordError, match="signature 5"):
+        checker.poll()
+    prefixed.set("divergence", "[" * 5000 + "]" * 5000)
+    with pytest.raises(StoreRecordError, match="nested"):
+        checker.poll()
+
+
+@pytest.mark.parametrize("claim", ["1.9\nBLOCK=1", "true\nx", "-7\nx", "99\nx", "\xff"])
+def test_garbage_claims_in_store_mode_name_kernel_key_and_value(claim: str) -> None:
+    store = dist.HashStore()
+    policy = TuningPolicy(agreement="store")
+    checker = agreement.AgreementChecker(policy, store=store, rank=0, ranks=range(2), namespace="t")
+    from megatron_tuning.distributed.wire import identity_digest
+
+    checker._store.set("k/" + identity_digest(KERNEL, "M=1", "unknown").hex(), claim)
+    with pytest.raises(DivergenceError) as raised:
+        checker.check(_d("M=1"))
+    assert raised.value.key == "M=1" and KERNEL in str(raised.value)
+    assert "unreadable" in str(raised.value)
+
+
+def test_unset_agreement_means_store_for_small_worlds() -> None:
+    assert agreement.resolve_mode(TuningPolicy()) == "store"  # no process group here
+    assert agreement.resolve_mode(TuningPolicy(agreement="digest")) == "digest"
