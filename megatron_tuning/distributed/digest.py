@@ -129,7 +129,7 @@ class DigestLedger:
         flush = self.flushes
         what = f"the digest flush #{flush} of rank {self.rank} ({len(rows)} new decisions)"
         digest = batch_digest(rows)
-        count = self._ask(what, lambda: self.store.add(f"n/{digest}", 1))
+        count = self._ask(what, "add", f"n/{digest}", 1)
         for ident, (row, _) in self.pending.items():
             self.sent[ident] = row[HALF:]
         self.pending.clear()
@@ -138,7 +138,7 @@ class DigestLedger:
         # Texts first: anyone who sees these rows may need them for an error message.
         self.store.set(f"t/{self.rank}/{flush}", _texts_blob(self.texts, rows))
         mine = pack_batch(self.rank, flush, rows)
-        raw = self._ask(what, lambda: self.store.compare_set(f"ref/{flush}", "", mine))
+        raw = self._ask(what, "compare_set", f"ref/{flush}", "", mine)
         reference = bytes(raw)
         if reference == mine:
             residual = rows
@@ -187,8 +187,7 @@ class DigestLedger:
         """Compare every row appended to ``shards`` since this rank last read them."""
         for shard in shards:
             what = f"shard {shard} of the digest agreement"
-            name = f"s/{shard}"
-            raw = self._ask(what, lambda: self.store.compare_set(name, "", ""))
+            raw = self._ask(what, "compare_set", f"s/{shard}", "", "")
             blob = bytes(raw)
             start = self._read_offsets.get(shard, 0)
             if len(blob) < start:
@@ -206,7 +205,7 @@ class DigestLedger:
         if rank == self.rank:
             return {i: (d.kernel, d.key, d.signature) for i, d in self.texts.items()}
         what = f"the decision texts of rank {rank}'s flush #{flush}"
-        raw = self._ask(what, lambda: self.store.compare_set(f"t/{rank}/{flush}", "", ""))
+        raw = self._ask(what, "compare_set", f"t/{rank}/{flush}", "", "")
         if not bytes(raw):
             return {}
         data = decode_record(raw, what)
@@ -219,9 +218,11 @@ class DigestLedger:
                     continue
         return out
 
-    def _ask(self, what: str, call: Callable[[], Any]) -> Any:
+    def _ask(self, what: str, method: str, *args: Any) -> Any:
+        """One store request with a reply, counted and named."""
         self.requests += 1
-        return request(what, call, store=self.store)
+        call = getattr(self.store, method)
+        return request(what, lambda: call(*args), store=self.store)
 
 
 def _texts_blob(texts: dict[bytes, Decision], rows: list[bytes]) -> str:
