@@ -147,10 +147,12 @@ def _init(policy: TuningPolicy | None, table: Any, group: Any) -> TuningHandle:
     resolved_table = table if table is not None else _load_tables(policy, cache)
     measure = _make_measure(policy) if policy.mode in ("tune", "auto") else None
     consensus = _start_consensus() if policy.mode == "auto" else None
+    if consensus is not None and cache is not None and table is None:
+        consensus.reconcile_cache(cache.path, cache.table)  # nodes' caches differ: one job cache
     chaos = _start_chaos(group) if policy.mode == "chaos" else None
     interception.install(policy, table=resolved_table, measure=measure, consensus=consensus, chaos=chaos)
     try:
-        agreement = _start_agreement(policy, group)
+        agreement = _start_agreement(policy, group, resolved_table)
     except BaseException:
         interception.uninstall()
         raise
@@ -226,10 +228,12 @@ def _make_measure(policy: TuningPolicy) -> Any:
     return make_measure(policy)
 
 
-def _start_agreement(policy: TuningPolicy, group: Any) -> Any:
+def _start_agreement(policy: TuningPolicy, group: Any, table: Any) -> Any:
     from .distributed.agreement import start_agreement
+    from .distributed.inputs import describe_inputs
 
-    return start_agreement(policy, group)
+    # Tables and versions are compared once here, so a rank with other tables fails at init.
+    return start_agreement(policy, group, inputs=describe_inputs(policy, table))
 
 
 def _needs_group(policy: TuningPolicy) -> bool:

@@ -249,3 +249,41 @@ def test_garbage_claims_in_store_mode_name_kernel_key_and_value(claim: str) -> N
 def test_unset_agreement_means_store_for_small_worlds() -> None:
     assert agreement.resolve_mode(TuningPolicy()) == "store"  # no process group here
     assert agreement.resolve_mode(TuningPolicy(agreement="digest")) == "digest"
+
+
+def test_ranks_with_other_tables_fail_at_session_start_naming_the_difference(tmp_path: Any) -> None:
+    from megatron_tuning.core.errors import InputMismatchError
+    from megatron_tuning.distributed.inputs import describe_inputs
+
+    store = dist.HashStore()
+    policy = TuningPolicy(agreement="digest")
+    checkers = [
+        agreement.AgreementChecker(policy, store=store, rank=r, ranks=range(2), namespace="t")
+        for r in range(2)
+    ]
+    same = describe_inputs(policy)
+    checkers[0].start_session("job", 1, policy, same)
+    other = dict(same, tables="big.msgpack@0123456789ab")
+    with pytest.raises(InputMismatchError) as raised:
+        checkers[1].start_session("job", 1, policy, other)
+    message = str(raised.value)
+    assert "tables" in message and "big.msgpack@0123456789ab" in message and "rank 0" in message
+    with pytest.raises(InputMismatchError):
+        checkers[0].poll()  # the first rank learns it at its next check
+    third = agreement.AgreementChecker(policy, store=store, rank=0, ranks=range(2), namespace="u")
+    third.start_session("job", 2, policy, same)  # a new session number compares afresh
+
+
+def test_inputs_compare_table_files_by_content(tmp_path: Any) -> None:
+    from megatron_tuning.distributed.inputs import describe_inputs
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    (a / "t.msgpack").write_bytes(b"same bytes")
+    (b / "t.msgpack").write_bytes(b"same bytes")
+    first = describe_inputs(TuningPolicy(tables=(str(a / "t.msgpack"),)))
+    second = describe_inputs(TuningPolicy(tables=(str(b / "t.msgpack"),)))
+    assert first == second  # another path on another node, same content
+    (b / "t.msgpack").write_bytes(b"other bytes")
+    assert describe_inputs(TuningPolicy(tables=(str(b / "t.msgpack"),)))["tables"] != first["tables"]

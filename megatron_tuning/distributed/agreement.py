@@ -39,7 +39,7 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 import torch.distributed as dist
@@ -48,6 +48,7 @@ from ..core.decisions import Decision, decision_log
 from ..core.errors import (
     AgreementTimeoutError,
     DivergenceError,
+    InputMismatchError,
     PolicyError,
     SessionMismatchError,
     StoreRecordError,
@@ -55,6 +56,9 @@ from ..core.errors import (
 from ..runtime import pinning
 from ..runtime.pinning import is_capturing
 from .digest import Conflict, DigestLedger
+from .inputs import INPUTS_KIND, compare_inputs, describe_inputs, inputs_record
+from .inputs import mismatch_from_record as inputs_mismatch_from_record
+from .inputs import mismatch_record as inputs_mismatch_record
 from .sessions import SESSION_KIND, SessionRegistry, mismatch_from_record, mismatch_record, policy_summary
 from .storeops import BadRecord, decode_record, decode_text, parse_rank_text, record_field, request
 from .wire import (
@@ -112,13 +116,17 @@ class _NoAgreement:
         return None
 
 
-def start_agreement(policy: Any, group: Any = None) -> AgreementHandle:
+def start_agreement(
+    policy: Any, group: Any = None, *, inputs: Mapping[str, str] | None = None
+) -> AgreementHandle:
     """Start cross-rank checks for ``policy``; call after the interception is installed.
 
     A no-op handle comes back when torch.distributed has no initialized process group, when
     ``policy.agreement == "off"``, or when ``policy.mode`` is not deterministic/chaos/auto (record
     and tune modes pick by measurement, so ranks may differ by design). ``group`` scopes the
-    check (default: the whole job). A previous checker is stopped first.
+    check (default: the whole job). A previous checker is stopped first. ``inputs``
+    (``inputs.describe_inputs``; default: from the policy alone) are compared with the session's
+    first rank: a difference raises ``InputMismatchError`` here, naming it.
     """
     global _active, _epochs
     mode = resolve_mode(policy, group)
@@ -138,7 +146,10 @@ def start_agreement(policy: Any, group: Any = None) -> AgreementHandle:
     # Elastic restarts reuse the rendezvous store: the restart count keeps old claims apart.
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     checker = AgreementChecker(policy, group, namespace=f"r{restart}/e{epoch}", mode=mode)
-    checker.start_session(f"r{restart}", epoch, policy)  # unequal init calls are named, not missed
+    # Unequal init calls, policies or inputs are named now, not missed or found key by key.
+    checker.start_session(
+        f"r{restart}", epoch, policy, inputs if inputs is not None else describe_inputs(policy)
+    )
     checker.attach()
     with _active_lock:
         _active = checker
@@ -202,15 +213,27 @@ class AgreementChecker:
         self._world = max(self.ranks) + 1 if self.ranks else 1
         self.ledger = DigestLedger(self._store, self.rank, len(self.ranks)) if self.mode == "digest" else None
 
-    def start_session(self, job: str, number: int, policy: Any) -> None:
+    def start_session(
+        self, job: str, number: int, policy: Any, inputs: Mapping[str, str] | None = None
+    ) -> None:
         """Publish this process's session ``number``; raise ``SessionMismatchError`` when another
-        rank started that number with a different policy (``sessions.py``)."""
+        rank started that number with a different policy (``sessions.py``), and
+        ``InputMismatchError`` when it started it with other tables or versions (``inputs.py``)."""
         store = dist.PrefixStore(f"{PREFIX}/{job}/sessions/{scope_id(self.group, self.ranks)}", self._base)
         self.session = SessionRegistry(store, self.rank, number, policy_summary(policy))
         error = self.session.register()
         if error is not None:
             self._store.compare_set(_FLAG, "", mismatch_record(error))  # the other rank raises it next
             raise error
+        if inputs is None:
+            return
+        session = f"tuning session #{number}"
+        mine = inputs_record(self.rank, inputs)
+        first = request(f"the inputs of {session}", lambda: store.compare_set(f"e{number}/inputs", "", mine))
+        mismatch = compare_inputs(session, self.rank, inputs, first, self._world)
+        if mismatch is not None:
+            self._store.compare_set(_FLAG, "", inputs_mismatch_record(mismatch))
+            raise mismatch
 
     def attach(self) -> None:
         if not self._attached:
@@ -388,12 +411,14 @@ class AgreementChecker:
         raise _allgather_error(rows, [unpack_text(t) for t in texts], self.ranks, self._seq)
 
 
-def _error_from_record(record: bytes | str) -> DivergenceError | SessionMismatchError:
+def _error_from_record(record: bytes | str) -> DivergenceError | SessionMismatchError | InputMismatchError:
     what = "the agreement's divergence flag"
     try:
         data = decode_record(record, what)
         if data.get("kind") == SESSION_KIND:
             return mismatch_from_record(data)
+        if data.get("kind") == INPUTS_KIND:
+            return inputs_mismatch_from_record(data)
         raw = record_field(data, "signatures", dict, what)
         signatures = {}
         for rank, signature in raw.items():

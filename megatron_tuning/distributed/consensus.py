@@ -4,10 +4,13 @@ A rank that misses the tables looks for a decision already published in the job'
 and adopts it; otherwise it tunes, then publishes with the store's atomic ``compare_set``. The
 first writer wins, and a rank that loses the race launches the winner's config, not its own.
 
-A rank never waits for another rank: ``check`` and ``compare_set`` return at once, and ``get``
-is only called on a key that ``check`` saw. So no order of ranks, no pipeline stage that never
-reaches a kernel, and no peer stuck in a collective can stall a launch. What crosses ranks is
-plain JSON text (the config's ``config_data`` and signature), never a pickle.
+A rank never waits for another rank: a lookup is one ``compare_set(key, "", "")`` (the current
+value, or an empty one it leaves for the publisher's ``compare_set(key, "", ours)``), a publish is
+one ``compare_set``. So no order of ranks, no pipeline stage that never reaches a kernel, and no
+peer stuck in a collective can stall a launch: one request per new key on the adopt path, two on
+the tune path. What crosses ranks is plain JSON text (the config's ``config_data`` and
+signature), never a pickle, and what comes back is checked: a record that is not the library's
+JSON, or names a rank outside the job, is a ``ConsensusError`` naming kernel, key and the value.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from typing import Any
 import torch.distributed as dist
 
 from ..core.errors import ConsensusError
+from .job_cache import JobCacheView, reconcile
+from .storeops import BadRecord, decode_record, record_field, record_rank, request
 from .wire import default_store, identity_digest
 
 logger = logging.getLogger(__name__)
@@ -44,7 +49,14 @@ class StoreConsensus:
     ``store`` and ``rank`` exist so tests can drive the protocol without a process group.
     """
 
-    def __init__(self, store: Any = None, *, rank: int | None = None, namespace: str | None = None) -> None:
+    def __init__(
+        self,
+        store: Any = None,
+        *,
+        rank: int | None = None,
+        namespace: str | None = None,
+        world: int | None = None,
+    ) -> None:
         base = store if store is not None else default_store()
         # Elastic restarts reuse the rendezvous store: a restarted job tunes afresh, but its cache
         # table (written at exit) already holds what the previous attempt tuned.
@@ -53,22 +65,33 @@ class StoreConsensus:
         )
         self._store = dist.PrefixStore(f"{_PREFIX}/{namespace}", base)
         self.rank = dist.get_rank() if rank is None else int(rank)
+        self.world = (
+            world if world is not None else (dist.get_world_size() if dist.is_initialized() else None)
+        )
+        self.requests = 0
+        self.cache_view: JobCacheView | None = None
+        """Set by ``reconcile_cache``: how ``auto`` treats this rank's cache hits (``job_cache.py``)."""
+
+    def reconcile_cache(self, path: str, table: Any) -> JobCacheView:
+        """Offer this rank's auto cache to the job (once per session); see ``job_cache.reconcile``."""
+        self.cache_view = reconcile(self._store, self.rank, self.world, path, table)
+        return self.cache_view
 
     def lookup(self, kernel: str, key: str, arch: str) -> Published | None:
-        """The decision published for (arch, kernel, key), or ``None``; never waits."""
-        name = _store_key(kernel, key, arch)
-        if not self._store.check([name]):
-            return None
-        return _decode(self._store.get(name), kernel, key)
+        """The decision published for (arch, kernel, key), or ``None``; one request, never waits."""
+        raw = self._ask(kernel, key, "lookup", _store_key(kernel, key, arch), "")
+        return None if not bytes(raw) else self._decode(raw, kernel, key)
 
     def publish(
         self, kernel: str, key: str, arch: str, config: Mapping[str, Any], signature: str
     ) -> Published:
         """Publish ours unless someone was first; return the decision every rank must launch."""
         mine = json.dumps({"config": dict(config), "signature": signature, "rank": self.rank}, sort_keys=True)
-        winner = self._store.compare_set(_store_key(kernel, key, arch), "", mine)
-        published = _decode(winner, kernel, key)
-        if published.rank != self.rank:
+        winner = self._ask(kernel, key, "publish", _store_key(kernel, key, arch), mine)
+        published = self._decode(winner, kernel, key)
+        # Compare what was published, not who claims to have published it: a record naming this
+        # rank with another config must be adopted, not mistaken for our own.
+        if published.signature != signature:
             logger.info(
                 "auto: rank %d published %s for %s [%s] first; launching it (ours was %s)",
                 published.rank,
@@ -78,6 +101,24 @@ class StoreConsensus:
                 signature,
             )
         return published
+
+    def _ask(self, kernel: str, key: str, purpose: str, name: str, value: str) -> Any:
+        self.requests += 1
+        what = f"the auto {purpose} of kernel {kernel} with key {key}"
+        return request(what, lambda: self._store.compare_set(name, "", value), store=self._store)
+
+    def _decode(self, raw: Any, kernel: str, key: str) -> Published:
+        what = f"the decision published for kernel {kernel} with key {key}"
+        try:
+            data = decode_record(raw, what)
+            config = record_field(data, "config", dict, what)
+            signature = record_field(data, "signature", str, what)
+            rank = record_rank(data, what, self.world)
+        except BadRecord as bad:
+            raise ConsensusError(
+                kernel, key, f"{bad.problem}; was it written by another megatron_tuning version?"
+            ) from None
+        return Published(config=config, signature=signature, rank=rank)
 
 
 def start_consensus() -> StoreConsensus | None:
@@ -89,22 +130,6 @@ def start_consensus() -> StoreConsensus | None:
 
 def _store_key(kernel: str, key: str, arch: str) -> str:
     return "d/" + identity_digest(kernel, key, arch).hex()
-
-
-def _decode(raw: Any, kernel: str, key: str) -> Published:
-    text = bytes(raw).decode("utf-8") if not isinstance(raw, str) else raw
-    try:
-        data = json.loads(text)
-        return Published(
-            config=dict(data["config"]), signature=str(data["signature"]), rank=int(data["rank"])
-        )
-    except (ValueError, KeyError, TypeError) as exc:
-        raise ConsensusError(
-            kernel,
-            key,
-            f"the job's store holds an unreadable decision ({type(exc).__name__}: {exc}); "
-            "was it written by another megatron_tuning version?",
-        ) from exc
 
 
 __all__ = ["Published", "StoreConsensus", "start_consensus"]

@@ -28,7 +28,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ..core.decisions import Decision, decision_log
-from ..core.errors import DivergenceError, SessionMismatchError
+from ..core.errors import DivergenceError, InputMismatchError, SessionMismatchError
 from ..runtime.interception import current_policy
 from . import agreement
 from .agreement import DEFAULT_TIMEOUT_S, PREFIX, unchecked_sources
@@ -72,12 +72,12 @@ def verify_agreement(group: Any = None, *, timeout_s: float | None = None) -> in
     if not (dist.is_available() and dist.is_initialized()):
         return 0
     checker = agreement.active_checker()
-    late_error: DivergenceError | SessionMismatchError | None = None
+    late_error: DivergenceError | SessionMismatchError | InputMismatchError | None = None
     if checker is not None:
         try:
             checker.flush()
             checker.poll()
-        except (DivergenceError, SessionMismatchError) as error:
+        except (DivergenceError, SessionMismatchError, InputMismatchError) as error:
             if checker.mode == "allgather" and isinstance(error, DivergenceError):
                 raise  # allgather errors are raised on every rank alike
             late_error = error  # one-sided: raising before the collective would hang the others

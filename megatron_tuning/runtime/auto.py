@@ -14,13 +14,16 @@ is handed in by the session (``distributed.consensus``); ``None`` means a single
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
-from ..core.choice import Choice, ConfigTable, choose_on_miss, pin_without_fallback
+from ..core.choice import Choice, ConfigTable, Miss, choose_on_miss, match_live, pin_without_fallback
 from ..core.errors import ConsensusError
-from ..core.identity import config_data, config_signature
+from ..core.identity import config_data, config_signature, kernel_source_hash
 from ..core.policy import TuningPolicy
+from ..tables.search import installed_triton_version
+from ..tables.shipped import shipped_tables_dir
 
 # measure(autotuner, candidates, args, kwargs, kernel, key) -> (config, timings)
 Measure = Callable[[Any, list[Any], tuple[Any, ...], dict[str, Any], str, str], tuple[Any, dict[str, Any]]]
@@ -44,6 +47,16 @@ class Consensus(Protocol):
     ) -> PublishedDecision: ...
 
 
+class CacheView(Protocol):
+    """How to treat this rank's cache hits (``distributed.job_cache.JobCacheView`` implements it)."""
+
+    local_path: str
+    differs: bool
+    origin: str
+
+    def job_entry(self, arch: str, kernel: str, key: str) -> Any: ...
+
+
 def auto_choice(
     autotuner: Any,
     candidates: list[Any],
@@ -60,6 +73,15 @@ def auto_choice(
 ) -> tuple[Choice, dict[str, Any] | None]:
     """The choice for (kernel, key) in ``auto`` mode, and the timings when this rank measured."""
     pinned = pin_without_fallback(autotuner, candidates, key, table=table, block_sizes=policy.block_sizes)
+    view: CacheView | None = getattr(consensus, "cache_view", None)
+    if consensus is not None and view is not None and view.differs:
+        reconciled = _with_job_cache(
+            autotuner, candidates, key, pinned, view, consensus, kernel=kernel, arch=arch
+        )
+        if reconciled is not None:
+            return reconciled, None
+        if isinstance(pinned, Choice) and pinned.origin == view.local_path:
+            pinned = Miss("this rank's cache entry is not the job's")  # it was proposed and lost
     if isinstance(pinned, Choice):
         return pinned, None
     if consensus is not None:
@@ -73,10 +95,67 @@ def auto_choice(
     if consensus is None:
         return Choice(config, "tuned"), timings
     winner = consensus.publish(kernel, key, arch, config_data(config), config_signature(config))
-    if winner.rank == consensus.rank:
+    if winner.signature == config_signature(config):  # ours, or an identical pick: launch it as tuned
         return Choice(config, "tuned"), timings
     # Another rank published first: launch its config, keep our measurement for the record.
     return _adopt(winner, candidates, kernel, key, consensus.rank), timings
+
+
+def _with_job_cache(
+    autotuner: Any,
+    candidates: list[Any],
+    key: str,
+    pinned: Choice | Miss,
+    view: CacheView,
+    consensus: Consensus,
+    *,
+    kernel: str,
+    arch: str,
+) -> Choice | None:
+    """This rank's cache differs from the job's: the job's entry wins, a local-only hit is proposed.
+
+    ``None`` leaves the decision to the usual path (an explicit table, an override, a shipped
+    table, or a miss). Explicit tables come before the cache in the search order on every rank,
+    so their hits stand; a cache hit or a shipped-table hit yields to the job's cache entry.
+    """
+    if isinstance(pinned, Choice) and (pinned.source != "table" or _explicit(pinned.origin, view)):
+        return None
+    entry = view.job_entry(arch, kernel, key)
+    if entry is not None and _fresh(entry, autotuner):
+        live = match_live(entry.config, candidates)
+        if live is None:
+            raise ConsensusError(
+                kernel,
+                key,
+                f"{view.origin} holds {config_signature(entry.config)}, which is not among this rank's "
+                f"{len(candidates)} live configs",
+            )
+        return Choice(live, "adopted", view.origin)
+    if not (isinstance(pinned, Choice) and pinned.origin == view.local_path):
+        return None
+    # Only this rank's cache has the key: propose it like a tuned result (first writer wins).
+    published = consensus.lookup(kernel, key, arch)
+    if published is None:
+        mine = pinned.config
+        published = consensus.publish(kernel, key, arch, config_data(mine), config_signature(mine))
+        if published.signature == config_signature(mine):
+            return Choice(mine, "table", f"{view.local_path} (proposed to the job)")
+    return _adopt(published, candidates, kernel, key, consensus.rank)
+
+
+def _explicit(origin: str | None, view: CacheView) -> bool:
+    if origin is None or origin == view.local_path:
+        return False
+    return not os.path.realpath(origin).startswith(os.path.realpath(str(shipped_tables_dir())) + os.sep)
+
+
+def _fresh(entry: Any, autotuner: Any) -> bool:
+    """A cache entry tuned for this kernel source and this Triton (stale ones are misses)."""
+    running = kernel_source_hash(autotuner)
+    if entry.source_hash is not None and running is not None and entry.source_hash != running:
+        return False
+    version = installed_triton_version()
+    return entry.triton_version is None or version is None or entry.triton_version == version
 
 
 def _adopt(
@@ -84,7 +163,11 @@ def _adopt(
 ) -> Choice:
     for candidate in candidates:  # position order: the first live duplicate wins
         if config_signature(candidate) == published.signature:
-            origin = "this rank" if published.rank == rank else f"rank {published.rank}"
+            # A record naming this rank that this rank did not publish (it is adopting, so its own
+            # pick differed or it never tuned) came from elsewhere: say so rather than "this rank".
+            origin = (
+                f"rank {published.rank}" if published.rank != rank else "the job's store (names this rank)"
+            )
             return Choice(candidate, "adopted", origin)
     live = "; ".join(config_signature(c) for c in candidates) or "(none)"
     raise ConsensusError(
@@ -95,4 +178,4 @@ def _adopt(
     )
 
 
-__all__ = ["Consensus", "Measure", "PublishedDecision", "auto_choice"]
+__all__ = ["CacheView", "Consensus", "Measure", "PublishedDecision", "auto_choice"]

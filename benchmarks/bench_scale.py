@@ -1,0 +1,334 @@
+"""Store-server cost of agreement and ``auto`` at 1,024+ simulated ranks (a benchmark, not a test).
+
+    PYTHONPATH=. python benchmarks/bench_scale.py                       # 1,024 ranks x 2,000 keys
+    PYTHONPATH=. python benchmarks/bench_scale.py --ranks 256 --keys 200 --designs digest auto
+    PYTHONPATH=. python benchmarks/bench_scale.py --smoke               # CI: 16 ranks, seconds
+
+One real libuv ``TCPStore`` server runs in a process of its own; ``--procs`` worker processes hold
+``--ranks`` client connections between them (one thread and one connection per simulated rank) and
+drive the library's own code against it: ``AgreementChecker`` in ``store`` (per key, at first use)
+and ``digest`` (batched) modes, and ``StoreConsensus`` for ``auto`` (lookup, simulated tuning,
+publish). Every rank starts at once (a burst, the worst case: a job's first step). Workloads:
+
+* ``tp``: every rank decides the same keys (tensor/data parallel);
+* ``pp``: 4 pipeline stages (stage = rank % 4), each deciding keys of its own;
+* ``varlen``: every rank decides ``keys - own`` shared keys plus ``own`` keys of its own.
+
+Measured per (design, workload): requests (counted at the client, replies or not), store-server
+CPU seconds (from /proc), server CPU per request, burst wall time, p50/max latency per check (per
+key in ``store``, per flush in ``digest``, per key in ``auto``) and the server's RSS growth. A
+10,000-rank line extrapolates requests linearly per rank (the designs' request count per rank does
+not depend on the world size) at the measured server cost per request. ``--out`` writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+# One warning line per connection ("hostname of the client socket cannot be retrieved") times a
+# thousand connections buries the results; torch reads this before its first import.
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+
+import common  # noqa: E402
+
+ARCH = "sm90"
+KERNEL = "bench.scale:matmul"
+SIGNATURE = "BLOCK_K=32, BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3"
+CONFIG = {"kwargs": {"BLOCK_K": 32, "BLOCK_M": 64, "BLOCK_N": 64}, "num_warps": 4, "num_stages": 3}
+SERVER = """
+import sys, time
+from datetime import timedelta
+import torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=True, wait_for_workers=False,
+                      timeout=timedelta(seconds=600), use_libuv=True)
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Server:
+    """The store server process, and its CPU time and memory read from /proc."""
+
+    def __init__(self) -> None:
+        self.port = _free_port()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", SERVER, str(self.port)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self.proc.stdout is not None and self.proc.stdout.readline().strip() == "ready"
+
+    def cpu_s(self) -> float:
+        with open(f"/proc/{self.proc.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def rss_mb(self) -> float:
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+        return 0.0
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+class Counting:
+    """Counts requests on the (prefix) store a checker or consensus object already built."""
+
+    def __init__(self, store: Any) -> None:
+        self._store = store
+        self.requests = 0
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self._store, name)
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.requests += 1
+            return method(*args, **kwargs)
+
+        return counted
+
+
+def plan(workload: str, rank: int, keys: int, own: int) -> list[str]:
+    if workload == "tp":
+        return [f"M={n}, N=4096, K=4096" for n in range(keys)]
+    if workload == "pp":
+        return [f"stage={rank % 4}, M={n}" for n in range(keys)]
+    shared = [f"M={n}, N=4096, K=4096" for n in range(keys - own)]
+    return shared + [f"seqlen={rank * own + n}" for n in range(own)]
+
+
+def _rank_thread(
+    args: argparse.Namespace, port: int, rank: int, design: str, workload: str, ready: Any, go: Any, out: list
+) -> None:
+    import torch.distributed as dist
+
+    from megatron_tuning.core.decisions import Decision
+    from megatron_tuning.core.policy import TuningPolicy
+    from megatron_tuning.distributed.agreement import AgreementChecker
+    from megatron_tuning.distributed.consensus import StoreConsensus
+
+    client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=600), use_libuv=True)
+    keys = plan(workload, rank, args.keys, args.own)
+    namespace = f"{design}-{workload}"
+    latencies: list[float] = []
+    if design in ("store", "digest"):
+        policy = TuningPolicy(agreement=design)
+        checker = AgreementChecker(
+            policy, store=client, rank=rank, ranks=range(args.ranks), namespace=namespace
+        )
+        counting = checker._store = Counting(checker._store)
+        if checker.ledger is not None:
+            checker.ledger.store = counting
+    else:
+        consensus = StoreConsensus(client, rank=rank, namespace=namespace, world=args.ranks)
+        counting = consensus._store = Counting(consensus._store)
+    ready.release()
+    go.wait()
+    start = time.perf_counter()
+    if design in ("store", "digest"):
+        for key in keys:
+            t0 = time.perf_counter()
+            checker.check(Decision(kernel=KERNEL, key=key, signature=SIGNATURE, source="table", arch=ARCH))
+            if design == "store":
+                latencies.append(time.perf_counter() - t0)
+        if design == "digest":
+            t0 = time.perf_counter()
+            checker.flush()  # what the first repeated launch after the new keys does
+            latencies.append(time.perf_counter() - t0)
+            checker.stop()  # close: the last flush, and the last rank reads every shard
+    else:
+        for key in keys:  # latency: the store time of a key (lookup, and publish after tuning)
+            t0 = time.perf_counter()
+            found = consensus.lookup(KERNEL, key, ARCH)
+            spent = time.perf_counter() - t0
+            if found is None:
+                time.sleep(args.tune_ms / 1000)  # the rank tunes (its peers do not wait for it)
+                t1 = time.perf_counter()
+                consensus.publish(KERNEL, key, ARCH, CONFIG, SIGNATURE)
+                spent += time.perf_counter() - t1
+            latencies.append(spent)
+    out.append(
+        {
+            "rank": rank,
+            "requests": counting.requests,
+            "latencies": latencies,
+            "end": time.perf_counter() - start,
+        }
+    )
+
+
+def _guarded_thread(*args: Any) -> None:
+    ready, out = args[-3], args[-1]
+    try:
+        _rank_thread(*args)
+    except BaseException as exc:  # a benchmark that hides a failing rank measures nothing
+        out.append({"error": f"rank {args[2]}: {type(exc).__name__}: {exc}"})
+        ready.release()
+
+
+def _worker(
+    args: argparse.Namespace,
+    port: int,
+    ranks: list[int],
+    design: str,
+    workload: str,
+    barrier: Any,
+    queue: Any,
+) -> None:
+    import megatron_tuning.distributed.agreement  # noqa: F401  (imports once, before the threads)
+    import megatron_tuning.distributed.consensus  # noqa: F401
+
+    go, ready = threading.Event(), threading.Semaphore(0)
+    out: list[dict[str, Any]] = []
+    threads = [
+        threading.Thread(
+            target=_guarded_thread, args=(args, port, r, design, workload, ready, go, out), daemon=True
+        )
+        for r in ranks
+    ]
+    for t in threads:
+        t.start()
+    for _ in threads:
+        ready.acquire()
+    barrier.wait()  # every process connected its ranks
+    go.set()
+    for t in threads:
+        t.join()
+    queue.put(out)
+
+
+def measure(args: argparse.Namespace, server: Server, design: str, workload: str) -> dict[str, Any]:
+    ctx = mp.get_context("fork")
+    barrier = ctx.Barrier(args.procs + 1)
+    queue = ctx.Queue()
+    chunks = [list(range(p, args.ranks, args.procs)) for p in range(args.procs)]
+    procs = [
+        ctx.Process(target=_worker, args=(args, server.port, chunk, design, workload, barrier, queue))
+        for chunk in chunks
+    ]
+    for p in procs:
+        p.start()
+    barrier.wait()
+    cpu0, rss0, t0 = server.cpu_s(), server.rss_mb(), time.perf_counter()
+    results = [r for _ in procs for r in queue.get(timeout=3600)]
+    wall = time.perf_counter() - t0
+    cpu1, rss1 = server.cpu_s(), server.rss_mb()
+    for p in procs:
+        p.join()
+    errors = [r["error"] for r in results if "error" in r]
+    if errors:
+        raise RuntimeError(f"{len(errors)} simulated ranks failed, first: {errors[0]}")
+    requests = sum(r["requests"] for r in results)
+    latencies = sorted(x for r in results for x in r["latencies"])
+    server_s = cpu1 - cpu0
+    return {
+        "design": design,
+        "workload": workload,
+        "ranks": args.ranks,
+        "keys": args.keys,
+        "requests": requests,
+        "requests_per_rank": requests / args.ranks,
+        "server_cpu_s": server_s,
+        "server_us_per_request": server_s / requests * 1e6 if requests else 0.0,
+        "burst_wall_s": wall,
+        "p50_ms": statistics.median(latencies) * 1e3 if latencies else 0.0,
+        "max_ms": latencies[-1] * 1e3 if latencies else 0.0,
+        "server_rss_growth_mb": rss1 - rss0,
+    }
+
+
+def model_10k(row: dict[str, Any], ranks: int = 10_000) -> float:
+    """Server seconds at ``ranks``: requests scale with ranks at the measured cost per request."""
+    return row["requests_per_rank"] * ranks * row["server_us_per_request"] / 1e6
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--ranks", type=int, default=1024)
+    parser.add_argument("--keys", type=int, default=2000)
+    parser.add_argument("--own", type=int, default=100, help="varlen: keys of each rank's own")
+    parser.add_argument("--procs", type=int, default=16, help="worker processes holding the connections")
+    parser.add_argument("--tune-ms", type=float, default=2.0, help="auto: simulated tuning time per miss")
+    parser.add_argument("--designs", nargs="+", default=["store", "digest", "auto"])
+    parser.add_argument("--workloads", nargs="+", default=["tp", "pp", "varlen"])
+    parser.add_argument(
+        "--smoke", action="store_true", help="16 ranks x 40 keys: a CI check of the code path"
+    )
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    if args.smoke:
+        args.ranks, args.keys, args.own, args.procs = 16, 40, 4, 2
+    server = Server()
+    rows = []
+    try:
+        for design in args.designs:
+            for workload in args.workloads:
+                row = measure(args, server, design, workload)
+                row["model_10k_server_s"] = model_10k(row)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    finally:
+        server.stop()
+    headers = [
+        "design",
+        "workload",
+        "requests",
+        "req/rank",
+        "server s",
+        "us/req",
+        "wall s",
+        "p50 ms",
+        "max ms",
+        "rss MB",
+        "10k model s",
+    ]
+    table = [
+        [
+            r["design"],
+            r["workload"],
+            r["requests"],
+            f"{r['requests_per_rank']:.1f}",
+            f"{r['server_cpu_s']:.3f}",
+            f"{r['server_us_per_request']:.1f}",
+            f"{r['burst_wall_s']:.2f}",
+            f"{r['p50_ms']:.2f}",
+            f"{r['max_ms']:.1f}",
+            f"{r['server_rss_growth_mb']:.1f}",
+            f"{r['model_10k_server_s']:.2f}",
+        ]
+        for r in rows
+    ]
+    print(
+        f"\n{args.ranks} simulated ranks x {args.keys} new keys ({args.procs} processes, one TCPStore server)"
+    )
+    common.print_table(headers, table)
+    common.write_json(args.out, {"environment": common.environment(), "args": vars(args), "rows": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,201 @@
+"""auto's consensus as one rank sees it: one-request lookups, checked records, one job cache.
+
+Several fake ranks share one in-memory store (no process group); real kernels run in the
+interpreter with a fake measurement. The torchrun races are in ``tests_distributed/``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_tuning.core.errors import ConsensusError, StoreRecordError
+from megatron_tuning.core.identity import (
+    arch_tag,
+    config_data,
+    config_signature,
+    kernel_id,
+    kernel_source_hash,
+)
+from megatron_tuning.core.policy import TuningPolicy
+from megatron_tuning.distributed.consensus import StoreConsensus, _store_key
+from megatron_tuning.runtime.auto import auto_choice
+from megatron_tuning.tables.entry import Entry
+from megatron_tuning.tables.search import TableSet, installed_triton_version
+from megatron_tuning.tables.table import Table
+
+from .. import support_kernels as sk
+from .test_auto import FakeMeasure, key
+
+KERNEL = kernel_id(sk.scale_add)
+ARCH = arch_tag()  # what the lookup uses ("unknown" in the interpreter)
+
+
+class Counting:
+    def __init__(self, store: Any) -> None:
+        self.store, self.calls = store, 0
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self.store, name)
+
+        def counted(*args: Any) -> Any:
+            self.calls += 1
+            return method(*args)
+
+        return counted
+
+
+def ranks(count: int, store: Any = None) -> list[StoreConsensus]:
+    store = store if store is not None else dist.HashStore()
+    return [StoreConsensus(store, rank=r, namespace="t", world=count) for r in range(count)]
+
+
+def choose(consensus: StoreConsensus, measure: FakeMeasure, n: int = 100, table: Any = None):
+    x = torch.zeros(n)
+    return auto_choice(
+        sk.scale_add,
+        list(sk.ADD_CONFIGS),
+        key(n),
+        ((x, x, x, n, 0.5), {}),
+        kernel=KERNEL,
+        arch=ARCH,
+        policy=TuningPolicy(mode="auto", use_shipped_tables=False),
+        table=table,
+        measure=measure,
+        consensus=consensus,
+    )
+
+
+def block(choice: Any) -> int:
+    return int(choice.config.kwargs["BLOCK_SIZE"])
+
+
+def test_a_lookup_is_one_request_and_adopting_costs_one_per_key() -> None:
+    first, second = ranks(2)
+    choose(first, FakeMeasure(block=64))
+    counting = second._store = Counting(second._store)
+    choice, _ = choose(second, FakeMeasure(block=16))
+    assert (choice.source, block(choice)) == ("adopted", 64)
+    assert counting.calls == 1
+
+
+def test_a_foreign_record_naming_this_rank_with_another_config_is_adopted_not_taken_for_ours() -> None:
+    rank0, rank1 = ranks(2)
+    config = config_data(next(c for c in sk.ADD_CONFIGS if c.kwargs["BLOCK_SIZE"] == 64))
+    record = {"config": config, "signature": config_signature(config), "rank": 1}
+    rank1._store.set(_store_key(KERNEL, key(100), ARCH), json.dumps(record))
+
+    # Rank 1's lookup sees the record: it must launch 64 (what the store says), like rank 0 will.
+    choice, _ = choose(rank1, FakeMeasure(block=16))
+    assert (choice.source, block(choice)) == ("adopted", 64)
+    assert "names this rank" in str(choice.origin)
+    other, _ = choose(rank0, FakeMeasure(block=16))
+    assert block(other) == 64
+
+
+def test_publish_compares_the_published_signature_not_the_rank() -> None:
+    """A foreign record naming this rank appears while it measures: it is adopted, not taken for ours."""
+    (rank0,) = ranks(1)
+    config = config_data(next(c for c in sk.ADD_CONFIGS if c.kwargs["BLOCK_SIZE"] == 64))
+    foreign = json.dumps({"config": config, "signature": config_signature(config), "rank": 0})
+
+    class ForeignWriter(FakeMeasure):
+        def __call__(self, *args: Any) -> Any:
+            rank0._store.set(_store_key(KERNEL, key(100), ARCH), foreign)
+            return super().__call__(*args)
+
+    choice, timings = choose(rank0, ForeignWriter(block=16))
+    assert timings is not None  # it measured, then found the store holding another config
+    assert (choice.source, block(choice)) == ("adopted", 64)
+
+
+@pytest.mark.parametrize(
+    "raw, shown",
+    [
+        (b"\xff\xfe", "not UTF-8"),
+        ('{"config": {}, "signature": "s", "rank": Infinity}', "Infinity"),
+        ("[" * 100 + "]" * 100, "nested"),
+        ('{"config": {}, "signature": "s", "rank": 1.9}', "1.9"),
+        ('{"config": {}, "signature": "s", "rank": true}', "True"),
+        ('{"config": {}, "signature": "s", "rank": -7}', "-7"),
+        ('{"config": {}, "signature": "s", "rank": 99}', "99"),
+        ('{"config": [], "signature": "s", "rank": 0}', "config"),
+        ('"just text"', "not an object"),
+    ],
+)
+def test_garbage_under_a_decision_key_is_a_consensus_error_naming_kernel_key_and_value(
+    raw: Any, shown: str
+) -> None:
+    rank0, _ = ranks(2)
+    rank0._store.set(_store_key(KERNEL, key(100), ARCH), raw)
+    with pytest.raises(ConsensusError) as caught:
+        choose(rank0, FakeMeasure())
+    assert caught.value.kernel == KERNEL and caught.value.key == key(100)
+    assert shown in str(caught.value)
+
+
+def cache_table(blocks: dict[int, int]) -> Table:
+    """A cache holding, for each n, the config with BLOCK_SIZE=blocks[n]."""
+    entries = []
+    for n, size in blocks.items():
+        config = next(c for c in sk.ADD_CONFIGS if c.kwargs["BLOCK_SIZE"] == size)
+        entries.append(
+            Entry(
+                arch=ARCH,
+                kernel=KERNEL,
+                key=key(n),
+                config=config_data(config),
+                how="tuned",
+                source_hash=kernel_source_hash(sk.scale_add),
+                triton_version=installed_triton_version(),
+            )
+        )
+    return Table(entries, meta={"kind": "auto-cache"})
+
+
+def test_ranks_with_equal_caches_trust_their_hits_with_no_request(tmp_path: Any) -> None:
+    store = dist.HashStore()
+    r0, r1 = ranks(2, store)
+    for rank in (r0, r1):
+        view = rank.reconcile_cache(str(tmp_path / f"c{rank.rank}.msgpack"), cache_table({100: 64}))
+        assert not view.differs
+    counting = r1._store = Counting(r1._store)
+    table = TableSet([], cache=(str(tmp_path / "c1.msgpack"), cache_table({100: 64})))
+    choice, _ = choose(r1, FakeMeasure(block=16), table=table)
+    assert (choice.source, block(choice), counting.calls) == ("table", 64, 0)
+
+
+def test_a_rank_whose_cache_differs_launches_the_jobs_entries_and_proposes_its_own(tmp_path: Any) -> None:
+    store = dist.HashStore()
+    r0, r1 = ranks(2, store)
+    job = cache_table({100: 64})
+    mine = cache_table({100: 16, 200: 128})  # 100 disagrees with the job's cache, 200 is ours alone
+    r0.reconcile_cache(str(tmp_path / "c0.msgpack"), job)
+    path = str(tmp_path / "c1.msgpack")
+    view = r1.reconcile_cache(path, mine)
+    assert view.differs and view.local_only == {(ARCH, KERNEL, key(200))}
+    table1 = TableSet([], cache=(path, mine))
+    adopted, timings = choose(r1, FakeMeasure(block=8), 100, table=table1)
+    assert (adopted.source, block(adopted), timings) == ("adopted", 64, None)
+    assert "the job's auto cache (rank 0's)" in adopted.origin
+    proposed, _ = choose(r1, FakeMeasure(block=8), 200, table=table1)
+    assert (proposed.source, block(proposed)) == ("table", 128) and "proposed to the job" in proposed.origin
+    # Rank 0's cache lacks 200: its miss finds rank 1's proposal, and it measures nothing.
+    measure = FakeMeasure(block=8)
+    table0 = TableSet([], cache=(str(tmp_path / "c0.msgpack"), job))
+    follower, _ = choose(r0, measure, 200, table=table0)
+    assert (follower.source, block(follower), measure.calls) == ("adopted", 128, [])
+
+
+def test_an_unreadable_job_cache_upload_fails_at_start_naming_it(tmp_path: Any) -> None:
+    store = dist.HashStore()
+    r0, r1 = ranks(2, store)
+    r0.reconcile_cache(str(tmp_path / "c0.msgpack"), cache_table({100: 64}))
+    record = json.loads(bytes(r0._store.get("cache/first")).decode())
+    r0._store.set(f"cache/blob/{record['digest']}", b"not a table")
+    with pytest.raises(StoreRecordError, match="job's auto cache"):
+        r1.reconcile_cache(str(tmp_path / "c1.msgpack"), cache_table({100: 16}))
