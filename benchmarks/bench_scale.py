@@ -141,24 +141,33 @@ def _rank_thread(
         counting = checker._store = Counting(checker._store)
         if checker.ledger is not None:
             checker.ledger.store = counting
-    else:
+    elif design == "auto":
         consensus = StoreConsensus(client, rank=rank, namespace=namespace, world=args.ranks)
         counting = consensus._store = Counting(consensus._store)
+    else:
+        counting = Counting(client)
+    decisions = [
+        Decision(kernel=KERNEL, key=key, signature=SIGNATURE, source="table", arch=ARCH) for key in keys
+    ]
+    if design == "digest":
+        for decision in decisions:  # first use records and launches: no store request (checked)
+            checker.check(decision)
+        if counting.requests:
+            raise AssertionError(f"digest mode sent {counting.requests} requests before its flush")
     ready.release()
     go.wait()
     start = time.perf_counter()
-    if design in ("store", "digest"):
-        for key in keys:
+    if design == "store":
+        for decision in decisions:
             t0 = time.perf_counter()
-            checker.check(Decision(kernel=KERNEL, key=key, signature=SIGNATURE, source="table", arch=ARCH))
-            if design == "store":
-                latencies.append(time.perf_counter() - t0)
-        if design == "digest":
-            t0 = time.perf_counter()
-            checker.flush()  # what the first repeated launch after the new keys does
+            checker.check(decision)
             latencies.append(time.perf_counter() - t0)
-            checker.stop()  # close: the last flush, and the last rank reads every shard
-    else:
+    elif design == "digest":
+        t0 = time.perf_counter()
+        checker.flush()  # what the first repeated launch after the new keys does
+        latencies.append(time.perf_counter() - t0)
+        checker.stop()  # close: the last flush, and the last rank reads every shard
+    elif design == "auto":
         for key in keys:  # latency: the store time of a key (lookup, and publish after tuning)
             t0 = time.perf_counter()
             found = consensus.lookup(KERNEL, key, ARCH)
@@ -169,6 +178,8 @@ def _rank_thread(
                 consensus.publish(KERNEL, key, ARCH, CONFIG, SIGNATURE)
                 spent += time.perf_counter() - t1
             latencies.append(spent)
+    else:  # idle: connections open, no request (what merely holding them costs the server)
+        time.sleep(args.idle_s)
     out.append(
         {
             "rank": rank,
@@ -252,6 +263,7 @@ def measure(args: argparse.Namespace, server: Server, design: str, workload: str
         "requests_per_rank": requests / args.ranks,
         "server_cpu_s": server_s,
         "server_us_per_request": server_s / requests * 1e6 if requests else 0.0,
+        "server_cpu_per_wall_s": server_s / wall if wall else 0.0,
         "burst_wall_s": wall,
         "p50_ms": statistics.median(latencies) * 1e3 if latencies else 0.0,
         "max_ms": latencies[-1] * 1e3 if latencies else 0.0,
@@ -273,7 +285,13 @@ def main() -> int:
     parser.add_argument("--own", type=int, default=100, help="varlen: keys of each rank's own")
     parser.add_argument("--procs", type=int, default=16, help="worker processes holding the connections")
     parser.add_argument("--tune-ms", type=float, default=2.0, help="auto: simulated tuning time per miss")
-    parser.add_argument("--designs", nargs="+", default=["store", "digest", "auto"])
+    parser.add_argument("--idle-s", type=float, default=5.0, help="idle: how long the connections sit unused")
+    parser.add_argument(
+        "--designs",
+        nargs="+",
+        default=["idle", "store", "digest", "auto"],
+        choices=["idle", "store", "digest", "auto"],
+    )
     parser.add_argument("--workloads", nargs="+", default=["tp", "pp", "varlen"])
     parser.add_argument(
         "--smoke", action="store_true", help="16 ranks x 40 keys: a CI check of the code path"
@@ -286,7 +304,7 @@ def main() -> int:
     rows = []
     try:
         for design in args.designs:
-            for workload in args.workloads:
+            for workload in args.workloads if design != "idle" else ["tp"]:
                 row = measure(args, server, design, workload)
                 row["model_10k_server_s"] = model_10k(row)
                 rows.append(row)

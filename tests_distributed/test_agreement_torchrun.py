@@ -35,6 +35,15 @@ SCENARIOS = [
     "kernels_allgather_chaos",
     "kernels_off_deterministic",
     "kernels_off_chaos",
+    "kernels_digest_deterministic",
+    "kernels_digest_chaos",
+    "digest_tp",
+    "digest_pp",
+    "digest_varlen",
+    "digest_chaos",
+    "digest_chaos_strided",
+    "digest_chaos_pair",
+    "digest_silent_rank",
 ]
 GPU_SCENARIOS = ["cuda_graph_agree", "cuda_graph_chaos"]  # real CUDA graph capture
 MISSING_TIMEOUT_S = 2.0  # the allgather_missing scenario's agreement timeout
@@ -88,6 +97,11 @@ def _scenario(job: tuple[int, Results], name: str) -> list[dict[str, Any]]:
         "kernels_store_deterministic",
         "kernels_allgather_deterministic",
         "kernels_off_deterministic",
+        "kernels_digest_deterministic",
+        "digest_tp",
+        "digest_pp",
+        "digest_varlen",
+        "digest_silent_rank",
     ],
 )
 def test_agreeing_ranks_raise_nothing(job: tuple[int, Results], name: str) -> None:
@@ -129,6 +143,7 @@ def _named_ranks(message: str) -> set[int]:
         "kernels_store_chaos",
         "kernels_allgather_chaos",
         "kernels_off_chaos",
+        "kernels_digest_chaos",
         "capture_deferred",
     ],
 )
@@ -206,3 +221,55 @@ def test_first_use_inside_a_real_cuda_graph_capture_is_checked_after_it(job: tup
     assert all(row["pending"] == 1 and row["replay_ok"] for row in rows)  # nothing raised mid-capture
     assert len({row["message"] for row in rows}) == 1
     assert "Found by verify_agreement" in rows[0]["message"]
+
+
+def _raised(row: dict[str, Any]) -> str | None:
+    """What a digest scenario raised on this rank: at its flush/poll, else in verify_agreement."""
+    return row["error"] or row.get("verify_error")
+
+
+@pytest.mark.parametrize("name", ["digest_chaos", "digest_chaos_strided", "digest_chaos_pair"])
+def test_digest_mode_catches_chaos_on_every_rank(job: tuple[int, Results], name: str) -> None:
+    rows = _scenario(job, name)
+    assert [_raised(row) for row in rows] == ["DivergenceError"] * len(rows), rows
+    for row in rows:
+        message = row.get("message") or row.get("verify_message")
+        assert "synthetic.kernels" in message and "key" in message
+    if name == "digest_chaos":
+        # A rank whose batch differs from the flush's reference raises at that flush.
+        assert any(row["error"] == "DivergenceError" for row in rows)
+        assert any("digest check" in (row.get("message") or "") for row in rows)
+
+
+def test_digest_mode_sends_a_bounded_number_of_requests_per_rank(job: tuple[int, Results]) -> None:
+    for row in _scenario(job, "digest_tp"):
+        assert row["requests_before_flush"] == 0  # first use records and launches: no store request
+        assert row["requests"] <= 6, row  # add, reference, shard reads, texts: not 40 keys' worth
+        assert row["shared"] == 40
+
+
+def test_a_rank_that_never_launches_stalls_nobody_in_digest_mode(job: tuple[int, Results]) -> None:
+    rows = _scenario(job, "digest_silent_rank")
+    for row in rows[:-1]:
+        assert row["flush_s"] < 2.0, row
+    # Entries two ranks observed: all 40 once two ranks launch them, none with a single launcher.
+    assert [row["shared"] for row in rows] == [40 if len(rows) > 2 else 0] * len(rows)
+
+
+DIGEST_SCENARIOS = [name for name in SCENARIOS if name.startswith("digest_")]
+
+
+def test_digest_mode_at_8_ranks(tmp_path: Any) -> None:
+    """The synthetic digest scenarios (no kernel launches) at 8 gloo ranks, stage = rank % 2."""
+    if not gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    args = ["--out", str(tmp_path), "--scenarios", ",".join(DIGEST_SCENARIOS)]
+    done = run_torchrun(8, WORKERS / "agreement_worker.py", args, tmp_path, timeout_s=240)
+    results = read_results(tmp_path, 8)
+    assert done.returncode == 0 and len(results) == 8, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = {name: [results[r][name] for r in range(8)] for name in DIGEST_SCENARIOS}
+    for name in ("digest_tp", "digest_pp", "digest_varlen", "digest_silent_rank"):
+        assert [row["error"] or row.get("verify_error") for row in rows[name]] == [None] * 8, rows[name]
+    for name in ("digest_chaos", "digest_chaos_strided", "digest_chaos_pair"):
+        assert [_raised(row) for row in rows[name]] == ["DivergenceError"] * 8, rows[name]
+    assert all(row["requests"] <= 6 for row in rows["digest_tp"])

@@ -105,7 +105,7 @@ def test_identical_batches_are_sent_once_and_agree() -> None:
     # The first sender uploads (reference, texts, shards); the others: one add, one read of the
     # shard each rank reads (4 ranks, 4 shards), and the flag poll.
     assert counts[1:] == [3, 3, 3]
-    assert counts[0] == 3 + 2 + 4  # + the texts, the reference, and one append per shard (no reply)
+    assert counts[0] == 3 + 3 + 4  # + the reference claim, texts, reference, one append per shard
     for checker in ranks:
         checker.stop()
 

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from ..core.errors import ConsensusError
 from .job_cache import JobCacheView, reconcile
 from .storeops import BadRecord, decode_record, record_field, record_rank, request
+from .tier import NodeTier, start_tier
 from .wire import default_store, identity_digest
 
 logger = logging.getLogger(__name__)
@@ -56,6 +57,7 @@ class StoreConsensus:
         rank: int | None = None,
         namespace: str | None = None,
         world: int | None = None,
+        tier: NodeTier | None = None,
     ) -> None:
         base = store if store is not None else default_store()
         # Elastic restarts reuse the rendezvous store: a restarted job tunes afresh, but its cache
@@ -69,6 +71,8 @@ class StoreConsensus:
             world if world is not None else (dist.get_world_size() if dist.is_initialized() else None)
         )
         self.requests = 0
+        self.tier = tier
+        """The node tier (``tier.py``): lookups and publishes made once per node, not per rank."""
         self.cache_view: JobCacheView | None = None
         """Set by ``reconcile_cache``: how ``auto`` treats this rank's cache hits (``job_cache.py``)."""
 
@@ -103,9 +107,13 @@ class StoreConsensus:
         return published
 
     def _ask(self, kernel: str, key: str, purpose: str, name: str, value: str) -> Any:
-        self.requests += 1
         what = f"the auto {purpose} of kernel {kernel} with key {key}"
-        return request(what, lambda: self._store.compare_set(name, "", value), store=self._store)
+
+        def ask() -> Any:
+            self.requests += 1
+            return request(what, lambda: self._store.compare_set(name, "", value), store=self._store)
+
+        return ask() if self.tier is None else self.tier.once(f"{purpose}/{name}", ask)
 
     def _decode(self, raw: Any, kernel: str, key: str) -> Published:
         what = f"the decision published for kernel {kernel} with key {key}"
@@ -122,10 +130,13 @@ class StoreConsensus:
 
 
 def start_consensus() -> StoreConsensus | None:
-    """The job's consensus when a process group is up; ``None`` for a single process."""
+    """The job's consensus when a process group is up (with the node tier in large worlds, see
+    ``tier.py``); ``None`` for a single process."""
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    return StoreConsensus()
+    consensus = StoreConsensus()
+    consensus.tier = start_tier(consensus._store)
+    return consensus
 
 
 def _store_key(kernel: str, key: str, arch: str) -> str:

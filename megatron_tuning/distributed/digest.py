@@ -9,11 +9,11 @@ or when a batch reaches ``MAX_BATCH`` rows) it sends what it has:
 1. ``add("n/<batch digest>", 1)``. Ranks that decided exactly the same batch (tensor-parallel
    peers, data-parallel replicas) get a count above one and are done: their rows are the first
    sender's rows, and the first sender compares them.
-2. The first sender of a batch offers it as the *reference* of its flush number with one
-   ``compare_set("ref/<flush>", "", batch)``: the first batch of each flush number becomes the
-   reference, and every later sender gets it back in the same reply and compares its rows with it
-   locally (a row whose identity is in the reference with another signature is a divergence, found
-   at once). Its remaining rows (keys the reference does not have: other pipeline stages, a rank's
+2. The first sender of a batch claims the *reference* of its flush number
+   (``add("refn/<flush>", 1)``): the first batch of each flush number becomes the reference, and
+   every later sender fetches it (one reply) and compares its rows with it locally (a row whose
+   identity is in the reference with another signature is a divergence, found at once). Its
+   remaining rows (keys the reference does not have: other pipeline stages, a rank's
    own variable-length shapes) are appended to ``S`` identity-sharded logs (``append``: no reply).
    The reference's owner appends its whole batch there, so every row sent lives in exactly one
    shard log once.
@@ -21,8 +21,9 @@ or when a batch reaches ``MAX_BATCH`` rows) it sends what it has:
    close reads them all: any two rows with one identity and two signatures are a divergence.
 4. Every flush reads the job's divergence flag, so every rank raises the first divergence found.
 
-What crosses ranks is raw digests and, for error messages only, JSON text of the rows a rank sent
-(``t/<rank>/<flush>``, written before its rows can be seen). A divergence is noticed at the flush
+What crosses ranks is raw digests and, for error messages only, JSON text of the rows a rank
+made visible (``t/<rank>/<flush>``: the reference owner's whole batch, a later sender's rows the
+reference lacks), written before those rows can be seen. A divergence is noticed at the flush
 of the rank that differs from a reference, or at the next flush (or close) of the rank reading the
 shard the two rows fall in; ``verify_agreement`` always compares everything (``verify.py``).
 """
@@ -33,6 +34,7 @@ import hashlib
 import json
 import logging
 import struct
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -48,6 +50,8 @@ ROW = 2 * HALF  # identity digest (16 bytes), then signature digest (16 bytes)
 MAX_BATCH = 4096
 """Rows per flush at most: a longer burst of new keys flushes early (bounded values in the store)."""
 SHARDS = 16
+REFERENCE_WAIT_S = 30.0
+"""How long a sender waits for a reference its owner has claimed (the owner's next request sets it)."""
 _HEADER = struct.Struct("<III")  # rank, flush number, row count
 
 
@@ -135,16 +139,30 @@ class DigestLedger:
         self.pending.clear()
         if int(count) > 1:
             return  # an identical batch was sent first: its sender compares it
-        # Texts first: anyone who sees these rows may need them for an error message.
-        self.store.set(f"t/{self.rank}/{flush}", _texts_blob(self.texts, rows))
-        mine = pack_batch(self.rank, flush, rows)
-        raw = self._ask(what, "compare_set", f"ref/{flush}", "", mine)
-        reference = bytes(raw)
-        if reference == mine:
+        if int(self._ask(what, "add", f"refn/{flush}", 1)) == 1:
+            # This batch is the reference of its flush number. Texts first: whoever reads the
+            # reference may need them for an error message.
+            self.store.set(f"t/{self.rank}/{flush}", _texts_blob(self.texts, rows))
+            self.store.set(f"ref/{flush}", pack_batch(self.rank, flush, rows))
             residual = rows
         else:
+            reference = self._reference(flush, what)
             residual = self._against_reference(rows, reference, flush, what, on_conflict)
+            self.store.set(f"t/{self.rank}/{flush}", _texts_blob(self.texts, residual))
         self._append_to_shards(flush, residual)
+
+    def _reference(self, flush: int, what: str) -> bytes:
+        """The reference of ``flush``: its owner sets it with its very next request after claiming it."""
+        deadline = time.monotonic() + REFERENCE_WAIT_S
+        pause = 0.001
+        while True:
+            blob = bytes(self._ask(what, "compare_set", f"ref/{flush}", "", ""))
+            if blob:
+                return blob
+            if time.monotonic() > deadline:
+                raise BadRecord(what, f"no reference for flush #{flush} after {REFERENCE_WAIT_S:g} s")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.1)
 
     def _against_reference(
         self,

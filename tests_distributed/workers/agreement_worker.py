@@ -178,6 +178,77 @@ def capture_deferred(result: dict[str, Any]) -> None:
     result["shared"] = verify.verify_agreement()
 
 
+# --- digest mode: batched checks at flushes ------------------------------------------------------
+
+
+def _digest_plan(layout: str) -> list[tuple[str, str, str]]:
+    """(kernel, key, signature) per rank for a TP-, PP- or varlen-like job."""
+    if layout == "tp":
+        return [(MATMUL, f"M={n}", SIG) for n in range(40)]
+    if layout == "pp":  # stage = rank % 2: each stage its own keys, plus one kernel all stages run
+        stage = RANK % 2
+        return [(MATMUL, "shared", SIG)] + [(f"synthetic.kernels:stage_{stage}", f"n={n}", SIG) for n in range(20)]
+    # varlen: shared keys, keys of the rank's own, and keys each rank shares with one neighbour
+    shared = [(MATMUL, f"M={n}", SIG) for n in range(20)]
+    own = [(MATMUL, f"seqlen={1000 + 10 * RANK + n}", SIG) for n in range(3)]
+    pair = [(MATMUL, f"seqlen=pair{RANK // 2}", SIG)]
+    return shared + own + pair
+
+
+def _digest_run(result: dict[str, Any], layout: str, differ: Callable[[str], str] | None = None) -> None:
+    handle = agreement.start_agreement(_policy("digest"))
+    assert isinstance(handle, agreement.AgreementChecker) and handle.mode == "digest"
+    for kernel, key, signature in _digest_plan(layout):
+        _guarded(result, lambda k=kernel, y=key, s=signature: _record(k, y, differ(y) if differ else s))
+    result["requests_before_flush"] = handle.ledger.requests if handle.ledger else None
+    _guarded(result, handle.flush)  # what the first repeated launch does
+    result["requests"] = handle.ledger.requests if handle.ledger else None
+    dist.barrier()
+    _guarded(result, handle.poll)
+    _verify_into(result)
+
+
+def digest_tp(result: dict[str, Any]) -> None:
+    _digest_run(result, "tp")
+
+
+def digest_pp(result: dict[str, Any]) -> None:
+    _digest_run(result, "pp")
+
+
+def digest_varlen(result: dict[str, Any]) -> None:
+    _digest_run(result, "varlen")
+
+
+def digest_chaos(result: dict[str, Any]) -> None:
+    """Every rank launches its own config for one shared key: every rank must raise."""
+    _digest_run(result, "tp", lambda key: _chaos_signature() if key == "M=7" else SIG)
+
+
+def digest_chaos_strided(result: dict[str, Any]) -> None:
+    """Ranks two apart share keys (stage = rank % 2) and differ: caught with no consecutive pair."""
+    _digest_run(result, "pp", lambda key: f"BLOCK={RANK // 2}" if key.startswith("n=") else SIG)
+
+
+def digest_chaos_pair(result: dict[str, Any]) -> None:
+    """Two neighbours share a varlen key only they have, with different configs."""
+    _digest_run(result, "varlen", lambda key: _chaos_signature() if key.startswith("seqlen=pair") else SIG)
+
+
+def digest_silent_rank(result: dict[str, Any]) -> None:
+    """The last rank never launches anything: nobody waits for it, nothing is reported."""
+    handle = agreement.start_agreement(_policy("digest"))
+    assert isinstance(handle, agreement.AgreementChecker)
+    if RANK != WORLD - 1:
+        for kernel, key, signature in _digest_plan("tp"):
+            _guarded(result, lambda k=kernel, y=key, s=signature: _record(k, y, s))
+        start = time.monotonic()
+        _guarded(result, handle.flush)
+        result["flush_s"] = time.monotonic() - start
+    dist.barrier()
+    _verify_into(result)
+
+
 # --- unequal init calls: numbered sessions ------------------------------------------------------
 
 
@@ -282,10 +353,18 @@ def _kernel_run(result: dict[str, Any], mode: str, agreement_mode: str) -> None:
         for name, n in (("add", 64), ("scale", 64), ("add", 100)):
             _guarded(result, lambda k=name, size=n: _kernels.run(k, size, DEVICE))
             dist.barrier()  # same number of barriers on every rank, errors or not
+        if agreement_mode == "digest":
+            # The first repeated launch sends the batch; a rank that differs from the reference
+            # raises here, the others at their next check (the poll after the barrier).
+            _guarded(result, lambda: _kernels.run("add", 64, DEVICE))
+            dist.barrier()
+            checker = agreement.active_checker()
+            if checker is not None:
+                _guarded(result, checker.poll)
         if agreement_mode == "off" and result.get("error") is None:
             result["shared"] = verify.verify_agreement()
     finally:
-        handle.close()
+        _guarded(result, handle.close)
 
 
 def kernels_asymmetric(result: dict[str, Any]) -> None:
@@ -376,10 +455,17 @@ SCENARIOS: dict[str, Callable[[dict[str, Any]], None]] = {
     "session_extra_allgather": session_extra_allgather,
     "session_lagging_allgather": session_lagging_allgather,
     "session_equal_store": session_equal_store,
+    "digest_tp": digest_tp,
+    "digest_pp": digest_pp,
+    "digest_varlen": digest_varlen,
+    "digest_chaos": digest_chaos,
+    "digest_chaos_strided": digest_chaos_strided,
+    "digest_chaos_pair": digest_chaos_pair,
+    "digest_silent_rank": digest_silent_rank,
 }
 SCENARIOS["cuda_graph_agree"] = lambda result: _cuda_graph_run(result, "deterministic")
 SCENARIOS["cuda_graph_chaos"] = lambda result: _cuda_graph_run(result, "chaos")
-for _agreement_mode in ("store", "allgather", "off"):
+for _agreement_mode in ("store", "allgather", "digest", "off"):
     for _mode in ("deterministic", "chaos"):
         SCENARIOS[f"kernels_{_agreement_mode}_{_mode}"] = _kernel_scenario(_mode, _agreement_mode)
 
@@ -430,7 +516,11 @@ def main() -> int:
         finally:
             checker = agreement.active_checker()
             if checker is not None:
-                checker.stop()
+                try:
+                    checker.stop()  # digest mode's last flush may still find a divergence
+                except MegatronTuningError as error:
+                    if result.get("error") is None:
+                        _store_error(result, error)
         result["wall_s"] = round(time.monotonic() - start, 3)
         results[name] = result
         with open(path + ".tmp", "w") as handle:
