@@ -231,6 +231,10 @@ def _worker(
 
 
 def measure(args: argparse.Namespace, server: Server, design: str, workload: str) -> dict[str, Any]:
+    # Imported before forking, so each worker inherits torch instead of importing it again.
+    import megatron_tuning.distributed.agreement  # noqa: F401
+    import megatron_tuning.distributed.consensus  # noqa: F401
+
     ctx = mp.get_context("fork")
     barrier = ctx.Barrier(args.procs + 1)
     queue = ctx.Queue()
