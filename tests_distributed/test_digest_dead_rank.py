@@ -33,7 +33,9 @@ def _rank(port: int, rank: int, signature_of_shared: str, queue: Any) -> None:
     from megatron_tuning.distributed.agreement import AgreementChecker
 
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
-    checker = AgreementChecker(TuningPolicy(agreement="digest"), store=store, rank=rank, ranks=range(3), namespace="t")
+    checker = AgreementChecker(
+        TuningPolicy(agreement="digest"), store=store, rank=rank, ranks=range(3), namespace="t"
+    )
     for n in range(30):
         checker.check(Decision(kernel="pkg:matmul", key=f"M={n}", signature="BLOCK=64", source="table"))
     checker.check(Decision(kernel="pkg:matmul", key="shared", signature=signature_of_shared, source="table"))
@@ -44,6 +46,8 @@ def _rank(port: int, rank: int, signature_of_shared: str, queue: Any) -> None:
     outcome = "ok"
     try:
         checker.flush()
+        if rank == 0:  # it closes after rank 1 flushed: a rank that already closed is not told
+            time.sleep(1.0)
         checker.stop()
     except MegatronTuningError as error:
         outcome = f"{type(error).__name__}: {error}"
@@ -51,9 +55,13 @@ def _rank(port: int, rank: int, signature_of_shared: str, queue: Any) -> None:
 
 
 @pytest.mark.parametrize("second_rank_signature", ["BLOCK=64", "BLOCK=128"])
-def test_live_ranks_neither_wait_for_a_dead_one_nor_miss_their_own_divergence(second_rank_signature: str) -> None:
+def test_live_ranks_neither_wait_for_a_dead_one_nor_miss_their_own_divergence(
+    second_rank_signature: str,
+) -> None:
     port = _port()
-    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    server = dist.TCPStore(
+        "127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)
+    )
     ctx = mp.get_context("fork")  # children inherit the imports: no 10 s torch import each
     queue = ctx.Queue()
     signatures = ["BLOCK=64", second_rank_signature, "BLOCK=16"]
@@ -65,9 +73,10 @@ def test_live_ranks_neither_wait_for_a_dead_one_nor_miss_their_own_divergence(se
         p.join(timeout=30)
     assert procs[2].exitcode == -signal.SIGKILL
     assert [rank for rank, _, _ in outcomes] == [0, 1]
-    assert all(seconds < 5.0 for _, _, seconds in outcomes), outcomes
+    assert all(seconds < 6.0 for _, _, seconds in outcomes), outcomes
     if second_rank_signature == "BLOCK=64":
         assert [outcome for _, outcome, _ in outcomes] == ["ok", "ok"]
     else:
-        assert all(outcome.startswith("DivergenceError") and "key shared" in outcome for _, outcome, _ in outcomes)
+        raised = [outcome for _, outcome, _ in outcomes]
+        assert all(o.startswith("DivergenceError") and "key shared" in o for o in raised), raised
     del server

@@ -37,7 +37,8 @@ def _clean_env(monkeypatch):
 def test_defaults_in_code_and_from_env():
     assert TuningPolicy().mode == "deterministic"
     policy = TuningPolicy.from_env()
-    assert policy.mode == "off" and policy.on_miss == "nearest" and policy.agreement == "store"
+    # agreement unset: store up to 64 ranks, digest above (distributed.agreement.resolve_mode)
+    assert policy.mode == "off" and policy.on_miss == "nearest" and policy.agreement is None
     assert policy.cache is None  # auto mode then uses the per-user default
     assert TuningPolicy.from_env(default_mode="deterministic").mode == "deterministic"
 
@@ -84,7 +85,7 @@ def test_every_variable_is_read(monkeypatch, tmp_path):
     [
         ("MODE", "determinstic", "off|deterministic|chaos|record|tune"),
         ("ON_MISS", "fastest", "min_cost|error"),
-        ("AGREEMENT", "gossip", "store|allgather|off"),
+        ("AGREEMENT", "gossip", "store|allgather|digest|off"),
         ("STRICT", "maybe", "boolean"),
         ("AGREEMENT_TIMEOUT", "soon", "number"),
         ("AGREEMENT_TIMEOUT", "-1", "positive"),

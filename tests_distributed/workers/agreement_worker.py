@@ -187,7 +187,9 @@ def _digest_plan(layout: str) -> list[tuple[str, str, str]]:
         return [(MATMUL, f"M={n}", SIG) for n in range(40)]
     if layout == "pp":  # stage = rank % 2: each stage its own keys, plus one kernel all stages run
         stage = RANK % 2
-        return [(MATMUL, "shared", SIG)] + [(f"synthetic.kernels:stage_{stage}", f"n={n}", SIG) for n in range(20)]
+        return [(MATMUL, "shared", SIG)] + [
+            (f"synthetic.kernels:stage_{stage}", f"n={n}", SIG) for n in range(20)
+        ]
     # varlen: shared keys, keys of the rank's own, and keys each rank shares with one neighbour
     shared = [(MATMUL, f"M={n}", SIG) for n in range(20)]
     own = [(MATMUL, f"seqlen={1000 + 10 * RANK + n}", SIG) for n in range(3)]
