@@ -8,7 +8,10 @@ One real libuv ``TCPStore`` server runs in a process of its own; ``--procs`` wor
 ``--ranks`` client connections between them (one thread and one connection per simulated rank) and
 drive the library's own code against it: ``AgreementChecker`` in ``store`` (per key, at first use)
 and ``digest`` (batched) modes, and ``StoreConsensus`` for ``auto`` (lookup, simulated tuning,
-publish). Every rank starts at once (a burst, the worst case: a job's first step). Workloads:
+publish), alone and with the node tier (``auto-tier``: ``--node-size`` consecutive ranks share a
+node folder in /dev/shm, as one node's ranks do under torchrun). ``idle`` holds the connections
+open and sends nothing: the server's baseline. Every rank starts at once (a burst, the worst
+case: a job's first step). Workloads:
 
 * ``tp``: every rank decides the same keys (tensor/data parallel);
 * ``pp``: 4 pipeline stages (stage = rank % 4), each deciding keys of its own;
@@ -27,6 +30,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -128,6 +132,7 @@ def _rank_thread(
     from megatron_tuning.core.policy import TuningPolicy
     from megatron_tuning.distributed.agreement import AgreementChecker
     from megatron_tuning.distributed.consensus import StoreConsensus
+    from megatron_tuning.distributed.tier import NodeTier, node_folder
 
     client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=600), use_libuv=True)
     keys = plan(workload, rank, args.keys, args.own)
@@ -141,9 +146,13 @@ def _rank_thread(
         counting = checker._store = Counting(checker._store)
         if checker.ledger is not None:
             checker.ledger.store = counting
-    elif design == "auto":
+    elif design in ("auto", "auto-tier"):
         consensus = StoreConsensus(client, rank=rank, namespace=namespace, world=args.ranks)
         counting = consensus._store = Counting(consensus._store)
+        if design == "auto-tier":  # ranks // node_size share a node folder, as one node's ranks do
+            folder = node_folder(f"bench-scale-{os.getppid()}\n{namespace}\n{rank // args.node_size}")
+            assert folder is not None
+            consensus.tier = NodeTier(folder, rank=rank, owner=rank % args.node_size == 0)
     else:
         counting = Counting(client)
     decisions = [
@@ -167,7 +176,7 @@ def _rank_thread(
         checker.flush()  # what the first repeated launch after the new keys does
         latencies.append(time.perf_counter() - t0)
         checker.stop()  # close: the last flush, and the last rank reads every shard
-    elif design == "auto":
+    elif design in ("auto", "auto-tier"):
         for key in keys:  # latency: the store time of a key (lookup, and publish after tuning)
             t0 = time.perf_counter()
             found = consensus.lookup(KERNEL, key, ARCH)
@@ -236,9 +245,12 @@ def measure(args: argparse.Namespace, server: Server, design: str, workload: str
     import megatron_tuning.distributed.consensus  # noqa: F401
 
     ctx = mp.get_context("fork")
-    barrier = ctx.Barrier(args.procs + 1)
     queue = ctx.Queue()
-    chunks = [list(range(p, args.ranks, args.procs)) for p in range(args.procs)]
+    nodes = [
+        list(range(n, min(n + args.node_size, args.ranks))) for n in range(0, args.ranks, args.node_size)
+    ]
+    chunks = [[r for node in nodes[p :: args.procs] for r in node] for p in range(args.procs)]
+    barrier = ctx.Barrier(len(chunks) + 1)
     procs = [
         ctx.Process(target=_worker, args=(args, server.port, chunk, design, workload, barrier, queue))
         for chunk in chunks
@@ -252,6 +264,13 @@ def measure(args: argparse.Namespace, server: Server, design: str, workload: str
     cpu1, rss1 = server.cpu_s(), server.rss_mb()
     for p in procs:
         p.join()
+    if design == "auto-tier":  # the node folders the simulated nodes shared
+        from megatron_tuning.distributed.tier import node_folder
+
+        for n in range(len(nodes)):
+            folder = node_folder(f"bench-scale-{os.getpid()}\n{design}-{workload}\n{n}")
+            if folder is not None:
+                shutil.rmtree(folder, ignore_errors=True)
     errors = [r["error"] for r in results if "error" in r]
     if errors:
         raise RuntimeError(f"{len(errors)} simulated ranks failed, first: {errors[0]}")
@@ -289,12 +308,13 @@ def main() -> int:
     parser.add_argument("--own", type=int, default=100, help="varlen: keys of each rank's own")
     parser.add_argument("--procs", type=int, default=16, help="worker processes holding the connections")
     parser.add_argument("--tune-ms", type=float, default=2.0, help="auto: simulated tuning time per miss")
+    parser.add_argument("--node-size", type=int, default=8, help="auto-tier: simulated ranks per node")
     parser.add_argument("--idle-s", type=float, default=5.0, help="idle: how long the connections sit unused")
     parser.add_argument(
         "--designs",
         nargs="+",
-        default=["idle", "store", "digest", "auto"],
-        choices=["idle", "store", "digest", "auto"],
+        default=["idle", "store", "digest", "auto", "auto-tier"],
+        choices=["idle", "store", "digest", "auto", "auto-tier"],
     )
     parser.add_argument("--workloads", nargs="+", default=["tp", "pp", "varlen"])
     parser.add_argument(

@@ -231,6 +231,9 @@ def _raised(row: dict[str, Any]) -> str | None:
 @pytest.mark.parametrize("name", ["digest_chaos", "digest_chaos_strided", "digest_chaos_pair"])
 def test_digest_mode_catches_chaos_on_every_rank(job: tuple[int, Results], name: str) -> None:
     rows = _scenario(job, name)
+    if name == "digest_chaos_strided" and len(rows) < 4:  # one rank per stage: nothing shared differs
+        assert [_raised(row) for row in rows] == [None] * len(rows), rows
+        return
     assert [_raised(row) for row in rows] == ["DivergenceError"] * len(rows), rows
     for row in rows:
         message = row.get("message") or row.get("verify_message")

@@ -15,6 +15,7 @@ JSON, or names a rank outside the job, is a ``ConsensusError`` naming kernel, ke
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -65,6 +66,7 @@ class StoreConsensus:
         namespace = (
             namespace if namespace is not None else "r" + os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         )
+        self.namespace = namespace
         self._store = dist.PrefixStore(f"{_PREFIX}/{namespace}", base)
         self.rank = dist.get_rank() if rank is None else int(rank)
         self.world = (
@@ -113,7 +115,10 @@ class StoreConsensus:
             self.requests += 1
             return request(what, lambda: self._store.compare_set(name, "", value), store=self._store)
 
-        return ask() if self.tier is None else self.tier.once(f"{purpose}/{name}", ask)
+        if self.tier is None:
+            return ask()
+        # A cached "nothing published yet" is asked again once it is old; a publish's answer is final.
+        return self.tier.once(f"{purpose}/{name}", ask, reuse_empty=purpose != "lookup")
 
     def _decode(self, raw: Any, kernel: str, key: str) -> Published:
         what = f"the decision published for kernel {kernel} with key {key}"
@@ -135,7 +140,9 @@ def start_consensus() -> StoreConsensus | None:
     if not (dist.is_available() and dist.is_initialized()):
         return None
     consensus = StoreConsensus()
-    consensus.tier = start_tier(consensus._store)
+    consensus.tier = start_tier(consensus.namespace)
+    if consensus.tier is not None:
+        atexit.register(consensus.tier.close)
     return consensus
 
 

@@ -1,32 +1,36 @@
-"""A node-level tier for ``auto``: one small store per node, so the job's store sees a node, not 8 ranks.
+"""A node-level tier for ``auto``: one request to the job's store per node, not one per rank.
 
 At 10,000 ranks, one request per rank per new key is 10,000 requests per key on the one store
-server of the job (``benchmarks/bench_scale.py``). With the tier, the first rank of each node
-(``LOCAL_RANK`` 0) hosts a ``TCPStore`` on the loopback interface and advertises its port in the
-job's store. For each global request that every rank of a node would make alike (the lookup of a
-new key, the publish once its tuning is done), the first rank of the node to get there makes it
-and leaves the answer in the node's store; the node's other ranks read it there.
+server of the job (``benchmarks/bench_scale.py``). With the tier, the ranks of one node share a
+folder in node-local memory (``/dev/shm``, else the temp folder): for each global request that
+every rank of the node would make alike (the lookup of a new key, the publish once its tuning is
+done), the first rank to create the request's *claim* file (``O_CREAT | O_EXCL``, atomic) makes
+the request and writes the answer next to it (temp file + rename, atomic); the node's other ranks
+read the answer there. No server, no thread, no port: only local file system calls.
 
 Waiting is bounded and only ever for a node-mate's *single store request* (never for its tuning,
-which could sit behind a collective on its GPU stream): a rank that finds a node-mate's claim
-waits up to ``WAIT_S`` for the answer, then makes the request itself. The job's store stays the
+which could sit behind a collective on its GPU stream): a rank that finds a claim without an
+answer polls for up to ``WAIT_S``, then makes the request itself. The job's store stays the
 authority (first writer wins there), so a rank that goes around the tier is still correct, only
-costlier. Ranks start using the tier once its store is advertised; until then they go direct.
+costlier. An answer that says "nothing published yet" is reused for ``MISS_REUSE_S`` only, so a
+node-mate that arrives later looks again instead of tuning what another node already tuned.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import shutil
+import stat
+import tempfile
+import time
 from collections.abc import Callable
-from datetime import timedelta
+from pathlib import Path
 from typing import Any
-
-import torch.distributed as dist
 
 from ..core import env
 from ..core.errors import PolicyError
-from .storeops import decode_text, request, store_errors
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +39,7 @@ TIER_CHOICES = ("node", "off")
 TIER_ABOVE_RANKS = 64
 """Unset ``MEGATRON_TUNING_TIER``: the node tier is used in worlds larger than this."""
 WAIT_S = 10.0
-_TIMEOUT = timedelta(seconds=60)
+MISS_REUSE_S = 2.0
 
 
 def tier_wanted(world: int, local_world: int) -> bool:
@@ -48,80 +52,116 @@ def tier_wanted(world: int, local_world: int) -> bool:
     return choice == "node"
 
 
+def node_folder(job: str) -> Path | None:
+    """This user's folder for ``job`` in node-local memory, made private; ``None`` if impossible."""
+    base = Path("/dev/shm") if os.access("/dev/shm", os.W_OK | os.X_OK) else Path(tempfile.gettempdir())
+    name = "megatron_tuning-tier-" + hashlib.sha256(f"{os.getuid()}\n{job}".encode()).hexdigest()[:24]
+    folder = base / name
+    try:
+        folder.mkdir(mode=0o700, exist_ok=True)
+        info = os.lstat(folder)
+    except OSError as exc:
+        logger.warning("megatron_tuning: node tier off: cannot make %s (%s)", folder, exc)
+        return None
+    # Another user's folder, or a planted link, is never used: its answers could be anything.
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+        logger.warning("megatron_tuning: node tier off: %s is not this user's private folder", folder)
+        return None
+    return folder
+
+
 class NodeTier:
-    """This rank's view of its node's store (``node`` names the node, e.g. torchrun's GROUP_RANK)."""
+    """This rank's side of its node's shared folder (``folder`` from ``node_folder``)."""
 
-    def __init__(self, job_store: Any, node: str, local_rank: int, *, rank: int) -> None:
-        self._job = job_store
-        self.node = node
-        self.local_rank = local_rank
+    def __init__(self, folder: Path, *, rank: int, owner: bool = False) -> None:
+        self.folder = folder
         self.rank = rank
-        self._store: Any = None
-        self._server: Any = None
+        self.owner = owner
+        """Whether this rank removes the folder at ``close`` (the node's first rank)."""
         self.global_requests = 0
-        self._dead = False
-        if local_rank == 0:
-            self._server = dist.TCPStore(
-                "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=_TIMEOUT, use_libuv=True
-            )
-            self._store = self._server
-            request(
-                "the node tier's advertisement",
-                lambda: self._job.set(f"tier/{node}", str(self._server.port)),
-                store=self._job,
-            )
 
-    def store(self) -> Any:
-        """The node's store, or ``None`` while its first rank has not advertised it yet."""
-        if self._store is None and not self._dead:
-            name = f"tier/{self.node}"
-            if not request("the node tier's address", lambda: self._job.check([name]), store=self._job):
-                return None
-            port = int(decode_text(self._job.get(name), "the node tier's address"))
-            self._store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=_TIMEOUT, use_libuv=True)
-        return self._store
-
-    def once(self, name: str, ask: Callable[[], Any]) -> bytes:
+    def once(self, name: str, ask: Callable[[], Any], *, reuse_empty: bool = True) -> bytes:
         """``ask()`` (one request to the job's store) made once per node; every caller gets its answer.
 
-        A node store that fails (its host rank died) is dropped: this rank goes direct from then on.
+        ``reuse_empty=False``: an empty answer older than ``MISS_REUSE_S`` is asked again.
         """
+        stem = self.folder / hashlib.sha256(name.encode()).hexdigest()[:40]
+        value, claim = stem.with_suffix(".value"), stem.with_suffix(".claim")
         try:
-            node = self.store()
-            if node is None:
-                return self._direct(ask)
-            mine = str(self.rank)
-            claim = bytes(node.compare_set(f"c/{name}", "", mine)).decode("utf-8", "replace")
-            if claim == mine:
-                answer = self._direct(ask)
-                node.set(f"v/{name}", answer)
+            answer = _read_fresh(value, None if reuse_empty else MISS_REUSE_S)
+            if answer is not None:
                 return answer
             try:
-                node.wait([f"v/{name}"], timedelta(seconds=WAIT_S))
-            except store_errors():
-                logger.warning(
-                    "megatron_tuning: node tier: rank %s claimed %s but left no answer within %.0f s; "
-                    "asking the job's store directly",
-                    claim,
-                    name,
-                    WAIT_S,
-                )
+                os.close(os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o600))
+            except FileExistsError:
+                answer = _poll(value, WAIT_S)
+                if answer is not None and (answer or reuse_empty or _age(value) < MISS_REUSE_S):
+                    return answer
+                if answer is None:
+                    logger.warning(
+                        "megatron_tuning: node tier: a node-mate claimed %s but left no answer within "
+                        "%.0f s; asking the job's store directly",
+                        name,
+                        WAIT_S,
+                    )
                 return self._direct(ask)
-            return bytes(node.get(f"v/{name}"))
-        except store_errors() as exc:
-            if self._store is not None and self._store is not self._server:
-                logger.warning("megatron_tuning: node tier %s failed (%s); going direct", self.node, exc)
-                self._store = None
-                self._dead = True
+            answer = self._direct(ask)
+            _write(value, answer)
+            return answer
+        except OSError as exc:  # the folder went away (the node's first rank closed): go direct
+            logger.debug("node tier %s: %s; asking the job's store directly", self.folder, exc)
             return self._direct(ask)
 
     def _direct(self, ask: Callable[[], Any]) -> bytes:
         self.global_requests += 1
         return bytes(ask())
 
+    def close(self) -> None:
+        if self.owner:
+            shutil.rmtree(self.folder, ignore_errors=True)
 
-def start_tier(job_store: Any) -> NodeTier | None:
-    """The node tier for this rank when the job wants one (torchrun's LOCAL_* and GROUP_RANK)."""
+
+def _age(path: Path) -> float:
+    try:
+        return time.time() - os.stat(path).st_mtime
+    except OSError:
+        return float("inf")
+
+
+def _read_fresh(path: Path, max_empty_age: float | None) -> bytes | None:
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    if not data and max_empty_age is not None and _age(path) > max_empty_age:
+        return None  # an old "nothing published yet": look again
+    return data
+
+
+def _poll(path: Path, timeout_s: float) -> bytes | None:
+    deadline = time.monotonic() + timeout_s
+    pause = 0.0002
+    while True:
+        try:
+            return path.read_bytes()
+        except FileNotFoundError:
+            if time.monotonic() >= deadline:
+                return None
+        time.sleep(pause)
+        pause = min(pause * 2, 0.02)
+
+
+def _write(path: Path, data: bytes) -> None:
+    temp = path.with_suffix(f".{os.getpid()}.tmp")
+    with open(temp, "wb") as handle:
+        handle.write(data)
+    os.replace(temp, path)
+
+
+def start_tier(namespace: str) -> NodeTier | None:
+    """The node tier for this rank when the job wants one (torchrun's LOCAL_* variables)."""
+    import torch.distributed as dist
+
     try:
         world = dist.get_world_size()
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -130,8 +170,13 @@ def start_tier(job_store: Any) -> NodeTier | None:
         return None
     if not tier_wanted(world, local_world):
         return None
-    node = os.environ.get("GROUP_RANK") or str(dist.get_rank() // local_world)
-    return NodeTier(job_store, node, local_rank, rank=dist.get_rank())
+    run = os.environ.get("TORCHELASTIC_RUN_ID") or (
+        f"{os.environ.get('MASTER_ADDR', '')}:{os.environ.get('MASTER_PORT', '')}"
+    )
+    folder = node_folder(f"{run}\n{namespace}")
+    if folder is None:
+        return None
+    return NodeTier(folder, rank=dist.get_rank(), owner=local_rank == 0)
 
 
-__all__ = ["ENV_TIER", "NodeTier", "start_tier", "tier_wanted"]
+__all__ = ["ENV_TIER", "NodeTier", "node_folder", "start_tier", "tier_wanted"]
