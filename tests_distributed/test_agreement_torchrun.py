@@ -249,6 +249,17 @@ def test_digest_mode_sends_a_bounded_number_of_requests_per_rank(job: tuple[int,
         assert row["requests_before_flush"] == 0  # first use records and launches: no store request
         assert row["requests"] <= 6, row  # add, reference, shard reads, texts: not 40 keys' worth
         assert row["shared"] == 40
+        # Identical logs: verify_agreement sends one 32-byte header per rank, no rows at all.
+        assert row["verify_bytes"] == 32, row
+
+
+def test_verify_sends_rows_only_where_logs_differ(job: tuple[int, Results]) -> None:
+    """Pipeline stages: one representative per distinct log sends its rows, the others nothing."""
+    rows = _scenario(job, "digest_pp")
+    representatives = {0, 1}  # stage = rank % 2: ranks 0 and 1 stand for the two stages
+    for rank, row in enumerate(rows):
+        rows_sent = (row["verify_bytes"] - 32 - (16 + 8 * 24)) // 36  # header, summary, then rows
+        assert rows_sent == (21 if rank in representatives else 0), (rank, row["verify_bytes"])
 
 
 def test_a_rank_that_never_launches_stalls_nobody_in_digest_mode(job: tuple[int, Results]) -> None:

@@ -25,11 +25,15 @@ def add_key(n: int) -> str:
     return f"n={n} | x_ptr:torch.float32, y_ptr:torch.float32"
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"{n}ranks")
+@pytest.fixture(
+    scope="module", params=[(2, ""), (4, ""), (4, "node")], ids=lambda p: f"{p[0]}ranks{'-tier' if p[1] else ''}"
+)
 def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Two jobs (run 1 tunes, run 2 reads the cache); the ``-tier`` one routes auto's lookups and
+    publishes through the node tier (all 4 ranks on one node: one request per key to the store)."""
     if not gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
-    nproc = request.param
+    nproc, tier = request.param
     tmp = tmp_path_factory.mktemp(f"auto_{nproc}")
     cache = tmp / "cache" / "auto.msgpack"
     table = tmp / "rank0_table.msgpack"
@@ -50,6 +54,8 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
             ",".join(scenarios),
             "--table",
             str(table),
+            "--tier",
+            tier,
         ]
         done = run_torchrun(nproc, WORKERS / "auto_worker.py", args, tmp, timeout_s=240)
         results = read_results(folder, nproc)
@@ -104,11 +110,14 @@ def test_no_rank_waits_for_a_late_ranks_tuning(runs):
     assert all(r["kernel_s"] < 4.0 for r in results[:-1]), [r["kernel_s"] for r in results]
 
 
-def test_a_table_hit_that_disagrees_with_a_published_decision_is_a_divergence(runs):
+def test_a_rank_with_a_table_the_others_lack_is_named_at_init_on_every_rank(runs):
+    """Rank 0 alone has a table: its choices are not the others' pure function. Before the inputs
+    check this was a DivergenceError at the first key the table pinned; now every rank is told,
+    at init or at its next check, which input differs."""
     results = rows(runs, "run1", "table_vs_published")
     errors = {r["error"] for r in results}
-    assert errors == {"DivergenceError"}, [r.get("message") for r in results]
-    assert all("BLOCK=128" in r["message"] and add_key(501) in r["message"] for r in results)
+    assert errors == {"InputMismatchError"}, [r.get("message") for r in results]
+    assert all("tables:" in r["message"] and "rank 0:" in r["message"] for r in results)
 
 
 def test_the_cache_holds_every_tuned_key_and_run_two_measures_nothing(runs):

@@ -207,7 +207,35 @@ def _digest_run(result: dict[str, Any], layout: str, differ: Callable[[str], str
     result["requests"] = handle.ledger.requests if handle.ledger else None
     dist.barrier()
     _guarded(result, handle.poll)
-    _verify_into(result)
+    with _counting_collectives(result):
+        _verify_into(result)
+
+
+def _counting_collectives(result: dict[str, Any]) -> Any:
+    """Count the bytes verify_agreement sends through its collectives (result["verify_bytes"])."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def counting() -> Any:
+        originals = {name: getattr(verify, name) for name in ("all_gather_bytes", "all_to_all_bytes")}
+        result["verify_bytes"] = 0
+
+        def gather(data: bytes, group: Any) -> list[bytes]:
+            result["verify_bytes"] += len(data)
+            return originals["all_gather_bytes"](data, group)
+
+        def to_all(chunks: Any, group: Any) -> list[bytes]:
+            result["verify_bytes"] += sum(len(c) for c in chunks)
+            return originals["all_to_all_bytes"](chunks, group)
+
+        verify.all_gather_bytes, verify.all_to_all_bytes = gather, to_all  # type: ignore[assignment]
+        try:
+            yield
+        finally:
+            for name, original in originals.items():
+                setattr(verify, name, original)
+
+    return counting()
 
 
 def digest_tp(result: dict[str, Any]) -> None:

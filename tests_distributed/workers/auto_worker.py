@@ -65,7 +65,12 @@ def run_scenario(scenario: str, cache: str, tables: tuple[str, ...]) -> dict[str
     MEASURED.clear()
     result: dict[str, Any] = {"error": None}
     policy = TuningPolicy(mode="auto", cache=cache, tables=tables, use_shipped_tables=False)
-    handle = megatron_tuning.init_deterministic_tuning(policy)
+    handle = None
+    try:  # ranks started with other inputs (tables) are told here, at init
+        handle = megatron_tuning.init_deterministic_tuning(policy)
+    except MegatronTuningError as error:
+        result["error"] = type(error).__name__
+        result["message"] = str(error)
     from _kernels import run  # after the interception is installed: Triton 3.3 decorates lazily then
 
     try:
@@ -73,8 +78,9 @@ def run_scenario(scenario: str, cache: str, tables: tuple[str, ...]) -> dict[str
         time.sleep(delay(scenario))
         start = time.monotonic()
         try:
-            for n in sizes(scenario):
-                run("add", n)
+            if handle is not None:
+                for n in sizes(scenario):
+                    run("add", n)
         except MegatronTuningError as error:
             result["error"] = type(error).__name__
             result["message"] = str(error)
@@ -93,7 +99,13 @@ def run_scenario(scenario: str, cache: str, tables: tuple[str, ...]) -> dict[str
                 result["error"] = type(error).__name__
                 result["message"] = str(error)
     finally:
-        handle.close()
+        if handle is not None:
+            try:
+                handle.close()
+            except MegatronTuningError as error:
+                if result["error"] is None:
+                    result["error"] = type(error).__name__
+                    result["message"] = str(error)
     return result
 
 
@@ -105,7 +117,10 @@ def main() -> int:
     parser.add_argument("--scenarios", default=",".join(SCENARIOS[:-1]))
     parser.add_argument("--table", default="", help="rank 0's own table (table_vs_published)")
     parser.add_argument("--slow-s", type=float, default=SLOW_S, help="the slow rank's delay")
+    parser.add_argument("--tier", default="", help="MEGATRON_TUNING_TIER for this job (node: the node tier)")
     args = parser.parse_args()
+    if args.tier:
+        os.environ["MEGATRON_TUNING_TIER"] = args.tier
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     RANK, WORLD = dist.get_rank(), dist.get_world_size()
     SLOW_S = args.slow_s
