@@ -26,7 +26,9 @@ def add_key(n: int) -> str:
 
 
 @pytest.fixture(
-    scope="module", params=[(2, ""), (4, ""), (4, "node")], ids=lambda p: f"{p[0]}ranks{'-tier' if p[1] else ''}"
+    scope="module",
+    params=[(2, ""), (4, ""), (4, "node")],
+    ids=lambda p: f"{p[0]}ranks{'-tier' if p[1] else ''}",
 )
 def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Two jobs (run 1 tunes, run 2 reads the cache); the ``-tier`` one routes auto's lookups and

@@ -47,6 +47,7 @@ KNOWN_VARIABLES = frozenset(
         "MEGATRON_TUNING_TUNE_TIE_BAND",
         "MEGATRON_TUNING_TUNE_DIR",
         "MEGATRON_TUNING_LAUNCHER",  # set by `run`/`tune` for their job (commands/bootstrap.py)
+        "MEGATRON_TUNING_TIER",
     }
 )
 
