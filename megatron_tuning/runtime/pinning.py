@@ -101,8 +101,9 @@ class AutotunerState:
 
 
 flush_pending = False
-"""Set when the agreement layer holds decisions to send at the next repeated launch (``digest``
-mode); the launch hit path reads it, so it must stay a plain module-level bool."""
+"""Checked once on every pinned hit-path launch (``interception``'s ``run``), normally ``False``.
+Set by ``request_flush`` when the agreement layer holds decisions to send at the next repeated
+launch (``digest`` mode); it must stay a plain module-level bool."""
 _flush_callbacks: list[Callable[[], None]] = []
 _flush_lock = threading.Lock()
 
@@ -114,25 +115,6 @@ before_decision: list[Callable[[Installation], Installation]] = []
 """Called at each new (kernel, key) decision, never on a launch of a pinned key; may return a
 replacement installation, which becomes the active one. The session registers one while it waits
 for a process group created after it started (``session._LateAttach``)."""
-
-flush_pending: bool = False
-"""Checked once on every pinned hit-path launch (``interception``'s ``run``), normally ``False``.
-Set it (with ``flush_hook``) to run work at the first repeated launch after new keys, e.g. an
-agreement flush; ``run_pending_flush`` clears it before calling the hook."""
-flush_hook: Callable[[], None] | None = None
-_flush_lock = threading.Lock()
-
-
-def run_pending_flush() -> None:
-    """Clear ``flush_pending`` and call ``flush_hook`` once, however many threads saw the flag."""
-    global flush_pending
-    with _flush_lock:
-        if not flush_pending:
-            return
-        flush_pending = False
-        hook = flush_hook
-    if hook is not None:
-        hook()
 
 
 def request_flush(callback: Callable[[], None]) -> None:

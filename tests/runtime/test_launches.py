@@ -59,8 +59,8 @@ def launched(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
     decision_log().clear()
     yield blocks
     interception.uninstall()
+    pinning.run_pending_flush.__globals__["_flush_callbacks"].clear()
     pinning.flush_pending = False
-    pinning.flush_hook = None
 
 
 def _scale_add(n: int = 40, **kwargs: Any) -> None:
@@ -186,15 +186,18 @@ def test_best_config_follows_every_launch(launched):
 def test_the_flush_hook_runs_once_at_the_first_repeated_launch(launched):
     calls: list[int] = []
     interception.install(_policy())
-    pinning.flush_hook = lambda: calls.append(len(launched))
-    pinning.flush_pending = True
+
+    def hook() -> None:
+        calls.append(len(launched))
+
+    pinning.request_flush(hook)
     _scale_add(40)  # new keys: no repeat yet
     _scale_add(12)
     assert calls == []
     _scale_add(40)  # the first repeated launch runs the hook, before its own launch
     _scale_add(40)
     assert calls == [2] and pinning.flush_pending is False
-    pinning.flush_pending = True
+    pinning.request_flush(hook)
     x, y, out = torch.randn(12), torch.randn(12), torch.empty(12)
     sk.scale_add[grid(12)](x, y, out, n=12, alpha=1.0)  # a known key in a new call pattern: a repeat
     assert calls == [2, 4] and pinning.flush_pending is False
@@ -203,7 +206,8 @@ def test_the_flush_hook_runs_once_at_the_first_repeated_launch(launched):
 
 def test_without_a_pending_flush_the_hook_is_never_called(launched):
     interception.install(_policy())
-    pinning.flush_hook = lambda: pytest.fail("flush hook called with nothing pending")
+    pinning.request_flush(lambda: pytest.fail("flush hook called after it was cancelled"))
+    pinning.cancel_flush(pinning.run_pending_flush.__globals__["_flush_callbacks"][0])
     for n in (40, 40, 12, 12):
         _scale_add(n)
     assert launched == [8, 8, 8, 8]
