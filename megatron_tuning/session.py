@@ -146,9 +146,8 @@ def _init(policy: TuningPolicy | None, table: Any, group: Any) -> TuningHandle:
     cache = _open_cache(policy) if policy.mode == "auto" else None
     resolved_table = table if table is not None else _load_tables(policy, cache)
     measure = _make_measure(policy) if policy.mode in ("tune", "auto") else None
-    consensus = _start_consensus() if policy.mode == "auto" else None
-    if consensus is not None and cache is not None and table is None:
-        consensus.reconcile_cache(cache.path, cache.table)  # nodes' caches differ: one job cache
+    job_cache = cache if table is None else None  # an explicit table replaces the cache's say
+    consensus = _start_consensus(job_cache) if policy.mode == "auto" else None
     chaos = _start_chaos(group) if policy.mode == "chaos" else None
     interception.install(policy, table=resolved_table, measure=measure, consensus=consensus, chaos=chaos)
     try:
@@ -158,7 +157,7 @@ def _init(policy: TuningPolicy | None, table: Any, group: Any) -> TuningHandle:
         raise
     handle = TuningHandle(policy, resolved_table, agreement, cache)
     if _needs_group(policy) and not _group_exists():
-        handle._late = _LateAttach(handle, group)
+        handle._late = _LateAttach(handle, group, job_cache)
     with _active_lock:
         _active = handle
     files = getattr(resolved_table, "files", None)
@@ -210,10 +209,15 @@ def _open_cache(policy: TuningPolicy) -> Any:
     return open_cache(policy, arch_tag())
 
 
-def _start_consensus() -> Any:
+def _start_consensus(job_cache: Any) -> Any:
+    """``auto``'s consensus once a group is up; nodes' caches differ, so the job first settles on
+    one cache (``job_cache.reconcile``) unless an explicit table was given (``job_cache`` None)."""
     from .distributed.consensus import start_consensus
 
-    return start_consensus()
+    consensus = start_consensus()
+    if consensus is not None and job_cache is not None:
+        consensus.reconcile_cache(job_cache.path, job_cache.table)
+    return consensus
 
 
 def _start_chaos(group: Any) -> Any:
@@ -263,9 +267,10 @@ class _LateAttach:
     this session made before, and unregisters itself.
     """
 
-    def __init__(self, handle: TuningHandle, group: Any) -> None:
+    def __init__(self, handle: TuningHandle, group: Any, job_cache: Any) -> None:
         self.handle = handle
         self.group = group
+        self.job_cache = job_cache
         self.first_decision = len(get_decisions())  # the log is per process: ours start here
         self.attached = False
         self._lock = threading.Lock()
@@ -289,8 +294,8 @@ class _LateAttach:
             self.cancel()
             policy = self.handle.policy
             if policy.mode == "auto" and installation.consensus is None:
-                installation = dataclasses.replace(installation, consensus=_start_consensus())
-            agreement = _start_agreement(policy, self.group)
+                installation = dataclasses.replace(installation, consensus=_start_consensus(self.job_cache))
+            agreement = _start_agreement(policy, self.group, self.handle.table)
             self.handle._agreement = agreement
             earlier = get_decisions()[self.first_decision :]
             logger.info(

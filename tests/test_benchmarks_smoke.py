@@ -189,3 +189,16 @@ def test_run_gpu_issue18_stages_in_one_call(tmp_path: Path) -> None:
     assert all(
         r["nearest_entry"].startswith("M=") and r["single_nearest_entry"].startswith("M=") for r in rows
     )
+
+
+def test_scale_smoke_drives_every_design_against_one_store(tmp_path: Path) -> None:
+    """bench_scale.py --smoke: 16 simulated ranks x 40 keys on one TCPStore server."""
+    result = _smoke("bench_scale.py", tmp_path)
+    rows = {(r["design"], r["workload"]): r for r in result["rows"]}
+    assert {design for design, _ in rows} == {"idle", "store", "digest", "auto", "auto-tier"}
+    assert rows["idle", "tp"]["requests"] == 0
+    for workload in ("tp", "pp", "varlen"):
+        # store sends per key; digest per flush: fewer than a tenth of store's requests at 40 keys
+        assert rows["digest", workload]["requests"] * 10 < rows["store", workload]["requests"]
+        assert rows["digest", workload]["requests_per_rank"] < 12
+    assert rows["auto-tier", "tp"]["requests"] * 3 < rows["auto", "tp"]["requests"]

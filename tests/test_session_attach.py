@@ -56,8 +56,8 @@ def _spy_on_checks(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     checked: list[str] = []
     real = session._start_agreement
 
-    def start(policy: Any, group: Any) -> Any:
-        handle = real(policy, group)
+    def start(policy: Any, group: Any, table: Any) -> Any:
+        handle = real(policy, group, table)
         original = getattr(handle, "check", None)
         if original is None:  # no group yet: nothing to check with
             return handle

@@ -39,7 +39,7 @@ TIER_CHOICES = ("node", "off")
 TIER_ABOVE_RANKS = 64
 """Unset ``MEGATRON_TUNING_TIER``: the node tier is used in worlds larger than this."""
 WAIT_S = 10.0
-MISS_REUSE_S = 2.0
+MISS_REUSE_S = 0.25  # the burst of node-mates asking together; a later arrival asks again
 
 
 def tier_wanted(world: int, local_world: int) -> bool:

@@ -95,9 +95,10 @@ def auto_choice(
     if consensus is None:
         return Choice(config, "tuned"), timings
     winner = consensus.publish(kernel, key, arch, config_data(config), config_signature(config))
-    if winner.signature == config_signature(config):  # ours, or an identical pick: launch it as tuned
+    if winner.rank == consensus.rank and winner.signature == config_signature(config):
         return Choice(config, "tuned"), timings
-    # Another rank published first: launch its config, keep our measurement for the record.
+    # Another rank published first (maybe the same config): launch its config, keep our
+    # measurement for the record. A record naming this rank with another config is adopted too.
     return _adopt(winner, candidates, kernel, key, consensus.rank), timings
 
 
