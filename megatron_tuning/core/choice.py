@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 ON_MISS_CHOICES = ("nearest", "min_cost", "error")
 
-# What the cheapest-config rule costs, measured (benchmarks/RESULTS.md, README "Results"): quoted in
+# What the cheapest-config rule costs, measured (benchmarks/RESULTS.md, docs/results.md): quoted in
 # the fallback notice so a user can weigh it against tuning.
 CHEAPEST_COST = "on an H200 the cheapest-config rule ran large GEMMs at 12-14% of the best config's speed"
 FIX_A_MISS = (
