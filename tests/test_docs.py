@@ -1,0 +1,207 @@
+"""README.md and docs/*.md: every relative link resolves, every documented command parses.
+
+The README is the front door and `docs/` the reference (STYLE.md 13); a page moved or a heading
+renamed breaks a link, and an option renamed in code breaks a documented command: both fail here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from megatron_tuning import cli
+
+REPO = Path(__file__).resolve().parent.parent
+DOCS = sorted((REPO / "docs").glob("*.md"))
+PAGES = [REPO / "README.md", REPO / "configs" / "README.md", *DOCS]
+
+_FENCE = re.compile(r"^[ \t]*```[^\n]*\n(.*?)^[ \t]*```", re.S | re.M)
+_INLINE_CODE = re.compile(r"`([^`]+)`")
+_LINK = re.compile(r"\]\(([^)\s]+)\)")
+_URL_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:")
+# A command line: optional VAR=value prefixes, then the module's command.
+_COMMAND = re.compile(r"^\s*(?:[A-Z_][A-Z0-9_]*=\S*\s+)*python -m megatron_tuning\b")
+
+
+def _prose(text: str) -> str:
+    """The text outside fenced code blocks."""
+    return _FENCE.sub("", text)
+
+
+def heading_anchors(text: str) -> set[str]:
+    """The anchors GitHub gives the headings of a markdown text (duplicates get -1, -2, ...)."""
+    anchors: set[str] = set()
+    for line in _prose(text).splitlines():
+        match = re.match(r"#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if not match:
+            continue
+        title = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", match.group(1))  # a link keeps its text
+        slug = re.sub(r"[^\w\- ]", "", title.lower()).replace(" ", "-")
+        anchor, n = slug, 0
+        while anchor in anchors:
+            n += 1
+            anchor = f"{slug}-{n}"
+        anchors.add(anchor)
+    return anchors
+
+
+def broken_links(page: Path) -> list[str]:
+    """One line per relative link of ``page`` whose file, or heading, does not exist."""
+    prose = _INLINE_CODE.sub("", _prose(page.read_text(encoding="utf-8")))
+    problems = []
+    for target in _LINK.findall(prose):
+        if _URL_SCHEME.match(target):
+            continue  # https:, mailto: are not files of this repository
+        path, _, anchor = target.partition("#")
+        dest = (page.parent / path).resolve() if path else page
+        if not dest.exists():
+            problems.append(f"{page.name}: link {target!r}: {dest} does not exist")
+        elif (
+            anchor
+            and dest.suffix == ".md"
+            and anchor not in heading_anchors(dest.read_text(encoding="utf-8"))
+        ):
+            problems.append(
+                f"{page.name}: link {target!r}: no heading of {dest.name} has the anchor #{anchor}"
+            )
+    return problems
+
+
+def _command_words(line: str) -> list[list[str]]:
+    """The argv lists one documented command line stands for.
+
+    ``[--opt value]`` is an optional part: it is kept, so it is checked too. A bracket that holds no
+    option (``[policy options]``) is a placeholder and is dropped. ``a / b`` lists alternatives.
+    """
+    line = re.sub(r"\[([^\]]*)\]", lambda m: m.group(1) if m.group(1).lstrip().startswith("-") else "", line)
+    words = shlex.split(line, comments=True)
+    while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", words[0]):
+        words.pop(0)
+    assert words[:3] == ["python", "-m", "megatron_tuning"], line
+    alternatives: list[list[str]] = [[]]
+    for word in words[3:]:
+        if word == "/":
+            alternatives.append([])
+        else:
+            alternatives[-1].append(word)
+    return alternatives
+
+
+def documented_commands(text: str) -> list[list[str]]:
+    """Every ``python -m megatron_tuning ...`` of a markdown text, in code blocks and inline code."""
+    lines = []
+    for block in _FENCE.findall(text):
+        lines += [line for line in block.replace("\\\n", " ").splitlines() if _COMMAND.match(line)]
+    for span in _INLINE_CODE.findall(_prose(text)):
+        span = " ".join(span.split())  # an inline span may wrap onto the next line
+        if _COMMAND.match(span):
+            lines.append(span)
+    return [words for line in lines for words in _command_words(line)]
+
+
+def _is_command(name: str) -> bool:
+    """``python -m megatron_tuning NAME --help`` exits 0: NAME is a command."""
+    sink = io.StringIO()
+    with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink), pytest.raises(SystemExit) as exc:
+        cli.build_parser([name]).parse_args([name, "--help"])
+    return exc.value.code == 0
+
+
+# -- the checks themselves: they fire, and stay quiet --------------------------------------------
+
+
+def test_a_broken_link_or_anchor_is_named(tmp_path):
+    (tmp_path / "other.md").write_text("# Other page\n\n## Keys and identity\n", encoding="utf-8")
+    page = tmp_path / "page.md"
+    page.write_text(
+        "# Page\n\n[ok](other.md) [ok](other.md#keys-and-identity) [ok](#page) [web](https://x.org/a)\n"
+        "[gone](missing.md) [bad heading](other.md#keys) `[in code](nowhere.md)`\n"
+        "```\n[in a block](nowhere.md)\n```\n",
+        encoding="utf-8",
+    )
+    problems = broken_links(page)
+    assert len(problems) == 2, problems
+    assert "link 'missing.md'" in problems[0] and "does not exist" in problems[0]
+    assert (
+        "link 'other.md#keys'" in problems[1] and "no heading of other.md has the anchor #keys" in problems[1]
+    )
+
+
+def test_heading_anchors_follow_github():
+    text = "# A `b.c` (d, e)\n## Record → merge → pin\n## Same\n## Same\n```\n# not a heading\n```\n"
+    assert heading_anchors(text) == {"a-bc-d-e", "record--merge--pin", "same", "same-1"}
+
+
+def test_commands_are_found_in_blocks_and_inline_code():
+    text = (
+        "Run `python -m megatron_tuning show t.msgpack`, or `python -m megatron_tuning\nexport t.msgpack`.\n"
+        "```bash\n"
+        "MT_X=1 python -m megatron_tuning run [--mode auto] [policy options] -- x.py # c\n"
+        "python -m megatron_tuning enable / disable\n"
+        "python -m megatron_tuning validate a.msgpack \\\n    --arch sm90\n"
+        "torchrun train.py\n"
+        "```\n"
+    )
+    assert documented_commands(text) == [
+        ["run", "--mode", "auto", "--", "x.py"],
+        ["enable"],
+        ["disable"],
+        ["validate", "a.msgpack", "--arch", "sm90"],
+        ["show", "t.msgpack"],
+        ["export", "t.msgpack"],
+    ]
+
+
+def test_a_renamed_option_or_command_would_fail():
+    with pytest.raises(SystemExit), contextlib.redirect_stderr(io.StringIO()):
+        cli.build_parser(["show"]).parse_args(["show", "t.msgpack", "--no-such-option"])
+    assert _is_command("export") and not _is_command("exports")
+
+
+# -- the real pages ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(REPO)))
+def test_every_relative_link_resolves(page: Path) -> None:
+    problems = broken_links(page)
+    assert not problems, "\n".join(problems)
+
+
+def test_the_readme_links_every_docs_page() -> None:
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    linked = {(REPO / target.partition("#")[0]).resolve() for target in _LINK.findall(_prose(readme))}
+    assert [p.name for p in DOCS if p.resolve() not in linked] == []
+    assert len(DOCS) >= 10
+
+
+def _all_commands() -> list[tuple[str, list[str]]]:
+    return [
+        (str(page.relative_to(REPO)), words)
+        for page in PAGES
+        for words in documented_commands(page.read_text(encoding="utf-8"))
+    ]
+
+
+def test_the_pages_show_commands() -> None:
+    commands = _all_commands()
+    assert len(commands) >= 40
+    assert {words[0] for _, words in commands} >= {
+        "show", "export", "import", "diff", "merge", "validate", "coverage", "selftest", "cache",
+        "run", "enable", "disable", "tune",
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("page", "argv"), _all_commands(), ids=lambda v: v if isinstance(v, str) else " ".join(v)
+)
+def test_every_documented_command_parses(page: str, argv: list[str]) -> None:
+    if len(argv) == 1:  # a bare name: prose may name a command and leave its arguments out
+        assert _is_command(argv[0]), f"{page}: {argv[0]!r} is not a command"
+        return
+    args = cli.build_parser(argv).parse_args(argv)
+    assert args.command == argv[0] and args.handler is not None, f"{page}: {argv}"
