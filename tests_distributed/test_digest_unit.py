@@ -287,3 +287,34 @@ def test_inputs_compare_table_files_by_content(tmp_path: Any) -> None:
     assert first == second  # another path on another node, same content
     (b / "t.msgpack").write_bytes(b"other bytes")
     assert describe_inputs(TuningPolicy(tables=(str(b / "t.msgpack"),)))["tables"] != first["tables"]
+
+
+def test_a_slow_store_request_is_told_once_per_kind_with_the_fix_its_caller_knows(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import warnings
+
+    from megatron_tuning.core import warn
+    from megatron_tuning.distributed import storeops
+
+    def told(calls: Any) -> list[str]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            calls()
+        return [str(w.message) for w in caught if issubclass(w.category, warn.TuningWarning)]
+
+    warn.reset_warnings()
+    monkeypatch.setattr(storeops, "SLOW_REQUEST_S", -1.0)  # every request counts as slow
+
+    def three() -> None:
+        storeops.request("the digest flush #1 of rank 3 (5 new decisions)", lambda: 1)
+        storeops.request("the digest flush #2 of rank 3 (1 new decisions)", lambda: 1)  # same kind
+        storeops.request("the store check of kernel k with key n=1", lambda: 1, hint="use agreement 'digest'")
+
+    first = told(three)
+    assert len(first) == 2, first
+    assert "digest flush #1 of rank 3" in first[0] and "'digest'" not in first[0]
+    assert "kernel k with key n=1" in first[1] and "; use agreement 'digest'" in first[1]
+    warn.reset_warnings()
+    monkeypatch.setattr(storeops, "SLOW_REQUEST_S", 60.0)
+    assert told(lambda: storeops.request("the digest flush #3 of rank 3", lambda: 1)) == []

@@ -156,6 +156,9 @@ def start_agreement(
     return checker
 
 
+STORE_MODE_HINT = "with many ranks use agreement 'digest' (one request per flush instead of two per key)"
+
+
 def resolve_mode(policy: Any, group: Any = None) -> str:
     """The agreement mode ``policy`` asks for; unset means ``store`` for small worlds, else ``digest``."""
     mode = getattr(policy, "agreement", None)
@@ -353,7 +356,7 @@ class AgreementChecker:
         # Atomic claim: on an absent key this sets ours; otherwise it returns the first claim.
         what = f"the store check of kernel {d.kernel} with key {d.key}"
         name = "k/" + identity_digest(d.kernel, d.key, d.arch).hex()
-        claim = request(what, lambda: self._store.compare_set(name, "", mine))
+        claim = request(what, lambda: self._store.compare_set(name, "", mine), hint=STORE_MODE_HINT)
         try:
             claim_text = decode_text(claim, what)
             first, _, first_signature = claim_text.partition("\n")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -50,8 +51,12 @@ def store_errors() -> tuple[type[BaseException], ...]:
     return (getattr(dist, "DistError", RuntimeError), RuntimeError, ConnectionError, TimeoutError)
 
 
-def request(what: str, call: Callable[[], T], *, store: Any = None) -> T:
-    """Run one store request for ``what`` (e.g. "the store check of kernel K with key Y")."""
+def request(what: str, call: Callable[[], T], *, store: Any = None, hint: str = "") -> T:
+    """Run one store request for ``what`` (e.g. "the store check of kernel K with key Y").
+
+    A request slower than ``SLOW_REQUEST_S`` gets one notice per kind of request (``what`` with
+    its numbers taken out); ``hint`` is the fix it suggests, where the caller knows one.
+    """
     start = time.monotonic()
     try:
         result = call()
@@ -60,13 +65,13 @@ def request(what: str, call: Callable[[], T], *, store: Any = None) -> T:
     elapsed = time.monotonic() - start
     if elapsed > SLOW_REQUEST_S:
         warn_once(
-            ("slow-store", what.split(" of ", 1)[0]),
+            ("slow-store", re.sub(r"[#\d]+", "", what.split(" of ", 1)[0])),
             "megatron_tuning: a request to the job's store (%s) for %s took %.1f s. The store host "
-            "may be overloaded or paused; with many ranks use agreement 'digest' (one request per "
-            "flush instead of per key).",
+            "may be overloaded or paused%s.",
             _address(store),
             what,
             elapsed,
+            f"; {hint}" if hint else "",
         )
     return result
 
