@@ -13,7 +13,7 @@ from setuptools import find_packages, setup
 HERE = Path(__file__).resolve().parent
 README = HERE / "README.md"
 
-TEST_REQUIRES = ["pytest>=7", "hypothesis", "pytest-timeout", "import-linter>=2.1"]
+TEST_REQUIRES = ["pytest>=7", "hypothesis", "pytest-timeout", "pytest-xdist>=3.5", "import-linter>=2.1"]
 
 packages = find_packages(include=["megatron_tuning", "megatron_tuning.*"])
 package_dir: dict[str, str] = {}

@@ -294,9 +294,30 @@ def measure(args: argparse.Namespace, server: Server, design: str, workload: str
     }
 
 
-def model_10k(row: dict[str, Any], ranks: int = 10_000) -> float:
-    """Server seconds at ``ranks``: requests scale with ranks at the measured cost per request."""
-    return row["requests_per_rank"] * ranks * row["server_us_per_request"] / 1e6
+def model_10k(row: dict[str, Any], ranks: int = 10_000, us_per_request: float | None = None) -> float:
+    """Server seconds at ``ranks``: requests scale with ranks at the measured cost per request
+    (the burst's own, unless ``us_per_request`` gives another)."""
+    cost = row["server_us_per_request"] if us_per_request is None else us_per_request
+    return row["requests_per_rank"] * ranks * cost / 1e6
+
+
+def calibrate(server: Server, requests: int) -> float:
+    """Server CPU µs per request with one client sending ``requests`` one after another: the cost
+    on a server core of its own (the bursts share 2 cores with 16 client processes). The mix is
+    the designs': ``add`` on a counter, ``compare_set`` on a missing key and on a 200-byte value."""
+    import torch.distributed as dist
+
+    client = dist.TCPStore(
+        "127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=60), use_libuv=True
+    )
+    client.set("calibrate/value", "x" * 200)
+    third = max(1, requests // 3)
+    before = server.cpu_s()
+    for i in range(third):
+        client.add("calibrate/count", 1)
+        client.compare_set(f"calibrate/missing/{i}", "", "")
+        client.compare_set("calibrate/value", "", "")
+    return (server.cpu_s() - before) / (3 * third) * 1e6
 
 
 def main() -> int:
@@ -327,10 +348,13 @@ def main() -> int:
     server = Server()
     rows = []
     try:
+        dedicated_us = calibrate(server, 600 if args.smoke else 30_000)
+        print(f"server CPU per request, one client at a time: {dedicated_us:.1f} us", flush=True)
         for design in args.designs:
             for workload in args.workloads if design != "idle" else ["tp"]:
                 row = measure(args, server, design, workload)
                 row["model_10k_server_s"] = model_10k(row)
+                row["model_10k_dedicated_server_s"] = model_10k(row, us_per_request=dedicated_us)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     finally:
@@ -347,6 +371,7 @@ def main() -> int:
         "max ms",
         "rss MB",
         "10k model s",
+        "10k, own core",
     ]
     table = [
         [
@@ -361,6 +386,7 @@ def main() -> int:
             f"{r['max_ms']:.1f}",
             f"{r['server_rss_growth_mb']:.1f}",
             f"{r['model_10k_server_s']:.2f}",
+            f"{r['model_10k_dedicated_server_s']:.2f}",
         ]
         for r in rows
     ]
@@ -368,7 +394,19 @@ def main() -> int:
         f"\n{args.ranks} simulated ranks x {args.keys} new keys ({args.procs} processes, one TCPStore server)"
     )
     common.print_table(headers, table)
-    common.write_json(args.out, {"environment": common.environment(), "args": vars(args), "rows": rows})
+    print(
+        f"10k model s: requests per rank x 10,000 x the burst's server us per request; 10k, own core: "
+        f"x {dedicated_us:.1f} us (one client at a time)"
+    )
+    common.write_json(
+        args.out,
+        {
+            "environment": common.environment(),
+            "args": vars(args),
+            "dedicated_server_us_per_request": dedicated_us,
+            "rows": rows,
+        },
+    )
     return 0
 
 

@@ -5,6 +5,7 @@
 #   scripts/test.sh -k matmul -x           # extra arguments go to pytest
 #   scripts/test.sh tests/test_kernels.py  # explicit paths replace the default test folders
 #   MT_TRITON_VERSIONS=3.9.0 scripts/test.sh   # only one Triton release
+#   MT_TEST_WORKERS=0 scripts/test.sh          # one pytest process (default: one per CPU core, at most 4)
 #
 # Venvs live in .venv/triton<MAJOR><MINOR> and are reused when their pins still match. Tests run
 # in Triton's interpreter (TRITON_INTERPRET=1), so no GPU is needed. The script fails if any
@@ -25,6 +26,17 @@ if ((${#versions[@]} == 0)); then
   exit 2
 fi
 # Without explicit paths pytest runs its configured testpaths (tests/ and tests_distributed/).
+
+# pytest-xdist: one worker per core (at most 4), whole files per worker (--dist loadfile), so a
+# module's expensive fixture (a torchrun job shared by its tests) runs once. Many tests wait on
+# subprocesses (torchrun jobs, the CLI), so two workers on two cores roughly halve the wall time.
+workers="${MT_TEST_WORKERS:-$(python3 -c 'import os; print(min(4, len(os.sched_getaffinity(0))))' 2>/dev/null || echo 2)}"
+if ! [[ "$workers" =~ ^[0-9]+$ ]]; then
+  mt_log "error: MT_TEST_WORKERS must be a whole number (0 = no worker processes), not '$workers'"
+  exit 2
+fi
+parallel=()
+((workers > 0)) && parallel=(-n "$workers" --dist loadfile)
 
 export TRITON_INTERPRET=1
 # Keep the interpreter single-threaded per process: CI machines are small and tests use subprocesses.
@@ -50,7 +62,7 @@ for triton in "${versions[@]}"; do
   mt_log "triton $triton: python -m pytest $*"
   start=$SECONDS
   set +e
-  "$python" -m pytest "$@" 2>&1 | tee "$log"
+  "$python" -m pytest "${parallel[@]}" "$@" 2>&1 | tee "$log"
   rc=${PIPESTATUS[0]}
   set -e
   elapsed=$((SECONDS - start))

@@ -119,3 +119,31 @@ def test_asking_for_the_tier_with_one_rank_per_node_is_an_error(monkeypatch: pyt
     monkeypatch.setenv(tier.ENV_TIER, "nodes")
     with pytest.raises(PolicyError, match="node|off"):
         tier_wanted(64, 8)
+
+
+def test_after_the_reuse_window_one_node_mate_per_round_asks_again(
+    folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tier, "MISS_REUSE_S", 0.2)
+    ranks = [NodeTier(folder, rank=r) for r in range(8)]
+    assert ranks[0].once("lookup/k", lambda: b"", reuse_empty=False) == b""
+    time.sleep(0.25)  # the miss is stale now: the next round asks once for the whole node
+    calls: list[int] = []
+
+    def ask() -> bytes:
+        calls.append(1)
+        time.sleep(0.05)  # the request in flight while the node-mates arrive
+        return b"published"
+
+    answers: list[bytes] = []
+    threads = [
+        threading.Thread(target=lambda t=t: answers.append(t.once("lookup/k", ask, reuse_empty=False)))
+        for t in ranks
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert answers == [b"published"] * 8
+    assert len(calls) <= 2  # one per round; a round boundary inside the burst may add one
+    assert sum(t.global_requests for t in ranks) == 1 + len(calls)

@@ -49,7 +49,9 @@ HALF = 16
 ROW = 2 * HALF  # identity digest (16 bytes), then signature digest (16 bytes)
 MAX_BATCH = 4096
 """Rows per flush at most: a longer burst of new keys flushes early (bounded values in the store)."""
-SHARDS = 16
+SHARDS = 4
+"""Identity-sharded logs of rows not every rank has: a rank with such rows appends to at most this
+many (one request each); rank s of the first SHARDS reads log s at its flushes."""
 REFERENCE_WAIT_S = 30.0
 """How long a sender waits for a reference its owner has claimed (the owner's next request sets it)."""
 _HEADER = struct.Struct("<III")  # rank, flush number, row count

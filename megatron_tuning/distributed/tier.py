@@ -83,27 +83,30 @@ class NodeTier:
     def once(self, name: str, ask: Callable[[], Any], *, reuse_empty: bool = True) -> bytes:
         """``ask()`` (one request to the job's store) made once per node; every caller gets its answer.
 
-        ``reuse_empty=False``: an empty answer older than ``MISS_REUSE_S`` is asked again.
+        ``reuse_empty=False`` (lookups): an empty answer ("nothing published yet") is reused for
+        ``MISS_REUSE_S`` only; after that the node asks again, once per round of that length (one
+        claim file per round), and its other ranks wait for that round's answer.
         """
         stem = self.folder / hashlib.sha256(name.encode()).hexdigest()[:40]
-        value, claim = stem.with_suffix(".value"), stem.with_suffix(".claim")
+        value = stem.with_suffix(".value")
         try:
             answer = _read_fresh(value, None if reuse_empty else MISS_REUSE_S)
             if answer is not None:
                 return answer
+            since = None if reuse_empty else _round_start(time.time())
+            claim = stem.with_suffix(".claim" if since is None else f".claim{since:.6f}")
             try:
                 os.close(os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o600))
             except FileExistsError:
-                answer = _poll(value, WAIT_S)
-                if answer is not None and (answer or reuse_empty or _age(value) < MISS_REUSE_S):
+                answer = _poll(value, WAIT_S, since)
+                if answer is not None:
                     return answer
-                if answer is None:
-                    logger.warning(
-                        "megatron_tuning: node tier: a node-mate claimed %s but left no answer within "
-                        "%.0f s; asking the job's store directly",
-                        name,
-                        WAIT_S,
-                    )
+                logger.warning(
+                    "megatron_tuning: node tier: a node-mate claimed %s but left no answer within "
+                    "%.0f s; asking the job's store directly",
+                    name,
+                    WAIT_S,
+                )
                 return self._direct(ask)
             answer = self._direct(ask)
             _write(value, answer)
@@ -138,15 +141,24 @@ def _read_fresh(path: Path, max_empty_age: float | None) -> bytes | None:
     return data
 
 
-def _poll(path: Path, timeout_s: float) -> bytes | None:
+def _round_start(now: float) -> float:
+    """The start of the ``MISS_REUSE_S``-long round ``now`` falls in (wall clock: one per host)."""
+    return now if MISS_REUSE_S <= 0 else (now // MISS_REUSE_S) * MISS_REUSE_S
+
+
+def _poll(path: Path, timeout_s: float, since: float | None) -> bytes | None:
+    """The answer at ``path`` once there; an empty one only if written at or after ``since``."""
     deadline = time.monotonic() + timeout_s
     pause = 0.0002
     while True:
         try:
-            return path.read_bytes()
+            data = path.read_bytes()
+            if data or since is None or os.stat(path).st_mtime >= since:
+                return data
         except FileNotFoundError:
-            if time.monotonic() >= deadline:
-                return None
+            pass
+        if time.monotonic() >= deadline:
+            return None
         time.sleep(pause)
         pause = min(pause * 2, 0.02)
 
