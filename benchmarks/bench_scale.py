@@ -344,7 +344,7 @@ def main() -> int:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.smoke:
-        args.ranks, args.keys, args.own, args.procs = 16, 40, 4, 2
+        args.ranks, args.keys, args.own, args.procs, args.idle_s = 16, 40, 4, 2, 0.5
     server = Server()
     rows = []
     try:

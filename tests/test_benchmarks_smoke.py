@@ -198,7 +198,7 @@ def test_scale_smoke_drives_every_design_against_one_store(tmp_path: Path) -> No
     assert {design for design, _ in rows} == {"idle", "store", "digest", "auto", "auto-tier"}
     assert rows["idle", "tp"]["requests"] == 0
     for workload in ("tp", "pp", "varlen"):
-        # store sends per key; digest per flush: fewer than a tenth of store's requests at 40 keys
-        assert rows["digest", workload]["requests"] * 10 < rows["store", workload]["requests"]
-        assert rows["digest", workload]["requests_per_rank"] < 12
+        # store sends 2 per key (80 per rank at 40 keys); digest a few per flush, whatever the keys
+        assert rows["store", workload]["requests_per_rank"] == 80
+        assert rows["digest", workload]["requests_per_rank"] <= 13, rows["digest", workload]
     assert rows["auto-tier", "tp"]["requests"] * 3 < rows["auto", "tp"]["requests"]

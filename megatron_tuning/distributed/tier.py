@@ -40,6 +40,9 @@ TIER_ABOVE_RANKS = 64
 """Unset ``MEGATRON_TUNING_TIER``: the node tier is used in worlds larger than this."""
 WAIT_S = 10.0
 MISS_REUSE_S = 0.25  # the burst of node-mates asking together; a later arrival asks again
+MTIME_SLACK_S = 0.02
+"""File times come from the kernel's coarse clock (a tick, up to 10 ms, behind ``time.time()``): an
+answer written just after a round began can carry a time just before it."""
 
 
 def tier_wanted(world: int, local_world: int) -> bool:
@@ -153,10 +156,11 @@ def _poll(path: Path, timeout_s: float, since: float | None) -> bytes | None:
     while True:
         try:
             data = path.read_bytes()
-            if data or since is None or os.stat(path).st_mtime >= since:
+            if data or since is None or os.stat(path).st_mtime >= since - MTIME_SLACK_S:
                 return data
         except FileNotFoundError:
-            pass
+            if not path.parent.is_dir():  # the node's first rank closed the tier: go direct
+                raise
         if time.monotonic() >= deadline:
             return None
         time.sleep(pause)
