@@ -273,7 +273,7 @@ def _one_config_copy(kernel: Any, config: Any) -> Any:
             reset_to_zero=list(getattr(kernel, "reset_to_zero", None) or []) or None,
             restore_value=list(getattr(kernel, "restore_value", None) or []) or None,
         )(kernel.fn)
-        copy.__dict__[pinning.PINNED_ATTR] = config
+        pinning.mark_pinned(copy, config)
         per_kernel[id(config)] = (copy, config)  # holding config keeps its id() unique
         return copy
 
@@ -284,7 +284,7 @@ def _mark_nested_copy(kernel: Any) -> None:
         and pinning.PINNED_ATTR not in kernel.__dict__
         and len(kernel.configs) == 1
     ):
-        kernel.__dict__[pinning.PINNED_ATTR] = kernel.configs[0]
+        pinning.mark_pinned(kernel, kernel.configs[0])
 
 
 def _recreate(hopifier: Any, variable: Any, kernel: Any) -> Any:

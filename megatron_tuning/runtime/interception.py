@@ -10,6 +10,11 @@
   Every later launch of the key takes the *hit path*: one lookup (``state.find``, compiled per
   call shape, ``runtime/launches.py``) finds the key's launch record (the config and its
   ``all_kwargs()``, computed once), valid only while the installation that made it is active.
+  After its first pinned launch an autotuner also gets that whole path compiled into one
+  function stored as its instance ``run`` (``launches.compile_run``, ``pinning.arm``), which
+  ``kernel[grid](...)`` finds before the class's: calls of another shape or keys without a
+  record fall through to the class-level ``run``, and every change of the active installation
+  (``pinning.set_active``) takes those functions away again.
   Autotuner-level ``reset_to_zero``/``restore_value``/``pre_hook``/``post_hook`` only protect
   benchmarking, so they do not run when nothing is benchmarked (as on Triton's hit path).
   Under ``record`` Triton autotunes as usual and its winner is recorded. Out-of-scope kernels
@@ -47,7 +52,7 @@ from ..core.policy import TuningPolicy
 from ..core.warn import reset_warnings
 from . import inductor, pinning
 from .auto import Consensus, Measure
-from .launches import Launch, launch_key, raw_key, specialize_find
+from .launches import Launch, compile_run, launch_key, raw_key, specialize_find
 from .pinning import (
     PINNED_ATTR,
     STATE_ATTR,
@@ -65,6 +70,8 @@ logger = logging.getLogger(__name__)
 
 # Modes whose in-scope launches never reach Triton's own benchmarking: ``_bench`` raises there.
 _GUARDED_MODES = ("deterministic", "chaos", "auto")
+# The keywords ``kernel[grid](...)`` adds to a call: the call shape the instance ``run`` serves.
+_LAUNCH_KEYWORDS = frozenset(("grid", "warmup"))
 
 _lock = threading.RLock()
 _generation = 0
@@ -100,7 +107,8 @@ def install(
         _generation += 1
         # The arch is read per decision on the launching device (``Installation.arch``): a rank that
         # installs before ``torch.cuda.set_device`` must not touch (and record) GPU 0 here.
-        pinning.active = Installation(policy, as_config_table(table), measure, _generation, consensus, chaos)
+        installation = Installation(policy, as_config_table(table), measure, _generation, consensus, chaos)
+        pinning.set_active(installation)
     if previous is not None:
         report_policy_end(previous.policy)
     reset_warnings()  # a new policy reports every notice again, once
@@ -112,7 +120,7 @@ def uninstall() -> None:
     """Restore Triton's Autotuner exactly as it was before ``install``."""
     with _lock:
         previous = pinning.active
-        pinning.active = None
+        pinning.set_active(None)
         if _originals:
             autotuner = autotuner_class()
             for name, original in _originals.items():
@@ -205,7 +213,31 @@ def _first_launch(original: Any, autotuner: Any, args: tuple[Any, ...], kwargs: 
             specialize_find(state, args)
         state.launches[launch_key(state, args, kwargs)] = launch
         state.live = installation
+        _arm(autotuner, state, installation, args, kwargs)
     return _launch(autotuner, launch, args, kwargs)
+
+
+def _arm(
+    autotuner: Any,
+    state: AutotunerState,
+    installation: Installation,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> None:
+    """Give ``autotuner`` the compiled hit path as its instance ``run`` (``launches.compile_run``).
+
+    Once per (autotuner, installation), for a call of the shape ``kernel[grid](...)`` makes
+    (kernel arguments positional, only ``grid`` and ``warmup`` by keyword), and only while the
+    class-level ``run`` the instance sees is this module's (a subclass that overrides ``run``
+    keeps its own). Other calls keep taking the class-level hit path.
+    """
+    if kwargs.keys() != _LAUNCH_KEYWORDS or pinning.serving(autotuner.__dict__.get("run")) is installation:
+        return
+    patched = _originals and autotuner_class().__dict__.get("run")
+    if not patched or getattr(type(autotuner), "run", None) is not patched:
+        return
+    run = compile_run(state, autotuner, args, serves=installation, flags=pinning, slow=patched)
+    pinning.arm(autotuner, run)
 
 
 def _launch(autotuner: Any, launch: Launch, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

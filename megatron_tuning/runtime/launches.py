@@ -2,10 +2,11 @@
 
 ``raw_key`` is the decision key (one decision per key, as fine as ``identity.tuning_key``);
 ``launch_key`` the hit path's key, at least as fine and cheaper to build; ``specialize_find``
-compiles the hit path's lookup (key, then record) for the call shape a kernel is launched with.
-A ``Launch`` holds what every launch of a key needs (the config and its ``all_kwargs()``). The
-functions read a few fields of ``pinning.AutotunerState`` (``KeyedState``), so this module
-imports nothing of the runtime package.
+compiles the hit path's lookup (key, then record) for the call shape a kernel is launched with,
+and ``compile_run`` the whole hit path as one function that ``pinning.arm`` stores as the
+autotuner's instance ``run``. A ``Launch`` holds what every launch of a key needs (the config
+and its ``all_kwargs()``). The functions read a few fields of ``pinning.AutotunerState``
+(``KeyedState``), so this module imports nothing of the runtime package.
 """
 
 from __future__ import annotations
@@ -97,6 +98,31 @@ def find_launch(state: KeyedState, args: tuple[Any, ...], kwargs: dict[str, Any]
     return state.launches.get(launch_key(state, args, kwargs))
 
 
+def _key_source(state: KeyedState, args: tuple[Any, ...]) -> tuple[list[str], str]:
+    """The local names ``a0, a1, ...`` for ``args`` and the source of one expression that builds
+    ``launch_key`` of an all-positional call shaped like ``args`` from them."""
+    count = len(args)
+    names = [f"a{i}" for i in range(count)]
+    parts: list[str] = []
+    for _, i in state.key_index:
+        parts += [f"{names[i]}.__class__", names[i]] if i < count else ["_ABSENT.__class__", "_ABSENT"]
+    for name, value in zip(names, args):
+        plain = _PLAIN_TYPES.get(value.__class__)
+        if plain is not None:
+            parts.append(f"(_ABSENT if {name}.__class__ is {plain} else getattr({name}, 'dtype', _ABSENT))")
+        elif hasattr(value, "dtype"):
+            parts.append(f"{name}.dtype")
+        else:
+            parts.append(f"getattr({name}, 'dtype', _ABSENT)")
+    return names, f"({''.join(part + ', ' for part in parts)})"
+
+
+def _compile(source: str, name: str, what: str, scope: dict[str, Any]) -> Any:
+    scope.update(_ABSENT=_ABSENT, _NONE_TYPE=type(None))
+    exec(compile(source, f"<megatron_tuning {what} {name}>", "exec"), scope)  # noqa: S102
+    return scope[source[4 : source.index("(")]]
+
+
 def specialize_find(state: KeyedState, args: tuple[Any, ...]) -> None:
     """Make ``state.find`` a lookup compiled for calls shaped like ``args``.
 
@@ -111,37 +137,82 @@ def specialize_find(state: KeyedState, args: tuple[Any, ...]) -> None:
     every call (``tests/runtime/test_launches.py`` checks it). Only integer positions and the
     names above enter the source; argument names never do.
     """
-    count = len(args)
-    names = [f"a{i}" for i in range(count)]
-    parts: list[str] = []
-    for _, i in state.key_index:
-        parts += [f"{names[i]}.__class__", names[i]] if i < count else ["_ABSENT.__class__", "_ABSENT"]
-    for name, value in zip(names, args):
-        plain = _PLAIN_TYPES.get(value.__class__)
-        if plain is not None:
-            parts.append(f"(_ABSENT if {name}.__class__ is {plain} else getattr({name}, 'dtype', _ABSENT))")
-        elif hasattr(value, "dtype"):
-            parts.append(f"{name}.dtype")
-        else:
-            parts.append(f"getattr({name}, 'dtype', _ABSENT)")
+    names, key = _key_source(state, args)
     source = (
         "def find(args, kwargs):\n"
-        f"    if len(args) != {count} or not arg_set.isdisjoint(kwargs):\n"
+        f"    if len(args) != {len(args)} or not arg_set.isdisjoint(kwargs):\n"
         "        return get(launch_key(state, args, kwargs))\n"
         + (f"    {', '.join(names)}, = args\n" if names else "")
         + "    try:\n"
-        f"        key = ({''.join(part + ', ' for part in parts)})\n"
+        f"        key = {key}\n"
         "    except AttributeError:  # no dtype where the first call had one\n"
         "        return get(launch_key(state, args, kwargs))\n"
         "    return get(key)\n"
     )
+    scope = {"arg_set": state.arg_set, "get": state.launches.get, "launch_key": launch_key, "state": state}
+    state.find = _compile(source, state.kernel, "launch lookup", scope)
+
+
+FAST_RUN_ATTR = "_megatron_tuning_serves"
+"""Set on every function ``compile_run`` makes: the installation it serves (how ``pinning`` tells
+its own instance ``run`` from anything else found in an autotuner's ``__dict__``)."""
+
+
+def compile_run(
+    state: KeyedState,
+    autotuner: Any,
+    args: tuple[Any, ...],
+    *,
+    serves: Any,
+    flags: Any,
+    slow: Any,
+) -> Any:
+    """A launch function for ``autotuner.__dict__["run"]``: the whole pinned hit path in one frame.
+
+    ``kernel[grid](...)`` (``KernelInterface.__getitem__``) calls ``self.run(...)`` and
+    ``Heuristics.run`` calls ``self.fn.run(...)``: both find an instance attribute before the
+    class's ``run``, so this function replaces, per launch, the bound call of the class-level
+    wrapper, its ``__dict__`` lookup of the state and the separate ``find`` frame. It serves
+    calls shaped like ``args`` (as many positional arguments, ``grid`` and ``warmup`` by keyword
+    and nothing else) while ``flags.active is serves``, and only keys that already have a launch
+    record; every other call goes to ``slow(autotuner, *args, **kwargs)`` (the class-level
+    ``run``), so it can only ever launch what the class-level hit path would. Per launch it does
+    what that path does: ``flags.flush_pending`` checked, ``best_config`` set, ``Config.pre_hook``
+    with the full argument dict, ``autotuner.fn.run`` read and called. ``flags`` is the module
+    that holds ``active``, ``flush_pending`` and ``run_pending_flush`` (``runtime.pinning``).
+    """
+    names, key = _key_source(state, args)
+    unpack = f"        {', '.join(names)}, = args\n" if names else ""
+    source = (
+        "def run(*args, grid=_ABSENT, warmup=_ABSENT, **kwargs):\n"
+        f"    if len(args) == {len(args)} and not kwargs and grid is not _ABSENT"
+        " and warmup is not _ABSENT and flags.active is serves:\n" + unpack + "        try:\n"
+        f"            launch = get({key})\n"
+        "        except AttributeError:  # no dtype where the first call had one\n"
+        "            launch = None\n"
+        "        if launch is not None:\n"
+        "            if flags.flush_pending:\n"
+        "                flags.run_pending_flush()\n"
+        "            config, options = launch\n"
+        "            autotuner.best_config = config\n"
+        "            if config.pre_hook is not None:  # the full argument dict, as on Triton's hit path\n"
+        "                named = dict(zip(arg_names, args))\n"
+        "                config.pre_hook({**named, 'grid': grid, 'warmup': warmup, **options})\n"
+        "            return autotuner.fn.run(*args, grid=grid, warmup=warmup, **options)\n"
+        "    if warmup is not _ABSENT:\n"
+        "        kwargs = {'warmup': warmup, **kwargs}\n"
+        "    if grid is not _ABSENT:\n"
+        "        kwargs = {'grid': grid, **kwargs}\n"
+        "    return slow(autotuner, *args, **kwargs)\n"
+    )
     scope = {
-        "arg_set": state.arg_set,
+        "arg_names": state.arg_names,
+        "autotuner": autotuner,
+        "flags": flags,
         "get": state.launches.get,
-        "launch_key": launch_key,
-        "state": state,
-        "_ABSENT": _ABSENT,
-        "_NONE_TYPE": type(None),
+        "serves": serves,
+        "slow": slow,
     }
-    exec(compile(source, f"<megatron_tuning launch lookup {state.kernel}>", "exec"), scope)  # noqa: S102
-    state.find = scope["find"]
+    run = _compile(source, state.kernel, "launch", scope)
+    setattr(run, FAST_RUN_ATTR, serves)
+    return run

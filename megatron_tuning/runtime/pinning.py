@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+import types
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,7 +37,16 @@ from ..core.warn import warn_once
 from .auto import Consensus, Measure, auto_choice
 
 # Re-exported: the adapters and tests reach the launch records and keys through this module.
-from .launches import MAX_LAUNCHES, Launch, find_launch, launch_key, raw_key, specialize_find  # noqa: F401
+from .launches import (  # noqa: F401
+    FAST_RUN_ATTR,
+    MAX_LAUNCHES,
+    Launch,
+    compile_run,
+    find_launch,
+    launch_key,
+    raw_key,
+    specialize_find,
+)
 from .triton_compat import triton_cache_key
 
 logger = logging.getLogger("megatron_tuning.runtime.interception")
@@ -108,7 +118,14 @@ _flush_callbacks: list[Callable[[], None]] = []
 _flush_lock = threading.Lock()
 
 active: Installation | None = None
-"""The installation ``interception.install`` made current; read on every launch (hot path)."""
+"""The installation ``interception.install`` made current; read on every launch (hot path).
+Changed only through ``set_active``, which takes every armed instance ``run`` away with it."""
+_armed: weakref.WeakSet[Any] = weakref.WeakSet()
+"""Autotuners whose instance ``run`` is a compiled hit path (``arm``)."""
+_active_lock = threading.Lock()
+"""Orders ``set_active`` and ``arm``: a hit path compiled for an installation is never stored after
+that installation stopped being the active one."""
+_ANY: Any = object()
 touched: weakref.WeakSet[Any] = weakref.WeakSet()
 """Autotuners that carry a state, so ``uninstall`` can clear them."""
 before_decision: list[Callable[[Installation], Installation]] = []
@@ -143,6 +160,72 @@ def run_pending_flush() -> None:
         flush_pending = False
     for callback in callbacks:
         callback()
+
+
+def set_active(installation: Installation | None, *, replacing: Any = _ANY) -> bool:
+    """Make ``installation`` the active one (``None``: none) and disarm every autotuner.
+
+    With ``replacing``, only if that is still the active installation (returns whether it was).
+    Every change of ``active`` goes through here, so no instance ``run`` compiled for an older
+    installation survives it (each also checks ``active`` itself, in case one is put back).
+    """
+    global active
+    with _active_lock:
+        if replacing is not _ANY and active is not replacing:
+            return False
+        active = installation
+        for autotuner in list(_armed):
+            _pop_fast_run(autotuner)
+        _armed.clear()
+    return True
+
+
+def arm(autotuner: Any, run: Any) -> bool:
+    """Store ``run`` (``launches.compile_run``) as ``autotuner``'s instance ``run``.
+
+    Only while the installation it serves is still active, and never over an instance ``run``
+    that is not one of ours (a user's monkeypatch keeps precedence, as it would over Triton's).
+    """
+    with _active_lock:
+        if active is None or active is not run.__dict__[FAST_RUN_ATTR]:
+            return False
+        current = autotuner.__dict__.get("run")
+        if current is not None and serving(current) is None:
+            return False
+        autotuner.__dict__["run"] = run
+        _armed.add(autotuner)
+    return True
+
+
+def disarm(autotuner: Any) -> None:
+    """Take ``autotuner``'s compiled instance ``run`` away, if it has one (its class ``run`` applies)."""
+    with _active_lock:
+        _pop_fast_run(autotuner)
+        _armed.discard(autotuner)
+
+
+def mark_pinned(autotuner: Any, config: Any) -> None:
+    """Make ``autotuner`` a compiled graph's one-config copy, launching ``config`` (decided already).
+
+    A ``copy.copy`` of an autotuner carries the original's state and instance ``run`` (a closure
+    over the original): both go, so the copy launches its own pin, never the original's records.
+    """
+    autotuner.__dict__[PINNED_ATTR] = config
+    autotuner.__dict__.pop(STATE_ATTR, None)
+    disarm(autotuner)
+
+
+def serving(run: Any) -> Installation | None:
+    """The installation a compiled instance ``run`` serves; ``None`` for anything else."""
+    if isinstance(run, types.FunctionType):
+        served: Installation | None = run.__dict__.get(FAST_RUN_ATTR)
+        return served
+    return None
+
+
+def _pop_fast_run(autotuner: Any) -> None:
+    if serving(autotuner.__dict__.get("run")) is not None:
+        del autotuner.__dict__["run"]
 
 
 def installed() -> bool:
@@ -308,9 +391,8 @@ def decide(
 
 
 def _replace_active(old: Installation, new: Installation) -> Installation:
-    global active
-    if new is not old and active is old:
-        active = new
+    if new is not old:
+        set_active(new, replacing=old)
     return new
 
 
