@@ -176,7 +176,8 @@ def compile_run(
     calls shaped like ``args`` (as many positional arguments, ``grid`` and ``warmup`` by keyword
     and nothing else) while ``flags.active is serves``, and only keys that already have a launch
     record; every other call goes to ``slow(autotuner, *args, **kwargs)`` (the class-level
-    ``run``), so it can only ever launch what the class-level hit path would. Per launch it does
+    ``run``; ``grid`` and ``warmup`` first in its keywords, as ``kernel[grid](...)`` passes them),
+    so it can only ever launch what the class-level hit path would. Per launch it does
     what that path does: ``flags.flush_pending`` checked, ``best_config`` set, ``Config.pre_hook``
     with the full argument dict, ``autotuner.fn.run`` read and called. ``flags`` is the module
     that holds ``active``, ``flush_pending`` and ``run_pending_flush`` (``runtime.pinning``).

@@ -8,6 +8,7 @@ would show. Real kernels in the interpreter; no mocks of Triton's autotuner.
 from __future__ import annotations
 
 import itertools
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,7 +21,7 @@ from megatron_tuning.core.decisions import decision_log, get_decisions
 from megatron_tuning.core.identity import config_data, kernel_id, tuning_key
 from megatron_tuning.core.policy import TuningPolicy
 from megatron_tuning.runtime import interception, pinning
-from megatron_tuning.runtime.launches import Launch, launch_key, raw_key, specialize_find
+from megatron_tuning.runtime.launches import Launch, compile_run, launch_key, raw_key, specialize_find
 from megatron_tuning.runtime.pinning import STATE_ATTR
 
 from .. import support_kernels as sk
@@ -272,3 +273,53 @@ def test_launch_keys_are_exact_and_the_compiled_lookup_agrees_with_the_generic_o
             assert same_raw  # a launch record is only ever shared by calls of one decision
         # One decision per tuning key: for these value types the two keys tell the same calls apart.
         assert same_raw == same_text
+
+
+@settings(max_examples=200, deadline=None)
+@given(first=_calls(), calls=st.lists(_calls(), min_size=2, max_size=6))
+def test_the_compiled_instance_run_launches_exactly_the_record_launch_key_finds(first, calls):
+    state = pinning.AutotunerState(
+        generation=0,
+        in_scope=True,
+        kernel="k",
+        key_index=(("n", 3),),
+        arg_names=tuple(sk.scale_add.arg_names),
+    )
+    for i, (args, kwargs) in enumerate([first, *calls[:-1]]):
+        record = Launch(types.SimpleNamespace(pre_hook=None), {"BLOCK_SIZE": i})
+        state.launches.setdefault(launch_key(state, args, kwargs), record)
+    launched: list[tuple[Any, ...]] = []
+    autotuner = types.SimpleNamespace(best_config=None)
+    autotuner.fn = types.SimpleNamespace(run=lambda *a, **kw: launched.append(("fast", a, kw)))
+    serves = object()
+    flags = types.SimpleNamespace(active=serves, flush_pending=False)
+    run = compile_run(
+        state,
+        autotuner,
+        first[0],
+        serves=serves,
+        flags=flags,
+        slow=lambda k, *a, **kw: launched.append(("slow", a, kw)),
+    )
+    for args, kwargs in [first, *calls]:
+        launched.clear()
+        run(*args, **kwargs)
+        ((path, got_args, got_kwargs),) = launched
+        record = state.launches.get(launch_key(state, args, kwargs))
+        assert got_args == args
+        if path == "fast":  # only ever the record the class path would find, with its options
+            assert record is not None and autotuner.best_config is record.config
+            assert got_kwargs == {**kwargs, **record.options}
+        else:  # everything else reaches the class path unchanged, grid and warmup first as
+            # kernel[grid](...) passes them (the order the generated function cannot see)
+            assert got_kwargs == kwargs
+            assert list(got_kwargs) == ["grid", "warmup"] + [k for k in kwargs if k not in ("grid", "warmup")]
+    args, kwargs = first
+    if len(args) == len(first[0]) and kwargs.keys() == {"grid", "warmup"}:
+        launched.clear()
+        run(*args, **kwargs)
+        assert launched[0][0] == "fast"  # the call it was compiled for is served
+        flags.active = object()  # another installation is active: nothing is served any more
+        launched.clear()
+        run(*args, **kwargs)
+        assert launched[0][0] == "slow"
