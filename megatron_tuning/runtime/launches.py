@@ -98,9 +98,9 @@ def find_launch(state: KeyedState, args: tuple[Any, ...], kwargs: dict[str, Any]
     return state.launches.get(launch_key(state, args, kwargs))
 
 
-def _key_source(state: KeyedState, args: tuple[Any, ...]) -> tuple[list[str], str]:
-    """The local names ``a0, a1, ...`` for ``args`` and the source of one expression that builds
-    ``launch_key`` of an all-positional call shaped like ``args`` from them."""
+def _key_parts(state: KeyedState, args: tuple[Any, ...]) -> tuple[list[str], list[str]]:
+    """The local names ``a0, a1, ...`` for ``args`` and, one expression each, the entries of
+    ``launch_key`` of an all-positional call shaped like ``args``, built from those names."""
     count = len(args)
     names = [f"a{i}" for i in range(count)]
     parts: list[str] = []
@@ -114,7 +114,11 @@ def _key_source(state: KeyedState, args: tuple[Any, ...]) -> tuple[list[str], st
             parts.append(f"{name}.dtype")
         else:
             parts.append(f"getattr({name}, 'dtype', _ABSENT)")
-    return names, f"({''.join(part + ', ' for part in parts)})"
+    return names, parts
+
+
+def _as_tuple(parts: list[str]) -> str:
+    return f"({''.join(part + ', ' for part in parts)})"
 
 
 def _compile(source: str, name: str, what: str, scope: dict[str, Any]) -> Any:
@@ -137,7 +141,8 @@ def specialize_find(state: KeyedState, args: tuple[Any, ...]) -> None:
     every call (``tests/runtime/test_launches.py`` checks it). Only integer positions and the
     names above enter the source; argument names never do.
     """
-    names, key = _key_source(state, args)
+    names, parts = _key_parts(state, args)
+    key = _as_tuple(parts)
     source = (
         "def find(args, kwargs):\n"
         f"    if len(args) != {len(args)} or not arg_set.isdisjoint(kwargs):\n"
@@ -182,38 +187,78 @@ def compile_run(
     with the full argument dict, ``autotuner.fn.run`` read and called. ``flags`` is the module
     that holds ``active``, ``flush_pending`` and ``run_pending_flush`` (``runtime.pinning``).
     """
-    names, key = _key_source(state, args)
-    unpack = f"        {', '.join(names)}, = args\n" if names else ""
-    source = (
-        "def run(*args, grid=_ABSENT, warmup=_ABSENT, **kwargs):\n"
-        f"    if len(args) == {len(args)} and not kwargs and grid is not _ABSENT"
-        " and warmup is not _ABSENT and flags.active is serves:\n" + unpack + "        try:\n"
-        f"            launch = get({key})\n"
-        "        except AttributeError:  # no dtype where the first call had one\n"
-        "            launch = None\n"
-        "        if launch is not None:\n"
-        "            if flags.flush_pending:\n"
-        "                flags.run_pending_flush()\n"
-        "            config, options = launch\n"
-        "            autotuner.best_config = config\n"
-        "            if config.pre_hook is not None:  # the full argument dict, as on Triton's hit path\n"
-        "                named = dict(zip(arg_names, args))\n"
-        "                config.pre_hook({**named, 'grid': grid, 'warmup': warmup, **options})\n"
-        "            return autotuner.fn.run(*args, grid=grid, warmup=warmup, **options)\n"
-        "    if warmup is not _ABSENT:\n"
-        "        kwargs = {'warmup': warmup, **kwargs}\n"
-        "    if grid is not _ABSENT:\n"
-        "        kwargs = {'grid': grid, **kwargs}\n"
-        "    return slow(autotuner, *args, **kwargs)\n"
+    names, parts = _key_parts(state, args)
+    scope: dict[str, Any] = {}
+    lines = [
+        "def run(*args, grid=_ABSENT, warmup=_ABSENT, **kwargs):",
+        f"    if len(args) == {len(args)} and not kwargs and grid is not _ABSENT and warmup is not _ABSENT"
+        " and flags.active is serves:",
+        *([f"        {', '.join(names)}, = args"] if names else []),
+        "        try:",
+        *_lookup(state, args, parts, scope),
+        "        except AttributeError:  # no dtype where the first call had one",
+        "            launch = None",
+        "        if launch is not None:",
+        "            if flags.flush_pending:",
+        "                flags.run_pending_flush()",
+        "            config, options = launch",
+        "            autotuner.best_config = config",
+        "            if config.pre_hook is not None:  # the full argument dict, as on Triton's hit path",
+        "                named = dict(zip(arg_names, args))",
+        "                config.pre_hook({**named, 'grid': grid, 'warmup': warmup, **options})",
+        "            return autotuner.fn.run(*args, grid=grid, warmup=warmup, **options)",
+        "    if warmup is not _ABSENT:",
+        "        kwargs = {'warmup': warmup, **kwargs}",
+        "    if grid is not _ABSENT:",
+        "        kwargs = {'grid': grid, **kwargs}",
+        "    return slow(autotuner, *args, **kwargs)",
+    ]
+    source = "\n".join(lines) + "\n"
+    scope.update(
+        arg_names=state.arg_names,
+        autotuner=autotuner,
+        flags=flags,
+        get=state.launches.get,
+        serves=serves,
+        slow=slow,
     )
-    scope = {
-        "arg_names": state.arg_names,
-        "autotuner": autotuner,
-        "flags": flags,
-        "get": state.launches.get,
-        "serves": serves,
-        "slow": slow,
-    }
     run = _compile(source, state.kernel, "launch", scope)
     setattr(run, FAST_RUN_ATTR, serves)
     return run
+
+
+def _lookup(state: KeyedState, args: tuple[Any, ...], parts: list[str], scope: dict[str, Any]) -> list[str]:
+    """The source lines that set ``launch``: the record of ``args``'s own key compared entry by
+    entry first (no tuple built, nothing hashed: what most launches of a kernel repeat), then
+    ``state.launches`` by the full launch key.
+
+    The comparison is the one a tuple key makes in a dict (each entry ``is`` or ``==``), over
+    constants taken from ``args``; only where every key value there is a plain builtin (an
+    ``int`` compared with ``==``, never a user object). A state's record for a key always holds
+    the key's one decision, so the record found now stays the right one.
+    """
+    lookup = [f"            launch = get({_as_tuple(parts)})"]
+    expected = launch_key(state, args, {})
+    first = state.launches.get(expected)
+    values = expected[1 : 2 * len(state.key_index) : 2]
+    if first is None or not all(v is _ABSENT or v.__class__ in _PLAIN_TYPES for v in values):
+        return lookup
+    checks = []
+    count = 2 * len(state.key_index)
+    for i, (part, value) in enumerate(zip(parts, expected)):
+        if part.startswith("_ABSENT"):  # a key argument past the positional ones: constant
+            continue
+        plain = _PLAIN_TYPES.get(args[i - count].__class__) if i >= count else None
+        if plain is not None:  # the dtype entry of what was a plain int/float/...: _ABSENT
+            name = f"a{i - count}"
+            checks.append(f"({name}.__class__ is {plain} or getattr({name}, 'dtype', _ABSENT) is _ABSENT)")
+            continue
+        scope[f"K{i}"] = value
+        checks.append(f"({part} is K{i} or {part} == K{i})")
+    scope["first"] = first
+    return [
+        f"            if {' and '.join(checks) or 'True'}:",
+        "                launch = first",
+        "            else:",
+        "    " + lookup[0],
+    ]

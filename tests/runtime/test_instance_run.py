@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -122,9 +123,13 @@ def test_calls_of_another_shape_fall_back_to_the_class_path_and_launch_the_same_
         "instance",
         "class",
     ]
-    with pytest.raises(TypeError, match="grid"):  # the JIT's own error, as without the instance run
-        sk.scale_add.run(x, y, out, 40, 0.5, warmup=False)
-    assert launched == [64] * 6 and len(get_decisions()) == 1
+    errors = []
+    for run in (sk.scale_add.run, functools.partial(autotuner_class().run, sk.scale_add)):
+        with pytest.raises(Exception) as raised:  # the JIT's own error (TypeError on 3.9, KeyError on 3.3)
+            run(x, y, out, 40, 0.5, warmup=False)
+        errors.append((type(raised.value), str(raised.value)))
+    assert errors[0] == errors[1] and "grid" in errors[0][1]
+    assert launched == [64] * 7 and len(get_decisions()) == 1
 
 
 def test_an_argument_without_the_dtype_the_first_call_had_falls_back(launched, monkeypatch):
@@ -140,6 +145,20 @@ def test_an_argument_without_the_dtype_the_first_call_had_falls_back(launched, m
     assert _paths(lambda: sk.scale_add[grid(40)](x, 0, out, 40, 1.0)) == ["instance", "class"]
     assert _paths(lambda: sk.scale_add[grid(40)](x, x, out, 40, 1.0)) == ["instance"]
     assert blocks == [64, 128, 128, 64] and len(get_decisions()) == 2
+
+
+def test_true_one_and_one_point_zero_keep_their_own_records_on_the_instance_run(launched, monkeypatch):
+    blocks = _record_only(monkeypatch)
+    key = f"n={{}} | x_ptr:{F32}, y_ptr:{F32}, out_ptr:{F32}"
+    interception.install(
+        _policy(), table=_table((key.format(1), 8), (key.format(True), 16), (key.format(1.0), 32))
+    )
+    x = torch.empty(1)
+    paths = []
+    for n in (1, True, 1.0, 1, True, 1.0, True):
+        paths += _paths(lambda n=n: sk.scale_add[grid(1)](x, x, x, n, 0.5))
+    assert blocks == [8, 16, 32, 8, 16, 32, 16] and len(get_decisions()) == 3
+    assert paths[-4:] == ["instance"] * 4  # armed at n=1: every later repeat takes the instance run
 
 
 @pytest.mark.parametrize(
