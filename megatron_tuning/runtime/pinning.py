@@ -4,8 +4,8 @@ new (kernel, key) is decided, recorded and pinned.
 Shared by the two adapters that launch pinned configs: ``interception`` (Triton's
 ``Autotuner.run``) and ``inductor`` (torch.compile's handling of user kernels), so an eager launch
 and a compiled one of the same key go through one decision, one decision-log entry and one
-agreement check. The only Triton internals used here are the autotuner's pruning
-(``prune_configs``/``nargs``) and its ``cache`` (``triton_compat.triton_cache_key``).
+agreement check. The Triton internals a decision touches (the autotuner's pruning and its
+``cache``) are reached through ``triton_compat``.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from .launches import (  # noqa: F401
     raw_key,
     specialize_find,
 )
-from .triton_compat import triton_cache_key
+from .triton_compat import forget_triton_cache, live_candidates, remember_in_triton_cache  # noqa: F401
 
 logger = logging.getLogger("megatron_tuning.runtime.interception")
 
@@ -268,17 +268,6 @@ def state_for(autotuner: Any, installation: Installation) -> AutotunerState:
     return state
 
 
-def live_candidates(autotuner: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
-    """The kernel's own pruning (early_config_prune, perf_model/top_k), as Triton applies it."""
-    if len(autotuner.configs) <= 1:
-        return list(autotuner.configs)
-    autotuner.nargs = dict(zip(autotuner.arg_names, args))  # prune_configs reads self.nargs
-    try:
-        return list(autotuner.prune_configs(kwargs))
-    finally:
-        autotuner.nargs = None
-
-
 def decide(
     autotuner: Any,
     state: AutotunerState,
@@ -408,21 +397,3 @@ def is_capturing() -> bool:
     if torch is None or not torch.cuda.is_available():
         return False
     return bool(torch.cuda.is_current_stream_capturing())
-
-
-def remember_in_triton_cache(
-    autotuner: Any, state: AutotunerState, args: tuple[Any, ...], kwargs: dict[str, Any], config: Any
-) -> None:
-    """File the decision under Triton's own key, as Triton's hit path leaves it, for code that reads it."""
-    key = triton_cache_key(autotuner, args, kwargs)
-    autotuner.cache[key] = config
-    state.triton_keys[key] = config
-
-
-def forget_triton_cache(autotuner: Any, state: AutotunerState) -> None:
-    # Only entries still holding what we wrote: Triton may have re-tuned a key since (mode off).
-    cache = autotuner.__dict__.get("cache")
-    for key, config in state.triton_keys.items():
-        if cache is not None and cache.get(key) is config:
-            del cache[key]
-    state.triton_keys.clear()

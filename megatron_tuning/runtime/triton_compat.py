@@ -1,5 +1,8 @@
-"""Which Triton releases the adapter supports, and the lazy benchmarker Triton 3.2/3.3 need on CPU.
+"""Which Triton releases the adapter supports, the autotuner internals a decision touches (its
+pruning, its ``cache``), and the lazy benchmarker Triton 3.2/3.3 need on CPU.
 
+``remember_in_triton_cache``/``forget_triton_cache`` take the per-autotuner state's
+``triton_keys`` (``pinning.AutotunerState``): the entries written, so exactly those are removed.
 Triton 3.2/3.3 resolve the default benchmarker in ``Autotuner.__init__``, which fails with
 "0 active drivers" on a machine without a GPU. ``lazy_benchmarker()`` (and an installed
 interception) wrap ``__init__`` to pass a benchmarker resolved at first use instead. Contract
@@ -75,6 +78,35 @@ def triton_cache_key(autotuner: Any, args: tuple[Any, ...], kwargs: dict[str, An
     key = [present[name] for name in autotuner.keys if name in present]
     key.extend(str(value.dtype) for value in present.values() if hasattr(value, "dtype"))
     return tuple(key)
+
+
+def live_candidates(autotuner: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    """The kernel's own pruning (early_config_prune, perf_model/top_k), as Triton applies it."""
+    if len(autotuner.configs) <= 1:
+        return list(autotuner.configs)
+    autotuner.nargs = dict(zip(autotuner.arg_names, args))  # prune_configs reads self.nargs
+    try:
+        return list(autotuner.prune_configs(kwargs))
+    finally:
+        autotuner.nargs = None
+
+
+def remember_in_triton_cache(
+    autotuner: Any, state: Any, args: tuple[Any, ...], kwargs: dict[str, Any], config: Any
+) -> None:
+    """File the decision under Triton's own key, as Triton's hit path leaves it, for code that reads it."""
+    key = triton_cache_key(autotuner, args, kwargs)
+    autotuner.cache[key] = config
+    state.triton_keys[key] = config
+
+
+def forget_triton_cache(autotuner: Any, state: Any) -> None:
+    # Only entries still holding what we wrote: Triton may have re-tuned a key since (mode off).
+    cache = autotuner.__dict__.get("cache")
+    for key, config in state.triton_keys.items():
+        if cache is not None and cache.get(key) is config:
+            del cache[key]
+    state.triton_keys.clear()
 
 
 def _needs_lazy_init() -> bool:
