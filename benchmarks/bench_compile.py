@@ -40,6 +40,7 @@ import logging
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -172,6 +173,9 @@ def child(args: argparse.Namespace) -> None:
     messages: list[str] = []
     handler = _ListHandler(messages)
     logging.getLogger("megatron_tuning").addHandler(handler)
+    # The library's notices are TuningWarnings (warnings.warn), its diagnostics log records: keep both.
+    warnings.showwarning = lambda message, *_args, **_kw: messages.append(str(message))
+    warnings.simplefilter("always")
     if variant == "stock" and args.smoke:
         for kernel in (block_kernel.write_block_kernel, mm.matmul_kernel):  # no GPU benchmarker on CPU
             kernel.__dict__["do_bench"] = lambda fn, quantiles=None, **kw: (
