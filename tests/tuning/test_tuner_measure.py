@@ -24,7 +24,11 @@ FAST = TuneSettings(rounds=2, warmup_rounds=0, sample_ms=0.001, max_launches=1)
 
 @pytest.fixture
 def kernels(import_kernel: Callable[[str], ModuleType]) -> ModuleType:
-    return import_kernel("tests.support_kernels")
+    module = import_kernel("tests.support_kernels")
+    # The module's call logs are process-wide: start from none, whatever ran before in this worker.
+    module.BENCH_CALLS.clear()
+    module.PRE_HOOK_CALLS.clear()
+    return module
 
 
 def _install(scope: tuple[str, ...] = ("tests",)) -> None:
