@@ -2,6 +2,7 @@
 
 Shared by both launchers so they read a command line the same way and end the same way:
 
+* ``add_job_argument`` / ``job_command``: the job is everything after ``--``.
 * ``job_argv``: ``script.py args`` and ``-m pkg args`` run with this interpreter; anything else
   (``python ...``, ``torchrun ...``, a program) runs as given, found on ``PATH``.
 * ``command_problem``: a missing script or program is reported before anything starts.
@@ -13,6 +14,7 @@ Shared by both launchers so they read a command line the same way and end the sa
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import signal
@@ -32,6 +34,18 @@ _FORWARDED = tuple(
 _IGNORED_WHILE_WAITING = tuple(
     getattr(signal, name) for name in ("SIGINT", "SIGQUIT") if hasattr(signal, name)
 )
+
+
+def add_job_argument(parser: argparse.ArgumentParser, help: str) -> None:
+    """The job, everything after ``--``; dest "job", not "command": the top-level parser keeps the
+    subcommand's name there."""
+    parser.add_argument("job", metavar="COMMAND", nargs=argparse.REMAINDER, help=help)
+
+
+def job_command(args: argparse.Namespace) -> list[str]:
+    """The job's words, without the ``--`` that separates them (empty: none given)."""
+    command = list(args.job or [])
+    return command[1:] if command and command[0] == "--" else command
 
 
 def job_argv(command: Sequence[str]) -> list[str]:

@@ -25,7 +25,7 @@ from ..core import policy as policy_vars
 from ..core.errors import MegatronTuningError, PolicyError
 from ..core.policy import TuningPolicy
 from .bootstrap import job_environment, write_bootstrap
-from .launch import EXIT_USAGE, command_problem, job_argv, run_job
+from .launch import EXIT_USAGE, add_job_argument, command_problem, job_argv, job_command, run_job
 
 RUN_MODES = ("deterministic", "auto", "chaos", "record", "off")
 """``tune`` is its own command: it needs a parent that pools every process's measurements."""
@@ -145,20 +145,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--record-dir", default=None, metavar="DIR", help="where record mode writes one file per rank"
     )
-    # dest "job", not "command": the top-level parser keeps the subcommand's name there.
-    parser.add_argument(
-        "job",
-        metavar="COMMAND",
-        nargs=argparse.REMAINDER,
-        help="the job, after `--`: script.py [args], -m pkg [args], python ..., torchrun ...",
-    )
+    add_job_argument(parser, "the job, after `--`: script.py [args], -m pkg [args], python ..., torchrun ...")
 
 
 def run(args: argparse.Namespace) -> int:
     """Validate the policy, run the job armed, return its exit status."""
-    command = list(args.job or [])
-    if command and command[0] == "--":
-        command = command[1:]
+    command = job_command(args)
     if not command:
         print(
             "run: give the command to run after `--`, e.g. "

@@ -37,7 +37,7 @@ from ..tuning.results import (
 )
 from ..tuning.stats import ENV_ROUNDS, ENV_TIE_BAND, TuneSettings
 from .bootstrap import job_environment, write_bootstrap
-from .launch import EXIT_USAGE, command_problem, job_argv, run_job
+from .launch import EXIT_USAGE, add_job_argument, command_problem, job_argv, job_command, run_job
 from .report import plot_records_to
 
 ENV_TUNE_DIR = "MEGATRON_TUNING_TUNE_DIR"
@@ -79,12 +79,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="keep per-process results in a new subfolder of this folder for each job "
         "(a new or empty folder, or one tune used before; default: a temp dir, removed)",
     )
-    # dest "job", not "command": the top-level parser already keeps the subcommand's name there.
-    parser.add_argument(
-        "job",
-        metavar="COMMAND",
-        nargs=argparse.REMAINDER,
-        help="the job to run after `--`: script.py [args], -m mod, python -m mod, torchrun ...",
+    add_job_argument(
+        parser, "the job to run after `--`: script.py [args], -m mod, python -m mod, torchrun ..."
     )
 
 
@@ -92,9 +88,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    command = list(args.job or [])
-    if command and command[0] == "--":
-        command = command[1:]
+    command = job_command(args)
     if not command:
         print(
             "tune: give the command to run after `--`, e.g. "
