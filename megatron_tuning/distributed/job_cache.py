@@ -16,7 +16,6 @@ session start each rank therefore offers the digest of its cache to the job's st
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 from dataclasses import dataclass, field
@@ -25,6 +24,7 @@ from typing import Any
 
 from ..core.errors import StoreRecordError, TableError
 from ..core.warn import warn_once
+from ..tables.cache_persist import content_digest
 from ..tables.table import Entry, Table
 from .storeops import BadRecord, decode_record, record_field, record_rank, request, store_errors
 
@@ -55,7 +55,7 @@ class JobCacheView:
 def cache_digest(table: Table) -> tuple[str, bytes]:
     """The canonical bytes of a cache table and their digest (same content, same digest)."""
     data = table.to_bytes()
-    return hashlib.sha256(data).hexdigest()[:32], data
+    return content_digest(data), data
 
 
 def reconcile(store: Any, rank: int, world: int | None, path: str, table: Table) -> JobCacheView:
