@@ -203,10 +203,31 @@ def check_output_paths(policy: TuningPolicy) -> None:
 
 
 def _open_cache(policy: TuningPolicy) -> Any:
-    from .core.identity import arch_tag
     from .tables.cache import open_cache
 
-    return open_cache(policy, arch_tag())
+    return open_cache(policy, _cache_arch)
+
+
+def _cache_arch() -> str:
+    """The arch of the default cache folder, read at init without the current device (a rank may
+    install before ``torch.cuda.set_device``); decisions read theirs on the launching device."""
+    from .core.identity import arch_tag, node_arch
+    from .core.warn import warn_once
+
+    arch = node_arch()
+    if arch is not None:
+        return arch
+    current = arch_tag()
+    warn_once(
+        ("cache-arch-mixed",),
+        "megatron_tuning: this node's GPUs are of more than one arch, so auto mode's default cache "
+        "folder is the current device's (%s) at init_deterministic_tuning. A rank that launches on a "
+        "device of another arch misses that cache and persists its entries there: call "
+        "init_deterministic_tuning after torch.cuda.set_device(local_rank), or name a cache file per "
+        "arch with MEGATRON_TUNING_CACHE.",
+        current,
+    )
+    return current
 
 
 def _start_consensus(job_cache: Any) -> Any:

@@ -207,3 +207,50 @@ def test_a_first_auto_run_on_cpu_says_it_times_with_the_host_clock_and_shows_eac
     tuned = [line for line in err.splitlines() if "INFO megatron_tuning.tuning.tuner.progress: tuned" in line]
     assert len(tuned) == 3 and "tuned tests.support_kernels:scale_add [n=7 | x_ptr:torch.float32" in tuned[0]
     assert "has no tuned config" not in err  # auto tuned every key: no fallback to report
+
+
+def _fake_gpus(monkeypatch, capability: dict[int, tuple[int, int]], current=None) -> None:  # noqa: ANN001
+    """A node of ``capability`` GPUs; ``current`` None: reading the current device fails the test."""
+
+    def current_device() -> int:
+        if current is None:
+            raise AssertionError("init read torch.cuda.current_device() (device 0 before set_device)")
+        return current
+
+    monkeypatch.delenv("TRITON_INTERPRET")  # arch reads return "unknown" early under the interpreter
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: len(capability))
+    monkeypatch.setattr(torch.cuda, "current_device", current_device)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability[index])
+    monkeypatch.setattr(torch.version, "hip", None, raising=False)
+
+
+def test_auto_init_files_the_default_cache_by_the_nodes_arch_without_the_current_device(
+    tmp_path, monkeypatch, notices
+):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.delenv("MEGATRON_TUNING_CACHE", raising=False)
+    _fake_gpus(monkeypatch, {0: (9, 0), 1: (9, 0)})
+    with megatron_tuning.init_deterministic_tuning(megatron_tuning.TuningPolicy(mode="auto")) as handle:
+        assert handle.cache.path == str(tmp_path / "xdg" / "megatron_tuning" / "sm90" / "auto.msgpack")
+    assert not notices.matching("more than one arch")
+
+
+def test_auto_init_on_a_mixed_node_uses_the_current_device_and_says_how_to_be_sure(
+    tmp_path, monkeypatch, notices
+):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.delenv("MEGATRON_TUNING_CACHE", raising=False)
+    _fake_gpus(monkeypatch, {0: (8, 0), 1: (9, 0)}, current=1)
+    with megatron_tuning.init_deterministic_tuning(megatron_tuning.TuningPolicy(mode="auto")) as handle:
+        assert handle.cache.path.endswith("/sm90/auto.msgpack")
+    (notice,) = notices.matching("more than one arch")
+    assert "after torch.cuda.set_device(local_rank)" in notice and "MEGATRON_TUNING_CACHE" in notice
+
+
+def test_auto_init_with_a_named_cache_file_reads_no_gpu(tmp_path, monkeypatch):
+    monkeypatch.setenv("MEGATRON_TUNING_CACHE", str(tmp_path / "mine.msgpack"))
+    _fake_gpus(monkeypatch, {0: (9, 0)})
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: pytest.fail("read a GPU"))
+    with megatron_tuning.init_deterministic_tuning(megatron_tuning.TuningPolicy(mode="auto")) as handle:
+        assert handle.cache.path == str(tmp_path / "mine.msgpack")

@@ -427,7 +427,20 @@ def autotune_configs(configs: Sequence[Any], *, policy: TuningPolicy | None = No
         raise BlockSizeOverrideError(
             "<autotune_configs>", dict(policy.block_sizes), [config_signature(c) for c in configs]
         )
-    return [cheapest(matching)]
+    chosen = cheapest(matching)
+    # Decoration has no kernel name: the notice names the configs and is issued at the caller's line.
+    warn_once(
+        ("autotune_configs", tuple(config_signature(c) for c in configs)),
+        "autotune_configs shrank %d configs to the cheapest by static cost (%s) under deterministic "
+        "mode (at decoration, where no table is read): every key of this kernel launches it. That "
+        "is pinned but can be slow: %s. To be pinned and fast, pass the whole list to "
+        "@triton.autotune and %s.",
+        len(configs),
+        config_signature(chosen),
+        CHEAPEST_COST,
+        FIX_A_MISS,
+    )
+    return [chosen]
 
 
 # Modes that launch one config per (kernel, key) for every rank and run without measuring at

@@ -58,6 +58,25 @@ def arch_tag() -> str:
     return _arch_for_device(torch.cuda.current_device())
 
 
+def node_arch() -> str | None:
+    """The arch every visible device shares, read by device index; ``None`` when they differ.
+
+    For what is needed before a rank has picked its device (``auto`` mode's default cache folder
+    at init): ``torch.cuda.current_device()`` would be device 0 on a rank that installs before
+    ``torch.cuda.set_device(local_rank)``. On a node of one GPU model the answer is exact whatever
+    the rank's device; on a mixed node only the launching device can tell (``arch_tag``)."""
+    if _interpreter_active():
+        return "unknown"
+    try:
+        import torch
+    except ImportError:
+        return "unknown"
+    if not torch.cuda.is_available():
+        return "unknown"
+    archs = {_arch_for_device(index) for index in range(torch.cuda.device_count())}
+    return archs.pop() if len(archs) == 1 else None
+
+
 def _arch_for_device(index: int) -> str:
     import torch
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from ..core import env
@@ -59,16 +60,17 @@ def default_cache_dir() -> Path:
     return Path(platformdirs.user_cache_dir("megatron_tuning", appauthor=False))
 
 
-def cache_path(policy: TuningPolicy, arch: str) -> str | None:
+def cache_path(policy: TuningPolicy, arch: str | Callable[[], str]) -> str | None:
     """The cache file for ``arch``: the policy's ``cache``, else ``MEGATRON_TUNING_CACHE`` (read now,
     as ``MEGATRON_TUNING_TABLE`` is for a policy built in code), else the per-user default.
-    ``None`` when the cache is ``off``."""
+    ``None`` when the cache is ``off``. A callable ``arch`` is called only for the default folder,
+    so a named cache file never reads the GPU."""
     chosen = policy.cache or cache_from_env()  # by the knob rule: "OFF" and "0" are off, not files
     if chosen == CACHE_OFF:
         return None
     if chosen:
         return os.path.abspath(os.path.expanduser(chosen))
-    return str(default_cache_dir() / arch / CACHE_FILE_NAME)
+    return str(default_cache_dir() / (arch if isinstance(arch, str) else arch()) / CACHE_FILE_NAME)
 
 
 def cache_max_entries() -> int:
@@ -78,7 +80,7 @@ def cache_max_entries() -> int:
     return DEFAULT_MAX_ENTRIES if value is None else value
 
 
-def open_cache(policy: TuningPolicy, arch: str) -> AutoCache | None:
+def open_cache(policy: TuningPolicy, arch: str | Callable[[], str]) -> AutoCache | None:
     """Load the cache ``policy`` names for ``arch`` (missing file: empty); ``None`` when off or corrupt.
 
     Reads ``MEGATRON_TUNING_CACHE_MAX_ENTRIES`` (a bad value raises ``PolicyError``).

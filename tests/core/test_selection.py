@@ -286,7 +286,7 @@ def test_chaos_with_one_candidate_and_bad_rank(monkeypatch):
 # ------------------------------------------------------------------ decoration helpers
 
 
-def test_autotune_configs(monkeypatch):
+def test_autotune_configs(monkeypatch, notices):
     monkeypatch.delenv("MEGATRON_TUNING_MODE", raising=False)
     assert autotune_configs(sk.ADD_CONFIGS) == sk.ADD_CONFIGS
     monkeypatch.setenv("MEGATRON_TUNING_MODE", "deterministic")
@@ -298,7 +298,25 @@ def test_autotune_configs(monkeypatch):
         autotune_configs(sk.ADD_CONFIGS)
 
 
-def test_autotune_configs_follows_torch_determinism(monkeypatch):
+def test_autotune_configs_says_once_per_list_that_it_pinned_the_cheapest(monkeypatch, notices):
+    monkeypatch.delenv("MEGATRON_TUNING_MODE", raising=False)
+    monkeypatch.delenv("MEGATRON_TUNING_BLOCK_SIZES", raising=False)
+    reset_warnings()
+    autotune_configs(sk.ADD_CONFIGS)
+    assert not notices.matching("autotune_configs")  # the list is returned whole: nothing to say
+    monkeypatch.setenv("MEGATRON_TUNING_MODE", "deterministic")
+    autotune_configs(sk.ADD_CONFIGS)
+    autotune_configs(sk.ADD_CONFIGS)
+    (notice,) = notices.matching("autotune_configs shrank")
+    assert f"{len(sk.ADD_CONFIGS)} configs to the cheapest" in notice
+    assert config_signature(sk.ADD_CONFIGS[0]) in notice and "12-14%" in notice
+    assert "MEGATRON_TUNING_MODE=auto" in notice and "megatron_tuning tune" in notice
+    reset_warnings()  # a new policy reports again
+    autotune_configs(sk.ADD_CONFIGS)
+    assert len(notices.matching("autotune_configs shrank")) == 2
+
+
+def test_autotune_configs_follows_torch_determinism(monkeypatch, notices):
     monkeypatch.delenv("MEGATRON_TUNING_MODE", raising=False)
     torch.use_deterministic_algorithms(True)
     try:
