@@ -6,12 +6,15 @@
 
 **GPU mode** (default): one process, one 1024-element add-one kernel (the GPU work is negligible,
 so launches/s measures host overhead), every path launched with the same callable grid:
-``bare`` (the ``@triton.jit`` twin with a fixed block size), ``triton_hit`` (stock
-``@triton.autotune`` after its first call), ``one_config`` (a one-config ``@triton.autotune``, no
-key built) and ``pinned`` (the autotuned kernel under the interception, deterministic policy, a
-table entry pinning the config Triton chose). Trials interleave the paths in rotating order; the
-interception is installed only around the pinned path's trials. Goal (issue 18): pinned <= 1.05x
-bare per launch.
+``bare`` (the ``@triton.jit`` twin with a fixed block size), ``bare_same_config`` (the twin
+launched as a hand-written launch of the pinned config: its block size, and its compile options
+where they differ from Triton's defaults), ``triton_hit`` (stock ``@triton.autotune`` after its
+first call), ``one_config`` (a one-config ``@triton.autotune``, no key built), ``pinned`` (the
+autotuned kernel under the interception, deterministic policy, a table entry pinning the config
+Triton chose) and ``pinned_all_options`` (the same with every compile option passed, as before the
+launch record left out the defaults: ``launches.make_launch``). Trials interleave the paths in
+rotating order; the interception is installed only around the pinned paths' trials. Goal
+(issue 18): pinned <= 1.05x bare per launch.
 
 **CPU mode** (``--cpu``): the same kernel with its ``fn.run`` replaced by a no-op, so only the
 Python around the launch is timed: ``direct`` (the no-op called with the launch keywords),
@@ -33,7 +36,7 @@ from typing import Any
 
 import common
 
-GPU_PATHS = ("bare", "triton_hit", "one_config", "pinned")
+GPU_PATHS = ("bare", "bare_same_config", "triton_hit", "one_config", "pinned", "pinned_all_options")
 CPU_PATHS = ("direct", "triton_hit", "pinned")
 CPU_GOAL_ADDED_US = 1.5
 CPU_GOAL_SHARE = 0.2
@@ -72,19 +75,29 @@ def measure_gpu(args: argparse.Namespace) -> dict[str, list[float]]:
     one = triton.autotune(configs=[tiny.ADD_ONE_CONFIGS[2]], key=["n"])(tiny.add_one_kernel.fn)
     if args.smoke:
         common.allow_stock_autotune_on_cpu(tiny.add_one_kernel)
+    same_config: dict[str, Any] = {}  # the pinned config as a hand-written launch names it
     calls: dict[str, Callable[[], Any]] = {
         "bare": lambda: tiny.add_one_bare_kernel[grid](x, y, n, BLOCK=tiny.BARE_BLOCK),
+        "bare_same_config": lambda: tiny.add_one_bare_kernel[grid](x, y, n, **same_config),
         "triton_hit": lambda: tiny.add_one_kernel[grid](x, y, n),
         "one_config": lambda: one[grid](x, y, n),
         "pinned": lambda: tiny.add_one_kernel[grid](x, y, n),
+        "pinned_all_options": lambda: tiny.add_one_kernel[grid](x, y, n),
     }
     per_launch: dict[str, list[float]] = {p: [] for p in GPU_PATHS}
     for trial in range(args.trials + 1):  # trial 0 warms every path up (compile, autotune, first use)
+        if trial == 0:
+            tiny.add_one_kernel[grid](x, y, n)  # Triton picks its config first: every path uses it
+            same_config.update(_hand_written(tiny.add_one_kernel.best_config))
         for path in common.rotated(GPU_PATHS, trial):
-            if path == "pinned":
+            restore = None
+            if path.startswith("pinned"):
                 # Pin what Triton's hit path launches, so both run the same config and only the
-                # host-side path differs (trial 0 runs triton_hit before pinned).
+                # host-side path differs.
                 table = _pin_table(tiny.add_one_kernel, tiny.add_one_kernel.best_config, (x, y, n))
+                if path == "pinned_all_options":  # the ablation: no option left to Triton's default
+                    restore = interception.launch_option_defaults
+                    interception.launch_option_defaults = dict
                 interception.install(_policy(), table=table)
             try:
                 call = calls[path]
@@ -97,12 +110,35 @@ def measure_gpu(args: argparse.Namespace) -> dict[str, list[float]]:
                 common.synchronize(args.smoke)
                 elapsed = time.perf_counter() - start
             finally:
-                if path == "pinned":
+                if path.startswith("pinned"):
                     interception.uninstall()
+                if restore is not None:
+                    interception.launch_option_defaults = restore
             if trial:
                 per_launch[path].append(elapsed / args.launches * 1e6)
     torch.testing.assert_close(y, x + 1)
+    if not args.smoke:
+        _check_compiled(tiny.add_one_kernel)
     return per_launch
+
+
+def _hand_written(config: Any) -> dict[str, Any]:
+    """The keywords a hand-written launch of ``config`` passes: its kwargs, and the compile options
+    that differ from what Triton compiles with when they are left out."""
+    from megatron_tuning.runtime.triton_compat import launch_option_defaults
+
+    defaults = launch_option_defaults()
+    return {k: v for k, v in config.all_kwargs().items() if k not in defaults or defaults[k] != v}
+
+
+def _check_compiled(kernel: Any) -> None:
+    """Every kernel the autotuned function compiled has the pinned config's warps and stages:
+    leaving default options out of a launch must compile the same kernel."""
+    config = kernel.best_config
+    compiled = [k for cache in kernel.fn.device_caches.values() for k in cache[0].values()]
+    seen = {(k.metadata.num_warps, k.metadata.num_stages) for k in compiled}
+    assert seen == {(config.num_warps, config.num_stages)}, f"compiled {seen}, pinned {config}"
+    print(f"compiled kernels of the autotuned function: {len(compiled)}, all with warps/stages {seen}")
 
 
 def summarize_gpu(per_launch: dict[str, list[float]]) -> dict[str, Any]:
@@ -127,6 +163,10 @@ def summarize_gpu(per_launch: dict[str, list[float]]) -> dict[str, Any]:
     ratio = summary["pinned"]["vs_bare"]
     goal = {"pinned_vs_bare_max": GPU_GOAL_VS_BARE, "met": ratio <= GPU_GOAL_VS_BARE}
     print(f"goal pinned <= {GPU_GOAL_VS_BARE}x bare: {'met' if goal['met'] else 'MISSED'} ({ratio:.3f}x)")
+    median = {path: summary[path]["us_per_launch"]["median"] for path in GPU_PATHS}
+    same = median["pinned"] / median["bare_same_config"]
+    goal["pinned_vs_bare_same_config"] = same
+    print(f"pinned vs a hand-written launch of the same config: {same:.3f}x")
     return {"summary": summary, "goal": goal}
 
 

@@ -52,7 +52,7 @@ from ..core.policy import TuningPolicy
 from ..core.warn import reset_warnings
 from . import inductor, pinning
 from .auto import Consensus, Measure
-from .launches import Launch, compile_run, launch_key, raw_key, specialize_find
+from .launches import Launch, compile_run, launch_key, make_launch, raw_key, specialize_find
 from .pinning import (
     PINNED_ATTR,
     STATE_ATTR,
@@ -64,7 +64,13 @@ from .pinning import (
     installed,
     state_for,
 )
-from .triton_compat import acquire_lazy_init, autotuner_class, check_triton_contract, release_lazy_init
+from .triton_compat import (
+    acquire_lazy_init,
+    autotuner_class,
+    check_triton_contract,
+    launch_option_defaults,
+    release_lazy_init,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -172,7 +178,7 @@ def _make_run(original: Any) -> Any:
             if launch is not None:
                 if pinning.flush_pending:  # the one hook on this path: work due at a repeated launch
                     pinning.run_pending_flush()
-                config, options = launch
+                config, options, _ = launch
                 # Triton's cache-hit launch: Config.pre_hook sees the full argument dict, then fn.run.
                 self.best_config = config
                 if config.pre_hook is not None:
@@ -190,7 +196,7 @@ def _first_launch(original: Any, autotuner: Any, args: tuple[Any, ...], kwargs: 
     if pinned is not None:  # a compiled graph's one-config copy: decided when it was traced
         if pinning.flush_pending:
             pinning.run_pending_flush()
-        return _launch(autotuner, Launch(pinned, pinned.all_kwargs()), args, kwargs)
+        return _launch(autotuner, make_launch(pinned, launch_option_defaults()), args, kwargs)
     installation = pinning.active
     if installation is None or installation.policy.mode == "off":
         return original(autotuner, *args, **kwargs)
@@ -207,7 +213,7 @@ def _first_launch(original: Any, autotuner: Any, args: tuple[Any, ...], kwargs: 
         config = decide(autotuner, state, installation, raw, args, kwargs)
     elif pinning.flush_pending:  # a key decided before (another call pattern, compiled code): a repeat
         pinning.run_pending_flush()
-    launch = Launch(config, config.all_kwargs())
+    launch = make_launch(config, launch_option_defaults())
     if len(state.launches) < pinning.MAX_LAUNCHES:
         if not state.launches:  # the first launch's call pattern is the one compiled for speed
             specialize_find(state, args)
@@ -242,7 +248,7 @@ def _arm(
 
 def _launch(autotuner: Any, launch: Launch, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Triton's cache-hit launch (``run``'s hit path does the same inline, to save a call)."""
-    config, options = launch
+    config, options, _ = launch
     autotuner.best_config = config
     if config.pre_hook is not None:
         config.pre_hook({**dict(zip(autotuner.arg_names, args)), **kwargs, **options})

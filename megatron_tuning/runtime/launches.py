@@ -33,7 +33,23 @@ class Launch(NamedTuple):
     config: Any
     """The decided live ``Config`` (its ``pre_hook`` is read at every launch)."""
     options: dict[str, Any]
-    """``config.all_kwargs()``, merged into every ``fn.run`` call (never handed out to be mutated)."""
+    """``config.all_kwargs()``: what ``Config.pre_hook`` sees, and what a launch passes to
+    ``fn.run`` beside the caller's keywords (never handed out to be mutated)."""
+    run_options: dict[str, Any]
+    """``options`` less the compile options equal to the backend's defaults (``make_launch``):
+    what the compiled hit path passes to ``fn.run``, where the caller passes no keywords of its own."""
+
+
+def make_launch(config: Any, defaults: dict[str, Any]) -> Launch:
+    """The launch record of ``config``: ``defaults`` (``triton_compat.launch_option_defaults``)
+    are the compile options ``fn.run`` fills in itself, so passing them changes no kernel and only
+    lengthens Triton's per-launch cache key. A caller's own keywords take the full ``options``, so
+    an option passed twice still fails as it does under Triton."""
+    options = config.all_kwargs()
+    run_options = {
+        name: value for name, value in options.items() if name not in defaults or defaults[name] != value
+    }
+    return Launch(config, options, run_options)
 
 
 MAX_LAUNCHES = 4096
@@ -201,12 +217,12 @@ def compile_run(
         "        if launch is not None:",
         "            if flags.flush_pending:",
         "                flags.run_pending_flush()",
-        "            config, options = launch",
+        "            config, options, run_options = launch",
         "            autotuner.best_config = config",
         "            if config.pre_hook is not None:  # the full argument dict, as on Triton's hit path",
         "                named = dict(zip(arg_names, args))",
         "                config.pre_hook({**named, 'grid': grid, 'warmup': warmup, **options})",
-        "            return autotuner.fn.run(*args, grid=grid, warmup=warmup, **options)",
+        "            return autotuner.fn.run(*args, grid=grid, warmup=warmup, **run_options)",
         "    if warmup is not _ABSENT:",
         "        kwargs = {'warmup': warmup, **kwargs}",
         "    if grid is not _ABSENT:",

@@ -66,6 +66,37 @@ def check_triton_contract() -> None:
         )
 
 
+LAUNCH_OPTIONS = ("num_warps", "num_ctas", "num_stages", "maxnreg")
+"""The compile options ``Config.all_kwargs()`` adds to a launch, beside the config's own kwargs."""
+
+
+def launch_option_defaults() -> dict[str, Any]:
+    """What ``JITFunction.run`` compiles with for each of ``LAUNCH_OPTIONS`` left out of a launch
+    (the active backend's ``parse_options({})`` for the current target); ``{}`` where that cannot
+    be read (the interpreter, no GPU driver), so nothing is left out there.
+
+    Read once per decision, never per launch. Triton turns the options of every launch into
+    its kernel cache key (``str(options)``), so each option passed costs every launch; one equal
+    to the default compiles the same kernel whether passed or not."""
+    try:
+        from triton.compiler.compiler import make_backend
+        from triton.runtime.driver import driver
+
+        target = driver.active.get_current_target()
+    except Exception:  # noqa: BLE001 - no active GPU driver (CPU, interpreter): keep every option
+        return {}
+    return dict(_defaults_for(target, make_backend))
+
+
+@functools.lru_cache(maxsize=8)
+def _defaults_for(target: Any, make_backend: Any) -> tuple[tuple[str, Any], ...]:
+    try:
+        options = make_backend(target).parse_options({})
+    except Exception:  # noqa: BLE001 - a backend that needs more to parse: keep every option
+        return ()
+    return tuple((name, getattr(options, name)) for name in LAUNCH_OPTIONS if hasattr(options, name))
+
+
 def triton_cache_key(autotuner: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
     """The key Triton's own ``Autotuner.run`` files a call under in ``autotuner.cache`` (3.2+).
 

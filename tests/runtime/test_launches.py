@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+import triton
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -21,8 +22,16 @@ from megatron_tuning.core.decisions import decision_log, get_decisions
 from megatron_tuning.core.identity import config_data, kernel_id, tuning_key
 from megatron_tuning.core.policy import TuningPolicy
 from megatron_tuning.runtime import interception, pinning
-from megatron_tuning.runtime.launches import Launch, compile_run, launch_key, raw_key, specialize_find
+from megatron_tuning.runtime.launches import (
+    Launch,
+    compile_run,
+    launch_key,
+    make_launch,
+    raw_key,
+    specialize_find,
+)
 from megatron_tuning.runtime.pinning import STATE_ATTR
+from megatron_tuning.runtime.triton_compat import launch_option_defaults
 
 from .. import support_kernels as sk
 from ..support_kernels import grid
@@ -263,7 +272,7 @@ def test_launch_keys_are_exact_and_the_compiled_lookup_agrees_with_the_generic_o
     )
     specialize_find(state, first[0])
     for args, kwargs in [first, *calls[:-1]]:  # a record each (the last call may find none)
-        state.launches.setdefault(launch_key(state, args, kwargs), Launch(object(), {}))
+        state.launches.setdefault(launch_key(state, args, kwargs), Launch(object(), {}, {}))
     for args, kwargs in [first, *calls]:
         assert state.find(args, kwargs) is state.launches.get(launch_key(state, args, kwargs))
     for (args_a, kw_a), (args_b, kw_b) in itertools.combinations([first, *calls], 2):
@@ -286,7 +295,8 @@ def test_the_compiled_instance_run_launches_exactly_the_record_launch_key_finds(
         arg_names=tuple(sk.scale_add.arg_names),
     )
     for i, (args, kwargs) in enumerate([first, *calls[:-1]]):
-        record = Launch(types.SimpleNamespace(pre_hook=None), {"BLOCK_SIZE": i})
+        options = {"BLOCK_SIZE": i, "num_warps": 4}
+        record = Launch(types.SimpleNamespace(pre_hook=None), options, {"BLOCK_SIZE": i})
         state.launches.setdefault(launch_key(state, args, kwargs), record)
     launched: list[tuple[Any, ...]] = []
     autotuner = types.SimpleNamespace(best_config=None)
@@ -309,7 +319,7 @@ def test_the_compiled_instance_run_launches_exactly_the_record_launch_key_finds(
         assert got_args == args
         if path == "fast":  # only ever the record the class path would find, with its options
             assert record is not None and autotuner.best_config is record.config
-            assert got_kwargs == {**kwargs, **record.options}
+            assert got_kwargs == {**kwargs, **record.run_options}
         else:  # everything else reaches the class path unchanged, grid and warmup first as
             # kernel[grid](...) passes them (the order the generated function cannot see)
             assert got_kwargs == kwargs
@@ -323,3 +333,43 @@ def test_the_compiled_instance_run_launches_exactly_the_record_launch_key_finds(
         launched.clear()
         run(*args, **kwargs)
         assert launched[0][0] == "slow"
+
+
+def test_a_launch_record_leaves_out_only_compile_options_equal_to_the_backends_defaults():
+    config = triton.Config({"BLOCK_SIZE": 64}, num_warps=4, num_stages=2)
+    launch = make_launch(config, {"num_warps": 4, "num_stages": 3, "num_ctas": 1})
+    assert launch.options == config.all_kwargs()  # what Config.pre_hook sees: everything
+    # num_warps and num_ctas are what fn.run compiles with when they are left out; num_stages is not
+    assert launch.run_options == {
+        k: v for k, v in config.all_kwargs().items() if k not in ("num_warps", "num_ctas")
+    }
+    assert make_launch(config, {}).run_options == config.all_kwargs()  # defaults unknown: pass all
+
+
+def test_launch_option_defaults_are_none_without_a_gpu_driver():
+    assert launch_option_defaults() == {}  # the interpreter: every option is passed, as Triton does
+
+
+def test_the_compiled_run_gives_pre_hook_every_option_and_fn_run_the_trimmed_ones():
+    hooked: list[dict[str, Any]] = []
+    config = types.SimpleNamespace(pre_hook=hooked.append)
+    state = pinning.AutotunerState(
+        generation=0,
+        in_scope=True,
+        kernel="k",
+        key_index=(("n", 3),),
+        arg_names=tuple(sk.scale_add.arg_names),
+    )
+    args = (torch.zeros(4), torch.zeros(4), torch.zeros(4), 4, 1.0)
+    state.launches[launch_key(state, args, {"grid": 1, "warmup": False})] = Launch(
+        config, {"BLOCK_SIZE": 8, "num_warps": 4}, {"BLOCK_SIZE": 8}
+    )
+    launched: list[dict[str, Any]] = []
+    autotuner = types.SimpleNamespace(best_config=None)
+    autotuner.fn = types.SimpleNamespace(run=lambda *a, **kw: launched.append(kw))
+    serves = object()
+    flags = types.SimpleNamespace(active=serves, flush_pending=False)
+    run = compile_run(state, autotuner, args, serves=serves, flags=flags, slow=None)
+    run(*args, grid=1, warmup=False)
+    assert launched == [{"grid": 1, "warmup": False, "BLOCK_SIZE": 8}]
+    assert hooked[0]["num_warps"] == 4 and hooked[0]["BLOCK_SIZE"] == 8 and hooked[0]["n"] == 4
