@@ -118,7 +118,7 @@ def measure_gpu(args: argparse.Namespace) -> dict[str, list[float]]:
                 per_launch[path].append(elapsed / args.launches * 1e6)
     torch.testing.assert_close(y, x + 1)
     if not args.smoke:
-        _check_compiled(tiny.add_one_kernel)
+        _check_compiled(tiny.add_one_kernel, (x, y, n), grid)
     return per_launch
 
 
@@ -131,14 +131,19 @@ def _hand_written(config: Any) -> dict[str, Any]:
     return {k: v for k, v in config.all_kwargs().items() if k not in defaults or defaults[k] != v}
 
 
-def _check_compiled(kernel: Any) -> None:
-    """Every kernel the autotuned function compiled has the pinned config's warps and stages:
+def _check_compiled(kernel: Any, args: tuple[Any, ...], grid: Any) -> None:
+    """The kernel the pinned path's options compile has the pinned config's warps and stages:
     leaving default options out of a launch must compile the same kernel."""
+    from megatron_tuning.runtime.launches import make_launch
+    from megatron_tuning.runtime.triton_compat import launch_option_defaults
+
     config = kernel.best_config
-    compiled = [k for cache in kernel.fn.device_caches.values() for k in cache[0].values()]
-    seen = {(k.metadata.num_warps, k.metadata.num_stages) for k in compiled}
-    assert seen == {(config.num_warps, config.num_stages)}, f"compiled {seen}, pinned {config}"
-    print(f"compiled kernels of the autotuned function: {len(compiled)}, all with warps/stages {seen}")
+    launch = make_launch(config, launch_option_defaults())
+    compiled = kernel.fn.run(*args, grid=grid, warmup=True, **launch.run_options)
+    got = (compiled.metadata.num_warps, compiled.metadata.num_stages)
+    assert got == (config.num_warps, config.num_stages), f"compiled {got}, pinned {config}"
+    left_out = sorted(set(launch.options) - set(launch.run_options))
+    print(f"pinned launch leaves out {left_out}; its compiled kernel has warps/stages {got}, as pinned")
 
 
 def summarize_gpu(per_launch: dict[str, list[float]]) -> dict[str, Any]:
