@@ -45,16 +45,23 @@ def _interpreter_active() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
 
 
-def arch_tag() -> str:
-    """``sm<major><minor>`` of the current CUDA device; ``unknown`` off-GPU or under the interpreter."""
+def _cuda_usable() -> bool:
+    """Whether kernels run on a CUDA/HIP device here (not the interpreter, torch with a GPU)."""
     if _interpreter_active():
-        return "unknown"
+        return False
     try:
         import torch
     except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def arch_tag() -> str:
+    """``sm<major><minor>`` of the current CUDA device; ``unknown`` off-GPU or under the interpreter."""
+    if not _cuda_usable():
         return "unknown"
-    if not torch.cuda.is_available():
-        return "unknown"
+    import torch
+
     return _arch_for_device(torch.cuda.current_device())
 
 
@@ -65,14 +72,10 @@ def node_arch() -> str | None:
     at init): ``torch.cuda.current_device()`` would be device 0 on a rank that installs before
     ``torch.cuda.set_device(local_rank)``. On a node of one GPU model the answer is exact whatever
     the rank's device; on a mixed node only the launching device can tell (``arch_tag``)."""
-    if _interpreter_active():
+    if not _cuda_usable():
         return "unknown"
-    try:
-        import torch
-    except ImportError:
-        return "unknown"
-    if not torch.cuda.is_available():
-        return "unknown"
+    import torch
+
     archs = {_arch_for_device(index) for index in range(torch.cuda.device_count())}
     return archs.pop() if len(archs) == 1 else None
 
