@@ -196,7 +196,8 @@ def _first_launch(original: Any, autotuner: Any, args: tuple[Any, ...], kwargs: 
     if pinned is not None:  # a compiled graph's one-config copy: decided when it was traced
         if pinning.flush_pending:
             pinning.run_pending_flush()
-        return _launch(autotuner, make_launch(pinned, launch_option_defaults()), args, kwargs)
+        # ``_launch`` passes every option (callers' keywords may be there): no defaults to read.
+        return _launch(autotuner, make_launch(pinned, {}), args, kwargs)
     installation = pinning.active
     if installation is None or installation.policy.mode == "off":
         return original(autotuner, *args, **kwargs)
