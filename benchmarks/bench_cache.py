@@ -25,14 +25,14 @@ Parts (``--parts``, default all):
 
 ``--repo DIR`` imports ``megatron_tuning`` from another checkout (e.g. ``git archive`` of an older
 commit) for a before/after comparison; the CLI checks always use this checkout's.
+
+Code: this script is the parent (parts, repeats, summary); ``cache_children`` holds the entries
+and what each child process measures.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
-import logging
 import os
 import platform
 import shutil
@@ -41,187 +41,16 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-RESULT_MARK = "RESULT "
-ARCH = "sm90"
+import common
+from cache_children import ARCH, CHILDREN
+
+REPO = common.REPO
 
 
-# -- entries ---------------------------------------------------------------------------------------
-def make_decisions(start: int, count: int, *, tag: str = "") -> list[Any]:
-    """``count`` decisions with keys numbered from ``start``; ``tag`` makes keys distinct per writer."""
-    from megatron_tuning.core.decisions import Decision
-
-    pad = "x" * int(os.environ.get("BENCH_CACHE_KEY_PAD", "0"))  # --key-pad: longer keys
-    tag = f"{tag}, pad={pad}" if pad else tag
-    out = []
-    for index in range(start, start + count):
-        kernel = f"pkg.ops.kernels_{index % 4}:kernel_{index % 40}"
-        m = 16 * (index // 40 + 1)
-        block_n = (64, 128, 256)[index % 3]
-        config = {
-            "kwargs": {"BLOCK_M": 128, "BLOCK_N": block_n, "BLOCK_K": 64, "GROUP_M": 8},
-            "num_warps": 4 if index % 2 else 8,
-            "num_stages": 3 + index % 3,
-            "num_ctas": 1,
-            "maxnreg": None,
-        }
-        adopted = index % 4 == 3
-        out.append(
-            Decision(
-                kernel=kernel,
-                key=f"M={m}, N=4096, K=4096, stride_am=4096, stride_ak=1, stride_bk=4096, stride_bn=1, "
-                f"stride_cm=4096, stride_cn=1{tag} | a_ptr:torch.bfloat16, b_ptr:torch.bfloat16, "
-                "c_ptr:torch.bfloat16",
-                signature=f"BLOCK_N={block_n}",
-                source="adopted" if adopted else "tuned",
-                config=config,
-                arch=ARCH,
-                origin=f"rank {index % 8}" if adopted else None,
-                source_hash=hashlib.sha256(kernel.encode()).hexdigest(),
-                timings=None
-                if adopted
-                else {
-                    "median_ms": 0.5 + (index % 97) / 100,
-                    "spread_ms": 0.01,
-                    "samples": 50,
-                    "candidates": 16,
-                },
-            )
-        )
-    return out
-
-
-def _policy(path: str) -> Any:
-    from megatron_tuning.core.policy import TuningPolicy
-
-    return TuningPolicy(mode="auto", cache=path, use_shipped_tables=False)
-
-
-def _open(path: str) -> Any:
-    from megatron_tuning.tables.cache import open_cache
-
-    return open_cache(_policy(path), ARCH)
-
-
-class _Warnings(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
-def _capture() -> _Warnings:
-    handler = _Warnings()
-    logging.getLogger("megatron_tuning").addHandler(handler)
-    return handler
-
-
-# -- children (each prints one RESULT line) --------------------------------------------------------
-def child_build(path: str, count: int) -> dict[str, Any]:
-    cache = _open(path)
-    start = time.perf_counter()
-    written = cache.persist(make_decisions(0, count))
-    return {"persisted": written, "seconds": time.perf_counter() - start, "bytes": os.path.getsize(path)}
-
-
-def _timed(fn: Any, *args: Any) -> tuple[Any, float, float]:
-    """``fn(*args)``, its wall time and this process's CPU time: on a shared machine the CPU time
-    is what the call costs, the wall time what it cost here and now."""
-    wall, cpu = time.perf_counter(), time.process_time()
-    out = fn(*args)
-    return out, time.perf_counter() - wall, time.process_time() - cpu
-
-
-def child_init(path: str) -> dict[str, Any]:
-    from megatron_tuning.tables.search import TableSet
-
-    def init() -> Any:
-        cache = _open(path)
-        TableSet.from_policy(_policy(path), cache=(cache.path, cache.table))
-        return cache
-
-    cache, wall, cpu = _timed(init)
-    return {"init_s": wall, "init_cpu_s": cpu, "entries": len(cache.table)}
-
-
-def child_persist(path: str, existing: int, new: int) -> dict[str, Any]:
-    cache = _open(path)
-    fresh = make_decisions(existing + 1_000_000, 2)
-    first, first_s, first_cpu = _timed(cache.persist, fresh[:1])
-    second, second_s, second_cpu = _timed(cache.persist, fresh)
-    before = os.stat(path).st_mtime_ns
-    other = _open(path)  # a second rank: every decision it made is already in the file
-    held = make_decisions(existing - new, new)  # the newest: a cap at --entries evicts the oldest
-    again, nothing_s, nothing_cpu = _timed(other.persist, held)
-    return {
-        "first_new_s": first_s,
-        "first_new_cpu_s": first_cpu,
-        "second_new_s": second_s,
-        "second_new_cpu_s": second_cpu,
-        "nothing_new_s": nothing_s,
-        "nothing_new_cpu_s": nothing_cpu,
-        "written": [first, second, again],
-        "rewrote_on_nothing_new": os.stat(path).st_mtime_ns != before,
-    }
-
-
-def child_concurrent(path: str, writer: int, new: int, start_at: float) -> dict[str, Any]:
-    warnings = _capture()
-    cache = _open(path)
-    decisions = make_decisions(0, new, tag=f", w={writer}")
-    while time.time() < start_at:
-        time.sleep(0.001)
-    written, wall, cpu = _timed(cache.persist, decisions)
-    return {
-        "writer": writer,
-        "seconds": wall,
-        "cpu_s": cpu,
-        "persisted": written,
-        "keys": [d.key for d in decisions] if written else [],
-        "warnings": warnings.messages[:3],
-    }
-
-
-def child_growth(path: str, round_: int, count: int) -> dict[str, Any]:
-    warnings = _capture()
-    start = time.perf_counter()
-    cache = _open(path)
-    open_s = time.perf_counter() - start
-    readable = cache is not None
-    entries_seen = len(cache.table) if cache is not None else None
-    written = 0
-    persist_s = 0.0
-    if cache is not None:
-        start = time.perf_counter()
-        written = cache.persist(make_decisions(round_ * count, count))
-        persist_s = time.perf_counter() - start
-    return {
-        "round": round_,
-        "readable_at_open": readable,
-        "entries_at_open": entries_seen,
-        "open_s": open_s,
-        "persisted": written,
-        "persist_s": persist_s,
-        "bytes_after": os.path.getsize(path) if os.path.exists(path) else 0,
-        "warnings": [m[:600] for m in warnings.messages[:4]],
-    }
-
-
-_CHILDREN = {
-    "build": (child_build, (str, int)),
-    "init": (child_init, (str,)),
-    "persist": (child_persist, (str, int, int)),
-    "concurrent": (child_concurrent, (str, int, int, float)),
-    "growth": (child_growth, (str, int, int)),
-}
-
-
-# -- parent ----------------------------------------------------------------------------------------
 MAX_ENTRIES: int | None = None  # --max-entries, passed to every child
 KEY_PAD = 0  # --key-pad
 
@@ -237,22 +66,13 @@ def _env(repo: Path) -> dict[str, str]:
 
 
 def _spawn(repo: Path, name: str, *args: Any) -> subprocess.Popen[str]:
-    command = [sys.executable, __file__, "--repo", str(repo), "--_child", name, *map(str, args)]
-    return subprocess.Popen(
-        command, env=_env(repo), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    return common.start_child(
+        "bench_cache.py", ["--repo", str(repo), "--_child", name, *map(str, args)], _env(repo)
     )
 
 
-def _result(proc: subprocess.Popen[str], timeout: float = 900) -> dict[str, Any]:
-    out, err = proc.communicate(timeout=timeout)
-    for line in out.splitlines():
-        if line.startswith(RESULT_MARK):
-            return dict(json.loads(line[len(RESULT_MARK) :]))
-    raise RuntimeError(f"child exited {proc.returncode} without a result:\n{out[-2000:]}\n{err[-3000:]}")
-
-
 def _run(repo: Path, name: str, *args: Any) -> dict[str, Any]:
-    return _result(_spawn(repo, name, *args))
+    return common.child_result(_spawn(repo, name, *args), timeout=900)
 
 
 def summarize_init(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -288,7 +108,7 @@ def part_concurrent(repo: Path, base: str, folder: Path, procs: int, new: int) -
     shutil.copyfile(base, path)
     start_at = time.time() + 3.0 + 0.4 * procs  # every child imported and opened before the gun
     children = [_spawn(repo, "concurrent", path, w, new, start_at) for w in range(procs)]
-    results = [_result(child) for child in children]
+    results = [common.child_result(child, timeout=900) for child in children]
     held = {e.key for e in load_table(path).values()}
     claimed = [key for r in results for key in r["keys"]]
     times = sorted(r["seconds"] for r in results)
@@ -352,21 +172,80 @@ def _cli_checks(path: Path, folder: Path) -> dict[str, Any]:
 
 
 def environment(repo: Path) -> dict[str, Any]:
-    commit = subprocess.run(
-        ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
     return {
         "python": platform.python_version(),
         "cpus": os.cpu_count(),
         "date": time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime()),
         "checkout": str(REPO),
-        "commit": commit or None,
+        "commit": common.git_commit(REPO),
         "library_from": str(repo),
         "load_average_at_start": os.getloadavg(),
     }
 
 
-def main() -> int:
+SUMMARIZE = {"init": summarize_init, "persist": summarize_persist, "concurrent": summarize_concurrent}
+
+
+def _alternating(
+    runs: list[tuple[str, Path]], repeat: int, measure: Callable[[int, str, Path], dict[str, Any]]
+) -> dict[str, list[dict[str, Any]]]:
+    """``measure(index, label, library)`` ``repeat`` times per library. Repeats alternate between
+    the libraries (ABBA...), so a machine whose load changes over minutes biases neither side."""
+    samples: dict[str, list[dict[str, Any]]] = {label: [] for label, _ in runs}
+    for index in range(repeat):
+        for label, where in common.alternated(runs, index):
+            samples[label].append(measure(index, label, where))
+    return samples
+
+
+def _measure(part: str, args: argparse.Namespace, folder: Path) -> Callable[[int, str, Path], dict[str, Any]]:
+    """One sample of ``part`` (init, persist or one concurrent round) on a copy of the base file."""
+
+    def measure(index: int, label: str, where: Path) -> dict[str, Any]:
+        base = str(folder / f"base-{label}.msgpack")
+        if part == "concurrent":
+            sub = folder / label / f"concurrent{index}"
+            sub.mkdir(parents=True, exist_ok=True)
+            return part_concurrent(where, base, sub, args.procs, args.new)
+        sub = folder / label
+        sub.mkdir(exist_ok=True)
+        if part == "init":
+            return _run(where, "init", base)
+        return run_persist(where, base, sub, index, args.entries, args.new)
+
+    return measure
+
+
+def run_parts(
+    args: argparse.Namespace, parts: list[str], runs: list[tuple[str, Path]], repo: Path, folder: Path
+) -> dict[str, dict[str, Any]]:
+    """Every part on every library in ``runs``; per label, what ``result["runs"]`` holds."""
+    out: dict[str, dict[str, Any]] = {label: {"library_from": str(where)} for label, where in runs}
+    for label, where in runs:
+        if set(parts) & {"init", "persist", "concurrent"}:
+            out[label]["build"] = _run(where, "build", folder / f"base-{label}.msgpack", args.entries)
+    for part in parts:
+        if part in SUMMARIZE:
+            repeat = args.concurrent_repeat if part == "concurrent" else args.repeat
+            samples = _alternating(runs, repeat, _measure(part, args, folder))
+            for label, _ in runs:
+                out[label][part] = SUMMARIZE[part](samples[label])
+            continue
+        for label, where in runs:  # growth: one library after the other
+            sub = folder / label
+            sub.mkdir(exist_ok=True)
+            out[label][part] = part_growth(where, sub, args.entries, args.rounds)
+        if args.compare:
+            # The upgrade: the new library's next run on the file the old one let grow.
+            grown = folder / "before" / "growth.msgpack"
+            upgrade = _run(repo, "growth", grown, args.rounds, args.entries)
+            out["before"]["growth"]["upgrade"] = upgrade | {
+                "cli_after": _cli_checks(grown, folder / "before")
+            }
+    return out
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -395,16 +274,19 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true", help="2,000 entries, 3 processes: the CI check")
     parser.add_argument("--out", default=None, help="write the JSON results here")
     parser.add_argument("--_child", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
     repo = Path(args.repo).resolve()
     sys.path.insert(0, str(repo))
     global MAX_ENTRIES, KEY_PAD
     MAX_ENTRIES, KEY_PAD = args.max_entries, args.key_pad
     if args._child:
         name, *raw = args._child
-        fn, types = _CHILDREN[name]
-        result = fn(*(kind(value) for kind, value in zip(types, raw)))
-        print(RESULT_MARK + json.dumps(result), flush=True)
+        fn, types = CHILDREN[name]
+        common.emit(fn(*(kind(value) for kind, value in zip(types, raw))))
         return 0
     if args.smoke:
         args.entries, args.procs, args.new, args.rounds, args.repeat = 2_000, 3, 20, 2, 1
@@ -415,61 +297,13 @@ def main() -> int:
         "environment": environment(repo),
         "entries": args.entries,
         "max_entries_setting": args.max_entries,
-        "runs": {label: {"library_from": str(where)} for label, where in runs},
     }
     with tempfile.TemporaryDirectory(prefix="bench_cache_") as scratch:
-        folder = Path(scratch)
-        for label, where in runs:
-            if set(parts) & {"init", "persist", "concurrent"}:
-                result["runs"][label]["build"] = _run(
-                    where, "build", folder / f"base-{label}.msgpack", args.entries
-                )
-        for part in parts:
-            if part in ("init", "persist"):
-                # Repeats alternate between the libraries (ABBA...), so a machine whose load
-                # changes over minutes biases neither side.
-                samples: dict[str, list[dict[str, Any]]] = {label: [] for label, _ in runs}
-                for index in range(args.repeat):
-                    for label, where in runs if index % 2 == 0 else runs[::-1]:
-                        base, sub = str(folder / f"base-{label}.msgpack"), folder / label
-                        sub.mkdir(exist_ok=True)
-                        if part == "init":
-                            samples[label].append(_run(where, "init", base))
-                        else:
-                            samples[label].append(
-                                run_persist(where, base, sub, index, args.entries, args.new)
-                            )
-                for label, _ in runs:
-                    summary = summarize_init if part == "init" else summarize_persist
-                    result["runs"][label][part] = summary(samples[label])
-                continue
-            if part == "concurrent":
-                rounds: dict[str, list[dict[str, Any]]] = {label: [] for label, _ in runs}
-                for index in range(args.concurrent_repeat):
-                    for label, where in runs if index % 2 == 0 else runs[::-1]:
-                        sub = folder / label / f"concurrent{index}"
-                        sub.mkdir(parents=True, exist_ok=True)
-                        base = str(folder / f"base-{label}.msgpack")
-                        rounds[label].append(part_concurrent(where, base, sub, args.procs, args.new))
-                for label, _ in runs:
-                    result["runs"][label][part] = summarize_concurrent(rounds[label])
-                continue
-            for label, where in runs:  # growth: one library after the other
-                sub = folder / label
-                sub.mkdir(exist_ok=True)
-                result["runs"][label][part] = part_growth(where, sub, args.entries, args.rounds)
-            if args.compare:
-                # The upgrade: the new library's next run on the file the old one let grow.
-                grown = folder / "before" / "growth.msgpack"
-                upgrade = _run(repo, "growth", grown, args.rounds, args.entries)
-                result["runs"]["before"]["growth"]["upgrade"] = upgrade | {
-                    "cli_after": _cli_checks(grown, folder / "before")
-                }
+        result["runs"] = run_parts(args, parts, runs, repo, Path(scratch))
     result["command"] = " ".join(["benchmarks/bench_cache.py", *sys.argv[1:]])
     result["environment"]["load_average_at_end"] = os.getloadavg()
     _print_summary(result)
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    common.write_json(args.out, result)
     return 0
 
 
