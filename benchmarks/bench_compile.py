@@ -87,18 +87,15 @@ def parent(args: argparse.Namespace) -> int:
     bypass = next((r for r in runs if r["variant"] == "bypass"), None)
     goals = check_goals(summary, bypass)
     _print(summary, bypass, goals, time.perf_counter() - started)
-    common.write_json(
+    common.write_results(
         args.out,
-        {
-            "benchmark": "compile",
-            "environment": common.environment(),
-            "processes": processes,
-            "kinds": kinds,
-            "summary": summary,
-            "bypass": bypass,
-            "goals": goals,
-            "runs": runs,
-        },
+        "compile",
+        processes=processes,
+        kinds=kinds,
+        summary=summary,
+        bypass=bypass,
+        goals=goals,
+        runs=runs,
     )
     return 0 if all(g["met"] for g in goals) or args.smoke else 1
 
@@ -283,10 +280,7 @@ def _counts(counter: dict[str, int]) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    common.add_common_arguments(parser)
+    parser = common.script_parser(__doc__)
     parser.add_argument(
         "--processes", type=int, default=None, help="fresh processes per variant and kind (default 3)"
     )

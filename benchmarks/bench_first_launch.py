@@ -156,18 +156,15 @@ def parent(args: argparse.Namespace) -> int:
             for c in summary
         ],
     )
-    common.write_json(
+    common.write_results(
         args.out,
-        {
-            "benchmark": "first_launch",
-            "environment": common.environment(),
-            "shape": args.shape,
-            "configs": CONFIG_COUNT,
-            "repeats": repeats,
-            "primer": primer,
-            "summary": summary,
-            "runs": runs,
-        },
+        "first_launch",
+        shape=args.shape,
+        configs=CONFIG_COUNT,
+        repeats=repeats,
+        primer=primer,
+        summary=summary,
+        runs=runs,
     )
     return 0
 
@@ -195,10 +192,7 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    common.add_common_arguments(parser)
+    parser = common.script_parser(__doc__)
     parser.add_argument("--repeats", type=int, default=None, help="processes per (mode, cache) (default 3)")
     parser.add_argument("--shape", type=int, nargs=3, default=[8192, 8192, 8192], metavar=("M", "N", "K"))
     parser.add_argument("--table", default=None, help=argparse.SUPPRESS)  # the child's table

@@ -264,10 +264,7 @@ def summarize_cpu(samples: dict[str, list[float]]) -> dict[str, Any]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    common.add_common_arguments(parser)
+    parser = common.script_parser(__doc__)
     parser.add_argument("--cpu", action="store_true", help="time the host path with a no-op kernel body")
     parser.add_argument("--launches", type=int, default=None, help="GPU: launches per trial (default 20000)")
     parser.add_argument("--trials", type=int, default=None, help="GPU: trials per path (default 7)")
@@ -281,17 +278,14 @@ def main() -> int:
         common.use_cpu_interpreter()
         samples = measure_cpu(args)
         result = summarize_cpu(samples)
-        common.write_json(
+        common.write_results(
             args.out,
-            {
-                "benchmark": "launch_overhead_cpu",
-                "environment": common.environment(),
-                "calls": args.calls,
-                "repeats": args.repeats,
-                "clock": args.clock,
-                **result,
-                "samples_us": samples,
-            },
+            "launch_overhead_cpu",
+            calls=args.calls,
+            repeats=args.repeats,
+            clock=args.clock,
+            **result,
+            samples_us=samples,
         )
         return 0
     if not common.require_device(args, "bench_launch_overhead"):
@@ -300,16 +294,13 @@ def main() -> int:
     args.trials = args.trials or (2 if args.smoke else 7)
     per_launch = measure_gpu(args)
     result = summarize_gpu(per_launch)
-    common.write_json(
+    common.write_results(
         args.out,
-        {
-            "benchmark": "launch_overhead",
-            "environment": common.environment(),
-            "launches": args.launches,
-            "trials": args.trials,
-            **result,
-            "samples_us": per_launch,
-        },
+        "launch_overhead",
+        launches=args.launches,
+        trials=args.trials,
+        **result,
+        samples_us=per_launch,
     )
     return 0
 

@@ -130,10 +130,7 @@ def _entries(path: str) -> dict[str, str]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    common.add_common_arguments(parser)
+    parser = common.script_parser(__doc__)
     parser.add_argument(
         "--rounds", type=int, default=None, help="interleaved rounds per candidate (default 5)"
     )

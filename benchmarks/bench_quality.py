@@ -71,10 +71,7 @@ def measure(args: argparse.Namespace, table_path: str | None) -> list[dict[str, 
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    common.add_common_arguments(parser)
+    parser = common.script_parser(__doc__)
     parser.add_argument("--table", default=None, help="pinned configs (default configs/sm90/matmul.msgpack)")
     parser.add_argument(
         "--rounds", type=int, default=None, help="interleaved rounds per candidate (default 5)"
@@ -103,15 +100,12 @@ def main() -> int:
             for r in rows
         ],
     )
-    common.write_json(
+    common.write_results(
         args.out,
-        {
-            "benchmark": "quality",
-            "environment": common.environment(),
-            "table": table,
-            "rounds": args.rounds,
-            "rows": rows,
-        },
+        "quality",
+        table=table,
+        rounds=args.rounds,
+        rows=rows,
     )
     return 0
 

@@ -156,16 +156,13 @@ def parent(args: argparse.Namespace) -> int:
             for s in summary
         ],
     )
-    common.write_json(
+    common.write_results(
         args.out,
-        {
-            "benchmark": "reproducibility",
-            "environment": common.environment(),
-            "processes": processes,
-            "table": table,
-            "summary": summary,
-            "runs": runs,
-        },
+        "reproducibility",
+        processes=processes,
+        table=table,
+        summary=summary,
+        runs=runs,
     )
     return 0
 
@@ -196,10 +193,7 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    common.add_common_arguments(parser)
+    parser = common.script_parser(__doc__)
     parser.add_argument("--processes", type=int, default=None, help="fresh processes per mode (default 10)")
     parser.add_argument(
         "--table", default=None, help="table for the pinned mode (default configs/sm90/matmul.msgpack)"

@@ -119,17 +119,14 @@ def parent(args: argparse.Namespace) -> int:
     for result in results:  # the per-candidate samples are in the plots; keep the JSON small
         for t in result["tuned"].values():
             t["timings"] = {k: v for k, v in t["timings"].items() if k not in ("samples", "configs")}
-    common.write_json(
+    common.write_results(
         args.out,
-        {
-            "benchmark": "retune",
-            "environment": common.environment(),
-            "processes": processes,
-            "rounds": args.rounds,
-            "tie_band": args.tie_band,
-            "summary": summary,
-            "runs": results,
-        },
+        "retune",
+        processes=processes,
+        rounds=args.rounds,
+        tie_band=args.tie_band,
+        summary=summary,
+        runs=results,
     )
     return 0
 
@@ -160,10 +157,7 @@ def summarize(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    common.add_common_arguments(parser)
+    parser = common.script_parser(__doc__)
     parser.add_argument("--processes", type=int, default=None, help="fresh processes (default 5)")
     parser.add_argument("--rounds", type=int, default=10, help="tuner rounds")
     parser.add_argument("--tie-band", type=float, default=0.02, help="tuner tie band")

@@ -113,10 +113,7 @@ def measure_shape(args: argparse.Namespace, shape: tuple[int, int, int]) -> dict
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    common.add_common_arguments(parser)
+    parser = common.script_parser(__doc__)
     parser.add_argument("--rounds", type=int, default=None, help="judge rounds per candidate (default 5)")
     parser.add_argument("--rep-ms", type=int, default=40, help="judge do_bench rep (ms) per sample")
     args = parser.parse_args()
@@ -145,16 +142,13 @@ def main() -> int:
     met = all(r["tuners"]["shipped"]["quality"] >= GOAL for r in rows)
     verdict = "met" if met else "MISSED"
     print(f"goal shipped tuner >= {100 * GOAL:.0f}% of the judge's best on every shape: {verdict}")
-    common.write_json(
+    common.write_results(
         args.out,
-        {
-            "benchmark": "tuner_judge",
-            "environment": common.environment(),
-            "rounds": args.rounds,
-            "rep_ms": args.rep_ms,
-            "goal": {"quality_min": GOAL, "met": met},
-            "rows": rows,
-        },
+        "tuner_judge",
+        rounds=args.rounds,
+        rep_ms=args.rep_ms,
+        goal={"quality_min": GOAL, "met": met},
+        rows=rows,
     )
     return 0
 

@@ -72,6 +72,7 @@ def _open(path: str) -> Any:
 
     return open_cache(_policy(path), ARCH)
 
+
 def child_build(path: str, count: int) -> dict[str, Any]:
     cache = _open(path)
     start = time.perf_counter()

@@ -12,7 +12,13 @@ its one front door, so a script's imports do not follow the harness's inner layo
 
 from __future__ import annotations
 
-from harness.cli import add_common_arguments, require_device, run_parent_or_child, use_cpu_interpreter
+from harness.cli import (
+    add_common_arguments,
+    require_device,
+    run_parent_or_child,
+    script_parser,
+    use_cpu_interpreter,
+)
 from harness.counters import (
     LaunchCounters,
     collect_log_warnings,
@@ -29,7 +35,7 @@ from harness.matmul import (
     tflops,
 )
 from harness.processes import REPO, RESULT_MARK, child_env, child_result, emit, run_child, start_child
-from harness.report import append_jsonl, dash, environment, git_commit, print_table, write_json
+from harness.report import append_jsonl, dash, environment, git_commit, print_table, write_json, write_results
 from harness.stats import alternated, median_or_none, quantiles, rotated, spread
 from harness.timing import (
     allow_stock_autotune_on_cpu,
@@ -71,6 +77,7 @@ __all__ = [
     "rotated",
     "run_child",
     "run_parent_or_child",
+    "script_parser",
     "shape_name",
     "spread",
     "start_child",
@@ -80,4 +87,5 @@ __all__ = [
     "time_ms",
     "use_cpu_interpreter",
     "write_json",
+    "write_results",
 ]

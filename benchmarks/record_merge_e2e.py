@@ -114,26 +114,20 @@ def parent(args: argparse.Namespace) -> int:
         f"{len(report['disagreements'])} of {report['entries']} merged entries had disagreeing recordings; "
         f"pinned run: {'every launch a table hit' if all_hits else 'NOT every launch a table hit'}"
     )
-    common.write_json(
+    common.write_results(
         args.out,
-        {
-            "benchmark": "record_merge_e2e",
-            "environment": common.environment(),
-            "processes": processes,
-            "merge": report,
-            "recorded": recorded,
-            "pinned": pinned["decisions"],
-            "rows": rows,
-        },
+        "record_merge_e2e",
+        processes=processes,
+        merge=report,
+        recorded=recorded,
+        pinned=pinned["decisions"],
+        rows=rows,
     )
     return 0 if all_hits else 1
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    common.add_common_arguments(parser)
+    parser = common.script_parser(__doc__)
     parser.add_argument("--processes", type=int, default=None, help="recording processes (default 4)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per child process")
     return common.run_parent_or_child(parser, "record_merge_e2e", child, parent)

@@ -19,6 +19,13 @@ from collections.abc import Callable
 _PROCESS_CONTEXTS = contextlib.ExitStack()
 
 
+def script_parser(doc: str | None) -> argparse.ArgumentParser:
+    """A benchmark's parser: its docstring as the help text, ``--smoke`` and ``--out`` added."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_arguments(parser)
+    return parser
+
+
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--smoke",

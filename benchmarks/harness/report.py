@@ -54,6 +54,11 @@ def write_json(path: str | None, payload: Mapping[str, Any]) -> None:
     print(f"results written to {target}")
 
 
+def write_results(path: str | None, benchmark: str, **fields: Any) -> None:
+    """A results file: the ``benchmark`` name, this run's ``environment()`` header, then ``fields``."""
+    write_json(path, {"benchmark": benchmark, "environment": environment(), **fields})
+
+
 def append_jsonl(path: str, record: Mapping[str, Any]) -> None:
     """Append one JSON line (a process's raw result) to ``path``."""
     target = Path(path)
