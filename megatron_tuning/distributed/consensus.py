@@ -8,9 +8,18 @@ A rank never waits for another rank: a lookup is one ``compare_set(key, "", "")`
 value, or an empty one it leaves for the publisher's ``compare_set(key, "", ours)``), a publish is
 one ``compare_set``. So no order of ranks, no pipeline stage that never reaches a kernel, and no
 peer stuck in a collective can stall a launch: one request per new key on the adopt path, two on
-the tune path. What crosses ranks is plain JSON text (the config's ``config_data`` and
-signature), never a pickle, and what comes back is checked: a record that is not the library's
-JSON, or names a rank outside the job, is a ``ConsensusError`` naming kernel, key and the value.
+the tune path.
+
+With the node tier (``tier.py``, large worlds) a miss makes **one request per node and key**: the
+lookup asks only the node's folder (a node-mate may hold the job's answer already; no request),
+and the publish is a publish-or-adopt ``compare_set`` made once for the node, its answer shared
+with the node-mates. In a job's first step every node reaches a key before anyone published it,
+so a store lookup would miss anyway; the price is that a node reaching a key some other node
+already published tunes it once more before it adopts the winner.
+
+What crosses ranks is plain JSON text (the config's ``config_data`` and signature), never a
+pickle, and what comes back is checked: a record that is not the library's JSON, or names a rank
+outside the job, is a ``ConsensusError`` naming kernel, key and the value.
 """
 
 from __future__ import annotations
@@ -74,18 +83,25 @@ class StoreConsensus:
         )
         self.requests = 0
         self.tier = tier
-        """The node tier (``tier.py``): lookups and publishes made once per node, not per rank."""
+        """The node tier (``tier.py``): lookups read the node's folder; a publish is made once per node."""
         self.cache_view: JobCacheView | None = None
         """Set by ``reconcile_cache``: how ``auto`` treats this rank's cache hits (``job_cache.py``)."""
 
     def reconcile_cache(self, path: str, table: Any) -> JobCacheView:
         """Offer this rank's auto cache to the job (once per session); see ``job_cache.reconcile``."""
-        self.cache_view = reconcile(self._store, self.rank, self.world, path, table)
+        self.cache_view = reconcile(self._store, self.rank, self.world, path, table, tier=self.tier)
         return self.cache_view
 
     def lookup(self, kernel: str, key: str, arch: str) -> Published | None:
-        """The decision published for (arch, kernel, key), or ``None``; one request, never waits."""
-        raw = self._ask(kernel, key, "lookup", _store_key(kernel, key, arch), "")
+        """The decision published for (arch, kernel, key), or ``None``; never waits.
+
+        One request; with the node tier none: only what a node-mate's publish left in the folder.
+        """
+        name = _store_key(kernel, key, arch)
+        if self.tier is not None:
+            raw = self.tier.peek(f"publish/{name}")
+            return None if raw is None else self._decode(raw, kernel, key)
+        raw = self._ask(kernel, key, "lookup", name, "")
         return None if not bytes(raw) else self._decode(raw, kernel, key)
 
     def publish(
@@ -117,8 +133,8 @@ class StoreConsensus:
 
         if self.tier is None:
             return ask()
-        # A cached "nothing published yet" is asked again once it is old; a publish's answer is final.
-        return self.tier.once(f"{purpose}/{name}", ask, reuse_empty=purpose != "lookup")
+        # A publish's answer (the job's winner) is final: the node's ranks share the one request.
+        return self.tier.once(f"{purpose}/{name}", ask)
 
     def _decode(self, raw: Any, kernel: str, key: str) -> Published:
         what = f"the decision published for kernel {kernel} with key {key}"
