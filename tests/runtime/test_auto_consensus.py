@@ -24,6 +24,7 @@ from megatron_tuning.core.identity import (
     kernel_source_hash,
 )
 from megatron_tuning.core.policy import TuningPolicy
+from megatron_tuning.distributed import consensus as consensus_module
 from megatron_tuning.distributed.consensus import StoreConsensus, _store_key
 from megatron_tuning.distributed.tier import NodeTier
 from megatron_tuning.runtime.auto import auto_choice
@@ -128,6 +129,7 @@ def test_publish_compares_the_published_signature_not_the_rank() -> None:
         ('{"config": {}, "signature": "s", "rank": 99}', "99"),
         ('{"config": [], "signature": "s", "rank": 0}', "config"),
         ('"just text"', "not an object"),
+        ('{"config": {}, "signature": "s", "rank": 0, "time": "noon"}', "time"),
     ],
 )
 def test_garbage_under_a_decision_key_is_a_consensus_error_naming_kernel_key_and_value(
@@ -313,6 +315,50 @@ def test_publish_or_adopt_the_first_node_wins_a_later_node_tunes_then_adopts(tmp
         choice, timings = choose(mate, measure)
         assert (choice.source, block(choice), timings, measure.calls) == ("adopted", 64, None, [])
     assert store.calls == 2
+
+
+def test_a_node_that_fell_behind_looks_up_first_until_a_lookup_misses(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Node b starts after node a published three keys: it tunes the first (its winner is older
+    than b's tuning), then looks up and adopts the next two without tuning, one request each; a
+    key nobody published makes its lookup miss, and b goes back to publishing without a lookup."""
+    monkeypatch.setattr(consensus_module, "LATE_S", 0.0)  # "older than b's tuning" at any age
+    job = Job()
+    (a0,) = job.node(tmp_path / "a", 0, 1)
+    b0, b1 = job.node(tmp_path / "b", 8, 2)
+    for n in (100, 200, 300):
+        choose(a0, FakeMeasure(block=64), n)
+    store = job.requests
+    assert store is not None and store.calls == 3
+    measure = FakeMeasure(block=16)
+    steps = []
+    for n in (100, 200, 300, 400, 500):
+        before = store.calls
+        choice, _ = choose(b0, measure, n)
+        steps.append((n, choice.source, block(choice), store.calls - before))
+    assert steps == [
+        (100, "adopted", 64, 1),  # the price: tuned, then its publish-or-adopt found a's record
+        (200, "adopted", 64, 1),  # looked up first: a hit, no tuning, no publish
+        (300, "adopted", 64, 1),
+        (400, "tuned", 16, 2),  # the lookup missed (b caught up), then b published
+        (500, "tuned", 16, 1),  # publish-or-adopt only again
+    ]
+    assert measure.calls == [key(100), key(400), key(500)]
+    # b's node-mate finds every answer in the folder (lookups' hits as well): no request, no tuning.
+    mate = FakeMeasure(block=8)
+    for n in (100, 200, 300, 400, 500):
+        choose(b1, mate, n)
+    assert mate.calls == [] and store.calls == 3 + 6
+
+
+def test_a_winner_from_the_same_burst_keeps_the_node_publishing_without_lookups(tmp_path: Any) -> None:
+    job = Job()
+    (a0,) = job.node(tmp_path / "a", 0, 1)
+    (b0,) = job.node(tmp_path / "b", 8, 1)
+    choose(a0, FakeMeasure(block=64), 100)
+    choice, _ = choose(b0, FakeMeasure(block=16), 100)  # a published within LATE_S of b's tuning
+    assert choice.source == "adopted" and not b0.look_first
 
 
 def test_a_rank_never_waits_for_a_node_mate_tuning_the_same_key(tmp_path: Any) -> None:
