@@ -92,6 +92,18 @@ def test_a_claim_left_without_an_answer_is_bypassed_after_the_wait(
     del dead
 
 
+def test_a_claim_left_without_an_answer_gives_the_fallback_where_the_caller_has_one(
+    folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """auto's lookups: a node-mate that never answered means "go on as a miss", not one more request."""
+    monkeypatch.setattr(tier, "WAIT_S", 0.05)
+    alive = NodeTier(folder, rank=1)
+    stem = folder / __import__("hashlib").sha256(b"lookup/k").hexdigest()[:40]
+    stem.with_suffix(".claim").touch()
+    assert alive.once("lookup/k", lambda: b"asked myself", fallback=b"") == b""
+    assert alive.global_requests == 0
+
+
 def test_a_folder_that_went_away_means_going_direct(folder: Path) -> None:
     member, owner = NodeTier(folder, rank=1), NodeTier(folder, rank=0, owner=True)
     owner.close()

@@ -159,8 +159,10 @@ class StoreConsensus:
         if self.tier is None:
             return ask()
         # A publish's answer (the job's winner) is final: the node's ranks share the one request. A
-        # lookup's empty answer is not, but a node-mate that reuses it only tunes, then publishes.
-        return self.tier.once(f"{purpose}/{name}", ask)
+        # lookup's empty answer is not, but a node-mate that reuses it only tunes, then publishes;
+        # for the same reason a lookup that a node-mate claimed and never answered is a miss.
+        fallback = b"" if purpose == "lookup" else None
+        return self.tier.once(f"{purpose}/{name}", ask, fallback=fallback)
 
     def _decode(self, raw: Any, kernel: str, key: str) -> Published:
         what = f"the decision published for kernel {kernel} with key {key}"
