@@ -107,7 +107,8 @@ class StoreConsensus:
     def lookup(self, kernel: str, key: str, arch: str) -> Published | None:
         """The decision published for (arch, kernel, key), or ``None``; never waits.
 
-        One request; with the node tier none: only what a node-mate's publish left in the folder.
+        One request. With the node tier: what a node-mate left in the folder, and no request,
+        unless this rank fell behind (``look_first``): then one request per node.
         """
         name = _store_key(kernel, key, arch)
         if self.tier is None:
