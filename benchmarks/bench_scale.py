@@ -9,7 +9,8 @@ One real libuv ``TCPStore`` server runs in a process of its own; ``--procs`` wor
 drive the library's own code against it: ``AgreementChecker`` in ``store`` (per key, at first use)
 and ``digest`` (batched) modes, and ``StoreConsensus`` for ``auto`` (lookup, simulated tuning,
 publish), alone and with the node tier (``auto-tier``: ``--node-size`` consecutive ranks share a
-node folder in /dev/shm, as one node's ranks do under torchrun). ``idle`` holds the connections
+node folder in /dev/shm, as one node's ranks do under torchrun; its lookups read the folder, its
+publishes are made once per node). ``idle`` holds the connections
 open and sends nothing: the server's baseline. Every rank starts at once (a burst, the worst
 case: a job's first step). Workloads:
 
@@ -138,6 +139,7 @@ def _rank_thread(
     keys = plan(workload, rank, args.keys, args.own)
     namespace = f"{design}-{workload}"
     latencies: list[float] = []
+    tunes = 0
     if design in ("store", "digest"):
         policy = TuningPolicy(agreement=design)
         checker = AgreementChecker(
@@ -182,6 +184,7 @@ def _rank_thread(
             found = consensus.lookup(KERNEL, key, ARCH)
             spent = time.perf_counter() - t0
             if found is None:
+                tunes += 1
                 time.sleep(args.tune_ms / 1000)  # the rank tunes (its peers do not wait for it)
                 t1 = time.perf_counter()
                 consensus.publish(KERNEL, key, ARCH, CONFIG, SIGNATURE)
@@ -194,6 +197,7 @@ def _rank_thread(
             "rank": rank,
             "requests": counting.requests,
             "latencies": latencies,
+            "tunes": tunes,
             "end": time.perf_counter() - start,
         }
     )
@@ -284,6 +288,7 @@ def measure(args: argparse.Namespace, server: Server, design: str, workload: str
         "keys": args.keys,
         "requests": requests,
         "requests_per_rank": requests / args.ranks,
+        "tunes_per_rank": sum(r["tunes"] for r in results) / args.ranks,  # auto: keys a rank measured
         "server_cpu_s": server_s,
         "server_us_per_request": server_s / requests * 1e6 if requests else 0.0,
         "server_cpu_per_wall_s": server_s / wall if wall else 0.0,

@@ -46,14 +46,39 @@ def test_eight_ranks_of_a_node_make_one_request_and_all_get_its_answer(folder: P
     assert sum(t.global_requests for t in ranks) == 1
 
 
-def test_an_old_empty_lookup_answer_is_asked_again(folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_answer_is_final_however_late_a_node_mate_asks(
+    folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No expiry and no rounds: the request count does not depend on wall time (an empty answer too)."""
     first, late = NodeTier(folder, rank=0), NodeTier(folder, rank=1)
-    assert first.once("lookup/k", lambda: b"", reuse_empty=False) == b""
-    assert late.once("lookup/k", lambda: b"published", reuse_empty=False) == b""  # fresh: reused
-    monkeypatch.setattr(tier, "MISS_REUSE_S", 0.0)
-    time.sleep(0.01)
-    assert late.once("lookup/k", lambda: b"published", reuse_empty=False) == b"published"
-    assert late.global_requests == 1
+    assert first.once("publish/k", lambda: b"") == b""
+    later = time.time() + 3600.0
+    monkeypatch.setattr(tier.time, "time", lambda: later)
+    assert late.once("publish/k", lambda: b"asked again") == b""
+    assert (first.global_requests, late.global_requests) == (1, 0)
+
+
+def test_peek_reads_a_node_mates_answer_and_never_asks_or_waits(
+    folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tier, "WAIT_S", 3600.0)  # a peek that waited on the claim below would hang
+    first, late = NodeTier(folder, rank=0), NodeTier(folder, rank=1)
+    assert late.peek("publish/k") is None
+    stem = folder / __import__("hashlib").sha256(b"publish/k").hexdigest()[:40]
+    stem.with_suffix(".claim").touch()  # a node-mate is making the request right now
+    assert late.peek("publish/k") is None
+    stem.with_suffix(".claim").unlink()
+    assert first.once("publish/k", lambda: b"the winner") == b"the winner"
+    assert late.peek("publish/k") == b"the winner"
+    assert late.peek("publish/other") is None
+    assert late.global_requests == 0
+
+
+def test_peek_in_a_folder_that_went_away_is_nothing(folder: Path) -> None:
+    member, owner = NodeTier(folder, rank=1), NodeTier(folder, rank=0, owner=True)
+    owner.once("publish/k", lambda: b"the winner")
+    owner.close()
+    assert member.peek("publish/k") is None
 
 
 def test_a_claim_left_without_an_answer_is_bypassed_after_the_wait(
@@ -65,6 +90,18 @@ def test_a_claim_left_without_an_answer_is_bypassed_after_the_wait(
     stem.with_suffix(".claim").touch()  # a node-mate claimed it and died
     assert alive.once("publish/k", lambda: b"asked myself") == b"asked myself"
     del dead
+
+
+def test_a_claim_left_without_an_answer_gives_the_fallback_where_the_caller_has_one(
+    folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """auto's lookups: a node-mate that never answered means "go on as a miss", not one more request."""
+    monkeypatch.setattr(tier, "WAIT_S", 0.05)
+    alive = NodeTier(folder, rank=1)
+    stem = folder / __import__("hashlib").sha256(b"lookup/k").hexdigest()[:40]
+    stem.with_suffix(".claim").touch()
+    assert alive.once("lookup/k", lambda: b"asked myself", fallback=b"") == b""
+    assert alive.global_requests == 0
 
 
 def test_a_folder_that_went_away_means_going_direct(folder: Path) -> None:
@@ -119,31 +156,3 @@ def test_asking_for_the_tier_with_one_rank_per_node_is_an_error(monkeypatch: pyt
     monkeypatch.setenv(tier.ENV_TIER, "nodes")
     with pytest.raises(PolicyError, match="node|off"):
         tier_wanted(64, 8)
-
-
-def test_after_the_reuse_window_one_node_mate_per_round_asks_again(
-    folder: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(tier, "MISS_REUSE_S", 0.2)
-    ranks = [NodeTier(folder, rank=r) for r in range(8)]
-    assert ranks[0].once("lookup/k", lambda: b"", reuse_empty=False) == b""
-    time.sleep(0.25)  # the miss is stale now: the next round asks once for the whole node
-    calls: list[int] = []
-
-    def ask() -> bytes:
-        calls.append(1)
-        time.sleep(0.05)  # the request in flight while the node-mates arrive
-        return b"published"
-
-    answers: list[bytes] = []
-    threads = [
-        threading.Thread(target=lambda t=t: answers.append(t.once("lookup/k", ask, reuse_empty=False)))
-        for t in ranks
-    ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert answers == [b"published"] * 8
-    assert len(calls) <= 2  # one per round; a round boundary inside the burst may add one
-    assert sum(t.global_requests for t in ranks) == 1 + len(calls)

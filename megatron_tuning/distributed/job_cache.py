@@ -12,6 +12,10 @@ session start each rank therefore offers the digest of its cache to the job's st
   the next run). Keys only its own cache has are *proposals*: published through the same
   first-writer-wins ``compare_set`` as a tuned result, so every rank launches one config. It says
   so once, with counts.
+
+With the node tier (``tier.py``) the offer is made once per node for the ranks whose caches have
+one digest (one node's ranks usually share a home folder): the first of them makes the request,
+the others read its answer, and only the rank named in the job's record uploads.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from ..core.warn import warn_once
 from ..tables.cache_persist import content_digest
 from ..tables.table import Entry, Table
 from .storeops import BadRecord, decode_record, record_field, record_rank, request, store_errors
+from .tier import NodeTier
 
 logger = logging.getLogger(__name__)
 
@@ -58,12 +63,22 @@ def cache_digest(table: Table) -> tuple[str, bytes]:
     return content_digest(data), data
 
 
-def reconcile(store: Any, rank: int, world: int | None, path: str, table: Table) -> JobCacheView:
-    """Offer this rank's cache to the job; return how to treat it (see the module docstring)."""
+def reconcile(
+    store: Any, rank: int, world: int | None, path: str, table: Table, *, tier: NodeTier | None = None
+) -> JobCacheView:
+    """Offer this rank's cache to the job; return how to treat it (see the module docstring).
+
+    ``tier``: shares the offer among node-mates whose caches have the same digest.
+    """
     digest, data = cache_digest(table)
     what = "the job's auto cache record"
     mine = json.dumps({"rank": rank, "digest": digest, "entries": len(table)}, sort_keys=True)
-    raw = request(what, lambda: store.compare_set("cache/first", "", mine), store=store)
+
+    def offer() -> Any:
+        return request(what, lambda: store.compare_set("cache/first", "", mine), store=store)
+
+    # The job's first record never changes, so a node-mate's answer is this rank's answer too.
+    raw = offer() if tier is None else tier.once(f"cache/first/{digest}", offer)
     try:
         record = decode_record(raw, what)
         first_rank = record_rank(record, what, world)

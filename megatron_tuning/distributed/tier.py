@@ -1,19 +1,21 @@
-"""A node-level tier for ``auto``: one request to the job's store per node, not one per rank.
+"""A node-level tier for ``auto``: one request to the job's store per node and new key, not per rank.
 
 At 10,000 ranks, one request per rank per new key is 10,000 requests per key on the one store
 server of the job (``benchmarks/bench_scale.py``). With the tier, the ranks of one node share a
 folder in node-local memory (``/dev/shm``, else the temp folder): for each global request that
-every rank of the node would make alike (the lookup of a new key, the publish once its tuning is
-done), the first rank to create the request's *claim* file (``O_CREAT | O_EXCL``, atomic) makes
-the request and writes the answer next to it (temp file + rename, atomic); the node's other ranks
-read the answer there. No server, no thread, no port: only local file system calls.
+every rank of the node would make alike (the publish-or-adopt ``compare_set`` of a key once its
+tuning is done), the first rank to create the request's *claim* file (``O_CREAT | O_EXCL``, atomic)
+makes the request and writes the answer next to it (temp file + rename, atomic); the node's other
+ranks read the answer there (``once``), and a node-mate that reaches the key later finds it before
+tuning (``peek``). No server, no thread, no port, no clock: only local file system calls.
 
-Waiting is bounded and only ever for a node-mate's *single store request* (never for its tuning,
-which could sit behind a collective on its GPU stream): a rank that finds a claim without an
-answer polls for up to ``WAIT_S``, then makes the request itself. The job's store stays the
+Only final answers are shared (the job's winner for a key never changes), so nothing expires and
+nobody asks again in rounds: the number of store requests does not depend on how long a burst
+takes. Waiting is bounded and only ever for a node-mate's *single store request* (never for its
+tuning, which could sit behind a collective on its GPU stream): a rank that finds a claim without
+an answer polls for up to ``WAIT_S``, then makes the request itself. The job's store stays the
 authority (first writer wins there), so a rank that goes around the tier is still correct, only
-costlier. An answer that says "nothing published yet" is reused for ``MISS_REUSE_S`` only, so a
-node-mate that arrives later looks again instead of tuning what another node already tuned.
+costlier.
 """
 
 from __future__ import annotations
@@ -39,10 +41,6 @@ TIER_CHOICES = ("node", "off")
 TIER_ABOVE_RANKS = 64
 """Unset ``MEGATRON_TUNING_TIER``: the node tier is used in worlds larger than this."""
 WAIT_S = 10.0
-MISS_REUSE_S = 0.25  # the burst of node-mates asking together; a later arrival asks again
-MTIME_SLACK_S = 0.02
-"""File times come from the kernel's coarse clock (a tick, up to 10 ms, behind ``time.time()``): an
-answer written just after a round began can carry a time just before it."""
 
 
 def tier_wanted(world: int, local_world: int) -> bool:
@@ -83,40 +81,49 @@ class NodeTier:
         """Whether this rank removes the folder at ``close`` (the node's first rank)."""
         self.global_requests = 0
 
-    def once(self, name: str, ask: Callable[[], Any], *, reuse_empty: bool = True) -> bytes:
+    def once(self, name: str, ask: Callable[[], Any], *, fallback: bytes | None = None) -> bytes:
         """``ask()`` (one request to the job's store) made once per node; every caller gets its answer.
 
-        ``reuse_empty=False`` (lookups): an empty answer ("nothing published yet") is reused for
-        ``MISS_REUSE_S`` only; after that the node asks again, once per round of that length (one
-        claim file per round), and its other ranks wait for that round's answer.
+        The answer is kept for the job's life, so it should be final (the same whenever asked).
+        A node-mate's claim left without an answer for ``WAIT_S`` means asking the store directly,
+        or, where the caller can do without the answer, returning ``fallback`` (no request).
         """
-        stem = self.folder / hashlib.sha256(name.encode()).hexdigest()[:40]
+        stem = self._stem(name)
         value = stem.with_suffix(".value")
         try:
-            answer = _read_fresh(value, None if reuse_empty else MISS_REUSE_S)
+            answer = _read(value)
             if answer is not None:
                 return answer
-            since = None if reuse_empty else _round_start(time.time())
-            claim = stem.with_suffix(".claim" if since is None else f".claim{since:.6f}")
             try:
+                claim = stem.with_suffix(".claim")
                 os.close(os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o600))
             except FileExistsError:
-                answer = _poll(value, WAIT_S, since)
+                answer = _poll(value, WAIT_S)
                 if answer is not None:
                     return answer
                 logger.warning(
-                    "megatron_tuning: node tier: a node-mate claimed %s but left no answer within "
-                    "%.0f s; asking the job's store directly",
+                    "megatron_tuning: node tier: a node-mate claimed %s but left no answer within %.0f s; %s",
                     name,
                     WAIT_S,
+                    "going on without it" if fallback is not None else "asking the job's store directly",
                 )
-                return self._direct(ask)
+                return fallback if fallback is not None else self._direct(ask)
             answer = self._direct(ask)
             _write(value, answer)
             return answer
         except OSError as exc:  # the folder went away (the node's first rank closed): go direct
             logger.debug("node tier %s: %s; asking the job's store directly", self.folder, exc)
             return self._direct(ask)
+
+    def peek(self, name: str) -> bytes | None:
+        """The answer a node-mate's ``once(name, ...)`` left, if one is there; never waits, never asks."""
+        try:
+            return _read(self._stem(name).with_suffix(".value"))
+        except OSError:
+            return None
+
+    def _stem(self, name: str) -> Path:
+        return self.folder / hashlib.sha256(name.encode()).hexdigest()[:40]
 
     def _direct(self, ask: Callable[[], Any]) -> bytes:
         self.global_requests += 1
@@ -127,44 +134,29 @@ class NodeTier:
             shutil.rmtree(self.folder, ignore_errors=True)
 
 
-def _age(path: Path) -> float:
+def _read(path: Path) -> bytes | None:
     try:
-        return time.time() - os.stat(path).st_mtime
-    except OSError:
-        return float("inf")
-
-
-def _read_fresh(path: Path, max_empty_age: float | None) -> bytes | None:
-    try:
-        data = path.read_bytes()
+        return path.read_bytes()
     except FileNotFoundError:
         return None
-    if not data and max_empty_age is not None and _age(path) > max_empty_age:
-        return None  # an old "nothing published yet": look again
-    return data
 
 
-def _round_start(now: float) -> float:
-    """The start of the ``MISS_REUSE_S``-long round ``now`` falls in (wall clock: one per host)."""
-    return now if MISS_REUSE_S <= 0 else (now // MISS_REUSE_S) * MISS_REUSE_S
-
-
-def _poll(path: Path, timeout_s: float, since: float | None) -> bytes | None:
-    """The answer at ``path`` once there; an empty one only if written at or after ``since``."""
+def _poll(path: Path, timeout_s: float) -> bytes | None:
+    """The answer at ``path`` once there, or ``None`` after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     pause = 0.0002
     while True:
-        try:
-            data = path.read_bytes()
-            if data or since is None or os.stat(path).st_mtime >= since - MTIME_SLACK_S:
-                return data
-        except FileNotFoundError:
-            if not path.parent.is_dir():  # the node's first rank closed the tier: go direct
-                raise
+        answer = _read(path)
+        if answer is not None:
+            return answer
+        if not path.parent.is_dir():  # the node's first rank closed the tier: go direct
+            raise FileNotFoundError(path.parent)
         if time.monotonic() >= deadline:
             return None
         time.sleep(pause)
-        pause = min(pause * 2, 0.02)
+        # Most answers come within a millisecond; a long wait polls at 10 Hz, so a node's waiting
+        # ranks (1,024 of them on 2 cores in bench_scale) do not starve the one making the request.
+        pause = min(pause * 2, 0.1)
 
 
 def _write(path: Path, data: bytes) -> None:
