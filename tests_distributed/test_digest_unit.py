@@ -102,12 +102,19 @@ def test_identical_batches_are_sent_once_and_agree() -> None:
         before = store.total()
         checker.flush()
         counts.append(store.total() - before)
-    # The first sender uploads (reference, texts, shards); the others: one add, one read of the
-    # shard each rank reads (4 ranks, 4 shards), and the flag poll.
-    assert counts[1:] == [3, 3, 3]
-    assert counts[0] == 3 + 3 + 4  # + the reference claim, texts, reference, one append per shard
+    # The first sender claims the reference (one compare_set), appends its record (rows and
+    # texts), sets the reference and its ready key, reads the log (it is the group's first rank)
+    # and polls the flag; the others: the claim, whose reply is the reference itself, and the poll.
+    assert counts[1:] == [2, 2, 2]
+    assert counts[0] == 6
+    closes = []
     for checker in ranks:
+        before = store.total()
         checker.stop()
+        closes.append(store.total() - before)
+    # Close: one add each (its reply says no divergence was recorded), the first rank's log read,
+    # and the last closer's read of the whole log.
+    assert closes == [2, 1, 1, 2]
 
 
 def test_requests_per_rank_do_not_grow_with_keys() -> None:
@@ -318,3 +325,158 @@ def test_a_slow_store_request_is_told_once_per_kind_with_the_fix_its_caller_know
     warn.reset_warnings()
     monkeypatch.setattr(storeops, "SLOW_REQUEST_S", 60.0)
     assert told(lambda: storeops.request("the digest flush #3 of rank 3", lambda: 1)) == []
+
+
+# -- the log, the reference claim and the close count (the varlen-cheap protocol) ---------------
+
+
+def _log_records(checker: agreement.AgreementChecker) -> list[tuple[int, int, int]]:
+    from megatron_tuning.distributed.digest import unpack_records
+
+    blob = bytes(checker._store.compare_set("log", "", ""))
+    return [(rank, flush, len(rows)) for rank, flush, rows, _ in unpack_records(blob, "the log")]
+
+
+def test_a_rank_with_keys_of_its_own_sends_only_those_in_one_append() -> None:
+    store = Counter()
+    ranks = _ranks(4, store)
+    shared = [f"M={n}" for n in range(300)]
+    for checker in ranks:
+        _decide(checker, shared + [f"own={checker.rank}, n={n}" for n in range(7)])
+    ranks[0].flush()  # the reference: its whole batch goes to the log
+    for checker in ranks[1:]:
+        before = dict(store.calls)
+        checker.flush()
+        sent = {name: store.calls[name] - before.get(name, 0) for name in store.calls}
+        # The claim (its reply is the reference), one append of the 7 own rows, the flag poll:
+        # no deduplication add for a short residual, no texts key, no per-shard appends.
+        assert {k: v for k, v in sent.items() if v} == {"compare_set": 2, "append": 1}, sent
+    assert _log_records(ranks[0]) == [(0, 1, 307), (1, 1, 7), (2, 1, 7), (3, 1, 7)]
+
+
+def test_pipeline_stage_peers_upload_their_long_residual_once() -> None:
+    ranks = _ranks(8)
+    for checker in ranks:
+        _decide(checker, [f"stage={checker.rank % 4}, M={n}" for n in range(300)])
+    for checker in ranks:
+        checker.flush()
+    # Stage 0 is the reference; stages 1-3 differ from it entirely, and their 300-row residuals
+    # (over DEDUP_ABOVE_ROWS) are deduplicated: one record per stage, not one per rank.
+    assert sorted(rank for rank, _, _ in _log_records(ranks[0])) == [0, 1, 2, 3]
+
+
+def test_a_rank_that_gets_only_the_claim_waits_for_the_reference_and_compares() -> None:
+    import threading
+    import time
+
+    first, second = _ranks(2)
+    assert first.ledger is not None
+    slow_store = first.ledger.store
+    released = threading.Event()
+
+    class _SlowAppend:  # the owner is slow between its claim and its reference
+        def __getattr__(self, name: str) -> Any:
+            method = getattr(slow_store, name)
+            if name != "append":
+                return method
+            return lambda *args: (released.wait(5), method(*args))
+
+    first.ledger.store = _SlowAppend()
+    _decide(first, ["M=1", "M=2"])
+    _decide(second, ["M=1"])
+    second.check(_d("M=2", SIG_B))
+    owner = threading.Thread(target=first.flush)
+    owner.start()
+    while not bytes(first._store.compare_set("ref/1", "", "")):
+        time.sleep(0.01)  # the claim is in; the reference is not
+    threading.Timer(0.2, released.set).start()
+    with pytest.raises(DivergenceError) as raised:
+        second.flush()
+    owner.join()
+    assert raised.value.key == "M=2" and raised.value.signatures == {0: SIG_A, 1: SIG_B}
+
+
+def test_a_claim_whose_owner_never_publishes_is_named_not_waited_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    from megatron_tuning.distributed import digest
+
+    monkeypatch.setattr(digest, "REFERENCE_WAIT_S", 0.3)
+    first, second = _ranks(2)
+    first._store.compare_set("ref/1", "", digest._CLAIM.pack(b"C", 0, 1, bytes(16)))  # then it died
+    second.check(_d("M=1"))
+    with pytest.raises(StoreRecordError, match=r"no reference for flush #1 after 0.3 s"):
+        second.flush()
+
+
+def test_a_closing_rank_learns_of_a_divergence_from_its_close_count() -> None:
+    first, second, third = _ranks(3)
+    _decide(first, ["M=1"])
+    second.check(_d("M=1", SIG_B))
+    _decide(third, ["M=1"])
+    first.flush()
+    third.flush()  # the reference's own batch: nothing to compare, and no divergence yet
+    with pytest.raises(DivergenceError):
+        second.flush()
+    with pytest.raises(DivergenceError) as raised:
+        third.stop()  # nothing pending: the close count's reply carries the divergence mark
+    assert raised.value.key == "M=1" and raised.value.signatures == {0: SIG_A, 1: SIG_B}
+
+
+def test_a_divergence_mark_without_a_record_is_a_store_record_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    from megatron_tuning.distributed import digest
+
+    monkeypatch.setattr(agreement, "REFERENCE_WAIT_S", 0.3)
+    (checker,) = _ranks(1)
+    checker._store.add("closed", digest.DIVERGED)  # its recorder died before writing the record
+    with pytest.raises(StoreRecordError, match="a divergence mark but no divergence record"):
+        checker.stop()
+
+
+def test_the_log_reader_is_the_groups_first_rank() -> None:
+    store = dist.HashStore()
+    policy = TuningPolicy(agreement="digest")
+    ranks = [
+        agreement.AgreementChecker(policy, store=store, rank=r, ranks=range(4, 8), namespace="g")
+        for r in range(4, 8)
+    ]
+    for checker in ranks:
+        _decide(checker, [f"M={n}" for n in range(5)])
+    ranks[1].check(_d("seq=9", SIG_A))
+    ranks[2].check(_d("seq=9", SIG_B))
+    for checker in (ranks[3], ranks[1], ranks[2]):  # rank 7's batch is the reference
+        checker.flush()
+    with pytest.raises(DivergenceError) as raised:
+        ranks[0].flush()  # global rank 4 reads the log at its flush
+    assert raised.value.key == "seq=9" and raised.value.signatures == {5: SIG_A, 6: SIG_B}
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "problem"),
+    [
+        ("log", b"\x01\x00", "truncated record header"),
+        ("log", b"\x01\x00\x00\x00\x01\x00\x00\x00\x09\x00\x00\x00\x00\x00\x00\x00", "a record of 9 rows"),
+        ("ref/1", b"hello, not a claim", "not a reference claim"),
+    ],
+)
+def test_garbage_under_the_digest_keys_is_a_store_record_error(key: str, value: bytes, problem: str) -> None:
+    first, second = _ranks(2)
+    second._store.set(key, value)
+    if key.startswith("ref/"):  # a flush with rows reads the reference; rank 0 reads the log anyway
+        first.check(_d("M=1"))
+    with pytest.raises(StoreRecordError, match=problem):
+        first.flush()
+
+
+def test_garbage_texts_in_the_log_are_a_store_record_error() -> None:
+    from megatron_tuning.distributed.digest import decode_texts, texts_blob
+
+    assert decode_texts(texts_blob([_d("M=1")]), 1, "t") == [(KERNEL, "M=1", SIG_A)]
+    with pytest.raises(ValueError, match="not zlib data"):
+        decode_texts(b"plain", 1, "t")
+    with pytest.raises(ValueError, match="texts for 1 rows, not 2"):
+        decode_texts(texts_blob([_d("M=1")]), 2, "t")
+    import zlib
+
+    with pytest.raises(ValueError, match="nested deeper"):
+        decode_texts(zlib.compress(b"[[[[1]]]]"), 1, "t")
+    with pytest.raises(ValueError, match="expected three strings"):
+        decode_texts(zlib.compress(b'[["a", 2, "c"]]'), 1, "t")

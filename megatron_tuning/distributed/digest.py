@@ -6,26 +6,36 @@ Here a rank records its new decisions as 32-byte rows (identity digest, signatur
 launches; at a *flush* (the first repeated launch after new keys, ``verify_agreement``, ``close``,
 or when a batch reaches ``MAX_BATCH`` rows) it sends what it has:
 
-1. ``add("n/<batch digest>", 1)``. Ranks that decided exactly the same batch (tensor-parallel
-   peers, data-parallel replicas) get a count above one and are done: their rows are the first
-   sender's rows, and the first sender compares them.
-2. The first sender of a batch claims the *reference* of its flush number
-   (``add("refn/<flush>", 1)``): the first batch of each flush number becomes the reference, and
-   every later sender fetches it (one reply) and compares its rows with it locally (a row whose
-   identity is in the reference with another signature is a divergence, found at once). Its
-   remaining rows (keys the reference does not have: other pipeline stages, a rank's
-   own variable-length shapes) are appended to ``S`` identity-sharded logs (``append``: no reply).
-   The reference's owner appends its whole batch there, so every row sent lives in exactly one
-   shard log once.
-3. Rank ``s`` reads shard logs ``s, s + world, ...`` at each of its flushes, and the last rank to
-   close reads them all: any two rows with one identity and two signatures are a divergence.
-4. Every flush reads the job's divergence flag, so every rank raises the first divergence found.
+1. ``compare_set("ref/<flush>", "", <claim>)``, the claim naming this rank and the digest of its
+   sorted rows. The first rank of each flush number claims that number's *reference* and then
+   makes its rows visible: its log record first (step 3), then the reference itself under the same
+   key, then ``ready/<flush>``. Everyone else gets the claim or the reference back in that one
+   reply. A batch with the reference's digest (tensor-parallel peers, data-parallel replicas, the
+   reference's own pipeline stage) is done: one request. Otherwise the rank compares its rows with
+   the reference locally (a rank that got only the claim waits for ``ready/<flush>``, set by the
+   claimant's very next requests): a row whose identity the reference has with another signature is
+   a divergence, found at once.
+2. The rows the reference lacks (other pipeline stages, a rank's own variable-length shapes) are
+   the *residual*. A residual longer than ``DEDUP_ABOVE_ROWS`` rows is deduplicated first
+   (``add("n/<residual digest>", 1)``: the ranks of one pipeline stage share one, and only the
+   first sender uploads it); a short one (a rank's own shapes, which no other rank has) is
+   appended at once: one more request would cost the server more than a few KB of duplicates.
+3. Uploading is one ``append`` (no reply) to the job's one log: a record of (rank, flush, row
+   count, text length), the rows, and zlib-compressed JSON texts (kernel, key, signature) of those
+   rows in row order, read only to write an error message. So a row's text is in the store before
+   the row can be seen, and every row any rank can compare lives in the log.
+4. The group's first rank reads the log at each of its flushes, and the last rank to close reads
+   it all: two rows with one identity and two signatures are a divergence.
+5. Every flush reads the job's divergence flag, so every rank raises the first divergence found.
+   Whoever records a divergence first adds ``DIVERGED`` to the close counter, so a closing rank
+   learns of it from the reply of its ``add("closed", 1)`` (and then reads the flag) without a
+   request of its own for the flag.
 
-What crosses ranks is raw digests and, for error messages only, JSON text of the rows a rank
-made visible (``t/<rank>/<flush>``: the reference owner's whole batch, a later sender's rows the
-reference lacks), written before those rows can be seen. A divergence is noticed at the flush
-of the rank that differs from a reference, or at the next flush (or close) of the rank reading the
-shard the two rows fall in; ``verify_agreement`` always compares everything (``verify.py``).
+Requests per rank and flush: 1 (same batch as the reference), 2 with a short residual (the
+claim and the append), 2-3 with a long one; plus the flag poll, and one ``add`` at close.
+A divergence is noticed at the flush of the rank that differs from a reference, or at the next
+flush (or close) of the log's reader; ``verify_agreement`` always compares everything
+(``verify.py``).
 """
 
 from __future__ import annotations
@@ -34,13 +44,15 @@ import hashlib
 import json
 import logging
 import struct
-import time
+import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 from ..core.decisions import Decision
-from .storeops import BadRecord, decode_record, decode_text, request
+from ..core.errors import StoreRequestError
+from .storeops import BadRecord, decode_text, max_nesting, request
 from .wire import identity_digest, signature_digest
 
 logger = logging.getLogger(__name__)
@@ -49,12 +61,16 @@ HALF = 16
 ROW = 2 * HALF  # identity digest (16 bytes), then signature digest (16 bytes)
 MAX_BATCH = 4096
 """Rows per flush at most: a longer burst of new keys flushes early (bounded values in the store)."""
-SHARDS = 4
-"""Identity-sharded logs of rows not every rank has: a rank with such rows appends to at most this
-many (one request each); rank s of the first SHARDS reads log s at its flushes."""
+DEDUP_ABOVE_ROWS = 256
+"""A residual longer than this is deduplicated (one ``add``) before it is appended to the log."""
 REFERENCE_WAIT_S = 30.0
-"""How long a sender waits for a reference its owner has claimed (the owner's next request sets it)."""
-_HEADER = struct.Struct("<III")  # rank, flush number, row count
+"""How long a sender waits for a reference its owner has claimed (the owner's next requests set it)."""
+DIVERGED = 1 << 32
+"""Added to the close counter by whoever records a divergence: closers see it in their reply."""
+MAX_TEXT_BYTES = 64 << 20
+"""The decompressed texts of one log record at most (4,096 rows of long keys are a few MB)."""
+_CLAIM = struct.Struct("<cII16s")  # kind (b"C" claim, b"R" reference), rank, flush, batch digest
+_RECORD = struct.Struct("<IIII")  # rank, flush number, row count, compressed text bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,44 +87,82 @@ def row_of(decision: Decision) -> bytes:
     return ident + signature_digest(decision.signature)[:HALF]
 
 
-def batch_digest(rows: Iterable[bytes]) -> str:
-    return hashlib.sha256(b"".join(rows)).hexdigest()[:32]
+def batch_digest(rows: Iterable[bytes]) -> bytes:
+    return hashlib.sha256(b"".join(rows)).digest()[:HALF]
 
 
-def pack_batch(rank: int, flush: int, rows: list[bytes]) -> bytes:
-    return _HEADER.pack(rank, flush, len(rows)) + b"".join(rows)
+def pack_record(rank: int, flush: int, rows: list[bytes], texts: bytes) -> bytes:
+    """One log record: header, rows, then the rows' compressed texts."""
+    return _RECORD.pack(rank, flush, len(rows), len(texts)) + b"".join(rows) + texts
 
 
-def unpack_batches(blob: bytes, what: str) -> list[tuple[int, int, list[bytes]]]:
-    """Batches appended back to back: ``(rank, flush, rows)`` each; a torn blob is a ``BadRecord``."""
-    out, offset, size = [], 0, len(blob)
+def unpack_records(blob: bytes, what: str, start: int = 0) -> list[tuple[int, int, list[bytes], bytes]]:
+    """Records appended back to back from ``start``: ``(rank, flush, rows, texts)``; torn is ``BadRecord``."""
+    out, offset, size = [], start, len(blob)
     while offset < size:
-        if size - offset < _HEADER.size:
-            raise BadRecord(what, f"a truncated batch header at byte {offset}")
-        rank, flush, count = _HEADER.unpack_from(blob, offset)
-        offset += _HEADER.size
+        if size - offset < _RECORD.size:
+            raise BadRecord(what, f"a truncated record header at byte {offset}")
+        rank, flush, count, text_bytes = _RECORD.unpack_from(blob, offset)
+        offset += _RECORD.size
         end = offset + count * ROW
-        if end > size:
-            raise BadRecord(what, f"a batch of {count} rows with only {size - offset} bytes left")
-        out.append((rank, flush, [blob[i : i + ROW] for i in range(offset, end, ROW)]))
-        offset = end
+        if end + text_bytes > size:
+            left = size - offset
+            raise BadRecord(what, f"a record of {count} rows and {text_bytes} text bytes with {left} left")
+        rows = [blob[i : i + ROW] for i in range(offset, end, ROW)]
+        out.append((rank, flush, rows, blob[end : end + text_bytes]))
+        offset = end + text_bytes
+    return out
+
+
+def texts_blob(decisions: list[Decision]) -> bytes:
+    """The (kernel, key, signature) texts of ``decisions`` in order, as compressed JSON."""
+    text = json.dumps([[d.kernel, d.key, d.signature] for d in decisions], separators=(",", ":"))
+    return zlib.compress(text.encode(), 6)
+
+
+def decode_texts(blob: bytes, count: int, what: str) -> list[tuple[str, str, str]]:
+    """The texts of a record of ``count`` rows; anything but the library's own is a ``BadRecord``."""
+    inflater = zlib.decompressobj()
+    try:
+        raw = inflater.decompress(blob, MAX_TEXT_BYTES)
+    except zlib.error as exc:
+        raise BadRecord(what, f"texts that are not zlib data ({exc})") from None
+    if inflater.unconsumed_tail:
+        raise BadRecord(what, f"texts over {MAX_TEXT_BYTES} bytes uncompressed")
+    text = decode_text(raw, what) if len(raw) <= 1 << 20 else raw.decode("utf-8", "replace")
+    if max_nesting(text) > 2:
+        raise BadRecord(what, f"texts nested deeper than the library writes: {text[:48]!r}")
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise BadRecord(what, f"texts that are not the library's JSON ({exc}): {text[:80]!r}") from None
+    if not (isinstance(data, list) and len(data) == count):
+        raise BadRecord(what, f"texts for {len(data) if isinstance(data, list) else '?'} rows, not {count}")
+    out = []
+    for fields in data:
+        if not (isinstance(fields, list) and len(fields) == 3 and all(isinstance(f, str) for f in fields)):
+            raise BadRecord(what, f"a text entry {str(fields)[:80]!r} (expected three strings)")
+        out.append((fields[0], fields[1], fields[2]))
     return out
 
 
 class DigestLedger:
-    """One rank's side of the digest protocol for one session (``store`` is the session's prefix)."""
+    """One rank's side of the digest protocol for one session (``store`` is the session's prefix).
 
-    def __init__(self, store: Any, rank: int, world: int, *, shards: int = SHARDS) -> None:
+    ``reader``: this rank reads the log at each of its flushes (the group's first rank).
+    """
+
+    def __init__(self, store: Any, rank: int, world: int, *, reader: bool = False) -> None:
         self.store = store
         self.rank = rank
         self.world = world
-        self.shards = max(1, min(shards, world))
+        self.reader = reader
         self.flushes = 0
         self.pending: dict[bytes, tuple[bytes, Decision]] = {}
         self.sent: dict[bytes, bytes] = {}  # identity -> signature digest, every row flushed
         self.texts: dict[bytes, Decision] = {}
-        self._read_offsets: dict[int, int] = {}
-        self._shard_rows: dict[bytes, tuple[int, int, bytes]] = {}
+        self._read_offset = 0
+        self._log_rows: dict[bytes, tuple[int, int, bytes]] = {}
         self.requests = 0  # store requests with a reply, for tests and benchmarks
 
     # -- recording -----------------------------------------------------------------------
@@ -124,10 +178,11 @@ class DigestLedger:
 
     # -- flushing ------------------------------------------------------------------------
     def flush(self, on_conflict: Callable[[Conflict], None]) -> None:
-        """Send the pending batch (if any), read this rank's shards, and report conflicts."""
+        """Send the pending batch (if any); the reader also reads the log. Reports conflicts."""
         if self.pending:
             self._send(on_conflict)
-        self.read_shards(self._my_shards(), on_conflict)
+        if self.reader:
+            self.read_log(on_conflict)
 
     def _send(self, on_conflict: Callable[[Conflict], None]) -> None:
         rows = sorted(row for row, _ in self.pending.values())
@@ -135,36 +190,47 @@ class DigestLedger:
         flush = self.flushes
         what = f"the digest flush #{flush} of rank {self.rank} ({len(rows)} new decisions)"
         digest = batch_digest(rows)
-        count = self._ask(what, "add", f"n/{digest}", 1)
+        claim = _CLAIM.pack(b"C", self.rank, flush, digest)
+        reply = bytes(self._ask(what, "compare_set", f"ref/{flush}", "", claim))
         for ident, (row, _) in self.pending.items():
             self.sent[ident] = row[HALF:]
         self.pending.clear()
-        if int(count) > 1:
-            return  # an identical batch was sent first: its sender compares it
-        if int(self._ask(what, "add", f"refn/{flush}", 1)) == 1:
-            # This batch is the reference of its flush number. Texts first: whoever reads the
-            # reference may need them for an error message.
-            self.store.set(f"t/{self.rank}/{flush}", _texts_blob(self.texts, rows))
-            self.store.set(f"ref/{flush}", pack_batch(self.rank, flush, rows))
-            residual = rows
-        else:
-            reference = self._reference(flush, what)
-            residual = self._against_reference(rows, reference, flush, what, on_conflict)
-            self.store.set(f"t/{self.rank}/{flush}", _texts_blob(self.texts, residual))
-        self._append_to_shards(flush, residual)
+        if reply == claim:
+            # This batch is the reference of its flush number. Its record (with the texts) goes
+            # first: whoever finds a conflict with the reference reads the owner's texts there.
+            self._append(flush, rows)
+            self.store.set(f"ref/{flush}", _CLAIM.pack(b"R", self.rank, flush, digest) + b"".join(rows))
+            self.store.set(f"ready/{flush}", "1")
+            return
+        kind, _, _, their_digest = _parse_claim(reply, f"{what}: the reference of flush #{flush}")
+        if their_digest == digest:
+            return  # the reference's very rows: nothing new, nothing that can differ
+        if kind == b"C":
+            reply = self._reference(flush, what)
+        residual = self._against_reference(rows, reply, flush, what, on_conflict)
+        if not residual:
+            return
+        if len(residual) > DEDUP_ABOVE_ROWS:
+            count = self._ask(what, "add", f"n/{batch_digest(residual).hex()}", 1)
+            if int(count) > 1:
+                return  # an identical residual was sent first (a pipeline stage's peers)
+        self._append(flush, residual)
+
+    def _append(self, flush: int, rows: list[bytes]) -> None:
+        texts = texts_blob([self.texts[row[:HALF]] for row in rows])
+        self.store.append("log", pack_record(self.rank, flush, rows, texts))
 
     def _reference(self, flush: int, what: str) -> bytes:
-        """The reference of ``flush``: its owner sets it with its very next request after claiming it."""
-        deadline = time.monotonic() + REFERENCE_WAIT_S
-        pause = 0.001
-        while True:
-            blob = bytes(self._ask(what, "compare_set", f"ref/{flush}", "", ""))
-            if blob:
-                return blob
-            if time.monotonic() > deadline:
-                raise BadRecord(what, f"no reference for flush #{flush} after {REFERENCE_WAIT_S:g} s")
-            time.sleep(pause)
-            pause = min(pause * 2, 0.1)
+        """The reference of ``flush``: its owner sets it with its very next requests after claiming it."""
+        try:
+            self._ask(what, "wait", [f"ready/{flush}"], timedelta(seconds=REFERENCE_WAIT_S))
+        except StoreRequestError:
+            # A timed-out wait: the owner died between its claim and its reference (a store that
+            # is gone fails this check too, and says so).
+            if not self._ask(what, "check", [f"ready/{flush}"]):
+                problem = f"no reference for flush #{flush} after {REFERENCE_WAIT_S:g} s"
+                raise BadRecord(what, problem) from None
+        return bytes(self._ask(what, "compare_set", f"ref/{flush}", "", ""))
 
     def _against_reference(
         self,
@@ -174,11 +240,11 @@ class DigestLedger:
         what: str,
         on_conflict: Callable[[Conflict], None],
     ) -> list[bytes]:
-        batches = unpack_batches(reference, f"{what}: the reference of flush #{flush}")
-        if len(batches) != 1:
-            raise BadRecord(what, f"a reference of {len(batches)} batches (expected one)")
-        owner, owner_flush, ref_rows = batches[0]
-        known = {row[:HALF]: row[HALF:] for row in ref_rows}
+        kind, owner, owner_flush, _ = _parse_claim(reference, f"{what}: the reference of flush #{flush}")
+        body = reference[_CLAIM.size :]
+        if kind != b"R" or len(body) % ROW:
+            raise BadRecord(what, f"a reference of kind {kind!r} and {len(body)} row bytes")
+        known = {body[i : i + HALF]: body[i + HALF : i + ROW] for i in range(0, len(body), ROW)}
         residual = []
         for row in rows:
             ident, signature = row[:HALF], row[HALF:]
@@ -189,53 +255,32 @@ class DigestLedger:
                 on_conflict(Conflict(ident, (self.rank, flush, signature), (owner, owner_flush, theirs)))
         return residual
 
-    def _append_to_shards(self, flush: int, rows: list[bytes]) -> None:
-        by_shard: dict[int, list[bytes]] = {}
-        for row in rows:
-            by_shard.setdefault(row[0] % self.shards, []).append(row)
-        for shard, shard_rows in sorted(by_shard.items()):
-            self.store.append(f"s/{shard}", pack_batch(self.rank, flush, shard_rows))
-
     # -- reading -------------------------------------------------------------------------
-    def _my_shards(self) -> list[int]:
-        return list(range(self.rank, self.shards, self.world))
-
-    def all_shards(self) -> list[int]:
-        return list(range(self.shards))
-
-    def read_shards(self, shards: Iterable[int], on_conflict: Callable[[Conflict], None]) -> None:
-        """Compare every row appended to ``shards`` since this rank last read them."""
-        for shard in shards:
-            what = f"shard {shard} of the digest agreement"
-            raw = self._ask(what, "compare_set", f"s/{shard}", "", "")
-            blob = bytes(raw)
-            start = self._read_offsets.get(shard, 0)
-            if len(blob) < start:
-                raise BadRecord(what, f"a log that shrank from {start} to {len(blob)} bytes")
-            self._read_offsets[shard] = len(blob)
-            for rank, flush, rows in unpack_batches(blob[start:], what):
-                for row in rows:
-                    ident, signature = row[:HALF], row[HALF:]
-                    first = self._shard_rows.setdefault(ident, (rank, flush, signature))
-                    if first[2] != signature:
-                        on_conflict(Conflict(ident, (rank, flush, signature), first))
+    def read_log(self, on_conflict: Callable[[Conflict], None]) -> None:
+        """Compare every row appended to the log since this rank last read it."""
+        what = "the log of the digest agreement"
+        blob = bytes(self._ask(what, "compare_set", "log", "", ""))
+        if len(blob) < self._read_offset:
+            raise BadRecord(what, f"a log that shrank from {self._read_offset} to {len(blob)} bytes")
+        records = unpack_records(blob, what, self._read_offset)
+        self._read_offset = len(blob)
+        for rank, flush, rows, _ in records:
+            for row in rows:
+                ident, signature = row[:HALF], row[HALF:]
+                first = self._log_rows.setdefault(ident, (rank, flush, signature))
+                if first[2] != signature:
+                    on_conflict(Conflict(ident, (rank, flush, signature), first))
 
     def texts_of(self, rank: int, flush: int) -> dict[bytes, tuple[str, str, str]]:
-        """The (kernel, key, signature) texts another rank sent with ``flush``; ``{}`` if unreadable."""
+        """The (kernel, key, signature) texts another rank sent with ``flush``; ``{}`` if absent."""
         if rank == self.rank:
             return {i: (d.kernel, d.key, d.signature) for i, d in self.texts.items()}
         what = f"the decision texts of rank {rank}'s flush #{flush}"
-        raw = self._ask(what, "compare_set", f"t/{rank}/{flush}", "", "")
-        if not bytes(raw):
-            return {}
-        data = decode_record(raw, what)
-        out = {}
-        for ident_hex, fields in data.items():
-            if isinstance(fields, list) and len(fields) == 3 and all(isinstance(f, str) for f in fields):
-                try:
-                    out[bytes.fromhex(ident_hex)] = (fields[0], fields[1], fields[2])
-                except ValueError:
-                    continue
+        blob = bytes(self._ask(what, "compare_set", "log", "", ""))
+        out: dict[bytes, tuple[str, str, str]] = {}
+        for r, f, rows, texts in unpack_records(blob, what):
+            if (r, f) == (rank, flush):
+                out.update(zip((row[:HALF] for row in rows), decode_texts(texts, len(rows), what)))
         return out
 
     def _ask(self, what: str, method: str, *args: Any) -> Any:
@@ -245,12 +290,19 @@ class DigestLedger:
         return request(what, lambda: call(*args), store=self.store)
 
 
-def _texts_blob(texts: dict[bytes, Decision], rows: list[bytes]) -> str:
-    chosen = {}
-    for row in rows:
-        d = texts[row[:HALF]]
-        chosen[row[:HALF].hex()] = [d.kernel, d.key, d.signature]
-    return json.dumps(chosen, sort_keys=True)
+def _parse_claim(blob: bytes, what: str) -> tuple[bytes, int, int, bytes]:
+    if len(blob) < _CLAIM.size or blob[:1] not in (b"C", b"R"):
+        raise BadRecord(what, f"{blob[:48]!r}, not a reference claim")
+    kind, rank, flush, digest = _CLAIM.unpack_from(blob)
+    return kind, rank, flush, digest
 
 
-__all__ = ["Conflict", "DigestLedger", "MAX_BATCH", "SHARDS", "batch_digest", "decode_text", "row_of"]
+__all__ = [
+    "DIVERGED",
+    "Conflict",
+    "DigestLedger",
+    "MAX_BATCH",
+    "batch_digest",
+    "decode_texts",
+    "row_of",
+]
