@@ -365,30 +365,32 @@ def test_pipeline_stage_peers_upload_their_long_residual_once() -> None:
     assert sorted(rank for rank, _, _ in _log_records(ranks[0])) == [0, 1, 2, 3]
 
 
-def test_a_rank_that_gets_only_the_claim_waits_for_the_reference_and_compares() -> None:
+@pytest.mark.parametrize("slow", ["set", "append"])
+def test_a_rank_that_gets_only_the_claim_waits_and_names_the_owners_config(slow: str) -> None:
+    """The owner is slow after its claim: to publish its rows (``set``) or its texts (``append``)."""
     import threading
     import time
 
     first, second = _ranks(2)
     assert first.ledger is not None
-    slow_store = first.ledger.store
+    owner_store = first.ledger.store
     released = threading.Event()
 
-    class _SlowAppend:  # the owner is slow between its claim and its reference
+    class _Slow:
         def __getattr__(self, name: str) -> Any:
-            method = getattr(slow_store, name)
-            if name != "append":
+            method = getattr(owner_store, name)
+            if name != slow:
                 return method
-            return lambda *args: (released.wait(5), method(*args))
+            return lambda *args: (released.wait(5), method(*args))[1]
 
-    first.ledger.store = _SlowAppend()
+    first.ledger.store = _Slow()
     _decide(first, ["M=1", "M=2"])
     _decide(second, ["M=1"])
     second.check(_d("M=2", SIG_B))
     owner = threading.Thread(target=first.flush)
     owner.start()
     while not bytes(first._store.compare_set("ref/1", "", "")):
-        time.sleep(0.01)  # the claim is in; the reference is not
+        time.sleep(0.01)  # the claim is in; the reference or the texts are not
     threading.Timer(0.2, released.set).start()
     with pytest.raises(DivergenceError) as raised:
         second.flush()

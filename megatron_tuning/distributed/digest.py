@@ -8,13 +8,14 @@ or when a batch reaches ``MAX_BATCH`` rows) it sends what it has:
 
 1. ``compare_set("ref/<flush>", "", <claim>)``, the claim naming this rank and the digest of its
    sorted rows. The first rank of each flush number claims that number's *reference* and then
-   makes its rows visible: its log record first (step 3), then the reference itself under the same
-   key, then ``ready/<flush>``. Everyone else gets the claim or the reference back in that one
-   reply. A batch with the reference's digest (tensor-parallel peers, data-parallel replicas, the
-   reference's own pipeline stage) is done: one request. Otherwise the rank compares its rows with
-   the reference locally (a rank that got only the claim waits for ``ready/<flush>``, set by the
-   claimant's very next requests): a row whose identity the reference has with another signature is
-   a divergence, found at once.
+   makes its rows visible: the reference itself under the same key, then ``ready/<flush>``, then
+   its log record (step 3; an error message naming the owner's config waits for it). Everyone
+   else gets the claim or the reference back in that one reply. A batch with the reference's
+   digest (tensor-parallel peers, data-parallel replicas, the reference's own pipeline stage) is
+   done: one request. Otherwise the rank compares its rows with the reference locally (a rank
+   that got only the claim waits for ``ready/<flush>``, set by the claimant's very next
+   requests): a row whose identity the reference has with another signature is a divergence,
+   found at once.
 2. The rows the reference lacks (other pipeline stages, a rank's own variable-length shapes) are
    the *residual*. A residual longer than ``DEDUP_ABOVE_ROWS`` rows is deduplicated first
    (``add("n/<residual digest>", 1)``: the ranks of one pipeline stage share one, and only the
@@ -22,8 +23,9 @@ or when a batch reaches ``MAX_BATCH`` rows) it sends what it has:
    appended at once: one more request would cost the server more than a few KB of duplicates.
 3. Uploading is one ``append`` (no reply) to the job's one log: a record of (rank, flush, row
    count, text length), the rows, and zlib-compressed JSON texts (kernel, key, signature) of those
-   rows in row order, read only to write an error message. So a row's text is in the store before
-   the row can be seen, and every row any rank can compare lives in the log.
+   rows in row order, read only to write an error message. So a row's text reaches the store with
+   the row (the reference's owner: one request after), and every row any rank can compare lives
+   in the log.
 4. The group's first rank reads the log at each of its flushes, and the last rank to close reads
    it all: two rows with one identity and two signatures are a divergence.
 5. Every flush reads the job's divergence flag, so every rank raises the first divergence found.
@@ -44,6 +46,7 @@ import hashlib
 import json
 import logging
 import struct
+import time
 import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -196,11 +199,12 @@ class DigestLedger:
             self.sent[ident] = row[HALF:]
         self.pending.clear()
         if reply == claim:
-            # This batch is the reference of its flush number. Its record (with the texts) goes
-            # first: whoever finds a conflict with the reference reads the owner's texts there.
-            self._append(flush, rows)
+            # This batch is the reference of its flush number. Rows first, since ranks that got
+            # only the claim wait for them; then the record with the texts, which only an error
+            # message reads (and waits for: ``texts_of``).
             self.store.set(f"ref/{flush}", _CLAIM.pack(b"R", self.rank, flush, digest) + b"".join(rows))
             self.store.set(f"ready/{flush}", "1")
+            self._append(flush, rows)
             return
         kind, _, _, their_digest = _parse_claim(reply, f"{what}: the reference of flush #{flush}")
         if their_digest == digest:
@@ -272,15 +276,29 @@ class DigestLedger:
                     on_conflict(Conflict(ident, (rank, flush, signature), first))
 
     def texts_of(self, rank: int, flush: int) -> dict[bytes, tuple[str, str, str]]:
-        """The (kernel, key, signature) texts another rank sent with ``flush``; ``{}`` if absent."""
+        """The (kernel, key, signature) texts another rank sent with ``flush``.
+
+        Every (rank, flush) a conflict names has a log record, or will within its sender's next
+        request (a reference's owner appends it just after publishing the rows): wait for it up to
+        ``REFERENCE_WAIT_S`` (an error path only), then ``{}`` (the message shows digests).
+        """
         if rank == self.rank:
             return {i: (d.kernel, d.key, d.signature) for i, d in self.texts.items()}
         what = f"the decision texts of rank {rank}'s flush #{flush}"
-        blob = bytes(self._ask(what, "compare_set", "log", "", ""))
+        deadline = time.monotonic() + REFERENCE_WAIT_S
+        pause = 0.005
+        while True:
+            blob = bytes(self._ask(what, "compare_set", "log", "", ""))
+            found = [
+                (rows, texts) for r, f, rows, texts in unpack_records(blob, what) if (r, f) == (rank, flush)
+            ]
+            if found or time.monotonic() > deadline:
+                break
+            time.sleep(pause)
+            pause = min(pause * 2, 0.5)
         out: dict[bytes, tuple[str, str, str]] = {}
-        for r, f, rows, texts in unpack_records(blob, what):
-            if (r, f) == (rank, flush):
-                out.update(zip((row[:HALF] for row in rows), decode_texts(texts, len(rows), what)))
+        for rows, texts in found:
+            out.update(zip((row[:HALF] for row in rows), decode_texts(texts, len(rows), what)))
         return out
 
     def _ask(self, what: str, method: str, *args: Any) -> Any:
