@@ -365,13 +365,20 @@ def test_pipeline_stage_peers_upload_their_long_residual_once() -> None:
     assert sorted(rank for rank, _, _ in _log_records(ranks[0])) == [0, 1, 2, 3]
 
 
-@pytest.mark.parametrize("slow", ["set", "append"])
-def test_a_rank_that_gets_only_the_claim_waits_and_names_the_owners_config(slow: str) -> None:
-    """The owner is slow after its claim: to publish its rows (``set``) or its texts (``append``)."""
+@pytest.mark.parametrize(("slow", "then"), [("set", "launch"), ("set", "close"), ("append", "launch")])
+def test_a_rank_that_gets_only_the_claim_compares_later_and_names_the_owners_config(
+    slow: str, then: str
+) -> None:
+    """The owner is slow after its claim, to publish its rows (``set``) or its texts (``append``).
+
+    A rank that got only the claim does not wait at its flush: it compares at the next launch
+    (a re-requested flush), or waits at close.
+    """
     import threading
     import time
 
-    first, second = _ranks(2)
+    store = Counter()
+    first, second = _ranks(2, store)
     assert first.ledger is not None
     owner_store = first.ledger.store
     released = threading.Event()
@@ -391,9 +398,20 @@ def test_a_rank_that_gets_only_the_claim_waits_and_names_the_owners_config(slow:
     owner.start()
     while not bytes(first._store.compare_set("ref/1", "", "")):
         time.sleep(0.01)  # the claim is in; the reference or the texts are not
+    if slow == "set":
+        before = store.total()
+        second.flush()  # only the claim came back: no wait, no flag poll, a flush at the next launch
+        assert store.total() - before == 1 and pinning.flush_pending
+        assert second.ledger is not None and list(second.ledger.deferred) == [1]
     threading.Timer(0.2, released.set).start()
     with pytest.raises(DivergenceError) as raised:
-        second.flush()
+        if then == "close":
+            second.stop()
+        elif slow == "set":
+            time.sleep(0.3)  # the owner published; the next launch runs the re-requested flush
+            second.flush()
+        else:
+            second.flush()  # the rows are there: compared now; the message waits for the texts
     owner.join()
     assert raised.value.key == "M=2" and raised.value.signatures == {0: SIG_A, 1: SIG_B}
 
@@ -405,8 +423,9 @@ def test_a_claim_whose_owner_never_publishes_is_named_not_waited_for(monkeypatch
     first, second = _ranks(2)
     first._store.compare_set("ref/1", "", digest._CLAIM.pack(b"C", 0, 1, bytes(16)))  # then it died
     second.check(_d("M=1"))
+    second.flush()  # deferred to the next launch: a flush never waits
     with pytest.raises(StoreRecordError, match=r"no reference for flush #1 after 0.3 s"):
-        second.flush()
+        second.stop()  # close does, for a bounded time
 
 
 def test_a_closing_rank_learns_of_a_divergence_from_its_close_count() -> None:

@@ -322,11 +322,16 @@ class AgreementChecker:
 
     # -- digest mode ---------------------------------------------------------------------
     def _flush_digest(self) -> None:
+        """Send the batch and read the flag; a batch whose reference was only claimed yet is
+        compared at the next launch (re-requested flush), which then reads the flag."""
         assert self.ledger is not None
         try:
-            self.ledger.flush(self._on_conflict)
+            deferred = self.ledger.flush(self._on_conflict)
         except BadRecord as bad:
             raise StoreRecordError(bad.what, bad.problem) from None
+        if deferred:
+            pinning.request_flush(self.flush)
+            return
         self.poll()
 
     def _close_digest(self) -> None:
@@ -337,7 +342,7 @@ class AgreementChecker:
         """
         assert self.ledger is not None
         try:
-            self.ledger.flush(self._on_conflict)
+            self.ledger.flush(self._on_conflict, final=True)
             closed = int(request("the digest agreement's close count", lambda: self._store.add("closed", 1)))
             if closed % DIVERGED >= len(self.ranks):
                 self.ledger.read_log(self._on_conflict)

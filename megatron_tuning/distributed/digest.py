@@ -164,6 +164,7 @@ class DigestLedger:
         self.pending: dict[bytes, tuple[bytes, Decision]] = {}
         self.sent: dict[bytes, bytes] = {}  # identity -> signature digest, every row flushed
         self.texts: dict[bytes, Decision] = {}
+        self.deferred: dict[int, list[bytes]] = {}  # flush -> rows whose reference was only claimed
         self._read_offset = 0
         self._log_rows: dict[bytes, tuple[int, int, bytes]] = {}
         self.requests = 0  # store requests with a reply, for tests and benchmarks
@@ -180,14 +181,22 @@ class DigestLedger:
         return len(self.pending) >= MAX_BATCH
 
     # -- flushing ------------------------------------------------------------------------
-    def flush(self, on_conflict: Callable[[Conflict], None]) -> None:
-        """Send the pending batch (if any); the reader also reads the log. Reports conflicts."""
+    def flush(self, on_conflict: Callable[[Conflict], None], *, final: bool = False) -> bool:
+        """Send the pending batch (if any); the reader also reads the log. Reports conflicts.
+
+        Whether a batch waits for its flush's reference (its owner had claimed it but not yet
+        published it): the caller flushes again at the next launch instead of waiting now, and a
+        ``final`` flush (close) waits for it.
+        """
+        for flush, rows in list(self.deferred.items()):
+            self._compare(flush, rows, on_conflict, final=final)
         if self.pending:
-            self._send(on_conflict)
+            self._send(on_conflict, final=final)
         if self.reader:
             self.read_log(on_conflict)
+        return bool(self.deferred)
 
-    def _send(self, on_conflict: Callable[[Conflict], None]) -> None:
+    def _send(self, on_conflict: Callable[[Conflict], None], *, final: bool) -> None:
         rows = sorted(row for row, _ in self.pending.values())
         self.flushes += 1
         flush = self.flushes
@@ -209,9 +218,32 @@ class DigestLedger:
         kind, _, _, their_digest = _parse_claim(reply, f"{what}: the reference of flush #{flush}")
         if their_digest == digest:
             return  # the reference's very rows: nothing new, nothing that can differ
-        if kind == b"C":
-            reply = self._reference(flush, what)
-        residual = self._against_reference(rows, reply, flush, what, on_conflict)
+        if kind == b"C":  # claimed, not yet published: compare at the next flush (or now, at close)
+            self.deferred[flush] = rows
+            if final:
+                self._compare(flush, rows, on_conflict, final=True)
+            return
+        self._finish(flush, rows, reply, on_conflict)
+
+    def _compare(
+        self, flush: int, rows: list[bytes], on_conflict: Callable[[Conflict], None], *, final: bool
+    ) -> None:
+        """Compare a deferred batch with its reference: now if published, else wait only if ``final``."""
+        what = f"the digest flush #{flush} of rank {self.rank} ({len(rows)} new decisions)"
+        if final:
+            reference = self._reference(flush, what)
+        else:
+            reference = bytes(self._ask(what, "compare_set", f"ref/{flush}", "", ""))
+            if _parse_claim(reference, f"{what}: the reference of flush #{flush}")[0] == b"C":
+                return
+        del self.deferred[flush]
+        self._finish(flush, rows, reference, on_conflict)
+
+    def _finish(
+        self, flush: int, rows: list[bytes], reference: bytes, on_conflict: Callable[[Conflict], None]
+    ) -> None:
+        what = f"the digest flush #{flush} of rank {self.rank} ({len(rows)} new decisions)"
+        residual = self._against_reference(rows, reference, flush, what, on_conflict)
         if not residual:
             return
         if len(residual) > DEDUP_ABOVE_ROWS:
