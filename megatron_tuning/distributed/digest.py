@@ -12,10 +12,12 @@ or when a batch reaches ``MAX_BATCH`` rows) it sends what it has:
    its log record (step 3; an error message naming the owner's config waits for it). Everyone
    else gets the claim or the reference back in that one reply. A batch with the reference's
    digest (tensor-parallel peers, data-parallel replicas, the reference's own pipeline stage) is
-   done: one request. Otherwise the rank compares its rows with the reference locally (a rank
-   that got only the claim waits for ``ready/<flush>``, set by the claimant's very next
-   requests): a row whose identity the reference has with another signature is a divergence,
-   found at once.
+   done: one request. Otherwise the rank compares its rows with the reference locally: a row
+   whose identity the reference has with another signature is a divergence, found at once. A
+   rank that got only the claim (the owner has not published yet) does not wait: it compares at
+   its next flush, which the checker requests for the next launch (one ``compare_set`` of the
+   reference then), and a final flush (close) waits for ``ready/<flush>``, at most
+   ``REFERENCE_WAIT_S``: the owner sets it with its very next requests after the claim.
 2. The rows the reference lacks (other pipeline stages, a rank's own variable-length shapes) are
    the *residual*. A residual longer than ``DEDUP_ABOVE_ROWS`` rows is deduplicated first
    (``add("n/<residual digest>", 1)``: the ranks of one pipeline stage share one, and only the
@@ -28,13 +30,15 @@ or when a batch reaches ``MAX_BATCH`` rows) it sends what it has:
    in the log.
 4. The group's first rank reads the log at each of its flushes, and the last rank to close reads
    it all: two rows with one identity and two signatures are a divergence.
-5. Every flush reads the job's divergence flag, so every rank raises the first divergence found.
-   Whoever records a divergence first adds ``DIVERGED`` to the close counter, so a closing rank
+5. Every flush reads the job's divergence flag (a flush that deferred its comparison reads it at
+   the next one), so every rank raises the first divergence found.
+   Whoever records a divergence adds ``DIVERGED`` to the close counter, so a closing rank
    learns of it from the reply of its ``add("closed", 1)`` (and then reads the flag) without a
    request of its own for the flag.
 
 Requests per rank and flush: 1 (same batch as the reference), 2 with a short residual (the
-claim and the append), 2-3 with a long one; plus the flag poll, and one ``add`` at close.
+claim and the append), 2-3 with a long one, one more when the comparison was deferred; plus the
+flag poll (not at a deferring flush), and one ``add`` at close.
 A divergence is noticed at the flush of the rank that differs from a reference, or at the next
 flush (or close) of the log's reader; ``verify_agreement`` always compares everything
 (``verify.py``).
