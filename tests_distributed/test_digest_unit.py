@@ -1,6 +1,6 @@
 """In-process tests of the ``digest`` agreement: fake ranks share one in-memory store.
 
-Covers the flush protocol (dedup of identical batches, the per-flush reference, shard readers,
+Covers the flush protocol (dedup of identical batches, the per-flush reference, the log reader,
 the last closer), the request counts the mode promises, the hot-path flush trigger, and bad
 records under the library's keys. Multi-process runs are in ``test_agreement_torchrun.py``.
 """
@@ -163,7 +163,7 @@ def test_pipeline_stages_with_disjoint_keys_agree() -> None:
         checker.stop()
 
 
-def test_rows_only_some_ranks_share_are_compared_by_the_shard_reader() -> None:
+def test_rows_only_some_ranks_share_are_compared() -> None:
     """Varlen-like: shared keys plus own keys; two ranks share an own key with different configs."""
     ranks = _ranks(4)
     shared = [f"M={n}" for n in range(40)]
@@ -173,12 +173,12 @@ def test_rows_only_some_ranks_share_are_compared_by_the_shard_reader() -> None:
     ranks[2].check(_d("seq=777", SIG_A))
     ranks[3].check(_d("seq=777", SIG_B))
     errors = []
-    for checker in reversed(ranks):  # rank 0 reads shard 0.., after everyone sent
+    for checker in reversed(ranks):  # rank 0 reads the log, after everyone sent
         try:
             checker.flush()
         except DivergenceError as error:
             errors.append(error)
-    if not errors:  # the rows fell in a shard whose reader flushed before both were sent
+    if not errors:  # neither the reference nor the reader's log read had both rows
         for checker in ranks:
             try:
                 checker.stop()
@@ -189,10 +189,10 @@ def test_rows_only_some_ranks_share_are_compared_by_the_shard_reader() -> None:
     assert set(errors[0].signatures.values()) == {SIG_A, SIG_B}
 
 
-def test_the_last_rank_to_close_reads_every_shard() -> None:
+def test_the_last_rank_to_close_reads_the_whole_log() -> None:
     first, second = _ranks(2)
-    # Neither row is in the other's reference (different flush numbers) and each rank reads only
-    # its own shard: the conflict is found when the second rank closes and reads them all.
+    # Neither row is in the other's reference (different flush numbers) and rank 0 read the log
+    # before rank 1's second row was in it: the conflict is found when rank 1 closes last.
     first.check(_d("M=1"))
     first.flush()
     second.check(_d("other"))
@@ -349,7 +349,8 @@ def test_a_rank_with_keys_of_its_own_sends_only_those_in_one_append() -> None:
         checker.flush()
         sent = {name: store.calls[name] - before.get(name, 0) for name in store.calls}
         # The claim (its reply is the reference), one append of the 7 own rows, the flag poll:
-        # no deduplication add for a short residual, no texts key, no per-shard appends.
+        # no deduplication add for a short residual, no texts key, no per-shard appends (the old
+        # protocol's 11-12 requests).
         assert {k: v for k, v in sent.items() if v} == {"compare_set": 2, "append": 1}, sent
     assert _log_records(ranks[0]) == [(0, 1, 307), (1, 1, 7), (2, 1, 7), (3, 1, 7)]
 
