@@ -102,11 +102,13 @@ def test_identical_batches_are_sent_once_and_agree() -> None:
         before = store.total()
         checker.flush()
         counts.append(store.total() - before)
-    # The first sender claims the reference (one compare_set), appends its record (rows and
-    # texts), sets the reference and its ready key, reads the log (it is the group's first rank)
-    # and polls the flag; the others: the claim, whose reply is the reference itself, and the poll.
+    # The first sender claims the reference (one compare_set), sets its rows and its ready key,
+    # appends its record (rows and texts), reads the log (it is the group's first rank) and polls
+    # the flag; the others: the claim, whose reply names the reference's digest, and the poll.
     assert counts[1:] == [2, 2, 2]
     assert counts[0] == 6
+    # What the peers got back is the claim, a few dozen bytes, not the reference's 6,400.
+    assert len(bytes(ranks[0]._store.compare_set("ref/1", "", ""))) < 64
     closes = []
     for checker in ranks:
         before = store.total()
@@ -348,10 +350,9 @@ def test_a_rank_with_keys_of_its_own_sends_only_those_in_one_append() -> None:
         before = dict(store.calls)
         checker.flush()
         sent = {name: store.calls[name] - before.get(name, 0) for name in store.calls}
-        # The claim (its reply is the reference), one append of the 7 own rows, the flag poll:
-        # no deduplication add for a short residual, no texts key, no per-shard appends (the old
-        # protocol's 11-12 requests).
-        assert {k: v for k, v in sent.items() if v} == {"compare_set": 2, "append": 1}, sent
+        # The claim, the batch's dedup add, the reference rows, one append of the 7 own rows (with
+        # their texts), the flag poll: no texts key, no per-shard appends (the old protocol's 11).
+        assert {k: v for k, v in sent.items() if v} == {"compare_set": 3, "add": 1, "append": 1}, sent
     assert _log_records(ranks[0]) == [(0, 1, 307), (1, 1, 7), (2, 1, 7), (3, 1, 7)]
 
 
@@ -402,7 +403,7 @@ def test_a_rank_that_gets_only_the_claim_compares_later_and_names_the_owners_con
     if slow == "set":
         before = store.total()
         second.flush()  # only the claim came back: no wait, no flag poll, a flush at the next launch
-        assert store.total() - before == 1 and pinning.flush_pending
+        assert store.total() - before == 3 and pinning.flush_pending  # claim, add, rows (absent)
         assert second.ledger is not None and list(second.ledger.deferred) == [1]
     threading.Timer(0.2, released.set).start()
     with pytest.raises(DivergenceError) as raised:

@@ -7,22 +7,18 @@ launches; at a *flush* (the first repeated launch after new keys, ``verify_agree
 or when a batch reaches ``MAX_BATCH`` rows) it sends what it has:
 
 1. ``compare_set("ref/<flush>", "", <claim>)``, the claim naming this rank and the digest of its
-   sorted rows. The first rank of each flush number claims that number's *reference* and then
-   makes its rows visible: the reference itself under the same key, then ``ready/<flush>``, then
-   its log record (step 3; an error message naming the owner's config waits for it). Everyone
-   else gets the claim or the reference back in that one reply. A batch with the reference's
-   digest (tensor-parallel peers, data-parallel replicas, the reference's own pipeline stage) is
-   done: one request. Otherwise the rank compares its rows with the reference locally: a row
-   whose identity the reference has with another signature is a divergence, found at once. A
-   rank that got only the claim (the owner has not published yet) does not wait: it compares at
-   its next flush, which the checker requests for the next launch (one ``compare_set`` of the
-   reference then), and a final flush (close) waits for ``ready/<flush>``, at most
-   ``REFERENCE_WAIT_S``: the owner sets it with its very next requests after the claim.
-2. The rows the reference lacks (other pipeline stages, a rank's own variable-length shapes) are
-   the *residual*. A residual longer than ``DEDUP_ABOVE_ROWS`` rows is deduplicated first
-   (``add("n/<residual digest>", 1)``: the ranks of one pipeline stage share one, and only the
-   first sender uploads it); a short one (a rank's own shapes, which no other rank has) is
-   appended at once: one more request would cost the server more than a few KB of duplicates.
+   sorted rows (a few dozen bytes each way). The first rank of each flush number claims that
+   number's *reference* and publishes its rows under ``rows/<flush>``, then ``ready/<flush>``,
+   then its log record (step 3; an error message naming the owner's config waits for it).
+   Everyone else gets the claim back. A batch with the reference's digest (tensor-parallel peers,
+   data-parallel replicas, the reference's own pipeline stage) is done: one small request.
+2. Otherwise ``add("n/<batch digest>", 1)``: of ranks with one batch (a pipeline stage's), only
+   the first goes on. It fetches ``rows/<flush>`` and compares locally: a row whose identity the
+   reference has with another signature is a divergence, found at once; the rows the reference
+   lacks (other pipeline stages, a rank's own variable-length shapes) are its *residual*. A rank
+   whose reference is claimed but not yet published does not wait: it compares at its next
+   flush, which the checker requests for the next launch, and a final flush (close) waits for
+   ``ready/<flush>``, at most ``REFERENCE_WAIT_S`` (the owner sets it right after its claim).
 3. Uploading is one ``append`` (no reply) to the job's one log: a record of (rank, flush, row
    count, text length), the rows, and zlib-compressed JSON texts (kernel, key, signature) of those
    rows in row order, read only to write an error message. So a row's text reaches the store with
@@ -36,9 +32,10 @@ or when a batch reaches ``MAX_BATCH`` rows) it sends what it has:
    learns of it from the reply of its ``add("closed", 1)`` (and then reads the flag) without a
    request of its own for the flag.
 
-Requests per rank and flush: 1 (same batch as the reference), 2 with a short residual (the
-claim and the append), 2-3 with a long one, one more when the comparison was deferred; plus the
-flag poll (not at a deferring flush), and one ``add`` at close.
+Requests per rank and flush: 1 (same batch as the reference), 2 (a pipeline stage's peers), 4
+with rows of its own (claim, add, reference rows, append), one more when the comparison was
+deferred; plus the flag poll (not at a deferring flush), and one ``add`` at close. Only a distinct
+batch's first sender downloads the reference (one value of 32 bytes per row).
 A divergence is noticed at the flush of the rank that differs from a reference, or at the next
 flush (or close) of the log's reader; ``verify_agreement`` always compares everything
 (``verify.py``).
@@ -68,8 +65,6 @@ HALF = 16
 ROW = 2 * HALF  # identity digest (16 bytes), then signature digest (16 bytes)
 MAX_BATCH = 4096
 """Rows per flush at most: a longer burst of new keys flushes early (bounded values in the store)."""
-DEDUP_ABOVE_ROWS = 256
-"""A residual longer than this is deduplicated (one ``add``) before it is appended to the log."""
 REFERENCE_WAIT_S = 30.0
 """How long a sender waits for a reference its owner has claimed (the owner's next requests set it)."""
 DIVERGED = 1 << 32
@@ -215,19 +210,17 @@ class DigestLedger:
             # This batch is the reference of its flush number. Rows first, since ranks that got
             # only the claim wait for them; then the record with the texts, which only an error
             # message reads (and waits for: ``texts_of``).
-            self.store.set(f"ref/{flush}", _CLAIM.pack(b"R", self.rank, flush, digest) + b"".join(rows))
+            self.store.set(f"rows/{flush}", _CLAIM.pack(b"R", self.rank, flush, digest) + b"".join(rows))
             self.store.set(f"ready/{flush}", "1")
             self._append(flush, rows)
             return
-        kind, _, _, their_digest = _parse_claim(reply, f"{what}: the reference of flush #{flush}")
+        _, _, _, their_digest = _parse_claim(reply, f"{what}: the reference of flush #{flush}")
         if their_digest == digest:
             return  # the reference's very rows: nothing new, nothing that can differ
-        if kind == b"C":  # claimed, not yet published: compare at the next flush (or now, at close)
-            self.deferred[flush] = rows
-            if final:
-                self._compare(flush, rows, on_conflict, final=True)
-            return
-        self._finish(flush, rows, reply, on_conflict)
+        if int(self._ask(what, "add", f"n/{digest.hex()}", 1)) > 1:
+            return  # an identical batch was sent first (a pipeline stage's peers): its sender compares
+        self.deferred[flush] = rows
+        self._compare(flush, rows, on_conflict, final=final)
 
     def _compare(
         self, flush: int, rows: list[bytes], on_conflict: Callable[[Conflict], None], *, final: bool
@@ -237,9 +230,9 @@ class DigestLedger:
         if final:
             reference = self._reference(flush, what)
         else:
-            reference = bytes(self._ask(what, "compare_set", f"ref/{flush}", "", ""))
-            if _parse_claim(reference, f"{what}: the reference of flush #{flush}")[0] == b"C":
-                return
+            reference = bytes(self._ask(what, "compare_set", f"rows/{flush}", "", ""))
+            if not reference:
+                return  # claimed, not yet published: compare at the next flush (or at close)
         del self.deferred[flush]
         self._finish(flush, rows, reference, on_conflict)
 
@@ -248,13 +241,8 @@ class DigestLedger:
     ) -> None:
         what = f"the digest flush #{flush} of rank {self.rank} ({len(rows)} new decisions)"
         residual = self._against_reference(rows, reference, flush, what, on_conflict)
-        if not residual:
-            return
-        if len(residual) > DEDUP_ABOVE_ROWS:
-            count = self._ask(what, "add", f"n/{batch_digest(residual).hex()}", 1)
-            if int(count) > 1:
-                return  # an identical residual was sent first (a pipeline stage's peers)
-        self._append(flush, residual)
+        if residual:
+            self._append(flush, residual)
 
     def _append(self, flush: int, rows: list[bytes]) -> None:
         texts = texts_blob([self.texts[row[:HALF]] for row in rows])
@@ -270,7 +258,7 @@ class DigestLedger:
             if not self._ask(what, "check", [f"ready/{flush}"]):
                 problem = f"no reference for flush #{flush} after {REFERENCE_WAIT_S:g} s"
                 raise BadRecord(what, problem) from None
-        return bytes(self._ask(what, "compare_set", f"ref/{flush}", "", ""))
+        return bytes(self._ask(what, "compare_set", f"rows/{flush}", "", ""))
 
     def _against_reference(
         self,
