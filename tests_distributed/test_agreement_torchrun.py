@@ -247,7 +247,7 @@ def test_digest_mode_catches_chaos_on_every_rank(job: tuple[int, Results], name:
 def test_digest_mode_sends_a_bounded_number_of_requests_per_rank(job: tuple[int, Results]) -> None:
     for row in _scenario(job, "digest_tp"):
         assert row["requests_before_flush"] == 0  # first use records and launches: no store request
-        assert row["requests"] <= 6, row  # add, reference, shard reads, texts: not 40 keys' worth
+        assert row["requests"] <= 6, row  # the reference claim, the log read, the flag: not 40 keys' worth
         assert row["shared"] == 40
         # Identical logs: verify_agreement sends one 32-byte header per rank, no rows at all.
         assert row["verify_bytes"] == 32, row

@@ -1,6 +1,6 @@
 """In-process tests of the ``digest`` agreement: fake ranks share one in-memory store.
 
-Covers the flush protocol (dedup of identical batches, the per-flush reference, shard readers,
+Covers the flush protocol (dedup of identical batches, the per-flush reference, the log reader,
 the last closer), the request counts the mode promises, the hot-path flush trigger, and bad
 records under the library's keys. Multi-process runs are in ``test_agreement_torchrun.py``.
 """
@@ -102,12 +102,21 @@ def test_identical_batches_are_sent_once_and_agree() -> None:
         before = store.total()
         checker.flush()
         counts.append(store.total() - before)
-    # The first sender uploads (reference, texts, shards); the others: one add, one read of the
-    # shard each rank reads (4 ranks, 4 shards), and the flag poll.
-    assert counts[1:] == [3, 3, 3]
-    assert counts[0] == 3 + 3 + 4  # + the reference claim, texts, reference, one append per shard
+    # The first sender claims the reference (one compare_set), sets its rows and its ready key,
+    # appends its record (rows and texts), reads the log (it is the group's first rank) and polls
+    # the flag; the others: the claim, whose reply names the reference's digest, and the poll.
+    assert counts[1:] == [2, 2, 2]
+    assert counts[0] == 6
+    # What the peers got back is the claim, a few dozen bytes, not the reference's 6,400.
+    assert len(bytes(ranks[0]._store.compare_set("ref/1", "", ""))) < 64
+    closes = []
     for checker in ranks:
+        before = store.total()
         checker.stop()
+        closes.append(store.total() - before)
+    # Close: one add each (its reply says no divergence was recorded), the first rank's log read,
+    # and the last closer's read of the whole log.
+    assert closes == [2, 1, 1, 2]
 
 
 def test_requests_per_rank_do_not_grow_with_keys() -> None:
@@ -156,7 +165,7 @@ def test_pipeline_stages_with_disjoint_keys_agree() -> None:
         checker.stop()
 
 
-def test_rows_only_some_ranks_share_are_compared_by_the_shard_reader() -> None:
+def test_rows_only_some_ranks_share_are_compared() -> None:
     """Varlen-like: shared keys plus own keys; two ranks share an own key with different configs."""
     ranks = _ranks(4)
     shared = [f"M={n}" for n in range(40)]
@@ -166,12 +175,12 @@ def test_rows_only_some_ranks_share_are_compared_by_the_shard_reader() -> None:
     ranks[2].check(_d("seq=777", SIG_A))
     ranks[3].check(_d("seq=777", SIG_B))
     errors = []
-    for checker in reversed(ranks):  # rank 0 reads shard 0.., after everyone sent
+    for checker in reversed(ranks):  # rank 0 reads the log, after everyone sent
         try:
             checker.flush()
         except DivergenceError as error:
             errors.append(error)
-    if not errors:  # the rows fell in a shard whose reader flushed before both were sent
+    if not errors:  # neither the reference nor the reader's log read had both rows
         for checker in ranks:
             try:
                 checker.stop()
@@ -182,10 +191,10 @@ def test_rows_only_some_ranks_share_are_compared_by_the_shard_reader() -> None:
     assert set(errors[0].signatures.values()) == {SIG_A, SIG_B}
 
 
-def test_the_last_rank_to_close_reads_every_shard() -> None:
+def test_the_last_rank_to_close_reads_the_whole_log() -> None:
     first, second = _ranks(2)
-    # Neither row is in the other's reference (different flush numbers) and each rank reads only
-    # its own shard: the conflict is found when the second rank closes and reads them all.
+    # Neither row is in the other's reference (different flush numbers) and rank 0 read the log
+    # before rank 1's second row was in it: the conflict is found when rank 1 closes last.
     first.check(_d("M=1"))
     first.flush()
     second.check(_d("other"))
@@ -318,3 +327,179 @@ def test_a_slow_store_request_is_told_once_per_kind_with_the_fix_its_caller_know
     warn.reset_warnings()
     monkeypatch.setattr(storeops, "SLOW_REQUEST_S", 60.0)
     assert told(lambda: storeops.request("the digest flush #3 of rank 3", lambda: 1)) == []
+
+
+# -- the log, the reference claim and the close count (the varlen-cheap protocol) ---------------
+
+
+def _log_records(checker: agreement.AgreementChecker) -> list[tuple[int, int, int]]:
+    from megatron_tuning.distributed.digest import unpack_records
+
+    blob = bytes(checker._store.compare_set("log", "", ""))
+    return [(rank, flush, len(rows)) for rank, flush, rows, _ in unpack_records(blob, "the log")]
+
+
+def test_a_rank_with_keys_of_its_own_sends_only_those_in_one_append() -> None:
+    store = Counter()
+    ranks = _ranks(4, store)
+    shared = [f"M={n}" for n in range(300)]
+    for checker in ranks:
+        _decide(checker, shared + [f"own={checker.rank}, n={n}" for n in range(7)])
+    ranks[0].flush()  # the reference: its whole batch goes to the log
+    for checker in ranks[1:]:
+        before = dict(store.calls)
+        checker.flush()
+        sent = {name: store.calls[name] - before.get(name, 0) for name in store.calls}
+        # The claim, the batch's dedup add, the reference rows, one append of the 7 own rows (with
+        # their texts), the flag poll: no texts key, no per-shard appends (the old protocol's 11).
+        assert {k: v for k, v in sent.items() if v} == {"compare_set": 3, "add": 1, "append": 1}, sent
+    assert _log_records(ranks[0]) == [(0, 1, 307), (1, 1, 7), (2, 1, 7), (3, 1, 7)]
+
+
+def test_pipeline_stage_peers_upload_their_long_residual_once() -> None:
+    ranks = _ranks(8)
+    for checker in ranks:
+        _decide(checker, [f"stage={checker.rank % 4}, M={n}" for n in range(300)])
+    for checker in ranks:
+        checker.flush()
+    # Stage 0 is the reference; stages 1-3 differ from it entirely, and their 300-row residuals
+    # (over DEDUP_ABOVE_ROWS) are deduplicated: one record per stage, not one per rank.
+    assert sorted(rank for rank, _, _ in _log_records(ranks[0])) == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize(("slow", "then"), [("set", "launch"), ("set", "close"), ("append", "launch")])
+def test_a_rank_that_gets_only_the_claim_compares_later_and_names_the_owners_config(
+    slow: str, then: str
+) -> None:
+    """The owner is slow after its claim, to publish its rows (``set``) or its texts (``append``).
+
+    A rank that got only the claim does not wait at its flush: it compares at the next launch
+    (a re-requested flush), or waits at close.
+    """
+    import threading
+    import time
+
+    store = Counter()
+    first, second = _ranks(2, store)
+    assert first.ledger is not None
+    owner_store = first.ledger.store
+    released = threading.Event()
+
+    class _Slow:
+        def __getattr__(self, name: str) -> Any:
+            method = getattr(owner_store, name)
+            if name != slow:
+                return method
+            return lambda *args: (released.wait(5), method(*args))[1]
+
+    first.ledger.store = _Slow()
+    _decide(first, ["M=1", "M=2"])
+    _decide(second, ["M=1"])
+    second.check(_d("M=2", SIG_B))
+    owner = threading.Thread(target=first.flush)
+    owner.start()
+    while not bytes(first._store.compare_set("ref/1", "", "")):
+        time.sleep(0.01)  # the claim is in; the reference or the texts are not
+    if slow == "set":
+        before = store.total()
+        second.flush()  # only the claim came back: no wait, no flag poll, a flush at the next launch
+        assert store.total() - before == 3 and pinning.flush_pending  # claim, add, rows (absent)
+        assert second.ledger is not None and list(second.ledger.deferred) == [1]
+    threading.Timer(0.2, released.set).start()
+    with pytest.raises(DivergenceError) as raised:
+        if then == "close":
+            second.stop()
+        elif slow == "set":
+            time.sleep(0.3)  # the owner published; the next launch runs the re-requested flush
+            second.flush()
+        else:
+            second.flush()  # the rows are there: compared now; the message waits for the texts
+    owner.join()
+    assert raised.value.key == "M=2" and raised.value.signatures == {0: SIG_A, 1: SIG_B}
+
+
+def test_a_claim_whose_owner_never_publishes_is_named_not_waited_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    from megatron_tuning.distributed import digest
+
+    monkeypatch.setattr(digest, "REFERENCE_WAIT_S", 0.3)
+    first, second = _ranks(2)
+    first._store.compare_set("ref/1", "", digest._CLAIM.pack(b"C", 0, 1, bytes(16)))  # then it died
+    second.check(_d("M=1"))
+    second.flush()  # deferred to the next launch: a flush never waits
+    with pytest.raises(StoreRecordError, match=r"no reference for flush #1 after 0.3 s"):
+        second.stop()  # close does, for a bounded time
+
+
+def test_a_closing_rank_learns_of_a_divergence_from_its_close_count() -> None:
+    first, second, third = _ranks(3)
+    _decide(first, ["M=1"])
+    second.check(_d("M=1", SIG_B))
+    _decide(third, ["M=1"])
+    first.flush()
+    third.flush()  # the reference's own batch: nothing to compare, and no divergence yet
+    with pytest.raises(DivergenceError):
+        second.flush()
+    with pytest.raises(DivergenceError) as raised:
+        third.stop()  # nothing pending: the close count's reply carries the divergence mark
+    assert raised.value.key == "M=1" and raised.value.signatures == {0: SIG_A, 1: SIG_B}
+
+
+def test_a_divergence_mark_without_a_record_is_a_store_record_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    from megatron_tuning.distributed import digest
+
+    monkeypatch.setattr(agreement, "REFERENCE_WAIT_S", 0.3)
+    (checker,) = _ranks(1)
+    checker._store.add("closed", digest.DIVERGED)  # its recorder died before writing the record
+    with pytest.raises(StoreRecordError, match="a divergence mark but no divergence record"):
+        checker.stop()
+
+
+def test_the_log_reader_is_the_groups_first_rank() -> None:
+    store = dist.HashStore()
+    policy = TuningPolicy(agreement="digest")
+    ranks = [
+        agreement.AgreementChecker(policy, store=store, rank=r, ranks=range(4, 8), namespace="g")
+        for r in range(4, 8)
+    ]
+    for checker in ranks:
+        _decide(checker, [f"M={n}" for n in range(5)])
+    ranks[1].check(_d("seq=9", SIG_A))
+    ranks[2].check(_d("seq=9", SIG_B))
+    for checker in (ranks[3], ranks[1], ranks[2]):  # rank 7's batch is the reference
+        checker.flush()
+    with pytest.raises(DivergenceError) as raised:
+        ranks[0].flush()  # global rank 4 reads the log at its flush
+    assert raised.value.key == "seq=9" and raised.value.signatures == {5: SIG_A, 6: SIG_B}
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "problem"),
+    [
+        ("log", b"\x01\x00", "truncated record header"),
+        ("log", b"\x01\x00\x00\x00\x01\x00\x00\x00\x09\x00\x00\x00\x00\x00\x00\x00", "a record of 9 rows"),
+        ("ref/1", b"hello, not a claim", "not a reference claim"),
+    ],
+)
+def test_garbage_under_the_digest_keys_is_a_store_record_error(key: str, value: bytes, problem: str) -> None:
+    first, second = _ranks(2)
+    second._store.set(key, value)
+    if key.startswith("ref/"):  # a flush with rows reads the reference; rank 0 reads the log anyway
+        first.check(_d("M=1"))
+    with pytest.raises(StoreRecordError, match=problem):
+        first.flush()
+
+
+def test_garbage_texts_in_the_log_are_a_store_record_error() -> None:
+    from megatron_tuning.distributed.digest import decode_texts, texts_blob
+
+    assert decode_texts(texts_blob([_d("M=1")]), 1, "t") == [(KERNEL, "M=1", SIG_A)]
+    with pytest.raises(ValueError, match="not zlib data"):
+        decode_texts(b"plain", 1, "t")
+    with pytest.raises(ValueError, match="texts for 1 rows, not 2"):
+        decode_texts(texts_blob([_d("M=1")]), 2, "t")
+    import zlib
+
+    with pytest.raises(ValueError, match="nested deeper"):
+        decode_texts(zlib.compress(b"[[[[1]]]]"), 1, "t")
+    with pytest.raises(ValueError, match="expected three strings"):
+        decode_texts(zlib.compress(b'[["a", 2, "c"]]'), 1, "t")

@@ -40,6 +40,7 @@ import logging
 import os
 import threading
 from collections.abc import Mapping, Sequence
+from datetime import timedelta
 from typing import Any, Protocol
 
 import torch.distributed as dist
@@ -52,10 +53,11 @@ from ..core.errors import (
     PolicyError,
     SessionMismatchError,
     StoreRecordError,
+    StoreRequestError,
 )
 from ..runtime import pinning
 from ..runtime.pinning import is_capturing
-from .digest import Conflict, DigestLedger
+from .digest import DIVERGED, REFERENCE_WAIT_S, Conflict, DigestLedger
 from .inputs import INPUTS_KIND, compare_inputs, describe_inputs, inputs_record
 from .inputs import mismatch_from_record as inputs_mismatch_from_record
 from .inputs import mismatch_record as inputs_mismatch_record
@@ -214,7 +216,12 @@ class AgreementChecker:
         self._seq = 0
         self._attached = False
         self._world = max(self.ranks) + 1 if self.ranks else 1
-        self.ledger = DigestLedger(self._store, self.rank, len(self.ranks)) if self.mode == "digest" else None
+        reader = self.rank == min(self.ranks, default=-1)  # the group's first rank reads the log
+        self.ledger = (
+            DigestLedger(self._store, self.rank, len(self.ranks), reader=reader)
+            if self.mode == "digest"
+            else None
+        )
 
     def start_session(
         self, job: str, number: int, policy: Any, inputs: Mapping[str, str] | None = None
@@ -226,7 +233,7 @@ class AgreementChecker:
         self.session = SessionRegistry(store, self.rank, number, policy_summary(policy))
         error = self.session.register()
         if error is not None:
-            self._store.compare_set(_FLAG, "", mismatch_record(error))  # the other rank raises it next
+            self._record_flag(mismatch_record(error))  # the other rank raises it next
             raise error
         if inputs is None:
             return
@@ -235,7 +242,7 @@ class AgreementChecker:
         first = request(f"the inputs of {session}", lambda: store.compare_set(f"e{number}/inputs", "", mine))
         mismatch = compare_inputs(session, self.rank, inputs, first, self._world)
         if mismatch is not None:
-            self._store.compare_set(_FLAG, "", inputs_mismatch_record(mismatch))
+            self._record_flag(inputs_mismatch_record(mismatch))
             raise mismatch
 
     def attach(self) -> None:
@@ -315,18 +322,50 @@ class AgreementChecker:
 
     # -- digest mode ---------------------------------------------------------------------
     def _flush_digest(self) -> None:
+        """Send the batch and read the flag; a batch whose reference was only claimed yet is
+        compared at the next launch (re-requested flush), which then reads the flag."""
         assert self.ledger is not None
-        self.ledger.flush(self._on_conflict)
+        try:
+            deferred = self.ledger.flush(self._on_conflict)
+        except BadRecord as bad:
+            raise StoreRecordError(bad.what, bad.problem) from None
+        if deferred:
+            pinning.request_flush(self.flush)
+            return
         self.poll()
 
     def _close_digest(self) -> None:
-        """Last flush at stop; the last rank of the group to stop also reads every shard."""
+        """Last flush at stop; the last rank of the group to stop also reads the whole log.
+
+        One request besides the flush: the close count's reply also says whether a divergence
+        was recorded (``DIVERGED``), and only then is the flag read.
+        """
         assert self.ledger is not None
-        self.ledger.flush(self._on_conflict)
-        closed = request("the digest agreement's close count", lambda: self._store.add("closed", 1))
-        if int(closed) >= len(self.ranks):
-            self.ledger.read_shards(self.ledger.all_shards(), self._on_conflict)
+        try:
+            self.ledger.flush(self._on_conflict, final=True)
+            closed = int(request("the digest agreement's close count", lambda: self._store.add("closed", 1)))
+            if closed % DIVERGED >= len(self.ranks):
+                self.ledger.read_log(self._on_conflict)
+        except BadRecord as bad:
+            raise StoreRecordError(bad.what, bad.problem) from None
+        if closed >= DIVERGED:
+            self._await_flag()
+
+    def _await_flag(self) -> None:
+        """Raise the recorded divergence; its recorder marks the close count just before writing it."""
+        what = "the agreement's divergence flag"
+        try:
+            request(what, lambda: self._store.wait([_FLAG], timedelta(seconds=REFERENCE_WAIT_S)))
+        except StoreRequestError:
+            raise StoreRecordError(
+                what, f"a divergence mark but no divergence record after {REFERENCE_WAIT_S:g} s"
+            ) from None
         self.poll()
+
+    def _record_flag(self, record: str) -> bytes:
+        """Record a divergence (the first one wins) and return the winner; the close count says so first."""
+        request("the agreement's close count", lambda: self._store.add("closed", DIVERGED))
+        return bytes(self._store.compare_set(_FLAG, "", record))
 
     def _on_conflict(self, conflict: Conflict) -> None:
         assert self.ledger is not None
@@ -380,7 +419,7 @@ class AgreementChecker:
             sort_keys=True,
         )
         # The first divergence recorded wins, so every rank raises the identical message.
-        winner = self._store.compare_set(_FLAG, "", record)
+        winner = self._record_flag(record)
         error = _error_from_record(winner)
         if isinstance(error, DivergenceError) and error.signatures.get(self.rank) != d.signature:
             logger.error(
