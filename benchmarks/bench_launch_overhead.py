@@ -125,10 +125,10 @@ def measure_gpu(args: argparse.Namespace) -> dict[str, list[float]]:
 def _hand_written(config: Any) -> dict[str, Any]:
     """The keywords a hand-written launch of ``config`` passes: its kwargs, and the compile options
     that differ from what Triton compiles with when they are left out."""
+    from megatron_tuning.runtime.launches import make_launch
     from megatron_tuning.runtime.triton_compat import launch_option_defaults
 
-    defaults = launch_option_defaults()
-    return {k: v for k, v in config.all_kwargs().items() if k not in defaults or defaults[k] != v}
+    return make_launch(config, launch_option_defaults()).run_options
 
 
 def _check_compiled(kernel: Any, args: tuple[Any, ...], grid: Any) -> None:

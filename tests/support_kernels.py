@@ -106,3 +106,18 @@ with lazy_benchmarker():
 
 def grid(n: int):  # noqa: ANN201
     return lambda meta: (triton.cdiv(n, meta["BLOCK_SIZE"]),)
+
+
+def record_block_sizes(monkeypatch, jit_functions):  # noqa: ANN001, ANN201
+    """Wrap each ``fn.run`` so the ``BLOCK_SIZE`` of every launch reaching it is appended to the
+    returned list (the launch still runs); ``monkeypatch`` undoes the wrapping."""
+    blocks: list[int] = []
+    for jit in jit_functions:
+        real = jit.run
+
+        def recording(*args, _real=real, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+            blocks.append(kwargs["BLOCK_SIZE"])
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(jit, "run", recording)
+    return blocks

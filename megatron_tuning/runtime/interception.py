@@ -214,8 +214,10 @@ def _first_launch(original: Any, autotuner: Any, args: tuple[Any, ...], kwargs: 
         config = decide(autotuner, state, installation, raw, args, kwargs)
     elif pinning.flush_pending:  # a key decided before (another call pattern, compiled code): a repeat
         pinning.run_pending_flush()
-    launch = make_launch(config, launch_option_defaults())
-    if len(state.launches) < pinning.MAX_LAUNCHES:
+    keep = len(state.launches) < pinning.MAX_LAUNCHES
+    # Only a kept record reaches the compiled hit path, the one user of the shorter options.
+    launch = make_launch(config, launch_option_defaults() if keep else {})
+    if keep:
         if not state.launches:  # the first launch's call pattern is the one compiled for speed
             specialize_find(state, args)
         state.launches[launch_key(state, args, kwargs)] = launch

@@ -48,15 +48,7 @@ def _table(*entries: tuple[str, int]) -> dict[tuple[str, str], Any]:
 @pytest.fixture
 def launched(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
     """The BLOCK_SIZE of every launch that reaches ``scale_add``'s or ``copy_hooked``'s ``fn.run``."""
-    blocks: list[int] = []
-    for jit in (sk.scale_add.fn, sk.copy_hooked.fn.fn):
-        real = jit.run
-
-        def recording(*args: Any, _real: Any = real, **kwargs: Any) -> Any:
-            blocks.append(kwargs["BLOCK_SIZE"])
-            return _real(*args, **kwargs)
-
-        monkeypatch.setattr(jit, "run", recording)
+    blocks = sk.record_block_sizes(monkeypatch, (sk.scale_add.fn, sk.copy_hooked.fn.fn))
     for kernel in (sk.scale_add, sk.copy_hooked):
         kernel.cache.clear()
     decision_log().clear()

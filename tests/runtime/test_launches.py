@@ -53,15 +53,7 @@ def _table(*entries: tuple[str, int], kernel: Any = sk.scale_add) -> dict[tuple[
 @pytest.fixture
 def launched(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
     """The BLOCK_SIZE of every launch that reaches the kernels' ``fn.run`` (also stock Triton's)."""
-    blocks: list[int] = []
-    for jit in (sk.scale_add.fn, sk.maybe_double.fn.fn):
-        real = jit.run
-
-        def recording(*args: Any, _real: Any = real, **kwargs: Any) -> Any:
-            blocks.append(kwargs["BLOCK_SIZE"])
-            return _real(*args, **kwargs)
-
-        monkeypatch.setattr(jit, "run", recording)
+    blocks = sk.record_block_sizes(monkeypatch, (sk.scale_add.fn, sk.maybe_double.fn.fn))
     sk.BENCH_CALLS.clear()
     sk.PRE_HOOK_CALLS.clear()
     for kernel in (sk.scale_add, sk.maybe_double.fn, sk.copy_hooked):
@@ -260,16 +252,21 @@ def _calls() -> st.SearchStrategy[tuple[tuple[Any, ...], dict[str, Any]]]:
     return st.tuples(values, positional, st.sampled_from([0, 0, 1, 2]), st.booleans()).map(split)
 
 
-@settings(max_examples=300, deadline=None)
-@given(first=_calls(), calls=st.lists(_calls(), min_size=2, max_size=6))
-def test_launch_keys_are_exact_and_the_compiled_lookup_agrees_with_the_generic_one(first, calls):
-    state = pinning.AutotunerState(
+def _scale_add_state() -> pinning.AutotunerState:
+    """A fresh state keyed like ``scale_add`` (``n``, its 4th argument), with no records yet."""
+    return pinning.AutotunerState(
         generation=0,
         in_scope=True,
         kernel="k",
         key_index=(("n", 3),),
         arg_names=tuple(sk.scale_add.arg_names),
     )
+
+
+@settings(max_examples=300, deadline=None)
+@given(first=_calls(), calls=st.lists(_calls(), min_size=2, max_size=6))
+def test_launch_keys_are_exact_and_the_compiled_lookup_agrees_with_the_generic_one(first, calls):
+    state = _scale_add_state()
     specialize_find(state, first[0])
     for args, kwargs in [first, *calls[:-1]]:  # a record each (the last call may find none)
         state.launches.setdefault(launch_key(state, args, kwargs), Launch(object(), {}, {}))
@@ -287,13 +284,7 @@ def test_launch_keys_are_exact_and_the_compiled_lookup_agrees_with_the_generic_o
 @settings(max_examples=200, deadline=None)
 @given(first=_calls(), calls=st.lists(_calls(), min_size=2, max_size=6))
 def test_the_compiled_instance_run_launches_exactly_the_record_launch_key_finds(first, calls):
-    state = pinning.AutotunerState(
-        generation=0,
-        in_scope=True,
-        kernel="k",
-        key_index=(("n", 3),),
-        arg_names=tuple(sk.scale_add.arg_names),
-    )
+    state = _scale_add_state()
     for i, (args, kwargs) in enumerate([first, *calls[:-1]]):
         options = {"BLOCK_SIZE": i, "num_warps": 4}
         record = Launch(types.SimpleNamespace(pre_hook=None), options, {"BLOCK_SIZE": i})
@@ -353,13 +344,7 @@ def test_launch_option_defaults_are_none_without_a_gpu_driver():
 def test_the_compiled_run_gives_pre_hook_every_option_and_fn_run_the_trimmed_ones():
     hooked: list[dict[str, Any]] = []
     config = types.SimpleNamespace(pre_hook=hooked.append)
-    state = pinning.AutotunerState(
-        generation=0,
-        in_scope=True,
-        kernel="k",
-        key_index=(("n", 3),),
-        arg_names=tuple(sk.scale_add.arg_names),
-    )
+    state = _scale_add_state()
     args = (torch.zeros(4), torch.zeros(4), torch.zeros(4), 4, 1.0)
     state.launches[launch_key(state, args, {"grid": 1, "warmup": False})] = Launch(
         config, {"BLOCK_SIZE": 8, "num_warps": 4}, {"BLOCK_SIZE": 8}
