@@ -103,12 +103,12 @@ def test_identical_batches_are_sent_once_and_agree() -> None:
         checker.flush()
         counts.append(store.total() - before)
     # The first sender claims the reference (one compare_set), sets its rows and its ready key,
-    # appends its record (rows and texts), reads the log (it is the group's first rank) and polls
-    # the flag; the others: the claim, whose reply names the reference's digest, and the poll.
-    assert counts[1:] == [2, 2, 2]
-    assert counts[0] == 6
-    # What the peers got back is the claim, a few dozen bytes, not the reference's 6,400.
-    assert len(bytes(ranks[0]._store.compare_set("ref/1", "", ""))) < 64
+    # appends its record (rows and texts) and reads the log (it is the group's first rank); the
+    # others send only the claim, whose reply names the reference's digest. Nobody polls the flag.
+    assert counts[1:] == [1, 1, 1]
+    assert counts[0] == 5
+    # What the peers got back is the claim and its sketch, a few hundred bytes, not 6,400.
+    assert len(bytes(ranks[0]._store.compare_set("ref/1", "", ""))) <= 29 + 8 * 32
     closes = []
     for checker in ranks:
         before = store.total()
@@ -148,7 +148,7 @@ def test_a_rank_that_differs_from_the_reference_raises_at_its_flush_and_the_othe
     assert error.signatures == {0: SIG_A, 1: SIG_B}
     assert "digest check" in str(error)
     with pytest.raises(DivergenceError) as at_third:
-        third.flush()  # identical to rank 0's batch, so only the flag tells it
+        third.flush()  # identical to rank 0's batch: the alarm in its claim reply tells it
     with pytest.raises(DivergenceError) as at_first:
         first.poll()
     assert str(at_third.value) == str(at_first.value) == str(error)
@@ -350,9 +350,9 @@ def test_a_rank_with_keys_of_its_own_sends_only_those_in_one_append() -> None:
         before = dict(store.calls)
         checker.flush()
         sent = {name: store.calls[name] - before.get(name, 0) for name in store.calls}
-        # The claim, the batch's dedup add, the reference rows, one append of the 7 own rows (with
-        # their texts), the flag poll: no texts key, no per-shard appends (the old protocol's 11).
-        assert {k: v for k, v in sent.items() if v} == {"compare_set": 3, "add": 1, "append": 1}, sent
+        # The claim (its sketch says 7 rows are new: fetch at once, no dedup add), the reference
+        # rows, one append of the 7 own rows with their texts; no flag poll, no texts key.
+        assert {k: v for k, v in sent.items() if v} == {"compare_set": 2, "append": 1}, sent
     assert _log_records(ranks[0]) == [(0, 1, 307), (1, 1, 7), (2, 1, 7), (3, 1, 7)]
 
 
@@ -403,7 +403,7 @@ def test_a_rank_that_gets_only_the_claim_compares_later_and_names_the_owners_con
     if slow == "set":
         before = store.total()
         second.flush()  # only the claim came back: no wait, no flag poll, a flush at the next launch
-        assert store.total() - before == 3 and pinning.flush_pending  # claim, add, rows (absent)
+        assert store.total() - before == 2 and pinning.flush_pending  # claim, rows (absent)
         assert second.ledger is not None and list(second.ledger.deferred) == [1]
     threading.Timer(0.2, released.set).start()
     with pytest.raises(DivergenceError) as raised:
@@ -423,7 +423,7 @@ def test_a_claim_whose_owner_never_publishes_is_named_not_waited_for(monkeypatch
 
     monkeypatch.setattr(digest, "REFERENCE_WAIT_S", 0.3)
     first, second = _ranks(2)
-    first._store.compare_set("ref/1", "", digest._CLAIM.pack(b"C", 0, 1, bytes(16)))  # then it died
+    first._store.compare_set("ref/1", "", digest._CLAIM.pack(b"C", 0, 1, 0, bytes(16)))  # then it died
     second.check(_d("M=1"))
     second.flush()  # deferred to the next launch: a flush never waits
     with pytest.raises(StoreRecordError, match=r"no reference for flush #1 after 0.3 s"):
@@ -503,3 +503,121 @@ def test_garbage_texts_in_the_log_are_a_store_record_error() -> None:
         decode_texts(zlib.compress(b"[[[[1]]]]"), 1, "t")
     with pytest.raises(ValueError, match="expected three strings"):
         decode_texts(zlib.compress(b'[["a", 2, "c"]]'), 1, "t")
+
+
+# -- the alarm (no flag poll per flush) and the sketch-guided order ----------------------------
+
+
+def test_flushes_and_closes_without_a_divergence_never_read_the_flag() -> None:
+    ranks = _ranks(4)
+    shared = [f"M={n}" for n in range(50)]
+    for checker in ranks:
+        _decide(checker, shared + [f"own={checker.rank}"])
+    for checker in ranks:
+        checker.flush()
+    for checker in ranks:
+        checker.stop()
+    # Reading the flag is compare_set(flag, "", ""), which would leave the key behind.
+    assert not ranks[0]._store.check(["divergence"])
+
+
+def test_ranks_behind_and_ahead_of_the_finder_learn_from_the_alarm_at_their_next_flush() -> None:
+    ahead, finder, behind = _ranks(3)
+    for n in range(3):  # rank 0 is three flushes ahead; its flush #1 is the reference
+        ahead.check(_d(f"M={n}"))
+        ahead.flush()
+    finder.check(_d("M=0", SIG_B))
+    with pytest.raises(DivergenceError) as found:
+        finder.flush()  # differs from the reference of flush #1: recorded, alarm sounded
+    behind.check(_d("M=0"))
+    with pytest.raises(DivergenceError) as at_behind:
+        behind.flush()  # flush #1: the claim key carries the alarm
+    ahead.check(_d("M=9"))
+    with pytest.raises(DivergenceError) as at_ahead:
+        ahead.flush()  # flush #4, never claimed: the alarm alone is there
+    assert str(at_behind.value) == str(at_ahead.value) == str(found.value)
+    assert found.value.signatures == {0: SIG_A, 1: SIG_B}
+
+
+def test_a_rank_further_ahead_than_the_alarm_learns_at_close(monkeypatch: pytest.MonkeyPatch) -> None:
+    from megatron_tuning.distributed import digest
+
+    monkeypatch.setattr(digest, "ALARM_AHEAD", 1)
+    ahead, finder = _ranks(2)
+    for n in range(4):
+        ahead.check(_d(f"M={n}"))
+        ahead.flush()
+    finder.check(_d("M=0", SIG_B))
+    with pytest.raises(DivergenceError):
+        finder.flush()  # marks flushes #1 and #2 only
+    ahead.check(_d("M=9"))
+    ahead.flush()  # flush #5: unmarked, and a flush reads no flag
+    with pytest.raises(DivergenceError) as at_close:
+        ahead.stop()  # the close count's reply carries the mark
+    assert at_close.value.key == "M=0"
+
+
+@pytest.mark.parametrize("fetch_first_rows", [0, 10**9])
+def test_the_sketch_only_orders_requests_never_what_is_compared(
+    monkeypatch: pytest.MonkeyPatch, fetch_first_rows: int
+) -> None:
+    """Dedup first (threshold 0) or fetch first (no threshold): the same divergences are found."""
+    from megatron_tuning.distributed import digest
+
+    monkeypatch.setattr(digest, "FETCH_FIRST_ROWS", fetch_first_rows)
+    ranks = _ranks(4)
+    ranks[1].check(_d("M=5", SIG_B))  # the reference has M=5 with SIG_A: found at rank 1's flush
+    for checker in ranks:
+        _decide(checker, [f"M={n}" for n in range(20)] + [f"own={checker.rank}"])
+    ranks[2].check(_d("M=3x", SIG_A))
+    ranks[3].check(_d("M=3x", SIG_B))  # only ranks 2 and 3 have it: in the log (found later)
+    errors = []
+    for checker in ranks:
+        try:
+            checker.flush()
+        except DivergenceError as error:
+            errors.append(error)
+    for checker in ranks:
+        try:
+            checker.stop()
+        except DivergenceError as error:
+            errors.append(error)
+    assert len(errors) >= 4  # every rank raised, at its flush or at close
+    # The first divergence recorded wins: every rank names it, in either order of requests.
+    assert {(e.key, tuple(sorted(e.signatures.values()))) for e in errors} == {("M=5", tuple(sorted((SIG_A, SIG_B))))}
+
+
+def test_the_residual_estimate_tells_a_pipeline_stage_from_a_few_own_keys() -> None:
+    from megatron_tuning.distributed.digest import estimate_residual, parse_claim, row_of, sketch_of
+
+    def rows(keys: list[str]) -> list[bytes]:
+        return sorted(row_of(_d(k)) for k in keys)
+
+    def claim(batch: list[bytes]) -> Any:
+        from megatron_tuning.distributed.digest import _CLAIM, batch_digest
+
+        blob = _CLAIM.pack(b"C", 0, 1, len(batch), batch_digest(batch)) + sketch_of(batch)
+        return parse_claim(blob, "t")
+
+    shared = [f"M={n}" for n in range(1900)]
+    reference = rows(shared + [f"own=0, n={n}" for n in range(100)])
+    assert estimate_residual(reference, claim(reference)) == 0
+    varlen = estimate_residual(rows(shared + [f"own=1, n={n}" for n in range(100)]), claim(reference))
+    stage = estimate_residual(rows([f"stage=1, M={n}" for n in range(2000)]), claim(reference))
+    assert varlen < 256 < stage
+    assert stage == 2000
+
+
+@pytest.mark.parametrize(
+    ("value", "problem"),
+    [
+        (b"C" + bytes(8) + b"\x05\x00\x00\x00" + bytes(16) + bytes(8), "a claim of 5 rows with 8 sketch bytes"),
+        (b"C" + bytes(8) + b"\x01\x00\x00\x00" + bytes(16) + bytes(8) + b"!?", "sketch bytes"),
+    ],
+)
+def test_a_claim_with_a_torn_sketch_is_a_store_record_error(value: bytes, problem: str) -> None:
+    first, second = _ranks(2)
+    second._store.set("ref/1", value)
+    first.check(_d("M=1"))
+    with pytest.raises(StoreRecordError, match=problem):
+        first.flush()

@@ -39,8 +39,8 @@ import json
 import logging
 import os
 import threading
+import time
 from collections.abc import Mapping, Sequence
-from datetime import timedelta
 from typing import Any, Protocol
 
 import torch.distributed as dist
@@ -53,11 +53,10 @@ from ..core.errors import (
     PolicyError,
     SessionMismatchError,
     StoreRecordError,
-    StoreRequestError,
 )
 from ..runtime import pinning
 from ..runtime.pinning import is_capturing
-from .digest import DIVERGED, REFERENCE_WAIT_S, Conflict, DigestLedger
+from .digest import DIVERGED, REFERENCE_WAIT_S, Conflict, DigestLedger, DivergenceAlarm
 from .inputs import INPUTS_KIND, compare_inputs, describe_inputs, inputs_record
 from .inputs import mismatch_from_record as inputs_mismatch_from_record
 from .inputs import mismatch_record as inputs_mismatch_record
@@ -322,17 +321,19 @@ class AgreementChecker:
 
     # -- digest mode ---------------------------------------------------------------------
     def _flush_digest(self) -> None:
-        """Send the batch and read the flag; a batch whose reference was only claimed yet is
-        compared at the next launch (re-requested flush), which then reads the flag."""
+        """Send the batch; a batch whose reference was only claimed yet is compared at the next
+        launch (re-requested flush). No flag poll: a divergence recorded elsewhere is learnt from
+        the alarm in a claim reply (``DigestLedger.sound_alarm``) or from the close count."""
         assert self.ledger is not None
+        deferred = False
         try:
             deferred = self.ledger.flush(self._on_conflict)
         except BadRecord as bad:
             raise StoreRecordError(bad.what, bad.problem) from None
+        except DivergenceAlarm:
+            self._await_flag()
         if deferred:
             pinning.request_flush(self.flush)
-            return
-        self.poll()
 
     def _close_digest(self) -> None:
         """Last flush at stop; the last rank of the group to stop also reads the whole log.
@@ -342,7 +343,10 @@ class AgreementChecker:
         """
         assert self.ledger is not None
         try:
-            self.ledger.flush(self._on_conflict, final=True)
+            try:
+                self.ledger.flush(self._on_conflict, final=True)
+            except DivergenceAlarm:
+                self._await_flag()
             closed = int(request("the digest agreement's close count", lambda: self._store.add("closed", 1)))
             if closed % DIVERGED >= len(self.ranks):
                 self.ledger.read_log(self._on_conflict)
@@ -352,20 +356,28 @@ class AgreementChecker:
             self._await_flag()
 
     def _await_flag(self) -> None:
-        """Raise the recorded divergence; its recorder marks the close count just before writing it."""
+        """Raise the recorded divergence; its recorder marks the close count just before writing it
+        (and sounds the alarm just after). A read is ``compare_set(flag, "", "")``, which leaves an
+        empty flag behind, so this polls for a record rather than waiting for the key (error path)."""
         what = "the agreement's divergence flag"
-        try:
-            request(what, lambda: self._store.wait([_FLAG], timedelta(seconds=REFERENCE_WAIT_S)))
-        except StoreRequestError:
-            raise StoreRecordError(
-                what, f"a divergence mark but no divergence record after {REFERENCE_WAIT_S:g} s"
-            ) from None
-        self.poll()
+        deadline = time.monotonic() + REFERENCE_WAIT_S
+        pause = 0.005
+        while True:
+            self.poll()
+            if time.monotonic() > deadline:
+                raise StoreRecordError(
+                    what, f"a divergence mark but no divergence record after {REFERENCE_WAIT_S:g} s"
+                )
+            time.sleep(pause)
+            pause = min(pause * 2, 0.5)
 
     def _record_flag(self, record: str) -> bytes:
         """Record a divergence (the first one wins) and return the winner; the close count says so first."""
         request("the agreement's close count", lambda: self._store.add("closed", DIVERGED))
-        return bytes(self._store.compare_set(_FLAG, "", record))
+        winner = bytes(self._store.compare_set(_FLAG, "", record))
+        if self.ledger is not None:
+            self.ledger.sound_alarm()  # after the flag: whoever sees the alarm finds the record
+        return winner
 
     def _on_conflict(self, conflict: Conflict) -> None:
         assert self.ledger is not None

@@ -6,19 +6,23 @@ Here a rank records its new decisions as 32-byte rows (identity digest, signatur
 launches; at a *flush* (the first repeated launch after new keys, ``verify_agreement``, ``close``,
 or when a batch reaches ``MAX_BATCH`` rows) it sends what it has:
 
-1. ``compare_set("ref/<flush>", "", <claim>)``, the claim naming this rank and the digest of its
-   sorted rows (a few dozen bytes each way). The first rank of each flush number claims that
-   number's *reference* and publishes its rows under ``rows/<flush>``, then ``ready/<flush>``,
-   then its log record (step 3; an error message naming the owner's config waits for it).
-   Everyone else gets the claim back. A batch with the reference's digest (tensor-parallel peers,
-   data-parallel replicas, the reference's own pipeline stage) is done: one small request.
-2. Otherwise ``add("n/<batch digest>", 1)``: of ranks with one batch (a pipeline stage's), only
-   the first goes on. It fetches ``rows/<flush>`` and compares locally: a row whose identity the
-   reference has with another signature is a divergence, found at once; the rows the reference
-   lacks (other pipeline stages, a rank's own variable-length shapes) are its *residual*. A rank
-   whose reference is claimed but not yet published does not wait: it compares at its next
-   flush, which the checker requests for the next launch, and a final flush (close) waits for
-   ``ready/<flush>``, at most ``REFERENCE_WAIT_S`` (the owner sets it right after its claim).
+1. ``compare_set("ref/<flush>", "", <claim>)``, the claim naming this rank, its row count, the
+   digest of its sorted rows and a *sketch*: its ``SKETCH`` smallest identity prefixes (a few
+   hundred bytes each way). The first rank of each flush number claims that number's *reference*
+   and publishes its rows under ``rows/<flush>``, then ``ready/<flush>``, then its log record
+   (step 3; an error message naming the owner's config waits for it). Everyone else gets the
+   claim back. A batch with the reference's digest (tensor-parallel peers, data-parallel
+   replicas, the reference's own pipeline stage) is done: one request.
+2. Otherwise the two sketches estimate how many rows the reference lacks (bottom-k Jaccard). A
+   few (a rank's own variable-length shapes): fetch ``rows/<flush>`` at once. Many (another
+   pipeline stage): first ``add("n/<batch digest>", 1)``, and of the ranks with that batch only
+   the first goes on. The estimate orders requests only; what is compared is the same either way.
+   Comparing is local: a row whose identity the reference has with another signature is a
+   divergence, found at once; the rows the reference lacks are the batch's *residual* (a long
+   residual fetched first is still deduplicated before it is uploaded). A rank whose reference
+   is claimed but not yet published does not wait: it compares at its next flush, which the
+   checker requests for the next launch, and a final flush (close) waits for ``ready/<flush>``,
+   at most ``REFERENCE_WAIT_S`` (the owner sets it right after its claim).
 3. Uploading is one ``append`` (no reply) to the job's one log: a record of (rank, flush, row
    count, text length), the rows, and zlib-compressed JSON texts (kernel, key, signature) of those
    rows in row order, read only to write an error message. So a row's text reaches the store with
@@ -26,19 +30,19 @@ or when a batch reaches ``MAX_BATCH`` rows) it sends what it has:
    in the log.
 4. The group's first rank reads the log at each of its flushes, and the last rank to close reads
    it all: two rows with one identity and two signatures are a divergence.
-5. Every flush reads the job's divergence flag (a flush that deferred its comparison reads it at
-   the next one), so every rank raises the first divergence found.
-   Whoever records a divergence adds ``DIVERGED`` to the close counter, so a closing rank
-   learns of it from the reply of its ``add("closed", 1)`` (and then reads the flag) without a
-   request of its own for the flag.
+5. No flush polls the divergence flag. Whoever records a divergence adds ``DIVERGED`` to the
+   close counter, writes the flag, then *sounds the alarm*: it appends ``ALARM`` to the claim
+   keys of the flush numbers around its own (``ALARM_BEHIND`` before, ``ALARM_AHEAD`` after; no
+   replies). Every rank's flushes are numbered 1, 2, ..., so a rank's next flush meets a marked
+   claim key (or one with the alarm alone) and it raises the recorded error; a rank further
+   ahead learns from its ``add("closed", 1)`` reply at close.
 
-Requests per rank and flush: 1 (same batch as the reference), 2 (a pipeline stage's peers), 4
-with rows of its own (claim, add, reference rows, append), one more when the comparison was
-deferred; plus the flag poll (not at a deferring flush), and one ``add`` at close. Only a distinct
-batch's first sender downloads the reference (one value of 32 bytes per row).
+Requests per rank and flush: 1 (same batch as the reference), 2 (a pipeline stage's peers), 3
+with a few rows of its own (claim, reference rows, append), 4 for a pipeline stage's first sender
+(claim, add, rows, append), one more when the comparison was deferred; one ``add`` at close.
 A divergence is noticed at the flush of the rank that differs from a reference, or at the next
-flush (or close) of the log's reader; ``verify_agreement`` always compares everything
-(``verify.py``).
+flush (or close) of the log's reader; every other rank raises at its next flush (or close);
+``verify_agreement`` always compares everything (``verify.py``).
 """
 
 from __future__ import annotations
@@ -71,7 +75,17 @@ DIVERGED = 1 << 32
 """Added to the close counter by whoever records a divergence: closers see it in their reply."""
 MAX_TEXT_BYTES = 64 << 20
 """The decompressed texts of one log record at most (4,096 rows of long keys are a few MB)."""
-_CLAIM = struct.Struct("<cII16s")  # kind (b"C" claim, b"R" reference), rank, flush, batch digest
+SKETCH = 32
+"""Identities in a claim's sketch: the batch's smallest identity prefixes (a bottom-k sample)."""
+FETCH_FIRST_ROWS = 256
+"""A distinct batch expected to leave at most this many rows beyond the reference fetches the
+reference at once (no dedup request first; identical small residuals may then be logged twice)."""
+ALARM_AHEAD = 8
+ALARM_BEHIND = 64
+"""Flush numbers around the recorder's own whose claim keys get the divergence alarm."""
+ALARM = b"!"
+_CLAIM = struct.Struct("<cIII16s")  # kind (b"C" claim, b"R" reference), rank, flush, rows, digest
+_PREFIX = struct.Struct(">Q")  # an identity's first 8 bytes, ordered, for the sketch
 _RECORD = struct.Struct("<IIII")  # rank, flush number, row count, compressed text bytes
 
 
@@ -163,7 +177,7 @@ class DigestLedger:
         self.pending: dict[bytes, tuple[bytes, Decision]] = {}
         self.sent: dict[bytes, bytes] = {}  # identity -> signature digest, every row flushed
         self.texts: dict[bytes, Decision] = {}
-        self.deferred: dict[int, list[bytes]] = {}  # flush -> rows whose reference was only claimed
+        self.deferred: dict[int, _Deferred] = {}  # flush -> a batch whose reference was only claimed
         self._read_offset = 0
         self._log_rows: dict[bytes, tuple[int, int, bytes]] = {}
         self.requests = 0  # store requests with a reply, for tests and benchmarks
@@ -187,8 +201,8 @@ class DigestLedger:
         published it): the caller flushes again at the next launch instead of waiting now, and a
         ``final`` flush (close) waits for it.
         """
-        for flush, rows in list(self.deferred.items()):
-            self._compare(flush, rows, on_conflict, final=final)
+        for flush in list(self.deferred):
+            self._compare(flush, on_conflict, final=final)
         if self.pending:
             self._send(on_conflict, final=final)
         if self.reader:
@@ -201,7 +215,7 @@ class DigestLedger:
         flush = self.flushes
         what = f"the digest flush #{flush} of rank {self.rank} ({len(rows)} new decisions)"
         digest = batch_digest(rows)
-        claim = _CLAIM.pack(b"C", self.rank, flush, digest)
+        claim = _CLAIM.pack(b"C", self.rank, flush, len(rows), digest) + sketch_of(rows)
         reply = bytes(self._ask(what, "compare_set", f"ref/{flush}", "", claim))
         for ident, (row, _) in self.pending.items():
             self.sent[ident] = row[HALF:]
@@ -210,23 +224,34 @@ class DigestLedger:
             # This batch is the reference of its flush number. Rows first, since ranks that got
             # only the claim wait for them; then the record with the texts, which only an error
             # message reads (and waits for: ``texts_of``).
-            self.store.set(f"rows/{flush}", _CLAIM.pack(b"R", self.rank, flush, digest) + b"".join(rows))
+            header = _CLAIM.pack(b"R", self.rank, flush, len(rows), digest)
+            self.store.set(f"rows/{flush}", header + b"".join(rows))
             self.store.set(f"ready/{flush}", "1")
             self._append(flush, rows)
             return
-        _, _, _, their_digest = _parse_claim(reply, f"{what}: the reference of flush #{flush}")
-        if their_digest == digest:
+        theirs = parse_claim(reply, f"{what}: the reference of flush #{flush}")
+        if theirs.alarm:
+            raise DivergenceAlarm(flush)
+        if theirs.digest == digest:
             return  # the reference's very rows: nothing new, nothing that can differ
-        if int(self._ask(what, "add", f"n/{digest.hex()}", 1)) > 1:
-            return  # an identical batch was sent first (a pipeline stage's peers): its sender compares
-        self.deferred[flush] = rows
-        self._compare(flush, rows, on_conflict, final=final)
+        deduped = False
+        if estimate_residual(rows, theirs) > FETCH_FIRST_ROWS:
+            # Likely a long residual (another pipeline stage): of the ranks with this very batch,
+            # only the first fetches, compares and uploads.
+            if not self._first_of(digest, what):
+                return
+            deduped = True
+        self.deferred[flush] = _Deferred(rows, digest, deduped)
+        self._compare(flush, on_conflict, final=final)
 
-    def _compare(
-        self, flush: int, rows: list[bytes], on_conflict: Callable[[Conflict], None], *, final: bool
-    ) -> None:
+    def _first_of(self, digest: bytes, what: str) -> bool:
+        """Whether this rank is the first to send a batch with ``digest`` (one ``add``)."""
+        return int(self._ask(what, "add", f"n/{digest.hex()}", 1)) == 1
+
+    def _compare(self, flush: int, on_conflict: Callable[[Conflict], None], *, final: bool) -> None:
         """Compare a deferred batch with its reference: now if published, else wait only if ``final``."""
-        what = f"the digest flush #{flush} of rank {self.rank} ({len(rows)} new decisions)"
+        batch = self.deferred[flush]
+        what = f"the digest flush #{flush} of rank {self.rank} ({len(batch.rows)} new decisions)"
         if final:
             reference = self._reference(flush, what)
         else:
@@ -234,15 +259,12 @@ class DigestLedger:
             if not reference:
                 return  # claimed, not yet published: compare at the next flush (or at close)
         del self.deferred[flush]
-        self._finish(flush, rows, reference, on_conflict)
-
-    def _finish(
-        self, flush: int, rows: list[bytes], reference: bytes, on_conflict: Callable[[Conflict], None]
-    ) -> None:
-        what = f"the digest flush #{flush} of rank {self.rank} ({len(rows)} new decisions)"
-        residual = self._against_reference(rows, reference, flush, what, on_conflict)
-        if residual:
-            self._append(flush, residual)
+        residual = self._against_reference(batch.rows, reference, flush, what, on_conflict)
+        if not residual:
+            return
+        if len(residual) > FETCH_FIRST_ROWS and not batch.deduped and not self._first_of(batch.digest, what):
+            return  # a long residual an identical batch already uploaded
+        self._append(flush, residual)
 
     def _append(self, flush: int, rows: list[bytes]) -> None:
         texts = texts_blob([self.texts[row[:HALF]] for row in rows])
@@ -268,10 +290,12 @@ class DigestLedger:
         what: str,
         on_conflict: Callable[[Conflict], None],
     ) -> list[bytes]:
-        kind, owner, owner_flush, _ = _parse_claim(reference, f"{what}: the reference of flush #{flush}")
+        if reference[:1] != b"R" or len(reference) < _CLAIM.size:
+            raise BadRecord(what, f"{reference[:48]!r}, not a reference's rows")
+        _, owner, owner_flush, count, _ = _CLAIM.unpack_from(reference)
         body = reference[_CLAIM.size :]
-        if kind != b"R" or len(body) % ROW:
-            raise BadRecord(what, f"a reference of kind {kind!r} and {len(body)} row bytes")
+        if len(body) != count * ROW:
+            raise BadRecord(what, f"a reference of {count} rows with {len(body)} row bytes")
         known = {body[i : i + HALF]: body[i + HALF : i + ROW] for i in range(0, len(body), ROW)}
         residual = []
         for row in rows:
@@ -282,6 +306,15 @@ class DigestLedger:
             elif theirs != signature:
                 on_conflict(Conflict(ident, (self.rank, flush, signature), (owner, owner_flush, theirs)))
         return residual
+
+    def sound_alarm(self) -> None:
+        """After a divergence is recorded: mark the claim keys of nearby flush numbers (``append``,
+        no reply), so a rank learns of it from the claim reply of its next flush instead of a flag
+        poll at every flush. Flush numbers run 1, 2, ... on every rank, so a rank behind this one
+        meets a marked key; one more than ``ALARM_AHEAD`` flushes ahead learns at close."""
+        first = max(1, self.flushes - ALARM_BEHIND + 1)
+        for flush in range(first, self.flushes + ALARM_AHEAD + 1):
+            self.store.append(f"ref/{flush}", ALARM)
 
     # -- reading -------------------------------------------------------------------------
     def read_log(self, on_conflict: Callable[[Conflict], None]) -> None:
@@ -332,16 +365,77 @@ class DigestLedger:
         return request(what, lambda: call(*args), store=self.store)
 
 
-def _parse_claim(blob: bytes, what: str) -> tuple[bytes, int, int, bytes]:
-    if len(blob) < _CLAIM.size or blob[:1] not in (b"C", b"R"):
+class DivergenceAlarm(Exception):
+    """A claim key carried the alarm: another rank recorded a divergence (read the flag)."""
+
+    def __init__(self, flush: int) -> None:
+        super().__init__(f"the divergence alarm at flush #{flush}")
+        self.flush = flush
+
+
+@dataclass(frozen=True, slots=True)
+class _Deferred:
+    rows: list[bytes]
+    digest: bytes
+    deduped: bool  # this rank already won its batch's dedup add
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """A flush's reference claim as read back: owner, rows, digest, sketch, and the alarm."""
+
+    rank: int
+    flush: int
+    count: int
+    digest: bytes
+    sketch: tuple[int, ...]
+    alarm: bool
+
+
+def sketch_of(rows: list[bytes]) -> bytes:
+    """The ``SKETCH`` smallest identity prefixes of sorted ``rows`` (sorted rows sort identities)."""
+    return b"".join(row[:8] for row in rows[:SKETCH])
+
+
+def _sketch_values(rows: list[bytes]) -> set[int]:
+    return {_PREFIX.unpack_from(row)[0] for row in rows[:SKETCH]}
+
+
+def estimate_residual(rows: list[bytes], reference: Claim) -> float:
+    """How many of sorted ``rows`` the reference lacks, from the two bottom-k sketches.
+
+    The union's ``SKETCH`` smallest prefixes are a uniform sample of the union; the share present in
+    both sketches estimates the Jaccard index J, so the overlap is J (|A| + |R|) / (1 + J). Only
+    a choice of order rests on it (fetch first or dedup first), never what is compared.
+    """
+    mine = _sketch_values(rows)
+    theirs = set(reference.sketch)
+    union = sorted(mine | theirs)[:SKETCH]
+    if not union:
+        return 0.0
+    jaccard = sum(1 for v in union if v in mine and v in theirs) / len(union)
+    overlap = jaccard * (len(rows) + reference.count) / (1 + jaccard)
+    return max(0.0, len(rows) - overlap)
+
+
+def parse_claim(blob: bytes, what: str) -> Claim:
+    """A ``ref/<flush>`` value: a claim with its sketch, ``ALARM`` bytes appended, or alarm only."""
+    if blob and blob.strip(ALARM) == b"":
+        return Claim(-1, 0, 0, b"", (), alarm=True)  # marked before anybody claimed this number
+    if len(blob) < _CLAIM.size or blob[:1] != b"C":
         raise BadRecord(what, f"{blob[:48]!r}, not a reference claim")
-    kind, rank, flush, digest = _CLAIM.unpack_from(blob)
-    return kind, rank, flush, digest
+    _, rank, flush, count, digest = _CLAIM.unpack_from(blob)
+    end = _CLAIM.size + 8 * min(SKETCH, count)
+    if len(blob) < end or blob[end:].strip(ALARM):
+        raise BadRecord(what, f"a claim of {count} rows with {len(blob) - _CLAIM.size} sketch bytes")
+    sketch = tuple(_PREFIX.unpack_from(blob, i)[0] for i in range(_CLAIM.size, end, 8))
+    return Claim(rank, flush, count, digest, sketch, alarm=len(blob) > end)
 
 
 __all__ = [
     "DIVERGED",
     "Conflict",
+    "DivergenceAlarm",
     "DigestLedger",
     "MAX_BATCH",
     "batch_digest",
