@@ -84,6 +84,7 @@ ALARM_AHEAD = 8
 ALARM_BEHIND = 64
 """Flush numbers around the recorder's own whose claim keys get the divergence alarm."""
 ALARM = b"!"
+_ABSENT = b"\x00absent"  # what a read of a missing key returns (no value the library writes)
 _CLAIM = struct.Struct("<cIII16s")  # kind (b"C" claim, b"R" reference), rank, flush, rows, digest
 _PREFIX = struct.Struct(">Q")  # an identity's first 8 bytes, ordered, for the sketch
 _RECORD = struct.Struct("<IIII")  # rank, flush number, row count, compressed text bytes
@@ -252,12 +253,11 @@ class DigestLedger:
         """Compare a deferred batch with its reference: now if published, else wait only if ``final``."""
         batch = self.deferred[flush]
         what = f"the digest flush #{flush} of rank {self.rank} ({len(batch.rows)} new decisions)"
-        if final:
-            reference = self._reference(flush, what)
-        else:
-            reference = bytes(self._ask(what, "compare_set", f"rows/{flush}", "", ""))
-            if not reference:
+        reference = self._read(what, f"rows/{flush}")
+        if reference is None:
+            if not final:
                 return  # claimed, not yet published: compare at the next flush (or at close)
+            reference = self._reference(flush, what)
         del self.deferred[flush]
         residual = self._against_reference(batch.rows, reference, flush, what, on_conflict)
         if not residual:
@@ -280,7 +280,16 @@ class DigestLedger:
             if not self._ask(what, "check", [f"ready/{flush}"]):
                 problem = f"no reference for flush #{flush} after {REFERENCE_WAIT_S:g} s"
                 raise BadRecord(what, problem) from None
-        return bytes(self._ask(what, "compare_set", f"rows/{flush}", "", ""))
+        reference = self._read(what, f"rows/{flush}")
+        if reference is None:
+            raise BadRecord(what, f"a ready mark for flush #{flush} but no reference rows")
+        return reference
+
+    def _read(self, what: str, key: str) -> bytes | None:
+        """``key``'s value, or ``None`` if absent, in one request that creates nothing: on an absent
+        key ``compare_set`` with a non-empty expected value returns it and sets nothing."""
+        value = bytes(self._ask(what, "compare_set", key, _ABSENT, _ABSENT))
+        return None if value == _ABSENT else value
 
     def _against_reference(
         self,
