@@ -584,7 +584,8 @@ def test_the_sketch_only_orders_requests_never_what_is_compared(
             errors.append(error)
     assert len(errors) >= 4  # every rank raised, at its flush or at close
     # The first divergence recorded wins: every rank names it, in either order of requests.
-    assert {(e.key, tuple(sorted(e.signatures.values()))) for e in errors} == {("M=5", tuple(sorted((SIG_A, SIG_B))))}
+    named = {(e.key, tuple(sorted(e.signatures.values()))) for e in errors}
+    assert named == {("M=5", tuple(sorted((SIG_A, SIG_B))))}
 
 
 def test_the_residual_estimate_tells_a_pipeline_stage_from_a_few_own_keys() -> None:
@@ -611,7 +612,7 @@ def test_the_residual_estimate_tells_a_pipeline_stage_from_a_few_own_keys() -> N
 @pytest.mark.parametrize(
     ("value", "problem"),
     [
-        (b"C" + bytes(8) + b"\x05\x00\x00\x00" + bytes(16) + bytes(8), "a claim of 5 rows with 8 sketch bytes"),
+        (b"C" + bytes(8) + b"\x05\0\0\0" + bytes(16) + bytes(8), "a claim of 5 rows with 8 sketch bytes"),
         (b"C" + bytes(8) + b"\x01\x00\x00\x00" + bytes(16) + bytes(8) + b"!?", "sketch bytes"),
     ],
 )
