@@ -422,7 +422,8 @@ def test_writer_killed_mid_write_leaves_previous_table_intact(tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", _KILLED_WRITER, str(path), str(marker)], env=_env())
     try:
         deadline = time.monotonic() + 60
-        while not marker.exists():
+        # The child creates the marker, then writes the temporary file's name into it: wait for both.
+        while not (marker.exists() and marker.read_text()):
             assert proc.poll() is None, "writer exited before reaching the pause"
             assert time.monotonic() < deadline, "writer never reached the pause"
             time.sleep(0.02)
