@@ -39,9 +39,8 @@ import json
 import logging
 import os
 import threading
-import time
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 import torch.distributed as dist
 
@@ -61,7 +60,15 @@ from .inputs import INPUTS_KIND, compare_inputs, describe_inputs, inputs_record
 from .inputs import mismatch_from_record as inputs_mismatch_from_record
 from .inputs import mismatch_record as inputs_mismatch_record
 from .sessions import SESSION_KIND, SessionRegistry, mismatch_from_record, mismatch_record, policy_summary
-from .storeops import BadRecord, decode_record, decode_text, parse_rank_text, record_field, request
+from .storeops import (
+    BadRecord,
+    decode_record,
+    decode_text,
+    parse_rank_text,
+    poll_until,
+    record_field,
+    request,
+)
 from .wire import (
     DIGEST_BYTES,
     all_gather_bytes,
@@ -313,11 +320,14 @@ class AgreementChecker:
     def poll(self) -> None:
         """Raise the divergence another rank recorded in the store, if any (store and digest modes)."""
         if self.mode in ("store", "digest"):
-            record = request(
-                "the agreement's divergence flag", lambda: self._store.compare_set(_FLAG, "", "")
-            )
+            record = self._read_flag()
             if record:
                 raise _error_from_record(record)
+
+    def _read_flag(self) -> bytes:
+        return bytes(
+            request("the agreement's divergence flag", lambda: self._store.compare_set(_FLAG, "", ""))
+        )
 
     # -- digest mode ---------------------------------------------------------------------
     def _flush_digest(self) -> None:
@@ -325,7 +335,6 @@ class AgreementChecker:
         launch (re-requested flush). No flag poll: a divergence recorded elsewhere is learnt from
         the alarm in a claim reply (``DigestLedger.sound_alarm``) or from the close count."""
         assert self.ledger is not None
-        deferred = False
         try:
             deferred = self.ledger.flush(self._on_conflict)
         except BadRecord as bad:
@@ -343,33 +352,28 @@ class AgreementChecker:
         """
         assert self.ledger is not None
         try:
-            try:
-                self.ledger.flush(self._on_conflict, final=True)
-            except DivergenceAlarm:
-                self._await_flag()
+            self.ledger.flush(self._on_conflict, final=True)
             closed = int(request("the digest agreement's close count", lambda: self._store.add("closed", 1)))
             if closed % DIVERGED >= len(self.ranks):
                 self.ledger.read_log(self._on_conflict)
         except BadRecord as bad:
             raise StoreRecordError(bad.what, bad.problem) from None
+        except DivergenceAlarm:
+            self._await_flag()
         if closed >= DIVERGED:
             self._await_flag()
 
-    def _await_flag(self) -> None:
+    def _await_flag(self) -> NoReturn:
         """Raise the recorded divergence; its recorder marks the close count just before writing it
         (and sounds the alarm just after). A read is ``compare_set(flag, "", "")``, which leaves an
         empty flag behind, so this polls for a record rather than waiting for the key (error path)."""
-        what = "the agreement's divergence flag"
-        deadline = time.monotonic() + REFERENCE_WAIT_S
-        pause = 0.005
-        while True:
-            self.poll()
-            if time.monotonic() > deadline:
-                raise StoreRecordError(
-                    what, f"a divergence mark but no divergence record after {REFERENCE_WAIT_S:g} s"
-                )
-            time.sleep(pause)
-            pause = min(pause * 2, 0.5)
+        record = poll_until(lambda: self._read_flag() or None, REFERENCE_WAIT_S)
+        if record is None:
+            raise StoreRecordError(
+                "the agreement's divergence flag",
+                f"a divergence mark but no divergence record after {REFERENCE_WAIT_S:g} s",
+            )
+        raise _error_from_record(record)
 
     def _record_flag(self, record: str) -> bytes:
         """Record a divergence (the first one wins) and return the winner; the close count says so first."""

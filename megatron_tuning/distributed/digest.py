@@ -51,7 +51,6 @@ import hashlib
 import json
 import logging
 import struct
-import time
 import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -60,7 +59,7 @@ from typing import Any
 
 from ..core.decisions import Decision
 from ..core.errors import StoreRequestError
-from .storeops import BadRecord, decode_text, max_nesting, request
+from .storeops import BadRecord, decode_text, max_nesting, poll_until, request
 from .wire import identity_digest, signature_digest
 
 logger = logging.getLogger(__name__)
@@ -351,17 +350,15 @@ class DigestLedger:
         if rank == self.rank:
             return {i: (d.kernel, d.key, d.signature) for i, d in self.texts.items()}
         what = f"the decision texts of rank {rank}'s flush #{flush}"
-        deadline = time.monotonic() + REFERENCE_WAIT_S
-        pause = 0.005
-        while True:
+
+        def records() -> list[tuple[list[bytes], bytes]] | None:
             blob = bytes(self._ask(what, "compare_set", "log", "", ""))
-            found = [
+            mine = [
                 (rows, texts) for r, f, rows, texts in unpack_records(blob, what) if (r, f) == (rank, flush)
             ]
-            if found or time.monotonic() > deadline:
-                break
-            time.sleep(pause)
-            pause = min(pause * 2, 0.5)
+            return mine or None
+
+        found = poll_until(records, REFERENCE_WAIT_S) or []
         out: dict[bytes, tuple[str, str, str]] = {}
         for rows, texts in found:
             out.update(zip((row[:HALF] for row in rows), decode_texts(texts, len(rows), what)))

@@ -76,6 +76,19 @@ def request(what: str, call: Callable[[], T], *, store: Any = None, hint: str = 
     return result
 
 
+def poll_until(fetch: Callable[[], T | None], timeout_s: float) -> T | None:
+    """``fetch()`` until it returns something, with a doubling pause (5 ms to 0.5 s); ``None`` once
+    ``timeout_s`` has passed. For error paths that wait on another rank's next request."""
+    deadline = time.monotonic() + timeout_s
+    pause = 0.005
+    while True:
+        found = fetch()
+        if found is not None or time.monotonic() > deadline:
+            return found
+        time.sleep(pause)
+        pause = min(pause * 2, 0.5)
+
+
 def _address(store: Any) -> str:
     for candidate in (store, getattr(store, "underlying_store", None)):
         host, port = getattr(candidate, "host", None), getattr(candidate, "port", None)
