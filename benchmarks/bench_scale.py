@@ -81,10 +81,15 @@ class Server:
         )
         assert self.proc.stdout is not None and self.proc.stdout.readline().strip() == "ready"
 
-    def cpu_s(self) -> float:
+    def cpu_times(self) -> tuple[float, float]:
+        """User and system CPU seconds of the server process so far."""
         with open(f"/proc/{self.proc.pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        tick = os.sysconf("SC_CLK_TCK")
+        return int(fields[11]) / tick, int(fields[12]) / tick
+
+    def cpu_s(self) -> float:
+        return sum(self.cpu_times())
 
     def rss_mb(self) -> float:
         with open(f"/proc/{self.proc.pid}/status") as f:
@@ -365,7 +370,8 @@ def main() -> int:
     server = Server()
     rows = []
     try:
-        dedicated_us = calibrate(server, 600 if args.smoke else 30_000)
+        # Smoke: one block, since 5 blocks of 120 requests each fall under the 10 ms CPU clock tick.
+        dedicated_us = calibrate(server, 600, blocks=1) if args.smoke else calibrate(server, 30_000)
         print(f"server CPU per request, one client at a time: {dedicated_us:.1f} us", flush=True)
         for design in args.designs:
             for workload in args.workloads if design != "idle" else ["tp"]:

@@ -28,13 +28,6 @@ def main() -> int:
     client = dist.TCPStore(
         "127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=60), use_libuv=True
     )
-    tick = os.sysconf("SC_CLK_TCK")
-
-    def times() -> tuple[float, float]:
-        with open(f"/proc/{server.proc.pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return int(fields[11]) / tick, int(fields[12]) / tick
-
     client.set("v200", "x" * 200)
     count = 20_000
     kinds = {
@@ -49,12 +42,12 @@ def main() -> int:
     }
     print(f"{'request':36s} {'user us':>8s} {'sys us':>8s} {'client wall us':>15s}")
     for name, send in kinds.items():
-        user0, sys0 = times()
+        user0, sys0 = server.cpu_times()
         start = time.perf_counter()
         for i in range(count):
             send(i)
         client.check(["app"])  # the pipelined ones are done once a request with a reply returns
-        user1, sys1 = times()
+        user1, sys1 = server.cpu_times()
         wall = time.perf_counter() - start
         print(
             f"{name:36s} {(user1 - user0) / count * 1e6:8.1f} {(sys1 - sys0) / count * 1e6:8.1f}"
