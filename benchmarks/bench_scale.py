@@ -18,7 +18,8 @@ case: a job's first step). Workloads:
 * ``pp``: 4 pipeline stages (stage = rank % 4), each deciding keys of its own;
 * ``varlen``: every rank decides ``keys - own`` shared keys plus ``own`` keys of its own.
 
-Measured per (design, workload): requests (counted at the client, replies or not), store-server
+Measured per (design, workload): requests (counted at the client, replies or not, and per store
+method: ``requests_by_kind``), store-server
 CPU seconds (from /proc), server CPU per request, burst wall time, p50/max latency per check (per
 key in ``store``, per flush in ``digest``, per key in ``auto``) and the server's RSS growth. A
 10,000-rank line extrapolates requests linearly per rank (the designs' request count per rank does
@@ -109,12 +110,14 @@ class Counting:
     def __init__(self, store: Any) -> None:
         self._store = store
         self.requests = 0
+        self.kinds: dict[str, int] = {}  # requests per store method (compare_set, add, append, ...)
 
     def __getattr__(self, name: str) -> Any:
         method = getattr(self._store, name)
 
         def counted(*args: Any, **kwargs: Any) -> Any:
             self.requests += 1
+            self.kinds[name] = self.kinds.get(name, 0) + 1
             return method(*args, **kwargs)
 
         return counted
@@ -208,6 +211,7 @@ def _rank_thread(
         {
             "rank": rank,
             "requests": counting.requests,
+            "kinds": counting.kinds,
             "latencies": latencies,
             "tunes": tunes,
             "end": time.perf_counter() - start,
@@ -291,6 +295,10 @@ def measure(args: argparse.Namespace, server: Server, design: str, workload: str
     if errors:
         raise RuntimeError(f"{len(errors)} simulated ranks failed, first: {errors[0]}")
     requests = sum(r["requests"] for r in results)
+    kinds: dict[str, int] = {}
+    for r in results:
+        for kind, count in r["kinds"].items():
+            kinds[kind] = kinds.get(kind, 0) + count
     latencies = sorted(x for r in results for x in r["latencies"])
     server_s = cpu1 - cpu0
     return {
@@ -300,6 +308,7 @@ def measure(args: argparse.Namespace, server: Server, design: str, workload: str
         "keys": args.keys,
         "requests": requests,
         "requests_per_rank": requests / args.ranks,
+        "requests_by_kind": dict(sorted(kinds.items())),
         "tunes_per_rank": sum(r["tunes"] for r in results) / args.ranks,  # auto: keys a rank measured
         "server_cpu_s": server_s,
         "server_us_per_request": server_s / requests * 1e6 if requests else 0.0,
