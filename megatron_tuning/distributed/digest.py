@@ -6,43 +6,47 @@ Here a rank records its new decisions as 32-byte rows (identity digest, signatur
 launches; at a *flush* (the first repeated launch after new keys, ``verify_agreement``, ``close``,
 or when a batch reaches ``MAX_BATCH`` rows) it sends what it has:
 
-1. ``compare_set("ref/<flush>", "", <claim>)``, the claim naming this rank, its row count, the
-   digest of its sorted rows and a *sketch*: its ``SKETCH`` smallest identity prefixes (a few
-   hundred bytes each way). The first rank of each flush number claims that number's *reference*
-   and publishes its rows under ``rows/<flush>``, then ``ready/<flush>``, then its log record
-   (step 3; an error message naming the owner's config waits for it). Everyone else gets the
-   claim back. A batch with the reference's digest (tensor-parallel peers, data-parallel
-   replicas, the reference's own pipeline stage) is done: one request.
-2. Otherwise the two sketches estimate how many rows the reference lacks (bottom-k Jaccard). A
-   few (a rank's own variable-length shapes): fetch ``rows/<flush>`` at once. Many (another
-   pipeline stage): first ``add("n/<batch digest>", 1)``, and of the ranks with that batch only
-   the first goes on. The estimate orders requests only; what is compared is the same either way.
-   Comparing is local: a row whose identity the reference has with another signature is a
-   divergence, found at once; the rows the reference lacks are the batch's *residual* (a long
-   residual fetched first is still deduplicated before it is uploaded). A rank whose reference
-   is claimed but not yet published does not wait: it compares at its next flush, which the
-   checker requests for the next launch, and a final flush (close) waits for ``ready/<flush>``,
-   at most ``REFERENCE_WAIT_S`` (the owner sets it right after its claim).
+1. ``compare_set("ref/<flush>/<bucket>", "", <claim>)``. The claim names this rank, its row count,
+   the digest of its sorted rows and a *summary* of them (``reconcile.py``: the rows when few,
+   else an invertible Bloom lookup table of a quarter as many cells as rows). The *bucket* is the
+   batch's smallest identity modulo ``BUCKETS``: batches that share most rows (tensor- and
+   data-parallel peers, ranks with a few shapes of their own) almost always meet in one bucket,
+   disjoint ones (pipeline stages with keys of their own) almost always in different buckets.
+   The first rank in a bucket claims it as that bucket's *reference* and publishes its rows
+   (``rows/<flush>/<bucket>``, then ``ready/<flush>/<bucket>``, then its log record, step 3);
+   everyone else gets the claim back. A batch with the reference's digest is done: one request.
+2. Otherwise the rank decodes how its rows differ from the reference's from the summary alone:
+   a row whose identity the reference has with another signature is a divergence, found at
+   once; rows the reference lacks are the batch's *residual*, uploaded (step 3). Still one
+   request. Only when the summary cannot be decoded (the batches differ by more than about a
+   fifth: another pipeline stage in the same bucket, chaos) does the rank first
+   ``add("n/<batch digest>", 1)``, so that of the ranks with that very batch only the first goes
+   on, then fetch the reference's rows and compare them. A rank whose reference is claimed but
+   not yet published does not wait: it compares at its next flush, which the checker requests
+   for the next launch, and a final flush (close) waits for ``ready``, at most
+   ``REFERENCE_WAIT_S`` (the owner sets it right after its claim).
 3. Uploading is one ``append`` (no reply) to the job's one log: a record of (rank, flush, row
    count, text length), the rows, and zlib-compressed JSON texts (kernel, key, signature) of those
    rows in row order, read only to write an error message. So a row's text reaches the store with
-   the row (the reference's owner: one request after), and every row any rank can compare lives
+   the row (a reference's owner: one request after), and every row any rank can compare lives
    in the log.
 4. The group's first rank reads the log at each of its flushes, and the last rank to close reads
-   it all: two rows with one identity and two signatures are a divergence.
+   it all: two rows with one identity and two signatures are a divergence. This is also where
+   batches of different buckets meet.
 5. No flush polls the divergence flag. Whoever records a divergence adds ``DIVERGED`` to the
    close counter, writes the flag, then *sounds the alarm*: it appends ``ALARM`` to the claim
-   keys of the flush numbers around its own (``ALARM_BEHIND`` before, ``ALARM_AHEAD`` after; no
-   replies). Every rank's flushes are numbered 1, 2, ..., so a rank's next flush meets a marked
-   claim key (or one with the alarm alone) and it raises the recorded error; a rank further
-   ahead learns from its ``add("closed", 1)`` reply at close.
+   keys of every bucket of the flush numbers around its own (``ALARM_BEHIND`` before,
+   ``ALARM_AHEAD`` after; no replies). Every rank's flushes are numbered 1, 2, ..., so a rank's
+   next flush meets a marked claim key (or one with the alarm alone) and it raises the recorded
+   error; a rank further ahead learns from its ``add("closed", 1)`` reply at close.
 
-Requests per rank and flush: 1 (same batch as the reference), 2 (a pipeline stage's peers), 3
-with a few rows of its own (claim, reference rows, append), 4 for a pipeline stage's first sender
-(claim, add, rows, append), one more when the comparison was deferred; one ``add`` at close.
-A divergence is noticed at the flush of the rank that differs from a reference, or at the next
-flush (or close) of the log's reader; every other rank raises at its next flush (or close);
-``verify_agreement`` always compares everything (``verify.py``).
+Requests with a reply per rank and flush: 1 (claim) when the summary decodes, which covers equal
+batches, a few keys of a rank's own and one differing config; 2 or 3 when it does not (claim,
+dedup ``add``, and for the first of a batch the reference's rows); one more when that comparison
+was deferred; one ``add`` at close. Uploads (``append``, ``set``) have no reply.
+A divergence is noticed at the flush of the rank that differs from its bucket's reference, or
+at the next flush (or close) of the log's reader; every other rank raises at its next flush (or
+close); ``verify_agreement`` always compares everything (``verify.py``).
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ from typing import Any
 
 from ..core.decisions import Decision
 from ..core.errors import StoreRequestError
+from .reconcile import INLINE, TABLE, Difference, difference, summarize, summary_bytes
 from .storeops import BadRecord, decode_text, max_nesting, poll_until, request
 from .wire import identity_digest, signature_digest
 
@@ -74,18 +79,16 @@ DIVERGED = 1 << 32
 """Added to the close counter by whoever records a divergence: closers see it in their reply."""
 MAX_TEXT_BYTES = 64 << 20
 """The decompressed texts of one log record at most (4,096 rows of long keys are a few MB)."""
-SKETCH = 32
-"""Identities in a claim's sketch: the batch's smallest identity prefixes (a bottom-k sample)."""
-FETCH_FIRST_ROWS = 256
-"""A distinct batch expected to leave at most this many rows beyond the reference fetches the
-reference at once (no dedup request first; identical small residuals may then be logged twice)."""
+BUCKETS = 64
+"""Claim keys per flush number. A batch's bucket is its smallest identity modulo this: batches
+sharing most rows almost always meet (a rank's own rows hold the minimum with the probability
+of their share), and k disjoint ones collide with probability about k^2 / (2 BUCKETS)."""
 ALARM_AHEAD = 8
 ALARM_BEHIND = 64
-"""Flush numbers around the recorder's own whose claim keys get the divergence alarm."""
+"""Flush numbers around the recorder's own whose claim keys (every bucket) get the alarm."""
 ALARM = b"!"
 _ABSENT = b"\x00absent"  # what a read of a missing key returns (no value the library writes)
 _CLAIM = struct.Struct("<cIII16s")  # kind (b"C" claim, b"R" reference), rank, flush, rows, digest
-_PREFIX = struct.Struct(">Q")  # an identity's first 8 bytes, ordered, for the sketch
 _RECORD = struct.Struct("<IIII")  # rank, flush number, row count, compressed text bytes
 
 
@@ -105,6 +108,11 @@ def row_of(decision: Decision) -> bytes:
 
 def batch_digest(rows: Iterable[bytes]) -> bytes:
     return hashlib.sha256(b"".join(rows)).digest()[:HALF]
+
+
+def bucket_of(rows: list[bytes]) -> int:
+    """The claim bucket of sorted ``rows``: their smallest identity, modulo ``BUCKETS``."""
+    return int.from_bytes(rows[0][:8], "big") % BUCKETS
 
 
 def pack_record(rank: int, flush: int, rows: list[bytes], texts: bytes) -> bytes:
@@ -213,20 +221,23 @@ class DigestLedger:
         rows = sorted(row for row, _ in self.pending.values())
         self.flushes += 1
         flush = self.flushes
+        bucket = bucket_of(rows)
         what = f"the digest flush #{flush} of rank {self.rank} ({len(rows)} new decisions)"
         digest = batch_digest(rows)
-        claim = _CLAIM.pack(b"C", self.rank, flush, len(rows), digest) + sketch_of(rows)
-        reply = bytes(self._ask(what, "compare_set", f"ref/{flush}", "", claim))
+        kind, summary = summarize(rows)
+        claim = _CLAIM.pack(b"C", self.rank, flush, len(rows), digest) + kind + summary
+        reply = bytes(self._ask(what, "compare_set", f"ref/{flush}/{bucket}", "", claim))
+        if reply == claim:
+            # This batch is its bucket's reference. Rows first, since a rank whose summary does
+            # not decode waits for them; then the record with the texts, which only an error
+            # message reads (and waits for: ``texts_of``).
+            header = _CLAIM.pack(b"R", self.rank, flush, len(rows), digest)
+            self.store.set(f"rows/{flush}/{bucket}", header + b"".join(rows))
+            self.store.set(f"ready/{flush}/{bucket}", "1")
         for ident, (row, _) in self.pending.items():
             self.sent[ident] = row[HALF:]
         self.pending.clear()
         if reply == claim:
-            # This batch is the reference of its flush number. Rows first, since ranks that got
-            # only the claim wait for them; then the record with the texts, which only an error
-            # message reads (and waits for: ``texts_of``).
-            header = _CLAIM.pack(b"R", self.rank, flush, len(rows), digest)
-            self.store.set(f"rows/{flush}", header + b"".join(rows))
-            self.store.set(f"ready/{flush}", "1")
             self._append(flush, rows)
             return
         theirs = parse_claim(reply, f"{what}: the reference of flush #{flush}")
@@ -234,15 +245,37 @@ class DigestLedger:
             raise DivergenceAlarm(flush)
         if theirs.digest == digest:
             return  # the reference's very rows: nothing new, nothing that can differ
-        deduped = False
-        if estimate_residual(rows, theirs) > FETCH_FIRST_ROWS:
-            # Likely a long residual (another pipeline stage): of the ranks with this very batch,
-            # only the first fetches, compares and uploads.
-            if not self._first_of(digest, what):
-                return
-            deduped = True
-        self.deferred[flush] = _Deferred(rows, digest, deduped)
+        try:
+            diff = difference(theirs.kind, theirs.summary, theirs.count, rows)
+        except ValueError as exc:
+            raise BadRecord(f"{what}: the reference of flush #{flush}", f"a claim with {exc}") from None
+        if diff is not None:
+            self._settle(diff, flush, theirs, on_conflict)
+            return
+        # Too different to decode (another pipeline stage in this bucket, or chaos): of the ranks
+        # with this very batch, only the first fetches the reference, compares and uploads.
+        if not self._first_of(digest, what):
+            return
+        self.deferred[flush] = _Deferred(rows, digest, bucket)
         self._compare(flush, on_conflict, final=final)
+
+    def _settle(
+        self, diff: Difference, flush: int, theirs: Claim, on_conflict: Callable[[Conflict], None]
+    ) -> None:
+        """Report the rows that differ from the reference's in signature; upload the rest of ours."""
+        signatures = {row[:HALF]: row[HALF:] for row in diff.theirs}
+        residual = []
+        for row in diff.ours:
+            ident, signature = row[:HALF], row[HALF:]
+            other = signatures.get(ident)
+            if other is None:
+                residual.append(row)
+            else:  # one identity on both sides, so the signatures differ (equal rows cancel)
+                on_conflict(
+                    Conflict(ident, (self.rank, flush, signature), (theirs.rank, theirs.flush, other))
+                )
+        if residual:
+            self._append(flush, residual)
 
     def _first_of(self, digest: bytes, what: str) -> bool:
         """Whether this rank is the first to send a batch with ``digest`` (one ``add``)."""
@@ -252,34 +285,32 @@ class DigestLedger:
         """Compare a deferred batch with its reference: now if published, else wait only if ``final``."""
         batch = self.deferred[flush]
         what = f"the digest flush #{flush} of rank {self.rank} ({len(batch.rows)} new decisions)"
-        reference = self._read(what, f"rows/{flush}")
+        reference = self._read(what, f"rows/{flush}/{batch.bucket}")
         if reference is None:
             if not final:
                 return  # claimed, not yet published: compare at the next flush (or at close)
-            reference = self._reference(flush, what)
+            reference = self._reference(flush, batch.bucket, what)
         del self.deferred[flush]
         residual = self._against_reference(batch.rows, reference, flush, what, on_conflict)
-        if not residual:
-            return
-        if len(residual) > FETCH_FIRST_ROWS and not batch.deduped and not self._first_of(batch.digest, what):
-            return  # a long residual an identical batch already uploaded
-        self._append(flush, residual)
+        if residual:
+            self._append(flush, residual)
 
     def _append(self, flush: int, rows: list[bytes]) -> None:
         texts = texts_blob([self.texts[row[:HALF]] for row in rows])
         self.store.append("log", pack_record(self.rank, flush, rows, texts))
 
-    def _reference(self, flush: int, what: str) -> bytes:
-        """The reference of ``flush``: its owner sets it with its very next requests after claiming it."""
+    def _reference(self, flush: int, bucket: int, what: str) -> bytes:
+        """The reference of ``flush`` in ``bucket``: its owner sets it with its very next requests
+        after claiming it."""
         try:
-            self._ask(what, "wait", [f"ready/{flush}"], timedelta(seconds=REFERENCE_WAIT_S))
+            self._ask(what, "wait", [f"ready/{flush}/{bucket}"], timedelta(seconds=REFERENCE_WAIT_S))
         except StoreRequestError:
             # A timed-out wait: the owner died between its claim and its reference (a store that
             # is gone fails this check too, and says so).
-            if not self._ask(what, "check", [f"ready/{flush}"]):
+            if not self._ask(what, "check", [f"ready/{flush}/{bucket}"]):
                 problem = f"no reference for flush #{flush} after {REFERENCE_WAIT_S:g} s"
                 raise BadRecord(what, problem) from None
-        reference = self._read(what, f"rows/{flush}")
+        reference = self._read(what, f"rows/{flush}/{bucket}")
         if reference is None:
             raise BadRecord(what, f"a ready mark for flush #{flush} but no reference rows")
         return reference
@@ -316,13 +347,15 @@ class DigestLedger:
         return residual
 
     def sound_alarm(self) -> None:
-        """After a divergence is recorded: mark the claim keys of nearby flush numbers (``append``,
-        no reply), so a rank learns of it from the claim reply of its next flush instead of a flag
-        poll at every flush. Flush numbers run 1, 2, ... on every rank, so a rank behind this one
-        meets a marked key; one more than ``ALARM_AHEAD`` flushes ahead learns at close."""
+        """After a divergence is recorded: mark the claim keys of every bucket of nearby flush
+        numbers (``append``, no reply; once per job), so a rank learns of it from the claim reply
+        of its next flush instead of a flag poll at every flush. Flush numbers run 1, 2, ... on
+        every rank, so a rank behind this one meets a marked key; one more than ``ALARM_AHEAD``
+        flushes ahead learns at close."""
         first = max(1, self.flushes - ALARM_BEHIND + 1)
         for flush in range(first, self.flushes + ALARM_AHEAD + 1):
-            self.store.append(f"ref/{flush}", ALARM)
+            for bucket in range(BUCKETS):
+                self.store.append(f"ref/{flush}/{bucket}", ALARM)
 
     # -- reading -------------------------------------------------------------------------
     def read_log(self, on_conflict: Callable[[Conflict], None]) -> None:
@@ -383,59 +416,37 @@ class DivergenceAlarm(Exception):
 class _Deferred:
     rows: list[bytes]
     digest: bytes
-    deduped: bool  # this rank already won its batch's dedup add
+    bucket: int
 
 
 @dataclass(frozen=True, slots=True)
 class Claim:
-    """A flush's reference claim as read back: owner, rows, digest, sketch, and the alarm."""
+    """A flush's reference claim as read back: owner, rows, digest, summary, and the alarm."""
 
     rank: int
     flush: int
     count: int
     digest: bytes
-    sketch: tuple[int, ...]
+    kind: bytes
+    summary: bytes
     alarm: bool
 
 
-def sketch_of(rows: list[bytes]) -> bytes:
-    """The ``SKETCH`` smallest identity prefixes of sorted ``rows`` (sorted rows sort identities)."""
-    return b"".join(row[:8] for row in rows[:SKETCH])
-
-
-def _sketch_values(rows: list[bytes]) -> set[int]:
-    return {_PREFIX.unpack_from(row)[0] for row in rows[:SKETCH]}
-
-
-def estimate_residual(rows: list[bytes], reference: Claim) -> float:
-    """How many of sorted ``rows`` the reference lacks, from the two bottom-k sketches.
-
-    The union's ``SKETCH`` smallest prefixes are a uniform sample of the union; the share present in
-    both sketches estimates the Jaccard index J, so the overlap is J (|A| + |R|) / (1 + J). Only
-    a choice of order rests on it (fetch first or dedup first), never what is compared.
-    """
-    mine = _sketch_values(rows)
-    theirs = set(reference.sketch)
-    union = sorted(mine | theirs)[:SKETCH]
-    if not union:
-        return 0.0
-    jaccard = sum(1 for v in union if v in mine and v in theirs) / len(union)
-    overlap = jaccard * (len(rows) + reference.count) / (1 + jaccard)
-    return max(0.0, len(rows) - overlap)
-
-
 def parse_claim(blob: bytes, what: str) -> Claim:
-    """A ``ref/<flush>`` value: a claim with its sketch, ``ALARM`` bytes appended, or alarm only."""
+    """A ``ref/<flush>/<bucket>`` value: a claim with its summary, ``ALARM`` bytes appended, or
+    the alarm alone."""
     if blob and blob.strip(ALARM) == b"":
-        return Claim(-1, 0, 0, b"", (), alarm=True)  # marked before anybody claimed this number
-    if len(blob) < _CLAIM.size or blob[:1] != b"C":
+        return Claim(-1, 0, 0, b"", b"", b"", alarm=True)  # marked before anybody claimed it
+    if len(blob) < _CLAIM.size + 1 or blob[:1] != b"C":
         raise BadRecord(what, f"{blob[:48]!r}, not a reference claim")
     _, rank, flush, count, digest = _CLAIM.unpack_from(blob)
-    end = _CLAIM.size + 8 * min(SKETCH, count)
+    kind = blob[_CLAIM.size : _CLAIM.size + 1]
+    if not 0 < count <= MAX_BATCH or kind not in (INLINE, TABLE):
+        raise BadRecord(what, f"a claim of {count} rows with a summary of kind {kind!r}")
+    end = _CLAIM.size + 1 + summary_bytes(kind, count)
     if len(blob) < end or blob[end:].strip(ALARM):
-        raise BadRecord(what, f"a claim of {count} rows with {len(blob) - _CLAIM.size} sketch bytes")
-    sketch = tuple(_PREFIX.unpack_from(blob, i)[0] for i in range(_CLAIM.size, end, 8))
-    return Claim(rank, flush, count, digest, sketch, alarm=len(blob) > end)
+        raise BadRecord(what, f"a claim of {count} rows with {len(blob) - _CLAIM.size - 1} summary bytes")
+    return Claim(rank, flush, count, digest, kind, blob[_CLAIM.size + 1 : end], alarm=len(blob) > end)
 
 
 __all__ = [
