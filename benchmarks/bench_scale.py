@@ -320,35 +320,68 @@ def measure(args: argparse.Namespace, server: Server, design: str, workload: str
     }
 
 
-def model_10k(row: dict[str, Any], ranks: int = 10_000, us_per_request: float | None = None) -> float:
-    """Server seconds at ``ranks``: requests scale with ranks at the measured cost per request
-    (the burst's own, unless ``us_per_request`` gives another)."""
-    cost = row["server_us_per_request"] if us_per_request is None else us_per_request
-    return row["requests_per_rank"] * ranks * cost / 1e6
+NO_REPLY = frozenset({"set", "append"})
+"""Store methods whose requests get no reply: the client pipelines them, the server reads several
+per wake-up, so they cost it a fraction of a request that is answered."""
 
 
-def calibrate(server: Server, requests: int, blocks: int = 5) -> float:
-    """Server CPU µs per request with one client sending ``requests`` one after another: the cost
-    on a server core of its own (the bursts share 2 cores with 16 client processes). The mix is
-    the designs': ``add`` on a counter, ``compare_set`` on a missing key and on a 200-byte value.
-    The median of ``blocks`` blocks, since one block of a shared machine can read 2x (the CPU
-    clock ticks at 10 ms and a neighbour's burst lands in some blocks)."""
+def model_10k(
+    row: dict[str, Any],
+    ranks: int = 10_000,
+    us_per_request: float | None = None,
+    us_per_no_reply: float | None = None,
+) -> float:
+    """Server seconds at ``ranks``: requests scale with ranks. At the burst's own cost per request
+    when no cost is given; else answered requests at ``us_per_request`` and pipelined ones (``set``,
+    ``append``) at ``us_per_no_reply`` (default: the same)."""
+    if us_per_request is None:
+        return row["requests_per_rank"] * ranks * row["server_us_per_request"] / 1e6
+    reply = answered_per_rank(row)
+    no_reply = row["requests_per_rank"] - reply
+    per_no_reply = us_per_request if us_per_no_reply is None else us_per_no_reply
+    return (reply * us_per_request + no_reply * per_no_reply) * ranks / 1e6
+
+
+def answered_per_rank(row: dict[str, Any]) -> float:
+    """Requests per rank that the server answers (all but ``set`` and ``append``)."""
+    return (
+        sum(n for kind, n in row.get("requests_by_kind", {}).items() if kind not in NO_REPLY) / row["ranks"]
+    )
+
+
+def calibrate(server: Server, requests: int, blocks: int = 5) -> tuple[float, float]:
+    """Server CPU µs per answered request and per pipelined one, with one client sending
+    ``requests`` of each one after another: the cost on a server core of its own (the bursts
+    share 2 cores with 16 client processes). The answered mix is the designs': ``add`` on a
+    counter, ``compare_set`` on a missing key and on a 200-byte value; the pipelined mix is
+    ``append`` of a 3 KB log record (a residual of 100 rows with its texts) and ``set`` of a
+    64-byte value, ended by one answered ``check`` (the server has read them all by its reply).
+    Each the median of ``blocks`` blocks, since one block of a shared machine can read 2x (the
+    CPU clock ticks at 10 ms and a neighbour's burst lands in some blocks)."""
     import torch.distributed as dist
 
     client = dist.TCPStore(
         "127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=60), use_libuv=True
     )
     client.set("calibrate/value", "x" * 200)
+    record = os.urandom(3000)
     third = max(1, requests // (3 * blocks))
-    costs = []
+    answered, pipelined = [], []
     for block in range(blocks):
         before = server.cpu_s()
         for i in range(third):
             client.add("calibrate/count", 1)
             client.compare_set(f"calibrate/missing/{block}/{i}", "", "")
             client.compare_set("calibrate/value", "", "")
-        costs.append((server.cpu_s() - before) / (3 * third) * 1e6)
-    return statistics.median(costs)
+        answered.append((server.cpu_s() - before) / (3 * third) * 1e6)
+        before = server.cpu_s()
+        for i in range(third):
+            client.append(f"calibrate/log/{block}", record)
+            client.set(f"calibrate/set/{block}/{i}", "y" * 64)
+        client.check(["calibrate/value"])
+        pipelined.append((server.cpu_s() - before) / (2 * third) * 1e6)
+        client.delete_key(f"calibrate/log/{block}")
+    return statistics.median(answered), statistics.median(pipelined)
 
 
 def main() -> int:
@@ -380,13 +413,21 @@ def main() -> int:
     rows = []
     try:
         # Smoke: one block, since 5 blocks of 120 requests each fall under the 10 ms CPU clock tick.
-        dedicated_us = calibrate(server, 600, blocks=1) if args.smoke else calibrate(server, 30_000)
-        print(f"server CPU per request, one client at a time: {dedicated_us:.1f} us", flush=True)
+        dedicated_us, no_reply_us = (
+            calibrate(server, 600, blocks=1) if args.smoke else calibrate(server, 30_000)
+        )
+        print(
+            f"server CPU per request, one client at a time: {dedicated_us:.1f} us answered, "
+            f"{no_reply_us:.1f} us pipelined (set, append)",
+            flush=True,
+        )
         for design in args.designs:
             for workload in args.workloads if design != "idle" else ["tp"]:
                 row = measure(args, server, design, workload)
                 row["model_10k_server_s"] = model_10k(row)
-                row["model_10k_dedicated_server_s"] = model_10k(row, us_per_request=dedicated_us)
+                row["model_10k_dedicated_server_s"] = model_10k(
+                    row, us_per_request=dedicated_us, us_per_no_reply=no_reply_us
+                )
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     finally:
@@ -396,6 +437,7 @@ def main() -> int:
         "workload",
         "requests",
         "req/rank",
+        "answered/rank",
         "server s",
         "us/req",
         "wall s",
@@ -411,6 +453,7 @@ def main() -> int:
             r["workload"],
             r["requests"],
             f"{r['requests_per_rank']:.1f}",
+            f"{answered_per_rank(r):.2f}",
             f"{r['server_cpu_s']:.3f}",
             f"{r['server_us_per_request']:.1f}",
             f"{r['burst_wall_s']:.2f}",
@@ -428,7 +471,8 @@ def main() -> int:
     common.print_table(headers, table)
     print(
         f"10k model s: requests per rank x 10,000 x the burst's server us per request; 10k, own core: "
-        f"x {dedicated_us:.1f} us (one client at a time)"
+        f"x {dedicated_us:.1f} us per answered request and {no_reply_us:.1f} us per pipelined one "
+        "(one client at a time)"
     )
     common.write_json(
         args.out,
@@ -436,6 +480,7 @@ def main() -> int:
             "environment": common.environment(),
             "args": vars(args),
             "dedicated_server_us_per_request": dedicated_us,
+            "dedicated_server_us_per_no_reply_request": no_reply_us,
             "rows": rows,
         },
     )
