@@ -45,6 +45,12 @@ from typing import Any
 # One warning line per connection ("hostname of the client socket cannot be retrieved") times a
 # thousand connections buries the results; torch reads this before its first import.
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+# torch names each new TCPStore connection in its log by a reverse lookup of the socket's address,
+# which for 127.0.0.1 as an IPv6-mapped address goes to DNS. Where DNS does not answer (a closed
+# network) every second burst of connections sat in glibc's 5 s resolver timeout (strace: PTR
+# 1.0.0.127.in-addr.arpa; the smoke run took 34 s, 7 s with this). Only the setup was slowed, never
+# a burst. glibc reads this at its first lookup.
+os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
 
 import common  # noqa: E402
 
