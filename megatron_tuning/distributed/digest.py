@@ -256,7 +256,7 @@ class DigestLedger:
         # with this very batch, only the first fetches the reference, compares and uploads.
         if not self._first_of(digest, what):
             return
-        self.deferred[flush] = _Deferred(rows, digest, bucket)
+        self.deferred[flush] = _Deferred(rows, bucket)
         self._compare(flush, on_conflict, final=final)
 
     def _settle(
@@ -415,7 +415,6 @@ class DivergenceAlarm(Exception):
 @dataclass(frozen=True, slots=True)
 class _Deferred:
     rows: list[bytes]
-    digest: bytes
     bucket: int
 
 

@@ -35,7 +35,7 @@ MIN_CELLS = 48
 INLINE = b"R"  # the summary is the rows themselves
 TABLE = b"I"  # the summary is an IBLT
 _PERSON = b"mt-reconcile"
-_HASH = np.dtype([("cells", "<u4", (HASHES,)), ("check", "<u8")])  # one 20-byte blake2b digest
+_HASH = np.dtype([("cells", "<u4", (HASHES,)), ("check", "<u8")])  # one row's blake2b digest (24 bytes)
 
 
 def cells_for(rows: int) -> int:
