@@ -10,7 +10,10 @@ drive the library's own code against it: ``AgreementChecker`` in ``store`` (per 
 and ``digest`` (batched) modes, and ``StoreConsensus`` for ``auto`` (lookup, simulated tuning,
 publish), alone and with the node tier (``auto-tier``: ``--node-size`` consecutive ranks share a
 node folder in /dev/shm, as one node's ranks do under torchrun; its lookups read the folder, its
-publishes are made once per node). ``idle`` holds the connections
+publishes are made once per node; ``auto-stores``: the tier, with each decision in one of
+``--auto-stores`` hosted stores, servers in processes of their own as the job's store is, found
+through the library's announcements in the job's store and routed by its digest as in a job).
+``idle`` holds the connections
 open and sends nothing: the server's baseline. Every rank starts at once (a burst, the worst
 case: a job's first step). Workloads:
 
@@ -142,17 +145,26 @@ _SETUP_LOCK = threading.Lock()
 
 
 def _rank_thread(
-    args: argparse.Namespace, port: int, rank: int, design: str, workload: str, ready: Any, go: Any, out: list
+    args: argparse.Namespace,
+    port: int,
+    rank: int,
+    design: str,
+    workload: str,
+    ready: Any,
+    go: Any,
+    out: list,
 ) -> None:
     import torch.distributed as dist
 
     from megatron_tuning.core.decisions import Decision
     from megatron_tuning.core.policy import TuningPolicy
     from megatron_tuning.distributed.agreement import AgreementChecker
+    from megatron_tuning.distributed.auto_stores import AutoStores, close_rank, host_ranks
     from megatron_tuning.distributed.consensus import StoreConsensus
     from megatron_tuning.distributed.tier import NodeTier, node_folder
 
     client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=600), use_libuv=True)
+    store_counts: dict[str, Counting] = {}  # auto-stores: this rank's client of each hosted store
     keys = plan(workload, rank, args.keys, args.own)
     namespace = f"{design}-{workload}"
     latencies: list[float] = []
@@ -165,13 +177,22 @@ def _rank_thread(
         counting = checker._store = Counting(checker._store)
         if checker.ledger is not None:
             checker.ledger.store = counting
-    elif design in ("auto", "auto-tier"):
+    elif design in ("auto", "auto-tier", "auto-stores"):
         consensus = StoreConsensus(client, rank=rank, namespace=namespace, world=args.ranks)
         counting = consensus._store = Counting(consensus._store)
-        if design == "auto-tier":  # ranks // node_size share a node folder, as one node's ranks do
+        if design != "auto":  # ranks // node_size share a node folder, as one node's ranks do
             folder = node_folder(f"bench-scale-{os.getppid()}\n{namespace}\n{rank // args.node_size}")
             assert folder is not None
             consensus.tier = NodeTier(folder, rank=rank, owner=rank % args.node_size == 0)
+        if design == "auto-stores":  # the library's own discovery, routing and lazy connections
+            count = len(args.store_ports)
+            consensus.stores = AutoStores(
+                counting,
+                count,
+                host_ranks(count, args.ranks, args.node_size),
+                tier=consensus.tier,
+                connect=lambda address, timeout: _counted_client(address, timeout, store_counts),
+            )
     else:
         counting = Counting(client)
     decisions = [
@@ -199,7 +220,7 @@ def _rank_thread(
         checker.flush()  # what the first repeated launch after the new keys does
         latencies.append(time.perf_counter() - t0)
         checker.stop()  # close: the last flush, and the last rank reads every shard
-    elif design in ("auto", "auto-tier"):
+    elif design in ("auto", "auto-tier", "auto-stores"):
         for key in keys:  # latency: the store time of a key (lookup, and publish after tuning)
             t0 = time.perf_counter()
             found = consensus.lookup(KERNEL, key, ARCH)
@@ -211,6 +232,8 @@ def _rank_thread(
                 consensus.publish(KERNEL, key, ARCH, CONFIG, SIGNATURE)
                 spent += time.perf_counter() - t1
             latencies.append(spent)
+        if design == "auto-stores":
+            close_rank(counting, args.ranks)  # what each rank does at exit, so the hosts can stop
     else:  # idle: connections open, no request (what merely holding them costs the server)
         time.sleep(args.idle_s)
     out.append(
@@ -218,11 +241,20 @@ def _rank_thread(
             "rank": rank,
             "requests": counting.requests,
             "kinds": counting.kinds,
+            "store_requests": {a: c.requests for a, c in store_counts.items()},
+            "store_kinds": [c.kinds for c in store_counts.values()],
             "latencies": latencies,
             "tunes": tunes,
             "end": time.perf_counter() - start,
         }
     )
+
+
+def _counted_client(address: str, timeout: timedelta, counts: dict[str, Counting]) -> Any:
+    from megatron_tuning.distributed.auto_stores import connect
+
+    counts[address] = Counting(connect(address, timeout))
+    return counts[address]
 
 
 def _guarded_thread(*args: Any) -> None:
@@ -270,6 +302,21 @@ def measure(args: argparse.Namespace, server: Server, design: str, workload: str
     import megatron_tuning.distributed.agreement  # noqa: F401
     import megatron_tuning.distributed.consensus  # noqa: F401
 
+    hosted: list[Server] = []
+    if design == "auto-stores":  # the hosted stores, announced as their host ranks would
+        import torch.distributed as dist
+
+        from megatron_tuning.distributed import consensus as consensus_module
+        from megatron_tuning.distributed.auto_stores import announce
+
+        hosted = [Server() for _ in range(args.auto_stores)]
+        setup = dist.PrefixStore(
+            f"{consensus_module._PREFIX}/{design}-{workload}",
+            dist.TCPStore("127.0.0.1", server.port, is_master=False, use_libuv=True),
+        )
+        for index, store in enumerate(hosted):
+            announce(setup, index, f"127.0.0.1:{store.port}")
+    args.store_ports = [store.port for store in hosted]
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
     nodes = [
@@ -285,12 +332,16 @@ def measure(args: argparse.Namespace, server: Server, design: str, workload: str
         p.start()
     barrier.wait()
     cpu0, rss0, t0 = server.cpu_s(), server.rss_mb(), time.perf_counter()
+    hosted0 = [store.cpu_s() for store in hosted]
     results = [r for _ in procs for r in queue.get(timeout=3600)]
     wall = time.perf_counter() - t0
     cpu1, rss1 = server.cpu_s(), server.rss_mb()
+    hosted_cpu = [store.cpu_s() - before for store, before in zip(hosted, hosted0)]
+    for store in hosted:
+        store.stop()
     for p in procs:
         p.join()
-    if design == "auto-tier":  # the node folders the simulated nodes shared
+    if design in ("auto-tier", "auto-stores"):  # the node folders the simulated nodes shared
         from megatron_tuning.distributed.tier import node_folder
 
         for n in range(len(nodes)):
@@ -307,6 +358,25 @@ def measure(args: argparse.Namespace, server: Server, design: str, workload: str
             kinds[kind] = kinds.get(kind, 0) + count
     latencies = sorted(x for r in results for x in r["latencies"])
     server_s = cpu1 - cpu0
+    per_store = {f"127.0.0.1:{store.port}": 0 for store in hosted}
+    store_kinds: dict[str, int] = {}
+    for r in results:
+        for address, count in r["store_requests"].items():
+            per_store[address] += count
+        for kinds_of_one in r["store_kinds"]:
+            for kind, count in kinds_of_one.items():
+                store_kinds[kind] = store_kinds.get(kind, 0) + count
+    hosted_row = {}
+    if hosted:  # the job's store (``requests``, ``server_cpu_s``) and each hosted store apart
+        hosted_row = {
+            "hosted_stores": len(hosted),
+            "hosted_requests": list(per_store.values()),
+            "hosted_requests_by_kind": dict(sorted(store_kinds.items())),
+            "hosted_cpu_s": hosted_cpu,
+            "hosted_us_per_request": [
+                cpu / count * 1e6 if count else 0.0 for cpu, count in zip(hosted_cpu, per_store.values())
+            ],
+        }
     return {
         "design": design,
         "workload": workload,
@@ -323,6 +393,7 @@ def measure(args: argparse.Namespace, server: Server, design: str, workload: str
         "p50_ms": statistics.median(latencies) * 1e3 if latencies else 0.0,
         "max_ms": latencies[-1] * 1e3 if latencies else 0.0,
         "server_rss_growth_mb": rss1 - rss0,
+        **hosted_row,
     }
 
 
@@ -346,6 +417,28 @@ def model_10k(
     no_reply = row["requests_per_rank"] - reply
     per_no_reply = us_per_request if us_per_no_reply is None else us_per_no_reply
     return (reply * us_per_request + no_reply * per_no_reply) * ranks / 1e6
+
+
+def model_10k_hosted(
+    row: dict[str, Any], node_size: int, us_per_request: float, ranks: int = 10_000
+) -> dict[str, Any]:
+    """``auto-stores`` at ``ranks``: the library's default number of hosted stores there (unset
+    ``MEGATRON_TUNING_AUTO_STORES``), and the server seconds of each, its requests being the
+    run's per rank x ``ranks`` / that number, at the one-client cost and at the run's own."""
+    from megatron_tuning.core.env import scoped_environ
+    from megatron_tuning.distributed.auto_stores import ENV_STORES, store_count
+
+    with scoped_environ({ENV_STORES: None}):
+        count = store_count(ranks, node_size)
+    per_rank = sum(row["hosted_requests"]) / row["ranks"]
+    burst_us = sum(row["hosted_cpu_s"]) / sum(row["hosted_requests"]) * 1e6 if per_rank else 0.0
+    each = per_rank * ranks / max(count, 1)
+    return {
+        "model_10k_hosted_stores": count,
+        "model_10k_requests_per_hosted_store": each,
+        "model_10k_per_hosted_store_s": each * us_per_request / 1e6,
+        "model_10k_per_hosted_store_burst_cost_s": each * burst_us / 1e6,
+    }
 
 
 def answered_per_rank(row: dict[str, Any]) -> float:
@@ -401,11 +494,12 @@ def main() -> int:
     parser.add_argument("--tune-ms", type=float, default=2.0, help="auto: simulated tuning time per miss")
     parser.add_argument("--node-size", type=int, default=8, help="auto-tier: simulated ranks per node")
     parser.add_argument("--idle-s", type=float, default=5.0, help="idle: how long the connections sit unused")
+    parser.add_argument("--auto-stores", type=int, default=4, help="auto-stores: hosted stores in the run")
     parser.add_argument(
         "--designs",
         nargs="+",
-        default=["idle", "store", "digest", "auto", "auto-tier"],
-        choices=["idle", "store", "digest", "auto", "auto-tier"],
+        default=["idle", "store", "digest", "auto", "auto-tier", "auto-stores"],
+        choices=["idle", "store", "digest", "auto", "auto-tier", "auto-stores"],
     )
     parser.add_argument("--workloads", nargs="+", default=["tp", "pp", "varlen"])
     parser.add_argument(
@@ -434,6 +528,8 @@ def main() -> int:
                 row["model_10k_dedicated_server_s"] = model_10k(
                     row, us_per_request=dedicated_us, us_per_no_reply=no_reply_us
                 )
+                if "hosted_stores" in row:
+                    row.update(model_10k_hosted(row, args.node_size, dedicated_us))
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     finally:
@@ -475,6 +571,16 @@ def main() -> int:
         f"\n{args.ranks} simulated ranks x {args.keys} new keys ({args.procs} processes, one TCPStore server)"
     )
     common.print_table(headers, table)
+    for r in rows:
+        if "hosted_stores" in r:
+            print(
+                f"{r['design']} {r['workload']}: {r['hosted_stores']} hosted stores took "
+                f"{r['hosted_requests']} requests, {[round(c, 3) for c in r['hosted_cpu_s']]} server s; "
+                f"at 10,000 ranks {r['model_10k_hosted_stores']} stores of "
+                f"{r['model_10k_requests_per_hosted_store']:,.0f} requests each: "
+                f"{r['model_10k_per_hosted_store_s']:.2f} s each at the one-client cost, "
+                f"{r['model_10k_per_hosted_store_burst_cost_s']:.2f} s at this burst's"
+            )
     print(
         f"10k model s: requests per rank x 10,000 x the burst's server us per request; 10k, own core: "
         f"x {dedicated_us:.1f} us per answered request and {no_reply_us:.1f} us per pipelined one "

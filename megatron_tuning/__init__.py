@@ -16,6 +16,7 @@ from typing import Any
 from .core.decisions import Decision, get_decisions
 from .core.errors import (
     AgreementTimeoutError,
+    AutoStoreError,
     BenchmarkForbiddenError,
     BlockSizeOverrideError,
     CompiledLaunchNotPinnedError,
@@ -65,6 +66,7 @@ install_default_handler(logging.getLogger(__name__))
 
 __all__ = [
     "AgreementTimeoutError",
+    "AutoStoreError",
     "BenchmarkForbiddenError",
     "BlockSizeOverrideError",
     "ConsensusError",

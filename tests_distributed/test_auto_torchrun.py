@@ -27,15 +27,16 @@ def add_key(n: int) -> str:
 
 @pytest.fixture(
     scope="module",
-    params=[(2, ""), (4, ""), (4, "node")],
-    ids=lambda p: f"{p[0]}ranks{'-tier' if p[1] else ''}",
+    params=[(2, "", ""), (4, "", ""), (4, "node", "2")],
+    ids=lambda p: f"{p[0]}ranks{'-tier-stores' if p[1] else ''}",
 )
 def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """Two jobs (run 1 tunes, run 2 reads the cache); the ``-tier`` one routes auto's lookups and
-    publishes through the node tier (all 4 ranks on one node: one request per key to the store)."""
+    """Two jobs (run 1 tunes, run 2 reads the cache); the ``-tier-stores`` one routes auto's lookups
+    and publishes through the node tier (all 4 ranks on one node: one request per key) to two
+    stores that ranks 0 and 2 host (``auto_stores.py``), as large jobs do."""
     if not gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
-    nproc, tier = request.param
+    nproc, tier, stores = request.param
     tmp = tmp_path_factory.mktemp(f"auto_{nproc}")
     cache = tmp / "cache" / "auto.msgpack"
     table = tmp / "rank0_table.msgpack"
@@ -58,6 +59,8 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
             str(table),
             "--tier",
             tier,
+            "--stores",
+            stores,
         ]
         if run == "run2":  # run 2 only reads the cache: a late rank proves nothing there
             args += ["--slow-s", "0"]
@@ -65,7 +68,7 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
         results = read_results(folder, nproc)
         assert done.returncode == 0 and len(results) == nproc, done.stdout[-3000:] + done.stderr[-3000:]
         out[run] = results
-    out["nproc"], out["cache"] = nproc, cache
+    out["nproc"], out["cache"], out["stores"] = nproc, cache, stores
     return out
 
 
@@ -134,3 +137,13 @@ def test_the_cache_holds_every_tuned_key_and_run_two_measures_nothing(runs):
         assert all(r["error"] is None and r["measured"] == 0 for r in results)
         assert all(d["source"] == "table" for r in results for d in r["decisions"])
         assert all(d["origin"] == str(Path(runs["cache"])) for r in results for d in r["decisions"])
+
+
+def test_hosted_stores_hold_the_decisions_when_the_job_asks_for_them(runs):
+    last = [runs["run1"][rank]["slow_rank"] for rank in range(runs["nproc"])]
+    if not runs["stores"]:
+        assert all(r["store_requests"] is None for r in last)
+        return
+    assert all(r["store_hosts"] == [0, 2] for r in last)
+    per_store = [sum(r["store_requests"][i] for r in last) for i in range(2)]
+    assert min(per_store) > 0, per_store  # the keys spread over both hosts' stores

@@ -296,6 +296,22 @@ class StoreRequestError(MegatronTuningError, RuntimeError):
         return (type(self), (self.what, self.address, self.detail))
 
 
+class AutoStoreError(MegatronTuningError, RuntimeError):
+    """``auto`` mode: a store that ranks of the job host for its decisions cannot be used."""
+
+    def __init__(self, detail: str) -> None:
+        self.detail = detail
+        super().__init__(
+            f"auto mode: {detail}. Large jobs keep auto's decisions in stores that some ranks host "
+            "(MEGATRON_TUNING_AUTO_STORES, docs/agreement.md); every rank must reach each host's port. "
+            "Set MEGATRON_TUNING_AUTO_STORE_HOST to an address the other nodes can reach, or "
+            "MEGATRON_TUNING_AUTO_STORES=off to keep every decision in the job's store."
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.detail,))
+
+
 class StoreRecordError(MegatronTuningError, RuntimeError):
     """A record under one of the library's store keys is not what the library writes there."""
 

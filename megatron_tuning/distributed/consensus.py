@@ -21,6 +21,9 @@ misses up in the store first (one request per node and key, shared through the f
 needs no tuning and no publish) until a lookup misses, which means it caught up. The clock is
 only a hint: skewed clocks cost tuning time or one request, never a wrong or split decision.
 
+In large jobs the decisions live in stores that ranks host (``auto_stores.py``), each key in one
+of them, so no single server answers every node's request for every key.
+
 What crosses ranks is plain JSON text (the config's ``config_data`` and signature), never a
 pickle, and what comes back is checked: a record that is not the library's JSON, or names a rank
 outside the job, is a ``ConsensusError`` naming kernel, key and the value.
@@ -39,7 +42,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..core.errors import ConsensusError
+from ..core.errors import AutoStoreError, ConsensusError, StoreRequestError
+from .auto_stores import AutoStores, start_auto_stores
 from .job_cache import JobCacheView, reconcile
 from .storeops import BadRecord, decode_record, record_field, record_rank, request
 from .tier import NodeTier, start_tier
@@ -93,6 +97,8 @@ class StoreConsensus:
         self.requests = 0
         self.tier = tier
         """The node tier (``tier.py``): lookups read the node's folder; a publish is made once per node."""
+        self.stores: AutoStores | None = None
+        """Hosted stores (``auto_stores.py``, large jobs): each decision lives in one of them."""
         self.look_first = False
         """With the tier: whether misses ask the store before tuning (this rank fell behind)."""
         self._tuning_since: dict[str, float] = {}
@@ -155,7 +161,16 @@ class StoreConsensus:
 
         def ask() -> Any:
             self.requests += 1
-            return request(what, lambda: self._store.compare_set(name, "", value), store=self._store)
+            if self.stores is None:
+                return request(what, lambda: self._store.compare_set(name, "", value), store=self._store)
+            index, store = self.stores.store_for(name)
+            try:
+                return request(what, lambda: store.compare_set(name, "", value), store=store)
+            except StoreRequestError as exc:
+                raise AutoStoreError(
+                    f"the auto store hosted by rank {self.stores.hosts[index]} at "
+                    f"{self.stores.address_of(index)} failed during {what}: {exc.detail}"
+                ) from exc
 
         if self.tier is None:
             return ask()
@@ -183,14 +198,22 @@ class StoreConsensus:
 
 
 def start_consensus() -> StoreConsensus | None:
-    """The job's consensus when a process group is up (with the node tier in large worlds, see
-    ``tier.py``); ``None`` for a single process."""
+    """The job's consensus when a process group is up (with the node tier and hosted stores in
+    large worlds, see ``tier.py`` and ``auto_stores.py``); ``None`` for a single process."""
     if not (dist.is_available() and dist.is_initialized()):
         return None
     consensus = StoreConsensus()
     consensus.tier = start_tier(consensus.namespace)
     if consensus.tier is not None:
         atexit.register(consensus.tier.close)
+    world = dist.get_world_size()
+    try:
+        local_world = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        local_world = 1
+    consensus.stores = start_auto_stores(
+        consensus._store, consensus.namespace, consensus.rank, world, local_world, consensus.tier
+    )
     return consensus
 
 

@@ -25,6 +25,7 @@ from megatron_tuning import session
 from megatron_tuning.core.decisions import decision_log, get_decisions
 from megatron_tuning.core.errors import MegatronTuningError
 from megatron_tuning.core.policy import TuningPolicy
+from megatron_tuning.distributed import auto_stores
 
 RANK = WORLD = 0
 MEASURED: list[str] = []
@@ -85,6 +86,10 @@ def run_scenario(scenario: str, cache: str, tables: tuple[str, ...]) -> dict[str
             result["error"] = type(error).__name__
             result["message"] = str(error)
         result["kernel_s"] = round(time.monotonic() - start, 3)
+        stores = [s for s in auto_stores._STARTED.values() if s is not None]
+        # Decision requests this rank routed to each hosted store so far (None: the job's store).
+        result["store_requests"] = list(stores[0].requests) if stores else None
+        result["store_hosts"] = stores[0].hosts if stores else None
         result["measured"] = len(MEASURED)
         result["decisions"] = [
             {"key": d.key, "source": d.source, "signature": d.signature, "origin": d.origin}
@@ -118,9 +123,12 @@ def main() -> int:
     parser.add_argument("--table", default="", help="rank 0's own table (table_vs_published)")
     parser.add_argument("--slow-s", type=float, default=SLOW_S, help="the slow rank's delay")
     parser.add_argument("--tier", default="", help="MEGATRON_TUNING_TIER for this job (node: the node tier)")
+    parser.add_argument("--stores", default="", help="MEGATRON_TUNING_AUTO_STORES for this job")
     args = parser.parse_args()
     if args.tier:
         os.environ["MEGATRON_TUNING_TIER"] = args.tier
+    if args.stores:
+        os.environ["MEGATRON_TUNING_AUTO_STORES"] = args.stores
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     RANK, WORLD = dist.get_rank(), dist.get_world_size()
     SLOW_S = args.slow_s

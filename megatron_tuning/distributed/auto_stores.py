@@ -1,0 +1,311 @@
+"""Where ``auto`` keeps its decisions: the job's store, or N stores that ranks of the job host.
+
+The node tier (``tier.py``) brings a miss down to one publish-or-adopt request per node and key,
+and nothing brings it lower: in a job's first step every node reaches key k before anyone
+published it, and each must launch the job's winner before k + 1 without waiting for a peer's
+tuning. At 10,000 ranks on 8-rank nodes and 200 new keys that is 250,000 answered requests, and
+on the one server of the job's store (single-threaded, 25-35 µs each on this project's CPU
+machine) 6-9 s in which every node's launch waits its turn.
+
+So large jobs spread the decisions over ``N`` stores instead. Each (arch, kernel, key) lives in
+exactly one of them, chosen by its digest, so "the first writer wins" holds per key as before
+and every rank launches one config per key; each server answers ``1/N`` of the requests, on a
+host of its own. The servers are ``TCPStore`` servers that ``N`` ranks (the first rank of ``N``
+nodes spread over the job) start in their own process at session start, on a free port, and
+announce in the job's store. A rank reads the ``N`` addresses at its first miss (one request,
+shared by the node's ranks through the tier), connects to a store the first time a key routes
+there, and never falls back to the job's store: ranks that kept some keys elsewhere could launch
+two configs for one key. A host keeps serving at exit until every rank has closed, at most
+``LINGER_S``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import logging
+import math
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+from ..core import env
+from ..core.errors import AutoStoreError, PolicyError
+from .storeops import decode_text, request, store_errors
+from .tier import NodeTier
+
+logger = logging.getLogger(__name__)
+
+ENV_STORES = "MEGATRON_TUNING_AUTO_STORES"
+ENV_HOST = "MEGATRON_TUNING_AUTO_STORE_HOST"
+NODES_PER_STORE = 128
+"""Unset ``MEGATRON_TUNING_AUTO_STORES``: one hosted store per this many nodes, above that many."""
+MAX_STORES = 1024
+ANNOUNCE_WAIT_S = 120.0
+"""How long a rank's first miss waits for the hosts' announcements before raising."""
+LINGER_S = 60.0
+"""How long a host keeps serving at exit for ranks that have not closed yet."""
+
+
+def store_count(world: int, local_world: int) -> int:
+    """How many hosted stores ``auto`` uses (0: the job's store), from ``MEGATRON_TUNING_AUTO_STORES``
+    (``auto``, ``off`` or a count), else by the number of nodes."""
+    text = env.env_str(ENV_STORES)
+    allowed = f"'auto', 'off' (the job's store) or a number of stores hosted by ranks, 1..{MAX_STORES}"
+    if text is None or text == "" or text.lower() == "auto":
+        nodes = max(1, world // max(1, local_world))
+        return 0 if nodes <= NODES_PER_STORE else min(MAX_STORES, math.ceil(nodes / NODES_PER_STORE))
+    if text.lower() in ("off", "0"):
+        return 0
+    count = env.parse_int(text)
+    if count is None or not 1 <= count <= MAX_STORES:
+        raise PolicyError(ENV_STORES, text, allowed)
+    if count > world:
+        raise PolicyError(ENV_STORES, text, f"at most one store per rank (this job has {world} ranks)")
+    return count
+
+
+def host_ranks(count: int, world: int, local_world: int) -> list[int]:
+    """The ranks that host the ``count`` stores: the first rank of nodes spread over the job, or
+    ranks spread over it where there are fewer nodes than stores (torchrun numbers a node's ranks
+    consecutively)."""
+    nodes = world // local_world if local_world > 0 and world % local_world == 0 else world
+    if count <= nodes:
+        return [(i * nodes // count) * (world // nodes) for i in range(count)]
+    return [i * world // count for i in range(count)]
+
+
+def shard_of(name: str, count: int) -> int:
+    """The store that holds decision ``name`` (a stable digest: every rank routes a key alike)."""
+    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "big") % count
+
+
+def advertised_host() -> str:
+    """The address other ranks reach this rank at: ``MEGATRON_TUNING_AUTO_STORE_HOST``, else the
+    address of the interface that routes to the job's store (``MASTER_ADDR``), else the host name."""
+    chosen = env.env_str(ENV_HOST)
+    if chosen:
+        return chosen
+    master = os.environ.get("MASTER_ADDR")
+    if master:
+        try:
+            family, kind, proto, _, where = socket.getaddrinfo(
+                master, int(os.environ.get("MASTER_PORT") or 29500), type=socket.SOCK_DGRAM
+            )[0]
+            with socket.socket(family, kind, proto) as probe:
+                probe.connect(where)  # a datagram socket sends nothing: this only picks the route
+                return str(probe.getsockname()[0])
+        except (OSError, ValueError) as exc:
+            logger.debug("auto stores: no route to MASTER_ADDR=%s (%s); using the host name", master, exc)
+    return socket.getfqdn()
+
+
+def _timeout(store: Any) -> timedelta:
+    found = getattr(store, "timeout", None)
+    return found if isinstance(found, timedelta) else timedelta(seconds=300)
+
+
+def connect(address: str, timeout: timedelta) -> Any:
+    """A client of the store at ``host:port``."""
+    import torch.distributed as dist
+
+    host, _, port = address.rpartition(":")
+    return dist.TCPStore(host.strip("[]"), int(port), is_master=False, timeout=timeout, use_libuv=True)
+
+
+class AutoStores:
+    """This rank's view of the hosted stores: which one holds a decision, and a client of each.
+
+    ``job_store`` is where the hosts announce themselves (the consensus's prefixed job store);
+    ``connect`` opens a client (tests and ``bench_scale`` count requests through it).
+    """
+
+    def __init__(
+        self,
+        job_store: Any,
+        count: int,
+        hosts: list[int],
+        *,
+        tier: NodeTier | None = None,
+        connect: Callable[[str, timedelta], Any] = connect,
+        announce_wait_s: float = ANNOUNCE_WAIT_S,
+    ) -> None:
+        if count < 1 or len(hosts) != count:
+            raise ValueError(f"{count} stores need {count} host ranks, not {hosts}")
+        self.job_store = job_store
+        self.count = count
+        self.hosts = hosts
+        self.tier = tier
+        self.connect = connect
+        self.announce_wait_s = announce_wait_s
+        self.addresses: list[str] | None = None
+        self.clients: dict[int, Any] = {}
+        self.requests = [0] * count
+        """Decision requests routed to each store (``StoreConsensus`` counts them)."""
+        self._lock = threading.Lock()
+
+    def store_for(self, name: str) -> tuple[int, Any]:
+        """The index of the store that holds decision ``name``, and a client of it."""
+        index = shard_of(name, self.count)
+        with self._lock:
+            client = self.clients.get(index)
+            if client is None:
+                address = self._addresses()[index]
+                try:
+                    client = self.connect(address, _timeout(self.job_store))
+                except store_errors() as exc:
+                    raise AutoStoreError(
+                        f"cannot connect to the auto store hosted by rank {self.hosts[index]} at "
+                        f"{address} ({type(exc).__name__}: {exc})"
+                    ) from exc
+                self.clients[index] = client
+        self.requests[index] += 1
+        return index, client
+
+    def address_of(self, index: int) -> str:
+        return self._addresses()[index]
+
+    def _addresses(self) -> list[str]:
+        if self.addresses is None:
+            raw = self.tier.once("auto-stores", self._fetch) if self.tier is not None else self._fetch()
+            text = decode_text(raw, "the auto stores' addresses")
+            addresses = text.split("\n")
+            if len(addresses) != self.count or not all(_is_address(a) for a in addresses):
+                raise AutoStoreError(f"the job's store holds {text[:200]!r} as the auto stores' addresses")
+            self.addresses = addresses
+        return self.addresses
+
+    def _fetch(self) -> bytes:
+        """The hosts' announcements, one per line; waits for hosts that have not announced yet."""
+        keys = [_announce_key(i) for i in range(self.count)]
+        try:
+            self.job_store.wait(keys, timedelta(seconds=self.announce_wait_s))
+        except store_errors() as exc:
+            missing = [h for i, h in enumerate(self.hosts) if not self.job_store.check([keys[i]])]
+            raise AutoStoreError(
+                f"rank(s) {self.hosts} host the job's {self.count} auto store(s), and rank(s) {missing} "
+                f"announced none within {self.announce_wait_s:.0f} s ({type(exc).__name__}). Every rank "
+                "must call init_deterministic_tuning with mode 'auto'"
+            ) from exc
+        values = request(
+            "the auto stores' addresses", lambda: self.job_store.multi_get(keys), store=self.job_store
+        )
+        return "\n".join(decode_text(v, "an auto store's address") for v in values).encode()
+
+
+def _announce_key(index: int) -> str:
+    return f"stores/{index}"
+
+
+def _is_address(text: str) -> bool:
+    host, sep, port = text.rpartition(":")
+    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
+
+
+def announce(job_store: Any, index: int, address: str) -> None:
+    """Tell the job that store ``index`` is served at ``address`` (what a host does once started)."""
+    request(f"the announcement of auto store {index}", lambda: job_store.set(_announce_key(index), address))
+
+
+class HostedStore:
+    """The store server this rank hosts for the job, kept until every rank has closed."""
+
+    def __init__(self, job_store: Any, index: int, world: int) -> None:
+        import torch.distributed as dist
+
+        self.job_store = job_store
+        self.index = index
+        self.world = world
+        # Bound on every interface (TCPStore's server does); its own client talks over loopback.
+        self.server = dist.TCPStore(
+            "127.0.0.1",
+            0,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=_timeout(job_store),
+            use_libuv=True,
+        )
+        self.address = f"{advertised_host()}:{self.server.port}"
+        announce(job_store, index, self.address)
+        logger.info("auto: this rank hosts auto store %d of the job at %s", index, self.address)
+
+    def linger(self, timeout_s: float = LINGER_S) -> bool:
+        """Keep serving until every rank has closed (``close_rank``), at most ``timeout_s``."""
+        start = time.monotonic()
+        try:
+            self.job_store.wait([_ALL_CLOSED], timedelta(seconds=timeout_s))
+        except Exception:
+            logger.warning(
+                "megatron_tuning: auto store %d at %s: not every rank closed within %g s; stopping it",
+                self.index,
+                self.address,
+                timeout_s,
+            )
+            return False
+        logger.debug("auto store %d: every rank closed after %.1f s", self.index, time.monotonic() - start)
+        return True
+
+
+_ALL_CLOSED = "stores/all-closed"
+
+
+def close_rank(job_store: Any, world: int) -> None:
+    """Count this rank as done with the hosted stores; the last one tells the hosts."""
+    try:
+        if int(job_store.add("stores/closed", 1)) >= world:
+            job_store.set(_ALL_CLOSED, "1")
+    except store_errors() as exc:  # at exit, the job's store may be gone: the hosts stop at LINGER_S
+        logger.debug("auto stores: could not count this rank as closed: %s", exc)
+
+
+_STARTED: dict[str, AutoStores | None] = {}
+_HOSTED: dict[str, HostedStore] = {}
+
+
+def start_auto_stores(
+    job_store: Any, namespace: str, rank: int, world: int, local_world: int, tier: NodeTier | None
+) -> AutoStores | None:
+    """The hosted stores for this job (once per process and namespace; ``None``: the job's store).
+
+    A host rank starts its server here; every rank counts itself closed at exit, and a host serves
+    until all have.
+    """
+    if namespace in _STARTED:
+        return _STARTED[namespace]
+    count = store_count(world, local_world)
+    if count == 0:
+        _STARTED[namespace] = None
+        return None
+    hosts = host_ranks(count, world, local_world)
+    if rank in hosts:
+        _HOSTED[namespace] = HostedStore(job_store, hosts.index(rank), world)
+    stores = AutoStores(job_store, count, hosts, tier=tier)
+    _STARTED[namespace] = stores
+    atexit.register(_at_exit, namespace, job_store, world)
+    return stores
+
+
+def _at_exit(namespace: str, job_store: Any, world: int) -> None:
+    close_rank(job_store, world)
+    hosted = _HOSTED.pop(namespace, None)
+    if hosted is not None:
+        hosted.linger()
+
+
+__all__ = [
+    "ENV_HOST",
+    "ENV_STORES",
+    "AutoStores",
+    "HostedStore",
+    "advertised_host",
+    "announce",
+    "close_rank",
+    "host_ranks",
+    "shard_of",
+    "start_auto_stores",
+    "store_count",
+]
