@@ -299,3 +299,26 @@ class dist_port:
 
     def __exit__(self, *exc: object) -> None:
         self.sock.close()
+
+
+def test_a_host_raises_its_open_file_limit_to_hold_every_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    import resource
+
+    limits = {"now": (1024, 65536)}
+    monkeypatch.setattr(resource, "getrlimit", lambda which: limits["now"])
+    monkeypatch.setattr(resource, "setrlimit", lambda which, value: limits.update(now=value))
+    auto_stores._allow_connections(10_000)
+    assert limits["now"] == (10_256, 65536)
+
+
+def test_a_hard_limit_too_low_for_the_job_is_reported(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import resource
+
+    limits = {"now": (1024, 4096)}
+    monkeypatch.setattr(resource, "getrlimit", lambda which: limits["now"])
+    monkeypatch.setattr(resource, "setrlimit", lambda which, value: limits.update(now=value))
+    auto_stores._allow_connections(10_000)
+    assert limits["now"] == (4096, 4096)
+    assert "may open only 4096 files" in caplog.text and "ulimit -n 10256" in caplog.text

@@ -220,6 +220,7 @@ class HostedStore:
         self.job_store = job_store
         self.index = index
         self.world = world
+        _allow_connections(world)
         # Bound on every interface (TCPStore's server does); its own client talks over loopback.
         self.server = dist.TCPStore(
             "127.0.0.1",
@@ -251,6 +252,36 @@ class HostedStore:
 
 
 _ALL_CLOSED = "stores/all-closed"
+
+
+def _allow_connections(world: int) -> None:
+    """Raise this process's open-file limit so its server can hold a connection from every rank.
+
+    Any rank may make its node's request, so a host may see one connection per rank; a soft limit
+    of 1,024 (a common default) would refuse the rest, and those ranks would fail.
+    """
+    import resource
+
+    needed = world + 256  # the training process's own files, sockets and NCCL's
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return
+    target = needed if hard == resource.RLIM_INFINITY else min(hard, needed)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (OSError, ValueError) as exc:
+        logger.debug("auto stores: could not raise the open-file limit to %d: %s", target, exc)
+        target = soft
+    if target < needed:
+        logger.warning(
+            "megatron_tuning: this rank hosts an auto store for %d ranks but may open only %d files "
+            "(hard limit %d); ranks past that cannot connect. Raise it (ulimit -n %d) or set "
+            "MEGATRON_TUNING_AUTO_STORES to more stores.",
+            world,
+            target,
+            hard,
+            needed,
+        )
 
 
 def close_rank(job_store: Any, world: int) -> None:
