@@ -123,6 +123,8 @@ class Counting:
 
     def __getattr__(self, name: str) -> Any:
         method = getattr(self._store, name)
+        if not callable(method):  # host, port: what error messages name
+            return method
 
         def counted(*args: Any, **kwargs: Any) -> Any:
             self.requests += 1

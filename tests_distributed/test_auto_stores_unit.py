@@ -322,3 +322,18 @@ def test_a_hard_limit_too_low_for_the_job_is_reported(
     auto_stores._allow_connections(10_000)
     assert limits["now"] == (4096, 4096)
     assert "may open only 4096 files" in caplog.text and "ulimit -n 10256" in caplog.text
+
+
+def test_a_slow_hosted_store_is_named_as_such(job: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from megatron_tuning.core.warn import TuningWarning, reset_warnings
+    from megatron_tuning.distributed import storeops
+
+    host = HostedStore(job, 0, world=2)
+    (rank,) = _ranks(job, [1], 1)
+    reset_warnings()
+    monkeypatch.setattr(storeops, "SLOW_REQUEST_S", -1.0)  # every request counts as slow
+    with pytest.warns(
+        TuningWarning, match=r"a request to auto store 0 \(hosted by rank 1\) \(127\.0\.0\.1:\d+\)"
+    ):
+        rank.publish("k:matmul", "M=1", "sm90", CONFIG, "BLOCK=0")
+    assert host.server.port  # the host served until here (an unreferenced server is gone)

@@ -104,9 +104,16 @@ def advertised_host() -> str:
     return socket.getfqdn()
 
 
+CLIENT_TIMEOUT_S = 60.0
+"""At most this long for a client to connect to a hosted store or hear back: a host announces only
+once it listens, so a refused connection means it died or cannot be reached (fail, do not wait
+out the job store's timeout, up to 30 minutes)."""
+
+
 def _timeout(store: Any) -> timedelta:
     found = getattr(store, "timeout", None)
-    return found if isinstance(found, timedelta) else timedelta(seconds=300)
+    limit = timedelta(seconds=CLIENT_TIMEOUT_S)
+    return min(found, limit) if isinstance(found, timedelta) else limit
 
 
 def connect(address: str, timeout: timedelta) -> Any:

@@ -165,7 +165,12 @@ class StoreConsensus:
                 return request(what, lambda: self._store.compare_set(name, "", value), store=self._store)
             index, store = self.stores.store_for(name)
             try:
-                return request(what, lambda: store.compare_set(name, "", value), store=store)
+                return request(
+                    what,
+                    lambda: store.compare_set(name, "", value),
+                    store=store,
+                    where=f"auto store {index} (hosted by rank {self.stores.hosts[index]})",
+                )
             except StoreRequestError as exc:
                 raise AutoStoreError(
                     f"the auto store hosted by rank {self.stores.hosts[index]} at "

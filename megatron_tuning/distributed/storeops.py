@@ -51,11 +51,14 @@ def store_errors() -> tuple[type[BaseException], ...]:
     return (getattr(dist, "DistError", RuntimeError), RuntimeError, ConnectionError, TimeoutError)
 
 
-def request(what: str, call: Callable[[], T], *, store: Any = None, hint: str = "") -> T:
+def request(
+    what: str, call: Callable[[], T], *, store: Any = None, hint: str = "", where: str = "the job's store"
+) -> T:
     """Run one store request for ``what`` (e.g. "the store check of kernel K with key Y").
 
     A request slower than ``SLOW_REQUEST_S`` gets one notice per kind of request (``what`` with
-    its numbers taken out); ``hint`` is the fix it suggests, where the caller knows one.
+    its numbers taken out); ``hint`` is the fix it suggests, where the caller knows one, and
+    ``where`` names the store (another than the job's: ``auto``'s hosted stores).
     """
     start = time.monotonic()
     try:
@@ -66,8 +69,9 @@ def request(what: str, call: Callable[[], T], *, store: Any = None, hint: str = 
     if elapsed > SLOW_REQUEST_S:
         warn_once(
             ("slow-store", re.sub(r"[#\d]+", "", what.split(" of ", 1)[0])),
-            "megatron_tuning: a request to the job's store (%s) for %s took %.1f s. The store host "
+            "megatron_tuning: a request to %s (%s) for %s took %.1f s. The store host "
             "may be overloaded or paused%s.",
+            where,
             _address(store),
             what,
             elapsed,
