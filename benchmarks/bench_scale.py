@@ -161,7 +161,7 @@ def _rank_thread(
     from megatron_tuning.core.decisions import Decision
     from megatron_tuning.core.policy import TuningPolicy
     from megatron_tuning.distributed.agreement import AgreementChecker
-    from megatron_tuning.distributed.auto_stores import AutoStores, close_rank, host_ranks
+    from megatron_tuning.distributed.auto_stores import AutoStores, close_rank
     from megatron_tuning.distributed.consensus import StoreConsensus
     from megatron_tuning.distributed.tier import NodeTier, node_folder
 
@@ -191,7 +191,6 @@ def _rank_thread(
             consensus.stores = AutoStores(
                 counting,
                 count,
-                host_ranks(count, args.ranks, args.node_size),
                 tier=consensus.tier,
                 connect=lambda address, timeout: _counted_client(address, timeout, store_counts),
             )
@@ -316,8 +315,8 @@ def measure(args: argparse.Namespace, server: Server, design: str, workload: str
             f"{consensus_module._PREFIX}/{design}-{workload}",
             dist.TCPStore("127.0.0.1", server.port, is_master=False, use_libuv=True),
         )
-        for index, store in enumerate(hosted):
-            announce(setup, index, f"127.0.0.1:{store.port}")
+        for index, store in enumerate(hosted):  # as the first node leaders to start would
+            announce(setup, index, index * args.node_size, f"127.0.0.1:{store.port}")
     args.store_ports = [store.port for store in hosted]
     ctx = mp.get_context("fork")
     queue = ctx.Queue()

@@ -30,10 +30,11 @@ from megatron_tuning.distributed.auto_stores import (
     HostedStore,
     advertised_host,
     announce,
+    candidates_per_node,
     close_rank,
-    host_ranks,
     shard_of,
     store_count,
+    take_ticket,
 )
 from megatron_tuning.distributed.consensus import StoreConsensus, _store_key
 from megatron_tuning.distributed.tier import NodeTier, node_folder
@@ -70,12 +71,12 @@ def job(monkeypatch: pytest.MonkeyPatch):
     del server
 
 
-def _ranks(job_store: Any, hosts: list[int], world: int, **kwargs: Any) -> list[StoreConsensus]:
+def _ranks(job_store: Any, count: int, world: int, **kwargs: Any) -> list[StoreConsensus]:
     ranks = []
     for r in range(world):
         consensus = StoreConsensus(job_store, rank=r, namespace="t", world=world)
         consensus._store = job_store  # the fixture's store is prefixed already
-        consensus.stores = AutoStores(consensus._store, len(hosts), hosts, **kwargs)
+        consensus.stores = AutoStores(consensus._store, count, **kwargs)
         ranks.append(consensus)
     return ranks
 
@@ -107,11 +108,10 @@ def test_more_stores_than_ranks_is_refused(monkeypatch: pytest.MonkeyPatch) -> N
         store_count(4, 4)
 
 
-def test_hosts_are_the_first_ranks_of_nodes_spread_over_the_job() -> None:
-    hosts = host_ranks(10, 10_000, 8)
-    assert len(set(hosts)) == 10 and all(h % 8 == 0 for h in hosts)
-    assert hosts[0] == 0 and hosts[-1] >= 10_000 * 8 // 10  # spread, not the first ten nodes
-    assert host_ranks(2, 4, 4) == [0, 2]  # one node, two stores: ranks spread over it
+def test_one_candidate_per_node_unless_there_are_fewer_nodes_than_stores() -> None:
+    assert candidates_per_node(10, 10_000, 8) == 1
+    assert candidates_per_node(2, 4, 4) == 2  # one node, two stores: its first two ranks
+    assert candidates_per_node(3, 16, 8) == 2
 
 
 @given(
@@ -121,12 +121,17 @@ def test_hosts_are_the_first_ranks_of_nodes_spread_over_the_job() -> None:
     st.integers(1, 1024),
 )
 @settings(max_examples=300, deadline=None)
-def test_hosts_are_distinct_ranks_of_the_job(shape: tuple[int, int], count: int) -> None:
+def test_there_are_always_enough_candidates(shape: tuple[int, int], count: int) -> None:
     local, world = shape
     count = min(count, world)
-    hosts = host_ranks(count, world, local)
-    assert len(hosts) == count and len(set(hosts)) == count
-    assert all(0 <= h < world for h in hosts)
+    per_node = candidates_per_node(count, world, local)
+    assert per_node <= local and per_node * (world // local) >= count
+
+
+def test_the_first_candidates_to_ask_host_whoever_they_are(job: Any) -> None:
+    order = [5, 2, 7, 0]  # the ranks in the order their sessions start
+    tickets = {rank: take_ticket(job, 2) for rank in order}
+    assert tickets == {5: 0, 2: 1, 7: None, 0: None}
 
 
 def test_every_process_routes_a_key_to_the_same_store() -> None:
@@ -154,8 +159,8 @@ def test_every_process_routes_a_key_to_the_same_store() -> None:
 
 
 def test_ranks_adopt_one_winner_per_key_and_each_key_lives_in_one_hosted_store(job: Any) -> None:
-    hosted = [HostedStore(job, i, world=4) for i in range(2)]
-    ranks = _ranks(job, [0, 2], 4)
+    hosted = [HostedStore(job, i, world=4, rank=2 * i) for i in range(2)]
+    ranks = _ranks(job, 2, 4)
     keys = [f"M={m}" for m in range(40)]
     winners: dict[str, set[str]] = {k: set() for k in keys}
     lock = threading.Lock()
@@ -191,51 +196,52 @@ def test_node_mates_read_the_addresses_once_through_the_tier(
     monkeypatch.setattr(os, "access", lambda path, mode: path != "/dev/shm")
     folder = node_folder("stores-job")
     assert folder is not None
-    hosted = [HostedStore(job, i, world=4) for i in range(2)]
+    hosted = [HostedStore(job, i, world=4, rank=2 * i) for i in range(2)]
     counting = Counting(job)
     ranks = []
     for r in range(4):
         consensus = StoreConsensus(job, rank=r, namespace="t", world=4)
         consensus._store = job
         tier = NodeTier(folder, rank=r, owner=r == 0)
-        consensus.stores = AutoStores(counting, 2, [0, 2], tier=tier)
+        consensus.stores = AutoStores(counting, 2, tier=tier)
         ranks.append(consensus)
     for consensus in ranks:
         consensus.publish("k:matmul", "M=1", "sm90", CONFIG, f"BLOCK={consensus.rank}")
     assert counting.calls == ["wait", "multi_get"]  # one node: the addresses asked for once
-    assert all(c.stores.addresses == [h.address for h in hosted] for c in ranks)  # type: ignore[union-attr]
+    for c in ranks:
+        assert c.stores is not None
+        assert c.stores.addresses == [h.address for h in hosted] and c.stores.hosts == [0, 2]
 
 
-def test_a_host_that_never_announces_is_named(job: Any) -> None:
-    HostedStore(job, 0, world=4)  # store 1's host never starts
-    (rank,) = _ranks(job, [0, 2], 1, announce_wait_s=0.5)
-    named = r"rank\(s\) \[0, 2\] host the job's 2 auto store\(s\), and rank\(s\) \[2\] announced none"
-    with pytest.raises(AutoStoreError, match=named) as raised:
-        for m in range(20):  # some key routes to each store; the addresses are read at the first
-            rank.publish("k:matmul", f"M={m}", "sm90", CONFIG, "BLOCK=0")
+def test_stores_nobody_announced_are_counted_with_the_reason(job: Any) -> None:
+    HostedStore(job, 0, world=4, rank=0)  # store 1's host never started a session
+    (rank,) = _ranks(job, 2, 1, announce_wait_s=0.5)
+    with pytest.raises(AutoStoreError, match=r"only 1 of the job's 2 auto stores were announced") as raised:
+        rank.publish("k:matmul", "M=1", "sm90", CONFIG, "BLOCK=0")
+    assert "first ranks of different nodes to start" in str(raised.value)
     assert "MEGATRON_TUNING_AUTO_STORES=off" in str(raised.value)
 
 
 def test_a_corrupt_announcement_is_named(job: Any) -> None:
-    announce(job, 0, "127.0.0.1:1")
-    announce(job, 1, "not an address")
-    (rank,) = _ranks(job, [0, 2], 1)
+    announce(job, 0, 0, "127.0.0.1:1")
+    announce(job, 1, 2, "not an address")
+    (rank,) = _ranks(job, 2, 1)
     with pytest.raises(AutoStoreError, match="not an address"):
         rank.publish("k:matmul", "M=1", "sm90", CONFIG, "BLOCK=0")
 
 
 def test_a_host_nobody_can_reach_is_named_with_the_fix(job: Any) -> None:
     with dist_port() as port:  # a port nothing listens on
-        announce(job, 0, f"127.0.0.1:{port}")
-        (rank,) = _ranks(job, [3], 1, connect=_quick_connect)
+        announce(job, 0, 3, f"127.0.0.1:{port}")
+        (rank,) = _ranks(job, 1, 1, connect=_quick_connect)
         with pytest.raises(AutoStoreError, match=rf"hosted by rank 3 at 127\.0\.0\.1:{port}") as raised:
             rank.publish("k:matmul", "M=1", "sm90", CONFIG, "BLOCK=0")
     assert ENV_HOST in str(raised.value)
 
 
 def test_a_host_that_went_away_is_named(job: Any) -> None:
-    hosted = HostedStore(job, 0, world=2)
-    (rank,) = _ranks(job, [1], 1, connect=_quick_connect)
+    hosted = HostedStore(job, 0, world=2, rank=1)
+    (rank,) = _ranks(job, 1, 1, connect=_quick_connect)
     rank.publish("k:matmul", "M=1", "sm90", CONFIG, "BLOCK=0")
     del hosted.server  # the host's process is gone
     with pytest.raises(AutoStoreError, match=r"auto store hosted by rank 1 at 127\.0\.0\.1:\d+ failed"):
@@ -243,7 +249,7 @@ def test_a_host_that_went_away_is_named(job: Any) -> None:
 
 
 def test_a_host_serves_until_every_rank_closed(job: Any) -> None:
-    hosted = HostedStore(job, 0, world=3)
+    hosted = HostedStore(job, 0, world=3, rank=0)
     server = job.underlying_store
     others = dist.PrefixStore(  # the other ranks' own connections
         "megatron_tuning/auto/v1/t", dist.TCPStore("127.0.0.1", server.port, is_master=False, use_libuv=True)
@@ -273,11 +279,14 @@ def test_start_hosts_once_per_process_and_namespace(job: Any, monkeypatch: pytes
     monkeypatch.setattr(auto_stores, "_STARTED", {})
     monkeypatch.setattr(auto_stores, "_HOSTED", {})
     monkeypatch.setattr(auto_stores.atexit, "register", lambda *a: None)
-    first = auto_stores.start_auto_stores(job, "ns", rank=0, world=2, local_world=1, tier=None)
-    again = auto_stores.start_auto_stores(job, "ns", rank=0, world=2, local_world=1, tier=None)
+    start = auto_stores.start_auto_stores
+    first = start(job, "ns", rank=0, world=2, local_world=1, local_rank=0, tier=None)
+    again = start(job, "ns", rank=0, world=2, local_world=1, local_rank=0, tier=None)
     assert first is again and first is not None and list(auto_stores._HOSTED) == ["ns"]
+    second = start(job, "ns2", rank=1, world=2, local_world=2, local_rank=1, tier=None)
+    assert second is not None and "ns2" not in auto_stores._HOSTED  # not a candidate: no ticket
     monkeypatch.setenv(ENV_STORES, "off")
-    assert auto_stores.start_auto_stores(job, "other", rank=0, world=2, local_world=1, tier=None) is None
+    assert start(job, "other", rank=0, world=2, local_world=1, local_rank=0, tier=None) is None
 
 
 # -- helpers ---------------------------------------------------------------------------------------
@@ -328,8 +337,8 @@ def test_a_slow_hosted_store_is_named_as_such(job: Any, monkeypatch: pytest.Monk
     from megatron_tuning.core.warn import TuningWarning, reset_warnings
     from megatron_tuning.distributed import storeops
 
-    host = HostedStore(job, 0, world=2)
-    (rank,) = _ranks(job, [1], 1)
+    host = HostedStore(job, 0, world=2, rank=1)
+    (rank,) = _ranks(job, 1, 1)
     reset_warnings()
     monkeypatch.setattr(storeops, "SLOW_REQUEST_S", -1.0)  # every request counts as slow
     with pytest.warns(

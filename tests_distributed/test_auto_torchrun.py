@@ -33,7 +33,7 @@ def add_key(n: int) -> str:
 def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Two jobs (run 1 tunes, run 2 reads the cache); the ``-tier-stores`` one routes auto's lookups
     and publishes through the node tier (all 4 ranks on one node: one request per key) to two
-    stores that ranks 0 and 2 host (``auto_stores.py``), as large jobs do."""
+    stores that ranks of the job host (``auto_stores.py``), as large jobs do."""
     if not gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
     nproc, tier, stores = request.param
@@ -144,6 +144,7 @@ def test_hosted_stores_hold_the_decisions_when_the_job_asks_for_them(runs):
     if not runs["stores"]:
         assert all(r["store_requests"] is None for r in last)
         return
-    assert all(r["store_hosts"] == [0, 2] for r in last)
+    # One node (LOCAL_WORLD_SIZE 4) and 2 stores: its first 2 ranks are the candidates, and host.
+    assert all(sorted(r["store_hosts"]) == [0, 1] for r in last)
     per_store = [sum(r["store_requests"][i] for r in last) for i in range(2)]
     assert min(per_store) > 0, per_store  # the keys spread over both hosts' stores

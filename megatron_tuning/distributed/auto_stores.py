@@ -10,13 +10,16 @@ machine) 6-9 s in which every node's launch waits its turn.
 So large jobs spread the decisions over ``N`` stores instead. Each (arch, kernel, key) lives in
 exactly one of them, chosen by its digest, so "the first writer wins" holds per key as before
 and every rank launches one config per key; each server answers ``1/N`` of the requests, on a
-host of its own. The servers are ``TCPStore`` servers that ``N`` ranks (the first rank of ``N``
-nodes spread over the job) start in their own process at session start, on a free port, and
-announce in the job's store. A rank reads the ``N`` addresses at its first miss (one request,
-shared by the node's ranks through the tier), connects to a store the first time a key routes
-there, and never falls back to the job's store: ranks that kept some keys elsewhere could launch
-two configs for one key. A host keeps serving at exit until every rank has closed, at most
-``LINGER_S``.
+host of its own. The servers are ``TCPStore`` servers that ``N`` ranks start in their own
+process, on a free port, and announce in the job's store. The hosts are the first ranks of
+different nodes to start a session (a ticket from the job's store's counter), not fixed ranks:
+a rank that needs the addresses waits only for ``N`` nodes to have started, never for one
+particular rank, which could be blocked in a collective that waits for this one (a later
+pipeline stage whose session starts at its first launch). A rank reads the ``N`` addresses at its
+first miss (shared by the node's ranks through the tier), connects to a store the first time a
+key routes there, and never falls back to the job's store: ranks that kept some keys elsewhere
+could launch two configs for one key. A host keeps serving at exit until every rank has closed,
+at most ``LINGER_S``.
 """
 
 from __future__ import annotations
@@ -69,14 +72,11 @@ def store_count(world: int, local_world: int) -> int:
     return count
 
 
-def host_ranks(count: int, world: int, local_world: int) -> list[int]:
-    """The ranks that host the ``count`` stores: the first rank of nodes spread over the job, or
-    ranks spread over it where there are fewer nodes than stores (torchrun numbers a node's ranks
-    consecutively)."""
+def candidates_per_node(count: int, world: int, local_world: int) -> int:
+    """How many of each node's first ranks may host one of ``count`` stores: one, unless the
+    job has fewer nodes than stores (torchrun numbers a node's ranks consecutively)."""
     nodes = world // local_world if local_world > 0 and world % local_world == 0 else world
-    if count <= nodes:
-        return [(i * nodes // count) * (world // nodes) for i in range(count)]
-    return [i * world // count for i in range(count)]
+    return max(1, math.ceil(count / nodes))
 
 
 def shard_of(name: str, count: int) -> int:
@@ -135,17 +135,17 @@ class AutoStores:
         self,
         job_store: Any,
         count: int,
-        hosts: list[int],
         *,
         tier: NodeTier | None = None,
         connect: Callable[[str, timedelta], Any] = connect,
         announce_wait_s: float = ANNOUNCE_WAIT_S,
     ) -> None:
-        if count < 1 or len(hosts) != count:
-            raise ValueError(f"{count} stores need {count} host ranks, not {hosts}")
+        if count < 1:
+            raise ValueError(f"auto stores: {count} stores")
         self.job_store = job_store
         self.count = count
-        self.hosts = hosts
+        self.hosts: list[int] | None = None
+        """The rank hosting each store, from the announcements (read at the first miss)."""
         self.tier = tier
         self.connect = connect
         self.announce_wait_s = announce_wait_s
@@ -166,7 +166,7 @@ class AutoStores:
                     client = self.connect(address, _timeout(self.job_store))
                 except store_errors() as exc:
                     raise AutoStoreError(
-                        f"cannot connect to the auto store hosted by rank {self.hosts[index]} at "
+                        f"cannot connect to the auto store hosted by rank {self.host_of(index)} at "
                         f"{address} ({type(exc).__name__}: {exc})"
                     ) from exc
                 self.clients[index] = client
@@ -176,14 +176,22 @@ class AutoStores:
     def address_of(self, index: int) -> str:
         return self._addresses()[index]
 
+    def host_of(self, index: int) -> int:
+        self._addresses()
+        assert self.hosts is not None
+        return self.hosts[index]
+
     def _addresses(self) -> list[str]:
         if self.addresses is None:
             raw = self.tier.once("auto-stores", self._fetch) if self.tier is not None else self._fetch()
-            text = decode_text(raw, "the auto stores' addresses")
-            addresses = text.split("\n")
-            if len(addresses) != self.count or not all(_is_address(a) for a in addresses):
-                raise AutoStoreError(f"the job's store holds {text[:200]!r} as the auto stores' addresses")
-            self.addresses = addresses
+            text = decode_text(raw, "the auto stores' announcements")
+            parsed = [_parse_announcement(line) for line in text.split("\n")]
+            if len(parsed) != self.count or None in parsed:
+                raise AutoStoreError(
+                    f"the job's store holds {text[:200]!r} as the auto stores' announcements"
+                )
+            self.hosts = [p[0] for p in parsed if p is not None]
+            self.addresses = [p[1] for p in parsed if p is not None]
         return self.addresses
 
     def _fetch(self) -> bytes:
@@ -192,11 +200,13 @@ class AutoStores:
         try:
             self.job_store.wait(keys, timedelta(seconds=self.announce_wait_s))
         except store_errors() as exc:
-            missing = [h for i, h in enumerate(self.hosts) if not self.job_store.check([keys[i]])]
+            announced = sum(1 for key in keys if self.job_store.check([key]))
             raise AutoStoreError(
-                f"rank(s) {self.hosts} host the job's {self.count} auto store(s), and rank(s) {missing} "
-                f"announced none within {self.announce_wait_s:.0f} s ({type(exc).__name__}). Every rank "
-                "must call init_deterministic_tuning with mode 'auto'"
+                f"only {announced} of the job's {self.count} auto stores were announced within "
+                f"{self.announce_wait_s:.0f} s ({type(exc).__name__}). They are hosted by the first "
+                "ranks of different nodes to start a tuning session; fewer nodes than that started one "
+                "(every rank must call init_deterministic_tuning with mode 'auto', or launch a kernel "
+                "under `python -m megatron_tuning run`)"
             ) from exc
         values = request(
             "the auto stores' addresses", lambda: self.job_store.multi_get(keys), store=self.job_store
@@ -208,25 +218,39 @@ def _announce_key(index: int) -> str:
     return f"stores/{index}"
 
 
-def _is_address(text: str) -> bool:
-    host, sep, port = text.rpartition(":")
-    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
+def _parse_announcement(line: str) -> tuple[int, str] | None:
+    """``"<rank> <host>:<port>"`` as (rank, address), or ``None`` if it is not that."""
+    rank, _, address = line.partition(" ")
+    host, sep, port = address.rpartition(":")
+    if not (rank.isascii() and rank.isdigit() and sep and host and port.isascii() and port.isdigit()):
+        return None
+    return (int(rank), address) if 0 < int(port) < 65536 else None
 
 
-def announce(job_store: Any, index: int, address: str) -> None:
-    """Tell the job that store ``index`` is served at ``address`` (what a host does once started)."""
-    request(f"the announcement of auto store {index}", lambda: job_store.set(_announce_key(index), address))
+def announce(job_store: Any, index: int, rank: int, address: str) -> None:
+    """Tell the job that rank ``rank`` serves store ``index`` at ``address`` (once it listens)."""
+    request(
+        f"the announcement of auto store {index}",
+        lambda: job_store.set(_announce_key(index), f"{rank} {address}"),
+    )
+
+
+def take_ticket(job_store: Any, count: int) -> int | None:
+    """The store this rank hosts, if it is among the first ``count`` candidates to ask (one ``add``)."""
+    ticket = int(request("the auto stores' host ticket", lambda: job_store.add("stores/tickets", 1)))
+    return ticket - 1 if ticket <= count else None
 
 
 class HostedStore:
     """The store server this rank hosts for the job, kept until every rank has closed."""
 
-    def __init__(self, job_store: Any, index: int, world: int) -> None:
+    def __init__(self, job_store: Any, index: int, world: int, rank: int) -> None:
         import torch.distributed as dist
 
         self.job_store = job_store
         self.index = index
         self.world = world
+        self.rank = rank
         _allow_connections(world)
         # Bound on every interface (TCPStore's server does); its own client talks over loopback.
         self.server = dist.TCPStore(
@@ -238,7 +262,7 @@ class HostedStore:
             use_libuv=True,
         )
         self.address = f"{advertised_host()}:{self.server.port}"
-        announce(job_store, index, self.address)
+        announce(job_store, index, rank, self.address)
         logger.info("auto: this rank hosts auto store %d of the job at %s", index, self.address)
 
     def linger(self, timeout_s: float = LINGER_S) -> bool:
@@ -305,12 +329,18 @@ _HOSTED: dict[str, HostedStore] = {}
 
 
 def start_auto_stores(
-    job_store: Any, namespace: str, rank: int, world: int, local_world: int, tier: NodeTier | None
+    job_store: Any,
+    namespace: str,
+    rank: int,
+    world: int,
+    local_world: int,
+    local_rank: int,
+    tier: NodeTier | None,
 ) -> AutoStores | None:
     """The hosted stores for this job (once per process and namespace; ``None``: the job's store).
 
-    A host rank starts its server here; every rank counts itself closed at exit, and a host serves
-    until all have.
+    A node's first rank(s) ask for a ticket; the first ``count`` to ask start a server here. Every
+    rank counts itself closed at exit, and a host serves until all have.
     """
     if namespace in _STARTED:
         return _STARTED[namespace]
@@ -318,10 +348,11 @@ def start_auto_stores(
     if count == 0:
         _STARTED[namespace] = None
         return None
-    hosts = host_ranks(count, world, local_world)
-    if rank in hosts:
-        _HOSTED[namespace] = HostedStore(job_store, hosts.index(rank), world)
-    stores = AutoStores(job_store, count, hosts, tier=tier)
+    if local_rank < candidates_per_node(count, world, local_world):
+        index = take_ticket(job_store, count)
+        if index is not None:
+            _HOSTED[namespace] = HostedStore(job_store, index, world, rank)
+    stores = AutoStores(job_store, count, tier=tier)
     _STARTED[namespace] = stores
     atexit.register(_at_exit, namespace, job_store, world)
     return stores
@@ -342,8 +373,9 @@ __all__ = [
     "advertised_host",
     "announce",
     "close_rank",
-    "host_ranks",
+    "candidates_per_node",
     "shard_of",
     "start_auto_stores",
     "store_count",
+    "take_ticket",
 ]

@@ -169,11 +169,11 @@ class StoreConsensus:
                     what,
                     lambda: store.compare_set(name, "", value),
                     store=store,
-                    where=f"auto store {index} (hosted by rank {self.stores.hosts[index]})",
+                    where=f"auto store {index} (hosted by rank {self.stores.host_of(index)})",
                 )
             except StoreRequestError as exc:
                 raise AutoStoreError(
-                    f"the auto store hosted by rank {self.stores.hosts[index]} at "
+                    f"the auto store hosted by rank {self.stores.host_of(index)} at "
                     f"{self.stores.address_of(index)} failed during {what}: {exc.detail}"
                 ) from exc
 
@@ -214,10 +214,11 @@ def start_consensus() -> StoreConsensus | None:
     world = dist.get_world_size()
     try:
         local_world = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     except ValueError:
-        local_world = 1
+        local_world, local_rank = 1, 0
     consensus.stores = start_auto_stores(
-        consensus._store, consensus.namespace, consensus.rank, world, local_world, consensus.tier
+        consensus._store, consensus.namespace, consensus.rank, world, local_world, local_rank, consensus.tier
     )
     return consensus
 
