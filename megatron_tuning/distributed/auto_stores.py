@@ -272,7 +272,8 @@ class HostedStore:
             self.job_store.wait([_ALL_CLOSED], timedelta(seconds=timeout_s))
         except Exception:
             logger.warning(
-                "megatron_tuning: auto store %d at %s: not every rank closed within %g s; stopping it",
+                "megatron_tuning: auto store %d at %s: not every rank closed within %g s (a rank that died, "
+                "or that never started a tuning session); stopping it",
                 self.index,
                 self.address,
                 timeout_s,
