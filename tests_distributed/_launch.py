@@ -53,6 +53,7 @@ def job_env(tmp: Path, *, interpret: bool = True) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     env["TRITON_INTERPRET"] = "1" if interpret else "0"
     env["TRITON_CACHE_DIR"] = str(tmp / "triton_cache")
+    env["XDG_CACHE_HOME"] = str(tmp / "xdg_cache")  # auto's default cache: never the user's
     env["OMP_NUM_THREADS"] = "1"
     env.update(MULTICAST_OFF)
     return env

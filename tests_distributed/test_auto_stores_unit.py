@@ -34,7 +34,7 @@ from megatron_tuning.distributed.auto_stores import (
     close_rank,
     shard_of,
     store_count,
-    take_ticket,
+    take_tickets,
 )
 from megatron_tuning.distributed.consensus import StoreConsensus, _store_key
 from megatron_tuning.distributed.tier import NodeTier, node_folder
@@ -128,10 +128,26 @@ def test_there_are_always_enough_candidates(shape: tuple[int, int], count: int) 
     assert per_node <= local and per_node * (world // local) >= count
 
 
-def test_the_first_candidates_to_ask_host_whoever_they_are(job: Any) -> None:
-    order = [5, 2, 7, 0]  # the ranks in the order their sessions start
-    tickets = {rank: take_ticket(job, 2) for rank in order}
-    assert tickets == {5: 0, 2: 1, 7: None, 0: None}
+def test_the_first_ranks_to_start_host_whoever_they_are(job: Any) -> None:
+    order = [5, 2, 7, 0]  # without a tier each rank is its own node; sessions start in this order
+    hosted = {rank: take_tickets(job, 2, rank, 1, None) for rank in order}
+    assert hosted == {5: [0], 2: [1], 7: [], 0: []}
+
+
+def test_a_nodes_first_rank_to_start_takes_the_nodes_tickets(
+    job: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("tempfile.gettempdir", lambda: str(tmp_path))
+    monkeypatch.setattr(os, "access", lambda path, mode: path != "/dev/shm")
+    node_a, node_b = node_folder("tickets-a"), node_folder("tickets-b")
+    assert node_a is not None and node_b is not None
+    counting = Counting(job)
+    # 3 stores over 2 nodes of 4 ranks: each node hosts up to 2, in whichever rank starts first.
+    got = {}
+    for rank, folder in ((6, node_b), (3, node_a), (4, node_b), (0, node_a), (7, node_b)):
+        got[rank] = take_tickets(counting, 3, rank, 2, NodeTier(folder, rank=rank))
+    assert got == {6: [0, 1], 3: [2], 4: [], 0: [], 7: []}
+    assert counting.calls == ["add", "add"]  # one request per node
 
 
 def test_every_process_routes_a_key_to_the_same_store() -> None:
@@ -280,13 +296,11 @@ def test_start_hosts_once_per_process_and_namespace(job: Any, monkeypatch: pytes
     monkeypatch.setattr(auto_stores, "_HOSTED", {})
     monkeypatch.setattr(auto_stores.atexit, "register", lambda *a: None)
     start = auto_stores.start_auto_stores
-    first = start(job, "ns", rank=0, world=2, local_world=1, local_rank=0, tier=None)
-    again = start(job, "ns", rank=0, world=2, local_world=1, local_rank=0, tier=None)
+    first = start(job, "ns", rank=0, world=2, local_world=1, tier=None)
+    again = start(job, "ns", rank=0, world=2, local_world=1, tier=None)
     assert first is again and first is not None and list(auto_stores._HOSTED) == ["ns"]
-    second = start(job, "ns2", rank=1, world=2, local_world=2, local_rank=1, tier=None)
-    assert second is not None and "ns2" not in auto_stores._HOSTED  # not a candidate: no ticket
     monkeypatch.setenv(ENV_STORES, "off")
-    assert start(job, "other", rank=0, world=2, local_world=1, local_rank=0, tier=None) is None
+    assert start(job, "other", rank=0, world=2, local_world=1, tier=None) is None
 
 
 # -- helpers ---------------------------------------------------------------------------------------

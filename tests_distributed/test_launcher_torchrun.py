@@ -31,10 +31,13 @@ def _torchrun() -> list[str]:
     return [str(program)] if program.exists() else [sys.executable, "-m", "torch.distributed.run"]
 
 
-def _run_unedited(tmp: Path, *options: str) -> tuple[Any, dict[int, dict[str, Any]]]:
+def _run_unedited(
+    tmp: Path, *options: str, env: tuple[str, ...] = (), job_args: tuple[str, ...] = ()
+) -> tuple[Any, dict[int, dict[str, Any]]]:
     out = tmp / "out"
     out.mkdir()
     command = [
+        *(("env", *env) if env else ()),
         sys.executable,
         "-m",
         "megatron_tuning",
@@ -46,6 +49,7 @@ def _run_unedited(tmp: Path, *options: str) -> tuple[Any, dict[int, dict[str, An
         f"--nproc_per_node={NPROC}",
         str(WORKERS / "unedited_job.py"),
         str(out),
+        *job_args,
     ]
     done = run_bounded(command, tmp, 240, "run -- torchrun unedited_job.py")
     return done, read_results(out, NPROC)
@@ -90,6 +94,35 @@ def test_auto_shares_one_decision_per_key_in_an_unedited_torchrun_job(tmp_path: 
         rows = [d for decisions in per_rank for d in decisions if d["key"] == key]
         assert sorted(d["source"] for d in rows) == ["adopted", "tuned"], rows
         assert len({d["signature"] for d in rows}) == 1
+
+
+def test_auto_stores_are_hosted_by_whoever_starts_first_in_a_pipeline(tmp_path: Path) -> None:
+    """Hosted stores under the launcher, where a session starts at a rank's first launch: rank 0
+    (local rank 0) waits in a receive for the last rank's kernels. A host fixed as local rank 0
+    would never announce its store while the last rank waited for it; the node's first rank to
+    start hosts instead."""
+    log = tmp_path / "d-{rank}.json"
+    done, results = _run_unedited(
+        tmp_path,
+        "--mode",
+        "auto",
+        "--cache",
+        str(tmp_path / "cache.msgpack"),
+        "--no-shipped-tables",
+        "--decision-log",
+        str(log),
+        env=("MEGATRON_TUNING_AUTO_STORES=1", "MEGATRON_TUNING_TIER=node"),
+        job_args=("--pipeline",),
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert [results[r]["error"] for r in range(NPROC)] == [None] * NPROC, results
+    per_rank = [_decisions(tmp_path / f"d-{rank}.json") for rank in range(NPROC)]
+    assert [len(d) for d in per_rank] == [3] * NPROC
+    for key in {d["key"] for d in per_rank[0]}:
+        rows = [d for decisions in per_rank for d in decisions if d["key"] == key]
+        assert len({d["signature"] for d in rows}) == 1, rows
+        # The last rank tuned alone; rank 0 found its node-mate's answer when it could launch.
+        assert sorted(d["source"] for d in rows) == ["adopted", "tuned"], rows
 
 
 # -- init_deterministic_tuning before init_process_group ---------------------------------------

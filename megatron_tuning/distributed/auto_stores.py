@@ -11,15 +11,15 @@ So large jobs spread the decisions over ``N`` stores instead. Each (arch, kernel
 exactly one of them, chosen by its digest, so "the first writer wins" holds per key as before
 and every rank launches one config per key; each server answers ``1/N`` of the requests, on a
 host of its own. The servers are ``TCPStore`` servers that ``N`` ranks start in their own
-process, on a free port, and announce in the job's store. The hosts are the first ranks of
-different nodes to start a session (a ticket from the job's store's counter), not fixed ranks:
-a rank that needs the addresses waits only for ``N`` nodes to have started, never for one
-particular rank, which could be blocked in a collective that waits for this one (a later
-pipeline stage whose session starts at its first launch). A rank reads the ``N`` addresses at its
-first miss (shared by the node's ranks through the tier), connects to a store the first time a
-key routes there, and never falls back to the job's store: ranks that kept some keys elsewhere
-could launch two configs for one key. A host keeps serving at exit until every rank has closed,
-at most ``LINGER_S``.
+process, on a free port, and announce in the job's store. The hosts are not fixed ranks: the
+first rank of a node to start a session takes tickets for its node (one ``add`` on the job's
+store, shared through the tier), and the first ``N`` tickets host. So a rank that needs the
+addresses waits only for ``N`` nodes to have started, never for one particular rank, which could
+be blocked in a collective that waits for this one (a later pipeline stage whose session starts
+at its first launch). A rank reads the ``N`` addresses at its first miss (shared by the node's
+ranks through the tier), connects to a store the first time a key routes there, and never falls
+back to the job's store: ranks that kept some keys elsewhere could launch two configs for one
+key. A host keeps serving at exit until every rank has closed, at most ``LINGER_S``.
 """
 
 from __future__ import annotations
@@ -73,8 +73,8 @@ def store_count(world: int, local_world: int) -> int:
 
 
 def candidates_per_node(count: int, world: int, local_world: int) -> int:
-    """How many of each node's first ranks may host one of ``count`` stores: one, unless the
-    job has fewer nodes than stores (torchrun numbers a node's ranks consecutively)."""
+    """How many of the ``count`` stores a node hosts at most: one, unless the job has fewer nodes
+    than stores."""
     nodes = world // local_world if local_world > 0 and world % local_world == 0 else world
     return max(1, math.ceil(count / nodes))
 
@@ -235,10 +235,21 @@ def announce(job_store: Any, index: int, rank: int, address: str) -> None:
     )
 
 
-def take_ticket(job_store: Any, count: int) -> int | None:
-    """The store this rank hosts, if it is among the first ``count`` candidates to ask (one ``add``)."""
-    ticket = int(request("the auto stores' host ticket", lambda: job_store.add("stores/tickets", 1)))
-    return ticket - 1 if ticket <= count else None
+def take_tickets(job_store: Any, count: int, rank: int, per_node: int, tier: NodeTier | None) -> list[int]:
+    """The stores this rank hosts: its node's share of the first ``count`` tickets, if this rank is
+    the first of its node to start (it takes them for the node, through the tier; without a tier
+    each rank is its own node). One ``add`` per node."""
+
+    def take() -> bytes:
+        last = request("the auto stores' host tickets", lambda: job_store.add("stores/tickets", per_node))
+        return f"{rank} {int(last)}".encode()
+
+    answer = decode_text(tier.once("auto-stores-tickets", take) if tier is not None else take(), "tickets")
+    owner, _, last_text = answer.partition(" ")
+    if owner != str(rank):  # a node-mate started first: it hosts the node's share
+        return []
+    last = int(last_text)
+    return [ticket - 1 for ticket in range(last - per_node + 1, last + 1) if ticket <= count]
 
 
 class HostedStore:
@@ -326,7 +337,7 @@ def close_rank(job_store: Any, world: int) -> None:
 
 
 _STARTED: dict[str, AutoStores | None] = {}
-_HOSTED: dict[str, HostedStore] = {}
+_HOSTED: dict[str, list[HostedStore]] = {}
 
 
 def start_auto_stores(
@@ -335,13 +346,12 @@ def start_auto_stores(
     rank: int,
     world: int,
     local_world: int,
-    local_rank: int,
     tier: NodeTier | None,
 ) -> AutoStores | None:
     """The hosted stores for this job (once per process and namespace; ``None``: the job's store).
 
-    A node's first rank(s) ask for a ticket; the first ``count`` to ask start a server here. Every
-    rank counts itself closed at exit, and a host serves until all have.
+    The first rank of each node to start takes the node's tickets; the first ``count`` tickets
+    start servers here. Every rank counts itself closed at exit, and a host serves until all have.
     """
     if namespace in _STARTED:
         return _STARTED[namespace]
@@ -349,10 +359,13 @@ def start_auto_stores(
     if count == 0:
         _STARTED[namespace] = None
         return None
-    if local_rank < candidates_per_node(count, world, local_world):
-        index = take_ticket(job_store, count)
-        if index is not None:
-            _HOSTED[namespace] = HostedStore(job_store, index, world, rank)
+    per_node = candidates_per_node(count, world, local_world) if tier is not None else 1
+    hosted = [
+        HostedStore(job_store, index, world, rank)
+        for index in take_tickets(job_store, count, rank, per_node, tier)
+    ]
+    if hosted:
+        _HOSTED[namespace] = hosted
     stores = AutoStores(job_store, count, tier=tier)
     _STARTED[namespace] = stores
     atexit.register(_at_exit, namespace, job_store, world)
@@ -361,8 +374,7 @@ def start_auto_stores(
 
 def _at_exit(namespace: str, job_store: Any, world: int) -> None:
     close_rank(job_store, world)
-    hosted = _HOSTED.pop(namespace, None)
-    if hosted is not None:
+    for hosted in _HOSTED.pop(namespace, []):  # one wait: the others find every rank closed
         hosted.linger()
 
 
@@ -378,5 +390,5 @@ __all__ = [
     "shard_of",
     "start_auto_stores",
     "store_count",
-    "take_ticket",
+    "take_tickets",
 ]

@@ -214,11 +214,10 @@ def start_consensus() -> StoreConsensus | None:
     world = dist.get_world_size()
     try:
         local_world = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     except ValueError:
-        local_world, local_rank = 1, 0
+        local_world = 1
     consensus.stores = start_auto_stores(
-        consensus._store, consensus.namespace, consensus.rank, world, local_world, local_rank, consensus.tier
+        consensus._store, consensus.namespace, consensus.rank, world, local_world, consensus.tier
     )
     return consensus
 

@@ -1,7 +1,9 @@
 """A torchrun job as a user has it: no megatron_tuning anywhere (the launcher tests run it under
 ``python -m megatron_tuning run``). It imports its kernels, then creates its process group, as
 training scripts do, launches one kernel on three sizes, and writes ``<out>/rank<r>.json`` with
-the error it hit, if any, for ``tests_distributed/test_launcher_torchrun.py`` to judge.
+the error it hit, if any, for ``tests_distributed/test_launcher_torchrun.py`` to judge. With
+``--pipeline``, rank 0 launches nothing until the last rank has launched its kernels and sent it
+a tensor, as a later pipeline stage waits for an earlier one.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import os
 import sys
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 from _kernels import run  # kernels first (the bootstrap arms the process at their `import triton`)
 
@@ -19,16 +22,21 @@ SIZES = (100, 200, 300)
 
 def main() -> int:
     out = sys.argv[1]
+    pipeline = "--pipeline" in sys.argv[2:]  # rank 0 is a later stage: it waits for the last rank
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
-    rank = dist.get_rank()
+    rank, last = dist.get_rank(), dist.get_world_size() - 1
     result: dict[str, object] = {"error": None}
     dist.barrier()
+    if pipeline and rank == 0:
+        dist.recv(torch.zeros(1), src=last)  # no kernel launched (no tuning session) until then
     for n in SIZES:
         try:
             run("add", n)
         except Exception as error:  # what the user would see: kept for the test
             result["error"], result["message"] = type(error).__name__, str(error)
             break
+    if pipeline and rank == last:
+        dist.send(torch.ones(1), dst=0)
     dist.barrier()
     with open(os.path.join(out, f"rank{rank}.json"), "w") as handle:
         json.dump(result, handle)
