@@ -360,3 +360,12 @@ def test_a_slow_hosted_store_is_named_as_such(job: Any, monkeypatch: pytest.Monk
     ):
         rank.publish("k:matmul", "M=1", "sm90", CONFIG, "BLOCK=0")
     assert host.server.port  # the host served until here (an unreferenced server is gone)
+
+
+def test_a_garbled_ticket_record_is_named(job: Any) -> None:
+    class Garbled:
+        def once(self, name: str, ask: Any, **kwargs: Any) -> bytes:
+            return b"node-mate wrote this"
+
+    with pytest.raises(AutoStoreError, match="record of its auto store tickets is 'node-mate wrote this'"):
+        take_tickets(job, 2, 0, 1, Garbled())  # type: ignore[arg-type]

@@ -246,6 +246,8 @@ def take_tickets(job_store: Any, count: int, rank: int, per_node: int, tier: Nod
 
     answer = decode_text(tier.once("auto-stores-tickets", take) if tier is not None else take(), "tickets")
     owner, _, last_text = answer.partition(" ")
+    if not (owner.isascii() and owner.isdigit() and last_text.isascii() and last_text.isdigit()):
+        raise AutoStoreError(f"the node's record of its auto store tickets is {answer[:80]!r}")
     if owner != str(rank):  # a node-mate started first: it hosts the node's share
         return []
     last = int(last_text)
