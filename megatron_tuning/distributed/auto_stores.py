@@ -37,7 +37,7 @@ from datetime import timedelta
 from typing import Any
 
 from ..core import env
-from ..core.errors import AutoStoreError, PolicyError
+from ..core.errors import AutoStoreError, PolicyError, StoreRequestError
 from .storeops import decode_text, request, store_errors
 from .tier import NodeTier
 
@@ -155,7 +155,25 @@ class AutoStores:
         """Decision requests routed to each store (``StoreConsensus`` counts them)."""
         self._lock = threading.Lock()
 
-    def store_for(self, name: str) -> tuple[int, Any]:
+    def compare_set(self, name: str, value: str, what: str) -> Any:
+        """``compare_set(name, "", value)`` on the store that holds decision ``name``, for ``what``
+        (as ``storeops.request`` names it); a failure names the store's host rank and address."""
+        index, store = self._client_for(name)
+        host = f"rank {self.host_of(index)}"
+        try:
+            return request(
+                what,
+                lambda: store.compare_set(name, "", value),
+                store=store,
+                where=f"auto store {index} (hosted by {host})",
+            )
+        except StoreRequestError as exc:
+            raise AutoStoreError(
+                f"the auto store hosted by {host} at {self.address_of(index)} failed during {what}: "
+                f"{exc.detail}"
+            ) from exc
+
+    def _client_for(self, name: str) -> tuple[int, Any]:
         """The index of the store that holds decision ``name``, and a client of it."""
         index = shard_of(name, self.count)
         with self._lock:
@@ -262,8 +280,6 @@ class HostedStore:
 
         self.job_store = job_store
         self.index = index
-        self.world = world
-        self.rank = rank
         _allow_connections(world)
         # Bound on every interface (TCPStore's server does); its own client talks over loopback.
         self.server = dist.TCPStore(

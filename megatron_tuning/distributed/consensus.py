@@ -42,11 +42,11 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..core.errors import AutoStoreError, ConsensusError, StoreRequestError
+from ..core.errors import ConsensusError
 from .auto_stores import AutoStores, start_auto_stores
 from .job_cache import JobCacheView, reconcile
 from .storeops import BadRecord, decode_record, record_field, record_rank, request
-from .tier import NodeTier, start_tier
+from .tier import NodeTier, local_world_size, start_tier
 from .wire import default_store, identity_digest
 
 logger = logging.getLogger(__name__)
@@ -161,21 +161,9 @@ class StoreConsensus:
 
         def ask() -> Any:
             self.requests += 1
-            if self.stores is None:
-                return request(what, lambda: self._store.compare_set(name, "", value), store=self._store)
-            index, store = self.stores.store_for(name)
-            try:
-                return request(
-                    what,
-                    lambda: store.compare_set(name, "", value),
-                    store=store,
-                    where=f"auto store {index} (hosted by rank {self.stores.host_of(index)})",
-                )
-            except StoreRequestError as exc:
-                raise AutoStoreError(
-                    f"the auto store hosted by rank {self.stores.host_of(index)} at "
-                    f"{self.stores.address_of(index)} failed during {what}: {exc.detail}"
-                ) from exc
+            if self.stores is not None:
+                return self.stores.compare_set(name, value, what)
+            return request(what, lambda: self._store.compare_set(name, "", value), store=self._store)
 
         if self.tier is None:
             return ask()
@@ -211,13 +199,13 @@ def start_consensus() -> StoreConsensus | None:
     consensus.tier = start_tier(consensus.namespace)
     if consensus.tier is not None:
         atexit.register(consensus.tier.close)
-    world = dist.get_world_size()
-    try:
-        local_world = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    except ValueError:
-        local_world = 1
     consensus.stores = start_auto_stores(
-        consensus._store, consensus.namespace, consensus.rank, world, local_world, consensus.tier
+        consensus._store,
+        consensus.namespace,
+        consensus.rank,
+        dist.get_world_size(),
+        max(1, local_world_size() or 1),
+        consensus.tier,
     )
     return consensus
 

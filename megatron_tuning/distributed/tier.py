@@ -166,15 +166,25 @@ def _write(path: Path, data: bytes) -> None:
     os.replace(temp, path)
 
 
+def local_world_size() -> int | None:
+    """Ranks on this node (torchrun's ``LOCAL_WORLD_SIZE``; 1 unset, ``None`` if not a number)."""
+    try:
+        return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    except ValueError:
+        return None
+
+
 def start_tier(namespace: str) -> NodeTier | None:
     """The node tier for this rank when the job wants one (torchrun's LOCAL_* variables)."""
     import torch.distributed as dist
 
+    world = dist.get_world_size()
+    local_world = local_world_size()
     try:
-        world = dist.get_world_size()
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     except ValueError:
+        return None
+    if local_world is None:
         return None
     if not tier_wanted(world, local_world):
         return None
@@ -187,4 +197,4 @@ def start_tier(namespace: str) -> NodeTier | None:
     return NodeTier(folder, rank=dist.get_rank(), owner=local_rank == 0)
 
 
-__all__ = ["ENV_TIER", "NodeTier", "node_folder", "start_tier", "tier_wanted"]
+__all__ = ["ENV_TIER", "NodeTier", "local_world_size", "node_folder", "start_tier", "tier_wanted"]
