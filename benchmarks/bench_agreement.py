@@ -108,7 +108,8 @@ def _worker(args: argparse.Namespace) -> int:
 
     from megatron_tuning.core.decisions import decision_log
     from megatron_tuning.core.policy import TuningPolicy
-    from megatron_tuning.distributed import agreement, wire
+    from megatron_tuning.distributed import agreement
+    from megatron_tuning.distributed import store as kv
     from megatron_tuning.distributed import verify as verify_mod
 
     if args.backend == "nccl":  # NCCL needs each rank's device chosen before the group exists
@@ -120,7 +121,7 @@ def _worker(args: argparse.Namespace) -> int:
     rank = dist.get_rank()
     out: dict[str, Any] = {}
 
-    store = wire.default_store()
+    store = kv.default_store()
     dist.barrier()
     samples = []
     for n in range(args.keys):
@@ -131,7 +132,7 @@ def _worker(args: argparse.Namespace) -> int:
 
     for mode in ("store", "allgather"):
         dist.barrier()
-        checker = agreement.AgreementChecker(TuningPolicy(agreement=mode), namespace=f"bench-{mode}")
+        checker = agreement.AgreementChecker(TuningPolicy(agreement=mode), mode=mode)
         out[f"{mode}_check"] = _time_checks(checker, args.keys, mode)
 
     from megatron_tuning.core.decisions import Decision

@@ -1,32 +1,30 @@
-"""Store-server cost of agreement and ``auto`` at 1,024+ simulated ranks (a benchmark, not a test).
+"""What agreement and ``auto`` cost at scale (a benchmark, not a test).
 
-    PYTHONPATH=. python benchmarks/bench_scale.py                       # 1,024 ranks x 2,000 keys
-    PYTHONPATH=. python benchmarks/bench_scale.py --ranks 256 --keys 200 --designs digest auto
-    PYTHONPATH=. python benchmarks/bench_scale.py --smoke               # CI: 16 ranks, seconds
+    PYTHONPATH=. python benchmarks/bench_scale.py                        # 1,024 ranks x 2,000 keys
+    PYTHONPATH=. python benchmarks/bench_scale.py --ranks 256 --keys 200 --designs auto auto-warm
+    PYTHONPATH=. python benchmarks/bench_scale.py --verify 2 4 8 16      # verify_agreement, real ranks
+    PYTHONPATH=. python benchmarks/bench_scale.py --smoke                # CI: seconds
 
-One real libuv ``TCPStore`` server runs in a process of its own; ``--procs`` worker processes hold
-``--ranks`` client connections between them (one thread and one connection per simulated rank) and
-drive the library's own code against it: ``AgreementChecker`` in ``store`` (per key, at first use)
-and ``digest`` (batched) modes, and ``StoreConsensus`` for ``auto`` (lookup, simulated tuning,
-publish), alone and with the node tier (``auto-tier``: ``--node-size`` consecutive ranks share a
-node folder in /dev/shm, as one node's ranks do under torchrun; its lookups read the folder, its
-publishes are made once per node; ``auto-stores``: the tier, with each decision in one of
-``--auto-stores`` hosted stores, servers in processes of their own as the job's store is, found
-through the library's announcements in the job's store and routed by its digest as in a job).
-``idle`` holds the connections
-open and sends nothing: the server's baseline. Every rank starts at once (a burst, the worst
-case: a job's first step). Workloads:
+**Store designs.** One real libuv ``TCPStore`` server runs in a process of its own; ``--procs``
+worker processes hold ``--ranks`` client connections between them (one thread and one connection
+per simulated rank) and drive the library's public objects against it: ``AgreementChecker`` in
+``store`` mode (a claim per key at first use), ``StoreConsensus`` for ``auto`` (``auto``: a cold
+first step, lookup, simulated tuning, publish; ``auto-warm``: every rank's cache holds every key,
+so each hit is proposed with one publish). ``idle`` holds the connections open and sends nothing.
+Every rank starts at once (a burst, the worst case: a job's first step). Workloads:
 
 * ``tp``: every rank decides the same keys (tensor/data parallel);
 * ``pp``: 4 pipeline stages (stage = rank % 4), each deciding keys of its own;
 * ``varlen``: every rank decides ``keys - own`` shared keys plus ``own`` keys of its own.
 
-Measured per (design, workload): requests (counted at the client, replies or not, and per store
-method: ``requests_by_kind``), store-server
-CPU seconds (from /proc), server CPU per request, burst wall time, p50/max latency per check (per
-key in ``store``, per flush in ``digest``, per key in ``auto``) and the server's RSS growth. A
-10,000-rank line extrapolates requests linearly per rank (the designs' request count per rank does
-not depend on the world size) at the measured server cost per request. ``--out`` writes JSON.
+Measured per (design, workload): requests (per store method), store-server CPU seconds (from
+/proc), server CPU per request, burst wall time, p50/max latency per key and the server's RSS
+growth. A 10,000-rank line extrapolates requests linearly per rank (the designs' request count per
+rank does not depend on the world size) at the measured server cost per request.
+
+**verify** (``--verify N ...``): real gloo ranks under torchrun record the workload's decisions and
+call ``verify_agreement()``; each reports the bytes its collectives sent and the call's time.
+``--out`` writes JSON.
 """
 
 from __future__ import annotations
@@ -35,7 +33,6 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import shutil
 import socket
 import statistics
 import subprocess
@@ -161,53 +158,26 @@ def _rank_thread(
     from megatron_tuning.core.decisions import Decision
     from megatron_tuning.core.policy import TuningPolicy
     from megatron_tuning.distributed.agreement import AgreementChecker
-    from megatron_tuning.distributed.auto_stores import AutoStores, close_rank
-    from megatron_tuning.distributed.consensus import StoreConsensus
-    from megatron_tuning.distributed.tier import NodeTier, node_folder
+    from megatron_tuning.distributed.store import StoreConsensus
 
     client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=600), use_libuv=True)
-    store_counts: dict[str, Counting] = {}  # auto-stores: this rank's client of each hosted store
     keys = plan(workload, rank, args.keys, args.own)
-    namespace = f"{design}-{workload}"
+    base = dist.PrefixStore(f"{design}-{workload}", client)
     latencies: list[float] = []
     tunes = 0
-    if design in ("store", "digest"):
-        policy = TuningPolicy(agreement=design)
+    if design == "store":
         checker = AgreementChecker(
-            policy, store=client, rank=rank, ranks=range(args.ranks), namespace=namespace
+            TuningPolicy(agreement="store"), store=base, rank=rank, ranks=range(args.ranks)
         )
         counting = checker._store = Counting(checker._store)
-        if checker.ledger is not None:
-            checker.ledger.store = counting
-    elif design in ("auto", "auto-tier", "auto-stores"):
-        consensus = StoreConsensus(client, rank=rank, namespace=namespace, world=args.ranks)
+    elif design in ("auto", "auto-warm"):
+        consensus = StoreConsensus(store=base, rank=rank, world=args.ranks)
         counting = consensus._store = Counting(consensus._store)
-        if design != "auto":  # ranks // node_size share a node folder, as one node's ranks do
-            folder = node_folder(f"bench-scale-{os.getppid()}\n{namespace}\n{rank // args.node_size}")
-            assert folder is not None
-            consensus.tier = NodeTier(folder, rank=rank, owner=rank % args.node_size == 0)
-        if design == "auto-stores":  # the library's own discovery, routing and lazy connections
-            count = len(args.store_ports)
-            consensus.stores = AutoStores(
-                counting,
-                count,
-                tier=consensus.tier,
-                connect=lambda address, timeout: _counted_client(address, timeout, store_counts),
-            )
     else:
         counting = Counting(client)
     decisions = [
         Decision(kernel=KERNEL, key=key, signature=SIGNATURE, source="table", arch=ARCH) for key in keys
     ]
-    if design == "digest":
-        # First use records and launches: no store request (checked). One simulated rank records
-        # at a time: 64 threads recording at once thrash the GIL and the flush lock for many
-        # minutes, which real ranks (a process each) never do. Only the burst is measured.
-        with _SETUP_LOCK:
-            for decision in decisions:
-                checker.check(decision)
-        if counting.requests:
-            raise AssertionError(f"digest mode sent {counting.requests} requests before its flush")
     ready.release()
     go.wait()
     start = time.perf_counter()
@@ -216,12 +186,7 @@ def _rank_thread(
             t0 = time.perf_counter()
             checker.check(decision)
             latencies.append(time.perf_counter() - t0)
-    elif design == "digest":
-        t0 = time.perf_counter()
-        checker.flush()  # what the first repeated launch after the new keys does
-        latencies.append(time.perf_counter() - t0)
-        checker.stop()  # close: the last flush, and the last rank reads every shard
-    elif design in ("auto", "auto-tier", "auto-stores"):
+    elif design == "auto":
         for key in keys:  # latency: the store time of a key (lookup, and publish after tuning)
             t0 = time.perf_counter()
             found = consensus.lookup(KERNEL, key, ARCH)
@@ -233,8 +198,11 @@ def _rank_thread(
                 consensus.publish(KERNEL, key, ARCH, CONFIG, SIGNATURE)
                 spent += time.perf_counter() - t1
             latencies.append(spent)
-        if design == "auto-stores":
-            close_rank(counting, args.ranks)  # what each rank does at exit, so the hosts can stop
+    elif design == "auto-warm":
+        for key in keys:  # a cache hit in a job: proposed to the job, the winner launched
+            t0 = time.perf_counter()
+            consensus.publish(KERNEL, key, ARCH, CONFIG, SIGNATURE)
+            latencies.append(time.perf_counter() - t0)
     else:  # idle: connections open, no request (what merely holding them costs the server)
         time.sleep(args.idle_s)
     out.append(
@@ -242,20 +210,11 @@ def _rank_thread(
             "rank": rank,
             "requests": counting.requests,
             "kinds": counting.kinds,
-            "store_requests": {a: c.requests for a, c in store_counts.items()},
-            "store_kinds": [c.kinds for c in store_counts.values()],
             "latencies": latencies,
             "tunes": tunes,
             "end": time.perf_counter() - start,
         }
     )
-
-
-def _counted_client(address: str, timeout: timedelta, counts: dict[str, Counting]) -> Any:
-    from megatron_tuning.distributed.auto_stores import connect
-
-    counts[address] = Counting(connect(address, timeout))
-    return counts[address]
 
 
 def _guarded_thread(*args: Any) -> None:
@@ -277,7 +236,6 @@ def _worker(
     queue: Any,
 ) -> None:
     import megatron_tuning.distributed.agreement  # noqa: F401  (imports once, before the threads)
-    import megatron_tuning.distributed.consensus  # noqa: F401
 
     go, ready = threading.Event(), threading.Semaphore(0)
     out: list[dict[str, Any]] = []
@@ -301,29 +259,10 @@ def _worker(
 def measure(args: argparse.Namespace, server: Server, design: str, workload: str) -> dict[str, Any]:
     # Imported before forking, so each worker inherits torch instead of importing it again.
     import megatron_tuning.distributed.agreement  # noqa: F401
-    import megatron_tuning.distributed.consensus  # noqa: F401
 
-    hosted: list[Server] = []
-    if design == "auto-stores":  # the hosted stores, announced as their host ranks would
-        import torch.distributed as dist
-
-        from megatron_tuning.distributed import consensus as consensus_module
-        from megatron_tuning.distributed.auto_stores import announce
-
-        hosted = [Server() for _ in range(args.auto_stores)]
-        setup = dist.PrefixStore(
-            f"{consensus_module._PREFIX}/{design}-{workload}",
-            dist.TCPStore("127.0.0.1", server.port, is_master=False, use_libuv=True),
-        )
-        for index, store in enumerate(hosted):  # as the first node leaders to start would
-            announce(setup, index, index * args.node_size, f"127.0.0.1:{store.port}")
-    args.store_ports = [store.port for store in hosted]
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
-    nodes = [
-        list(range(n, min(n + args.node_size, args.ranks))) for n in range(0, args.ranks, args.node_size)
-    ]
-    chunks = [[r for node in nodes[p :: args.procs] for r in node] for p in range(args.procs)]
+    chunks = [list(range(p, args.ranks, args.procs)) for p in range(args.procs)]
     barrier = ctx.Barrier(len(chunks) + 1)
     procs = [
         ctx.Process(target=_worker, args=(args, server.port, chunk, design, workload, barrier, queue))
@@ -333,22 +272,11 @@ def measure(args: argparse.Namespace, server: Server, design: str, workload: str
         p.start()
     barrier.wait()
     cpu0, rss0, t0 = server.cpu_s(), server.rss_mb(), time.perf_counter()
-    hosted0 = [store.cpu_s() for store in hosted]
     results = [r for _ in procs for r in queue.get(timeout=3600)]
     wall = time.perf_counter() - t0
     cpu1, rss1 = server.cpu_s(), server.rss_mb()
-    hosted_cpu = [store.cpu_s() - before for store, before in zip(hosted, hosted0)]
-    for store in hosted:
-        store.stop()
     for p in procs:
         p.join()
-    if design in ("auto-tier", "auto-stores"):  # the node folders the simulated nodes shared
-        from megatron_tuning.distributed.tier import node_folder
-
-        for n in range(len(nodes)):
-            folder = node_folder(f"bench-scale-{os.getpid()}\n{design}-{workload}\n{n}")
-            if folder is not None:
-                shutil.rmtree(folder, ignore_errors=True)
     errors = [r["error"] for r in results if "error" in r]
     if errors:
         raise RuntimeError(f"{len(errors)} simulated ranks failed, first: {errors[0]}")
@@ -359,25 +287,6 @@ def measure(args: argparse.Namespace, server: Server, design: str, workload: str
             kinds[kind] = kinds.get(kind, 0) + count
     latencies = sorted(x for r in results for x in r["latencies"])
     server_s = cpu1 - cpu0
-    per_store = {f"127.0.0.1:{store.port}": 0 for store in hosted}
-    store_kinds: dict[str, int] = {}
-    for r in results:
-        for address, count in r["store_requests"].items():
-            per_store[address] += count
-        for kinds_of_one in r["store_kinds"]:
-            for kind, count in kinds_of_one.items():
-                store_kinds[kind] = store_kinds.get(kind, 0) + count
-    hosted_row = {}
-    if hosted:  # the job's store (``requests``, ``server_cpu_s``) and each hosted store apart
-        hosted_row = {
-            "hosted_stores": len(hosted),
-            "hosted_requests": list(per_store.values()),
-            "hosted_requests_by_kind": dict(sorted(store_kinds.items())),
-            "hosted_cpu_s": hosted_cpu,
-            "hosted_us_per_request": [
-                cpu / count * 1e6 if count else 0.0 for cpu, count in zip(hosted_cpu, per_store.values())
-            ],
-        }
     return {
         "design": design,
         "workload": workload,
@@ -394,7 +303,6 @@ def measure(args: argparse.Namespace, server: Server, design: str, workload: str
         "p50_ms": statistics.median(latencies) * 1e3 if latencies else 0.0,
         "max_ms": latencies[-1] * 1e3 if latencies else 0.0,
         "server_rss_growth_mb": rss1 - rss0,
-        **hosted_row,
     }
 
 
@@ -418,48 +326,6 @@ def model_10k(
     no_reply = row["requests_per_rank"] - reply
     per_no_reply = us_per_request if us_per_no_reply is None else us_per_no_reply
     return (reply * us_per_request + no_reply * per_no_reply) * ranks / 1e6
-
-
-def busiest_share(args: argparse.Namespace, workload: str, ranks: int, count: int) -> float:
-    """The share of the floor's requests (one per node and key) that the busiest of ``count``
-    hosted stores takes at ``ranks``, routing this workload's keys as the library does: 1/count
-    only if the keys spread evenly, which 200 keys over 10 stores do not quite."""
-    from megatron_tuning.distributed.auto_stores import shard_of
-    from megatron_tuning.distributed.consensus import _store_key
-
-    nodes_per_key: dict[str, set[int]] = {}
-    for rank in range(ranks):
-        for key in plan(workload, rank, args.keys, args.own):
-            nodes_per_key.setdefault(key, set()).add(rank // args.node_size)
-    load = [0] * count
-    for key, nodes in nodes_per_key.items():
-        load[shard_of(_store_key(KERNEL, key, ARCH), count)] += len(nodes)
-    return max(load) / sum(load)
-
-
-def model_10k_hosted(
-    row: dict[str, Any], args: argparse.Namespace, us_per_request: float, ranks: int = 10_000
-) -> dict[str, Any]:
-    """``auto-stores`` at ``ranks``: the library's default number of hosted stores there (unset
-    ``MEGATRON_TUNING_AUTO_STORES``) and the server seconds of the busiest: the run's hosted
-    requests per rank x ``ranks`` x its share (``busiest_share``), at the one-client cost and at
-    the run's own."""
-    from megatron_tuning.core.env import scoped_environ
-    from megatron_tuning.distributed.auto_stores import ENV_STORES, store_count
-
-    with scoped_environ({ENV_STORES: None}):
-        count = store_count(ranks, args.node_size)
-    per_rank = sum(row["hosted_requests"]) / row["ranks"]
-    burst_us = sum(row["hosted_cpu_s"]) / sum(row["hosted_requests"]) * 1e6 if per_rank else 0.0
-    share = busiest_share(args, row["workload"], ranks, count)
-    busiest = per_rank * ranks * share
-    return {
-        "model_10k_hosted_stores": count,
-        "model_10k_busiest_store_share": share,
-        "model_10k_requests_busiest_store": busiest,
-        "model_10k_busiest_store_s": busiest * us_per_request / 1e6,
-        "model_10k_busiest_store_burst_cost_s": busiest * burst_us / 1e6,
-    }
 
 
 def answered_per_rank(row: dict[str, Any]) -> float:
@@ -504,6 +370,89 @@ def calibrate(server: Server, requests: int, blocks: int = 5) -> tuple[float, fl
     return statistics.median(answered), statistics.median(pipelined)
 
 
+VERIFY_WORKER = """
+import json, os, sys, time
+import torch.distributed as dist
+from megatron_tuning.core.decisions import Decision, decision_log
+from megatron_tuning.distributed import verify
+sys.path.insert(0, sys.argv[1])
+import bench_scale
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+keys, own, workload = int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+for key in bench_scale.plan(workload, rank, keys, own):
+    decision_log().record(Decision(kernel=bench_scale.KERNEL, key=key, signature=bench_scale.SIGNATURE,
+                                   source="table", arch=bench_scale.ARCH))
+sent = [0]
+gather, to_all = verify.all_gather_bytes, verify.all_to_all_bytes
+def counted_gather(data, group):
+    sent[0] += len(data)
+    return gather(data, group)
+def counted_to_all(chunks, group):
+    sent[0] += sum(len(c) for c in chunks)
+    return to_all(chunks, group)
+verify.all_gather_bytes, verify.all_to_all_bytes = counted_gather, counted_to_all
+dist.barrier()
+t0 = time.perf_counter()
+shared = verify.verify_agreement(timeout_s=120)
+elapsed = time.perf_counter() - t0
+with open(os.path.join(sys.argv[2], f"rank{rank}.json"), "w") as f:
+    json.dump({"sent_bytes": sent[0], "seconds": elapsed, "shared": shared}, f)
+dist.destroy_process_group()
+"""
+
+
+def measure_verify(world: int, workload: str, args: argparse.Namespace) -> dict[str, Any]:
+    """``verify_agreement`` across ``world`` real gloo ranks (torchrun): bytes sent per rank, time."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        script = os.path.join(folder, "verify_worker.py")
+        with open(script, "w") as f:
+            f.write(VERIFY_WORKER)
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={world}",
+            script,
+        ]
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        done = subprocess.run(
+            [
+                *command,
+                os.path.dirname(os.path.abspath(__file__)),
+                folder,
+                str(args.keys),
+                str(args.own),
+                workload,
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+        if done.returncode:
+            raise RuntimeError(f"verify job x{world} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+        ranks = []
+        for r in range(world):
+            with open(os.path.join(folder, f"rank{r}.json")) as f:
+                ranks.append(json.load(f))
+    sent = [r["sent_bytes"] for r in ranks]
+    return {
+        "design": "verify",
+        "workload": workload,
+        "ranks": world,
+        "keys": args.keys,
+        "sent_bytes_per_rank_max": max(sent),
+        "sent_bytes_per_rank_mean": statistics.mean(sent),
+        "received_header_bytes_per_rank": 32 * world,
+        "seconds_max": max(r["seconds"] for r in ranks),
+        "shared": ranks[0]["shared"],
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -513,25 +462,23 @@ def main() -> int:
     parser.add_argument("--own", type=int, default=100, help="varlen: keys of each rank's own")
     parser.add_argument("--procs", type=int, default=16, help="worker processes holding the connections")
     parser.add_argument("--tune-ms", type=float, default=2.0, help="auto: simulated tuning time per miss")
-    parser.add_argument("--node-size", type=int, default=8, help="auto-tier: simulated ranks per node")
     parser.add_argument("--idle-s", type=float, default=5.0, help="idle: how long the connections sit unused")
-    parser.add_argument("--auto-stores", type=int, default=4, help="auto-stores: hosted stores in the run")
-    parser.add_argument(
-        "--designs",
-        nargs="+",
-        default=["idle", "store", "digest", "auto", "auto-tier", "auto-stores"],
-        choices=["idle", "store", "digest", "auto", "auto-tier", "auto-stores"],
-    )
+    designs = ["idle", "store", "auto", "auto-warm"]
+    parser.add_argument("--designs", nargs="+", default=designs, choices=designs)
     parser.add_argument("--workloads", nargs="+", default=["tp", "pp", "varlen"])
     parser.add_argument(
-        "--smoke", action="store_true", help="16 ranks x 40 keys: a CI check of the code path"
+        "--verify", nargs="*", type=int, default=None, metavar="RANKS", help="world sizes for verify"
+    )
+    parser.add_argument(
+        "--smoke", action="store_true", help="16 ranks x 40 keys, verify at 2 ranks: a CI check"
     )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.smoke:
         args.ranks, args.keys, args.own, args.procs, args.idle_s = 16, 40, 4, 2, 0.5
+        args.verify = [2] if args.verify is None else args.verify
+    rows: list[dict[str, Any]] = []
     server = Server()
-    rows = []
     try:
         # Smoke: one block, since 5 blocks of 120 requests each fall under the 10 ms CPU clock tick.
         dedicated_us, no_reply_us = (
@@ -549,8 +496,6 @@ def main() -> int:
                 row["model_10k_dedicated_server_s"] = model_10k(
                     row, us_per_request=dedicated_us, us_per_no_reply=no_reply_us
                 )
-                if "hosted_stores" in row:
-                    row.update(model_10k_hosted(row, args, dedicated_us))
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     finally:
@@ -560,7 +505,6 @@ def main() -> int:
         "workload",
         "requests",
         "req/rank",
-        "answered/rank",
         "server s",
         "us/req",
         "wall s",
@@ -576,7 +520,6 @@ def main() -> int:
             r["workload"],
             r["requests"],
             f"{r['requests_per_rank']:.1f}",
-            f"{answered_per_rank(r):.2f}",
             f"{r['server_cpu_s']:.3f}",
             f"{r['server_us_per_request']:.1f}",
             f"{r['burst_wall_s']:.2f}",
@@ -592,22 +535,28 @@ def main() -> int:
         f"\n{args.ranks} simulated ranks x {args.keys} new keys ({args.procs} processes, one TCPStore server)"
     )
     common.print_table(headers, table)
-    for r in rows:
-        if "hosted_stores" in r:
-            print(
-                f"{r['design']} {r['workload']}: {r['hosted_stores']} hosted stores took "
-                f"{r['hosted_requests']} requests, {[round(c, 3) for c in r['hosted_cpu_s']]} server s; "
-                f"at 10,000 ranks {r['model_10k_hosted_stores']} stores, the busiest "
-                f"{r['model_10k_busiest_store_share']:.1%} of the requests "
-                f"({r['model_10k_requests_busiest_store']:,.0f}): "
-                f"{r['model_10k_busiest_store_s']:.2f} s at the one-client cost, "
-                f"{r['model_10k_busiest_store_burst_cost_s']:.2f} s at this burst's"
-            )
-    print(
-        f"10k model s: requests per rank x 10,000 x the burst's server us per request; 10k, own core: "
-        f"x {dedicated_us:.1f} us per answered request and {no_reply_us:.1f} us per pipelined one "
-        "(one client at a time)"
-    )
+    verify_rows = []
+    for world in args.verify or []:
+        for workload in args.workloads:
+            row = measure_verify(world, workload, args)
+            verify_rows.append(row)
+            print(json.dumps(row), flush=True)
+    if verify_rows:
+        print(f"\nverify_agreement over real gloo ranks, {args.keys} keys each")
+        common.print_table(
+            ["ranks", "workload", "sent B/rank (max)", "header B received/rank", "s (max)", "shared"],
+            [
+                [
+                    r["ranks"],
+                    r["workload"],
+                    r["sent_bytes_per_rank_max"],
+                    r["received_header_bytes_per_rank"],
+                    f"{r['seconds_max']:.3f}",
+                    r["shared"],
+                ]
+                for r in verify_rows
+            ],
+        )
     common.write_json(
         args.out,
         {
@@ -615,7 +564,7 @@ def main() -> int:
             "args": vars(args),
             "dedicated_server_us_per_request": dedicated_us,
             "dedicated_server_us_per_no_reply_request": no_reply_us,
-            "rows": rows,
+            "rows": rows + verify_rows,
         },
     )
     return 0

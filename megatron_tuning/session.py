@@ -146,8 +146,8 @@ def _init(policy: TuningPolicy | None, table: Any, group: Any) -> TuningHandle:
     cache = _open_cache(policy) if policy.mode == "auto" else None
     resolved_table = table if table is not None else _load_tables(policy, cache)
     measure = _make_measure(policy) if policy.mode in ("tune", "auto") else None
-    job_cache = cache if table is None else None  # an explicit table replaces the cache's say
-    consensus = _start_consensus(job_cache) if policy.mode == "auto" else None
+    local_cache = cache.path if cache is not None and table is None else None
+    consensus = _start_consensus(local_cache) if policy.mode == "auto" else None
     chaos = _start_chaos(group) if policy.mode == "chaos" else None
     interception.install(policy, table=resolved_table, measure=measure, consensus=consensus, chaos=chaos)
     try:
@@ -157,7 +157,7 @@ def _init(policy: TuningPolicy | None, table: Any, group: Any) -> TuningHandle:
         raise
     handle = TuningHandle(policy, resolved_table, agreement, cache)
     if _needs_group(policy) and not _group_exists():
-        handle._late = _LateAttach(handle, group, job_cache)
+        handle._late = _LateAttach(handle, group, local_cache)
     with _active_lock:
         _active = handle
     files = getattr(resolved_table, "files", None)
@@ -230,21 +230,17 @@ def _cache_arch() -> str:
     return current
 
 
-def _start_consensus(job_cache: Any) -> Any:
-    """``auto``'s consensus once a group is up; nodes' caches differ, so the job first settles on
-    one cache (``job_cache.reconcile``) unless an explicit table was given (``job_cache`` None)."""
-    from .distributed.consensus import start_consensus
+def _start_consensus(local_cache: str | None) -> Any:
+    """``auto``'s consensus once a group is up; hits in ``local_cache`` are proposed to the job."""
+    from .distributed.store import start_consensus
 
-    consensus = start_consensus()
-    if consensus is not None and job_cache is not None:
-        consensus.reconcile_cache(job_cache.path, job_cache.table)
-    return consensus
+    return start_consensus(local_cache)
 
 
 def _start_chaos(group: Any) -> Any:
-    from .distributed.chaos import start_chaos
+    from .distributed.store import StoreChaos
 
-    return start_chaos(group)
+    return StoreChaos(group)
 
 
 def _make_measure(policy: TuningPolicy) -> Any:
@@ -254,8 +250,7 @@ def _make_measure(policy: TuningPolicy) -> Any:
 
 
 def _start_agreement(policy: TuningPolicy, group: Any, table: Any) -> Any:
-    from .distributed.agreement import start_agreement
-    from .distributed.inputs import describe_inputs
+    from .distributed.agreement import describe_inputs, start_agreement
 
     # Tables and versions are compared once here, so a rank with other tables fails at init.
     return start_agreement(policy, group, inputs=describe_inputs(policy, table))
@@ -288,10 +283,10 @@ class _LateAttach:
     this session made before, and unregisters itself.
     """
 
-    def __init__(self, handle: TuningHandle, group: Any, job_cache: Any) -> None:
+    def __init__(self, handle: TuningHandle, group: Any, local_cache: str | None) -> None:
         self.handle = handle
         self.group = group
-        self.job_cache = job_cache
+        self.local_cache = local_cache
         self.first_decision = len(get_decisions())  # the log is per process: ours start here
         self.attached = False
         self._lock = threading.Lock()
@@ -315,7 +310,7 @@ class _LateAttach:
             self.cancel()
             policy = self.handle.policy
             if policy.mode == "auto" and installation.consensus is None:
-                installation = dataclasses.replace(installation, consensus=_start_consensus(self.job_cache))
+                installation = dataclasses.replace(installation, consensus=_start_consensus(self.local_cache))
             agreement = _start_agreement(policy, self.group, self.handle.table)
             self.handle._agreement = agreement
             earlier = get_decisions()[self.first_decision :]

@@ -35,15 +35,15 @@ SCENARIOS = [
     "kernels_allgather_chaos",
     "kernels_off_deterministic",
     "kernels_off_chaos",
-    "kernels_digest_deterministic",
-    "kernels_digest_chaos",
-    "digest_tp",
-    "digest_pp",
-    "digest_varlen",
-    "digest_chaos",
-    "digest_chaos_strided",
-    "digest_chaos_pair",
-    "digest_silent_rank",
+    "kernels_verify_deterministic",
+    "kernels_verify_chaos",
+    "verify_tp",
+    "verify_pp",
+    "verify_varlen",
+    "verify_chaos_tp",
+    "verify_chaos_strided",
+    "verify_chaos_pair",
+    "verify_close_chaos",
 ]
 GPU_SCENARIOS = ["cuda_graph_agree", "cuda_graph_chaos"]  # real CUDA graph capture
 MISSING_TIMEOUT_S = 2.0  # the allgather_missing scenario's agreement timeout
@@ -97,11 +97,10 @@ def _scenario(job: tuple[int, Results], name: str) -> list[dict[str, Any]]:
         "kernels_store_deterministic",
         "kernels_allgather_deterministic",
         "kernels_off_deterministic",
-        "kernels_digest_deterministic",
-        "digest_tp",
-        "digest_pp",
-        "digest_varlen",
-        "digest_silent_rank",
+        "kernels_verify_deterministic",
+        "verify_tp",
+        "verify_pp",
+        "verify_varlen",
     ],
 )
 def test_agreeing_ranks_raise_nothing(job: tuple[int, Results], name: str) -> None:
@@ -143,7 +142,8 @@ def _named_ranks(message: str) -> set[int]:
         "kernels_store_chaos",
         "kernels_allgather_chaos",
         "kernels_off_chaos",
-        "kernels_digest_chaos",
+        "kernels_verify_chaos",
+        "verify_close_chaos",
         "capture_deferred",
     ],
 )
@@ -224,30 +224,27 @@ def test_first_use_inside_a_real_cuda_graph_capture_is_checked_after_it(job: tup
 
 
 def _raised(row: dict[str, Any]) -> str | None:
-    """What a digest scenario raised on this rank: at its flush/poll, else in verify_agreement."""
-    return row["error"] or row.get("verify_error")
+    """What a verify scenario raised on this rank: in verify_agreement, else at close."""
+    return row.get("verify_error") or row["error"]
 
 
-@pytest.mark.parametrize("name", ["digest_chaos", "digest_chaos_strided", "digest_chaos_pair"])
-def test_digest_mode_catches_chaos_on_every_rank(job: tuple[int, Results], name: str) -> None:
+@pytest.mark.parametrize("name", ["verify_chaos_tp", "verify_chaos_strided", "verify_chaos_pair"])
+def test_verify_mode_catches_chaos_on_every_rank(job: tuple[int, Results], name: str) -> None:
     rows = _scenario(job, name)
-    if name == "digest_chaos_strided" and len(rows) < 4:  # one rank per stage: nothing shared differs
+    if name == "verify_chaos_strided" and len(rows) < 4:  # one rank per stage: nothing shared differs
         assert [_raised(row) for row in rows] == [None] * len(rows), rows
         return
     assert [_raised(row) for row in rows] == ["DivergenceError"] * len(rows), rows
     for row in rows:
-        message = row.get("message") or row.get("verify_message")
+        message = row.get("verify_message") or row.get("message")
         assert "synthetic.kernels" in message and "key" in message
-    if name == "digest_chaos":
-        # A rank whose batch differs from the flush's reference raises at that flush.
-        assert any(row["error"] == "DivergenceError" for row in rows)
-        assert any("digest check" in (row.get("message") or "") for row in rows)
 
 
-def test_digest_mode_sends_a_bounded_number_of_requests_per_rank(job: tuple[int, Results]) -> None:
-    for row in _scenario(job, "digest_tp"):
-        assert row["requests_before_flush"] == 0  # first use records and launches: no store request
-        assert row["requests"] <= 6, row  # the reference claim, the log read, the flag: not 40 keys' worth
+def test_verify_mode_sends_nothing_per_key_and_32_bytes_per_rank_when_all_agree(
+    job: tuple[int, Results],
+) -> None:
+    for row in _scenario(job, "verify_tp"):
+        assert row["requests_per_key"] == 0  # first use records and launches: no store request
         assert row["shared"] == 40
         # Identical logs: verify_agreement sends one 32-byte header per rank, no rows at all.
         assert row["verify_bytes"] == 32, row
@@ -255,35 +252,34 @@ def test_digest_mode_sends_a_bounded_number_of_requests_per_rank(job: tuple[int,
 
 def test_verify_sends_rows_only_where_logs_differ(job: tuple[int, Results]) -> None:
     """Pipeline stages: one representative per distinct log sends its rows, the others nothing."""
-    rows = _scenario(job, "digest_pp")
+    rows = _scenario(job, "verify_pp")
     representatives = {0, 1}  # stage = rank % 2: ranks 0 and 1 stand for the two stages
     for rank, row in enumerate(rows):
         rows_sent = (row["verify_bytes"] - 32 - (16 + 8 * 24)) // 36  # header, summary, then rows
         assert rows_sent == (21 if rank in representatives else 0), (rank, row["verify_bytes"])
 
 
-def test_a_rank_that_never_launches_stalls_nobody_in_digest_mode(job: tuple[int, Results]) -> None:
-    rows = _scenario(job, "digest_silent_rank")
-    for row in rows[:-1]:
-        assert row["flush_s"] < 2.0, row
-    # Entries two ranks observed: all 40 once two ranks launch them, none with a single launcher.
-    assert [row["shared"] for row in rows] == [40 if len(rows) > 2 else 0] * len(rows)
+def test_the_check_at_close_catches_chaos_when_the_job_never_verifies(job: tuple[int, Results]) -> None:
+    rows = _scenario(job, "verify_close_chaos")
+    assert [row["error"] for row in rows] == ["DivergenceError"] * len(rows)
+    assert all("Found by verify_agreement" in row["message"] and "key M=3" in row["message"] for row in rows)
+    assert all(row["close_s"] < 30 for row in rows)
 
 
-DIGEST_SCENARIOS = [name for name in SCENARIOS if name.startswith("digest_")]
+VERIFY_SCENARIOS = [name for name in SCENARIOS if name.startswith("verify_")]
 
 
-def test_digest_mode_at_8_ranks(tmp_path: Any) -> None:
-    """The synthetic digest scenarios (no kernel launches) at 8 gloo ranks, stage = rank % 2."""
+def test_verify_mode_at_8_ranks(tmp_path: Any) -> None:
+    """The synthetic verify scenarios (no kernel launches) at 8 gloo ranks, stage = rank % 2."""
     if not gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
-    args = ["--out", str(tmp_path), "--scenarios", ",".join(DIGEST_SCENARIOS)]
+    args = ["--out", str(tmp_path), "--scenarios", ",".join(VERIFY_SCENARIOS)]
     done = run_torchrun(8, WORKERS / "agreement_worker.py", args, tmp_path, timeout_s=240)
     results = read_results(tmp_path, 8)
     assert done.returncode == 0 and len(results) == 8, done.stdout[-3000:] + done.stderr[-3000:]
-    rows = {name: [results[r][name] for r in range(8)] for name in DIGEST_SCENARIOS}
-    for name in ("digest_tp", "digest_pp", "digest_varlen", "digest_silent_rank"):
-        assert [row["error"] or row.get("verify_error") for row in rows[name]] == [None] * 8, rows[name]
-    for name in ("digest_chaos", "digest_chaos_strided", "digest_chaos_pair"):
+    rows = {name: [results[r][name] for r in range(8)] for name in VERIFY_SCENARIOS}
+    for name in ("verify_tp", "verify_pp", "verify_varlen"):
+        assert [_raised(row) for row in rows[name]] == [None] * 8, rows[name]
+    for name in ("verify_chaos_tp", "verify_chaos_strided", "verify_chaos_pair", "verify_close_chaos"):
         assert [_raised(row) for row in rows[name]] == ["DivergenceError"] * 8, rows[name]
-    assert all(row["requests"] <= 6 for row in rows["digest_tp"])
+    assert all(row["verify_bytes"] == 32 for row in rows["verify_tp"])

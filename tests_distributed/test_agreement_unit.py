@@ -1,14 +1,16 @@
-"""In-process tests of the agreement protocol: several fake ranks share one in-memory store.
+"""In-process tests of the agreement protocol and the claim primitive: fake ranks share one store.
 
-Fast checks of the store claim, the shared divergence record, the deadline barrier and the
-fixed-size encodings; plus contract tests for the private torch API the module relies on. The
-real multi-process runs are in ``test_agreement_torchrun.py``.
+Fast checks of the store claim, the shared divergence flag, the inputs check, the deadline
+barrier and the fixed-size encodings; plus contract tests for the private torch API relied on.
+The real multi-process runs are in ``test_agreement_torchrun.py``.
 """
 
 from __future__ import annotations
 
+import pickle
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
@@ -18,25 +20,26 @@ import pytest
 dist = pytest.importorskip("torch.distributed")
 
 from megatron_tuning.core.decisions import Decision, decision_log
-from megatron_tuning.core.errors import AgreementTimeoutError, DivergenceError
+from megatron_tuning.core.errors import AgreementTimeoutError, DivergenceError, InputMismatchError, StoreError
 from megatron_tuning.core.policy import TuningPolicy
-from megatron_tuning.distributed import agreement, verify, wire
+from megatron_tuning.distributed import agreement, store, verify
 
 KERNEL = "pkg.kernels:matmul"
 KEY = "M=64, N=48, K=40 | a_ptr:torch.float32"
 SIG_A = "BLOCK_M=64, num_warps=4, num_stages=3"
 SIG_B = "BLOCK_M=128, num_warps=8, num_stages=3"
+INPUTS = {"policy": "mode=deterministic", "tables": "(none)", "triton": "3.9.0"}
 
 
 def _decision(signature: str, key: str = KEY, source: str = "table") -> Decision:
     return Decision(kernel=KERNEL, key=key, signature=signature, source=source)
 
 
-def _ranks(count: int, mode: str = "store", timeout_s: float = 5.0) -> list[agreement.AgreementChecker]:
-    store = dist.HashStore()
+def _ranks(count: int, mode: str = "store", timeout_s: float = 5.0, shared: Any = None) -> list[Any]:
+    shared = shared if shared is not None else dist.HashStore()
     policy = TuningPolicy(agreement=mode, agreement_timeout_s=timeout_s)
     return [
-        agreement.AgreementChecker(policy, store=store, rank=r, ranks=range(count), namespace="t")
+        agreement.AgreementChecker(policy, store=shared, rank=r, ranks=range(count), mode=mode)
         for r in range(count)
     ]
 
@@ -48,9 +51,9 @@ def one_rank_group() -> Iterator[None]:
     try:
         yield
     finally:
-        for checker in [agreement.active_checker()]:
-            if checker is not None:
-                checker.stop()
+        checker = verify.active_checker()
+        if checker is not None:
+            checker.stop(final_check=False)
         decision_log().clear()
         dist.destroy_process_group()
 
@@ -77,6 +80,7 @@ def test_store_mismatch_raises_the_same_message_on_every_rank() -> None:
     error = raised_first.value
     assert (error.kernel, error.key, error.signatures) == (KERNEL, KEY, {0: SIG_A, 1: SIG_B})
     assert "Rank(s) [0] ran BLOCK_M=64" in str(error) and "Rank(s) [1] ran BLOCK_M=128" in str(error)
+    assert str(pickle.loads(pickle.dumps(error))) == str(error)
 
 
 def test_flag_reaches_a_rank_at_its_next_new_key() -> None:
@@ -105,10 +109,25 @@ def test_unchecked_sources_make_no_traffic(source: str) -> None:
     second.poll()
 
 
+def test_auto_compares_tuned_decisions() -> None:
+    assert "tuned" not in verify.unchecked_sources("auto")
+    assert "tuned" in verify.unchecked_sources("deterministic")
+
+
 def test_keys_differing_only_by_arch_are_not_compared() -> None:
     first, second = _ranks(2)
     first.check(Decision(kernel=KERNEL, key=KEY, signature=SIG_A, source="table", arch="sm90"))
     second.check(Decision(kernel=KERNEL, key=KEY, signature=SIG_B, source="table", arch="sm80"))
+
+
+def test_verify_mode_sends_nothing_per_key() -> None:
+    class NoTraffic(dist.HashStore):  # type: ignore[misc]
+        def compare_set(self, *args: Any) -> Any:
+            raise AssertionError("verify mode made a per-key store request")
+
+    first, second = _ranks(2, mode="verify", shared=NoTraffic())
+    first.check(_decision(SIG_A))
+    second.check(_decision(SIG_B))  # differs: only verify_agreement (or the close check) can tell
 
 
 def test_capture_defers_checks_until_the_next_check(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -123,26 +142,99 @@ def test_capture_defers_checks_until_the_next_check(monkeypatch: pytest.MonkeyPa
         second.check(_decision(SIG_A, key="M=2"))
 
 
+def test_inputs_that_differ_are_named_on_both_ranks() -> None:
+    first, second = _ranks(2)
+    first.compare_inputs(INPUTS)
+    other = dict(INPUTS, tables="t.msgpack@1234abcd")
+    with pytest.raises(InputMismatchError) as raised:
+        second.compare_inputs(other)
+    error = raised.value
+    assert error.ranks == [0, 1] and error.differences == {"tables": {0: "(none)", 1: "t.msgpack@1234abcd"}}
+    assert "rank 0: (none); rank 1: t.msgpack@1234abcd" in str(error)
+    with pytest.raises(InputMismatchError) as seen_by_first:  # the first rank learns at its next check
+        first.check(_decision(SIG_A))
+    assert str(seen_by_first.value) == str(error)
+    assert str(pickle.loads(pickle.dumps(error))) == str(error)
+
+
+def test_equal_inputs_pass() -> None:
+    for checker in _ranks(3):
+        checker.compare_inputs(INPUTS)
+
+
+def test_describe_inputs_compares_table_contents_not_paths(tmp_path: Any) -> None:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    for folder in ("a", "b"):
+        (tmp_path / folder / "t.msgpack").write_bytes(b"same bytes")
+    a = agreement.describe_inputs(TuningPolicy(tables=[str(tmp_path / "a" / "t.msgpack")]))
+    b = agreement.describe_inputs(TuningPolicy(tables=[str(tmp_path / "b" / "t.msgpack")]))
+    assert a == b
+    (tmp_path / "b" / "t.msgpack").write_bytes(b"other bytes")
+    c = agreement.describe_inputs(TuningPolicy(tables=[str(tmp_path / "b" / "t.msgpack")]))
+    assert c["tables"] != a["tables"] and c["policy"] == a["policy"]
+    d = agreement.describe_inputs(TuningPolicy(tables=[str(tmp_path / "a" / "t.msgpack")], on_miss="error"))
+    assert d["policy"] != a["policy"]
+
+
+# --- the claim primitive ------------------------------------------------------------------------
+
+
+def test_claim_keeps_the_first_record_and_returns_it_to_everyone() -> None:
+    shared = dist.HashStore()
+    assert store.claim(shared, "k", {"rank": 0, "v": "a"}, "test") == {"rank": 0, "v": "a"}
+    assert store.claim(shared, "k", {"rank": 1, "v": "b"}, "test") == {"rank": 0, "v": "a"}
+    assert store.peek(shared, "absent", "test") is None
+    assert store.claim(shared, "absent", {"rank": 2}, "test") == {"rank": 2}  # a peek does not block it
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"\xff\xfe",
+        b"not json",
+        b"[1, 2]",
+        b"NaN",
+        b"[" * 5000 + b"]" * 5000,
+        b"x" * (store.MAX_RECORD_BYTES + 1),
+    ],
+)
+def test_a_record_the_library_did_not_write_is_a_store_error_naming_it(raw: bytes) -> None:
+    shared = dist.HashStore()
+    shared.set("k", raw)
+    with pytest.raises(StoreError, match="the test record"):
+        store.claim(shared, "k", {"rank": 0}, "the test record")
+
+
+def test_a_record_naming_a_rank_outside_the_job_is_refused() -> None:
+    for rank in (-1, 4, True, 1.5, "1"):
+        with pytest.raises(StoreError, match="rank"):
+            store.rank_of({"rank": rank}, "a claim", 4)
+
+
+# --- the barrier --------------------------------------------------------------------------------
+
+
 def test_arrive_names_missing_ranks_and_late_ranks_accept_the_verdict() -> None:
-    store = dist.PrefixStore("arrive", dist.HashStore())
+    shared = dist.PrefixStore("arrive", dist.HashStore())
     start = time.monotonic()
     with pytest.raises(AgreementTimeoutError) as raised:
-        wire.arrive(store, "t1", 0, [0, 1, 2], "kernel k", 0.3)
+        store.arrive(shared, "t1", 0, [0, 1, 2], "kernel k", 0.3)
     assert time.monotonic() - start < 3
     assert raised.value.missing_ranks == [1, 2]
     # Rank 1 arrives after rank 0 gave up: it sees the same verdict instead of waiting alone.
     with pytest.raises(AgreementTimeoutError) as late:
-        wire.arrive(store, "t1", 1, [0, 1, 2], "kernel k", 0.3)
+        store.arrive(shared, "t1", 1, [0, 1, 2], "kernel k", 0.3)
     assert late.value.missing_ranks == [1, 2]
 
 
 def test_arrive_passes_when_every_rank_comes() -> None:
-    store = dist.PrefixStore("arrive", dist.HashStore())
+    shared = dist.PrefixStore("arrive", dist.HashStore())
     errors: list[BaseException] = []
 
     def rank(r: int) -> None:
         try:
-            wire.arrive(store, "t", r, [0, 1, 2], "k", 5.0)
+            store.arrive(shared, "t", r, [0, 1, 2], "k", 5.0)
         except BaseException as error:  # collected for the assertion below
             errors.append(error)
 
@@ -155,18 +247,21 @@ def test_arrive_passes_when_every_rank_comes() -> None:
 
 
 def test_pack_text_is_fixed_size_and_marks_truncation() -> None:
-    row = wire.pack_text("k", "é" * 1000, "s")
-    assert len(row) == wire.TEXT_BYTES
-    kernel, key, signature = wire.unpack_text(row)
+    row = verify.pack_text("k", "é" * 1000, "s")
+    assert len(row) == verify.TEXT_BYTES
+    kernel, key, signature = verify.unpack_text(row)
     assert (kernel, signature) == ("k", "s")
-    assert key.endswith("...[truncated]") and len(key.encode()) <= wire.FIELD_BYTES[1]
-    assert wire.unpack_text(wire.pack_text("a", "b", "c")) == ("a", "b", "c")
+    assert key.endswith("...[truncated]") and len(key.encode()) <= verify.FIELD_BYTES[1]
+    assert verify.unpack_text(verify.pack_text("a", "b", "c")) == ("a", "b", "c")
 
 
 def test_digests_are_fixed_size_and_stable() -> None:
-    assert len(wire.identity_digest(KERNEL, KEY, "sm90")) == wire.DIGEST_BYTES
-    assert wire.signature_digest(SIG_A) == wire.signature_digest(SIG_A)
-    assert wire.identity_digest("a", "b\0c", "x") != wire.identity_digest("a\0b", "c", "x")
+    assert len(store.identity_digest(KERNEL, KEY, "sm90")) == 32
+    assert store.signature_digest(SIG_A) == store.signature_digest(SIG_A)
+    assert store.identity_digest("a", "b\0c", "x") != store.identity_digest("a\0b", "c", "x")
+
+
+# --- starting and stopping ----------------------------------------------------------------------
 
 
 def test_no_process_group_means_no_checks() -> None:
@@ -181,18 +276,45 @@ def test_no_process_group_means_no_checks() -> None:
 def test_start_is_a_no_op_when_nothing_must_agree(one_rank_group: None, changes: dict[str, Any]) -> None:
     handle = agreement.start_agreement(TuningPolicy(**changes))
     assert not isinstance(handle, agreement.AgreementChecker)
-    assert agreement.active_checker() is None
+    assert verify.active_checker() is None
 
 
 def test_start_attaches_and_stop_detaches(one_rank_group: None) -> None:
     handle = agreement.start_agreement(TuningPolicy(mode="chaos", agreement="allgather"))
-    assert isinstance(handle, agreement.AgreementChecker) and agreement.active_checker() is handle
+    assert isinstance(handle, agreement.AgreementChecker) and verify.active_checker() is handle
     decision_log().record(_decision(SIG_A))  # one rank: trivially agrees, through a real gather
     assert verify.verify_agreement() == 0  # an entry seen by one rank only is not "shared"
     replacement = agreement.start_agreement(TuningPolicy())
-    assert agreement.active_checker() is replacement and not handle._attached
+    assert verify.active_checker() is replacement and not handle._attached
     replacement.stop()
-    assert agreement.active_checker() is None
+    assert verify.active_checker() is None
+
+
+def test_a_verify_session_checks_once_more_at_close(one_rank_group: None, monkeypatch: Any) -> None:
+    calls: list[float | None] = []
+    monkeypatch.setattr(
+        verify, "verify_agreement", lambda group=None, *, timeout_s=None: calls.append(timeout_s)
+    )
+    handle = agreement.start_agreement(TuningPolicy(agreement="verify", agreement_timeout_s=500))
+    handle.stop()
+    assert calls == [verify.CLOSE_TIMEOUT_S]  # bounded even when the policy allows longer
+
+
+def test_the_close_check_says_so_when_the_group_is_gone() -> None:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        verify.verify_at_close(None, 5.0)
+    text = "\n".join(str(w.message) for w in caught)
+    assert "the final agreement check did not run" in text and "destroy_process_group" in text
+
+
+def test_unset_agreement_is_store_in_small_worlds_and_verify_above(monkeypatch: Any) -> None:
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(store, "group_ranks", lambda group: list(range(agreement.STORE_UP_TO_RANKS)))
+    assert agreement.resolve_mode(TuningPolicy()) == "store"
+    monkeypatch.setattr(store, "group_ranks", lambda group: list(range(agreement.STORE_UP_TO_RANKS + 1)))
+    assert agreement.resolve_mode(TuningPolicy()) == "verify"
+    assert agreement.resolve_mode(TuningPolicy(agreement="store")) == "store"
 
 
 # --- contracts on private torch API ------------------------------------------------------------
@@ -202,9 +324,9 @@ def test_contract_default_store_is_reachable(one_rank_group: None) -> None:
     from torch.distributed import distributed_c10d
 
     assert hasattr(distributed_c10d, "_get_default_store"), "torch moved _get_default_store"
-    store = wire.default_store()
-    for method in ("compare_set", "wait", "check", "set"):
-        assert callable(getattr(store, method, None)), method
+    default = store.default_store()
+    for method in ("compare_set", "wait", "check", "set", "add", "append", "delete_key"):
+        assert callable(getattr(default, method, None)), method
 
 
 @pytest.mark.parametrize(
@@ -215,68 +337,14 @@ def test_contract_default_store_is_reachable(one_rank_group: None) -> None:
     ],
 )
 def test_contract_compare_set_semantics(make: Any) -> None:
-    store = dist.PrefixStore("contract", make())
+    shared = dist.PrefixStore("contract", make())
     # Absent key + expected "": sets and returns ours (the atomic claim).
-    assert store.compare_set("k", "", "0\nA") == b"0\nA"
+    assert shared.compare_set("k", "", "0\nA") == b"0\nA"
     # Present key + expected "": returns the first claim untouched.
-    assert store.compare_set("k", "", "1\nB") == b"0\nA"
-    # The flag read creates an empty value that a later record still replaces.
-    assert store.compare_set("flag", "", "") == b""
-    assert store.compare_set("flag", "", "record") == b"record"
-    assert store.compare_set("flag", "", "") == b"record"
-    with pytest.raises(wire._store_timeout_errors()):
-        store.wait(["absent"], timedelta(seconds=0.05))
-
-
-# --- numbered sessions (unequal init calls) ----------------------------------------------------
-def _session(store: Any, rank: int, number: int, mode: str = "deterministic") -> Any:
-    from megatron_tuning.distributed.sessions import SessionRegistry, policy_summary
-
-    return SessionRegistry(store, rank, number, policy_summary(TuningPolicy(mode=mode)))
-
-
-def test_a_session_number_started_with_another_policy_is_a_mismatch() -> None:
-    import pickle
-
-    from megatron_tuning.core.errors import SessionMismatchError
-
-    store = dist.HashStore()
-    assert _session(store, 0, 1).register() is None
-    assert _session(store, 1, 1).register() is None  # same number, same policy: fine
-    error = _session(store, 1, 2, mode="chaos").register()
-    assert error is None  # the first to start #2 sets it
-    error = _session(store, 0, 2).register()
-    assert isinstance(error, SessionMismatchError) and sorted(error.sessions) == [0, 1]
-    assert "Rank 1 is in session #2 (mode=chaos" in str(error)
-    assert "Rank 0 is in session #2 (mode=deterministic" in str(error)
-    assert str(pickle.loads(pickle.dumps(error))) == str(error)
-
-
-def test_a_rank_that_moved_on_is_named_at_once_and_a_late_one_only_at_timeout() -> None:
-    from megatron_tuning.core.errors import SessionMismatchError
-
-    store = dist.HashStore()
-    ahead, behind = _session(store, 0, 2), _session(store, 1, 1)
-    ahead.register()
-    behind.register()
-    with pytest.raises(SessionMismatchError, match="Rank 0 is in session #2"):
-        behind.fail_if_moved_on([0], "check #1")
-    ahead.fail_if_moved_on([1], "check #1")  # rank 1 may still be on its way to session #2
-    timeout = AgreementTimeoutError("check #1", [1], 1.0)
-    explained = ahead.explain_timeout(timeout, "check #1")
-    assert explained is not None and "Rank 1 is in session #1" in str(explained)
-    assert _session(store, 1, 2).explain_timeout(AgreementTimeoutError("x", [0], 1.0), "x") is None
-
-
-def test_arrive_calls_on_wait_while_a_rank_is_missing() -> None:
-    store = dist.HashStore()
-    seen: list[list[int]] = []
-
-    def on_wait(missing: list[int]) -> None:
-        seen.append(missing)
-        raise RuntimeError("gone")
-
-    start = time.monotonic()
-    with pytest.raises(RuntimeError, match="gone"):
-        wire.arrive(store, "t", 0, [0, 1], "check", 30.0, on_wait=on_wait)
-    assert seen == [[1]] and time.monotonic() - start < 5
+    assert shared.compare_set("k", "", "1\nB") == b"0\nA"
+    # A peek creates an empty value that a later record still replaces.
+    assert shared.compare_set("flag", "", "") == b""
+    assert shared.compare_set("flag", "", "record") == b"record"
+    assert shared.compare_set("flag", "", "") == b"record"
+    with pytest.raises((getattr(dist, "DistStoreError", RuntimeError), RuntimeError)):
+        shared.wait(["absent"], timedelta(seconds=0.05))

@@ -3,7 +3,9 @@
 Ranks race to tune the same keys with a fake measurement that picks a different config on every
 rank, arriving in rank order, in reverse, all at once, and with one rank 8 s late. Every rank must
 launch one config per key (the first publisher's), no rank may wait for another's tuning, and a
-second job reading the cache the first one wrote measures nothing.
+second job reading the cache the first one wrote measures nothing. Ranks whose caches differ (one
+holds the keys; the others' is empty, corrupt, a folder or off) still launch one config per key,
+and a default-size cache (50,000 entries) starts a multi-rank job.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from megatron_tuning.tables.entry import Entry
 from megatron_tuning.tables.table import Table, load_table, save_table
 
 RACES = ["forward", "reverse", "together", "slow_rank"]
+SPLITS = ["split_empty", "split_corrupt", "split_folder", "split_off"]
 KERNEL = "_kernels:add_kernel"
 
 
@@ -25,18 +28,23 @@ def add_key(n: int) -> str:
     return f"n={n} | x_ptr:torch.float32, y_ptr:torch.float32"
 
 
-@pytest.fixture(
-    scope="module",
-    params=[(2, "", ""), (4, "", ""), (4, "node", "2")],
-    ids=lambda p: f"{p[0]}ranks{'-tier-stores' if p[1] else ''}",
-)
+def full_cache(path: Path) -> Path:
+    """A cache at the default cap: 50,000 entries of the add kernel (n = 1,000,000 and on)."""
+    config = {"kwargs": {"BLOCK": 64}, "num_warps": 2, "num_stages": 3, "num_ctas": 1, "maxnreg": None}
+    entries = [
+        Entry(arch="unknown", kernel=KERNEL, key=add_key(1_000_000 + i), config=config, how="tuned")
+        for i in range(50_000)
+    ]
+    save_table(Table(entries, meta={"kind": "auto-cache", "cache_format": "1"}), path)
+    return path
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"{n}ranks")
 def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """Two jobs (run 1 tunes, run 2 reads the cache); the ``-tier-stores`` one routes auto's lookups
-    and publishes through the node tier (all 4 ranks on one node: one request per key) to two
-    stores that ranks of the job host (``auto_stores.py``), as large jobs do."""
+    """Two jobs: run 1 tunes (and runs the split-cache scenarios), run 2 reads the cache."""
     if not gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
-    nproc, tier, stores = request.param
+    nproc = request.param
     tmp = tmp_path_factory.mktemp(f"auto_{nproc}")
     cache = tmp / "cache" / "auto.msgpack"
     table = tmp / "rank0_table.msgpack"
@@ -45,7 +53,8 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
         Table([Entry(arch="unknown", kernel=KERNEL, key=add_key(501), how="hand", config=config)]), table
     )
     out = {}
-    for run, scenarios in (("run1", RACES + ["table_vs_published"]), ("run2", RACES)):
+    big = full_cache(tmp / "full.msgpack")
+    for run, scenarios in (("run1", RACES + ["table_vs_published", *SPLITS, "full_cache"]), ("run2", RACES)):
         folder = tmp / run
         folder.mkdir()
         args = [
@@ -57,10 +66,8 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
             ",".join(scenarios),
             "--table",
             str(table),
-            "--tier",
-            tier,
-            "--stores",
-            stores,
+            "--full-cache",
+            str(big),
         ]
         if run == "run2":  # run 2 only reads the cache: a late rank proves nothing there
             args += ["--slow-s", "0"]
@@ -68,7 +75,7 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
         results = read_results(folder, nproc)
         assert done.returncode == 0 and len(results) == nproc, done.stdout[-3000:] + done.stderr[-3000:]
         out[run] = results
-    out["nproc"], out["cache"], out["stores"] = nproc, cache, stores
+    out["nproc"], out["cache"] = nproc, cache
     return out
 
 
@@ -139,15 +146,25 @@ def test_the_cache_holds_every_tuned_key_and_run_two_measures_nothing(runs):
         assert all(d["origin"] == str(Path(runs["cache"])) for r in results for d in r["decisions"])
 
 
-def test_hosted_stores_hold_the_decisions_when_the_job_asks_for_them(runs):
-    last = [runs["run1"][rank]["slow_rank"] for rank in range(runs["nproc"])]
-    if not runs["stores"]:
-        assert all(r["store_requests"] is None for r in last)
-        return
-    # One node (LOCAL_WORLD_SIZE 4) and 2 stores: the node's first rank to start hosts both, and
-    # every rank that read the announcements read the same. A rank reads them at its first store
-    # request; one that found every answer in the node's folder made none (None).
-    hosts = {tuple(r["store_hosts"]) for r in last if r["store_hosts"] is not None}
-    assert len(hosts) == 1 and len(set(next(iter(hosts)))) == 1, hosts
-    per_store = [sum(r["store_requests"][i] for r in last) for i in range(2)]
-    assert min(per_store) > 0, per_store  # the keys spread over both hosts' stores
+@pytest.mark.parametrize("scenario", SPLITS)
+def test_ranks_whose_caches_differ_launch_the_one_config_rank_zero_proposed(runs, scenario):
+    results = rows(runs, "run1", scenario)
+    assert all(r["error"] is None for r in results), [r.get("message") for r in results]
+    assert {d["signature"] for r in results for d in r["decisions"]} == {
+        "BLOCK=128, num_warps=4, num_stages=3"
+    }
+    first, others = results[0], results[1:]
+    assert all(d["source"] == "table" and d["origin"].endswith("rank0.msgpack") for d in first["decisions"])
+    for r in others:  # they found rank 0's proposal published: adopted, nothing measured
+        assert r["measured"] == 0 and all(
+            (d["source"], d["origin"]) == ("adopted", "rank 0") for d in r["decisions"]
+        )
+    assert all(r["shared"] == 3 for r in results)
+
+
+def test_a_default_size_cache_starts_a_multi_rank_job(runs):
+    results = rows(runs, "run1", "full_cache")
+    assert all(r["error"] is None and r["measured"] == 0 for r in results), [
+        r.get("message") for r in results
+    ]
+    assert all(d["source"] == "table" for r in results for d in r["decisions"])

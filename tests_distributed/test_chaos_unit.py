@@ -1,6 +1,6 @@
 """Chaos through the real store protocol, in one process: fake ranks share one in-memory store.
 
-Each fake rank picks through ``distributed.chaos.StoreChaos`` and checks through the real
+Each fake rank picks through ``distributed.store.StoreChaos`` and checks through the real
 ``AgreementChecker`` (store mode), both over one ``HashStore``, for a matrix of layouts, config
 counts (duplicates included) and arrival orders: in every group of two or more ranks chaos must be
 caught, i.e. every rank of it raises ``DivergenceError`` (at its first use or at its next poll).
@@ -21,12 +21,11 @@ import triton
 
 from megatron_tuning.core.chaos import choose_chaos
 from megatron_tuning.core.decisions import Decision
-from megatron_tuning.core.errors import DivergenceError
+from megatron_tuning.core.errors import DivergenceError, StoreError
 from megatron_tuning.core.identity import config_signature
 from megatron_tuning.core.policy import TuningPolicy
 from megatron_tuning.distributed import agreement
-from megatron_tuning.distributed.chaos import StoreChaos, start_chaos
-from megatron_tuning.distributed.wire import identity_digest, scope_id
+from megatron_tuning.distributed.store import StoreChaos, identity_digest, scope_id
 
 KERNEL = "pkg.kernels:matmul"
 KEY = "M=6 | a:torch.int8"
@@ -51,9 +50,7 @@ def _run_group(group: list[int], order: list[int], configs: list[triton.Config])
     """Every rank of ``group`` reaches (KERNEL, KEY) in ``order``; return what each rank raised."""
     store = dist.HashStore()
     policy = TuningPolicy(mode="chaos", agreement="store")
-    checkers = {
-        r: agreement.AgreementChecker(policy, store=store, rank=r, ranks=group, namespace="t") for r in group
-    }
+    checkers = {r: agreement.AgreementChecker(policy, store=store, rank=r, ranks=group) for r in group}
     raised: dict[int, str] = {}
     for rank in order:
         coordinator = StoreChaos(store=store, rank=rank, ranks=group, namespace="t")
@@ -118,30 +115,35 @@ def test_claims_are_scoped_by_namespace_and_group() -> None:
 
 @pytest.mark.parametrize(
     "garbage",
-    [b"\xff\xfe\n1", b"x\nS", b"-1\nS", b"1.5\nS", b"3", b"9" * 40 + b"\nS", b"2\n", b"\xd9\xa1\nS"],
+    [
+        b"\xff\xfe\n1",
+        b"x\nS",
+        b'{"rank": -1, "signature": "S"}',
+        b'{"rank": 0}',
+        b'{"rank": 1.5, "signature": "S"}',
+    ],
 )
-def test_an_unreadable_claim_is_named_and_the_rank_formula_applies(
-    garbage: bytes, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_an_unreadable_claim_is_a_store_error_naming_kernel_and_key(garbage: bytes) -> None:
     store = dist.HashStore()
     coordinator = StoreChaos(store=store, rank=0, ranks=[0, 1], namespace="g")
     # What a foreign writer might leave under the claim key (PrefixStore nests with "/").
-    raw = dist.PrefixStore(f"megatron_tuning/chaos/v1/g/{scope_id(None, [0, 1])}", store)
+    raw = dist.PrefixStore(f"megatron_tuning/v2/chaos/g/{scope_id(None, [0, 1])}", store)
     raw.set("c/" + identity_digest(KERNEL, KEY, "unknown").hex(), garbage)
-    assert coordinator.claim(KERNEL, KEY, "unknown", "S0") is None
-    assert "unreadable claim" in caplog.text and KERNEL in caplog.text and KEY in caplog.text
+    with pytest.raises(StoreError, match="chaos claim of kernel") as raised:
+        coordinator.claim(KERNEL, KEY, "unknown", "S0")
+    assert KERNEL in str(raised.value) and KEY in str(raised.value)
 
 
 def test_without_a_process_group_the_coordinator_stands_aside() -> None:
     assert not dist.is_initialized()
-    coordinator = start_chaos()
+    coordinator = StoreChaos()
     assert coordinator.claim(KERNEL, KEY, "unknown", "S0") is None
     choice = choose_chaos(KERNEL, KEY, _configs(3, False), rank=0, coordinator=coordinator)
     assert choice.chaos == "rank_formula"
 
 
 def test_a_coordinator_made_before_init_process_group_attaches_once_one_exists() -> None:
-    coordinator = start_chaos()
+    coordinator = StoreChaos()
     assert coordinator.claim(KERNEL, KEY, "unknown", "S0") is None
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:

@@ -113,8 +113,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--agreement",
         choices=policy_vars.AGREEMENT_MODES,
         default=None,
-        help="cross-rank check: store, digest, allgather or off (default: store up to 64 ranks, "
-        "digest above)",
+        help="cross-rank check: store, allgather, verify or off (default: store up to 64 ranks, "
+        "verify above)",
     )
     parser.add_argument(
         "--agreement-timeout", default=None, metavar="SECONDS", help="allgather wait limit (default 300)"

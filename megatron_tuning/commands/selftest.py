@@ -70,7 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--agreement",
-        choices=("store", "allgather", "digest", "off"),
+        choices=("store", "allgather", "verify", "off"),
         default="store",
         help="agreement mode under test (default store; 'off' shows the chaos run "
         "going unnoticed, so the selftest fails)",
@@ -271,7 +271,7 @@ def _exercise(args: argparse.Namespace, rank: int, result: dict[str, Any]) -> No
     from ..core.decisions import decision_log
     from ..core.errors import MegatronTuningError
     from ..core.policy import TuningPolicy
-    from ..distributed import agreement, verify
+    from ..distributed import verify
     from ..session import init_deterministic_tuning
 
     policy = TuningPolicy(
@@ -282,7 +282,7 @@ def _exercise(args: argparse.Namespace, rank: int, result: dict[str, Any]) -> No
         use_shipped_tables=False,
     )
     handle = init_deterministic_tuning(policy)
-    if args.agreement != "off" and agreement.active_checker() is None:
+    if args.agreement != "off" and verify.active_checker() is None:
         raise RuntimeError("init_deterministic_tuning started no agreement check")
     from ..kernels import tiny  # decorated only now: interpreter flag and interception are in place
 

@@ -3,7 +3,7 @@
 The pick is among the *distinct* live configs (duplicates in a config list launch the same thing,
 torchao's ``int8_mm`` lists 27 configs of which 25 differ). A rank-only formula cannot keep every
 pair of ranks apart once there are more ranks than distinct configs, so in a job the ranks
-coordinate through a ``ChaosCoordinator`` (``distributed.chaos``): the first rank to reach a
+coordinate through a ``ChaosCoordinator`` (``distributed.store``): the first rank to reach a
 (kernel, key) keeps its pick and every later one launches another. Without one (a single process)
 the rank formula applies. ``chaos_choice`` is the seed API, a pure function of rank and candidates.
 """
@@ -49,7 +49,7 @@ class ChaosClaim:
 
 
 class ChaosCoordinator(Protocol):
-    """What chaos mode needs from the job; ``distributed.chaos.StoreChaos`` implements it.
+    """What chaos mode needs from the job; ``distributed.store.StoreChaos`` implements it.
 
     ``claim`` records ``signature`` as the job's first pick for (kernel, key, arch) unless a rank
     was first, and returns the first claim either way (one atomic store request); ``None`` when

@@ -47,9 +47,6 @@ KNOWN_VARIABLES = frozenset(
         "MEGATRON_TUNING_TUNE_TIE_BAND",
         "MEGATRON_TUNING_TUNE_DIR",
         "MEGATRON_TUNING_LAUNCHER",  # set by `run`/`tune` for their job (commands/bootstrap.py)
-        "MEGATRON_TUNING_TIER",
-        "MEGATRON_TUNING_AUTO_STORES",
-        "MEGATRON_TUNING_AUTO_STORE_HOST",
     }
 )
 

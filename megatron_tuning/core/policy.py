@@ -22,7 +22,7 @@ from .errors import PolicyError
 
 MODES = ("off", "deterministic", "chaos", "record", "tune", "auto")
 ON_MISS = ("nearest", "min_cost", "error")
-AGREEMENT_MODES = ("store", "allgather", "digest", "off")
+AGREEMENT_MODES = ("store", "allgather", "verify", "off")
 STALE_ENTRIES = ("use", "miss", "error")
 
 # Modes in which the interception chooses without measuring; benchmarking is an error there.
@@ -77,10 +77,9 @@ class TuningPolicy:
     """Search the tables shipped in the package's ``configs/<arch>/`` after the others."""
 
     agreement: str | None = None
-    """Cross-rank check of each (kernel, key): ``store`` (at first use, before the launch),
-    ``digest`` (batched at flushes, O(1) store requests per rank per flush: for large worlds),
-    ``allgather`` (strictly SPMD groups), or ``off``. ``None``: ``store`` up to 64 ranks, ``digest``
-    above (``distributed.agreement.DIGEST_ABOVE_RANKS``)."""
+    """Cross-rank check: ``store`` (each new (kernel, key) before its launch), ``allgather`` (strictly
+    SPMD groups), ``verify`` (``verify_agreement()`` at step boundaries and a bounded check at close,
+    for large jobs) or ``off``. ``None``: ``store`` up to 64 ranks, ``verify`` above."""
 
     agreement_timeout_s: float = 300.0
     """How long an ``allgather`` check waits for missing ranks before naming them."""
@@ -179,6 +178,14 @@ class TuningPolicy:
         return (
             f"mode={self.mode} scope={scope} on_miss={self.on_miss} tables={tables} "
             f"agreement={self.agreement or 'by-size'} strict={int(self.strict)}{cache}"
+        )
+
+    def summary(self) -> str:
+        """The fields every rank of one session must share (compared by the inputs check)."""
+        blocks = ",".join(f"{k}={v}" for k, v in self.block_sizes) or "-"
+        return (
+            f"mode={self.mode} agreement={self.agreement} scope={','.join(self.scope) or 'all'} "
+            f"on_miss={self.on_miss} block_sizes={blocks} stale_entries={self.effective_stale_entries}"
         )
 
     @classmethod

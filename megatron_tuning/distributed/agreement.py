@@ -1,196 +1,106 @@
-"""Cross-rank agreement: prove that every rank launched the same config for each (kernel, key).
+"""Cross-rank agreement: every rank launches the same config for each (kernel, key), provably.
 
-``init_deterministic_tuning`` calls ``start_agreement(policy, group)`` after installing the
-interception; the returned handle's ``stop()`` detaches it. The checker listens to the decision
-log, which calls it at the first use of each (kernel, key) in this process, before the launch.
+``init_deterministic_tuning`` calls ``start_agreement(policy, group, inputs=...)`` once the
+interception is installed. First, every rank compares its *inputs* (policy, table contents,
+versions, arch, session number) with the session's first rank through one ``claim``: every
+deterministic choice is a pure function of these, so ranks that differ are named at init,
+not key by key later (``InputMismatchError``). Then, by ``policy.agreement``:
 
-Modes (``policy.agreement``):
-
-* ``store`` (default): compare through the default process group's key-value store. The first
-  rank to reach a (kernel, key) claims it with its signature (one atomic ``compare_set``); later
-  ranks get that claim back from the same call and raise ``DivergenceError`` on a mismatch. No
-  collective, so ranks that reach kernels at different times, or never, cannot deadlock. The
-  first divergence found is recorded in the store; every rank raises that same diagnosis at its
-  next check. Cost: two store round trips per new (kernel, key) per rank (claim, then the
-  divergence flag); nothing per launch.
-* ``allgather``: for strictly SPMD groups. At first use all ranks of ``group`` meet at a store
-  barrier with a timeout (so a rank that never arrives is named, not waited for forever), then
-  all-gather 64-byte digests of (kernel, key, arch) and signature. Every rank raises the same
-  error on a mismatch.
-* ``digest``: for large worlds. First use records the decision and launches; at a flush (the
-  first repeated launch after new keys, ``verify_agreement``, ``close``) each rank sends one
-  digest of its new rows, and only distinct row sets are uploaded and compared (``digest.py``):
-  O(1) store requests per rank per flush, whatever the number of keys. A divergence is noticed at
-  the flush after it was launched instead of before the launch.
+* ``store`` (default up to ``STORE_UP_TO_RANKS`` ranks): at the first use of each (kernel, key)
+  on a rank, before the launch, the rank claims the key with its config signature; a later rank
+  whose signature differs raises ``DivergenceError`` and records it in the session's divergence
+  flag, which every rank raises at its next check. No collective: ranks that reach kernels at
+  different times, or never (pipeline stages), cannot deadlock. Two store requests per new key.
+* ``allgather``: for strictly SPMD groups: at first use all ranks meet at a barrier with a
+  deadline, then all-gather 64-byte digests; every rank raises the same error.
+* ``verify`` (default above ``STORE_UP_TO_RANKS`` ranks): nothing per key. Ranks agree by
+  construction when their inputs agree, and the user's ``verify_agreement()`` at step
+  boundaries compares whole decision logs (one collective, 32 bytes per rank when all agree);
+  ``stop()`` runs it once more at close, bounded, so a rank that died cannot hang it.
 * ``off``: nothing.
 
-Unset (``policy.agreement is None``): ``store`` up to ``DIGEST_ABOVE_RANKS`` ranks, ``digest``
-above (measured in ``benchmarks/bench_scale.py``; see RESULTS.md).
-
-``verify_agreement(group)`` (``verify.py``) compares whole decision logs at a step boundary.
-
-No store or collective traffic happens while a CUDA graph is captured: such checks wait for the
-next check outside capture, or for ``verify_agreement``. What crosses ranks is in ``wire.py``.
+No store or collective traffic happens while a CUDA graph is captured: such checks run at the
+next check outside capture, at ``verify_agreement``, or at close.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
-import os
 import threading
 from collections.abc import Mapping, Sequence
-from typing import Any, NoReturn, Protocol
+from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
 
 from ..core.decisions import Decision, decision_log
-from ..core.errors import (
-    AgreementTimeoutError,
-    DivergenceError,
-    InputMismatchError,
-    PolicyError,
-    SessionMismatchError,
-    StoreRecordError,
-)
-from ..runtime import pinning
+from ..core.errors import DivergenceError, InputMismatchError, PolicyError, StoreError, TableError
+from ..core.version import __version__
 from ..runtime.pinning import is_capturing
-from .digest import DIVERGED, REFERENCE_WAIT_S, Conflict, DigestLedger, DivergenceAlarm
-from .inputs import INPUTS_KIND, compare_inputs, describe_inputs, inputs_record
-from .inputs import mismatch_from_record as inputs_mismatch_from_record
-from .inputs import mismatch_record as inputs_mismatch_record
-from .sessions import SESSION_KIND, SessionRegistry, mismatch_from_record, mismatch_record, policy_summary
-from .storeops import (
-    BadRecord,
-    decode_record,
-    decode_text,
-    parse_rank_text,
-    poll_until,
-    record_field,
-    request,
-)
-from .wire import (
-    DIGEST_BYTES,
-    all_gather_bytes,
-    arrive,
-    default_store,
-    group_ranks,
-    identity_digest,
-    pack_text,
-    scope_id,
-    signature_digest,
-    unpack_text,
-)
+from ..tables.search import ENV_TABLE, expand_table_paths, installed_triton_version
+from ..tables.shipped import shipped_tables_dir
+from . import store as kv
+from . import verify
+from .verify import all_gather_bytes, pack_text, unchecked_sources, unpack_text
 
 logger = logging.getLogger(__name__)
 
-MODES = ("store", "allgather", "digest", "off")
-DIGEST_ABOVE_RANKS = 64
-"""Worlds larger than this use ``digest`` when the policy leaves ``agreement`` unset."""
-UNCHECKED_SOURCES = frozenset({"out_of_scope", "recorded", "tuned"})
-"""Sources never compared: pass-through kernels, and measured picks that may differ by design."""
+MODES = ("store", "allgather", "verify", "off")
+STORE_UP_TO_RANKS = 64
+"""Worlds up to this size check each key at first use (``store``); larger ones use ``verify``."""
 CHECKED_MODES = ("deterministic", "chaos", "auto")
 
 
-def unchecked_sources(mode: str | None) -> frozenset[str]:
-    """Decision sources that ``mode`` does not compare across ranks.
-
-    In ``auto`` a tuned decision is published for the whole job, so every rank must launch it:
-    ``tuned`` and ``adopted`` are compared there. In ``tune``/``record`` each rank measures for
-    itself, and ranks may differ by design.
-    """
-    return UNCHECKED_SOURCES - {"tuned"} if mode == "auto" else UNCHECKED_SOURCES
-
-
-DEFAULT_TIMEOUT_S = 300.0
-PREFIX = "megatron_tuning/agreement/v1"
-_FLAG = "divergence"
-
-_active_lock = threading.Lock()
-_active: AgreementChecker | None = None
-_epochs = 0  # start_agreement calls in this process: each session gets fresh store keys
-
-
-class AgreementHandle(Protocol):
-    """What ``start_agreement`` returns: ``stop()`` detaches the checker (idempotent)."""
-
-    def stop(self) -> None: ...
+def resolve_mode(policy: Any, group: Any = None) -> str:
+    """The mode ``policy`` asks for; unset: ``store`` up to ``STORE_UP_TO_RANKS`` ranks, else ``verify``."""
+    mode = getattr(policy, "agreement", None)
+    if mode is not None:
+        return str(mode)
+    if not (dist.is_available() and dist.is_initialized()):
+        return "store"
+    return "verify" if len(kv.group_ranks(group)) > STORE_UP_TO_RANKS else "store"
 
 
 class _NoAgreement:
-    """Handle for a process that checks nothing (no process group, or agreement off)."""
+    """Handle for a process that checks nothing (no process group, agreement off, or a measuring mode)."""
+
+    mode = "off"
 
     def stop(self) -> None:
         return None
 
 
-def start_agreement(
-    policy: Any, group: Any = None, *, inputs: Mapping[str, str] | None = None
-) -> AgreementHandle:
-    """Start cross-rank checks for ``policy``; call after the interception is installed.
+def start_agreement(policy: Any, group: Any = None, *, inputs: Mapping[str, str] | None = None) -> Any:
+    """Start cross-rank checks for ``policy``; returns a handle whose ``stop()`` ends them.
 
-    A no-op handle comes back when torch.distributed has no initialized process group, when
-    ``policy.agreement == "off"``, or when ``policy.mode`` is not deterministic/chaos/auto (record
-    and tune modes pick by measurement, so ranks may differ by design). ``group`` scopes the
-    check (default: the whole job). A previous checker is stopped first. ``inputs``
-    (``inputs.describe_inputs``; default: from the policy alone) are compared with the session's
-    first rank: a difference raises ``InputMismatchError`` here, naming it.
+    A no-op handle comes back without a process group, with ``agreement == "off"``, or in a mode
+    that measures (``tune``/``record``). ``inputs`` (``describe_inputs``) are compared with the
+    session's first rank first: a difference raises ``InputMismatchError`` here, on this rank, and
+    on the rank it differs from at its next check.
     """
-    global _active, _epochs
     mode = resolve_mode(policy, group)
     if mode not in MODES:
         raise PolicyError("agreement", mode, "one of " + "|".join(MODES))
     if mode == "off" or getattr(policy, "mode", "deterministic") not in CHECKED_MODES:
         return _NoAgreement()
     if not (dist.is_available() and dist.is_initialized()):
-        logger.debug("no process group: agreement checks are off in this single process")
         return _NoAgreement()
-    with _active_lock:
-        previous, _active = _active, None
-        _epochs += 1
-        epoch = _epochs
+    previous = verify.active_checker()
     if previous is not None:
-        previous.stop()
-    # Elastic restarts reuse the rendezvous store: the restart count keeps old claims apart.
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    checker = AgreementChecker(policy, group, namespace=f"r{restart}/e{epoch}", mode=mode)
-    # Unequal init calls, policies or inputs are named now, not missed or found key by key.
-    checker.start_session(
-        f"r{restart}", epoch, policy, inputs if inputs is not None else describe_inputs(policy)
-    )
+        previous.stop(final_check=False)
+    checker = AgreementChecker(policy, group, session=verify.next_session(), mode=mode)
+    checker.compare_inputs(inputs if inputs is not None else describe_inputs(policy))
     checker.attach()
-    with _active_lock:
-        _active = checker
+    verify.set_active_checker(checker)
     return checker
 
 
-STORE_MODE_HINT = "with many ranks use agreement 'digest' (one request per flush instead of two per key)"
-
-
-def resolve_mode(policy: Any, group: Any = None) -> str:
-    """The agreement mode ``policy`` asks for; unset means ``store`` for small worlds, else ``digest``."""
-    mode = getattr(policy, "agreement", None)
-    if mode is not None:
-        return str(mode)
-    if not (dist.is_available() and dist.is_initialized()):
-        return "store"
-    return "digest" if len(group_ranks(group)) > DIGEST_ABOVE_RANKS else "store"
-
-
-def session_number() -> int:
-    """How many checked sessions this process has started (``verify_agreement`` compares them)."""
-    return _epochs
-
-
-def active_checker() -> AgreementChecker | None:
-    """The checker ``start_agreement`` attached, if any."""
-    return _active
-
-
 class AgreementChecker:
-    """Decision-log listener that compares each new (kernel, key) with the other ranks.
+    """Decision-log listener comparing each new (kernel, key) with the other ranks.
 
-    ``store``/``rank``/``ranks`` exist so tests can drive the protocol without a process group.
+    ``store``, ``rank`` and ``ranks`` exist so tests can drive it without a process group.
     """
 
     def __init__(
@@ -198,205 +108,102 @@ class AgreementChecker:
         policy: Any,
         group: Any = None,
         *,
-        namespace: str = "default",
+        session: int = 1,
+        mode: str | None = None,
         store: Any = None,
         rank: int | None = None,
         ranks: Sequence[int] | None = None,
-        mode: str | None = None,
     ) -> None:
-        self.mode: str = mode if mode is not None else (getattr(policy, "agreement", None) or "store")
+        self.mode: str = mode or getattr(policy, "agreement", None) or "store"
         if self.mode not in MODES:
             raise PolicyError("agreement", self.mode, "one of " + "|".join(MODES))
-        self.timeout_s = float(getattr(policy, "agreement_timeout_s", DEFAULT_TIMEOUT_S))
+        self.policy = policy
+        self.timeout_s = float(getattr(policy, "agreement_timeout_s", 300.0))
         self.unchecked = unchecked_sources(getattr(policy, "mode", "deterministic"))
         self.group = group
+        self.session = session
         self.rank = dist.get_rank() if rank is None else int(rank)
-        self.ranks = list(ranks) if ranks is not None else group_ranks(group)
-        base = store if store is not None else default_store()
-        self._base = base
-        self._store = dist.PrefixStore(f"{PREFIX}/{namespace}/{scope_id(group, self.ranks)}", base)
-        self.session: SessionRegistry | None = None
+        self.ranks = list(ranks) if ranks is not None else kv.group_ranks(group)
+        self.world = max(self.ranks) + 1 if self.ranks else 1
+        scope = kv.scope_id(group, self.ranks)
+        self._store = kv.prefixed(f"agreement/{kv.job_namespace()}/e{session}/{scope}", store)
         self._lock = threading.RLock()  # allgather checks must not interleave within a process
         self._seen: set[bytes] = set()
         self._pending: list[Decision] = []
         self._seq = 0
         self._attached = False
-        self._world = max(self.ranks) + 1 if self.ranks else 1
-        reader = self.rank == min(self.ranks, default=-1)  # the group's first rank reads the log
-        self.ledger = (
-            DigestLedger(self._store, self.rank, len(self.ranks), reader=reader)
-            if self.mode == "digest"
-            else None
-        )
 
-    def start_session(
-        self, job: str, number: int, policy: Any, inputs: Mapping[str, str] | None = None
-    ) -> None:
-        """Publish this process's session ``number``; raise ``SessionMismatchError`` when another
-        rank started that number with a different policy (``sessions.py``), and
-        ``InputMismatchError`` when it started it with other tables or versions (``inputs.py``)."""
-        store = dist.PrefixStore(f"{PREFIX}/{job}/sessions/{scope_id(self.group, self.ranks)}", self._base)
-        self.session = SessionRegistry(store, self.rank, number, policy_summary(policy))
-        error = self.session.register()
-        if error is not None:
-            self._record_flag(mismatch_record(error))  # the other rank raises it next
+    def compare_inputs(self, inputs: Mapping[str, str]) -> None:
+        """Claim this session's inputs; raise ``InputMismatchError`` if the first rank's differ."""
+        where = f"tuning session #{self.session}"
+        mine = {"rank": self.rank, "inputs": dict(inputs)}
+        first = kv.claim(self._store, "inputs", mine, f"the inputs of {where}")
+        theirs = kv.field(first, "inputs", dict, f"the inputs of {where}")
+        first_rank = kv.rank_of(first, f"the inputs of {where}", self.world)
+        differences = {
+            name: {first_rank: str(theirs.get(name, "-")), self.rank: str(inputs.get(name, "-"))}
+            for name in sorted(set(theirs) | set(inputs))
+            if str(theirs.get(name, "-")) != str(inputs.get(name, "-"))
+        }
+        if differences:
+            error = InputMismatchError(where, sorted({first_rank, self.rank}), differences)
+            self._flag(
+                {"kind": "inputs", "where": where, "ranks": error.ranks, "differences": error.differences}
+            )
             raise error
-        if inputs is None:
-            return
-        session = f"tuning session #{number}"
-        mine = inputs_record(self.rank, inputs)
-        first = request(f"the inputs of {session}", lambda: store.compare_set(f"e{number}/inputs", "", mine))
-        mismatch = compare_inputs(session, self.rank, inputs, first, self._world)
-        if mismatch is not None:
-            self._record_flag(inputs_mismatch_record(mismatch))
-            raise mismatch
 
     def attach(self) -> None:
         if not self._attached:
             decision_log().add_listener(self.check)
             self._attached = True
 
-    def detach(self) -> None:
+    def stop(self, *, final_check: bool = True) -> None:
+        """Detach; in ``verify`` mode run the bounded final check (may raise ``DivergenceError``)."""
         if self._attached:
             decision_log().remove_listener(self.check)
             self._attached = False
-
-    def stop(self) -> None:
-        """Detach; ``digest`` mode sends what is pending first (and may raise ``DivergenceError``).
-
-        Checks deferred by a CUDA graph capture and never flushed are logged and dropped.
-        """
-        global _active
-        self.detach()
-        with _active_lock:
-            if _active is self:
-                _active = None
-        pinning.cancel_flush(self.flush)
-        if self.ledger is not None and not is_capturing():
-            with self._lock:
-                self._close_digest()
-        if self._pending:
-            logger.warning(
-                "agreement: %d check(s) deferred during CUDA graph capture were never run", len(self._pending)
-            )
+        verify.set_active_checker(None, replacing=self)
+        if self._pending and not is_capturing():
+            self.flush()
+        if final_check and self.mode == "verify":
+            verify.verify_at_close(self.group, self.timeout_s)
 
     def check(self, decision: Decision) -> None:
-        """Listener: compare ``decision`` with the other ranks (raises DivergenceError)."""
-        if self.mode == "off" or decision.source in self.unchecked:
+        """Listener: compare ``decision`` with the other ranks (raises ``DivergenceError``)."""
+        if self.mode in ("off", "verify") or decision.source in self.unchecked:
             return
-        ident = identity_digest(decision.kernel, decision.key, decision.arch)
+        ident = kv.identity_digest(decision.kernel, decision.key, decision.arch)
         with self._lock:
             if ident in self._seen:
                 return
             self._seen.add(ident)
-            if self.ledger is not None:
-                if self.ledger.add(decision) and not is_capturing():
-                    self._flush_digest()  # a full batch goes now, not at the next repeated launch
-                else:
-                    pinning.request_flush(self.flush)
-                return
             if is_capturing():
                 self._pending.append(decision)
                 return
             try:
-                self._flush_locked()
+                self._run_pending()
                 self._check_one(decision)
             except BaseException:
-                # The interception pins nothing when a listener raises: the next launch of this
-                # key comes back here and must fail again, not pass as "already seen".
+                # Nothing is pinned when a listener raises: the next launch of this key comes back
+                # here and must fail again, not pass as "already seen".
                 self._seen.discard(ident)
                 raise
 
     def flush(self) -> None:
-        """Send ``digest`` decisions, run checks deferred by a CUDA graph capture (not while capturing)."""
+        """Run checks deferred by a CUDA graph capture, and raise a divergence another rank recorded."""
         with self._lock:
-            if is_capturing():
-                pinning.request_flush(self.flush)  # try again at a launch after the capture
-                return
-            if self.ledger is not None:
-                self._flush_digest()
-            self._flush_locked()
+            if not is_capturing():
+                self._run_pending()
+                self.poll()
 
     def poll(self) -> None:
-        """Raise the divergence another rank recorded in the store, if any (store and digest modes)."""
-        if self.mode in ("store", "digest"):
-            record = self._read_flag()
-            if record:
-                raise _error_from_record(record)
+        """Raise the divergence (or input mismatch) another rank recorded in the store, if any."""
+        if self.mode == "store":
+            record = kv.peek(self._store, "flag", "the agreement's divergence flag")
+            if record is not None:
+                raise _error_from_flag(record)
 
-    def _read_flag(self) -> bytes:
-        return bytes(
-            request("the agreement's divergence flag", lambda: self._store.compare_set(_FLAG, "", ""))
-        )
-
-    # -- digest mode ---------------------------------------------------------------------
-    def _flush_digest(self) -> None:
-        """Send the batch; a batch whose reference was only claimed yet is compared at the next
-        launch (re-requested flush). No flag poll: a divergence recorded elsewhere is learnt from
-        the alarm in a claim reply (``DigestLedger.sound_alarm``) or from the close count."""
-        assert self.ledger is not None
-        try:
-            deferred = self.ledger.flush(self._on_conflict)
-        except BadRecord as bad:
-            raise StoreRecordError(bad.what, bad.problem) from None
-        except DivergenceAlarm:
-            self._await_flag()
-        if deferred:
-            pinning.request_flush(self.flush)
-
-    def _close_digest(self) -> None:
-        """Last flush at stop; the last rank of the group to stop also reads the whole log.
-
-        One request besides the flush: the close count's reply also says whether a divergence
-        was recorded (``DIVERGED``), and only then is the flag read.
-        """
-        assert self.ledger is not None
-        try:
-            self.ledger.flush(self._on_conflict, final=True)
-            closed = int(request("the digest agreement's close count", lambda: self._store.add("closed", 1)))
-            if closed % DIVERGED >= len(self.ranks):
-                self.ledger.read_log(self._on_conflict)
-        except BadRecord as bad:
-            raise StoreRecordError(bad.what, bad.problem) from None
-        except DivergenceAlarm:
-            self._await_flag()
-        if closed >= DIVERGED:
-            self._await_flag()
-
-    def _await_flag(self) -> NoReturn:
-        """Raise the recorded divergence; its recorder marks the close count just before writing it
-        (and sounds the alarm just after). A read is ``compare_set(flag, "", "")``, which leaves an
-        empty flag behind, so this polls for a record rather than waiting for the key (error path)."""
-        record = poll_until(lambda: self._read_flag() or None, REFERENCE_WAIT_S)
-        if record is None:
-            raise StoreRecordError(
-                "the agreement's divergence flag",
-                f"a divergence mark but no divergence record after {REFERENCE_WAIT_S:g} s",
-            )
-        raise _error_from_record(record)
-
-    def _record_flag(self, record: str) -> bytes:
-        """Record a divergence (the first one wins) and return the winner; the close count says so first."""
-        request("the agreement's close count", lambda: self._store.add("closed", DIVERGED))
-        winner = bytes(self._store.compare_set(_FLAG, "", record))
-        if self.ledger is not None:
-            self.ledger.sound_alarm()  # after the flag: whoever sees the alarm finds the record
-        return winner
-
-    def _on_conflict(self, conflict: Conflict) -> None:
-        assert self.ledger is not None
-        (rank_a, flush_a, _), (rank_b, flush_b, _) = conflict.mine, conflict.theirs
-        text_a = self.ledger.texts_of(rank_a, flush_a).get(conflict.ident)
-        text_b = self.ledger.texts_of(rank_b, flush_b).get(conflict.ident)
-        kernel, key = next(((t[0], t[1]) for t in (text_a, text_b) if t), ("?", conflict.ident.hex()))
-        signatures = {
-            rank_a: text_a[2] if text_a else f"(signature digest {conflict.mine[2].hex()})",
-            rank_b: text_b[2] if text_b else f"(signature digest {conflict.theirs[2].hex()})",
-        }
-        d = Decision(kernel=kernel, key=key, signature=signatures.get(self.rank, ""), source="table")
-        self._raise_divergence(d, signatures, "Found by the digest check at a flush (after the launch).")
-
-    def _flush_locked(self) -> None:
+    def _run_pending(self) -> None:
         while self._pending:
             self._check_one(self._pending.pop(0))
 
@@ -407,109 +214,130 @@ class AgreementChecker:
             self._allgather_check(decision)
 
     def _store_check(self, d: Decision) -> None:
-        mine = f"{self.rank}\n{d.signature}"
-        # Atomic claim: on an absent key this sets ours; otherwise it returns the first claim.
         what = f"the store check of kernel {d.kernel} with key {d.key}"
-        name = "k/" + identity_digest(d.kernel, d.key, d.arch).hex()
-        claim = request(what, lambda: self._store.compare_set(name, "", mine), hint=STORE_MODE_HINT)
-        try:
-            claim_text = decode_text(claim, what)
-            first, _, first_signature = claim_text.partition("\n")
-            first_rank = parse_rank_text(first, what, self._world)
-        except BadRecord as bad:
-            detail = f"The store's claim for this key is unreadable: {bad.problem}."
-            self._raise_divergence(d, {self.rank: d.signature}, detail)
-        if claim_text != mine and first_signature != d.signature:
+        name = "k/" + kv.identity_digest(d.kernel, d.key, d.arch).hex()
+        first = kv.claim(self._store, name, {"rank": self.rank, "signature": d.signature}, what)
+        first_rank, first_signature = (
+            kv.rank_of(first, what, self.world),
+            kv.field(first, "signature", str, what),
+        )
+        if first_signature != d.signature:
             signatures = {first_rank: first_signature, self.rank: d.signature}
-            self._raise_divergence(d, signatures, "Found by the store check at first use.")
+            raise self._divergence(d, signatures, "Found by the store check at first use.")
         self.poll()
 
-    def _raise_divergence(self, d: Decision, signatures: dict[int, str], detail: str) -> None:
-        record = json.dumps(
-            {
-                "kernel": d.kernel,
-                "key": d.key,
-                "detail": detail,
-                "signatures": {str(r): s for r, s in sorted(signatures.items())},
-            },
-            sort_keys=True,
-        )
+    def _divergence(self, d: Decision, signatures: dict[int, str], detail: str) -> Exception:
+        record: dict[str, Any] = {"kind": "divergence", "kernel": d.kernel, "key": d.key, "detail": detail}
+        record["signatures"] = {str(r): s for r, s in sorted(signatures.items())}
         # The first divergence recorded wins, so every rank raises the identical message.
-        winner = self._record_flag(record)
-        error = _error_from_record(winner)
-        if isinstance(error, DivergenceError) and error.signatures.get(self.rank) != d.signature:
-            logger.error(
-                "agreement: rank %d launched %s for kernel %s with key %s",
-                self.rank,
-                d.signature,
-                d.kernel,
-                d.key,
-            )
-        raise error
+        return _error_from_flag(self._flag(record))
+
+    def _flag(self, record: dict[str, Any]) -> dict[str, Any]:
+        return kv.claim(self._store, "flag", {"rank": self.rank, **record}, "the agreement's divergence flag")
 
     def _allgather_check(self, d: Decision) -> None:
         self._seq += 1
         what = f"kernel {d.kernel} with key {d.key} (allgather check #{self._seq})"
-        session = self.session
-        on_wait = None if session is None else (lambda missing: session.fail_if_moved_on(missing, what))
-        try:
-            arrive(
-                self._store, f"ag/{self._seq}", self.rank, self.ranks, what, self.timeout_s, on_wait=on_wait
-            )
-        except AgreementTimeoutError as error:
-            mismatch = session.explain_timeout(error, what) if session is not None else None
-            if mismatch is not None:
-                raise mismatch from error
-            raise
-        row = identity_digest(d.kernel, d.key, d.arch) + signature_digest(d.signature)
+        kv.arrive(self._store, f"ag/{self._seq}", self.rank, self.ranks, what, self.timeout_s)
+        row = kv.identity_digest(d.kernel, d.key, d.arch) + kv.signature_digest(d.signature)
         rows = all_gather_bytes(row, self.group)
         if all(r == rows[0] for r in rows):
             return
-        texts = all_gather_bytes(pack_text(d.kernel, d.key, d.signature), self.group)
-        raise _allgather_error(rows, [unpack_text(t) for t in texts], self.ranks, self._seq)
+        texts = [
+            unpack_text(t) for t in all_gather_bytes(pack_text(d.kernel, d.key, d.signature), self.group)
+        ]
+        same = [i for i, r in enumerate(rows) if r[:32] == rows[0][:32]]
+        detail = f"Found by allgather check #{self._seq} over ranks {self.ranks}."
+        elsewhere = [
+            f"rank {self.ranks[i]} was at kernel {t[0]} with key {t[1]}"
+            for i, t in enumerate(texts)
+            if i not in same
+        ]
+        if elsewhere:
+            detail += (
+                f" Ranks reached different kernels at this check ({'; '.join(elsewhere)}): allgather needs "
+                "identical kernels in identical order; use agreement 'store' otherwise."
+            )
+        raise DivergenceError(texts[0][0], texts[0][1], {self.ranks[i]: texts[i][2] for i in same}, detail)
 
 
-def _error_from_record(record: bytes | str) -> DivergenceError | SessionMismatchError | InputMismatchError:
+def _error_from_flag(record: Mapping[str, Any]) -> Exception:
     what = "the agreement's divergence flag"
-    try:
-        data = decode_record(record, what)
-        if data.get("kind") == SESSION_KIND:
-            return mismatch_from_record(data)
-        if data.get("kind") == INPUTS_KIND:
-            return inputs_mismatch_from_record(data)
-        raw = record_field(data, "signatures", dict, what)
-        signatures = {}
-        for rank, signature in raw.items():
-            if not isinstance(signature, str):
-                raise BadRecord(what, f"signature {signature!r} for rank {rank!r}")
-            signatures[parse_rank_text(str(rank), what, None)] = signature
-        kernel = record_field(data, "kernel", str, what)
-        key = record_field(data, "key", str, what)
-        detail = record_field(data, "detail", str, what)
-    except BadRecord as bad:
-        raise StoreRecordError(bad.what, bad.problem) from None
-    except (KeyError, TypeError, ValueError) as exc:
-        raise StoreRecordError(
-            what, f"a record the library cannot read ({type(exc).__name__}: {exc})"
-        ) from None
-    return DivergenceError(kernel, key, signatures, detail)
-
-
-def _allgather_error(
-    rows: list[bytes], texts: list[tuple[str, str, str]], ranks: list[int], seq: int
-) -> DivergenceError:
-    kernel, key, _ = texts[0]
-    here = [i for i, row in enumerate(rows) if row[:DIGEST_BYTES] == rows[0][:DIGEST_BYTES]]
-    signatures = {ranks[i]: texts[i][2] for i in here}
-    detail = f"Found by allgather check #{seq} over ranks {ranks}."
-    elsewhere = [
-        f"rank {ranks[i]} was at kernel {texts[i][0]} with key {texts[i][1]}"
-        for i in range(len(rows))
-        if i not in here
-    ]
-    if elsewhere:
-        detail += (
-            " Ranks reached different kernels at this check (" + "; ".join(elsewhere) + "): "
-            "allgather needs identical kernels in identical order; use agreement 'store' otherwise."
+    if record.get("kind") == "inputs":
+        return InputMismatchError(
+            kv.field(record, "where", str, what),
+            kv.field(record, "ranks", list, what),
+            kv.field(record, "differences", dict, what),
         )
-    return DivergenceError(kernel, key, signatures, detail)
+    raw = kv.field(record, "signatures", dict, what)
+    signatures = {}
+    for rank, signature in raw.items():
+        if not (isinstance(rank, str) and rank.isdigit() and isinstance(signature, str)):
+            raise StoreError(what, f"the flag names rank {rank!r} with signature {signature!r}")
+        signatures[int(rank)] = signature
+    return DivergenceError(
+        kv.field(record, "kernel", str, what),
+        kv.field(record, "key", str, what),
+        signatures,
+        kv.field(record, "detail", str, what),
+    )
+
+
+# --------------------------------------------------------------------------- the inputs
+
+
+def describe_inputs(policy: Any, table: Any = None) -> dict[str, str]:
+    """What this rank's choices depend on, as short comparable text per input. Table files are
+    compared by content, so the same tables at different paths on different nodes agree."""
+    from ..core import env
+
+    inputs = {
+        "policy": policy.summary() if hasattr(policy, "summary") else repr(policy),
+        "megatron_tuning": __version__,
+        "triton": installed_triton_version() or "not installed",
+        "torch": _torch_version(),
+    }
+    if table is not None and not hasattr(table, "files"):
+        inputs["tables"] = _mapping_digest(table)
+    else:
+        explicit = tuple(getattr(policy, "tables", ()) or ()) + tuple(env.env_list(ENV_TABLE, ":") or ())
+        inputs["tables"] = _files_digest(explicit)
+    if getattr(policy, "use_shipped_tables", True):
+        folder = shipped_tables_dir()
+        files = sorted(p for p in folder.rglob("*.msgpack") if p.is_file()) if folder.is_dir() else []
+        inputs["shipped tables"] = _digest_of(files, folder)
+    return inputs
+
+
+def _torch_version() -> str:
+    import torch
+
+    return str(torch.__version__)
+
+
+def _digest_of(files: Sequence[Path], root: Path | None = None) -> str:
+    hasher = hashlib.sha256()
+    for path in files:
+        name = str(path.relative_to(root)) if root is not None else path.name
+        try:
+            hasher.update(name.encode() + b"\0" + path.read_bytes())
+        except OSError as exc:
+            return f"{path} unreadable ({exc.strerror or exc})"
+    return f"{len(files)} files@{hasher.hexdigest()[:12]}" if files else "(none)"
+
+
+def _files_digest(paths: tuple[str, ...]) -> str:
+    try:
+        return _digest_of([Path(name) for name in expand_table_paths(paths)])
+    except TableError as exc:  # the table search path reports it too, naming the file
+        return f"unreadable ({exc})"
+
+
+def _mapping_digest(table: Any) -> str:
+    if not isinstance(table, Mapping):
+        return f"a {type(table).__name__} object (not compared)"
+    rows = sorted(
+        json.dumps([list(k), dict(v) if isinstance(v, Mapping) else repr(v)], sort_keys=True, default=str)
+        for k, v in table.items()
+    )
+    return f"{len(rows)} in-memory entries@{hashlib.sha256(chr(10).join(rows).encode()).hexdigest()[:12]}"

@@ -14,42 +14,36 @@ grow with the number of ranks:
 4. on a divergence, the representatives that hold the named entries broadcast their texts, and
    every rank raises the same ``DivergenceError``.
 
-Exchanged per rank: 32 bytes x ranks, then its own rows (O(keys)), never O(ranks x keys).
+Exchanged per rank: 32 bytes x ranks, then its own rows (O(keys)), never O(ranks x keys). Only
+fixed-size byte tensors cross ranks (no pickle, no ``all_gather_object``). This module also keeps
+which agreement checker is active and how many checked sessions this process started.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import struct
+import threading
+from collections.abc import Sequence
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from ..core.decisions import Decision, decision_log
-from ..core.errors import DivergenceError, InputMismatchError, SessionMismatchError
+from ..core.errors import AgreementTimeoutError, DivergenceError, InputMismatchError, StoreError
+from ..core.warn import warn_once
 from ..runtime.interception import current_policy
-from . import agreement
-from .agreement import DEFAULT_TIMEOUT_S, PREFIX, unchecked_sources
-from .sessions import compare_session_numbers
-from .wire import (
-    TEXT_BYTES,
-    all_gather_bytes,
-    all_to_all_bytes,
-    arrive,
-    broadcast_bytes,
-    default_store,
-    group_ranks,
-    identity_digest,
-    pack_text,
-    scope_id,
-    signature_digest,
-    unpack_text,
-)
+from . import store as kv
 
 logger = logging.getLogger(__name__)
 
+CLOSE_TIMEOUT_S = 60.0
+"""The final check at close waits at most this long for the other ranks (or the policy's timeout)."""
+DEFAULT_TIMEOUT_S = 300.0
+FIELD_BYTES = (256, 768, 512)  # kernel, key, signature text in a fixed-size naming row
+TEXT_BYTES = sum(FIELD_BYTES)
 MAX_NAMED = 8  # differing entries named by verify_agreement; the rest are counted
 MAX_SIGNATURES_NAMED = 4  # distinct logs whose configs are listed per named entry
 _HEADER = struct.Struct("<16sQQ")  # log digest, row count, session number
@@ -57,6 +51,42 @@ _ROW = struct.Struct("<16s16sI")  # identity, signature, position in the sender'
 _NAMED = struct.Struct("<16sII")  # identity, first observer's group index, its log position
 _SUMMARY = struct.Struct("<QQ")  # shared entries, differing entries (this owner's)
 _verify_calls: dict[str, int] = {}
+_sessions = 0
+_checker: Any = None
+_checker_lock = threading.Lock()
+
+
+def next_session() -> int:
+    """Start this process's next checked session; return its number (store keys are per session)."""
+    global _sessions
+    with _checker_lock:
+        _sessions += 1
+        return _sessions
+
+
+def session_number() -> int:
+    """How many checked sessions this process started (``verify_agreement`` compares them)."""
+    return _sessions
+
+
+def active_checker() -> Any:
+    """The agreement checker ``start_agreement`` attached, if any."""
+    return _checker
+
+
+def set_active_checker(checker: Any, *, replacing: Any = None) -> None:
+    """Make ``checker`` the active one; with ``replacing``, only if that one is still active."""
+    global _checker
+    with _checker_lock:
+        if replacing is None or _checker is replacing:
+            _checker = checker
+
+
+def unchecked_sources(mode: str | None) -> frozenset[str]:
+    """Decision sources not compared: pass-through kernels and, outside ``auto``, measured picks
+    (``tune``/``record`` ranks measure for themselves and may differ by design)."""
+    sources = {"out_of_scope", "recorded"}
+    return frozenset(sources if mode == "auto" else sources | {"tuned"})
 
 
 def verify_agreement(group: Any = None, *, timeout_s: float | None = None) -> int:
@@ -71,32 +101,33 @@ def verify_agreement(group: Any = None, *, timeout_s: float | None = None) -> in
     """
     if not (dist.is_available() and dist.is_initialized()):
         return 0
-    checker = agreement.active_checker()
-    late_error: DivergenceError | SessionMismatchError | InputMismatchError | None = None
+    checker = _checker
+    late_error: DivergenceError | InputMismatchError | None = None
     if checker is not None:
         try:
             checker.flush()
-            checker.poll()
-        except (DivergenceError, SessionMismatchError, InputMismatchError) as error:
+        except (DivergenceError, InputMismatchError) as error:
             if checker.mode == "allgather" and isinstance(error, DivergenceError):
                 raise  # allgather errors are raised on every rank alike
             late_error = error  # one-sided: raising before the collective would hang the others
     timeout = timeout_s if timeout_s is not None else (checker.timeout_s if checker else DEFAULT_TIMEOUT_S)
-    ranks = group_ranks(group)
-    scope = scope_id(group, ranks)
+    ranks = kv.group_ranks(group)
+    scope = kv.scope_id(group, ranks)
     _verify_calls[scope] = seq = _verify_calls.get(scope, 0) + 1
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    store = dist.PrefixStore(f"{PREFIX}/verify/r{restart}/{scope}", default_store())
-    arrive(store, str(seq), dist.get_rank(), ranks, f"verify_agreement call #{seq}", timeout)
+    store = kv.prefixed(f"verify/{kv.job_namespace()}/{scope}")
+    kv.arrive(store, str(seq), dist.get_rank(), ranks, f"verify_agreement call #{seq}", timeout)
 
     policy = current_policy()
     table = _log_table(unchecked_sources(policy.mode if policy is not None else None))
     idents = list(table)  # launch order, so the first divergence named is the earliest one
-    rows = sorted(i[:16] + signature_digest(table[i].signature)[:16] for i in idents)
+    rows = sorted(i[:16] + kv.signature_digest(table[i].signature)[:16] for i in idents)
     digest = hashlib.sha256(b"".join(rows)).digest()[:16]
-    headers = all_gather_bytes(_HEADER.pack(digest, len(idents), agreement.session_number()), group)
+    headers = all_gather_bytes(_HEADER.pack(digest, len(idents), _sessions), group)
     parsed = [_HEADER.unpack(h) for h in headers]
-    compare_session_numbers({r: p[2] for r, p in zip(ranks, parsed)}, f"verify_agreement call #{seq}")
+    numbers = {r: p[2] for r, p in zip(ranks, parsed)}
+    if len(set(numbers.values())) > 1:
+        where = f"verify_agreement call #{seq}"
+        raise InputMismatchError(where, sorted(numbers), {"tuning sessions started": numbers})
     groups: dict[bytes, list[int]] = {}
     for index, (log_digest, _, _) in enumerate(parsed):
         groups.setdefault(log_digest, []).append(index)
@@ -131,7 +162,7 @@ def _compare_sharded(
     chunks: list[list[bytes]] = [[] for _ in range(world)]
     if representative:
         for position, ident in enumerate(idents):
-            signature = signature_digest(table[ident].signature)[:16]
+            signature = kv.signature_digest(table[ident].signature)[:16]
             chunks[_owner(ident, world)].append(_ROW.pack(ident[:16], signature, position))
     received = all_to_all_bytes([b"".join(c) for c in chunks], group)
     holders: dict[bytes, dict[bytes, tuple[int, int]]] = {}  # ident -> signature -> (index, position)
@@ -235,7 +266,98 @@ def _log_table(unchecked: frozenset[str]) -> dict[bytes, Decision]:
     process launches now, so it wins (a dict keeps the first insertion's position).
     """
     return {
-        identity_digest(d.kernel, d.key, d.arch): d
+        kv.identity_digest(d.kernel, d.key, d.arch): d
         for d in decision_log().decisions()
         if d.source not in unchecked
     }
+
+
+def verify_at_close(group: Any, timeout_s: float) -> None:
+    """The final check of a ``verify`` session: bounded (``CLOSE_TIMEOUT_S``), so a rank that died
+    or never closes cannot hang it; then it says so, naming the ranks. A divergence raises."""
+    if not (dist.is_available() and dist.is_initialized()):
+        warn_once(
+            ("close-check-no-group",),
+            "the final agreement check did not run: the process group was destroyed before the tuning "
+            "session closed. Call megatron_tuning.verify_agreement() (or handle.close()) before "
+            "destroy_process_group().",
+        )
+        return
+    try:
+        verify_agreement(group, timeout_s=min(timeout_s, CLOSE_TIMEOUT_S))
+    except (AgreementTimeoutError, StoreError) as exc:
+        warn_once(
+            ("close-check", type(exc).__name__), "the final agreement check at close did not run: %s", exc
+        )
+
+
+# --------------------------------------------------------------------------- byte collectives
+
+
+def pack_text(kernel: str, key: str, signature: str) -> bytes:
+    """Fixed-size NUL-padded row of the three texts; an over-long field ends in a marker."""
+    parts = []
+    for text, size in zip((kernel, key, signature), FIELD_BYTES):
+        raw = text.encode()
+        if len(raw) > size:
+            raw = raw[: size - 14].decode("utf-8", "ignore").encode() + b"...[truncated]"
+        parts.append(raw.ljust(size, b"\0"))
+    return b"".join(parts)
+
+
+def unpack_text(row: bytes) -> tuple[str, str, str]:
+    fields, start = [], 0
+    for size in FIELD_BYTES:
+        fields.append(row[start : start + size].rstrip(b"\0").decode("utf-8", "replace"))
+        start += size
+    return fields[0], fields[1], fields[2]
+
+
+def all_gather_bytes(data: bytes, group: Any) -> list[bytes]:
+    """All-gather one equal-size byte string per rank, as uint8 tensors on the group's device."""
+    tensor = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(_device(group))
+    out = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, tensor, group=group)
+    return [_bytes(t) for t in out]
+
+
+def all_to_all_bytes(chunks: Sequence[bytes], group: Any) -> list[bytes]:
+    """Send ``chunks[i]`` to the group's i-th rank; return what each rank sent to this one.
+
+    Sizes first (one int64 per rank pair), then one ``all_to_all_single`` of the bytes: each rank
+    moves only its own data, O(rows), not O(ranks x rows) as an all-gather would.
+    """
+    device = _device(group)
+    send_sizes = torch.tensor([len(c) for c in chunks], dtype=torch.int64, device=device)
+    recv_sizes = torch.empty_like(send_sizes)
+    dist.all_to_all_single(recv_sizes, send_sizes, group=group)
+    incoming = [int(n) for n in recv_sizes.cpu().tolist()]
+    payload = b"".join(chunks)
+    send = torch.frombuffer(bytearray(payload or b"\0"), dtype=torch.uint8)[: len(payload)].to(device)
+    recv = torch.empty(sum(incoming), dtype=torch.uint8, device=device)
+    dist.all_to_all_single(
+        recv, send, output_split_sizes=incoming, input_split_sizes=[len(c) for c in chunks], group=group
+    )
+    data, out, start = _bytes(recv), [], 0
+    for size in incoming:
+        out.append(data[start : start + size])
+        start += size
+    return out
+
+
+def broadcast_bytes(data: bytes, size: int, source: int, group: Any) -> bytes:
+    """Broadcast ``size`` bytes from global rank ``source`` (others pass anything; it is padded)."""
+    tensor = torch.frombuffer(bytearray(data[:size].ljust(size, b"\0")), dtype=torch.uint8).to(_device(group))
+    dist.broadcast(tensor, src=source, group=group)
+    return _bytes(tensor)
+
+
+def _bytes(tensor: torch.Tensor) -> bytes:
+    return bytes(tensor.cpu().numpy().tobytes())
+
+
+def _device(group: Any) -> torch.device:
+    backend = str(dist.get_backend(group)).lower()
+    if "gloo" in backend or "cpu" in backend or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())

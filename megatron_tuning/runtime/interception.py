@@ -99,8 +99,8 @@ def install(
     ``table`` provides ``lookup`` (``core.choice.ConfigTable``) or is a ``{(kernel, key): config}``
     mapping. ``measure`` (``tuning.tuner.make_measure``) is required in mode ``tune``; in ``auto``
     without one, a miss falls back to the policy's miss rule. ``consensus`` shares ``auto``
-    decisions across the job's ranks (``distributed.consensus``); ``None``: this process alone.
-    ``chaos`` lets chaos-mode ranks avoid the job's first pick (``distributed.chaos``).
+    decisions across the job's ranks (``distributed.store``); ``None``: this process alone.
+    ``chaos`` lets chaos-mode ranks avoid the job's first pick (``distributed.store``).
     """
     global _generation
     if policy.mode == "tune" and measure is None:
@@ -176,8 +176,6 @@ def _make_run(original: Any) -> Any:
         if state is not None and state.live is pinning.active:
             launch = state.find(args, kwargs)
             if launch is not None:
-                if pinning.flush_pending:  # the one hook on this path: work due at a repeated launch
-                    pinning.run_pending_flush()
                 config, options, _ = launch
                 # Triton's cache-hit launch: Config.pre_hook sees the full argument dict, then fn.run.
                 self.best_config = config
@@ -194,8 +192,6 @@ def _first_launch(original: Any, autotuner: Any, args: tuple[Any, ...], kwargs: 
     the hit path), or route to Triton or record mode."""
     pinned = autotuner.__dict__.get(PINNED_ATTR)
     if pinned is not None:  # a compiled graph's one-config copy: decided when it was traced
-        if pinning.flush_pending:
-            pinning.run_pending_flush()
         # ``_launch`` passes every option (callers' keywords may be there): no defaults to read.
         return _launch(autotuner, make_launch(pinned, {}), args, kwargs)
     installation = pinning.active
@@ -212,8 +208,6 @@ def _first_launch(original: Any, autotuner: Any, args: tuple[Any, ...], kwargs: 
     config = state.pins.get(raw)
     if config is None:
         config = decide(autotuner, state, installation, raw, args, kwargs)
-    elif pinning.flush_pending:  # a key decided before (another call pattern, compiled code): a repeat
-        pinning.run_pending_flush()
     keep = len(state.launches) < pinning.MAX_LAUNCHES
     # Only a kept record reaches the compiled hit path, the one user of the shorter options.
     launch = make_launch(config, launch_option_defaults() if keep else {})

@@ -199,9 +199,9 @@ def compile_run(
     record; every other call goes to ``slow(autotuner, *args, **kwargs)`` (the class-level
     ``run``; ``grid`` and ``warmup`` first in its keywords, as ``kernel[grid](...)`` passes them),
     so it can only ever launch what the class-level hit path would. Per launch it does
-    what that path does: ``flags.flush_pending`` checked, ``best_config`` set, ``Config.pre_hook``
+    what that path does: ``best_config`` set, ``Config.pre_hook``
     with the full argument dict, ``autotuner.fn.run`` read and called. ``flags`` is the module
-    that holds ``active``, ``flush_pending`` and ``run_pending_flush`` (``runtime.pinning``).
+    that holds ``active`` (``runtime.pinning``).
     """
     names, parts = _key_parts(state, args)
     scope: dict[str, Any] = {}
@@ -215,8 +215,6 @@ def compile_run(
         "        except AttributeError:  # no dtype where the first call had one",
         "            launch = None",
         "        if launch is not None:",
-        "            if flags.flush_pending:",
-        "                flags.run_pending_flush()",
         "            config, options, run_options = launch",
         "            autotuner.best_config = config",
         "            if config.pre_hook is not None:  # the full argument dict, as on Triton's hit path",

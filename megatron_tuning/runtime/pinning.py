@@ -65,7 +65,7 @@ class Installation:
     generation: int
     consensus: Consensus | None = None
     chaos: ChaosCoordinator | None = None
-    """Chaos mode's job-wide coordinator (``distributed.chaos``); ``None``: the rank formula."""
+    """Chaos mode's job-wide coordinator (``distributed.store``); ``None``: the rank formula."""
 
     @property
     def arch(self) -> str:
@@ -110,13 +110,6 @@ class AutotunerState:
         self.find = functools.partial(find_launch, self)
 
 
-flush_pending = False
-"""Checked once on every pinned hit-path launch (``interception``'s ``run``), normally ``False``.
-Set by ``request_flush`` when the agreement layer holds decisions to send at the next repeated
-launch (``digest`` mode); it must stay a plain module-level bool."""
-_flush_callbacks: list[Callable[[], None]] = []
-_flush_lock = threading.Lock()
-
 active: Installation | None = None
 """The installation ``interception.install`` made current; read on every launch (hot path).
 Changed only through ``set_active``, which takes every armed instance ``run`` away with it."""
@@ -132,34 +125,6 @@ before_decision: list[Callable[[Installation], Installation]] = []
 """Called at each new (kernel, key) decision, never on a launch of a pinned key; may return a
 replacement installation, which becomes the active one. The session registers one while it waits
 for a process group created after it started (``session._LateAttach``)."""
-
-
-def request_flush(callback: Callable[[], None]) -> None:
-    """Run ``callback`` at the next launch of an already-pinned key (the first repeated launch)."""
-    global flush_pending
-    with _flush_lock:
-        if callback not in _flush_callbacks:
-            _flush_callbacks.append(callback)
-        flush_pending = True
-
-
-def cancel_flush(callback: Callable[[], None]) -> None:
-    global flush_pending
-    with _flush_lock:
-        if callback in _flush_callbacks:
-            _flush_callbacks.remove(callback)
-        flush_pending = bool(_flush_callbacks)
-
-
-def run_pending_flush() -> None:
-    """Called from the launch hit path when ``flush_pending``: the callbacks may raise (a divergence)."""
-    global flush_pending
-    with _flush_lock:
-        callbacks = list(_flush_callbacks)
-        _flush_callbacks.clear()
-        flush_pending = False
-    for callback in callbacks:
-        callback()
 
 
 def set_active(installation: Installation | None, *, replacing: Any = _ANY) -> bool:

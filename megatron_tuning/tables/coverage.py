@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..core.decisions import Decision
-from ..core.errors import DecisionLogError
 from ..core.text import printable
 from .decision_files import read_decisions
 
@@ -161,7 +160,7 @@ class Coverage:
 
 
 def read_decision_files(paths: Sequence[str | os.PathLike[str]]) -> list[tuple[str, list[Decision]]]:
-    """Read decision logs; any problem raises one ``DecisionLogError`` naming the file."""
+    """Read decision logs; any problem raises one ``TableError`` naming the file."""
     out = []
     for raw in paths:
         path = os.fspath(raw)
@@ -215,4 +214,4 @@ def coverage_json_text(coverage: Coverage) -> str:
     return json.dumps(coverage.to_json(), indent=1, sort_keys=True)
 
 
-__all__ = ["Coverage", "DecisionLogError", "Row", "coverage_of", "coverage_json_text", "read_decision_files"]
+__all__ = ["Coverage", "Row", "coverage_of", "coverage_json_text", "read_decision_files"]

@@ -8,33 +8,37 @@ from collections.abc import Iterable
 from typing import Any
 
 from ..core.decisions import Decision, get_decisions
-from ..core.errors import DecisionLogError
+from ..core.errors import TableError
 from .files import read_json_file, write_atomic
 
 FORMAT = "megatron_tuning.decisions"
+
+
+def _log_error(path: str, problem: str) -> TableError:
+    return TableError(path, problem, "Decision log")
 
 
 def write_decisions(path: str | os.PathLike[str], decisions: Iterable[Decision] | None = None) -> None:
     """Write decisions as JSON (atomically) for ``python -m megatron_tuning coverage``."""
     rows = [d.to_json() for d in (get_decisions() if decisions is None else decisions)]
     payload = json.dumps({"format": FORMAT, "version": 1, "decisions": rows}, indent=1, sort_keys=True)
-    write_atomic(path, payload.encode("utf-8"), error=DecisionLogError)
+    write_atomic(path, payload.encode("utf-8"), error=_log_error)
 
 
 def read_decisions(path: str | os.PathLike[str]) -> list[Decision]:
-    """Read a file written by ``write_decisions``; any problem raises ``DecisionLogError``."""
+    """Read a file written by ``write_decisions``; any problem raises ``TableError``."""
     name = os.fspath(path)
-    data = read_json_file(name, error=DecisionLogError, what="decision log")
+    data = read_json_file(name, error=_log_error, what="decision log")
     if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise DecisionLogError(name, "not a megatron_tuning decision log (wrong or missing 'format')")
+        raise _log_error(name, "not a megatron_tuning decision log (wrong or missing 'format')")
     rows = data.get("decisions")
     if type(rows) is not list:
-        raise DecisionLogError(name, "not a readable decision log ('decisions' must be a list)")
+        raise _log_error(name, "not a readable decision log ('decisions' must be a list)")
     decisions = []
     for index, row in enumerate(rows):
         problem = _row_problem(row)
         if problem:
-            raise DecisionLogError(name, f"decision {index}: {problem}")
+            raise _log_error(name, f"decision {index}: {problem}")
         decisions.append(Decision.from_json(row))
     return decisions
 

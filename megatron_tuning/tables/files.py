@@ -40,7 +40,7 @@ LOCK_TIMEOUT_S = 300.0
 """How long a read-modify-write waits for another writer of the same table."""
 
 ErrorFactory = Callable[[str, str], Exception]
-"""``(path, problem) -> exception``: ``TableError``, ``DecisionLogError``, ..."""
+"""``(path, problem) -> exception``: ``TableError`` or a factory that names another kind of file"""
 
 # Test hook: called with the temp path after it is written and fsynced, before
 # ``os.replace``, so a test can SIGKILL a writer at exactly that point.

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from ..core.errors import TuningResultsError
+from ..core.errors import TableError
 from ..tables.files import write_atomic
 
 logger = logging.getLogger(__name__)
@@ -142,7 +142,9 @@ def plot_record(record: Mapping[str, Any], path: str | os.PathLike[str]) -> Path
     image = io.BytesIO()
     figure.savefig(image, format="png")
     # The tables' safe writer: atomic, never through a planted symlink, never over a device.
-    write_atomic(target, image.getvalue(), error=TuningResultsError)
+    write_atomic(
+        target, image.getvalue(), error=lambda path, problem: TableError(path, problem, "Tuning results")
+    )
     return target
 
 

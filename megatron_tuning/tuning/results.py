@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core.decisions import Decision
-from ..core.errors import TuningResultsError
+from ..core.errors import TableError
 from ..core.text import printable
 from ..tables.decision_files import FORMAT as DECISIONS_FORMAT
 from ..tables.decision_files import read_decisions
@@ -30,6 +30,12 @@ from .stats import TIMINGS_FORMAT, TuneResult, TuneSettings, pool
 logger = logging.getLogger(__name__)
 
 RESULTS_FORMAT = "megatron_tuning.tuning_results"
+
+
+def _results_error(path: str, problem: str) -> TableError:
+    return TableError(path, problem, "Tuning results")
+
+
 PROCESS_PREFIX = "tuned-"
 """Per-process result files of a tune run are named ``tuned-<host>-<pid>.json``."""
 
@@ -54,7 +60,7 @@ def pool_decisions(
 ) -> list[dict[str, Any]]:
     """Records ``{arch, kernel, key, source_hash, votes, timings}`` sorted by (arch, kernel, key).
 
-    Timings that cannot be pooled (hand-edited or foreign logs) raise ``TuningResultsError``
+    Timings that cannot be pooled (hand-edited or foreign logs) raise ``TableError``
     naming ``source`` and the (kernel, key).
     """
     groups: dict[tuple[str, str, str], list[Any]] = {}
@@ -70,7 +76,7 @@ def pool_decisions(
         try:
             result: TuneResult = pool([d.timings for d in group], settings)
         except (ValueError, TypeError, KeyError, AttributeError, IndexError, OverflowError) as exc:
-            raise TuningResultsError(
+            raise _results_error(
                 source,
                 f"cannot pool the tuned timings of kernel {kernel} key {key} ({type(exc).__name__}: {exc})",
             ) from None
@@ -101,26 +107,26 @@ def write_results(path: str | os.PathLike[str], records: Sequence[Mapping[str, A
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     payload = json.dumps(doc, indent=1, sort_keys=True) + "\n"
-    write_atomic(target, payload.encode("utf-8"), error=TuningResultsError)
+    write_atomic(target, payload.encode("utf-8"), error=_results_error)
 
 
 def read_results(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """Records from a results file, a decision log, or a folder of per-process results.
 
-    Anything malformed raises ``TuningResultsError`` (or ``DecisionLogError`` for a bad log),
+    Anything malformed raises ``TableError`` (or ``DecisionLogError`` for a bad log),
     naming the file and the problem, so ``report`` never shows a traceback.
     """
     source = Path(path)
     name = os.fspath(path)
     if source.is_dir():
         return _checked(pool_directory(source), name)
-    doc = read_json_file(source, error=TuningResultsError, what="tuning results file or decision log")
+    doc = read_json_file(source, error=_results_error, what="tuning results file or decision log")
     if isinstance(doc, dict) and doc.get("format") == RESULTS_FORMAT:
         if type(doc.get("results")) is not list:
-            raise TuningResultsError(name, "'results' must be a list of records")
+            raise _results_error(name, "'results' must be a list of records")
         return _checked(doc["results"], name)
     if not (isinstance(doc, dict) and doc.get("format") == DECISIONS_FORMAT):
-        raise TuningResultsError(
+        raise _results_error(
             name, f"neither a tuning results file ({RESULTS_FORMAT}) nor a decision log ({DECISIONS_FORMAT})"
         )
     decisions = read_decisions(source)
@@ -147,7 +153,7 @@ def _checked(records: list[Any], name: str) -> list[dict[str, Any]]:
     for index, record in enumerate(records):
         problem = record_problem(record)
         if problem is not None:
-            raise TuningResultsError(name, f"record {index}: {problem}")
+            raise _results_error(name, f"record {index}: {problem}")
     return records
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from megatron_tuning.cli import main
 from megatron_tuning.core.decisions import Decision
-from megatron_tuning.core.errors import TuningResultsError
+from megatron_tuning.core.errors import TableError
 from megatron_tuning.tables.decision_files import write_decisions
 from megatron_tuning.tuning.results import RESULTS_FORMAT, read_results, write_results
 from megatron_tuning.tuning.stats import TIMINGS_FORMAT
@@ -131,6 +131,6 @@ def test_results_writer_never_follows_a_planted_link_and_cleans_up(tmp_path):
 def test_results_writer_refuses_a_fifo(tmp_path):
     fifo = tmp_path / "r.tuning.json"
     os.mkfifo(fifo)
-    with pytest.raises(TuningResultsError, match="FIFO"):
+    with pytest.raises(TableError, match="Tuning results .*FIFO"):
         write_results(fifo, [_record()])
     assert fifo.is_fifo()

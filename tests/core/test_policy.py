@@ -85,7 +85,7 @@ def test_every_variable_is_read(monkeypatch, tmp_path):
     [
         ("MODE", "determinstic", "off|deterministic|chaos|record|tune"),
         ("ON_MISS", "fastest", "min_cost|error"),
-        ("AGREEMENT", "gossip", "store|allgather|digest|off"),
+        ("AGREEMENT", "gossip", "store|allgather|verify|off"),
         ("STRICT", "maybe", "boolean"),
         ("AGREEMENT_TIMEOUT", "soon", "number"),
         ("AGREEMENT_TIMEOUT", "-1", "positive"),

@@ -20,7 +20,7 @@ from megatron_tuning.core.identity import config_data, config_signature, kernel_
 from megatron_tuning.core.policy import TuningPolicy
 from megatron_tuning.core.warn import reset_warnings
 from megatron_tuning.distributed.agreement import unchecked_sources
-from megatron_tuning.distributed.consensus import StoreConsensus
+from megatron_tuning.distributed.store import StoreConsensus
 from megatron_tuning.runtime import interception, pinning
 from megatron_tuning.runtime.auto import auto_choice
 from megatron_tuning.tables.table import load_table
@@ -105,7 +105,7 @@ def test_without_a_way_to_measure_auto_applies_the_miss_rule():
 
 def store_pair() -> tuple[StoreConsensus, StoreConsensus]:
     store = dist.HashStore()
-    return StoreConsensus(store, rank=0, namespace="t"), StoreConsensus(store, rank=1, namespace="t")
+    return StoreConsensus(store=store, rank=0), StoreConsensus(store=store, rank=1)
 
 
 def choose(consensus: StoreConsensus, measure: FakeMeasure, n: int = 100, **changes):

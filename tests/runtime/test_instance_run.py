@@ -54,8 +54,6 @@ def launched(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
     decision_log().clear()
     yield blocks
     interception.uninstall()
-    pinning.run_pending_flush.__globals__["_flush_callbacks"].clear()
-    pinning.flush_pending = False
 
 
 def _scale_add(n: int = 40, kernel: Any = sk.scale_add) -> None:
@@ -355,15 +353,6 @@ def test_fn_run_and_best_config_are_read_and_set_at_every_launch(launched, monke
     )
     _scale_add()
     assert replaced == [64] and sk.scale_add.best_config is BY_BLOCK[64]
-
-
-def test_the_flush_hook_runs_at_the_first_instance_run_launch(launched):
-    calls: list[int] = []
-    interception.install(_policy())
-    _scale_add()
-    pinning.request_flush(lambda: calls.append(len(launched)))
-    assert _paths(_scale_add) == ["instance"]
-    assert calls == [1] and pinning.flush_pending is False
 
 
 def test_an_instance_run_of_the_users_own_is_never_replaced_or_removed(launched):

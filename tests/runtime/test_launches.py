@@ -61,8 +61,6 @@ def launched(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
     decision_log().clear()
     yield blocks
     interception.uninstall()
-    pinning.run_pending_flush.__globals__["_flush_callbacks"].clear()
-    pinning.flush_pending = False
 
 
 def _scale_add(n: int = 40, **kwargs: Any) -> None:
@@ -185,36 +183,6 @@ def test_best_config_follows_every_launch(launched):
     assert launched == [64, 8, 64, 8]
 
 
-def test_the_flush_hook_runs_once_at_the_first_repeated_launch(launched):
-    calls: list[int] = []
-    interception.install(_policy())
-
-    def hook() -> None:
-        calls.append(len(launched))
-
-    pinning.request_flush(hook)
-    _scale_add(40)  # new keys: no repeat yet
-    _scale_add(12)
-    assert calls == []
-    _scale_add(40)  # the first repeated launch runs the hook, before its own launch
-    _scale_add(40)
-    assert calls == [2] and pinning.flush_pending is False
-    pinning.request_flush(hook)
-    x, y, out = torch.randn(12), torch.randn(12), torch.empty(12)
-    sk.scale_add[grid(12)](x, y, out, n=12, alpha=1.0)  # a known key in a new call pattern: a repeat
-    assert calls == [2, 4] and pinning.flush_pending is False
-    assert len(get_decisions()) == 2
-
-
-def test_without_a_pending_flush_the_hook_is_never_called(launched):
-    interception.install(_policy())
-    pinning.request_flush(lambda: pytest.fail("flush hook called after it was cancelled"))
-    pinning.cancel_flush(pinning.run_pending_flush.__globals__["_flush_callbacks"][0])
-    for n in (40, 40, 12, 12):
-        _scale_add(n)
-    assert launched == [8, 8, 8, 8]
-
-
 def test_the_hit_path_reads_no_records_past_its_limit(launched, monkeypatch):
     monkeypatch.setattr(pinning, "MAX_LAUNCHES", 1)
     interception.install(_policy(), table=_table((KEY_40, 64)))
@@ -293,7 +261,7 @@ def test_the_compiled_instance_run_launches_exactly_the_record_launch_key_finds(
     autotuner = types.SimpleNamespace(best_config=None)
     autotuner.fn = types.SimpleNamespace(run=lambda *a, **kw: launched.append(("fast", a, kw)))
     serves = object()
-    flags = types.SimpleNamespace(active=serves, flush_pending=False)
+    flags = types.SimpleNamespace(active=serves)
     run = compile_run(
         state,
         autotuner,
@@ -353,7 +321,7 @@ def test_the_compiled_run_gives_pre_hook_every_option_and_fn_run_the_trimmed_one
     autotuner = types.SimpleNamespace(best_config=None)
     autotuner.fn = types.SimpleNamespace(run=lambda *a, **kw: launched.append(kw))
     serves = object()
-    flags = types.SimpleNamespace(active=serves, flush_pending=False)
+    flags = types.SimpleNamespace(active=serves)
     run = compile_run(state, autotuner, args, serves=serves, flags=flags, slow=None)
     run(*args, grid=1, warmup=False)
     assert launched == [{"grid": 1, "warmup": False, "BLOCK_SIZE": 8}]

@@ -19,7 +19,7 @@ import filelock
 import pytest
 
 from megatron_tuning.core.decisions import Decision
-from megatron_tuning.core.errors import DecisionLogError, TableError
+from megatron_tuning.core.errors import TableError
 from megatron_tuning.tables import files
 from megatron_tuning.tables.decision_files import read_decisions, write_decisions
 from megatron_tuning.tables.merge import merge_files
@@ -120,9 +120,9 @@ def test_cli_commands_refuse_a_fifo_with_exit_2(tmp_path, command):
 def test_decision_log_reader_refuses_special_files(tmp_path):
     fifo = tmp_path / "decisions.json"
     os.mkfifo(fifo)
-    with pytest.raises(DecisionLogError, match="FIFO"):
+    with pytest.raises(TableError, match="Decision log .*FIFO"):
         read_decisions(fifo)  # non-blocking open: returns at once
-    with pytest.raises(DecisionLogError, match="is a directory"):
+    with pytest.raises(TableError, match="Decision log .*is a directory"):
         read_decisions(tmp_path)
 
 
@@ -153,7 +153,7 @@ def test_outputs_refuse_to_replace_a_fifo(tmp_path, capsys):
         assert main(argv) == 2
         assert "not a regular file" in capsys.readouterr().err
         assert fifo.is_fifo()
-    with pytest.raises(DecisionLogError, match="FIFO"):
+    with pytest.raises(TableError, match="Decision log .*FIFO"):
         write_decisions(fifo, [])
     assert fifo.is_fifo()
 

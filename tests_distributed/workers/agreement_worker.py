@@ -23,7 +23,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is de
 import torch.distributed as dist
 
 from megatron_tuning.core.decisions import Decision, decision_log
-from megatron_tuning.core.errors import AgreementTimeoutError, MegatronTuningError, SessionMismatchError
+from megatron_tuning.core.errors import AgreementTimeoutError, InputMismatchError, MegatronTuningError
 from megatron_tuning.core.policy import TuningPolicy
 from megatron_tuning.distributed import agreement, verify
 
@@ -178,10 +178,10 @@ def capture_deferred(result: dict[str, Any]) -> None:
     result["shared"] = verify.verify_agreement()
 
 
-# --- digest mode: batched checks at flushes ------------------------------------------------------
+# --- verify mode (large worlds): nothing per key, verify_agreement at step boundaries and close ---
 
 
-def _digest_plan(layout: str) -> list[tuple[str, str, str]]:
+def _plan(layout: str) -> list[tuple[str, str, str]]:
     """(kernel, key, signature) per rank for a TP-, PP- or varlen-like job."""
     if layout == "tp":
         return [(MATMUL, f"M={n}", SIG) for n in range(40)]
@@ -197,16 +197,25 @@ def _digest_plan(layout: str) -> list[tuple[str, str, str]]:
     return shared + own + pair
 
 
-def _digest_run(result: dict[str, Any], layout: str, differ: Callable[[str], str] | None = None) -> None:
-    handle = agreement.start_agreement(_policy("digest"))
-    assert isinstance(handle, agreement.AgreementChecker) and handle.mode == "digest"
-    for kernel, key, signature in _digest_plan(layout):
+class _CountingStore:
+    """Counts what a checker sends to the job's store."""
+
+    def __init__(self, store: Any) -> None:
+        self.store, self.calls = store, 0
+
+    def __getattr__(self, name: str) -> Any:
+        self.calls += 1
+        return getattr(self.store, name)
+
+
+def _verify_run(result: dict[str, Any], layout: str, differ: Callable[[str], str] | None = None) -> None:
+    handle = agreement.start_agreement(_policy("verify"))
+    assert isinstance(handle, agreement.AgreementChecker) and handle.mode == "verify"
+    counting = handle._store = _CountingStore(handle._store)
+    for kernel, key, signature in _plan(layout):
         _guarded(result, lambda k=kernel, y=key, s=signature: _record(k, y, differ(y) if differ else s))
-    result["requests_before_flush"] = handle.ledger.requests if handle.ledger else None
-    _guarded(result, handle.flush)  # what the first repeated launch does
-    result["requests"] = handle.ledger.requests if handle.ledger else None
+    result["requests_per_key"] = counting.calls
     dist.barrier()
-    _guarded(result, handle.poll)
     with _counting_collectives(result):
         _verify_into(result)
 
@@ -238,45 +247,44 @@ def _counting_collectives(result: dict[str, Any]) -> Any:
     return counting()
 
 
-def digest_tp(result: dict[str, Any]) -> None:
-    _digest_run(result, "tp")
+def verify_tp(result: dict[str, Any]) -> None:
+    _verify_run(result, "tp")
 
 
-def digest_pp(result: dict[str, Any]) -> None:
-    _digest_run(result, "pp")
+def verify_pp(result: dict[str, Any]) -> None:
+    _verify_run(result, "pp")
 
 
-def digest_varlen(result: dict[str, Any]) -> None:
-    _digest_run(result, "varlen")
+def verify_varlen(result: dict[str, Any]) -> None:
+    _verify_run(result, "varlen")
 
 
-def digest_chaos(result: dict[str, Any]) -> None:
+def verify_chaos_tp(result: dict[str, Any]) -> None:
     """Every rank launches its own config for one shared key: every rank must raise."""
-    _digest_run(result, "tp", lambda key: _chaos_signature() if key == "M=7" else SIG)
+    _verify_run(result, "tp", lambda key: _chaos_signature() if key == "M=7" else SIG)
 
 
-def digest_chaos_strided(result: dict[str, Any]) -> None:
+def verify_chaos_strided(result: dict[str, Any]) -> None:
     """Ranks two apart share keys (stage = rank % 2) and differ: caught with no consecutive pair."""
-    _digest_run(result, "pp", lambda key: f"BLOCK={RANK // 2}" if key.startswith("n=") else SIG)
+    _verify_run(result, "pp", lambda key: f"BLOCK={RANK // 2}" if key.startswith("n=") else SIG)
 
 
-def digest_chaos_pair(result: dict[str, Any]) -> None:
+def verify_chaos_pair(result: dict[str, Any]) -> None:
     """Two neighbours share a varlen key only they have, with different configs."""
-    _digest_run(result, "varlen", lambda key: _chaos_signature() if key.startswith("seqlen=pair") else SIG)
+    _verify_run(result, "varlen", lambda key: _chaos_signature() if key.startswith("seqlen=pair") else SIG)
 
 
-def digest_silent_rank(result: dict[str, Any]) -> None:
-    """The last rank never launches anything: nobody waits for it, nothing is reported."""
-    handle = agreement.start_agreement(_policy("digest"))
-    assert isinstance(handle, agreement.AgreementChecker)
-    if RANK != WORLD - 1:
-        for kernel, key, signature in _digest_plan("tp"):
-            _guarded(result, lambda k=kernel, y=key, s=signature: _record(k, y, s))
-        start = time.monotonic()
-        _guarded(result, handle.flush)
-        result["flush_s"] = time.monotonic() - start
+def verify_close_chaos(result: dict[str, Any]) -> None:
+    """No verify_agreement call in the job: the check at close catches chaos on every rank."""
+    handle = agreement.start_agreement(_policy("verify"))
+    for kernel, key, _ in _plan("tp"):
+        _record(kernel, key, _chaos_signature() if key == "M=3" else SIG)
     dist.barrier()
-    _verify_into(result)
+    start = time.monotonic()
+    try:
+        _guarded(result, handle.stop)
+    finally:
+        result["close_s"] = time.monotonic() - start
 
 
 # --- unequal init calls: numbered sessions ------------------------------------------------------
@@ -285,7 +293,7 @@ def digest_silent_rank(result: dict[str, Any]) -> None:
 def _fresh_sessions(name: str) -> None:
     """Each session scenario starts at session 0 in its own store namespace, as after a restart."""
     os.environ["TORCHELASTIC_RESTART_COUNT"] = f"sessions-{name}"
-    agreement._epochs = 0
+    verify._sessions = 0
 
 
 def _verify_into(result: dict[str, Any]) -> None:
@@ -376,21 +384,13 @@ def _kernel_run(result: dict[str, Any], mode: str, agreement_mode: str) -> None:
     )
     handle = megatron_tuning.init_deterministic_tuning(policy)
     # init_deterministic_tuning itself starts the check (and only when it applies).
-    assert (agreement.active_checker() is None) == (agreement_mode == "off")
+    assert (verify.active_checker() is None) == (agreement_mode == "off")
     import _kernels
 
     try:
         for name, n in (("add", 64), ("scale", 64), ("add", 100)):
             _guarded(result, lambda k=name, size=n: _kernels.run(k, size, DEVICE))
             dist.barrier()  # same number of barriers on every rank, errors or not
-        if agreement_mode == "digest":
-            # The first repeated launch sends the batch; a rank that differs from the reference
-            # raises here, the others at their next check (the poll after the barrier).
-            _guarded(result, lambda: _kernels.run("add", 64, DEVICE))
-            dist.barrier()
-            checker = agreement.active_checker()
-            if checker is not None:
-                _guarded(result, checker.poll)
         if agreement_mode == "off" and result.get("error") is None:
             result["shared"] = verify.verify_agreement()
     finally:
@@ -409,7 +409,7 @@ def kernels_asymmetric(result: dict[str, Any]) -> None:
         use_shipped_tables=False,
     )
     handle = megatron_tuning.init_deterministic_tuning(policy)
-    assert agreement.active_checker() is not None
+    assert verify.active_checker() is not None
     import _kernels
 
     try:
@@ -419,7 +419,7 @@ def kernels_asymmetric(result: dict[str, Any]) -> None:
         for name, n in plan if RANK else reversed(plan):
             _guarded(result, lambda k=name, size=n: _kernels.run(k, size, DEVICE))
         dist.barrier()
-        checker = agreement.active_checker()
+        checker = verify.active_checker()
         if checker is not None:
             _guarded(result, checker.poll)
         result["shared"] = verify.verify_agreement()
@@ -447,7 +447,7 @@ def _cuda_graph_run(result: dict[str, Any], mode: str) -> None:
     decision_log().clear()
     handle = megatron_tuning.init_deterministic_tuning(policy)  # fresh pins: the next launch decides again
     try:
-        checker = agreement.active_checker()
+        checker = verify.active_checker()
         assert isinstance(checker, agreement.AgreementChecker)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
@@ -485,17 +485,17 @@ SCENARIOS: dict[str, Callable[[dict[str, Any]], None]] = {
     "session_extra_allgather": session_extra_allgather,
     "session_lagging_allgather": session_lagging_allgather,
     "session_equal_store": session_equal_store,
-    "digest_tp": digest_tp,
-    "digest_pp": digest_pp,
-    "digest_varlen": digest_varlen,
-    "digest_chaos": digest_chaos,
-    "digest_chaos_strided": digest_chaos_strided,
-    "digest_chaos_pair": digest_chaos_pair,
-    "digest_silent_rank": digest_silent_rank,
+    "verify_tp": verify_tp,
+    "verify_pp": verify_pp,
+    "verify_varlen": verify_varlen,
+    "verify_chaos_tp": verify_chaos_tp,
+    "verify_chaos_strided": verify_chaos_strided,
+    "verify_chaos_pair": verify_chaos_pair,
+    "verify_close_chaos": verify_close_chaos,
 }
 SCENARIOS["cuda_graph_agree"] = lambda result: _cuda_graph_run(result, "deterministic")
 SCENARIOS["cuda_graph_chaos"] = lambda result: _cuda_graph_run(result, "chaos")
-for _agreement_mode in ("store", "allgather", "digest", "off"):
+for _agreement_mode in ("store", "allgather", "verify", "off"):
     for _mode in ("deterministic", "chaos"):
         SCENARIOS[f"kernels_{_agreement_mode}_{_mode}"] = _kernel_scenario(_mode, _agreement_mode)
 
@@ -505,8 +505,8 @@ def _store_error(result: dict[str, Any], error: BaseException) -> None:
     result["message"] = str(error)
     if isinstance(error, AgreementTimeoutError):
         result["missing_ranks"] = error.missing_ranks
-    if isinstance(error, SessionMismatchError):
-        result["session_ranks"] = sorted(error.sessions)
+    if isinstance(error, InputMismatchError):
+        result["mismatch_ranks"] = error.ranks
     for field in ("kernel", "key"):
         if hasattr(error, field):
             result[field] = getattr(error, field)
@@ -544,10 +544,10 @@ def main() -> int:
             if result.get("error") is None:
                 _store_error(result, error)
         finally:
-            checker = agreement.active_checker()
+            checker = verify.active_checker()
             if checker is not None:
                 try:
-                    checker.stop()  # digest mode's last flush may still find a divergence
+                    checker.stop()  # a verify session's check at close may still find a divergence
                 except MegatronTuningError as error:
                     if result.get("error") is None:
                         _store_error(result, error)

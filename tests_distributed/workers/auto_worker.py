@@ -2,8 +2,10 @@
 
 Each scenario launches the "add" kernel on fresh keys (its own n values) under ``auto`` mode. The
 measurement is a fake that picks a *different* config on consecutive ranks (rank % (candidates -
-1)) after a short "tuning" sleep, so ranks agree only if the consensus works. Results go to
-``<out>/rank<r>.json`` for ``tests_distributed/test_auto_torchrun.py`` to judge.
+1)) after a short "tuning" sleep, so ranks agree only if the consensus works. The ``split_*``
+scenarios give each rank a cache of its own: rank 0's holds the keys, the others' is empty,
+corrupt, a folder or off. Results go to ``<out>/rank<r>.json`` for
+``tests_distributed/test_auto_torchrun.py`` to judge.
 """
 
 from __future__ import annotations
@@ -25,14 +27,51 @@ from megatron_tuning import session
 from megatron_tuning.core.decisions import decision_log, get_decisions
 from megatron_tuning.core.errors import MegatronTuningError
 from megatron_tuning.core.policy import TuningPolicy
-from megatron_tuning.distributed import auto_stores
+from megatron_tuning.tables.entry import Entry
+from megatron_tuning.tables.table import Table, save_table
 
 RANK = WORLD = 0
 MEASURED: list[str] = []
 TUNE_S = 0.2  # a fake tuning takes this long: long enough for ranks to overlap
 SLOW_S = 5.0  # how late the last rank arrives in the slow_rank scenario
 
-SCENARIOS = ("forward", "reverse", "together", "slow_rank", "table_vs_published")
+SCENARIOS = (
+    "forward",
+    "reverse",
+    "together",
+    "slow_rank",
+    "table_vs_published",
+    "split_empty",
+    "split_corrupt",
+    "split_folder",
+    "split_off",
+    "full_cache",
+)
+CACHED = {"kwargs": {"BLOCK": 128}, "num_warps": 4, "num_stages": 3, "num_ctas": 1, "maxnreg": None}
+"""What rank 0's cache holds in the split scenarios: a config the fake measurement never picks."""
+
+
+def add_key(n: int) -> str:
+    return f"n={n} | x_ptr:torch.float32, y_ptr:torch.float32"
+
+
+def split_cache(scenario: str, folder: str) -> str:
+    """This rank's own cache for a split scenario: rank 0's holds every key, the others' not."""
+    path = os.path.join(folder, f"{scenario}-rank{RANK}.msgpack")
+    if RANK == 0:
+        entries = [
+            Entry(arch="unknown", kernel="_kernels:add_kernel", key=add_key(n), config=CACHED, how="tuned")
+            for n in sizes(scenario)
+        ]
+        save_table(Table(entries, meta={"kind": "auto-cache", "cache_format": "1"}), path)
+    elif scenario == "split_corrupt":
+        with open(path, "wb") as handle:
+            handle.write(b"not a table")
+    elif scenario == "split_folder":
+        os.makedirs(path)
+    elif scenario == "split_off":
+        return "off"
+    return path
 
 
 def fake_measure(policy: Any) -> Any:
@@ -47,6 +86,8 @@ def fake_measure(policy: Any) -> Any:
 
 
 def sizes(scenario: str) -> list[int]:
+    if scenario == "full_cache":
+        return [1_000_000, 1_049_999]  # the first and the last entry of the test's 50,000
     base = 100 * (SCENARIOS.index(scenario) + 1)
     return [base + 1, base + 2, base + 3]
 
@@ -58,6 +99,8 @@ def delay(scenario: str) -> float:
         return 0.3 * (WORLD - 1 - RANK)
     if scenario == "slow_rank" and RANK == WORLD - 1:
         return SLOW_S  # the others must not wait for this rank's tuning
+    if scenario.startswith("split_") and RANK > 0:
+        return 0.5  # rank 0 proposes its cache entries first; the others adopt them
     return 0.0
 
 
@@ -86,10 +129,6 @@ def run_scenario(scenario: str, cache: str, tables: tuple[str, ...]) -> dict[str
             result["error"] = type(error).__name__
             result["message"] = str(error)
         result["kernel_s"] = round(time.monotonic() - start, 3)
-        stores = [s for s in auto_stores._STARTED.values() if s is not None]
-        # Decision requests this rank routed to each hosted store so far (None: the job's store).
-        result["store_requests"] = list(stores[0].requests) if stores else None
-        result["store_hosts"] = stores[0].hosts if stores else None
         result["measured"] = len(MEASURED)
         result["decisions"] = [
             {"key": d.key, "source": d.source, "signature": d.signature, "origin": d.origin}
@@ -122,13 +161,8 @@ def main() -> int:
     parser.add_argument("--scenarios", default=",".join(SCENARIOS[:-1]))
     parser.add_argument("--table", default="", help="rank 0's own table (table_vs_published)")
     parser.add_argument("--slow-s", type=float, default=SLOW_S, help="the slow rank's delay")
-    parser.add_argument("--tier", default="", help="MEGATRON_TUNING_TIER for this job (node: the node tier)")
-    parser.add_argument("--stores", default="", help="MEGATRON_TUNING_AUTO_STORES for this job")
+    parser.add_argument("--full-cache", default="", help="a default-size cache file (full_cache)")
     args = parser.parse_args()
-    if args.tier:
-        os.environ["MEGATRON_TUNING_TIER"] = args.tier
-    if args.stores:
-        os.environ["MEGATRON_TUNING_AUTO_STORES"] = args.stores
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     RANK, WORLD = dist.get_rank(), dist.get_world_size()
     SLOW_S = args.slow_s
@@ -136,7 +170,12 @@ def main() -> int:
     results: dict[str, Any] = {}
     for scenario in args.scenarios.split(","):
         tables = (args.table,) if args.table and RANK == 0 and scenario == "table_vs_published" else ()
-        results[scenario] = run_scenario(scenario, args.cache, tables)
+        cache = args.cache
+        if scenario.startswith("split_"):
+            cache = split_cache(scenario, args.out)
+        elif scenario == "full_cache":
+            cache = args.full_cache
+        results[scenario] = run_scenario(scenario, cache, tables)
         with open(os.path.join(args.out, f"rank{RANK}.json"), "w") as handle:
             json.dump(results, handle, indent=1)
         dist.barrier()

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from megatron_tuning.core.decisions import decision_log
 from megatron_tuning.core.errors import MegatronTuningError
 from megatron_tuning.core.policy import TuningPolicy
-from megatron_tuning.distributed import agreement, verify
+from megatron_tuning.distributed import verify
 
 
 def _keep(result: dict[str, Any], error: MegatronTuningError) -> None:
@@ -54,7 +54,7 @@ def _session(mode: str, result: dict[str, Any], plan: list[tuple[str, int]]) -> 
             except MegatronTuningError as error:
                 _keep(result, error)
         dist.barrier()
-        checker = agreement.active_checker()
+        checker = verify.active_checker()
         try:
             if checker is not None:
                 checker.poll()
