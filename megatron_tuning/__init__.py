@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from .core import __version__
 from .core.decisions import Decision, get_decisions
 from .core.errors import (
     AgreementTimeoutError,
@@ -31,7 +32,6 @@ from .core.errors import (
     UnsupportedTritonError,
 )
 from .core.policy import TuningPolicy
-from .core.version import __version__
 from .core.warn import TuningWarning, install_default_handler
 from .runtime.triton_compat import lazy_benchmarker
 from .selection import (

@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .core.errors import MegatronTuningError
-from .core.text import printable
+from .core.warn import printable
 
 EXIT_OK = 0
 EXIT_FOUND = 1
@@ -224,7 +224,7 @@ def _add_max_size(parser: argparse.ArgumentParser) -> None:
 
 
 def _mebibytes(text: str) -> int:
-    from .core.env import parse_int
+    from .core.policy import parse_int
 
     value = parse_int(text)
     if value is None or not 1 <= value <= 65536:

@@ -60,10 +60,10 @@ def _lint_with_planted_import(tmp_path: Path, module: str, line: str) -> subproc
 
 
 def test_an_upward_import_breaks_the_layer_contract(tmp_path):
-    result = _lint_with_planted_import(tmp_path, "core/env.py", "from ..tables import table as _upward")
+    result = _lint_with_planted_import(tmp_path, "core/policy.py", "from ..tables import table as _upward")
     assert result.returncode != 0
     assert "megatron_tuning layers point down BROKEN" in result.stdout
-    assert "megatron_tuning.core.env -> megatron_tuning.tables.table" in result.stdout
+    assert "megatron_tuning.core.policy -> megatron_tuning.tables.table" in result.stdout
 
 
 def test_a_new_top_level_module_must_declare_its_layer(tmp_path):

@@ -20,7 +20,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ..core import env as env_vars
 from ..core import policy as policy_vars
 from ..core.errors import MegatronTuningError, PolicyError
 from ..core.policy import TuningPolicy
@@ -202,7 +201,7 @@ def validated_policy(updates: dict[str, str]) -> TuningPolicy:
     from ..session import check_output_paths
     from ..tables.search import TableSet
 
-    with env_vars.scoped_environ(updates):
+    with policy_vars.scoped_environ(updates):
         policy = TuningPolicy.from_env(default_mode="deterministic", follow_torch_determinism=False)
         if policy.mode == "tune":
             raise PolicyError(

@@ -25,6 +25,14 @@ from pathlib import Path
 from typing import Any
 
 from ..core.decisions import decision_log, get_decisions
+from ..core.policy import (
+    ENV_MODE,
+    ENV_RECORD_DIR,
+    ENV_TUNE_DIR,
+    ENV_TUNE_ROUNDS,
+    ENV_TUNE_TIE_BAND,
+    read_knob,
+)
 from ..tables.decision_files import write_decisions
 from ..tables.files import output_file_problem, output_folder_problem, write_atomic
 from ..tuning.results import (
@@ -35,12 +43,11 @@ from ..tuning.results import (
     pool_directory,
     write_results,
 )
-from ..tuning.stats import ENV_ROUNDS, ENV_TIE_BAND, TuneSettings
+from ..tuning.stats import TuneSettings
 from .bootstrap import job_environment, write_bootstrap
 from .launch import EXIT_USAGE, add_job_argument, command_problem, job_argv, job_command, run_job
 from .report import plot_records_to
 
-ENV_TUNE_DIR = "MEGATRON_TUNING_TUNE_DIR"
 WORK_DIR_MARKER = ".megatron_tuning_tune"
 """Written into a ``--work-dir`` that tune created or adopted (empty): later jobs may use it too."""
 
@@ -220,13 +227,13 @@ def _setting_overrides(args: argparse.Namespace) -> dict[str, Any]:
 def tune_environment(work: Path, settings: TuneSettings) -> dict[str, str]:
     """The job's environment: tune mode, where to write, the bootstrap (written into ``work``)."""
     env = job_environment(write_bootstrap(work / "bootstrap", "tune"), "tune")
-    env["MEGATRON_TUNING_MODE"] = "tune"
+    env[ENV_MODE] = "tune"
     env[ENV_TUNE_DIR] = str(work / "results")
     # The session also writes each rank's winners (summary only) there at exit; harmless, and it
     # keeps the session from warning that the winners live only in the decision log.
-    env["MEGATRON_TUNING_RECORD_DIR"] = str(work / "recordings")
-    env[ENV_ROUNDS] = str(settings.rounds)
-    env[ENV_TIE_BAND] = repr(settings.tie_band)
+    env[ENV_RECORD_DIR] = str(work / "recordings")
+    env[ENV_TUNE_ROUNDS] = str(settings.rounds)
+    env[ENV_TUNE_TIE_BAND] = repr(settings.tie_band)
     return env
 
 
@@ -242,7 +249,7 @@ def activate() -> None:
     """
     from .. import session
 
-    directory = os.environ.get(ENV_TUNE_DIR)
+    directory = read_knob(ENV_TUNE_DIR)
     if not directory:
         return
     try:

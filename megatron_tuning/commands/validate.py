@@ -25,7 +25,7 @@ from ..core.identity import (
     kernel_source_hash,
     split_kernel_id,
 )
-from ..core.text import printable
+from ..core.warn import printable
 from ..tables.entry import KEY_FORM, Entry, canonical_key
 from ..tables.search import installed_triton_version
 from ..tables.table import load_table

@@ -21,8 +21,8 @@ import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .env import parse_int
 from .errors import PolicyError
+from .policy import parse_int
 
 # Config fields beyond kwargs/num_warps/num_stages, with the default that leaves them out of
 # signatures: a field only some Triton releases have must not change the signature of a

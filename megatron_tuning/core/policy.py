@@ -1,80 +1,290 @@
-"""What the library does: the tuning policy.
+"""What the library does: every ``MEGATRON_TUNING_*`` knob, and the ``TuningPolicy`` built from them.
 
-A ``TuningPolicy`` is a frozen, validated value. Build it in code, or from the
-``MEGATRON_TUNING_*`` environment with ``TuningPolicy.from_env()`` (read when called,
-never at import). Every rank of a job must use the same policy. One rule holds for every
-knob, in code and environment alike (docs/policy.md): words in any case, booleans are bools
-(env: 1/0, true/false, yes/no, on/off), numbers are finite non-bools, paths are ``str`` or
-``os.PathLike``, lists any sequence; an empty variable means unset.
+Each variable is declared once below (``_knob``: name, parser, default, one line of doc), as
+Triton's ``knobs.py`` does; nothing else in the package reads ``os.environ`` for a setting of
+its own, and ``docs/policy.md`` lists exactly these (a test checks both). Variables are read when
+asked, never at import. One rule for every knob, in code and environment alike: surrounding
+whitespace is ignored, an empty value means unset, words and booleans in any case, numbers are
+finite ASCII decimals, and a bad value raises ``PolicyError`` naming the variable, the value and
+what is allowed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import difflib
 import math
 import os
-from collections.abc import Mapping, Sequence
+import re
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
-from . import env
 from .errors import PolicyError
+from .warn import warn_once
 
+PREFIX = "MEGATRON_TUNING_"
 MODES = ("off", "deterministic", "chaos", "record", "tune", "auto")
 ON_MISS = ("nearest", "min_cost", "error")
 AGREEMENT_MODES = ("store", "allgather", "verify", "off")
 STALE_ENTRIES = ("use", "miss", "error")
-
-# Modes in which the interception chooses without measuring; benchmarking is an error there.
-NON_MEASURING_MODES = ("deterministic", "chaos")
-
-ENV_MODE = "MEGATRON_TUNING_MODE"
-ENV_SCOPE = "MEGATRON_TUNING_SCOPE"
-ENV_ON_MISS = "MEGATRON_TUNING_ON_MISS"
-ENV_TABLE = "MEGATRON_TUNING_TABLE"
-ENV_AGREEMENT = "MEGATRON_TUNING_AGREEMENT"
-ENV_AGREEMENT_TIMEOUT = "MEGATRON_TUNING_AGREEMENT_TIMEOUT"
-ENV_STRICT = "MEGATRON_TUNING_STRICT"
-ENV_STALE_ENTRIES = "MEGATRON_TUNING_STALE_ENTRIES"
-ENV_BLOCK_SIZES = "MEGATRON_TUNING_BLOCK_SIZES"
-ENV_RECORD_DIR = "MEGATRON_TUNING_RECORD_DIR"
-ENV_DECISION_LOG = "MEGATRON_TUNING_DECISION_LOG"
-ENV_SHIPPED_TABLES = "MEGATRON_TUNING_SHIPPED_TABLES"
-ENV_CACHE = "MEGATRON_TUNING_CACHE"
-
-# A week: longer is a typo, and a huge value would overflow the store's timedelta much later.
-MAX_AGREEMENT_TIMEOUT_S = 7 * 24 * 3600.0
-
-# What ``cache`` may say besides a path: no cache table at all.
+NON_MEASURING_MODES = ("deterministic", "chaos")  # the interception's _bench guard refuses to time
+TRUE_WORDS = ("1", "true", "yes", "on")
+FALSE_WORDS = ("0", "false", "no", "off")
 CACHE_OFF = "off"
+MAX_AGREEMENT_TIMEOUT_S = 7 * 24 * 3600.0  # a week: longer is a typo (and overflows a timedelta)
+_REMOVED = {
+    ("agreement", "digest"): "store, allgather, verify or off: 'digest' was removed; jobs above 64 ranks "
+    "now use 'verify' (the inputs check at init, verify_agreement() at step boundaries, a bounded "
+    "check at close; docs/agreement.md)",
+}
+# ASCII only, written out: int()/float() also accept "١", "1_000", "nan", "inf" and "1e400".
+_INT = re.compile(r"[+-]?[0-9]+")
+_FLOAT = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
+
+
+class Knob(NamedTuple):
+    """One ``MEGATRON_TUNING_*`` variable: how it is read and what it means."""
+
+    name: str
+    parse: Callable[[str, str], Any]
+    default: Any
+    doc: str
+    field: str | None
+    """The ``TuningPolicy`` field it sets, if any."""
+
+    def read(self) -> Any:
+        """The value set now, parsed; ``None`` when unset or empty (then ``default`` applies)."""
+        raw = os.environ.get(self.name)
+        if raw is None or not raw.strip():
+            return None
+        return self.parse(self.name, raw.strip())
+
+
+KNOBS: dict[str, Knob] = {}
+
+
+def _knob(
+    suffix: str, parse: Callable[[str, str], Any], default: Any, doc: str, field: str | None = None
+) -> str:
+    name = PREFIX + suffix
+    KNOBS[name] = Knob(name, parse, default, doc, field)
+    return name
+
+
+def parse_int(text: str) -> int | None:
+    """``text`` as an integer if it is ASCII digits with an optional sign, else ``None``."""
+    stripped = text.strip()
+    return int(stripped) if _INT.fullmatch(stripped) else None
+
+
+def _bounds(low: float | None, high: float | None) -> str:
+    if low is not None and high is not None:
+        return f" from {low:g} to {high:g}"
+    return f" >= {low:g}" if low is not None else f" <= {high:g}" if high is not None else ""
+
+
+def _words(choices: Sequence[str], field: str) -> Callable[[str, str], str]:
+    def parse(name: str, raw: str) -> str:
+        word = raw.lower()
+        if word in choices:
+            return word
+        allowed = _REMOVED.get((field, word), "one of " + "|".join(choices) + " (any case)")
+        raise PolicyError(name, raw, allowed)
+
+    return parse
+
+
+def _bool(name: str, raw: str) -> bool:
+    word = raw.lower()
+    if word in TRUE_WORDS or word in FALSE_WORDS:
+        return word in TRUE_WORDS
+    raise PolicyError(name, raw, "a boolean (1/0, true/false, yes/no, on/off; any case)")
+
+
+def _int(low: int | None = None, high: int | None = None) -> Callable[[str, str], int]:
+    def parse(name: str, raw: str) -> int:
+        value = parse_int(raw)
+        if value is None or not (low is None or value >= low) or not (high is None or value <= high):
+            raise PolicyError(name, raw, "an integer (ASCII digits)" + _bounds(low, high))
+        return value
+
+    return parse
+
+
+def _float(
+    low: float | None = None, high: float | None = None, *, above: bool = False
+) -> Callable[..., float]:
+    def parse(name: str, raw: str) -> float:
+        value = float(raw) if _FLOAT.fullmatch(raw) else math.nan
+        ok = math.isfinite(value) and (low is None or (value > low if above else value >= low))
+        if not ok or (high is not None and value > high):
+            what = f"a positive finite decimal number up to {high:g}" if above else "a finite decimal number"
+            raise PolicyError(name, raw, what + ("" if above else _bounds(low, high)))
+        return value
+
+    return parse
+
+
+def _fraction(name: str, raw: str) -> float:
+    value = _float(0.0)(name, raw)
+    if value >= 1.0:
+        raise PolicyError(name, raw, "a fraction in [0, 1)")
+    return value
+
+
+def _text(name: str, raw: str) -> str:
+    return raw
+
+
+def _paths(name: str, raw: str) -> tuple[str, ...]:
+    return tuple(p.strip() for p in raw.split(":") if p.strip())
+
+
+def is_module_prefix(text: str) -> bool:
+    """Whether ``text`` could name a module: dot-separated Python identifiers (``pkg.kernels``)."""
+    return bool(text) and all(part.isidentifier() for part in text.split("."))
+
+
+def _modules(name: str, raw: str) -> tuple[str, ...]:
+    items = tuple(p.strip() for p in raw.split(",") if p.strip())
+    bad = [item for item in items if not is_module_prefix(item)]
+    if bad:
+        raise PolicyError(
+            name,
+            raw,
+            f"comma-separated module names such as my_pkg.kernels ({', '.join(map(repr, bad))} "
+            "cannot name a module, so it would pin nothing)",
+        )
+    return items
+
+
+def _assignments(name: str, raw: str) -> tuple[tuple[str, int], ...]:
+    """``NAME=INT,NAME=INT``, each name once (a repeat would silently keep its last value)."""
+    parsed: dict[str, int] = {}
+    for item in (p.strip() for p in raw.split(",") if p.strip()):
+        key, sep, value = item.partition("=")
+        number = parse_int(value)
+        if not sep or not key.strip().isidentifier() or number is None:
+            raise PolicyError(name, raw, "comma-separated NAME=INT pairs, e.g. BLOCK_SIZE_M=64")
+        if key.strip() in parsed:
+            raise PolicyError(name, raw, f"each name once ({key.strip()} is given twice)")
+        parsed[key.strip()] = number
+    return tuple(sorted(parsed.items()))
+
+
+def _cache(name: str, raw: str) -> str | None:
+    # Words are settings, never file names: MEGATRON_TUNING_CACHE=OFF must not create a file "OFF".
+    word = raw.lower()
+    return CACHE_OFF if word in FALSE_WORDS else None if word in TRUE_WORDS else raw
+
+
+# -- the registry: policy fields first, then settings of the tuner, the cache and the launchers ----
+ENV_MODE = _knob("MODE", _words(MODES, "mode"), "off", "what the library does (TuningPolicy.mode)", "mode")
+ENV_SCOPE = _knob("SCOPE", _modules, (), "module prefixes of the kernels to pin; empty: all", "scope")
+ENV_ON_MISS = _knob("ON_MISS", _words(ON_MISS, "on_miss"), "nearest", "what a miss launches", "on_miss")
+ENV_TABLE = _knob("TABLE", _paths, (), "colon-separated table files or folders, searched first", "tables")
+ENV_SHIPPED_TABLES = _knob(
+    "SHIPPED_TABLES", _bool, True, "search the tables shipped in configs/<arch>/", "use_shipped_tables"
+)
+ENV_AGREEMENT = _knob(
+    "AGREEMENT",
+    _words(AGREEMENT_MODES, "agreement"),
+    None,
+    "cross-rank check; unset: by world size",
+    "agreement",
+)
+ENV_AGREEMENT_TIMEOUT = _knob(
+    "AGREEMENT_TIMEOUT",
+    _float(0.0, MAX_AGREEMENT_TIMEOUT_S, above=True),
+    300.0,
+    "seconds a cross-rank check waits for missing ranks",
+    "agreement_timeout_s",
+)
+ENV_STRICT = _knob("STRICT", _bool, False, "raise on stale entries and unpinned compiled launches", "strict")
+ENV_STALE_ENTRIES = _knob(
+    "STALE_ENTRIES", _words(STALE_ENTRIES, "stale_entries"), "use", "what a stale entry does", "stale_entries"
+)
+ENV_BLOCK_SIZES = _knob("BLOCK_SIZES", _assignments, (), "explicit block-size override", "block_sizes")
+ENV_RECORD_DIR = _knob("RECORD_DIR", _text, None, "where record mode writes one file per rank", "record_dir")
+ENV_DECISION_LOG = _knob("DECISION_LOG", _text, None, "write the decision log here at exit", "decision_log")
+ENV_CACHE = _knob("CACHE", _cache, None, "auto mode's cache table: a path or off", "cache")
+ENV_CACHE_MAX_ENTRIES = _knob("CACHE_MAX_ENTRIES", _int(1, 1_000_000), 50_000, "entries auto's cache keeps")
+ENV_TUNE_ROUNDS = _knob("TUNE_ROUNDS", _int(1, 10_000), 10, "timed rounds per candidate when tuning")
+ENV_TUNE_TIE_BAND = _knob("TUNE_TIE_BAND", _fraction, 0.02, "fraction of the best median called a tie")
+ENV_TUNE_DIR = _knob("TUNE_DIR", _text, None, "internal: where a `tune` job's processes write their results")
+ENV_LAUNCHER = _knob(
+    "LAUNCHER", _words(("run", "tune"), "launcher"), None, "internal: the launcher of this job"
+)
+
+
+def read_knob(name: str) -> Any:
+    """The knob's value now, or its default when unset."""
+    knob = KNOBS[name]
+    value = knob.read()
+    return knob.default if value is None else value
+
+
+def unknown_variables(environ: Mapping[str, str] | None = None) -> list[tuple[str, str | None]]:
+    """``MEGATRON_TUNING_*`` names set that no knob declares, each with the closest known one."""
+    names = sorted(n for n in (os.environ if environ is None else environ) if n.startswith(PREFIX))
+    # Compared without the shared prefix, which would make every name look close to every other.
+    known = sorted(name[len(PREFIX) :] for name in KNOBS)
+    out = []
+    for name in (n for n in names if n not in KNOBS):
+        close = difflib.get_close_matches(name[len(PREFIX) :], known, n=1, cutoff=0.6)
+        out.append((name, PREFIX + close[0] if close else None))
+    return out
+
+
+def warn_unknown_variables() -> None:
+    """One notice per unknown ``MEGATRON_TUNING_*`` name: it is ignored, so it is most likely a typo."""
+    for name, close in unknown_variables():
+        hint = f"Did you mean {close}?" if close else "Known variables: " + ", ".join(sorted(KNOBS))
+        warn_once(
+            ("unknown-env", name),
+            "%s is set but is not a megatron_tuning setting, so it is ignored. %s (docs/policy.md)",
+            name,
+            hint,
+        )
+
+
+@contextlib.contextmanager
+def scoped_environ(values: Mapping[str, str | None]) -> Iterator[None]:
+    """Set (or with ``None`` unset) variables for the duration of the block, then restore."""
+    saved = {name: os.environ.get(name) for name in values}
+    try:
+        for name, value in values.items():
+            os.environ.pop(name, None) if value is None else os.environ.__setitem__(name, value)
+        yield
+    finally:
+        for name, value in saved.items():
+            os.environ.pop(name, None) if value is None else os.environ.__setitem__(name, value)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TuningPolicy:
-    """How in-scope Triton autotuners choose their config."""
+    """How in-scope Triton autotuners choose their config. Every rank of a job must use the same."""
 
     mode: str = "deterministic"
-    """off: stock Triton. deterministic: table entry, else a static rule; never measures.
-    chaos: a different pick per rank on purpose (positive control for the agreement check).
-    record: Triton autotunes as usual and every winner is recorded. tune: the noise-aware tuner.
-    auto: table entry, else a decision another rank of this job published, else tune once with
-    the noise-aware tuner and publish it (first writer wins); tuned decisions persist in ``cache``."""
+    """off: stock Triton. deterministic: table entry, else the miss rule; never measures. chaos: a
+    different pick per rank on purpose (the agreement check's positive control). record: Triton
+    autotunes and every winner is recorded. tune: the noise-aware tuner. auto: table entry, else the
+    job's published decision, else tune once and publish (first writer wins), persisted in ``cache``."""
 
     scope: tuple[str, ...] = ()
-    """Module prefixes of the kernels to pin (``pkg`` covers ``pkg`` and ``pkg.sub``); empty = all.
-    Any sequence of strings is accepted and stored as a tuple."""
+    """Module prefixes of the kernels to pin (``pkg`` covers ``pkg`` and ``pkg.sub``); empty: all."""
 
     on_miss: str = "nearest"
-    """No usable table entry (and, in ``auto``, no way to measure): ``nearest`` launches the entry
-    of the nearest shape of the same kernel (log-space distance over the key's numbers), else the
-    cheapest live config; ``min_cost`` launches the cheapest live config; ``error`` raises."""
+    """No usable entry (and, in ``auto``, nothing can be measured): ``nearest`` launches the entry of
+    the nearest shape of the kernel, else the cheapest config; ``min_cost`` the cheapest; ``error`` raises."""
 
     tables: tuple[str, ...] = ()
-    """Table files searched before ``MEGATRON_TUNING_TABLE`` and the shipped tables; earlier wins.
-    Any sequence of ``str`` or ``os.PathLike`` paths is accepted and stored as a tuple of ``str``."""
+    """Table files or folders searched before ``MEGATRON_TUNING_TABLE`` and the shipped tables."""
 
     use_shipped_tables: bool = True
-    """Search the tables shipped in the package's ``configs/<arch>/`` after the others."""
+    """Search the tables shipped in the package's ``configs/<arch>/`` last."""
 
     agreement: str | None = None
     """Cross-rank check: ``store`` (each new (kernel, key) before its launch), ``allgather`` (strictly
@@ -82,75 +292,61 @@ class TuningPolicy:
     for large jobs) or ``off``. ``None``: ``store`` up to 64 ranks, ``verify`` above."""
 
     agreement_timeout_s: float = 300.0
-    """How long an ``allgather`` check waits for missing ranks before naming them."""
+    """How long a cross-rank check waits for missing ranks before naming them."""
 
     strict: bool = False
-    """Raise instead of warn on stale table entries (same as ``stale_entries='error'``), and when
-    compiled code launches an in-scope kernel without the pin (``CompiledLaunchNotPinnedError``)."""
+    """Raise on stale entries (as ``stale_entries='error'``) and on unpinned compiled launches."""
 
     stale_entries: str = "use"
-    """An entry tuned for another kernel source or Triton version: use (warn once), miss, or error."""
+    """An entry tuned for other kernel source or another Triton: use (warn once), miss, or error."""
 
     block_sizes: tuple[tuple[str, int], ...] = ()
-    """Explicit block-size override, e.g. ``{"BLOCK_SIZE_M": 64}`` or ``(("BLOCK_SIZE_M", 64),)``, for
-    kernels that have those names. Each name once; stored as sorted ``(name, int)`` pairs."""
+    """Explicit block-size override, e.g. ``{"BLOCK_SIZE_M": 64}``; stored as sorted pairs."""
 
     record_dir: str | None = None
-    """Where record/tune mode writes per-rank results (one file per rank)."""
+    """Where record mode writes per-rank results (one file per rank)."""
 
     decision_log: str | None = None
-    """If set, the decision log is written here at exit (``{rank}`` is replaced by the rank)."""
+    """If set, the decision log is written here at close (``{rank}`` and ``{pid}`` are replaced)."""
 
     cache: str | None = None
-    """``auto`` mode's cache table: decisions it tuned or adopted are merged into this msgpack file
-    at ``close()`` and at exit, and it is searched after the explicit tables and before the shipped
-    ones. ``None``: ``<user cache dir>/megatron_tuning/<arch>/auto.msgpack``; ``"off"``: none.
-    The words off/0/false/no (any case) are stored as ``"off"``, on/1/true/yes as ``None``: a
-    word is never a file name. Read and written in ``auto`` mode only, so other modes never
-    depend on a per-user file."""
+    """``auto``'s cache table: ``None`` for ``<user cache dir>/megatron_tuning/<arch>/auto.msgpack``,
+    ``"off"`` for none (false words are stored as ``"off"``, true words as ``None``), else a path."""
 
     def __post_init__(self) -> None:
-        # One rule for every knob, in code and in the environment alike (docs/policy.md): words
-        # in any case, stored lower-case; booleans are bools; numbers are finite and not bools;
-        # paths are text or os.PathLike, stored as text; lists are any sequence, stored as tuples.
-        # Normalised values are written back (``object.__setattr__``: the dataclass is frozen).
-        for name, allowed in (
-            ("mode", MODES),
-            ("on_miss", ON_MISS),
-            ("agreement", AGREEMENT_MODES),
-            ("stale_entries", STALE_ENTRIES),
-        ):
-            if name == "agreement" and self.agreement is None:
-                continue  # unset: chosen by world size at start (distributed.agreement.resolve_mode)
+        # Normalised values are written back (object.__setattr__: the dataclass is frozen).
+        for name, allowed in (("mode", MODES), ("on_miss", ON_MISS), ("stale_entries", STALE_ENTRIES)):
             _set(self, name, _word(name, getattr(self, name), allowed))
-        scope = _sequence("scope", self.scope, "module-name prefixes such as ['my_pkg.kernels']")
-        if any(not isinstance(p, str) or not env.is_module_prefix(p.strip()) for p in scope):
-            raise PolicyError("scope", self.scope, "module-name prefixes such as ['my_pkg.kernels']")
+        if self.agreement is not None:
+            _set(self, "agreement", _word("agreement", self.agreement, AGREEMENT_MODES))
+        modules = "module-name prefixes such as ['my_pkg.kernels']"
+        scope = _sequence("scope", self.scope, modules)
+        if any(not isinstance(p, str) or not is_module_prefix(p.strip()) for p in scope):
+            raise PolicyError("scope", self.scope, modules)
         _set(self, "scope", tuple(p.strip() for p in scope))
-        tables = _sequence("tables", self.tables, "file system paths such as ['tables/sm90.msgpack']")
-        _set(self, "tables", tuple(_path("tables", p) for p in tables))
+        paths = _sequence("tables", self.tables, "file system paths such as ['tables/sm90.msgpack']")
+        _set(self, "tables", tuple(_path("tables", p) for p in paths))
         _set(self, "block_sizes", _block_sizes(self.block_sizes))
         for name in ("strict", "use_shipped_tables"):
             if not isinstance(getattr(self, name), bool):
                 raise PolicyError(name, getattr(self, name), "True or False (a bool)")
         timeout = self.agreement_timeout_s
-        if (
-            isinstance(timeout, bool)
-            or not isinstance(timeout, (int, float))
-            or not math.isfinite(timeout)
-            or not 0 < timeout <= MAX_AGREEMENT_TIMEOUT_S
-        ):
-            raise PolicyError(
-                "agreement_timeout_s",
-                timeout,
-                f"a positive number of seconds up to {MAX_AGREEMENT_TIMEOUT_S:g} (not a bool)",
-            )
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout):
+            timeout = -1.0
+        if not 0 < timeout <= MAX_AGREEMENT_TIMEOUT_S:
+            seconds = f"a positive number of seconds up to {MAX_AGREEMENT_TIMEOUT_S:g} (not a bool)"
+            raise PolicyError("agreement_timeout_s", self.agreement_timeout_s, seconds)
         _set(self, "agreement_timeout_s", float(timeout))
         for name in ("decision_log", "record_dir"):
-            value = getattr(self, name)
-            if value is not None:
-                _set(self, name, _path(name, value))
-        _set(self, "cache", _cache(self.cache))
+            if getattr(self, name) is not None:
+                _set(self, name, _path(name, getattr(self, name)))
+        if isinstance(self.cache, str) and self.cache.strip():
+            _set(self, "cache", _cache("cache", self.cache.strip()))
+        elif self.cache is not None:
+            try:
+                _set(self, "cache", _path("cache", self.cache))
+            except PolicyError:
+                raise PolicyError("cache", self.cache, "a file path, 'off' (no cache), or None") from None
 
     @property
     def effective_stale_entries(self) -> str:
@@ -163,21 +359,18 @@ class TuningPolicy:
 
     def in_scope(self, module: str) -> bool:
         """Whether kernels defined in ``module`` are pinned by this policy."""
-        if not self.scope:
-            return True
-        return any(module == prefix or module.startswith(prefix + ".") for prefix in self.scope)
+        return not self.scope or any(module == p or module.startswith(p + ".") for p in self.scope)
 
     def replace(self, **changes: Any) -> TuningPolicy:
         return dataclasses.replace(self, **changes)
 
     def describe(self) -> str:
         """One line for logs."""
-        scope = ",".join(self.scope) if self.scope else "all"
-        tables = ":".join(self.tables) if self.tables else "-"
         cache = f" cache={self.cache or 'default'}" if self.mode == "auto" else ""
         return (
-            f"mode={self.mode} scope={scope} on_miss={self.on_miss} tables={tables} "
-            f"agreement={self.agreement or 'by-size'} strict={int(self.strict)}{cache}"
+            f"mode={self.mode} scope={','.join(self.scope) or 'all'} on_miss={self.on_miss} "
+            f"tables={':'.join(self.tables) or '-'} agreement={self.agreement or 'by-size'} "
+            f"strict={int(self.strict)}{cache}"
         )
 
     def summary(self) -> str:
@@ -192,38 +385,18 @@ class TuningPolicy:
     def from_env(
         cls, *, default_mode: str = "off", follow_torch_determinism: bool = True, **overrides: Any
     ) -> TuningPolicy:
-        """Build a policy from ``MEGATRON_TUNING_*`` variables, read now.
+        """Build a policy from the ``MEGATRON_TUNING_*`` knobs, read now; ``overrides`` win.
 
-        With ``MEGATRON_TUNING_MODE`` unset, the mode is ``deterministic`` when
-        ``torch.are_deterministic_algorithms_enabled()`` (unless
-        ``follow_torch_determinism=False``), else ``default_mode``. Keyword ``overrides``
-        win over the environment.
+        With ``MEGATRON_TUNING_MODE`` unset the mode is ``deterministic`` when
+        ``torch.are_deterministic_algorithms_enabled()`` (unless ``follow_torch_determinism=False``),
+        else ``default_mode``.
         """
-        fields: dict[str, Any] = {}
-        mode = env.env_choice(ENV_MODE, MODES)
-        if mode is None:
-            mode = "deterministic" if follow_torch_determinism and _torch_deterministic() else default_mode
-        fields["mode"] = mode
-        optional: Mapping[str, Any] = {
-            "scope": env.env_module_prefixes(ENV_SCOPE),
-            "on_miss": env.env_choice(ENV_ON_MISS, ON_MISS),
-            "tables": env.env_list(ENV_TABLE, ":"),
-            "agreement": env.env_choice(ENV_AGREEMENT, AGREEMENT_MODES),
-            "agreement_timeout_s": env.env_float(ENV_AGREEMENT_TIMEOUT, maximum=MAX_AGREEMENT_TIMEOUT_S),
-            "strict": env.env_bool(ENV_STRICT),
-            "stale_entries": env.env_choice(ENV_STALE_ENTRIES, STALE_ENTRIES),
-            "block_sizes": env.env_assignments(ENV_BLOCK_SIZES),
-            "use_shipped_tables": env.env_bool(ENV_SHIPPED_TABLES),
-            "record_dir": env.env_str(ENV_RECORD_DIR) or None,
-            "decision_log": env.env_str(ENV_DECISION_LOG) or None,
-            "cache": cache_from_env(),
-        }
-        fields.update({k: v for k, v in optional.items() if v is not None})
-        if fields.get("agreement_timeout_s") is not None and fields["agreement_timeout_s"] <= 0:
-            raise PolicyError(
-                ENV_AGREEMENT_TIMEOUT, env.env_str(ENV_AGREEMENT_TIMEOUT), "a positive number of seconds"
+        fields = {k.field: v for k in KNOBS.values() if k.field and (v := k.read()) is not None}
+        if "mode" not in fields:
+            fields["mode"] = (
+                "deterministic" if follow_torch_determinism and _torch_deterministic() else default_mode
             )
-        env.warn_unknown_variables()  # a misspelt name (..._TABLES) would otherwise be ignored silently
+        warn_unknown_variables()  # a misspelt name (..._TABLES) would otherwise be ignored silently
         fields.update(overrides)
         return cls(**fields)
 
@@ -233,21 +406,20 @@ def _set(policy: TuningPolicy, name: str, value: Any) -> None:
 
 
 def _word(name: str, value: object, allowed: tuple[str, ...]) -> str:
-    """A word from ``allowed``, in any case and with surrounding spaces ignored; stored lower-case."""
     if isinstance(value, str) and value.strip().lower() in allowed:
         return value.strip().lower()
-    raise PolicyError(name, value, "one of " + "|".join(allowed) + " (any case)")
+    text = value.strip().lower() if isinstance(value, str) else ""
+    raise PolicyError(name, value, _REMOVED.get((name, text), "one of " + "|".join(allowed) + " (any case)"))
 
 
 def _sequence(name: str, value: object, allowed: str) -> tuple[Any, ...]:
-    """Any sequence (list, tuple, ...) as a tuple; one bare string or path is refused, not split."""
+    """Any sequence as a tuple; one bare string or path is refused, not split into characters."""
     if isinstance(value, (str, bytes, os.PathLike)) or not isinstance(value, Sequence):
         raise PolicyError(name, value, f"a list or tuple of {allowed}; a single one goes in a list")
     return tuple(value)
 
 
 def _path(name: str, value: object) -> str:
-    """A file system path: text or ``os.PathLike`` (``pathlib.Path``), non-empty, without NUL."""
     text = os.fspath(value) if isinstance(value, os.PathLike) else value
     if not isinstance(text, str) or not text or "\0" in text:
         raise PolicyError(
@@ -257,7 +429,6 @@ def _path(name: str, value: object) -> str:
 
 
 def _block_sizes(value: object) -> tuple[tuple[str, int], ...]:
-    """``{name: int}`` or ``(name, int)`` pairs, each name once; stored sorted, as the env parser does."""
     allowed = (
         "{NAME: int} or (NAME, int) pairs with identifier names, each name once, e.g. {'BLOCK_SIZE_M': 64}"
     )
@@ -266,57 +437,18 @@ def _block_sizes(value: object) -> tuple[tuple[str, int], ...]:
         raise PolicyError("block_sizes", value, allowed)
     seen: dict[str, int] = {}
     for item in items:
-        if not (
-            isinstance(item, (tuple, list))
-            and len(item) == 2
-            and isinstance(item[0], str)
-            and item[0].isidentifier()
-            and type(item[1]) is int
-        ):
+        ok = isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], str)
+        if not ok or not item[0].isidentifier() or type(item[1]) is not int:
             raise PolicyError("block_sizes", value, allowed)
-        if item[0] in seen:  # the last would silently win, as a repeated env name would
+        if item[0] in seen:
             raise PolicyError("block_sizes", value, f"each name once ({item[0]} is given twice)")
         seen[item[0]] = item[1]
     return tuple(sorted(seen.items()))
 
 
-def _cache(value: object) -> str | None:
-    """A cache path, ``off`` (or another false word: 0, false, no; any case), or None (the default).
-
-    A true word (1, true, yes, on) also means the default: words are settings, never file names
-    (``MEGATRON_TUNING_CACHE=OFF`` must not create a file called ``OFF``).
-    """
-    if value is None:
-        return None
-    if isinstance(value, str) and value.strip().lower() in env.FALSE_WORDS and value.strip():
-        return CACHE_OFF
-    if isinstance(value, str) and value.strip().lower() in env.TRUE_WORDS:
-        return None
-    try:
-        return _path("cache", value)
-    except PolicyError:
-        allowed = f"a file path, {CACHE_OFF!r} (no cache), or None (the default)"
-        raise PolicyError("cache", value, allowed) from None
-
-
-def cache_from_env() -> str | None:
-    """``MEGATRON_TUNING_CACHE`` read now by the knob rule: ``"off"``, a path, or ``None`` (default).
-
-    For code that falls back to the variable when a policy built in code names no cache
-    (``tables.cache.cache_path``): the raw text would turn ``OFF`` or ``1`` into a file name.
-    """
-    raw = env.env_str(ENV_CACHE)
-    if not raw:  # empty means unset
-        return None
-    try:
-        return _cache(raw)
-    except PolicyError:
-        raise PolicyError(ENV_CACHE, raw, f"a file path, or {CACHE_OFF!r} for no cache") from None
-
-
 def _torch_deterministic() -> bool:
     try:
         import torch
-    except ImportError:  # torch is a dependency, but policy parsing must not need it
+    except ImportError:  # torch is a dependency, but reading a policy must not need it
         return False
     return bool(torch.are_deterministic_algorithms_enabled())

@@ -180,8 +180,24 @@ def install_default_handler(package_logger: logging.Logger) -> None:
         package_logger.addHandler(default_handler())
 
 
+def printable(text: str) -> str:
+    """``text`` with every non-printable character written as an escape.
+
+    Keys, kernel ids and notes come from files other people wrote: printed raw, a ``\\r``, an ANSI
+    sequence or a bidi override could rewrite what a reviewer sees. JSON output stays exact.
+    """
+    if text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() else _escape(ord(ch)) for ch in text)
+
+
+def _escape(code: int) -> str:
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
+
+
 __all__ = [
     "PREFIX",
+    "printable",
     "TuningWarning",
     "default_handler",
     "install_default_handler",

@@ -35,9 +35,9 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ..core import __version__
 from ..core.decisions import Decision, decision_log
 from ..core.errors import DivergenceError, InputMismatchError, PolicyError, StoreError, TableError
-from ..core.version import __version__
 from ..runtime.pinning import is_capturing
 from ..tables.search import ENV_TABLE, expand_table_paths, installed_triton_version
 from ..tables.shipped import shipped_tables_dir
@@ -289,7 +289,7 @@ def _error_from_flag(record: Mapping[str, Any]) -> Exception:
 def describe_inputs(policy: Any, table: Any = None) -> dict[str, str]:
     """What this rank's choices depend on, as short comparable text per input. Table files are
     compared by content, so the same tables at different paths on different nodes agree."""
-    from ..core import env
+    from ..core.policy import read_knob
 
     inputs = {
         "policy": policy.summary() if hasattr(policy, "summary") else repr(policy),
@@ -300,7 +300,7 @@ def describe_inputs(policy: Any, table: Any = None) -> dict[str, str]:
     if table is not None and not hasattr(table, "files"):
         inputs["tables"] = _mapping_digest(table)
     else:
-        explicit = tuple(getattr(policy, "tables", ()) or ()) + tuple(env.env_list(ENV_TABLE, ":") or ())
+        explicit = tuple(getattr(policy, "tables", ()) or ()) + tuple(read_knob(ENV_TABLE))
         inputs["tables"] = _files_digest(explicit)
     if getattr(policy, "use_shipped_tables", True):
         folder = shipped_tables_dir()

@@ -29,16 +29,13 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from ..core import env
 from ..core.errors import TableError
-from ..core.policy import CACHE_OFF, ENV_CACHE, TuningPolicy, cache_from_env
+from ..core.policy import CACHE_OFF, ENV_CACHE, ENV_CACHE_MAX_ENTRIES, TuningPolicy, read_knob
 from . import files
 from .cache_bounds import CACHE_FORMAT, CACHE_META, cache_format_of
 from .cache_persist import (
     DEFAULT_MAX_ENTRIES,
-    ENV_CACHE_MAX_ENTRIES,
     LOCK_TIMEOUT_S,
-    MAX_ENTRIES_SETTING,
     PERSISTED_SOURCES,
     AutoCache,
     content_digest,
@@ -65,7 +62,7 @@ def cache_path(policy: TuningPolicy, arch: str | Callable[[], str]) -> str | Non
     as ``MEGATRON_TUNING_TABLE`` is for a policy built in code), else the per-user default.
     ``None`` when the cache is ``off``. A callable ``arch`` is called only for the default folder,
     so a named cache file never reads the GPU."""
-    chosen = policy.cache or cache_from_env()  # by the knob rule: "OFF" and "0" are off, not files
+    chosen = policy.cache or read_knob(ENV_CACHE)  # by the knob rule: "OFF" and "0" are off, not files
     if chosen == CACHE_OFF:
         return None
     if chosen:
@@ -76,8 +73,7 @@ def cache_path(policy: TuningPolicy, arch: str | Callable[[], str]) -> str | Non
 def cache_max_entries() -> int:
     """``MEGATRON_TUNING_CACHE_MAX_ENTRIES`` (read now), default ``DEFAULT_MAX_ENTRIES``; a bad
     value raises ``PolicyError`` naming it."""
-    value = env.env_int(ENV_CACHE_MAX_ENTRIES, minimum=1, maximum=MAX_ENTRIES_SETTING)
-    return DEFAULT_MAX_ENTRIES if value is None else value
+    return int(read_knob(ENV_CACHE_MAX_ENTRIES))
 
 
 def open_cache(policy: TuningPolicy, arch: str | Callable[[], str]) -> AutoCache | None:
@@ -189,7 +185,6 @@ def _writable(path: str) -> bool:
 __all__ = [
     "CACHE_FILE_NAME",
     "DEFAULT_MAX_ENTRIES",
-    "ENV_CACHE_MAX_ENTRIES",
     "LOCK_TIMEOUT_S",
     "PERSISTED_SOURCES",
     "AutoCache",

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from ..core.decisions import Decision
 from ..core.errors import TableError
-from ..core.policy import ENV_CACHE
+from ..core.policy import ENV_CACHE, ENV_CACHE_MAX_ENTRIES
 from . import files
 from .cache_bounds import CACHE_META, CacheFormatError, Plan, encode_plan, plan_persist
 from .entry import Entry, entry_with
@@ -30,7 +30,6 @@ from .table import Table, table_from_data
 logger = logging.getLogger(__name__)
 
 PERSISTED_SOURCES = ("tuned", "adopted")
-ENV_CACHE_MAX_ENTRIES = "MEGATRON_TUNING_CACHE_MAX_ENTRIES"
 DEFAULT_MAX_ENTRIES = 50_000
 MAX_ENTRIES_SETTING = 1_000_000
 LOCK_TIMEOUT_S = 120.0
@@ -311,7 +310,6 @@ def _signature(entry: Entry) -> str:
 
 __all__ = [
     "DEFAULT_MAX_ENTRIES",
-    "ENV_CACHE_MAX_ENTRIES",
     "LOCK_TIMEOUT_S",
     "MAX_ENTRIES_SETTING",
     "PERSISTED_SOURCES",

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..core.decisions import Decision
-from ..core.text import printable
+from ..core.warn import printable
 from .decision_files import read_decisions
 
 # Decision source -> coverage status.
@@ -126,7 +126,7 @@ class Coverage:
         }
 
     def report(self) -> str:
-        """Human-readable report; every line's data is escaped (``core.text.printable``)."""
+        """Human-readable report; every line's data is escaped (``core.warn.printable``)."""
         lines = [f"Coverage of {len(self.files)} decision log(s), ranks: {', '.join(self.ranks) or '-'}"]
         for row in self.rows:
             lines.append(f"{row.kernel}  [{row.key}]  {self._describe(row)}")

@@ -20,7 +20,7 @@ import msgpack
 from ..core.cost import estimate_config_cost
 from ..core.errors import TableError
 from ..core.identity import config_signature
-from ..core.text import printable
+from ..core.warn import printable
 from .files import LOCK_TIMEOUT_S, locked
 from .search import expand_table_paths
 from .table import Entry, Table, entry_with, load_table, save_table

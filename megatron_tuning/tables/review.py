@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from ..core.identity import config_signature
-from ..core.text import printable
+from ..core.warn import printable
 from .entry import Entry, same_config
 from .table import Table
 

@@ -34,11 +34,11 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
-from ..core import env
 from ..core.choice import TableHit
 from ..core.errors import StaleEntryError, TableError
 from ..core.identity import content_name
 from ..core.nearest import nearest_keys
+from ..core.policy import ENV_TABLE, read_knob
 from ..core.warn import warn_once
 from .files import broken_link_problem
 from .shipped import shipped_tables_dir
@@ -50,7 +50,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 STALE_CHOICES = ("use", "miss", "error")
-ENV_TABLE = "MEGATRON_TUNING_TABLE"
 
 _Ident = tuple[str, str, str]
 
@@ -166,7 +165,7 @@ class TableSet:
     ) -> TableSet:
         """The search path a policy asks for: ``policy.tables`` → ``MEGATRON_TUNING_TABLE`` →
         ``cache`` (``auto`` mode's, loaded by ``tables.cache``) → shipped."""
-        env_paths = env.env_list(ENV_TABLE, ":") or ()
+        env_paths = read_knob(ENV_TABLE)
         return cls(
             tuple(policy.tables) + tuple(env_paths),
             shipped_dir=shipped_tables_dir() if policy.use_shipped_tables else None,

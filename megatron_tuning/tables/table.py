@@ -20,8 +20,8 @@ import logging
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 
+from ..core import __version__
 from ..core.errors import TableError
-from ..core.version import __version__
 from . import files
 from .codec import (
     FORMAT,

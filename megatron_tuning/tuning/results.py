@@ -17,7 +17,7 @@ from typing import Any
 
 from ..core.decisions import Decision
 from ..core.errors import TableError
-from ..core.text import printable
+from ..core.warn import printable
 from ..tables.decision_files import FORMAT as DECISIONS_FORMAT
 from ..tables.decision_files import read_decisions
 from ..tables.entry import entry_with

@@ -17,14 +17,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..core import env
 from ..core.errors import PolicyError
+from ..core.policy import ENV_TUNE_ROUNDS, ENV_TUNE_TIE_BAND, read_knob
 
 TIMINGS_FORMAT = "megatron_tuning.tuner/1"
 """Tag of the ``timings`` dict this tuner attaches to a ``tuned`` decision and a table entry."""
 
-ENV_ROUNDS = "MEGATRON_TUNING_TUNE_ROUNDS"
-ENV_TIE_BAND = "MEGATRON_TUNING_TUNE_TIE_BAND"
 
 MAX_ROUNDS = 10_000
 """Each round times every candidate: more is a typo (``1e308`` was once accepted), not rigour."""
@@ -102,16 +100,7 @@ class TuneSettings:
     @classmethod
     def from_env(cls, **overrides: Any) -> TuneSettings:
         """Settings from ``MEGATRON_TUNING_TUNE_ROUNDS`` / ``..._TIE_BAND`` (read now); overrides win."""
-        fields: dict[str, Any] = {}
-        rounds = env.env_int(ENV_ROUNDS, minimum=1, maximum=MAX_ROUNDS)
-        if rounds is not None:
-            fields["rounds"] = rounds
-        tie_band = env.env_float(ENV_TIE_BAND, minimum=0.0)
-        if tie_band is not None:
-            if not tie_band < 1.0:
-                raise PolicyError(ENV_TIE_BAND, env.env_str(ENV_TIE_BAND), "a fraction in [0, 1)")
-            fields["tie_band"] = tie_band
-        fields.update(overrides)
+        fields = {"rounds": read_knob(ENV_TUNE_ROUNDS), "tie_band": read_knob(ENV_TUNE_TIE_BAND), **overrides}
         return cls(**fields)
 
 

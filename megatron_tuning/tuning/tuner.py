@@ -30,8 +30,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .stats import (
-    ENV_ROUNDS,
-    ENV_TIE_BAND,
     TIMINGS_FORMAT,
     CandidateStats,
     TuneResult,
@@ -48,8 +46,6 @@ if TYPE_CHECKING:
     from ..core.policy import TuningPolicy
 
 __all__ = [
-    "ENV_ROUNDS",
-    "ENV_TIE_BAND",
     "TIMINGS_FORMAT",
     "CandidateStats",
     "ClockTimer",

@@ -203,7 +203,7 @@ def _fake_job(monkeypatch: MonkeyPatch, returncode: int = 0, n: int = 100) -> li
 
     def fake_run_job(argv: list[str], env: dict[str, str], prog: str) -> int:
         calls.append(argv)
-        directory = Path(env[tune_command.ENV_TUNE_DIR])
+        directory = Path(env["MEGATRON_TUNING_TUNE_DIR"])
         # One file name per process (the real names carry the pid), so jobs do not overwrite each other.
         write_decisions(directory / f"tuned-host-{n}.json", _tiny_records(n=n)[:1])
         return returncode

@@ -9,10 +9,15 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_tuning.core import env
 from megatron_tuning.core.errors import PolicyError
 from megatron_tuning.core.identity import current_rank
-from megatron_tuning.core.policy import MAX_AGREEMENT_TIMEOUT_S, TuningPolicy
+from megatron_tuning.core.policy import (
+    ENV_CACHE_MAX_ENTRIES,
+    ENV_TUNE_TIE_BAND,
+    KNOBS,
+    MAX_AGREEMENT_TIMEOUT_S,
+    TuningPolicy,
+)
 
 TIMEOUT = "MEGATRON_TUNING_AGREEMENT_TIMEOUT"
 BLOCKS = "MEGATRON_TUNING_BLOCK_SIZES"
@@ -96,15 +101,19 @@ def test_nul_in_policy_paths_is_refused_at_construction():
         TuningPolicy(tables=("a\0.msgpack",))
 
 
-def test_numeric_helpers_bound_and_name(monkeypatch):
-    monkeypatch.setenv("X_KNOB", "70")
-    assert env.env_int("X_KNOB", minimum=1, maximum=100) == 70
-    with pytest.raises(PolicyError, match="from 1 to 50"):
-        env.env_int("X_KNOB", minimum=1, maximum=50)
-    monkeypatch.setenv("X_KNOB", "1e308")
-    with pytest.raises(PolicyError, match="X_KNOB"):
-        env.env_int("X_KNOB", minimum=1)
-    assert env.env_float("X_KNOB") == 1e308
-    monkeypatch.setenv("X_KNOB", "1e309")
-    with pytest.raises(PolicyError, match="finite"):
-        env.env_float("X_KNOB")
+def test_numeric_knobs_bound_and_name(monkeypatch):
+    knob = KNOBS[ENV_CACHE_MAX_ENTRIES]
+    monkeypatch.setenv(knob.name, "70")
+    assert knob.read() == 70
+    for bad in ("0", "1000001", "1e3", "1_000", "١"):
+        monkeypatch.setenv(knob.name, bad)
+        with pytest.raises(PolicyError, match="from 1 to 1e\\+06") as raised:
+            knob.read()
+        assert raised.value.name == knob.name
+    band = KNOBS[ENV_TUNE_TIE_BAND]
+    for bad in ("1", "1e309", "nan", "-0.1"):
+        monkeypatch.setenv(band.name, bad)
+        with pytest.raises(PolicyError, match=band.name):
+            band.read()
+    monkeypatch.setenv(band.name, " .05 ")
+    assert band.read() == 0.05

@@ -291,11 +291,11 @@ def test_known_variables_say_nothing(monkeypatch, notices):
     assert notices.messages == []
 
 
-def test_every_variable_the_package_reads_is_known():
+def test_every_variable_the_package_names_is_a_declared_knob():
     import re
 
     import megatron_tuning
-    from megatron_tuning.core.env import KNOWN_VARIABLES
+    from megatron_tuning.core.policy import KNOBS
 
     root = Path(megatron_tuning.__file__).parent
     written = {
@@ -303,17 +303,50 @@ def test_every_variable_the_package_reads_is_known():
         for path in root.rglob("*.py")
         for name in re.findall(r"MEGATRON_TUNING_[A-Z0-9_]*[A-Z0-9]", path.read_text(encoding="utf-8"))
     }
-    assert written - KNOWN_VARIABLES == set()
+    assert written - set(KNOBS) == set()
 
 
-def test_docs_policy_md_names_every_field_and_variable():
-    from megatron_tuning.core.env import KNOWN_VARIABLES
+def test_each_knob_is_declared_once_in_the_registry_and_nowhere_else():
+    import re
+
+    import megatron_tuning
+
+    root = Path(megatron_tuning.__file__).parent
+    declared = re.findall(r'_knob\(\s*"([A-Z0-9_]+)"', (root / "core" / "policy.py").read_text())
+    assert len(declared) == len(set(declared))
+    for path in root.rglob("*.py"):
+        text = path.read_text(encoding="utf-8")
+        # Only the registry may declare a name as a constant; bootstrap.py repeats two (it must
+        # import nothing of the package) and a test below holds them equal to the registry's.
+        constants = re.findall(r'^(\w+) = "MEGATRON_TUNING_', text, re.MULTILINE)
+        if path.name not in ("bootstrap.py", "policy.py"):
+            assert constants == [], (path, constants)
+
+
+def test_the_bootstrap_repeats_the_registrys_names():
+    from megatron_tuning.commands import bootstrap
+    from megatron_tuning.core.policy import ENV_LAUNCHER, ENV_MODE
+
+    assert (bootstrap.ENV_MODE, bootstrap.ENV_LAUNCHER) == (ENV_MODE, ENV_LAUNCHER)
+
+
+def test_docs_policy_md_lists_exactly_the_knobs_and_every_field():
+    import re
+
+    from megatron_tuning.core.policy import KNOBS
 
     text = (Path(__file__).resolve().parents[2] / "docs" / "policy.md").read_text(encoding="utf-8")
     for field in dataclasses.fields(TuningPolicy):
         assert f"`{field.name}`" in text, field.name
-    for name in KNOWN_VARIABLES:
-        assert f"`{name}`" in text, name
+    assert set(re.findall(r"`(MEGATRON_TUNING_[A-Z0-9_]*[A-Z0-9])`", text)) == set(KNOBS)
+
+
+def test_the_removed_digest_mode_names_its_replacement(monkeypatch):
+    monkeypatch.setenv("MEGATRON_TUNING_AGREEMENT", "digest")
+    for build in (TuningPolicy.from_env, lambda: TuningPolicy(agreement="Digest")):
+        with pytest.raises(PolicyError) as raised:
+            build()
+        assert "'digest' was removed" in str(raised.value) and "'verify'" in str(raised.value)
 
 
 def test_a_variable_close_to_nothing_lists_the_known_ones(monkeypatch, notices):
