@@ -44,7 +44,7 @@ setup(
         "plot": ["matplotlib"],
         "progress": ["tqdm"],
     },
-    entry_points={"console_scripts": ["megatron-tuning = megatron_tuning.cli:main"]},
+    entry_points={"console_scripts": ["megatron-tuning = megatron_tuning.commands:main"]},
     classifiers=[
         "Programming Language :: Python :: 3",
         "Operating System :: POSIX :: Linux",

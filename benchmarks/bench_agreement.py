@@ -69,12 +69,12 @@ def _time_launches(agreement_mode: str, launches: int, stub: bool, device: str =
 
     policy = TuningPolicy(
         mode="deterministic",
-        scope=("megatron_tuning.kernels.tiny",),
+        scope=("megatron_tuning.kernels",),
         agreement=agreement_mode,
         use_shipped_tables=False,
     )
     handle = megatron_tuning.init_deterministic_tuning(policy)  # starts the store check unless "off"
-    from megatron_tuning.kernels import tiny
+    from megatron_tuning import kernels as tiny
 
     fn = tiny.add_one_kernel.fn
     if stub:

@@ -43,7 +43,7 @@ JOBS = ("stock_cold", "auto1_cold", "stock_warm", "auto2_warm")
 
 
 def _matmul_module(smoke: bool) -> Any:
-    from megatron_tuning.kernels import matmul as mm
+    from megatron_tuning import kernels as mm
 
     if smoke:
         common.allow_stock_autotune_on_cpu(mm.matmul_kernel)

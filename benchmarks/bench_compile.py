@@ -10,7 +10,7 @@ policy), ``--processes`` fresh processes each run, for two kernels:
 
 * ``block_kernel.write_block_kernel`` (4 configs, writes its ``BLOCK`` into its output, so the
   launched config is read back from the result, CUDA-graph replays included), keys n=1000, 2000;
-* the reference ``megatron_tuning.kernels.matmul`` (18 configs, bf16), keys 512^3 and 4096^3,
+* the reference ``megatron_tuning.kernels`` (18 configs, bf16), keys 512^3 and 4096^3,
   both in the shipped sm90 table.
 
 Per kernel: the first key is launched eagerly, then compiled (several calls: warm-up, capture and
@@ -48,7 +48,7 @@ from compile_child import child
 
 KINDS = ("static", "dynamic", "reduce-overhead")
 VARIANTS = ("stock", "pinned")
-MM_KERNEL = "megatron_tuning.kernels.matmul:matmul_kernel"
+MM_KERNEL = "megatron_tuning.kernels:matmul_kernel"
 WB_KERNEL = "block_kernel:write_block_kernel"
 FUNCTION = {"write_block": "write_block_kernel", "matmul": "matmul_kernel"}  # Triton bench counts' keys
 

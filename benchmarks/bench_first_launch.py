@@ -32,9 +32,9 @@ CONFIG_COUNT = 16
 def child(args: argparse.Namespace) -> None:
     import triton
 
+    from megatron_tuning import kernels as mm
     from megatron_tuning.core.decisions import get_decisions
     from megatron_tuning.core.identity import arch_tag, config_data, config_signature, tuning_key
-    from megatron_tuning.kernels import matmul as mm
 
     bench_calls = common.count_triton_benchmarks()  # under the interception's guard, if any
     kernel = triton.autotune(configs=mm.MATMUL_CONFIGS[:CONFIG_COUNT], key=["M", "N", "K"])(
@@ -51,7 +51,7 @@ def child(args: argparse.Namespace) -> None:
     if args.prewarm:
         # Pay Triton's once-per-process start-up (driver, launcher, first module load) on an
         # unrelated bare kernel, so the timed launch measures only this key's first launch.
-        from megatron_tuning.kernels import tiny
+        from megatron_tuning import kernels as tiny
 
         common.synchronize(args.smoke)
         t0 = time.perf_counter()
@@ -88,7 +88,7 @@ def write_table(path: Path, primer: dict[str, Any]) -> None:
         [
             Entry(
                 arch=primer["arch"],
-                kernel="megatron_tuning.kernels.matmul:matmul_kernel",
+                kernel="megatron_tuning.kernels:matmul_kernel",
                 key=primer["key"],
                 config=primer["config"],
                 how="hand",

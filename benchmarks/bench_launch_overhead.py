@@ -64,7 +64,7 @@ def measure_gpu(args: argparse.Namespace) -> dict[str, list[float]]:
     import torch
     import triton
 
-    from megatron_tuning.kernels import tiny
+    from megatron_tuning import kernels as tiny
     from megatron_tuning.runtime import interception
 
     n = 1024
@@ -183,8 +183,8 @@ def measure_cpu(args: argparse.Namespace) -> dict[str, list[float]]:
     import torch
     import triton
 
+    from megatron_tuning import kernels as tiny
     from megatron_tuning.core.identity import kernel_id
-    from megatron_tuning.kernels import tiny
     from megatron_tuning.runtime import interception
     from megatron_tuning.runtime.triton_compat import triton_cache_key
 

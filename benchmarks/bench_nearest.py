@@ -35,6 +35,7 @@ GOAL = 0.95
 def child(args: argparse.Namespace) -> None:
     """Tune the M sweep with auto, then judge the miss rule vs the cheapest on the M values in between."""
     import megatron_tuning
+    from megatron_tuning import kernels as mm
     from megatron_tuning.core.choice import Miss, choose_on_miss, match_live
     from megatron_tuning.core.cost import cheapest
     from megatron_tuning.core.identity import (
@@ -44,7 +45,6 @@ def child(args: argparse.Namespace) -> None:
         kernel_source_hash,
         tuning_key,
     )
-    from megatron_tuning.kernels import matmul as mm
     from megatron_tuning.tables.search import TableSet
 
     if args.smoke:  # one timed round: interpreted candidates are slow, and smoke numbers mean nothing

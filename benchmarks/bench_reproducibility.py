@@ -35,9 +35,9 @@ ROUNDS = 3  # interleaved (autotuned call, direct launch) timing rounds per shap
 
 
 def child(args: argparse.Namespace) -> None:
+    from megatron_tuning import kernels as mm
     from megatron_tuning.core.decisions import get_decisions
     from megatron_tuning.core.identity import config_signature
-    from megatron_tuning.kernels import matmul as mm
     from megatron_tuning.tables.table import load_table
 
     kernel = mm.matmul_kernel

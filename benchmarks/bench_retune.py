@@ -21,10 +21,10 @@ import common
 
 
 def child(args: argparse.Namespace) -> None:
+    from megatron_tuning import kernels as mm
     from megatron_tuning.core.decisions import get_decisions
     from megatron_tuning.core.identity import config_signature
     from megatron_tuning.core.policy import TuningPolicy
-    from megatron_tuning.kernels import matmul as mm
     from megatron_tuning.runtime import interception
     from megatron_tuning.tuning.stats import TuneSettings
     from megatron_tuning.tuning.tuner import ClockTimer, make_measure
@@ -104,18 +104,20 @@ def parent(args: argparse.Namespace) -> int:
         ],
     )
     if args.plot:
-        from megatron_tuning.tuning.plotting import plot_records
+        from megatron_tuning.commands.tune import plot_into
+        from megatron_tuning.core.decisions import Decision
 
-        records = [
-            {
-                "kernel": "megatron_tuning.kernels.matmul:matmul_kernel",
-                "key": f"{shape} (process 1)",
-                "winner": t["signature"],
-                "timings": t["timings"],
-            }
+        decisions = [
+            Decision(
+                kernel="megatron_tuning.kernels:matmul_kernel",
+                key=f"{shape} (process 1)",
+                signature=t["signature"],
+                source="tuned",
+                timings=t["timings"],
+            )
             for shape, t in results[0]["tuned"].items()
         ]
-        print(f"{len(plot_records(records, args.plot))} plot(s) written to {args.plot}")
+        plot_into(decisions, args.plot, prog="bench_retune")
     for result in results:  # the per-candidate samples are in the plots; keep the JSON small
         for t in result["tuned"].values():
             t["timings"] = {k: v for k, v in t["timings"].items() if k not in ("samples", "configs")}

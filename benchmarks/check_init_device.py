@@ -31,7 +31,7 @@ PROBES = {
     "megatron_tuning.TuningPolicy(mode='auto', agreement='off'))",
     "init_then_launch": "megatron_tuning.init_deterministic_tuning("
     "megatron_tuning.TuningPolicy(mode='deterministic', agreement='off'))\n"
-    "from megatron_tuning.kernels import tiny\n"
+    "from megatron_tuning import kernels as tiny\n"
     "tiny.add_one(torch.zeros(1024, device='cuda'))",
 }
 

@@ -128,7 +128,7 @@ def child(args: argparse.Namespace) -> None:
     import block_kernel
     import torch
 
-    from megatron_tuning.kernels import matmul as mm
+    from megatron_tuning import kernels as mm
 
     probe = Probe()
     probe.install(args.smoke)

@@ -27,7 +27,7 @@ import common
 
 def child(args: argparse.Namespace) -> None:
     import megatron_tuning
-    from megatron_tuning.kernels import matmul as mm
+    from megatron_tuning import kernels as mm
 
     handle = megatron_tuning.init_deterministic_tuning()  # mode, table, record dir from the env
     if args.smoke and args.child == "record":

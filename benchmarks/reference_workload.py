@@ -37,7 +37,7 @@ def run(kernels: list[str], smoke: bool) -> None:
     device, dtype = ("cpu", torch.float32) if smoke else ("cuda", torch.bfloat16)
     gen = torch.Generator(device=device).manual_seed(0)
     if "matmul" in kernels:
-        from megatron_tuning.kernels.matmul import matmul
+        from megatron_tuning.kernels import matmul
 
         for m, n, k in SMOKE["matmul"] if smoke else MATMUL_SHAPES:
             a = torch.randn((m, k), device=device, dtype=dtype, generator=gen) / k**0.25
@@ -46,7 +46,7 @@ def run(kernels: list[str], smoke: bool) -> None:
             for _ in range(2):
                 torch.testing.assert_close(matmul(a, b).float(), expected, atol=0.1, rtol=0.05)
     if "splitk" in kernels:
-        from megatron_tuning.kernels.splitk import splitk_matmul
+        from megatron_tuning.kernels import splitk_matmul
 
         for m, n, k in SMOKE["splitk"] if smoke else SPLITK_SHAPES:
             a = torch.randn((m, k), device=device, dtype=dtype, generator=gen) / k**0.25
@@ -58,7 +58,7 @@ def run(kernels: list[str], smoke: bool) -> None:
                     splitk_matmul(a, b, out=out).float(), expected, atol=0.1, rtol=0.05
                 )
     if "tiny" in kernels:
-        from megatron_tuning.kernels.tiny import add_one
+        from megatron_tuning.kernels import add_one
 
         for size in SMOKE["tiny"] if smoke else TINY_SIZES:
             x = torch.randn(size, device=device, dtype=torch.float32, generator=gen)

@@ -1,5 +1,5 @@
-"""``python -m megatron_tuning``: the command-line interface (see ``megatron_tuning.cli``)."""
+"""``python -m megatron_tuning``: the command-line interface (see ``megatron_tuning.commands``)."""
 
-from megatron_tuning.cli import main
+from megatron_tuning.commands import main
 
 raise SystemExit(main())

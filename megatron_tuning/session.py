@@ -17,7 +17,7 @@ from .core.identity import current_rank
 from .core.policy import TuningPolicy
 from .core.warn import warn_once
 from .runtime import interception, pinning
-from .tables.decision_files import write_decisions
+from .tables.merge import write_decisions
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ class TuningHandle:
 
 def _write_outputs(policy: TuningPolicy) -> None:
     if policy.mode in ("record", "tune") and policy.record_dir:
-        from .tables.recording import write_recording
+        from .tables.merge import write_recording
 
         write_recording(None, policy.record_dir, current_rank())
     elif policy.mode in ("record", "tune"):

@@ -123,5 +123,5 @@ def _import_kernel_module(name: str) -> ModuleType:
 
 @pytest.fixture
 def import_kernel() -> Callable[[str], ModuleType]:
-    """``import_kernel("megatron_tuning.kernels.matmul")`` -> the module, decorated safely on any Triton."""
+    """``import_kernel("megatron_tuning.kernels")`` -> the module, decorated safely on any Triton."""
     return _import_kernel_module

@@ -6,17 +6,15 @@ import json
 import os
 import subprocess
 import sys
-import types
 from pathlib import Path
 
 import pytest
 
-from megatron_tuning import cli
+from megatron_tuning import commands as cli
 from megatron_tuning.core.decisions import Decision
 from megatron_tuning.core.identity import config_data, config_signature, kernel_id, kernel_source_hash
-from megatron_tuning.tables.decision_files import write_decisions
 from megatron_tuning.tables.entry import Entry, Timing
-from megatron_tuning.tables.recording import write_recording
+from megatron_tuning.tables.merge import write_decisions, write_recording
 from megatron_tuning.tables.table import Table, load_table, save_table
 
 from . import support_kernels as sk
@@ -263,6 +261,14 @@ def test_merge_writes_table_and_reports_disagreement(capsys, tmp_path):
     assert code == 2 and "zz.msgpack" in err
 
 
+def test_merge_warns_about_inputs_from_different_kernel_sources(capsys, tmp_path):
+    for name, digest in (("a", "aa"), ("b", "bb")):
+        save_table(Table([entry(64, source_hash=digest * 32)]), tmp_path / f"{name}.msgpack")
+    code, out, _ = run(capsys, "merge", tmp_path / "out.msgpack", tmp_path / "a.msgpack", tmp_path / "b.msgpack")
+    assert code == 0 and "0 with disagreement" in out
+    assert f"warning: sm90 {KERNEL} [M=1 | a:torch.float16] was recorded from different kernel sources" in out
+
+
 def test_merge_into_a_folder_names_the_folder_not_a_temp_file(capsys, tmp_path):
     _recordings(tmp_path / "rec")
     code, _, err = run(capsys, "merge", tmp_path / "rec", tmp_path / "rec")
@@ -501,42 +507,28 @@ def test_coverage_absurdly_nested_json_exits_2(capsys, tmp_path):
     assert code == 2 and "RecursionError" in err and str(bad) in err
 
 
-# -- hooks into other modules ------------------------------------------------------
-def test_hook_commands_are_wired_lazily(capsys, monkeypatch):
-    calls = []
-    fake = types.ModuleType("fake_hook_module")
+# -- one registration style ---------------------------------------------------------
+def test_every_command_is_registered_one_way_and_listed(capsys):
+    import importlib
 
-    def add_arguments(parser):  # noqa: ANN001, ANN202
-        parser.add_argument("--level", type=int, default=1)
-
-    def run_hook(args):  # noqa: ANN001, ANN202
-        calls.append(args.level)
-        return 7
-
-    fake.add_arguments, fake.run = add_arguments, run_hook  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "fake_hook_module", fake)
-    monkeypatch.setattr(cli, "_module_exists", lambda name: name == "fake_hook_module")
-    monkeypatch.setattr(
-        cli,
-        "_HOOKS",
-        {
-            "selftest": ("fake_hook_module", "add_arguments", "run", "fake"),
-            "tune": ("absent_module", "add_arguments", "run", "absent"),
-        },
-    )
-    assert cli.main(["selftest", "--level", "3"]) == 7 and calls == [3]
-    with pytest.raises(SystemExit) as info:  # not installed: not a command at all
-        cli.main(["tune"])
-    assert info.value.code == 2
-    capsys.readouterr()
-
-
-def test_real_hooks_are_listed_when_their_modules_exist(capsys):
+    for name, (module, _) in cli.COMMANDS.items():
+        loaded = importlib.import_module(f"megatron_tuning.commands.{module}")
+        assert callable(getattr(loaded, f"add_{name}")) and callable(getattr(loaded, f"run_{name}")), name
     with pytest.raises(SystemExit):
         cli.main(["--help"])
     out = capsys.readouterr().out
-    for name, (module, *_rest) in cli._HOOKS.items():
-        assert (f"    {name} " in out) == cli._module_exists(module)
+    assert all(f"    {name} " in out for name in cli.COMMANDS)
+
+
+def test_table_commands_never_import_torch(tmp_path):
+    table = tmp_path / "t.msgpack"
+    save_table(Table([entry(64)]), table)
+    code = (
+        "import sys\nfrom megatron_tuning.commands import main\n"
+        f"assert main(['show', {str(table)!r}]) == 0\nassert 'torch' not in sys.modules, 'torch imported'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
 
 
 def test_cache_prints_the_auto_cache_path_and_its_size(tmp_path, monkeypatch, capsys):
@@ -751,8 +743,39 @@ def test_a_table_miss_error_is_one_message_without_a_traceback(capsys, monkeypat
     def miss(args: object) -> int:
         raise TableMissError("pkg:k", "n=1 | x:f", "no table entry")
 
-    monkeypatch.setattr(cli, "_cmd_show", miss)
+    from megatron_tuning.commands import tables
+
+    monkeypatch.setattr(tables, "run_show", miss)
     code, out, err = run(capsys, "show", table_path)
     assert code == 2 and out == "" and "Traceback" not in err
     assert err.startswith("megatron-tuning show: No tuned config for kernel pkg:k with key n=1 | x:f")
     assert "MEGATRON_TUNING_MODE=auto" in err and "ON_MISS=nearest" in err and "megatron_tuning tune" in err
+
+
+def test_coverage_reports_each_source_apart_auto_included(tmp_path, capsys):
+    sig = "BLOCK=64, num_warps=4, num_stages=3"
+    logs = []
+    for rank, first in ((0, "tuned"), (1, "adopted")):
+        path = tmp_path / f"r{rank}.json"
+        write_decisions(
+            path,
+            [
+                Decision(kernel="k:a", key="n=1 | x:f", signature=sig, source=first, rank=rank),
+                Decision(
+                    kernel="k:a",
+                    key="n=3 | x:f",
+                    signature=sig,
+                    source="nearest",
+                    rank=rank,
+                    origin="t.msgpack",
+                ),
+                Decision(kernel="k:a", key="n=5 | x:f", signature=sig, source="cheapest", rank=rank),
+            ],
+        )
+        logs.append(path)
+    code, out, _ = run(capsys, "coverage", *logs)
+    assert code == 0
+    assert "tuned: rank(s) 0; adopted: rank(s) 1" in out
+    assert "Summary (kernel/key x rank): tuned 1, adopted 1, nearest 2, fallback 2" in out
+    code, out, _ = run(capsys, "coverage", "--json", *logs)
+    assert json.loads(out)["counts"] == {"adopted": 1, "fallback": 2, "nearest": 2, "tuned": 1}

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_tuning import cli
+from megatron_tuning import commands as cli
 
 REPO = Path(__file__).resolve().parent.parent
 DOCS = sorted((REPO / "docs").glob("*.md"))

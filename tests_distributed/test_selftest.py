@@ -36,7 +36,7 @@ def test_selftest_passes_and_reports_both_runs(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout
     assert "deterministic PASS" in done.stdout
     assert "chaos         PASS  DivergenceError on ranks [0, 1]" in done.stdout
-    assert "megatron_tuning.kernels.tiny:add_one_kernel" in done.stdout
+    assert "for megatron_tuning.kernels:" in done.stdout
     assert (tmp_path / "kept" / "chaos" / "rank1.json").exists()
 
 
@@ -70,8 +70,8 @@ def test_selftest_removes_its_temp_dir_unless_a_run_failed(
     monkeypatch.setattr(selftest, "_launch", fake_launch)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     parser = argparse.ArgumentParser()
-    selftest.add_arguments(parser)
-    code = selftest.run(parser.parse_args(["--interpret"]))
+    selftest.add_selftest(parser)
+    code = selftest.run_selftest(parser.parse_args(["--interpret"]))
     printed = capsys.readouterr().out
     if chaos_detected:
         assert code == 0 and list(tmp_path.iterdir()) == []  # left every run's logs in /tmp before

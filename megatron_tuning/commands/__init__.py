@@ -1,4 +1,103 @@
-"""Layer 6: what the CLI's commands and the demo do (tune a job, report, validate, selftest, demo).
+"""``python -m megatron_tuning`` / ``megatron-tuning``: the command line.
 
-May import every layer below, including ``session``; the CLI (argument parsing) sits above.
+One registration style: each command lives in a module of this package that defines
+``add_<name>(parser)`` and ``run_<name>(args) -> int``, and ``COMMANDS`` maps the command's name to
+that module and one line of help. Only the module of the command being run is imported, so
+``show`` or ``diff`` never pay for importing torch.
+
+Exit codes scripts can rely on: 0 ok; 1 differences or problems found (``diff``, ``validate``,
+``coverage`` when ranks diverged, a failed ``selftest``); 2 usage error or bad input (one line on
+stderr, no traceback); ``run`` and ``tune`` pass their job's status through.
 """
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+from ..core.errors import MegatronTuningError
+from ..core.warn import printable
+
+EXIT_OK, EXIT_FOUND, EXIT_USAGE = 0, 1, 2
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "show": ("tables", "print the entries of tables in readable form"),
+    "export": ("tables", "convert a msgpack table to its lossless JSON view"),
+    "import": ("tables", "convert a JSON view back to a msgpack table"),
+    "diff": ("tables", "added, removed and changed entries between two tables"),
+    "merge": ("tables", "majority-vote recordings/tables into one table"),
+    "cache": ("tables", "where auto mode's cache table is, and how many entries it holds"),
+    "coverage": ("tables", "per kernel and key: table hit / fallback / out of scope, per rank"),
+    "validate": ("validate", "check tables against this machine, Triton and kernel sources"),
+    "tune": ("tune", "noise-aware tuning of a job's kernels on a GPU, writing a table"),
+    "report": ("tune", "report on a tuning run (timings, noise, plots)"),
+    "run": ("launch", "run a command with its autotuned kernels pinned, without editing it"),
+    "enable": ("launch", "pin every process of this Python environment that sets MEGATRON_TUNING_MODE"),
+    "disable": ("launch", "undo `enable`"),
+    "selftest": ("selftest", "check this install end to end: pinned choices agree, chaos is caught"),
+}
+
+
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The parser; ``argv`` tells which command's module to import for its real options."""
+    parser = argparse.ArgumentParser(
+        prog="megatron-tuning",
+        description="Deterministic Triton autotuning: tables, pinned jobs, tuning and checks.",
+        epilog="Exit codes: 0 ok, 1 differences/problems found, 2 usage error or bad input.",
+    )
+    parser.add_argument(
+        "-v", "--verbose", action="count", default=0, help="more logging (-v info, -vv debug)"
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    words = list(sys.argv[1:] if argv is None else argv)
+    chosen = next((w for w in words if not w.startswith("-")), None)
+    for name, (module, help_text) in COMMANDS.items():
+        if name != chosen:  # a stub keeps `--help` cheap; `COMMAND --help` shows the real options
+            sub.add_parser(name, help=help_text, add_help=False).set_defaults(handler=None)
+            continue
+        command = sub.add_parser(name, help=help_text, description=help_text)
+        loaded = importlib.import_module(f"{__name__}.{module}")
+        getattr(loaded, f"add_{name}")(command)
+        command.set_defaults(handler=getattr(loaded, f"run_{name}"))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``python -m megatron_tuning`` and the ``megatron-tuning`` script."""
+    args = build_parser(argv).parse_args(argv)
+    for stream in (sys.stdout, sys.stderr):  # a terminal that cannot show a character: escape it
+        try:
+            stream.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]
+        except (AttributeError, ValueError, OSError):
+            pass
+    level = (logging.WARNING, logging.INFO)[min(args.verbose, 1)] if args.verbose < 2 else logging.DEBUG
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        return int(args.handler(args))
+    except MegatronTuningError as exc:
+        # Messages quote file contents (kernel ids, keys): escaped like every human output.
+        print(
+            "\n".join(map(printable, f"megatron-tuning {args.command}: {exc}".split("\n"))), file=sys.stderr
+        )
+        return EXIT_USAGE
+    except BrokenPipeError:  # `megatron-tuning show ... | head`: not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
+    except OSError as exc:  # e.g. an output path that cannot be written: bad input, not a crash
+        print(f"megatron-tuning {args.command}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+def write_utf8(text: str) -> None:
+    """Write a JSON view to stdout as UTF-8 (its defined encoding), as a file would hold it."""
+    buffer = getattr(sys.stdout, "buffer", None)
+    if buffer is None:
+        sys.stdout.write(text)
+        return
+    sys.stdout.flush()
+    buffer.write(text.encode("utf-8"))
+    buffer.flush()

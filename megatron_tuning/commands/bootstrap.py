@@ -184,7 +184,9 @@ def _activate(launcher: str) -> None:
             importlib.import_module("megatron_tuning")
         finally:
             sys.path.remove(_PACKAGE_PARENT)
-    module = importlib.import_module(f"megatron_tuning.commands.{launcher}")
+    module = importlib.import_module(
+        f"megatron_tuning.commands.{'launch' if launcher == 'run' else launcher}"
+    )
     module.activate()
 
 

@@ -1,15 +1,13 @@
-"""Start a user's job from a launcher command (``run``, ``tune``) and report how it ended.
+"""Pinning jobs you do not edit: ``run [policy options] -- <command>``, and ``enable``/``disable``.
 
-Shared by both launchers so they read a command line the same way and end the same way:
-
-* ``add_job_argument`` / ``job_command``: the job is everything after ``--``.
-* ``job_argv``: ``script.py args`` and ``-m pkg args`` run with this interpreter; anything else
-  (``python ...``, ``torchrun ...``, a program) runs as given, found on ``PATH``.
-* ``command_problem``: a missing script or program is reported before anything starts.
-* ``run_job``: the job runs as a child process; SIGTERM, SIGHUP, SIGUSR1 and SIGUSR2 sent to the
-  launcher are passed on to it (Ctrl-C and Ctrl-\\ reach it from the terminal directly, so the
-  launcher ignores those while it waits rather than deliver them twice). Its exit status is
-  passed through; a death by signal N becomes ``128 + N`` and is named, as a shell does.
+``run`` starts the job (a script, ``-m pkg``, ``python ...`` or ``torchrun ...``) with the policy in
+``MEGATRON_TUNING_*`` variables and the shared bootstrap (``commands/bootstrap.py``) first on its
+``PYTHONPATH``: every Python process of the job calls ``init_deterministic_tuning()`` right after it
+imports Triton. Each option sets one variable and replaces the value the environment had; the
+whole policy is validated before the job starts (a bad value is a usage error naming the option).
+``enable`` writes a ``.pth`` into an environment's site-packages instead, for processes you do not
+start yourself: they are armed when ``MEGATRON_TUNING_MODE`` is set. The job start, its signals and
+its exit status (``run_job``) are shared with ``tune``.
 """
 
 from __future__ import annotations
@@ -20,25 +18,313 @@ import shutil
 import signal
 import subprocess
 import sys
+import sysconfig
+import tempfile
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 
-EXIT_USAGE = 2
-EXIT_CANNOT_EXECUTE = 126  # as the shell and env(1) report a command that cannot be executed
-EXIT_NOT_FOUND = 127  # ... and one that is not found
+from ..core import policy as knobs
+from ..core.errors import MegatronTuningError, PolicyError
+from ..tables.files import output_folder_problem, write_atomic
+from . import EXIT_USAGE
+from .bootstrap import PTH_MARKER, PTH_NAME, is_site_dir, job_environment, pth_text, write_bootstrap
 
-_FORWARDED = tuple(
-    getattr(signal, name) for name in ("SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2") if hasattr(signal, name)
-)
-_IGNORED_WHILE_WAITING = tuple(
-    getattr(signal, name) for name in ("SIGINT", "SIGQUIT") if hasattr(signal, name)
-)
+EXIT_CANNOT_EXECUTE, EXIT_NOT_FOUND = 126, 127  # as the shell and env(1) report them
+RUN_MODES = ("deterministic", "auto", "chaos", "record", "off")
+"""``tune`` is its own command: it needs a parent that pools every process's measurements."""
+
+# option -> (the knob it sets, add_argument keywords): the registry's names, one list of knobs
+_OPTIONS: dict[str, tuple[str, dict[str, object]]] = {
+    "--mode": (
+        knobs.ENV_MODE,
+        {"choices": RUN_MODES, "help": "deterministic (default), auto, chaos, record or off"},
+    ),
+    "--table": (
+        knobs.ENV_TABLE,
+        {
+            "action": "append",
+            "metavar": "PATH",
+            "help": "a table file or folder to search, earlier first (repeatable)",
+        },
+    ),
+    "--no-shipped-tables": (
+        knobs.ENV_SHIPPED_TABLES,
+        {"action": "store_const", "const": "0", "help": "do not search the tables shipped with the package"},
+    ),
+    "--scope": (
+        knobs.ENV_SCOPE,
+        {
+            "action": "append",
+            "metavar": "MODULE",
+            "help": "pin only kernels of these modules (prefixes, repeatable; default all)",
+        },
+    ),
+    "--on-miss": (
+        knobs.ENV_ON_MISS,
+        {
+            "choices": knobs.ON_MISS,
+            "help": "no usable entry: the nearest shape's entry, else the cheapest (nearest, the "
+            "default); the cheapest (min_cost); or raise (error)",
+        },
+    ),
+    "--agreement": (
+        knobs.ENV_AGREEMENT,
+        {
+            "choices": knobs.AGREEMENT_MODES,
+            "help": "cross-rank check (default: store up to 64 ranks, verify above)",
+        },
+    ),
+    "--agreement-timeout": (
+        knobs.ENV_AGREEMENT_TIMEOUT,
+        {"metavar": "SECONDS", "help": "how long a cross-rank check waits (default 300)"},
+    ),
+    "--cache": (knobs.ENV_CACHE, {"metavar": "PATH|off", "help": "auto mode's cache table"}),
+    "--strict": (
+        knobs.ENV_STRICT,
+        {
+            "action": "store_const",
+            "const": "1",
+            "help": "raise on stale entries and unpinned compiled launches",
+        },
+    ),
+    "--stale-entries": (
+        knobs.ENV_STALE_ENTRIES,
+        {"choices": knobs.STALE_ENTRIES, "help": "use (default), miss or error"},
+    ),
+    "--block-sizes": (
+        knobs.ENV_BLOCK_SIZES,
+        {"metavar": "NAME=INT,...", "help": "explicit block-size override"},
+    ),
+    "--decision-log": (
+        knobs.ENV_DECISION_LOG,
+        {"metavar": "PATH", "help": "write each process's decisions here at exit ({rank}, {pid} replaced)"},
+    ),
+    "--record-dir": (
+        knobs.ENV_RECORD_DIR,
+        {"metavar": "DIR", "help": "where record mode writes one file per rank"},
+    ),
+}
+EXAMPLES = """\
+examples:
+  python -m megatron_tuning run -- eval.py --candidate k.py
+      pin every autotuned kernel of eval.py: table entries, else the deterministic fallback
+  python -m megatron_tuning run --table tables/sm90.msgpack --on-miss error -- -m my_pkg.bench
+  python -m megatron_tuning run --mode auto -- torchrun --nproc_per_node 8 train.py
+      tune each new shape once per job, share it across ranks, pin it from then on
+  python -m megatron_tuning run --mode chaos -- torchrun --nproc_per_node 2 train.py
+      the positive control: the agreement check must raise DivergenceError
+  python -m megatron_tuning run --decision-log 'decisions-{rank}.json' -- train.py
+      then: python -m megatron_tuning coverage decisions-*.json
+
+Everything after `--` is the job, exactly as you would type it. The exit status is the job's
+(128+N when it died of signal N); 2 for a bad option; 126/127 when the command cannot run.
+Without a launcher (processes you do not start): python -m megatron_tuning enable, then set
+MEGATRON_TUNING_MODE. See docs/launcher.md.
+"""
+
+
+# --------------------------------------------------------------------------- run
+
+
+def add_run(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Run a command with every autotuned Triton kernel of each of its Python processes\n"
+        "pinned, without editing it. Each option sets one MEGATRON_TUNING_* variable for the job."
+    )
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = EXAMPLES
+    for flag, (_, options) in _OPTIONS.items():
+        parser.add_argument(flag, dest=_dest(flag), default=None, **options)  # type: ignore[arg-type]
+    add_job_argument(parser, "the job, after `--`: script.py [args], -m pkg [args], python ..., torchrun ...")
+
+
+def run_run(args: argparse.Namespace) -> int:
+    """Validate the policy, run the job armed, return its exit status."""
+    command = job_command(args)
+    if not command:
+        print(
+            "run: give the command to run after `--`, e.g. `python -m megatron_tuning run -- eval.py` "
+            "(see run --help)",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    updates = policy_environment(args)
+    try:
+        policy = validated_policy(updates)
+    except MegatronTuningError as exc:
+        name = str(getattr(exc, "name", ""))
+        flag = next((f for f, (v, _) in _OPTIONS.items() if v in updates and v in name), None)
+        print(f"run: {flag + ': ' if flag else ''}{exc}", file=sys.stderr)
+        return EXIT_USAGE
+    updates[knobs.ENV_MODE] = policy.mode  # the default mode, spelled out for every process
+    problem = command_problem(job_argv(command), os.environ)
+    if problem is not None:
+        print(f"run: {problem[1]}", file=sys.stderr)
+        return problem[0]
+    bootstrap = Path(tempfile.mkdtemp(prefix="megatron_tuning_run_")) / "bootstrap"
+    try:
+        environment = job_environment(write_bootstrap(bootstrap, "run"), "run")
+        environment.update(updates)
+        return run_job(job_argv(command), environment, prog="run")
+    finally:
+        shutil.rmtree(bootstrap.parent, ignore_errors=True)
+
+
+def _dest(flag: str) -> str:
+    return "shipped_tables" if flag == "--no-shipped-tables" else flag[2:].replace("-", "_")
+
+
+def policy_environment(args: argparse.Namespace) -> dict[str, str]:
+    """The ``MEGATRON_TUNING_*`` values the options given set (options left out set nothing)."""
+    updates = {}
+    for flag, (variable, _) in _OPTIONS.items():
+        value = getattr(args, _dest(flag), None)
+        if value is not None:
+            joiner = ":" if flag == "--table" else ","
+            updates[variable] = joiner.join(value) if isinstance(value, list) else str(value)
+    return updates
+
+
+def validated_policy(updates: dict[str, str]) -> knobs.TuningPolicy:
+    """The policy every process of the job will build, checked now (raises MegatronTuningError):
+    its values, the tables it names (they load) and its output paths (they can be written)."""
+    from ..session import check_output_paths
+    from ..tables.search import TableSet
+
+    with knobs.scoped_environ(updates):
+        policy = knobs.TuningPolicy.from_env(default_mode="deterministic", follow_torch_determinism=False)
+        if policy.mode == "tune":
+            raise PolicyError(
+                knobs.ENV_MODE,
+                "tune",
+                "deterministic, auto, chaos, record or off under `run`; tune "
+                "with `python -m megatron_tuning tune --out TABLE -- <command>`, which pools every "
+                "process's measurements into a table",
+            )
+        check_output_paths(policy)
+        TableSet.from_policy(policy.replace(use_shipped_tables=False))  # loads them: a bad one fails now
+    return policy
+
+
+def activate() -> None:
+    """In a process of the job, at its ``import triton``: start tuning with the job's policy.
+
+    A failure stops the process (it propagates out of ``import triton``): the user asked for
+    pinned kernels, so none may run unpinned without a word. When the job imports Triton inside
+    its own ``init_deterministic_tuning`` call, nothing is armed: that call wins.
+    """
+    from ..session import init_deterministic_tuning, initializing
+
+    if initializing():
+        return
+    try:
+        init_deterministic_tuning()
+    except Exception as exc:
+        print(f"megatron_tuning run: cannot pin this process's kernels, stopping it: {exc}", file=sys.stderr)
+        raise
+
+
+# --------------------------------------------------------------------------- enable / disable
+
+
+def add_enable(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = (
+        "enable writes megatron_tuning_enable.pth into site-packages; disable removes it. In between, a "
+        "process of this environment is armed when MEGATRON_TUNING_MODE is set. See docs/launcher.md."
+    )
+    default = sysconfig.get_path("purelib")
+    parser.add_argument(
+        "--site-dir", default=None, metavar="DIR", help=f"the site-packages folder (default: {default})"
+    )
+
+
+add_disable = add_enable
+
+
+def run_enable(args: argparse.Namespace) -> int:
+    folder = _site_dir(args)
+    problem = _folder_problem(folder)
+    if problem:
+        print(f"enable: {problem}", file=sys.stderr)
+        return EXIT_USAGE
+    path = folder / PTH_NAME
+    text, current = pth_text(str(path)), _read(path)
+    if current is not None and not current.startswith(PTH_MARKER):
+        print(f"enable: {path} exists and was not written by megatron_tuning; left alone", file=sys.stderr)
+        return EXIT_USAGE
+    if current == text:
+        print(f"megatron_tuning is already enabled: {path} (unchanged)")
+    else:
+        write_atomic(path, text.encode("utf-8"))
+        print(f"{'updated' if current is not None else 'wrote'} {path}")
+    flag = f" --site-dir {args.site_dir}" if args.site_dir else ""
+    print(
+        "Every Python process of this environment now pins Triton autotuning when "
+        "MEGATRON_TUNING_MODE is set, e.g.\n  MEGATRON_TUNING_MODE=deterministic python eval.py\n"
+        "(other MEGATRON_TUNING_* variables set the "
+        f"rest of the policy). Undo: python -m megatron_tuning disable{flag}"
+    )
+    if not is_site_dir(str(folder)):
+        print(
+            f"note: {folder} is not one of this interpreter's site-packages folders; Python reads .pth files "
+            "only from those (and from folders passed to site.addsitedir)"
+        )
+    return 0
+
+
+def run_disable(args: argparse.Namespace) -> int:
+    folder = _site_dir(args)
+    path = folder / PTH_NAME
+    current = _read(path)
+    if current is None:
+        print(f"megatron_tuning is not enabled in {folder}: no {PTH_NAME} (nothing to do)")
+        return 0
+    if not current.startswith(PTH_MARKER):
+        print(f"disable: {path} was not written by megatron_tuning; left alone", file=sys.stderr)
+        return EXIT_USAGE
+    problem = _folder_problem(folder)
+    if problem:
+        print(f"disable: {problem}", file=sys.stderr)
+        return EXIT_USAGE
+    path.unlink()
+    print(f"removed {path}: MEGATRON_TUNING_MODE no longer arms processes of this environment")
+    return 0
+
+
+def _site_dir(args: argparse.Namespace) -> Path:
+    return Path(os.path.abspath(args.site_dir or sysconfig.get_path("purelib")))
+
+
+def _folder_problem(folder: Path) -> str | None:
+    if not folder.is_dir():
+        return f"{folder} is not a folder (give an existing site-packages folder with --site-dir)"
+    problem = output_folder_problem(str(folder))
+    if problem:
+        return (
+            f"cannot write {folder} ({problem}). The switch lives in the environment's site-packages: "
+            "run this with write access to that environment (e.g. from a virtualenv you own), or give a "
+            "folder you can write with --site-dir; to arm single commands instead: "
+            "python -m megatron_tuning run -- <command>"
+        )
+    return None
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError):
+        return ""  # something of our name that we cannot read: not ours
+
+
+# --------------------------------------------------------------------------- starting a job
 
 
 def add_job_argument(parser: argparse.ArgumentParser, help: str) -> None:
-    """The job, everything after ``--``; dest "job", not "command": the top-level parser keeps the
-    subcommand's name there."""
+    """The job, everything after ``--`` (dest "job": the top-level parser keeps the command's name)."""
     parser.add_argument("job", metavar="COMMAND", nargs=argparse.REMAINDER, help=help)
 
 
@@ -49,23 +335,17 @@ def job_command(args: argparse.Namespace) -> list[str]:
 
 
 def job_argv(command: Sequence[str]) -> list[str]:
-    """The argv to start for ``command`` (non-empty): scripts and ``-m`` get this interpreter."""
-    first = command[0]
-    if first.endswith(".py") or first == "-m":
-        return [sys.executable, *command]
-    return list(command)
+    """The argv to start for ``command``: scripts and ``-m`` get this interpreter."""
+    return [sys.executable, *command] if command[0].endswith(".py") or command[0] == "-m" else list(command)
 
 
 def command_problem(argv: Sequence[str], env: Mapping[str, str]) -> tuple[int, str] | None:
     """``(exit status, message)`` when ``argv`` cannot start, else ``None``; checked up front."""
     program = argv[0]
     if program == sys.executable and len(argv) > 1 and argv[1].endswith(".py"):
-        script = argv[1]
-        if not os.path.isfile(script):
-            return EXIT_USAGE, f"no such script: {script}"
-        if not os.access(script, os.R_OK):
-            return EXIT_USAGE, f"cannot read the script {script}"
-        return None
+        if not os.path.isfile(argv[1]):
+            return EXIT_USAGE, f"no such script: {argv[1]}"
+        return None if os.access(argv[1], os.R_OK) else (EXIT_USAGE, f"cannot read the script {argv[1]}")
     if os.sep in program:
         if not os.path.exists(program):
             return EXIT_NOT_FOUND, f"no such program: {program}"
@@ -79,38 +359,33 @@ def command_problem(argv: Sequence[str], env: Mapping[str, str]) -> tuple[int, s
 
 
 def exit_status(returncode: int) -> tuple[int, str | None]:
-    """The launcher's own exit status for a job's ``returncode``, and what to say about it."""
+    """The launcher's exit status for a job's ``returncode``, and what to say about it."""
     if returncode >= 0:
         return returncode, None
-    number = -returncode
     try:
-        name = signal.Signals(number).name
+        name = signal.Signals(-returncode).name
     except ValueError:
-        name = f"signal {number}"
-    return 128 + number, f"the job was killed by {name} (exit status {128 + number})"
+        name = f"signal {-returncode}"
+    return 128 - returncode, f"the job was killed by {name} (exit status {128 - returncode})"
 
 
 def run_job(argv: Sequence[str], env: Mapping[str, str], prog: str) -> int:
-    """Run the job to its end; return the status a shell would report for it.
+    """Run the job to its end; return the status a shell would report (messages prefixed ``prog``).
 
-    Messages (a command that cannot start, a death by signal) go to stderr, prefixed ``prog``.
+    SIGTERM, SIGHUP, SIGUSR1 and SIGUSR2 sent to the launcher are passed on; Ctrl-C and Ctrl-\\
+    reach the job from the terminal directly, so they are ignored here while it runs.
     """
     problem = command_problem(argv, env)
     if problem is not None:
-        status, message = problem
-        print(f"{prog}: {message}", file=sys.stderr)
-        return status
+        print(f"{prog}: {problem[1]}", file=sys.stderr)
+        return problem[0]
     try:
         process = subprocess.Popen(list(argv), env=dict(env))
-    except FileNotFoundError as exc:  # vanished since the check, or a bad #! interpreter
+    except OSError as exc:  # vanished since the check, or a bad #! interpreter
         print(f"{prog}: cannot run {argv[0]!r}: {exc.strerror or exc}", file=sys.stderr)
-        return EXIT_NOT_FOUND
-    except OSError as exc:
-        print(f"{prog}: cannot run {argv[0]!r}: {exc.strerror or exc}", file=sys.stderr)
-        return EXIT_CANNOT_EXECUTE
+        return EXIT_NOT_FOUND if isinstance(exc, FileNotFoundError) else EXIT_CANNOT_EXECUTE
     with _signals_passed_to(process):
-        returncode = process.wait()
-    code, note = exit_status(returncode)
+        code, note = exit_status(process.wait())
     if note:
         print(f"{prog}: {note}", file=sys.stderr)
     return code
@@ -126,11 +401,13 @@ def _signals_passed_to(process: subprocess.Popen[bytes]) -> Iterator[None]:
         if process.poll() is None:
             process.send_signal(number)
 
-    saved = {}
-    for number in _FORWARDED:
-        saved[number] = signal.signal(number, forward)
-    for number in _IGNORED_WHILE_WAITING:
-        saved[number] = signal.signal(number, signal.SIG_IGN)
+    names = {"SIGTERM": forward, "SIGHUP": forward, "SIGUSR1": forward, "SIGUSR2": forward}
+    names.update({"SIGINT": signal.SIG_IGN, "SIGQUIT": signal.SIG_IGN})  # type: ignore[dict-item]
+    saved = {
+        getattr(signal, n): signal.signal(getattr(signal, n), h)
+        for n, h in names.items()
+        if hasattr(signal, n)
+    }
     try:
         yield
     finally:

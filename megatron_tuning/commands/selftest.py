@@ -1,15 +1,17 @@
-"""``python -m megatron_tuning selftest``: prove on this machine that the agreement check works.
+"""``selftest``: prove on this machine that pinning agrees across ranks and that the check is not blind.
 
-Launches a small torchrun job twice (gloo; CPU and the Triton interpreter when there is no GPU):
+It launches a small torchrun job twice (gloo; CPU and the Triton interpreter without a GPU):
 
-1. ``deterministic`` — every rank must pick the same configs: the check must stay quiet.
-2. ``chaos`` — every rank picks a different config on purpose: the check must fire, with a
-   ``DivergenceError`` naming the kernel, the key and the ranks.
+1. ``deterministic``: every rank must pick the same configs and every result must match torch:
+   the agreement check must stay quiet;
+2. ``chaos``: ranks pick different configs on purpose: the check must fire, on every rank, with
+   one ``DivergenceError`` naming the kernel, the key and the ranks.
 
-Exit 0 only when both behave: "no error" alone cannot tell a working detector from a blind one.
-The job launches the reference kernel ``megatron_tuning.kernels.tiny`` on a few sizes, ends with
-``verify_agreement()``, and each rank writes a JSON result the parent reads (no log scraping).
-Also runnable as ``python -m megatron_tuning.selftest``.
+It exits 0 only when both behave: "no error" alone cannot tell a working detector from a blind
+one. Each rank launches the reference kernels (``megatron_tuning.kernels``: matmul, split-K
+matmul, add-one) on a few shapes, ends with ``verify_agreement()``, and writes a JSON result the
+parent reads (no log scraping). ``--show`` prints what each phase launched, per kernel and shape,
+and where its config came from: the README's demo (``scripts/demo.sh``).
 """
 
 from __future__ import annotations
@@ -24,20 +26,18 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, TextIO
+from typing import Any
 
 from ..core.decisions import CHAOS_NO_OTHER_CONFIG
 from ..tables.files import write_atomic
 
-KERNEL_MODULE = "megatron_tuning.kernels.tiny"
-SIZES = (64, 200, 1000)
-
-
+KERNEL_MODULE = "megatron_tuning.kernels"
+CPU_SHAPES = ((37, 29, 45), (64, 48, 40))  # interpreted launches cost ~0.2 s: small, odd shapes
+GPU_SHAPES = ((4096, 4096, 4096), (8192, 1024, 4096), (1, 4096, 4096))
 MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a week: longer is a typo (and overflows a timedelta later)
 
 
 def _ranks(text: str) -> int:
-    """``--nproc``: an integer of at least 2 (agreement needs two ranks to compare)."""
     try:
         value = int(text)
     except ValueError:
@@ -50,7 +50,6 @@ def _ranks(text: str) -> int:
 
 
 def _seconds(text: str) -> float:
-    """``--timeout``: a finite number of seconds, above 0 and at most a week."""
     try:
         value = float(text)
     except ValueError:
@@ -62,65 +61,59 @@ def _seconds(text: str) -> float:
     return value
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of the ``selftest`` command (bad values are usage errors: exit 2, before any job)."""
+def add_selftest(parser: argparse.ArgumentParser) -> None:
+    """Options (bad values are usage errors: exit 2, before any job)."""
     parser.add_argument("--nproc", type=_ranks, default=2, help="ranks per run (>= 2; default 2)")
     parser.add_argument(
-        "--timeout", type=_seconds, default=180.0, help="seconds allowed for each torchrun job (default 180)"
+        "--timeout", type=_seconds, default=240.0, help="seconds allowed for each torchrun job (default 240)"
     )
     parser.add_argument(
         "--agreement",
         choices=("store", "allgather", "verify", "off"),
         default="store",
-        help="agreement mode under test (default store; 'off' shows the chaos run "
-        "going unnoticed, so the selftest fails)",
+        help="agreement mode under test (default store; 'off' shows chaos going unnoticed, so the "
+        "selftest fails)",
     )
     parser.add_argument(
         "--interpret", action="store_true", help="use the Triton interpreter even when a GPU is present"
     )
     parser.add_argument(
+        "--show", action="store_true", help="print what each phase launched, per kernel and shape"
+    )
+    parser.add_argument(
         "--keep", metavar="DIR", default=None, help="write per-rank results and torchrun output under DIR"
     )
-    parser.add_argument("--_worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--_mode", default="deterministic", help=argparse.SUPPRESS)
-    parser.add_argument("--_out", default="", help=argparse.SUPPRESS)
 
 
-def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
+def run_selftest(args: argparse.Namespace) -> int:
     """Run both jobs and print a report; 0 when deterministic passed and chaos was detected."""
-    if getattr(args, "_worker", False):
-        return _worker(args)
-    out = out if out is not None else sys.stdout
-    if args.nproc < 2:
-        print("selftest: --nproc must be at least 2 (agreement needs two ranks to compare)", file=out)
-        return 2
     interpret = args.interpret or not _cuda_available()
     root = args.keep or tempfile.mkdtemp(prefix="megatron_tuning_selftest_")
     passed: bool | None = None  # None: interrupted before a verdict
     try:
+        where = "Triton interpreter on CPU" if interpret else "GPU"
         print(
-            f"megatron_tuning selftest: {args.nproc} ranks, agreement={args.agreement}, "
-            f"{'Triton interpreter on CPU' if interpret else 'GPU'}, gloo",
-            file=out,
+            f"megatron_tuning selftest: {args.nproc} ranks, agreement={args.agreement}, {where}, gloo",
+            flush=True,
         )
         verdicts = []
         for mode in ("deterministic", "chaos"):
             outcome = _launch(args, mode, os.path.join(root, mode), interpret)
             ok, summary = _judge(mode, outcome, args.nproc)
             verdicts.append(ok)
-            print(f"  {mode:<13} {'PASS' if ok else 'FAIL'}  {summary}", file=out)
+            print(f"  {mode:<13} {'PASS' if ok else 'FAIL'}  {summary}")
+            if args.show:
+                _show(mode, outcome)
             if not ok and outcome.get("output"):
-                print("    torchrun output (tail):", file=out)
+                print("    torchrun output (tail):")
                 for line in outcome["output"].splitlines()[-25:]:
-                    print(f"      {line}", file=out)
+                    print(f"      {line}")
         passed = all(verdicts)
         print(
-            "selftest "
-            + ("passed: deterministic runs agree and chaos is detected." if passed else "FAILED."),
-            file=out,
+            "selftest " + ("passed: deterministic runs agree and chaos is detected." if passed else "FAILED.")
         )
         if args.keep or not passed:
-            print(f"results kept in {root}", file=out)
+            print(f"results kept in {root}")
         return 0 if passed else 1
     finally:
         # A temp root goes unless a finished run failed: then its logs are what the user needs.
@@ -129,24 +122,27 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
 
 
 def _cuda_available() -> bool:
-    try:
-        import torch
-    except ImportError:
-        return False
+    import torch
+
     return bool(torch.cuda.is_available())
 
 
 def _launch(args: argparse.Namespace, mode: str, folder: str, interpret: bool) -> dict[str, Any]:
     os.makedirs(folder, exist_ok=True)
-    env = dict(os.environ)
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith("MEGATRON_TUNING_")
+    }  # the user's policy must not change the test
     env["TRITON_INTERPRET"] = "1" if interpret else env.get("TRITON_INTERPRET", "0")
     env.setdefault("OMP_NUM_THREADS", "1")
     # The job must import this very copy of the package, installed or not.
-    package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
-    for name in list(env):  # a user's own MEGATRON_TUNING_* settings must not change the test
-        if name.startswith("MEGATRON_TUNING_"):
-            del env[name]
+    worker = [
+        f"--mode={mode}",
+        f"--out={folder}",
+        f"--agreement={args.agreement}",
+        f"--timeout={args.timeout}",
+    ]
     command = [
         sys.executable,
         "-m",
@@ -154,12 +150,8 @@ def _launch(args: argparse.Namespace, mode: str, folder: str, interpret: bool) -
         "--standalone",
         f"--nproc_per_node={args.nproc}",
         "-m",
-        "megatron_tuning.commands.selftest",
-        "--_worker",
-        f"--_mode={mode}",
-        f"--_out={folder}",
-        f"--agreement={args.agreement}",
-        f"--timeout={args.timeout}",
+        __name__,
+        *worker,
     ]
     start = time.monotonic()
     # A session of its own, so a timeout kills torchrun and its ranks, not only the launcher.
@@ -174,8 +166,7 @@ def _launch(args: argparse.Namespace, mode: str, folder: str, interpret: bool) -
             os.killpg(process.pid, signal.SIGKILL)
             output, _ = process.communicate()
             returncode = None
-    # --keep DIR is the user's folder: the tables' safe writer, never through a planted link.
-    write_atomic(os.path.join(folder, "torchrun.log"), output.encode("utf-8"))
+    write_atomic(os.path.join(folder, "torchrun.log"), output.encode("utf-8"))  # never through a planted link
     ranks = {}
     for rank in range(args.nproc):
         path = os.path.join(folder, f"rank{rank}.json")
@@ -208,63 +199,90 @@ def _judge(mode: str, outcome: dict[str, Any], nproc: int) -> tuple[bool, str]:
         if pinned == 0:
             return False, f"no launch went through the interception, nothing was checked {took}"
         shared = min(res.get("shared", 0) for res in ranks.values())
-        return True, (
-            f"all ranks agree on {pinned} (kernel, key) choices "
-            f"(verify_agreement compared {shared}), no alarm {took}"
+        return (
+            True,
+            f"all ranks agree on {pinned} (kernel, key) choices (verify_agreement compared {shared}), "
+            f"no alarm {took}",
         )
     # A key with one distinct config cannot differ between ranks: it proves nothing either way.
-    chaos_rows = [d for res in ranks.values() for d in res.get("decisions", []) if d[3] == "chaos"]
-    provable = {(d[0], d[1]) for d in chaos_rows if len(d) < 5 or d[4] != CHAOS_NO_OTHER_CONFIG}
+    chaos = [d for res in ranks.values() for d in res.get("decisions", []) if d[3] == "chaos"]
+    provable = {(d[0], d[1]) for d in chaos if len(d) < 5 or d[4] != CHAOS_NO_OTHER_CONFIG}
     if not errors:
         if not provable:
-            return False, (
-                f"inconclusive: no chaos key had two distinct configs, so the ranks could not "
-                f"differ and this run proves nothing about the check {took}"
+            return (
+                False,
+                "inconclusive: no chaos key had two distinct configs, so the ranks could not differ "
+                f"and this run proves nothing about the check {took}",
             )
-        return False, (
-            f"chaos ranks launched different configs and nothing noticed: the agreement check is blind {took}"
+        return (
+            False,
+            "chaos ranks launched different configs and nothing noticed: the agreement check is "
+            f"blind {took}",
         )
-    messages = {res["message"] for res in errors.values()}
-    first = next(iter(sorted(errors.items())))[1]
-    named = first.get("signature_ranks", [])
-    if len(messages) != 1:
+    if len({res["message"] for res in errors.values()}) != 1:
         return False, f"ranks raised different messages for the same divergence {took}"
+    first = next(iter(sorted(errors.items())))[1]
     return True, (
-        f"DivergenceError on ranks {sorted(errors)} for {first['kernel']} key {first['key']}, "
-        f"naming ranks {named}; {len(provable)} chaos key(s) could differ {took}"
+        f"DivergenceError on ranks {sorted(errors)} for {first['kernel']} key {first['key']}, naming "
+        f"ranks {first.get('signature_ranks', [])}; {len(provable)} chaos key(s) could differ {took}"
     )
 
 
-def _worker(args: argparse.Namespace) -> int:
-    """One rank of the selftest job (started by torchrun); always leaves a result file."""
+def _show(mode: str, outcome: dict[str, Any]) -> None:
+    """Rank 0's decisions as a table (kernel, key, config, source), then the error it raised."""
+    result = outcome["ranks"].get(0, {})
+    rows = [("kernel", "key", "config", "source")]
+    rows += [
+        (d[0].split(":")[-1], d[1], d[2], d[3] + (f" ({d[5]})" if len(d) > 5 and d[5] else ""))
+        for d in result.get("decisions", [])
+        if d[3] != "out_of_scope"
+    ]
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    print(f"    == {mode}: rank 0's launches")
+    for row in rows:
+        print("    " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    if result.get("message"):
+        print("    " + result["message"].replace("\n", "\n    "))
+
+
+# --------------------------------------------------------------------------- one rank of the job
+
+
+def _worker(argv: list[str]) -> int:
+    """One rank of the selftest job (started by torchrun); it always leaves a result file."""
     import logging
     import traceback
     from datetime import timedelta
 
     import torch.distributed as dist
 
+    parser = argparse.ArgumentParser()
+    for name in ("--mode", "--out", "--agreement"):
+        parser.add_argument(name, required=True)
+    parser.add_argument("--timeout", type=float, required=True)
+    args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.WARNING,
         format=f"[rank{os.environ.get('RANK', '?')}] %(levelname)s %(name)s: %(message)s",
     )
     dist.init_process_group("gloo", timeout=timedelta(seconds=max(args.timeout, 10.0)))
     rank = dist.get_rank()
-    result: dict[str, Any] = {"rank": rank, "mode": args._mode, "error": None}
+    result: dict[str, Any] = {"rank": rank, "mode": args.mode, "error": None}
     try:
-        _exercise(args, rank, result)
-    except Exception as error:  # a broken install: report it by name instead of a bare exit code
+        _exercise(args, result)
+    except Exception as error:  # a broken install: reported by name, not as a bare exit code
         _keep_error(result, error)
         result["traceback"] = traceback.format_exc()
-        _write_result(args._out, rank, result)
+        _write_result(args.out, rank, result)
         return 1  # torchrun then stops the other ranks
-    _write_result(args._out, rank, result)
+    _write_result(args.out, rank, result)
     dist.barrier()
     dist.destroy_process_group()
     return 0
 
 
-def _exercise(args: argparse.Namespace, rank: int, result: dict[str, Any]) -> None:
-    """Launch the tiny kernel on a few sizes under the policy, then verify_agreement."""
+def _exercise(args: argparse.Namespace, result: dict[str, Any]) -> None:
+    """Launch every reference kernel on every shape under the policy, then verify_agreement."""
     import torch
     import torch.distributed as dist
 
@@ -275,31 +293,28 @@ def _exercise(args: argparse.Namespace, rank: int, result: dict[str, Any]) -> No
     from ..session import init_deterministic_tuning
 
     policy = TuningPolicy(
-        mode=args._mode,
+        mode=args.mode,
         scope=(KERNEL_MODULE,),
         agreement=args.agreement,
         agreement_timeout_s=max(args.timeout / 3, 5.0),
-        use_shipped_tables=False,
     )
     handle = init_deterministic_tuning(policy)
     if args.agreement != "off" and verify.active_checker() is None:
         raise RuntimeError("init_deterministic_tuning started no agreement check")
-    from ..kernels import tiny  # decorated only now: interpreter flag and interception are in place
-
     on_gpu = os.environ.get("TRITON_INTERPRET") != "1" and torch.cuda.is_available()
-    device = torch.device("cuda", rank % torch.cuda.device_count()) if on_gpu else torch.device("cpu")
+    device = (
+        torch.device("cuda", dist.get_rank() % torch.cuda.device_count()) if on_gpu else torch.device("cpu")
+    )
     try:
-        for n in SIZES:
-            if result["error"] is None:
-                try:
-                    x = torch.arange(n, dtype=torch.float32, device=device)
-                    if not torch.equal(tiny.add_one(x), x + 1):
-                        raise AssertionError(f"add_one computed a wrong result for n={n}")
-                except (MegatronTuningError, AssertionError) as error:
-                    _keep_error(result, error)
-            dist.barrier()  # the same number of collectives on every rank, error or not
         try:
-            # Every rank calls it (a collective); it also catches a rank whose own checks passed.
+            failures = reference_workload(
+                device, GPU_SHAPES if on_gpu else CPU_SHAPES, torch.bfloat16 if on_gpu else torch.float32
+            )
+            if failures:
+                raise AssertionError("wrong results: " + "; ".join(failures))
+        except (MegatronTuningError, AssertionError) as error:
+            _keep_error(result, error)
+        try:  # every rank calls it (a collective); it also catches a rank whose own checks passed
             result["shared"] = verify.verify_agreement() if args.agreement != "off" else 0
         except MegatronTuningError as error:
             if result["error"] is None:
@@ -307,8 +322,34 @@ def _exercise(args: argparse.Namespace, rank: int, result: dict[str, Any]) -> No
     finally:
         handle.close()
     result["decisions"] = [
-        [d.kernel, d.key, d.signature, d.source, d.chaos] for d in decision_log().decisions()
+        [d.kernel, d.key, d.signature, d.source, d.chaos, d.origin] for d in decision_log().decisions()
     ]
+
+
+def reference_workload(device: Any, shapes: Any, dtype: Any) -> list[str]:
+    """Launch every reference kernel on every shape (the same inputs on every rank); return the
+    launches whose result differs from torch's. Imports (so decorates) the kernels: call it after
+    ``init_deterministic_tuning`` and with ``TRITON_INTERPRET`` set as the job needs."""
+    import torch
+
+    from .. import kernels
+
+    generator = torch.Generator().manual_seed(0)
+    tol = 1e-3 if dtype == torch.float32 else 3e-2
+    failures = []
+    for m, n, k in shapes:
+        a, b = (torch.randn(shape, generator=generator).to(device, dtype) for shape in ((m, k), (k, n)))
+        x = torch.randn(m * n, generator=generator).to(device, dtype)
+        for name, got, want, tolerance in (
+            ("matmul", kernels.matmul(a, b), a.float() @ b.float(), tol * max(1.0, k**0.5)),
+            ("splitk_matmul", kernels.splitk_matmul(a, b), a.float() @ b.float(), tol * max(1.0, k**0.5)),
+            ("add_one", kernels.add_one(x), x.float() + 1, tol),
+        ):
+            if not torch.allclose(got.float().cpu(), want.float().cpu(), atol=tolerance, rtol=tolerance):
+                failures.append(
+                    f"{name} {m}x{n}x{k}: max abs error {(got.float() - want.float()).abs().max().item():.3g}"
+                )
+    return failures
 
 
 def _write_result(folder: str, rank: int, result: dict[str, Any]) -> None:
@@ -316,20 +357,10 @@ def _write_result(folder: str, rank: int, result: dict[str, Any]) -> None:
 
 
 def _keep_error(result: dict[str, Any], error: BaseException) -> None:
-    result["error"] = type(error).__name__
-    result["message"] = str(error)
-    result["kernel"] = getattr(error, "kernel", "")
-    result["key"] = getattr(error, "key", "")
+    result["error"], result["message"] = type(error).__name__, str(error)
+    result["kernel"], result["key"] = getattr(error, "kernel", ""), getattr(error, "key", "")
     result["signature_ranks"] = sorted(getattr(error, "signatures", {}))
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m megatron_tuning.selftest", description=(__doc__ or "").splitlines()[0]
-    )
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(_worker(sys.argv[1:]))

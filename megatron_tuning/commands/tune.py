@@ -1,30 +1,36 @@
-"""``python -m megatron_tuning tune -- <command>``: tune a real job, write a table.
+"""``tune -- <command>``: tune a real job and write a table; ``report``: print and plot what it measured.
 
-``tune`` runs the user's command (a Python script, ``python -m ...`` or a ``torchrun`` job) with
-``MEGATRON_TUNING_MODE=tune`` and the shared bootstrap (``commands/bootstrap.py``, as ``run``) on
-``PYTHONPATH`` that, in every Python process that imports Triton, installs the interception with
-the noise-aware tuner and writes each process's ``tuned`` decisions (with all their samples) to
-its own file as they happen. Each job works in a fresh folder of its own (under ``--work-dir``,
-or a temporary one), so nothing an earlier job or anyone else left there is pooled or run. After
-the command ends the per-process results are pooled per (arch, kernel, key), so ranks that
-tuned the same shape collapse into one answer, and merged into the ``--out`` table, together
-with a results file that keeps every candidate's statistics for review and plotting.
-Pooling and merging live in ``tuning.results``; ``report`` prints and plots the statistics.
+``tune`` runs the user's command (a script, ``-m pkg``, ``python ...`` or ``torchrun ...``) with
+``MEGATRON_TUNING_MODE=tune`` and the shared bootstrap (as ``run`` does), so every Python process
+that imports Triton installs the noise-aware tuner and writes its ``tuned`` decisions (with every
+sample) to a decision log of its own as they happen. Each job works in a fresh folder (under
+``--work-dir``, or a temporary one), so nothing left there by another job is pooled. After the job
+the per-process logs are pooled the one way every recording is: each process's winners are one
+table, and ``tables.merge.merge_tables`` votes (majority, then the lowest median, then static cost),
+so ranks that tuned the same shape give one entry with its votes. The entries are merged into
+``--out``; ``--results`` keeps every process's decisions, with their statistics, for ``report``.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import io
+import math
 import os
+import re
 import shutil
 import socket
 import sys
 import tempfile
+import textwrap
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..core.decisions import decision_log, get_decisions
+from ..core.decisions import Decision, decision_log, get_decisions
+from ..core.errors import TableError
 from ..core.policy import (
     ENV_MODE,
     ENV_RECORD_DIR,
@@ -33,42 +39,36 @@ from ..core.policy import (
     ENV_TUNE_TIE_BAND,
     read_knob,
 )
-from ..tables.decision_files import write_decisions
+from ..core.warn import printable
 from ..tables.files import output_file_problem, output_folder_problem, write_atomic
-from ..tuning.results import (
-    PROCESS_PREFIX,
-    default_results_path,
-    format_summary,
-    merge_into_table,
-    pool_directory,
-    write_results,
-)
+from ..tables.merge import merge_tables, read_decisions, recording_table, write_decisions
+from ..tables.table import merge_entries
 from ..tuning.stats import TuneSettings
+from . import EXIT_USAGE
 from .bootstrap import job_environment, write_bootstrap
-from .launch import EXIT_USAGE, add_job_argument, command_problem, job_argv, job_command, run_job
-from .report import plot_records_to
+from .launch import add_job_argument, command_problem, job_argv, job_command, run_job
 
+PROCESS_PREFIX = "tuned-"
+"""Per-process results of a tune job are ``tuned-<host>-<pid>.json`` decision logs."""
 WORK_DIR_MARKER = ".megatron_tuning_tune"
-"""Written into a ``--work-dir`` that tune created or adopted (empty): later jobs may use it too."""
+"""Written into a ``--work-dir`` tune created or adopted (empty): later jobs may use it too."""
 
 
 class _Refused(Exception):
     """A check before the job failed: the message says why (a usage error, exit 2)."""
 
 
-# --------------------------------------------------------------------------- arguments
+# --------------------------------------------------------------------------- tune
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_tune(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--out",
-        default="tuned.msgpack",
-        help="table to merge the tuned entries into (msgpack; .json for the JSON view)",
+        "--out", default="tuned.msgpack", help="table to merge the tuned entries into (.json: the JSON view)"
     )
     parser.add_argument(
         "--results",
         default=None,
-        help="where to write every candidate's statistics (default: <out stem>.tuning.json)",
+        help="every process's decisions and statistics (default: <out stem>.tuning.json)",
     )
     parser.add_argument(
         "--plot", metavar="DIR", default=None, help="also draw one PNG per (kernel, key) here"
@@ -77,33 +77,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--tie-band",
         type=float,
         default=None,
-        help="candidates within this fraction of the best median are tied (default 0.02)",
+        help="candidates within this fraction of the best median tie (default 0.02)",
     )
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds per candidate (default 10)")
     parser.add_argument(
         "--work-dir",
         default=None,
-        help="keep per-process results in a new subfolder of this folder for each job "
-        "(a new or empty folder, or one tune used before; default: a temp dir, removed)",
+        help="keep per-process results in a new subfolder of this folder for each job (a new or empty "
+        "folder, or one tune used before; default: a temp dir, removed)",
     )
     add_job_argument(
         parser, "the job to run after `--`: script.py [args], -m mod, python -m mod, torchrun ..."
     )
 
 
-# --------------------------------------------------------------------------- tune
-
-
-def run(args: argparse.Namespace) -> int:
+def run_tune(args: argparse.Namespace) -> int:
     command = job_command(args)
     if not command:
         print(
             "tune: give the command to run after `--`, e.g. "
-            "`python -m megatron_tuning tune --out t.msgpack -- train.py --steps 3`",
+            "`python -m megatron_tuning tune --out t.msgpack -- "
+            "train.py --steps 3`",
             file=sys.stderr,
         )
         return EXIT_USAGE
-    settings = TuneSettings.from_env(**_setting_overrides(args))  # validate before the long run
+    overrides = {k: v for k, v in (("rounds", args.rounds), ("tie_band", args.tie_band)) if v is not None}
+    settings = TuneSettings.from_env(**overrides)  # validated before the long run
     problem = command_problem(job_argv(command), os.environ)
     if problem is not None:
         print(f"tune: {problem[1]}", file=sys.stderr)
@@ -115,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"tune: {exc}", file=sys.stderr)
         return EXIT_USAGE
     try:
-        returncode, records = _run_job(command, work, settings, args)
+        returncode, decisions = _run_job(command, work, settings, args)
     except BaseException:
         # Writing the table failed, or the run was interrupted: what was measured stays on disk.
         if temporary and any((work / "results").glob(f"{PROCESS_PREFIX}*.json")):
@@ -125,9 +124,9 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if temporary:
             shutil.rmtree(work, ignore_errors=True)  # everything kept is in --out and --results now
-    if records and args.plot:
-        plot_records_to(records, args.plot, prog="tune")
-    if records and returncode:
+    if decisions and args.plot:
+        plot_into(decisions, args.plot, prog="tune")
+    if decisions and returncode:
         print(
             f"tune: the job exited with status {returncode}; the table holds what it tuned before that",
             file=sys.stderr,
@@ -135,20 +134,21 @@ def run(args: argparse.Namespace) -> int:
     return returncode
 
 
-def _check_outputs(args: argparse.Namespace) -> None:
+def _results_path(args: argparse.Namespace) -> Path:
     out = Path(args.out)
-    results = Path(args.results) if args.results else default_results_path(out)
-    for flag, path in (("--out", out), ("--results", results)):
+    return Path(args.results) if args.results else out.with_name(out.name.split(".")[0] + ".tuning.json")
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    for flag, path in (("--out", Path(args.out)), ("--results", _results_path(args))):
         # A missing folder is created when the file is written: then that folder must be creatable.
         parent = path.parent if str(path.parent) else Path(".")
         problem = output_file_problem(str(path)) if parent.is_dir() else output_folder_problem(str(parent))
         if problem:
             raise _Refused(f"cannot write {flag} {path}: {problem}")
     if args.plot:
-        from ..tuning.plotting import require_matplotlib
-
         try:
-            require_matplotlib()  # before the long run, not after it
+            _require_matplotlib()  # before the long run, not after it
         except ImportError as exc:
             raise _Refused(str(exc)) from None
         problem = output_folder_problem(args.plot)
@@ -159,8 +159,8 @@ def _check_outputs(args: argparse.Namespace) -> None:
 def _job_folder(work_dir: str | None) -> tuple[Path, bool]:
     """A fresh folder for this job's files, and whether it is temporary (removed at the end).
 
-    Under ``--work-dir`` each job gets a new subfolder, so a second job pools only its own
-    results; a folder that holds files tune did not write is refused, not mixed into.
+    Under ``--work-dir`` each job gets a new subfolder, so a second job pools only its own results;
+    a folder holding files tune did not write is refused, not mixed into.
     """
     if not work_dir:
         return Path(tempfile.mkdtemp(prefix="megatron_tuning_tune_")), True
@@ -181,72 +181,47 @@ def _job_folder(work_dir: str | None) -> tuple[Path, bool]:
             root / WORK_DIR_MARKER,
             b"Per-job folders of `python -m megatron_tuning tune --work-dir`; safe to delete.\n",
         )
-    job = tempfile.mkdtemp(prefix=time.strftime("job-%Y%m%d-%H%M%S-"), dir=root)
-    return Path(job), False
+    return Path(tempfile.mkdtemp(prefix=time.strftime("job-%Y%m%d-%H%M%S-"), dir=root)), False
 
 
 def _run_job(
     command: list[str], work: Path, settings: TuneSettings, args: argparse.Namespace
-) -> tuple[int, list[dict[str, Any]]]:
+) -> tuple[int, list[Decision]]:
     """Run the job, pool its per-process results, write ``--results`` and merge into ``--out``."""
-    results_dir = work / "results"
-    results_dir.mkdir()
-    env = tune_environment(work, settings)
+    results = work / "results"
+    results.mkdir()
+    env = job_environment(write_bootstrap(work / "bootstrap", "tune"), "tune")
+    env.update({ENV_MODE: "tune", ENV_TUNE_DIR: str(results), ENV_RECORD_DIR: str(work / "recordings")})
+    env.update({ENV_TUNE_ROUNDS: str(settings.rounds), ENV_TUNE_TIE_BAND: repr(settings.tie_band)})
     argv = job_argv(command)
-    print(f"tune: running {' '.join(argv)} (per-process results in {results_dir})", file=sys.stderr)
+    print(f"tune: running {' '.join(argv)} (per-process results in {results})", file=sys.stderr)
     returncode = run_job(argv, env, prog="tune")
-    records = pool_directory(results_dir, settings)
-    if not records:
+    logs = [(str(f), read_decisions(f)) for f in sorted(results.glob(f"{PROCESS_PREFIX}*.json"))]
+    decisions = [d for _, ds in logs for d in ds if d.source == "tuned"]
+    if not decisions:
         print(
             "tune: the job recorded no tuned (kernel, key). Did it launch an in-scope autotuned kernel "
-            "with more than one live config? (MEGATRON_TUNING_SCOPE limits the scope.)",
+            "with more "
+            "than one live config? (MEGATRON_TUNING_SCOPE limits the scope.)",
             file=sys.stderr,
         )
         return returncode or 1, []
-    out = Path(args.out)
-    results_path = Path(args.results) if args.results else default_results_path(out)
-    write_results(results_path, records)
-    written = merge_into_table(out, records)
-    print(format_summary(records))
+    merged = merge_tables([(name, recording_table(ds)) for name, ds in logs])
+    write_decisions(_results_path(args), decisions)
+    merge_entries(args.out, merged.table.entries())
+    print(summary(decisions))
+    count = len(merged.table)
     print(
-        f"tune: {written} entr{'y' if written == 1 else 'ies'} merged into {out}; "
-        f"statistics in {results_path}"
+        f"tune: {count} entr{'y' if count == 1 else 'ies'} merged into {args.out}; "
+        f"statistics in {_results_path(args)}"
     )
-    return returncode, records
-
-
-def _setting_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    overrides: dict[str, Any] = {}
-    if getattr(args, "rounds", None) is not None:
-        overrides["rounds"] = args.rounds
-    if getattr(args, "tie_band", None) is not None:
-        overrides["tie_band"] = args.tie_band
-    return overrides
-
-
-def tune_environment(work: Path, settings: TuneSettings) -> dict[str, str]:
-    """The job's environment: tune mode, where to write, the bootstrap (written into ``work``)."""
-    env = job_environment(write_bootstrap(work / "bootstrap", "tune"), "tune")
-    env[ENV_MODE] = "tune"
-    env[ENV_TUNE_DIR] = str(work / "results")
-    # The session also writes each rank's winners (summary only) there at exit; harmless, and it
-    # keeps the session from warning that the winners live only in the decision log.
-    env[ENV_RECORD_DIR] = str(work / "recordings")
-    env[ENV_TUNE_ROUNDS] = str(settings.rounds)
-    env[ENV_TUNE_TIE_BAND] = repr(settings.tie_band)
-    return env
-
-
-# --------------------------------------------------------------------------- inside the job
+    return returncode, decisions
 
 
 def activate() -> None:
-    """Install tune mode in this process and persist its tuned decisions as they happen.
-
-    Called by the bootstrap at the process's ``import triton``. A failure is reported and the
-    process goes on untuned: the job's own work matters more than one process's measurements,
-    and ``tune`` says at the end when nothing was tuned.
-    """
+    """In a process of the job, at its ``import triton``: tune mode, writing its tuned decisions as
+    they happen (a crash loses nothing measured). A failure is reported and the process goes on
+    untuned: the job's own work matters more, and ``tune`` says at the end when nothing was tuned."""
     from .. import session
 
     directory = read_knob(ENV_TUNE_DIR)
@@ -258,17 +233,195 @@ def activate() -> None:
         print(f"megatron_tuning tune: could not enable tune mode: {exc!r}", file=sys.stderr)
         return
     path = Path(directory) / f"{PROCESS_PREFIX}{socket.gethostname()}-{os.getpid()}.json"
-    decision_log().add_listener(_ResultWriter(path))
+
+    def write(decision: Decision) -> None:
+        if decision.source == "tuned":
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_decisions(path, [d for d in get_decisions() if d.source == "tuned"])
+
+    decision_log().add_listener(write)
 
 
-class _ResultWriter:
-    """Rewrites this process's file at each new tuned decision, so a crash loses nothing measured."""
+# --------------------------------------------------------------------------- report
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
 
-    def __call__(self, decision: Any) -> None:
-        if decision.source != "tuned":
-            return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        write_decisions(self.path, [d for d in get_decisions() if d.source == "tuned"])
+def add_report(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "inputs", nargs="+", help="decision logs (a tune job's --results), or folders of them"
+    )
+    parser.add_argument(
+        "--plot", metavar="DIR", default=None, help="draw one PNG per (kernel, key, rank) here"
+    )
+
+
+def run_report(args: argparse.Namespace) -> int:
+    decisions: list[Decision] = []
+    try:
+        for name in args.inputs:
+            files = sorted(Path(name).glob("*.json")) if Path(name).is_dir() else [Path(name)]
+            for path in files:
+                found = [d for d in read_decisions(path) if d.source in ("tuned", "recorded")]
+                for d in found:
+                    problem = _timings_problem(d.timings)
+                    if problem:
+                        raise TableError(str(path), f"{d.kernel} [{d.key}]: {problem}", "Tuning results")
+                decisions += found
+    except TableError as exc:
+        print(f"report: cannot read {printable(str(exc))}", file=sys.stderr)
+        return 2
+    if not decisions:
+        print("report: no tuned or recorded timings in the inputs", file=sys.stderr)
+        return 1
+    print(summary(decisions))
+    if args.plot:
+        try:
+            plot_into(decisions, args.plot, prog="report")
+        except ImportError as exc:
+            print(f"report: {exc}", file=sys.stderr)
+            return 2
+    return 0
+
+
+def _timings_problem(timings: Any) -> str | None:
+    """What makes a decision's timings unusable by ``summary`` and the plots (hand-edited logs)."""
+    if not isinstance(timings, dict) or not isinstance(timings.get("candidates", {}), dict):
+        return "timings.candidates must be an object"
+    for signature, value in timings.get("candidates", {}).items():
+        values = value if type(value) is list else [value]
+        if len(values) > 16 or not all(
+            v is None or (type(v) in (int, float) and not math.isnan(v)) for v in values
+        ):
+            return f"timings.candidates[{signature!r}] must be a number or a list of numbers"
+    tied, band = timings.get("tied", []), timings.get("tie_band", 0.0)
+    if type(tied) is not list or not all(type(t) is str for t in tied):
+        return "timings.tied must be a list of signatures"
+    if type(band) not in (int, float) or not 0 <= band < 1:
+        return f"timings.tie_band must be a fraction in [0, 1), got {band!r}"
+    return None
+
+
+def summary(decisions: Sequence[Decision]) -> str:
+    """A plain-text table: kernel, key, rank, the winner's median, how many tied, the fastest median."""
+    lines = [f"{'kernel':<28} {'key':<36} {'rank':>4} {'median ms':>10} {'tied':>4} {'best ms':>9}  winner"]
+    for d in decisions:
+        timings = d.timings or {}
+        candidates = timings.get("candidates", {})
+        medians = [v[0] for v in candidates.values() if isinstance(v, list) and v and v[0] is not None]
+        win = candidates.get(d.signature) or [None]
+        win_ms = f"{win[0]:.4f}" if isinstance(win, list) and win[0] is not None else "-"
+        best = f"{min(medians):.4f}" if medians else "-"
+        tied = len(timings.get("tied", [d.signature]))
+        lines.append(
+            printable(
+                f"{d.kernel.rsplit(':', 1)[-1][:28]:<28} {d.key[:36]:<36} {d.rank:>4} {win_ms:>10} "
+                f"{tied:>4} {best:>9}  {d.signature}"
+            )
+        )
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- plots
+
+
+def _require_matplotlib() -> None:
+    try:
+        import matplotlib.backends.backend_agg  # noqa: F401
+        import matplotlib.figure  # noqa: F401
+    except ImportError as exc:
+        raise ImportError(
+            "Plotting needs matplotlib: pip install matplotlib (or install megatron_tuning with the "
+            "[plot] extra)."
+        ) from exc
+
+
+def plot_into(decisions: Sequence[Decision], directory: str, *, prog: str) -> list[Path]:
+    """One PNG per decision (candidate medians, p20-p80 bars, the tie band, the winner) under ``directory``.
+
+    File names keep only ``[A-Za-z0-9_]`` of the kernel and key (a log may be hand-made: no ``/`` or
+    ``..`` can place a plot elsewhere), plus a digest so they stay unique.
+    """
+    paths = []
+    for d in decisions:
+        slug = "__".join(
+            re.sub(r"[^A-Za-z0-9]+", "_", text).strip("_")[:60] or "x"
+            for text in (d.kernel.rsplit(":", 1)[-1], d.key.split("|")[0])
+        )
+        digest = hashlib.sha256(f"{d.kernel}\n{d.key}\n{d.rank}".encode()).hexdigest()[:10]
+        paths.append(plot_decision(d, Path(directory) / f"{slug}__{digest}.png"))
+    print(f"{prog}: {len(paths)} plot(s) written to {directory}")
+    return paths
+
+
+def plot_decision(d: Decision, path: Path) -> Path:
+    """Draw one decision's candidate timings to ``path`` as a PNG (no pyplot state, no display)."""
+    _require_matplotlib()
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    timings: Mapping[str, Any] = d.timings or {}
+    rows, failed = [], []
+    for signature, value in timings.get("candidates", {}).items():
+        triple = [
+            float(v) if v is not None else math.nan for v in (value if isinstance(value, list) else [value])
+        ]
+        if not triple or not math.isfinite(triple[0]):
+            failed.append(signature)
+        else:
+            rows.append(
+                (
+                    triple[0],
+                    triple[1] if len(triple) > 1 else triple[0],
+                    triple[2] if len(triple) > 2 else triple[0],
+                    signature,
+                )
+            )
+    rows.sort()
+    tied, band = set(timings.get("tied", [d.signature])), float(timings.get("tie_band", 0.02))
+    height = 2.0 + 0.34 * max(1, len(rows) + len(failed))
+    figure = Figure(figsize=(11.0, height), dpi=100)
+    FigureCanvasAgg(figure)
+    axes = figure.add_subplot(1, 1, 1)
+    handles = [
+        Patch(color="#1b7837", label="winner"),
+        Patch(color="#7fbf7b", label="tied (lost the static-cost tie-break)"),
+    ]
+    if rows:
+        best = rows[0][0]
+        handles.append(
+            axes.axvspan(
+                best,
+                best * (1 + band),
+                color="#fee08b",
+                alpha=0.45,
+                zorder=4,
+                label=f"tie band ({band:.1%} of best median)",
+            )
+        )
+        for y, (median, low, high, signature) in enumerate(rows):
+            color = "#1b7837" if signature == d.signature else "#7fbf7b" if signature in tied else "#9e9e9e"
+            axes.barh(y, median, color=color, height=0.7, zorder=2)
+            axes.errorbar(
+                median,
+                y,
+                xerr=[[median - low], [high - median]],
+                fmt="none",
+                ecolor="black",
+                capsize=3,
+                lw=1,
+                zorder=3,
+            )
+    labels = [("★ " if r[3] == d.signature else "") + r[3] for r in rows] + [f"{s} (failed)" for s in failed]
+    axes.set_yticks(range(len(labels)))
+    axes.set_yticklabels(labels, fontsize=7)
+    axes.invert_yaxis()  # fastest on top
+    axes.set_xlabel(f"median time per launch ({timings.get('unit', 'ms')}), bars: p20-p80")
+    key_lines = textwrap.wrap(d.key, 120) or [""]
+    figure.suptitle("\n".join([f"{d.kernel} (rank {d.rank})", *key_lines]), fontsize=8)
+    figure.legend(handles=handles, fontsize=7, ncol=3, loc="lower center")
+    figure.tight_layout(rect=(0.0, 0.4 / height, 1.0, 1.0 - (0.2 + 0.14 * len(key_lines)) / height))
+    image = io.BytesIO()
+    figure.savefig(image, format="png")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, image.getvalue(), error=lambda p, problem: TableError(p, problem, "Plot"))
+    return path

@@ -10,7 +10,9 @@ ones, so only the live run can tell).
 
 from __future__ import annotations
 
+import argparse
 import importlib
+import json
 import logging
 import sys
 from collections.abc import Iterable, Sequence
@@ -243,4 +245,43 @@ def _entry_problems(
     return problems
 
 
-__all__ = ["Problem", "ValidationReport", "find_autotuners", "validate_tables"]
+def add_validate(p: argparse.ArgumentParser) -> None:
+    p.description = (
+        "Check every entry: its arch is this machine's (or --arch), it was tuned with the installed Triton, "
+        "and, for kernels in modules given with --import, the kernel exists, its source hash matches and the "
+        "config is one it declares. Exit 1 when a problem is found."
+    )
+    p.add_argument("tables", nargs="+", metavar="TABLE")
+    p.add_argument("--arch", help="the arch to check against (default: this machine's; skipped when unknown)")
+    p.add_argument("--triton-version", help="the Triton version to check against (default: installed)")
+    p.add_argument(
+        "--import",
+        dest="modules",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="import MODULE and check its autotuned kernels' source hashes (repeatable)",
+    )
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def run_validate(args: argparse.Namespace) -> int:
+    report = validate_tables(
+        args.tables, arch=args.arch, triton_version=args.triton_version, modules=args.modules
+    )
+    if args.json:
+        print(json.dumps(report.to_json(), indent=1, sort_keys=True))
+    else:
+        for line in report.lines():
+            print(line)
+    return 1 if report.problems else 0
+
+
+__all__ = [
+    "Problem",
+    "ValidationReport",
+    "add_validate",
+    "find_autotuners",
+    "run_validate",
+    "validate_tables",
+]

@@ -23,7 +23,7 @@ from . import files
 from .cache_bounds import CACHE_META, CacheFormatError, Plan, encode_plan, plan_persist
 from .entry import Entry, entry_with
 from .files import locked, read_regular_file, write_atomic
-from .recording import entry_from_decision
+from .merge import entry_from_decision
 from .search import installed_triton_version
 from .table import Table, table_from_data
 

@@ -1,31 +1,219 @@
-"""Merging recordings and tables: one vote per input for each (arch, kernel, key).
+"""What runs record, and how it becomes one table: decision logs, per-rank recordings, the vote, diffs.
 
-The majority wins, ties are broken deterministically (never by input order: merging the same
-inputs in any order gives the same bytes), and every entry where inputs disagreed is reported,
-which is itself a measurement of how unstable autotuning was for that job.
+Record mode and ``tune`` leave one file per process (a recording table, a decision log); ``merge``
+and ``tune`` pool them through one vote per input for each (arch, kernel, key): the majority wins,
+ties go to the lowest median time, then the lowest static cost, then the signature text, so the
+same inputs in any order give the same bytes. Every entry where inputs disagreed is reported: a
+measurement of how unstable autotuning was for that job.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import msgpack
 
 from ..core.cost import estimate_config_cost
+from ..core.decisions import Decision, get_decisions
 from ..core.errors import TableError
-from ..core.identity import config_signature
-from ..core.warn import printable
-from .files import LOCK_TIMEOUT_S, locked
-from .search import expand_table_paths
-from .table import Entry, Table, entry_with, load_table, save_table
+from ..core.identity import config_signature, current_rank
+from .entry import same_config
+from .files import LOCK_TIMEOUT_S, locked, read_json_file, write_atomic
+from .search import expand_table_paths, installed_triton_version
+from .table import Entry, Table, Timing, entry_with, load_table, save_table, update_table
 
 logger = logging.getLogger(__name__)
+
+DECISIONS_FORMAT = "megatron_tuning.decisions"
+RECORDING_PREFIX = "recording-rank"
+_HOW = {"recorded": "recorded", "tuned": "tuned", "adopted": "tuned"}
+_PROVENANCE = ("how", "source_hash", "triton_version", "timing", "votes", "note")
+
+
+# --------------------------------------------------------------------------- decision logs
+
+
+def write_decisions(path: str | os.PathLike[str], decisions: Iterable[Decision] | None = None) -> None:
+    """Write decisions (default: this process's log) as JSON, atomically: what ``coverage`` reads."""
+    rows = [d.to_json() for d in (get_decisions() if decisions is None else decisions)]
+    payload = json.dumps(
+        {"format": DECISIONS_FORMAT, "version": 1, "decisions": rows}, indent=1, sort_keys=True
+    )
+    write_atomic(path, payload.encode("utf-8"), error=_log_error)
+
+
+def read_decisions(path: str | os.PathLike[str]) -> list[Decision]:
+    """Read a file ``write_decisions`` wrote; any problem raises one ``TableError`` naming it."""
+    name = os.fspath(path)
+    data = read_json_file(name, error=_log_error, what="decision log")
+    if not isinstance(data, dict) or data.get("format") != DECISIONS_FORMAT:
+        raise _log_error(name, "not a megatron_tuning decision log (wrong or missing 'format')")
+    rows = data.get("decisions")
+    if type(rows) is not list:
+        raise _log_error(name, "not a readable decision log ('decisions' must be a list)")
+    decisions = []
+    for index, row in enumerate(rows):
+        problem = _row_problem(row)
+        if problem:
+            raise _log_error(name, f"decision {index}: {problem}")
+        decisions.append(Decision.from_json(row))
+    return decisions
+
+
+def _log_error(path: str, problem: str) -> TableError:
+    return TableError(path, problem, "Decision log")
+
+
+_TEXT_FIELDS = ("kernel", "key", "signature", "source")
+_OPTIONAL_TEXT = ("arch", "origin", "source_hash", "nearest_key", "matched_by", "entry_kernel", "chaos")
+
+
+def _row_problem(row: Any) -> str | None:
+    """Why a hand-edited or hostile row cannot be a ``Decision`` (every reader relies on the types)."""
+    if type(row) is not dict:
+        return f"must be an object, got {type(row).__name__}"
+    unknown = sorted(map(str, row.keys() - Decision.__dataclass_fields__.keys()))
+    if unknown:
+        return f"unknown fields {unknown}"
+    for name in _TEXT_FIELDS:
+        if type(row.get(name)) is not str:
+            return f"{name} must be a string, got {row.get(name)!r}"
+    if "rank" in row and type(row["rank"]) is not int:
+        return f"rank must be an integer, got {row['rank']!r}"
+    for name in _OPTIONAL_TEXT:
+        if row.get(name) is not None and type(row[name]) is not str:
+            return f"{name} must be a string or null, got {row[name]!r}"
+    if "config" in row and type(row["config"]) is not dict:
+        return f"config must be an object, got {type(row['config']).__name__}"
+    if row.get("timings") is not None and type(row["timings"]) is not dict:
+        return f"timings must be an object or null, got {type(row['timings']).__name__}"
+    return None
+
+
+# --------------------------------------------------------------------------- entries from decisions
+
+
+def entry_from_decision(decision: Decision, *, triton_version: str | None = None) -> Entry | None:
+    """The table entry a ``recorded``/``tuned``/``adopted`` decision stands for; ``None`` otherwise."""
+    how = _HOW.get(decision.source)
+    if how is None or not decision.config:
+        return None
+    timings = decision.timings if isinstance(decision.timings, Mapping) else {}
+    tied, band = timings.get("tied"), timings.get("tie_band")
+    note = None
+    if isinstance(tied, list) and len(tied) > 1 and isinstance(band, (int, float)):
+        note = f"tie-break by static cost among {len(tied)} candidates within {band:.1%}"
+    return Entry(
+        arch=decision.arch,
+        kernel=decision.kernel,
+        key=decision.key,
+        config=dict(decision.config),
+        how=how,
+        source_hash=decision.source_hash,
+        triton_version=triton_version,
+        timing=timing_from_decision(decision),
+        note=note,
+    )
+
+
+def timing_from_decision(decision: Decision) -> Timing | None:
+    """The winner's timing statistics from what the measurement left; anything odd is ignored.
+
+    Understands ``{"candidates": {signature: [median, p20, p80] | median}, ...}`` (the tuner's
+    ``TuneResult.to_timings()`` and Triton's ``configs_timings`` as record mode keeps them), and
+    the flat ``{"median_ms", "spread_ms", "samples", "candidates", "runner_up_ms"}`` form.
+    """
+    raw = decision.timings
+    if not isinstance(raw, Mapping):
+        return None
+    values: dict[str, Any] = {}
+    candidates = raw.get("candidates")
+    if isinstance(candidates, Mapping) and candidates:
+        quantiles = {sig: _quantiles(t) for sig, t in candidates.items()}
+        values["candidates"] = len(candidates)
+        winner = quantiles.get(decision.signature)
+        if winner:
+            values["median_ms"] = winner[0]
+            if len(winner) >= 3 and winner[2] >= winner[1]:
+                values["spread_ms"] = winner[2] - winner[1]
+        others = [q[0] for sig, q in quantiles.items() if sig != decision.signature and q]
+        if others:
+            values["runner_up_ms"] = min(others)
+        samples = raw.get("samples")
+        if isinstance(samples, Mapping) and isinstance(samples.get(decision.signature), list):
+            values["samples"] = len(samples[decision.signature])
+    for name in ("median_ms", "spread_ms", "runner_up_ms"):
+        if _finite(raw.get(name)) and raw[name] >= 0:
+            values[name] = float(raw[name])
+    for name in ("samples", "candidates"):
+        if type(raw.get(name)) is int and raw[name] >= 0:
+            values[name] = raw[name]
+    return Timing(**values) if values else None
+
+
+def _finite(value: Any) -> bool:
+    return type(value) in (int, float) and math.isfinite(value)
+
+
+def _quantiles(timing: Any) -> list[float]:
+    # A config that failed to compile or ran out of resources scores inf (or None): it counts as
+    # a candidate, never as the runner-up.
+    values = list(timing) if isinstance(timing, (list, tuple)) else [timing]
+    return [float(v) for v in values] if values and all(_finite(v) and v >= 0 for v in values) else []
+
+
+def recording_table(
+    decisions: Iterable[Decision], *, rank: int | None = None, triton_version: str | None = None
+) -> Table:
+    """A table of the measured winners among ``decisions`` (the first per ident wins), stamped with
+    ``triton_version`` (default: the installed one)."""
+    version = triton_version or installed_triton_version()
+    table = Table(meta={"kind": "recording"} if rank is None else {"kind": "recording", "rank": str(rank)})
+    for decision in decisions:
+        entry = entry_from_decision(decision, triton_version=version)
+        if entry is not None:
+            table.add(entry, replace=False)
+    return table
+
+
+def recording_path(directory: str | os.PathLike[str], rank: int) -> Path:
+    """Where ``rank`` writes its recording inside ``directory``."""
+    return Path(directory) / f"{RECORDING_PREFIX}{int(rank):05d}.msgpack"
+
+
+def write_recording(
+    decisions: Iterable[Decision] | None, directory: str | os.PathLike[str], rank: int | None = None
+) -> Path:
+    """Write this rank's recorded winners to ``<directory>/recording-rankNNNNN.msgpack``.
+
+    ``decisions=None``: this process's log; ``rank=None``: ``current_rank()``. A recording from an
+    earlier run of the job is updated (new winners replace old ones; entries only it had stay).
+    Only this rank writes the file, so its lock is uncontended.
+    """
+    rank = current_rank() if rank is None else rank
+    fresh = recording_table(get_decisions() if decisions is None else decisions, rank=rank)
+    os.makedirs(directory, exist_ok=True)
+    path = recording_path(directory, rank)
+
+    def mutate(table: Table) -> None:
+        table.meta = dict(fresh.meta)
+        for entry in fresh.values():
+            table.add(entry)
+
+    update_table(path, mutate)
+    logger.info("Recorded %d autotune winner(s) for rank %d to %s", len(fresh), rank, path)
+    return path
+
+
+# --------------------------------------------------------------------------- the vote
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,13 +236,12 @@ class Vote:
 
 @dataclass(frozen=True, slots=True)
 class Disagreement:
-    """An entry for which the inputs chose more than one config."""
+    """An entry for which the inputs chose more than one config; ``votes``: the winner first."""
 
     arch: str
     kernel: str
     key: str
     votes: tuple[Vote, ...]
-    """Winner first, then the others in tie-break order."""
     rule: str
     """Why the winner won: ``majority`` or ``tie: ...``."""
 
@@ -77,7 +264,7 @@ class MergeResult:
     inputs: list[str]
     disagreements: list[Disagreement] = field(default_factory=list)
     mixed_source_hashes: list[tuple[str, str, str, tuple[str, ...]]] = field(default_factory=list)
-    """Entries whose inputs were recorded from different kernel sources: (arch, kernel, key, hashes)."""
+    """Entries whose inputs came from different kernel sources: (arch, kernel, key, hashes)."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -90,56 +277,26 @@ class MergeResult:
             ],
         }
 
-    def report(self, *, max_inputs_listed: int = 8) -> str:
-        """Human-readable disagreement report."""
-        lines = [
-            f"Merged {len(self.inputs)} input(s) into {len(self.table)} entries; "
-            f"{len(self.disagreements)} with disagreement."
-        ]
-        for item in self.disagreements:
-            lines.append(printable(f"{item.arch}  {item.kernel}  [{item.key}]  ({item.rule})"))
-            for index, vote in enumerate(item.votes):
-                mark = "->" if index == 0 else "  "
-                timing = f", median {vote.median_ms:.4g} ms" if vote.median_ms is not None else ""
-                who = ", ".join(vote.inputs) if len(vote.inputs) <= max_inputs_listed else "..."
-                lines.append(
-                    printable(f"  {mark} {len(vote.inputs)} vote(s){timing}: {vote.signature}  [{who}]")
-                )
-        for arch, kernel, key, hashes in self.mixed_source_hashes:
-            lines.append(
-                printable(
-                    f"warning: {arch} {kernel} [{key}] was recorded from different kernel sources: "
-                    + ", ".join(h[:12] for h in hashes)
-                )
-            )
-        return "\n".join(lines)
-
 
 def merge_tables(inputs: Sequence[tuple[str, Table]]) -> MergeResult:
-    """Majority vote per (arch, kernel, key) over ``inputs`` (name, table), one vote each.
-
-    Ties go to the lowest median time among the tied configs' voters, then the lowest
-    static cost (``selection.estimate_config_cost``), then the signature text: a total
-    order, so the result does not depend on the order of the inputs.
-    """
-    names = [name for name, _ in inputs]
+    """One vote per input (name, table) for each (arch, kernel, key); see the module docstring."""
     ballots: dict[tuple[str, str, str], dict[str, list[tuple[str, Entry]]]] = {}
     for name, table in inputs:
         for entry in table.values():
-            by_signature = ballots.setdefault(entry.ident, {})
-            by_signature.setdefault(config_signature(entry.config), []).append((name, entry))
-
-    merged = Table(meta={"kind": "merged"})
-    result = MergeResult(table=merged, inputs=names)
+            ballots.setdefault(entry.ident, {}).setdefault(config_signature(entry.config), []).append(
+                (name, entry)
+            )
+    result = MergeResult(table=Table(meta={"kind": "merged"}), inputs=[name for name, _ in inputs])
     for ident in sorted(ballots):
         by_signature = ballots[ident]
         votes = sorted(
             (_vote(sig, voters) for sig, voters in by_signature.items()), key=_rank_key(by_signature)
         )
         winner = votes[0]
-        total = sum(len(v.inputs) for v in votes)
         representative = min(by_signature[winner.signature], key=_representative_key)[1]
-        merged.add(entry_with(representative, votes=(len(winner.inputs), total)))
+        result.table.add(
+            entry_with(representative, votes=(len(winner.inputs), sum(len(v.inputs) for v in votes)))
+        )
         if len(votes) > 1:
             result.disagreements.append(
                 Disagreement(*ident, votes=tuple(votes), rule=_rule(votes, by_signature))
@@ -186,21 +343,11 @@ def _time_or_inf(value: float | None) -> float:
 
 
 def _representative_key(voter: tuple[str, Entry]) -> tuple[float, bytes]:
-    # The entry whose provenance is kept: the fastest measurement, then a content order,
-    # never the input order (merging the same inputs in any order gives the same bytes).
+    # The entry whose provenance is kept: the fastest measurement, then a content order, never
+    # the input order (merging the same inputs in any order gives the same bytes).
     _, entry = voter
     median = entry.timing.median_ms if entry.timing is not None else None
     return (_time_or_inf(median), msgpack.packb(entry.to_data(), use_bin_type=True))
-
-
-def load_inputs(
-    paths: Iterable[str | os.PathLike[str]], *, exclude: Iterable[str] = ()
-) -> list[tuple[str, Table]]:
-    """Load tables/recordings (folders expand to their ``*.msgpack``); ``exclude`` skips files."""
-    skip = {os.path.realpath(p) for p in exclude}
-    return [
-        (name, load_table(name)) for name in expand_table_paths(paths) if os.path.realpath(name) not in skip
-    ]
 
 
 def merge_files(
@@ -209,18 +356,17 @@ def merge_files(
     *,
     timeout_s: float = LOCK_TIMEOUT_S,
 ) -> MergeResult:
-    """Merge recordings/tables into ``out`` (written atomically; replaced, not merged into).
+    """Merge recordings/tables (folders: their ``*.msgpack``) into ``out``, written atomically.
 
-    To keep what ``out`` already holds, list it among ``inputs`` too; it then votes once, and
-    the merge holds ``out``'s lock (waiting at most ``timeout_s`` for another writer).
+    ``out`` is replaced, not merged into: to keep what it holds, list it among ``inputs`` (it then
+    votes once, and the merge holds ``out``'s lock as ``update_table`` does, so a concurrent writer
+    loses nothing).
     """
-    target = os.fspath(out)
-    inputs = list(inputs)
-    listed = _listed(target, inputs)
-    # Listing ``out`` among the inputs makes this a read-modify-write of ``out``: hold the
-    # same lock as ``update_table`` so a concurrent ``merge_entries`` (tune) loses nothing.
+    target, inputs = os.fspath(out), list(inputs)
+    listed = any(os.path.realpath(os.fspath(p)) == os.path.realpath(target) for p in inputs)
     with locked(target, timeout_s=timeout_s) if listed else contextlib.nullcontext():
-        loaded = load_inputs(inputs, exclude=[] if listed else [target])
+        skip = set() if listed else {os.path.realpath(target)}
+        loaded = [(n, load_table(n)) for n in expand_table_paths(inputs) if os.path.realpath(n) not in skip]
         if not loaded:  # e.g. a folder holding only an earlier output: never write an empty table
             raise TableError(
                 ", ".join(os.fspath(p) for p in inputs), f"no input tables to merge besides {target}"
@@ -234,9 +380,62 @@ def merge_files(
     return result
 
 
-def _listed(target: str, inputs: Iterable[str | os.PathLike[str]]) -> bool:
-    real = os.path.realpath(target)
-    return any(os.path.realpath(os.fspath(p)) == real for p in inputs)
+# --------------------------------------------------------------------------- comparing tables
 
 
-__all__ = ["Disagreement", "MergeResult", "Vote", "load_inputs", "merge_files", "merge_tables"]
+def diff_tables(a: Table, b: Table, *, ignore_provenance: bool = False) -> dict[str, list[dict[str, Any]]]:
+    """Entries only in ``a`` (removed), only in ``b`` (added), and in both but different (changed).
+
+    A changed entry lists each differing field as ``[old, new]``, ``config`` by signature (or by
+    data when the signatures match). Header fields describe the file, not what runs: not compared.
+    """
+
+    def ident(entry: Entry) -> dict[str, str]:
+        return {"arch": entry.arch, "kernel": entry.kernel, "key": entry.key}
+
+    removed = [dict(ident(e), config=config_signature(e.config)) for e in a.entries() if e.ident not in b]
+    added = [dict(ident(e), config=config_signature(e.config)) for e in b.entries() if e.ident not in a]
+    changed = []
+    for old in a.entries():
+        new = b.get(*old.ident)
+        if new is None or new == old:
+            continue
+        fields: dict[str, list[Any]] = {}
+        old_sig, new_sig = config_signature(old.config), config_signature(new.config)
+        if not same_config(old.config, new.config):
+            fields["config"] = [old_sig, new_sig] if old_sig != new_sig else [old.config, new.config]
+        if not ignore_provenance:
+            before, after = old.to_data(), new.to_data()
+            fields.update(
+                {n: [before.get(n), after.get(n)] for n in _PROVENANCE if before.get(n) != after.get(n)}
+            )
+        if fields:
+            changed.append(dict(ident(old), fields=fields))
+    return {"added": added, "removed": removed, "changed": changed}
+
+
+def review_view(table: Table) -> Table:
+    """The table without provenance (how, hashes, versions, timing, votes, note): configs only.
+
+    What ``export --no-provenance`` writes for a pull request, where a re-tune would otherwise show
+    every timing and vote that moved. A view for review, not a replacement table.
+    """
+    entries = [Entry(arch=e.arch, kernel=e.kernel, key=e.key, config=e.config) for e in table.entries()]
+    return Table(entries, library_version=table.library_version, meta=table.meta)
+
+
+__all__ = [
+    "Disagreement",
+    "MergeResult",
+    "Vote",
+    "diff_tables",
+    "entry_from_decision",
+    "merge_files",
+    "merge_tables",
+    "read_decisions",
+    "recording_table",
+    "review_view",
+    "timing_from_decision",
+    "write_decisions",
+    "write_recording",
+]

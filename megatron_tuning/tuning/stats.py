@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ..core.errors import PolicyError
@@ -150,8 +150,6 @@ class TuneResult:
     reason: str
     tie_band: float
     overlap_cap: float
-    configs: tuple[dict[str, Any], ...] = field(default=())
-    """``config_data`` of each candidate, when known (needed to pool results later)."""
 
     @property
     def winner_signature(self) -> str:
@@ -176,8 +174,6 @@ class TuneResult:
             "samples": {s.signature: list(s.samples) for s in self.stats},
             "errors": {s.signature: s.error for s in self.stats if s.error},
         }
-        if self.configs:
-            timings["configs"] = {s.signature: dict(c) for s, c in zip(self.stats, self.configs)}
         return timings
 
 
@@ -209,7 +205,6 @@ def analyze(
     tie_band: float = 0.02,
     overlap_cap: float = 0.03,
     errors: Sequence[str | None] | None = None,
-    configs: Sequence[Mapping[str, Any]] = (),
 ) -> TuneResult:
     """Decide among candidates from their samples. Pure: same inputs, same result.
 
@@ -245,9 +240,7 @@ def analyze(
                 f"{len(tied)} candidates tied within {tie_band:.1%} of the best median "
                 "(or overlapping spreads); kept the cheapest by static cost"
             )
-    return TuneResult(
-        stats, tied[0], fastest, tied, reason, tie_band, overlap_cap, tuple(dict(c) for c in configs)
-    )
+    return TuneResult(stats, tied[0], fastest, tied, reason, tie_band, overlap_cap)
 
 
 def analyze_configs(
@@ -278,33 +271,4 @@ def analyze_configs(
         tie_band=settings.tie_band,
         overlap_cap=settings.effective_overlap_cap,
         errors=errors,
-        configs=datas,
-    )
-
-
-def pool(timings: Sequence[Mapping[str, Any]], settings: TuneSettings | None = None) -> TuneResult:
-    """Re-decide from several runs' ``to_timings()`` dicts (e.g. every rank of a tuning job).
-
-    Samples of the same signature are concatenated, so ranks that tuned the same (kernel, key)
-    separately collapse into one answer that does not depend on which rank finished first.
-    """
-    if not timings:
-        raise ValueError("pool needs at least one timings dict")
-    samples: dict[str, list[float]] = {}
-    datas: dict[str, dict[str, Any]] = {}
-    errors: dict[str, str] = {}
-    for t in timings:
-        if t.get("format") != TIMINGS_FORMAT or "configs" not in t:
-            raise ValueError(f"cannot pool timings of format {t.get('format')!r}; expected {TIMINGS_FORMAT}")
-        for sig, data in t["configs"].items():
-            datas.setdefault(sig, dict(data))
-            samples.setdefault(sig, []).extend(float(s) for s in t["samples"].get(sig, ()))
-        errors.update({sig: msg for sig, msg in t.get("errors", {}).items() if msg})
-    if settings is None:
-        first = timings[0]
-        settings = TuneSettings(tie_band=float(first["tie_band"]), overlap_cap=float(first["overlap_cap"]))
-    sigs = sorted(datas)
-    ordered_errors = [errors.get(s) if not any(math.isfinite(x) for x in samples[s]) else None for s in sigs]
-    return analyze_configs(
-        [datas[s] for s in sigs], [samples[s] for s in sigs], settings=settings, errors=ordered_errors
     )

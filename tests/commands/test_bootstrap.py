@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from pytest import CaptureFixture, MonkeyPatch
 
-from megatron_tuning import cli
+from megatron_tuning import commands as cli
 from megatron_tuning.commands import bootstrap
 
 REPO = Path(__file__).resolve().parents[2]

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from pytest import CaptureFixture, MonkeyPatch
 
-from megatron_tuning import cli
-from megatron_tuning.commands import enable
+from megatron_tuning import commands as cli
+from megatron_tuning.commands import launch as enable
 from megatron_tuning.commands.bootstrap import PTH_MARKER, PTH_NAME
 
 from .test_run import EVAL

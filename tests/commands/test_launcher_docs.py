@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_tuning import cli
+from megatron_tuning import commands as cli
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "launcher.md"
 

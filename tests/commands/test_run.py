@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_tuning import cli
+from megatron_tuning import commands as cli
 from megatron_tuning.core.identity import config_data
 from megatron_tuning.tables.entry import Entry
 from megatron_tuning.tables.table import Table, save_table

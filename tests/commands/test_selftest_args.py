@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_tuning import cli
+from megatron_tuning import commands as cli
 from megatron_tuning.commands import selftest
 
 
@@ -36,6 +36,6 @@ def test_good_values_are_accepted() -> None:
     import argparse
 
     parser = argparse.ArgumentParser()
-    selftest.add_arguments(parser)
+    selftest.add_selftest(parser)
     args = parser.parse_args(["--timeout", "2.5", "--nproc", "3"])
     assert (args.timeout, args.nproc) == (2.5, 3)

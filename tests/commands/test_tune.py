@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -14,13 +13,13 @@ from typing import Any
 import pytest
 from pytest import CaptureFixture, MonkeyPatch
 
-from megatron_tuning.commands.report import add_arguments as add_report_arguments
-from megatron_tuning.commands.report import run as run_report
-from megatron_tuning.commands.tune import add_arguments, run
+from megatron_tuning.commands.tune import add_report as add_report_arguments
+from megatron_tuning.commands.tune import add_tune as add_arguments
+from megatron_tuning.commands.tune import run_report
+from megatron_tuning.commands.tune import run_tune as run
 from megatron_tuning.core.decisions import Decision
 from megatron_tuning.core.identity import config_data, config_signature
-from megatron_tuning.tables.decision_files import write_decisions
-from megatron_tuning.tuning.results import pool_decisions, read_results
+from megatron_tuning.tables.merge import merge_tables, read_decisions, recording_table, write_decisions
 from megatron_tuning.tuning.stats import TuneSettings, analyze_configs
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -29,7 +28,7 @@ JOB = textwrap.dedent("""
     import sys
     import torch
     import triton
-    from megatron_tuning.kernels import tiny
+    from megatron_tuning import kernels as tiny
 
     x = torch.arange(100, dtype=torch.float32)
     torch.testing.assert_close(tiny.add_one(x), x + 1)   # tuned at this first launch
@@ -52,14 +51,17 @@ def _parse(argv: list[str], report: bool = False) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _tiny_records(signatures_fast: int = 0, n: int = 100) -> list[Decision]:
+def _tiny_records(signatures_fast: int = 0, n: int = 100, tie_band: float = 0.02) -> list[Decision]:
     import triton
 
     configs = [triton.Config({"BLOCK": b}, num_warps=w) for b, w in ((64, 1), (128, 2), (256, 4))]
     decisions = []
     for rank, fast in enumerate((0, 1)):  # two ranks, near-tied fastest candidates
         samples = [[1.0 + (0.0 if i == fast else 0.005 * (i + 1))] * 3 for i in range(3)]
-        result = analyze_configs(configs, samples)
+        settings = TuneSettings(
+            tie_band=tie_band, overlap_cap=max(tie_band, 1.5 * tie_band) if tie_band else 0.0
+        )
+        result = analyze_configs(configs, samples, settings=settings)
         decisions.append(
             Decision(
                 kernel="pkg.mod:k",
@@ -91,13 +93,12 @@ def test_tune_runs_the_job_and_writes_table_results_and_plots(tmp_path: Path) ->
     from megatron_tuning.tables.table import load_table
 
     (entry,) = load_table(out).entries()
-    assert entry.kernel == "megatron_tuning.kernels.tiny:add_one_kernel"
+    assert entry.kernel == "megatron_tuning.kernels:add_one_kernel"
     assert entry.how == "tuned" and entry.timing is not None and entry.timing.candidates == 5
     assert entry.votes == (1, 1)
-    results = json.loads((tmp_path / "tuned.tuning.json").read_text())
-    (record,) = results["results"]
-    assert record["winner"] == config_signature(entry.config)
-    assert all(len(s) == 2 for s in record["timings"]["samples"].values())
+    (decision,) = read_decisions(tmp_path / "tuned.tuning.json")  # every process's tuned decisions
+    assert decision.source == "tuned" and decision.signature == config_signature(entry.config)
+    assert all(len(s) == 2 for s in decision.timings["samples"].values())
     if plot:
         (png,) = (tmp_path / "plots").iterdir()
         assert png.read_bytes()[:8] == PNG_MAGIC and png.stat().st_size > 5000
@@ -125,21 +126,16 @@ def test_tune_reports_a_job_that_tuned_nothing(tmp_path: Path, capsys: pytest.Ca
     assert "recorded no tuned" in capsys.readouterr().err
 
 
-def test_pooling_ranks_gives_one_answer_whatever_the_rank_order() -> None:
-    decisions = _tiny_records()
-    forward = pool_decisions(decisions)
-    backward = pool_decisions(decisions[::-1])
-    assert forward == backward
-    (record,) = forward
-    assert record["votes"][1] == 2
-    assert len(record["timings"]["samples"][record["winner"]]) == 6
-
-
-def test_pooling_uses_the_given_tie_band() -> None:
-    wide = pool_decisions(_tiny_records(), TuneSettings(tie_band=0.05))
-    strict = pool_decisions(_tiny_records(), TuneSettings(tie_band=0.0, overlap_cap=0.0))
-    assert len(wide[0]["timings"]["tied"]) == 3
-    assert len(strict[0]["timings"]["tied"]) == 1
+def test_ranks_pool_through_the_vote_merge_uses_whatever_the_order() -> None:
+    # Two ranks tuned one key and picked different winners (near-tied): one entry, two votes, the
+    # same bytes in either order; equal medians, so the tie goes to the lower static cost.
+    decisions = _tiny_records(tie_band=0.0)
+    assert decisions[0].signature != decisions[1].signature
+    tables = [(f"rank{d.rank}", recording_table([d])) for d in decisions]
+    forward, backward = merge_tables(tables), merge_tables(tables[::-1])
+    assert forward.table.to_bytes() == backward.table.to_bytes()
+    (entry,) = forward.table.entries()
+    assert entry.votes == (1, 2) and forward.disagreements[0].rule == "tie: lowest static cost"
 
 
 def test_report_reads_decision_logs_and_draws_plots(tmp_path: Path, capsys: CaptureFixture[str]) -> None:
@@ -161,13 +157,12 @@ def test_report_reads_decision_logs_and_draws_plots(tmp_path: Path, capsys: Capt
         },
     )
     write_decisions(log, _tiny_records() + [recorded])
-    assert len(read_results(log)) == 2
     plots = tmp_path / "plots"
     assert run_report(_parse([str(log), "--plot", str(plots)], report=True)) == 0
     printed = capsys.readouterr().out
     assert "k2" in printed and "median ms" in printed
     pngs = sorted(plots.iterdir())
-    assert len(pngs) == 2
+    assert len(pngs) == 3  # one per decision: the key tuned on rank 0 and rank 1, and the recorded one
     for png in pngs:
         assert png.read_bytes()[:8] == PNG_MAGIC and png.stat().st_size > 5000
 
@@ -180,14 +175,11 @@ def test_report_on_an_unreadable_input_fails_cleanly(tmp_path: Path, capsys: Cap
 
 
 def test_plotting_without_matplotlib_says_how_to_install(monkeypatch: MonkeyPatch, tmp_path: Path) -> None:
-    from megatron_tuning.tuning import plotting
+    from megatron_tuning.commands import tune
 
-    monkeypatch.setitem(sys.modules, "matplotlib", None)
-    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
-    monkeypatch.setitem(sys.modules, "matplotlib.backends.backend_agg", None)
-    record = pool_decisions(_tiny_records())[0]
+    _no_matplotlib(monkeypatch)
     with pytest.raises(ImportError, match="pip install matplotlib"):
-        plotting.plot_record(record, tmp_path / "x.png")
+        tune.plot_decision(_tiny_records()[0], tmp_path / "x.png")
 
 
 def _no_matplotlib(monkeypatch: MonkeyPatch) -> None:
@@ -246,7 +238,7 @@ def test_tune_keeps_the_measurements_when_the_table_cannot_be_written(
     def disk_full(out: Any, records: Any) -> int:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(tune_command, "merge_into_table", disk_full)
+    monkeypatch.setattr(tune_command, "merge_entries", disk_full)
     args = _parse(
         ["--out", str(tmp_path / "t.msgpack"), "--results", str(tmp_path / "r.json"), "--", "job.py"]
     )
@@ -364,3 +356,88 @@ def test_a_job_killed_by_sigkill_exits_137_and_says_so(tmp_path: Path, capsys: C
     script.write_text("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n")
     assert run(_parse(["--out", str(tmp_path / "t.msgpack"), "--", str(script)])) == 137
     assert "the job was killed by SIGKILL (exit status 137)" in capsys.readouterr().err
+
+
+# -- report on hostile or malformed input: exit 2 with one line naming the file, never a traceback;
+# plots stay inside --plot DIR whatever the kernel ids say.
+SIG = "BLOCK=64, num_warps=1, num_stages=3"
+
+
+def _tuned(**changes: Any) -> Decision:
+    fields: dict[str, Any] = {
+        "kernel": "pkg.mod:k",
+        "key": "n=8",
+        "signature": SIG,
+        "source": "tuned",
+        "timings": {"candidates": {SIG: [1.0, 0.9, 1.1]}, "tied": [SIG], "tie_band": 0.02, "unit": "ms"},
+    }
+    fields.update(changes)
+    return Decision(**fields)
+
+
+def _report(capsys: CaptureFixture[str], *argv: Any) -> tuple[int, str, str]:
+    from megatron_tuning.commands import main
+
+    code = main(["report", *map(str, argv)])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize(
+    ("timings", "problem"),
+    [
+        ([], "timings must be an object"),
+        ({"candidates": []}, "timings.candidates must be an object"),
+        ({"candidates": {SIG: "fast"}}, "must be a number"),
+        ({"candidates": {SIG: [1.0]}, "tie_band": "wide"}, "tie_band"),
+        ({"candidates": {SIG: [float("nan")]}}, "must be a number"),
+        ({"candidates": {SIG: [1.0]}, "tied": "all"}, "timings.tied"),
+    ],
+)
+def test_malformed_timings_exit_2_naming_the_file(capsys, tmp_path, timings, problem):
+    path = tmp_path / "r.tuning.json"
+    write_decisions(path, [_tuned(timings=timings)])
+    code, _, err = _report(capsys, path, "--plot", tmp_path / "plots")
+    assert code == 2 and problem in err and str(path) in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("text", "problem"),
+    [("[" * 100_000, "RecursionError"), ('{"format": "something"}', "not a megatron_tuning decision log")],
+)
+def test_a_file_that_is_not_a_decision_log_exits_2(capsys, tmp_path, text, problem):
+    path = tmp_path / "x.json"
+    path.write_text(text)
+    code, _, err = _report(capsys, path)
+    assert code == 2 and problem in err and str(path) in err
+
+
+def test_plots_stay_inside_their_folder(capsys, tmp_path):
+    pytest.importorskip("matplotlib")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    decisions = [
+        _tuned(kernel="m:../../x", key="../../y"),
+        _tuned(kernel=f"m:{outside}/abs", key=f"{outside}/k"),
+        _tuned(kernel="m:\x1b[2Kevil\r", key="..\\..\\z"),
+    ]
+    path = tmp_path / "r.tuning.json"
+    write_decisions(path, decisions)
+    plots = tmp_path / "deep" / "plots"
+    code, out, err = _report(capsys, path, "--plot", plots)
+    assert code == 0, err
+    written = sorted(p.name for p in plots.iterdir())
+    assert len(written) == 3 and all(name.endswith(".png") and "/" not in name for name in written)
+    everything = {p for p in tmp_path.rglob("*") if p.is_file()}
+    assert everything == {path} | {plots / name for name in written}
+    assert "\x1b" not in out
+
+
+def test_the_results_writer_refuses_a_fifo(tmp_path):
+    from megatron_tuning.core.errors import TableError
+
+    fifo = tmp_path / "r.tuning.json"
+    os.mkfifo(fifo)
+    with pytest.raises(TableError, match="Decision log .*FIFO"):
+        write_decisions(fifo, [_tuned()])
+    assert fifo.is_fifo()

@@ -14,6 +14,7 @@ import pytest
 import torch
 import triton
 
+from megatron_tuning.commands.tables import coverage_of
 from megatron_tuning.core.chaos import ChaosClaim
 from megatron_tuning.core.decisions import decision_log, get_decisions
 from megatron_tuning.core.identity import (
@@ -28,9 +29,8 @@ from megatron_tuning.core.policy import TuningPolicy
 from megatron_tuning.core.warn import reset_warnings
 from megatron_tuning.runtime import interception
 from megatron_tuning.runtime.triton_compat import lazy_benchmarker
-from megatron_tuning.tables.coverage import coverage_of
 from megatron_tuning.tables.entry import Entry
-from megatron_tuning.tables.recording import recording_table
+from megatron_tuning.tables.merge import recording_table
 from megatron_tuning.tables.search import TableSet
 from megatron_tuning.tables.table import Table, load_table, save_table
 
@@ -184,13 +184,10 @@ def test_the_same_file_under_another_module_name_hits_by_content_and_says_so(tun
     assert (decision.matched_by, decision.entry_kernel) == ("content", "mykernels:add_two")
     assert decision.origin == str(table)
     assert "matched by content: tuned as mykernels:add_two" in caplog.text
-    report = coverage_of([("rank0.json", get_decisions())])
-    assert (
-        "hit: all ranks" in report.report()
-        and "matched by content: tuned as mykernels:add_two" in report.report()
-    )
-    cell = report.to_json()["entries"][0]["ranks"]["0"]
-    assert (cell["matched_by"], cell["entry_kernel"]) == ("content", "mykernels:add_two")
+    labels, rows = coverage_of([("rank0.json", get_decisions())])
+    cell = rows[0].cells["0"]
+    assert (labels, cell.status, cell.entry_kernel) == (["0"], "hit", "mykernels:add_two")
+    assert cell.to_json()["matched_by"] == "content"
     assert load_table(table).entries()[0].kernel == "mykernels:add_two"  # nothing written back
 
 

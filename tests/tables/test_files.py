@@ -21,8 +21,7 @@ import pytest
 from megatron_tuning.core.decisions import Decision
 from megatron_tuning.core.errors import TableError
 from megatron_tuning.tables import files
-from megatron_tuning.tables.decision_files import read_decisions, write_decisions
-from megatron_tuning.tables.merge import merge_files
+from megatron_tuning.tables.merge import merge_files, read_decisions, write_decisions
 from megatron_tuning.tables.search import expand_table_paths
 from megatron_tuning.tables.table import Entry, Table, load_table, merge_entries, save_table, update_table
 
@@ -113,7 +112,9 @@ def test_cli_commands_refuse_a_fifo_with_exit_2(tmp_path, command):
         str(tmp_path / "out.msgpack") if a == "-" and command[0] == "import" else str(other)
         for a in command[1:]
     ]
-    done = _child("import sys; from megatron_tuning.cli import main; sys.exit(main(sys.argv[1:]))", *argv)
+    done = _child(
+        "import sys; from megatron_tuning.commands import main; sys.exit(main(sys.argv[1:]))", *argv
+    )
     assert done.returncode == 2 and "not a regular file" in done.stderr, done.stderr[-2000:]
 
 
@@ -143,7 +144,7 @@ def test_symlink_loops_and_broken_links_are_named(tmp_path):
 
 # -- outputs must be regular files or new paths ------------------------------------
 def test_outputs_refuse_to_replace_a_fifo(tmp_path, capsys):
-    from megatron_tuning.cli import main
+    from megatron_tuning.commands import main
 
     table = tmp_path / "t.msgpack"
     save_table(Table([_entry(1)]), table)
@@ -160,7 +161,7 @@ def test_outputs_refuse_to_replace_a_fifo(tmp_path, capsys):
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="creating a device node needs root")
 def test_outputs_refuse_to_replace_a_device_node(tmp_path, capsys):
-    from megatron_tuning.cli import main
+    from megatron_tuning.commands import main
 
     table = tmp_path / "t.msgpack"
     save_table(Table([_entry(1)]), table)

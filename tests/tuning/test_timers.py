@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_tuning.tuning.timers import ClockTimer, CudaEventTimer
+from megatron_tuning.tuning.tuner import ClockTimer, CudaEventTimer
 
 
 class _FakeCuda:
