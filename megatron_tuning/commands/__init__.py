@@ -31,7 +31,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "diff": ("tables", "added, removed and changed entries between two tables"),
     "merge": ("tables", "majority-vote recordings/tables into one table"),
     "cache": ("tables", "where auto mode's cache table is, and how many entries it holds"),
-    "coverage": ("tables", "per kernel and key: table hit / fallback / out of scope, per rank"),
+    "coverage": ("validate", "per kernel and key: table hit / fallback / out of scope, per rank"),
     "validate": ("validate", "check tables against this machine, Triton and kernel sources"),
     "tune": ("tune", "noise-aware tuning of a job's kernels on a GPU, writing a table"),
     "report": ("tune", "report on a tuning run (timings, noise, plots)"),

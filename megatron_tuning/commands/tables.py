@@ -1,4 +1,4 @@
-"""The table commands: ``show``, ``export``, ``import``, ``diff``, ``merge``, ``cache``, ``coverage``.
+"""The table commands: ``show``, ``export``, ``import``, ``diff``, ``merge``, ``cache``.
 
 They need msgpack only (never torch). Human output escapes every field read from a file
 (``core.warn.printable``); ``--json`` output is exact.
@@ -12,12 +12,9 @@ import json
 import os
 import re
 import sys
-from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
-from ..core.decisions import Decision
 from ..core.identity import config_signature
 from ..core.policy import parse_int
 from ..core.warn import printable
@@ -310,162 +307,3 @@ def run_cache(args: argparse.Namespace) -> int:
     else:
         print(f"{path}\t(not written yet)")
     return EXIT_OK
-
-
-# --------------------------------------------------------------------------- coverage
-
-STATUS = {"table": "hit", "cheapest": "fallback"}  # other sources keep their own name
-STATUS_ORDER = (
-    "hit",
-    "override",
-    "single",
-    "tuned",
-    "adopted",
-    "recorded",
-    "nearest",
-    "fallback",
-    "chaos",
-    "out_of_scope",
-    "other",
-)
-PINNED_WITHOUT_TABLE = ("override", "single")
-"""What ``--require-table`` accepts besides a hit: an explicit override, or a single live config."""
-
-
-@dataclass(frozen=True, slots=True)
-class Cell:
-    """What one rank did for one (kernel, key)."""
-
-    status: str
-    signature: str
-    origin: str | None
-    entry_kernel: str | None = None
-    """Set when the table entry was matched by content: the kernel id it was tuned under."""
-    nearest_key: str | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        data: dict[str, Any] = {"status": self.status, "signature": self.signature, "origin": self.origin}
-        if self.entry_kernel is not None:
-            data.update(matched_by="content", entry_kernel=self.entry_kernel)
-        if self.nearest_key is not None:
-            data["nearest_key"] = self.nearest_key
-        return data
-
-
-@dataclass(slots=True)
-class Row:
-    kernel: str
-    key: str
-    cells: dict[str, Cell] = field(default_factory=dict)
-
-    @property
-    def diverged(self) -> bool:
-        return len({c.signature for c in self.cells.values() if c.status != "out_of_scope"}) > 1
-
-
-def coverage_of(logs: list[tuple[str, list[Decision]]]) -> tuple[list[str], list[Row]]:
-    """Rank labels and one row per (kernel, key). A rank claimed by two files (separate
-    single-process runs, all rank 0) is labelled with the file name too."""
-    per_file_ranks = Counter(r for _, ds in logs for r in {d.rank for d in ds})
-    rows: dict[tuple[str, str], Row] = {}
-    labels: list[str] = []
-    for path, decisions in logs:
-        for d in decisions:
-            label = str(d.rank) + (f"@{os.path.basename(path)}" if per_file_ranks[d.rank] > 1 else "")
-            if label not in labels:
-                labels.append(label)
-            row = rows.setdefault((d.kernel, d.key), Row(d.kernel, d.key))
-            status = STATUS.get(d.source, d.source if d.source in STATUS_ORDER else "other")
-            twin = d.entry_kernel if d.matched_by == "content" else None
-            # The first decision per (kernel, key) in a process is the one that launched.
-            row.cells.setdefault(label, Cell(status, d.signature, d.origin, twin, d.nearest_key))
-    labels.sort(key=lambda label: (parse_int(label.split("@", 1)[0]) or 0, label))
-    for row in rows.values():
-        row.cells = {label: row.cells[label] for label in labels if label in row.cells}
-    return labels, [rows[k] for k in sorted(rows)]
-
-
-def add_coverage(p: argparse.ArgumentParser) -> None:
-    p.description = (
-        "Summarise decision logs (one per rank). Exit 1 when ranks launched different configs for "
-        "the same kernel and key."
-    )
-    p.add_argument("logs", nargs="+", metavar="DECISION_FILE")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument(
-        "--fail-on-fallback",
-        action="store_true",
-        help="also exit 1 when any launch fell back to the cheapest config",
-    )
-    p.add_argument(
-        "--require-table",
-        action="store_true",
-        help="also exit 1 unless every in-scope launch was its own table entry (a nearest-shape entry, the "
-        "cheapest fallback or an auto-tuned config fails; an override or a single-config kernel passes), "
-        "listing the keys that are missing from the table",
-    )
-
-
-def run_coverage(args: argparse.Namespace) -> int:
-    from ..tables.merge import read_decisions
-
-    labels, rows = coverage_of([(os.fspath(p), read_decisions(p)) for p in args.logs])
-    counts = Counter(cell.status for row in rows for cell in row.cells.values())
-    diverged = [row for row in rows if row.diverged]
-    if args.json:
-        entries = [
-            {
-                "kernel": r.kernel,
-                "key": r.key,
-                "diverged": r.diverged,
-                "ranks": {k: c.to_json() for k, c in r.cells.items()},
-            }
-            for r in rows
-        ]
-        doc = {
-            "files": list(args.logs),
-            "ranks": labels,
-            "counts": dict(sorted(counts.items())),
-            "entries": entries,
-        }
-        print(json.dumps(doc, indent=1, sort_keys=True))
-    else:
-        lines = [f"Coverage of {len(args.logs)} decision log(s), ranks: {', '.join(labels) or '-'}"]
-        lines += [f"{row.kernel}  [{row.key}]  {_describe(row, labels)}" for row in rows]
-        summary = ", ".join(f"{s} {counts[s]}" for s in STATUS_ORDER if counts.get(s))
-        lines.append(f"Summary (kernel/key x rank): {summary or 'no decisions'}")
-        for row in diverged:
-            lines.append(f"DIVERGED: {row.kernel} [{row.key}]")
-            lines += [
-                f"  rank {label}: {cell.signature or '-'} ({cell.status})"
-                for label, cell in row.cells.items()
-            ]
-        print("\n".join(map(printable, lines)))
-    found = bool(diverged) or (args.fail_on_fallback and counts.get("fallback", 0) > 0)
-    if args.require_table:
-        allowed = ("hit", "out_of_scope", *PINNED_WITHOUT_TABLE)
-        for row in [r for r in rows if any(c.status not in allowed for c in r.cells.values())]:
-            statuses = ", ".join(sorted({c.status for c in row.cells.values()}))
-            print(printable(f"not in the table: {row.kernel}  [{row.key}]  ({statuses})"), file=sys.stderr)
-            found = True
-    return EXIT_FOUND if found else EXIT_OK
-
-
-def _describe(row: Row, labels: list[str]) -> str:
-    by_status: dict[str, list[str]] = {}
-    for label in labels:
-        cell = row.cells.get(label)
-        by_status.setdefault(cell.status if cell else "absent", []).append(label)
-    parts = [
-        f"{s}: {'all ranks' if len(ls) == len(labels) else 'rank(s) ' + ','.join(ls)}"
-        for s, ls in by_status.items()
-    ]
-    origins = sorted({c.origin for c in row.cells.values() if c.origin})
-    twins = sorted({c.entry_kernel for c in row.cells.values() if c.entry_kernel})
-    neighbours = sorted({c.nearest_key for c in row.cells.values() if c.nearest_key})
-    suffix = f"  from {', '.join(origins)}" if origins else ""
-    if twins:
-        suffix += f"  (matched by content: tuned as {', '.join(twins)})"
-    if neighbours:  # which neighbour's config ran: what a reviewer checks before trusting it
-        suffix += "  using the entry for " + "; ".join(f"[{k}]" for k in neighbours)
-    return "; ".join(parts) + suffix

@@ -1,15 +1,13 @@
-"""Choosing a config without measuring: table entry, override, then a static rule.
+"""Choosing a config without measuring: table entry, then block-size override, then the miss rule.
 
-Every rule is a pure function of the candidate list and the call signature, so each rank
-computes the same answer. ``deterministic_choice`` is the seed API (``chaos_choice`` lives in
-``core.chaos``); ``choose_deterministically`` is the same rule with a precomputed key, returning
-the source.
+Every rule is a pure function of the candidate list and the call signature, so each rank computes
+the same answer. ``deterministic_choice`` is the seed API; ``choose_deterministically`` is the same
+rule with a precomputed key, returning where the choice came from.
 """
 
 from __future__ import annotations
 
 import difflib
-import logging
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -27,22 +25,15 @@ from .identity import (
     tuning_key,
 )
 from .nearest import nearest_keys, pick_neighbour
-from .policy import TuningPolicy
+from .policy import ON_MISS, TuningPolicy
 from .warn import tallies, tally, warn_once
 
-logger = logging.getLogger(__name__)
-
-ON_MISS_CHOICES = ("nearest", "min_cost", "error")
-
-# What the cheapest-config rule costs, measured (benchmarks/RESULTS.md, docs/results.md): quoted in
-# the fallback notice so a user can weigh it against tuning.
+# What the cheapest-config rule costs, measured (benchmarks/RESULTS.md): quoted where it is used.
 CHEAPEST_COST = "on an H200 the cheapest-config rule ran large GEMMs at 12-14% of the best config's speed"
 FIX_A_MISS = (
     "use MEGATRON_TUNING_MODE=auto (tunes each new key once per job and caches it), a tuning table "
     "(MEGATRON_TUNING_TABLE=...), or build one with `python -m megatron_tuning tune -- <your command>`"
 )
-
-# --------------------------------------------------------------------------- tables
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,19 +45,15 @@ class TableHit:
     key: str | None = None
     """The entry's own key, when it was found for another key (a nearest-shape neighbour)."""
     kernel: str | None = None
-    """The entry's own kernel id, when it was found by content: same qualname (and config-list
-    digest) and the same source hash, under another module name. ``None``: found by kernel id."""
+    """The entry's own kernel id when it was found by content (same qualname and source hash
+    under another module name); ``None``: found by kernel id."""
 
 
 @runtime_checkable
 class ConfigTable(Protocol):
-    """What ``deterministic_choice`` needs from a table; ``tables.search.TableSet`` implements it.
-
-    A table may also offer ``neighbours(kernel, key, *, arch, source_hash)``: the usable entries
-    of the same kernel and arch for comparable keys, nearest first (``core.nearest``). Without
-    it, ``on_miss='nearest'`` finds no neighbour and falls back to the cheapest config. A table
-    may answer for another kernel id by content (``TableHit.kernel``), never by qualname alone.
-    """
+    """What choosing needs from a table (``tables.search.TableSet``). A table may also offer
+    ``neighbours(kernel, key, *, arch, source_hash)``, the usable entries for comparable keys,
+    nearest first; without it ``on_miss='nearest'`` falls back to the cheapest config."""
 
     def lookup(
         self, kernel: str, key: str, *, arch: str, source_hash: str | None = None
@@ -101,9 +88,6 @@ def as_config_table(table: ConfigTable | Mapping[tuple[str, str], Any] | None) -
     )
 
 
-# --------------------------------------------------------------------------- choices
-
-
 @dataclass(frozen=True, slots=True)
 class Choice:
     """A chosen live config and why: ``source`` is a ``core.decisions.SOURCES`` value."""
@@ -121,14 +105,9 @@ class Choice:
 
 
 def _from_hit(config: Any, source: str, hit: TableHit, nearest_key: str | None = None) -> Choice:
-    by_content = hit.kernel is not None
+    content = "content" if hit.kernel is not None else None
     return Choice(
-        config,
-        source,
-        hit.origin,
-        nearest_key=nearest_key,
-        matched_by="content" if by_content else None,
-        entry_kernel=hit.kernel,
+        config, source, hit.origin, nearest_key=nearest_key, matched_by=content, entry_kernel=hit.kernel
     )
 
 
@@ -140,12 +119,9 @@ class Miss:
 
 
 def match_live(config: Mapping[str, Any], candidates: Sequence[Any]) -> Any | None:
-    """The live candidate whose signature equals ``config``'s (first in list order), or ``None``."""
+    """The live candidate whose signature equals ``config``'s (the first in list order), or ``None``."""
     wanted = config_signature(config)
-    for candidate in candidates:  # position order: the first live duplicate wins
-        if config_signature(candidate) == wanted:
-            return candidate
-    return None
+    return next((c for c in candidates if config_signature(c) == wanted), None)
 
 
 def pin_without_fallback(
@@ -156,74 +132,74 @@ def pin_without_fallback(
     table: ConfigTable | Mapping[tuple[str, str], Any] | None = None,
     block_sizes: Mapping[str, int] | Iterable[tuple[str, int]] = (),
 ) -> Choice | Miss:
-    """The pin that needs no miss rule: table entry, then block-size override, then a single config."""
+    """The pin that needs no miss rule: the table entry, then a block-size override, then a single config."""
     if not candidates:
         raise ValueError(f"no live configs for kernel {kernel_id(autotuner)}")
-    kernel = kernel_id(autotuner)
-    lookup = as_config_table(table)
+    kernel, lookup = kernel_id(autotuner), as_config_table(table)
     reason = "no table configured" if lookup is None else "no table entry"
     if lookup is not None:
-        arch = arch_tag()
-        hit = lookup.lookup(kernel, key, arch=arch, source_hash=kernel_source_hash(autotuner))
+        hit = lookup.lookup(kernel, key, arch=arch_tag(), source_hash=kernel_source_hash(autotuner))
         if hit is None:
-            _warn_if_ambiguous_entry(lookup, autotuner, kernel, key, arch)
-        if hit is not None:
+            _warn_if_ambiguous_entry(lookup, autotuner, kernel, key)
+        else:
             live = match_live(hit.config, candidates)
             if live is not None:
                 return _from_hit(live, "table", hit)
             reason = "the table entry matches no live config"
-            wanted = config_signature(hit.config)
+            offered = "; ".join(config_signature(c) for c in candidates[:8]) + (
+                "; ..." if len(candidates) > 8 else ""
+            )
             warn_once(
                 ("entry-no-match", kernel, key, hit.origin),
-                "table entry for kernel %s key %s in %s (%s) matches none of the %d live configs "
-                "after pruning, so it is a miss (the miss rule applies). Re-tune the kernel, or fix "
-                "the entry's config to one the kernel offers: %s",
+                "table entry for kernel %s key %s in %s (%s) matches none of the %d live configs after "
+                "pruning, so it is a miss (the miss rule applies). Re-tune the kernel, or fix the entry's "
+                "config to one the kernel offers: %s",
                 hit.kernel or kernel,
                 key,
                 hit.origin,
-                wanted,
+                config_signature(hit.config),
                 len(candidates),
-                "; ".join(config_signature(c) for c in candidates[:8])
-                + ("; ..." if len(candidates) > 8 else ""),
+                offered,
             )
     override = as_block_sizes(block_sizes)
     if override:
-        _tally_override_names(kernel, override, candidates)
+        names = {name for c in candidates for name in getattr(c, "kwargs", {})}
+        for name in override.keys() & names:
+            tally(("override-name-used", name), kernel)
+        for name in names:
+            tally(("kernel-config-names", kernel), name)
         matching = filter_configs_by_block_sizes(candidates, override)
         if not matching:
             raise BlockSizeOverrideError(kernel, override, [config_signature(c) for c in candidates])
         if len(matching) < len(candidates):
             return Choice(cheapest(matching), "override")
-    if len(candidates) == 1:
-        return Choice(candidates[0], "single")
-    return Miss(reason)
+    return Choice(candidates[0], "single") if len(candidates) == 1 else Miss(reason)
 
 
-def _warn_if_ambiguous_entry(lookup: ConfigTable, autotuner: Any, kernel: str, key: str, arch: str) -> None:
-    """A miss for ``module:qualname@digest`` while the table holds a plain ``module:qualname`` entry.
-
-    Such an entry was tuned before the autotuners over this function were told apart; it cannot
-    say which of them it was tuned for, so it is not used. Say so once, with the fix.
-    """
+def _warn_if_ambiguous_entry(lookup: ConfigTable, autotuner: Any, kernel: str, key: str) -> None:
+    """A miss for ``module:qualname@digest`` while the table holds the plain ``module:qualname``: an
+    entry tuned before the autotuners over this function were told apart cannot say which it was
+    tuned for, so it is not used. Say so once, with the fix."""
     base = base_kernel_id(autotuner)
     if base == kernel:
         return
     find = getattr(lookup, "find", None)  # TableSet: no validators, no stale warnings
-    found = find(base, key, arch=arch) if find is not None else lookup.lookup(base, key, arch=arch)
-    if found is None:
-        return
-    origin = found[1] if isinstance(found, tuple) else found.origin
-    warn_once(
-        ("ambiguous-entry", base, origin),
-        "Table %s has an entry for kernel %s (key %s) but several autotuners with different config "
-        "lists wrap that function, so it is now told apart as %s and the others; the entry cannot "
-        "say which autotuner it was tuned for and is not used. Re-tune (tune or auto mode) to get "
-        "entries under the new ids. Other keys of this kernel are skipped without another warning.",
-        origin,
-        base,
-        key,
-        kernel,
+    found = (
+        find(base, key, arch=arch_tag()) if find is not None else lookup.lookup(base, key, arch=arch_tag())
     )
+    if found is not None:
+        origin = found[1] if isinstance(found, tuple) else found.origin
+        warn_once(
+            ("ambiguous-entry", base, origin),
+            "Table %s has an entry for kernel %s (key %s) but several autotuners with different config lists "
+            "wrap that function, so it is now told apart as %s and the others; the entry cannot say which "
+            "autotuner it was tuned for and is not used. Re-tune (tune or auto mode) to get entries under "
+            "the new ids. Other keys of this kernel are skipped without another warning.",
+            origin,
+            base,
+            key,
+            kernel,
+        )
 
 
 def choose_on_miss(
@@ -235,134 +211,92 @@ def choose_on_miss(
     table: ConfigTable | Mapping[tuple[str, str], Any] | None = None,
     on_miss: str = "nearest",
 ) -> Choice:
-    """What a miss launches, without measuring: the nearest shape's entry, the cheapest, or an error.
-
-    The nearest shape's entry is ``core.nearest.pick_neighbour``'s: the nearest usable entry, or
-    the lower of two bracketing entries that disagree; ``Choice.nearest_key`` names the one used.
-    """
-    if on_miss not in ON_MISS_CHOICES:
-        raise PolicyError("on_miss", on_miss, "one of " + "|".join(ON_MISS_CHOICES))
+    """What a miss launches, without measuring: the nearest shape's entry (``core.nearest``: the
+    nearest usable entry, or the lower of two bracketing ones that disagree), the cheapest, or an error."""
+    if on_miss not in ON_MISS:
+        raise PolicyError("on_miss", on_miss, "one of " + "|".join(ON_MISS))
     kernel = kernel_id(autotuner)
     if on_miss == "error":
         raise TableMissError(kernel, key, miss.reason)
-    lookup = as_config_table(table)
-    neighbours = getattr(lookup, "neighbours", None)
+    neighbours = getattr(as_config_table(table), "neighbours", None)
     if on_miss == "nearest" and neighbours is not None:
         hits = neighbours(kernel, key, arch=arch_tag(), source_hash=kernel_source_hash(autotuner))
         # A neighbour tuned with other live configs cannot be launched: only matched ones count.
-        usable = [(hit, live) for hit in hits if (live := match_live(hit.config, candidates)) is not None]
+        usable: dict[str, tuple[TableHit, Any]] = {}
+        for hit in hits:
+            live = match_live(hit.config, candidates)
+            if live is not None and hit.key is not None:
+                usable.setdefault(hit.key, (hit, live))
         if usable:
-            hit, live = usable[0]
-            if hit.key is not None:  # the nearest, or the lower of two bracketing entries
-                by_key: dict[str, tuple[TableHit, Any]] = {}
-                for other, other_live in usable:
-                    if other.key is not None:
-                        by_key.setdefault(other.key, (other, other_live))
-                signatures = {k: config_signature(c) for k, (_, c) in by_key.items()}
-                hit, live = by_key[pick_neighbour(key, signatures) or hit.key]
-            _notice_nearest(kernel, key, hit)
+            chosen = pick_neighbour(key, {k: config_signature(live) for k, (_, live) in usable.items()})
+            hit, live = usable[chosen or next(iter(usable))]
+            tally(("nearest", kernel), key)
+            warn_once(
+                ("nearest", kernel),
+                "kernel %s has no table entry for key %s; it launches the entry tuned for the nearest shape "
+                "[%s] from %s (on_miss='nearest'), and so will every other key of this kernel without an "
+                "entry (counted when the policy ends). To pin each shape's own best config, %s.",
+                kernel,
+                key,
+                hit.key,
+                hit.origin,
+                FIX_A_MISS,
+            )
             return _from_hit(live, "nearest", hit, nearest_key=hit.key)
-    choice = Choice(cheapest(candidates), "cheapest")
-    _notice_cheapest(kernel, key, miss, choice.config, len(candidates), on_miss)
-    return choice
-
-
-def _notice_cheapest(kernel: str, key: str, miss: Miss, config: Any, count: int, on_miss: str) -> None:
-    """Once per kernel and policy: a miss launched the cheapest config (``report_policy_end`` counts keys)."""
+    config = cheapest(candidates)
     tally(("cheapest", kernel), key)
-    rule = "on_miss='min_cost'" if on_miss == "min_cost" else "no nearest-shape entry either"
     warn_once(
         ("cheapest", kernel),
-        "kernel %s has no tuned config for key %s (%s; %s), so it launches the cheapest of its %d "
-        "configs by static cost (%s), and so will every other key of this kernel without an entry "
-        "(counted when the policy ends). That is pinned but can be slow: %s. To be pinned and fast, "
-        "%s.",
+        "kernel %s has no tuned config for key %s (%s; %s), so it launches the cheapest of its %d configs by "
+        "static cost (%s), and so will every other key of this kernel without an entry (counted when the "
+        "policy ends). That is pinned but can be slow: %s. To be pinned and fast, %s.",
         kernel,
         key,
         miss.reason,
-        rule,
-        count,
+        "on_miss='min_cost'" if on_miss == "min_cost" else "no nearest-shape entry either",
+        len(candidates),
         config_signature(config),
         CHEAPEST_COST,
         FIX_A_MISS,
     )
-
-
-def _notice_nearest(kernel: str, key: str, hit: TableHit) -> None:
-    """Once per kernel and policy: a miss launched the entry of a neighbouring shape."""
-    tally(("nearest", kernel), key)
-    warn_once(
-        ("nearest", kernel),
-        "kernel %s has no table entry for key %s; it launches the entry tuned for the nearest shape "
-        "[%s] from %s (on_miss='nearest'), and so will every other key of this kernel without an "
-        "entry (counted when the policy ends). To pin each shape's own best config, %s.",
-        kernel,
-        key,
-        hit.key,
-        hit.origin,
-        FIX_A_MISS,
-    )
-
-
-def _tally_override_names(kernel: str, override: Mapping[str, int], candidates: Sequence[Any]) -> None:
-    names = {name for c in candidates for name in getattr(c, "kwargs", {})}
-    for name in override:
-        if name in names:
-            tally(("override-name-used", name), kernel)
-    for name in names:
-        tally(("kernel-config-names", kernel), name)
+    return Choice(config, "cheapest")
 
 
 def report_policy_end(policy: TuningPolicy | None) -> None:
-    """What only the end of a policy can tell: how many keys fell back, and unmatched override names.
-
-    ``interception`` calls it when a policy is replaced or uninstalled (before ``reset_warnings``).
-    """
-    counts = {
-        kind: {group[1]: len(keys) for group, keys in tallies(kind).items()}
-        for kind in ("cheapest", "nearest")
-    }
+    """What only the end of a policy can tell (called when it is replaced or uninstalled): how many
+    keys fell back, and block-size override names that no launched kernel has (a typo)."""
     for kind, what in (("cheapest", "the cheapest config"), ("nearest", "a nearest-shape entry")):
-        by_kernel = counts[kind]
-        # One key per kernel was already said by the kernel's own notice; only more is news.
-        if sum(by_kernel.values()) > len(by_kernel):
-            listing = ", ".join(
-                f"{kernel} ({n} key{'s' * (n > 1)})" for kernel, n in sorted(by_kernel.items())
-            )
+        by_kernel = {group[1]: len(keys) for group, keys in tallies(kind).items()}
+        if sum(by_kernel.values()) > len(by_kernel):  # one key per kernel was said by its own notice
+            listing = ", ".join(f"{k} ({n} key{'s' * (n > 1)})" for k, n in sorted(by_kernel.items()))
             warn_once(
                 ("policy-end", kind),
-                "%d keys of %d kernel(s) launched %s for lack of a table entry under this policy: "
-                "%s. To pin them to their best configs, %s.",
+                "%d keys of %d kernel(s) launched %s for lack of a table entry under this policy: %s. To pin "
+                "them to their best configs, %s.",
                 sum(by_kernel.values()),
                 len(by_kernel),
                 what,
                 listing,
                 FIX_A_MISS,
             )
-    if policy is not None and policy.block_sizes:
-        used = {group[1] for group in tallies("override-name-used")}
-        kernels = {
-            group[1]: sorted(map(str, names)) for group, names in tallies("kernel-config-names").items()
-        }
-        if not kernels:
-            return  # no in-scope kernel launched with the override: nothing to compare it with
-        everything = sorted({name for names in kernels.values() for name in names})
-        for name, value in policy.block_sizes:
-            if name in used:
-                continue
+    kernels = {group[1]: sorted(map(str, names)) for group, names in tallies("kernel-config-names").items()}
+    if policy is None or not policy.block_sizes or not kernels:
+        return  # no in-scope kernel launched with the override: nothing to compare it with
+    used = {group[1] for group in tallies("override-name-used")}
+    everything = sorted({name for names in kernels.values() for name in names})
+    for name, value in policy.block_sizes:
+        if name not in used:
             close = difflib.get_close_matches(name, everything, n=1)
-            hint = f" Did you mean {close[0]}?" if close else ""
-            listing = "; ".join(f"{k}: {', '.join(v)}" for k, v in sorted(kernels.items()))
             warn_once(
                 ("override-name-unused", name),
-                "block-size override %s=%d (MEGATRON_TUNING_BLOCK_SIZES / block_sizes) names a "
-                "parameter that none of the %d kernel(s) launched under this policy has, so it "
-                "changed nothing.%s The kernels' config names: %s.",
+                "block-size override %s=%d (MEGATRON_TUNING_BLOCK_SIZES / block_sizes) names a parameter that "
+                "none of the %d kernel(s) launched under this policy has, so it changed nothing.%s The "
+                "kernels' config names: %s.",
                 name,
                 value,
                 len(kernels),
-                hint,
-                listing,
+                f" Did you mean {close[0]}?" if close else "",
+                "; ".join(f"{k}: {', '.join(v)}" for k, v in sorted(kernels.items())),
             )
 
 
@@ -376,8 +310,8 @@ def choose_deterministically(
     block_sizes: Mapping[str, int] | Iterable[tuple[str, int]] = (),
 ) -> Choice:
     """``deterministic_choice`` with a precomputed key, returning the source of the choice."""
-    if on_miss not in ON_MISS_CHOICES:
-        raise PolicyError("on_miss", on_miss, "one of " + "|".join(ON_MISS_CHOICES))
+    if on_miss not in ON_MISS:
+        raise PolicyError("on_miss", on_miss, "one of " + "|".join(ON_MISS))
     pinned = pin_without_fallback(autotuner, candidates, key, table=table, block_sizes=block_sizes)
     if isinstance(pinned, Choice):
         return pinned
@@ -403,9 +337,10 @@ def deterministic_choice(
     ``'error'`` raises ``TableMissError`` naming kernel and key.
     """
     key = tuning_key(autotuner, args, kwargs)
-    return choose_deterministically(
+    choice = choose_deterministically(
         autotuner, candidates, key, table=table, on_miss=on_miss, block_sizes=block_sizes
-    ).config
+    )
+    return choice.config
 
 
 def autotune_configs(configs: Sequence[Any], *, policy: TuningPolicy | None = None) -> list[Any]:
@@ -414,9 +349,9 @@ def autotune_configs(configs: Sequence[Any], *, policy: TuningPolicy | None = No
     Under deterministic mode (``TuningPolicy.from_env()``: ``MEGATRON_TUNING_MODE`` or torch's
     deterministic algorithms) the list shrinks to the one deterministic choice, honouring a
     block-size override, so neither Triton nor torch.compile's autotuner can benchmark or pick
-    differently. Otherwise the list is returned unchanged. Triton's ``TRITON_CACHE_AUTOTUNING``
-    is not enough: a cache miss still times the candidates, so the cached winner is whichever
-    process wrote last, and the cache is skipped for configs with a ``pre_hook``.
+    differently. Otherwise the list is returned unchanged. (Triton's ``TRITON_CACHE_AUTOTUNING`` is
+    not enough: a cache miss still times the candidates, so the cached winner is whichever process
+    wrote last, and the cache is skipped for configs with a ``pre_hook``.)
     """
     policy = policy if policy is not None else TuningPolicy.from_env()
     configs = list(configs)
@@ -431,10 +366,9 @@ def autotune_configs(configs: Sequence[Any], *, policy: TuningPolicy | None = No
     # Decoration has no kernel name: the notice names the configs and is issued at the caller's line.
     warn_once(
         ("autotune_configs", tuple(config_signature(c) for c in configs)),
-        "autotune_configs shrank %d configs to the cheapest by static cost (%s) under deterministic "
-        "mode (at decoration, where no table is read): every key of this kernel launches it. That "
-        "is pinned but can be slow: %s. To be pinned and fast, pass the whole list to "
-        "@triton.autotune and %s.",
+        "autotune_configs shrank %d configs to the cheapest by static cost (%s) under deterministic mode (at "
+        "decoration, where no table is read): every key of this kernel launches it. That is pinned but can be "
+        "slow: %s. To be pinned and fast, pass the whole list to @triton.autotune and %s.",
         len(configs),
         config_signature(chosen),
         CHEAPEST_COST,
@@ -442,10 +376,6 @@ def autotune_configs(configs: Sequence[Any], *, policy: TuningPolicy | None = No
     )
     return [chosen]
 
-
-# Modes that launch one config per (kernel, key) for every rank and run without measuring at
-# launch (``auto`` measures a new key once per job, then every process reuses the result).
-_PINNING_MODES = ("deterministic", "auto")
 
 _UNPINNED_BECAUSE = {
     "off": "Triton's own autotuner times the configs and keeps whichever wins in this process",
@@ -456,7 +386,7 @@ _UNPINNED_BECAUSE = {
 
 
 def warn_if_mamba_env_ignored(policy: TuningPolicy | None = None) -> bool:
-    """Warn once when ``MAMBA_DETERMINISTIC`` asks for determinism but our mode does not pin configs.
+    """Warn once when ``MAMBA_DETERMINISTIC`` asks for determinism but the mode does not pin configs.
 
     ``deterministic`` and ``auto`` pin (one config per key, the same on every rank and in every run
     that reads the same table or cache), so they are silent.
@@ -465,13 +395,13 @@ def warn_if_mamba_env_ignored(policy: TuningPolicy | None = None) -> bool:
     if raw in ("", "0", "false", "no", "off"):
         return False
     policy = policy if policy is not None else TuningPolicy.from_env()
-    if policy.mode in _PINNING_MODES:
+    if policy.mode in ("deterministic", "auto"):
         return False
     return warn_once(
         ("mamba-env", policy.mode),
-        "MAMBA_DETERMINISTIC=%s is set but megatron_tuning's mode is %r: %s, so the choice of "
-        "config can differ between runs. Set MEGATRON_TUNING_MODE=deterministic (tables, never "
-        "measures) or MEGATRON_TUNING_MODE=auto (tunes each new key once and reuses it).",
+        "MAMBA_DETERMINISTIC=%s is set but megatron_tuning's mode is %r: %s, so the choice of config can "
+        "differ between runs. Set MEGATRON_TUNING_MODE=deterministic (tables, never measures) or "
+        "MEGATRON_TUNING_MODE=auto (tunes each new key once and reuses it).",
         raw,
         policy.mode,
         _UNPINNED_BECAUSE.get(policy.mode, "configs are not pinned"),

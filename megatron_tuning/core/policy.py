@@ -79,12 +79,6 @@ def parse_int(text: str) -> int | None:
     return int(stripped) if _INT.fullmatch(stripped) else None
 
 
-def _bounds(low: float | None, high: float | None) -> str:
-    if low is not None and high is not None:
-        return f" from {low:g} to {high:g}"
-    return f" >= {low:g}" if low is not None else f" <= {high:g}" if high is not None else ""
-
-
 def _words(choices: Sequence[str], field: str) -> Callable[[str, str], str]:
     def parse(name: str, raw: str) -> str:
         word = raw.lower()
@@ -103,34 +97,31 @@ def _bool(name: str, raw: str) -> bool:
     raise PolicyError(name, raw, "a boolean (1/0, true/false, yes/no, on/off; any case)")
 
 
-def _int(low: int | None = None, high: int | None = None) -> Callable[[str, str], int]:
+def _int(low: int, high: int) -> Callable[[str, str], int]:
     def parse(name: str, raw: str) -> int:
         value = parse_int(raw)
-        if value is None or not (low is None or value >= low) or not (high is None or value <= high):
-            raise PolicyError(name, raw, "an integer (ASCII digits)" + _bounds(low, high))
+        if value is None or not low <= value <= high:
+            raise PolicyError(name, raw, f"an integer (ASCII digits) from {low:g} to {high:g}")
         return value
 
     return parse
 
 
-def _float(
-    low: float | None = None, high: float | None = None, *, above: bool = False
-) -> Callable[..., float]:
-    def parse(name: str, raw: str) -> float:
-        value = float(raw) if _FLOAT.fullmatch(raw) else math.nan
-        ok = math.isfinite(value) and (low is None or (value > low if above else value >= low))
-        if not ok or (high is not None and value > high):
-            what = f"a positive finite decimal number up to {high:g}" if above else "a finite decimal number"
-            raise PolicyError(name, raw, what + ("" if above else _bounds(low, high)))
-        return value
+def _finite(raw: str) -> float:
+    return float(raw) if _FLOAT.fullmatch(raw) else math.nan
 
-    return parse
+
+def _seconds(name: str, raw: str) -> float:
+    value = _finite(raw)
+    if not (math.isfinite(value) and 0 < value <= MAX_AGREEMENT_TIMEOUT_S):
+        raise PolicyError(name, raw, f"a positive finite decimal number up to {MAX_AGREEMENT_TIMEOUT_S:g}")
+    return value
 
 
 def _fraction(name: str, raw: str) -> float:
-    value = _float(0.0)(name, raw)
-    if value >= 1.0:
-        raise PolicyError(name, raw, "a fraction in [0, 1)")
+    value = _finite(raw)
+    if not (math.isfinite(value) and 0 <= value < 1):
+        raise PolicyError(name, raw, "a finite decimal number, a fraction in [0, 1)")
     return value
 
 
@@ -197,7 +188,7 @@ ENV_AGREEMENT = _knob(
 )
 ENV_AGREEMENT_TIMEOUT = _knob(
     "AGREEMENT_TIMEOUT",
-    _float(0.0, MAX_AGREEMENT_TIMEOUT_S, above=True),
+    _seconds,
     300.0,
     "seconds a cross-rank check waits for missing ranks",
     "agreement_timeout_s",

@@ -14,7 +14,7 @@ import pytest
 import torch
 import triton
 
-from megatron_tuning.commands.tables import coverage_of
+from megatron_tuning.commands.validate import coverage_of
 from megatron_tuning.core.chaos import ChaosClaim
 from megatron_tuning.core.decisions import decision_log, get_decisions
 from megatron_tuning.core.identity import (
