@@ -264,7 +264,8 @@ def test_merge_writes_table_and_reports_disagreement(capsys, tmp_path):
 def test_merge_warns_about_inputs_from_different_kernel_sources(capsys, tmp_path):
     for name, digest in (("a", "aa"), ("b", "bb")):
         save_table(Table([entry(64, source_hash=digest * 32)]), tmp_path / f"{name}.msgpack")
-    code, out, _ = run(capsys, "merge", tmp_path / "out.msgpack", tmp_path / "a.msgpack", tmp_path / "b.msgpack")
+    inputs = (tmp_path / "a.msgpack", tmp_path / "b.msgpack")
+    code, out, _ = run(capsys, "merge", tmp_path / "out.msgpack", *inputs)
     assert code == 0 and "0 with disagreement" in out
     assert f"warning: sm90 {KERNEL} [M=1 | a:torch.float16] was recorded from different kernel sources" in out
 

@@ -62,7 +62,8 @@ class ValidationReport:
     notes: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
-        return {"checked": self.checked, "problems": [p.to_json() for p in self.problems], "notes": self.notes}
+        problems = [p.to_json() for p in self.problems]
+        return {"checked": self.checked, "problems": problems, "notes": self.notes}
 
     def lines(self) -> list[str]:
         out = [f"note: {note}" for note in self.notes]

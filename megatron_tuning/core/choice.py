@@ -289,8 +289,8 @@ def report_policy_end(policy: TuningPolicy | None) -> None:
             close = difflib.get_close_matches(name, everything, n=1)
             warn_once(
                 ("override-name-unused", name),
-                "block-size override %s=%d (MEGATRON_TUNING_BLOCK_SIZES / block_sizes) names a parameter that "
-                "none of the %d kernel(s) launched under this policy has, so it changed nothing.%s The "
+                "block-size override %s=%d (MEGATRON_TUNING_BLOCK_SIZES / block_sizes) names a parameter "
+                "that none of the %d kernel(s) launched under this policy has, so it changed nothing.%s The "
                 "kernels' config names: %s.",
                 name,
                 value,
@@ -367,8 +367,8 @@ def autotune_configs(configs: Sequence[Any], *, policy: TuningPolicy | None = No
     warn_once(
         ("autotune_configs", tuple(config_signature(c) for c in configs)),
         "autotune_configs shrank %d configs to the cheapest by static cost (%s) under deterministic mode (at "
-        "decoration, where no table is read): every key of this kernel launches it. That is pinned but can be "
-        "slow: %s. To be pinned and fast, pass the whole list to @triton.autotune and %s.",
+        "decoration, where no table is read): every key of this kernel launches it. That is pinned but "
+        "can be slow: %s. To be pinned and fast, pass the whole list to @triton.autotune and %s.",
         len(configs),
         config_signature(chosen),
         CHEAPEST_COST,
