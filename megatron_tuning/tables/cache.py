@@ -1,53 +1,56 @@
-"""``auto`` mode's cache table: where it lives, how it is read, and how decisions are persisted.
+"""``auto`` mode's cache table: where it lives, what a persist keeps, adds and evicts, how it writes.
 
-The cache is an ordinary table file (``show``, ``validate``, ``coverage`` read it like any
-other), kept per user and per GPU arch: ``<user cache dir>/megatron_tuning/<arch>/auto.msgpack``
-(``platformdirs``; ``XDG_CACHE_HOME`` is respected), or ``MEGATRON_TUNING_CACHE`` / the policy's
-``cache``. The full reference is ``docs/cache.md``; in short:
+The cache is an ordinary table file, per user and GPU arch (``<user cache dir>/megatron_tuning/
+<arch>/auto.msgpack``, or ``MEGATRON_TUNING_CACHE`` / the policy's ``cache``). Reference: docs/cache.md.
 
-* **First persisted wins.** An entry already in the file that is still valid (same kernel source
-  hash and Triton version as the running ones) is kept, never replaced: overlapping jobs that tuned
-  one key differently leave the config of whichever persisted first, for every later run.
-* **Bounded.** Each persist evicts stale entries (another source hash of a kernel this run used,
-  another Triton version, an older cache format), then, past ``MEGATRON_TUNING_CACHE_MAX_ENTRIES``
-  entries (default 50,000) or ``max_cache_bytes()`` (a quarter of the table read limit), the entries
-  persisted longest ago, with one warning naming the file, the cap and the fix. The file's rows are
-  kept in the order entries first entered the cache: that order *is* the eviction order.
-* **Cheap and concurrent.** A persist with nothing new writes nothing and takes no lock. Otherwise
-  it reads, merges and encodes without the lock, then takes the lock only to check that the file
-  is unchanged and replace it (re-doing the merge if another writer got in first). A writer that
-  cannot get the lock in time warns, naming the holder, and keeps its entries for the next persist.
-* **Never stops a job.** A corrupt cache is left untouched and ignored for the run, an unwritable
-  folder turns persistence off for the run (one warning each, naming the path and the fix), and
-  a crash loses at most the entries not yet written (writes are atomic), never the file.
+* **First persisted wins**: a fresh entry in the file (the running source hash and Triton version)
+  is never replaced, so overlapping jobs converge on one config per key.
+* **Bounded**: a persist that writes evicts stale entries, then, past the entry cap or
+  ``max_cache_bytes()``, the entries persisted longest ago (row order is entry order: no clock).
+* **Cheap enough to call often**: nothing pending, no I/O; every pending key already in the file,
+  one read and no lock; else a merge under ``<file>.lock`` (again only if another writer changed
+  the file since the unlocked read) and an atomic replace. The file is decoded only when its bytes
+  differ from those this process last read or wrote.
+* **Never stops a job**: every problem is one warning naming the file and the fix.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
+import math
+import operator
 import os
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..core.decisions import Decision
 from ..core.errors import TableError
 from ..core.policy import CACHE_OFF, ENV_CACHE, ENV_CACHE_MAX_ENTRIES, TuningPolicy, read_knob
 from . import files
-from .cache_bounds import CACHE_FORMAT, CACHE_META, cache_format_of
-from .cache_persist import (
-    DEFAULT_MAX_ENTRIES,
-    LOCK_TIMEOUT_S,
-    PERSISTED_SOURCES,
-    AutoCache,
-    content_digest,
-    legacy_read_bytes,
-    max_cache_bytes,
-    read_cache_bytes,
-)
-from .table import Table, table_from_data
+from .entry import Entry, entry_with, same_config
+from .merge import entry_from_decision
+from .search import installed_triton_version
+from .table import Table, library_version, table_from_data
 
 logger = logging.getLogger(__name__)
 
 CACHE_FILE_NAME = "auto.msgpack"
+CACHE_FORMAT = 1
+"""Bump when what an entry means changes (e.g. how keys are written): a cache in an older format is
+then evicted whole at its next persist, and this version never writes a newer one."""
+CACHE_META = {"kind": "auto-cache", "cache_format": str(CACHE_FORMAT)}
+PERSISTED_SOURCES = ("tuned", "adopted")
+LOCK_TIMEOUT_S = 120.0
+"""How long a persist waits for other writers. Measured on a loaded 2-core machine (docs/cache.md):
+10 processes persisting 100 new entries each into a full 16 MiB cache at once, the slowest took 72 s."""
+
+_Ident = tuple[str, str, str]
+_Hashes = dict[tuple[str, str], str]  # (arch, kernel) -> the source hash this run used
+_Provenance = tuple[str, str, str | None, str | None]  # arch, kernel, source hash, Triton version
+_provenance = operator.attrgetter("arch", "kernel", "source_hash", "triton_version")
 
 
 def default_cache_dir() -> Path:
@@ -70,130 +73,327 @@ def cache_path(policy: TuningPolicy, arch: str | Callable[[], str]) -> str | Non
     return str(default_cache_dir() / (arch if isinstance(arch, str) else arch()) / CACHE_FILE_NAME)
 
 
-def cache_max_entries() -> int:
-    """``MEGATRON_TUNING_CACHE_MAX_ENTRIES`` (read now), default ``DEFAULT_MAX_ENTRIES``; a bad
-    value raises ``PolicyError`` naming it."""
-    return int(read_knob(ENV_CACHE_MAX_ENTRIES))
+def max_cache_bytes() -> int:
+    """The cache file's byte bound: a quarter of the table read limit (readable, with room for its JSON)."""
+    return files.MAX_FILE_BYTES // 4
 
 
 def open_cache(policy: TuningPolicy, arch: str | Callable[[], str]) -> AutoCache | None:
-    """Load the cache ``policy`` names for ``arch`` (missing file: empty); ``None`` when off or corrupt.
+    """The cache ``policy`` names for ``arch``, read now (no file yet: empty).
 
-    Reads ``MEGATRON_TUNING_CACHE_MAX_ENTRIES`` (a bad value raises ``PolicyError``).
+    ``None`` when the cache is off, or a folder or unreadable (one warning naming the file and the
+    fix; the file is left as it is). Reads ``MEGATRON_TUNING_CACHE_MAX_ENTRIES``: a bad value
+    raises ``PolicyError``.
     """
     path = cache_path(policy, arch)
     if path is None:
         return None
-    max_entries = cache_max_entries()
+    max_entries = int(read_knob(ENV_CACHE_MAX_ENTRIES))
     if os.path.isdir(path):
         logger.warning(
-            "megatron_tuning: the auto cache %s is a folder, not a table file; running without a cache. "
-            "Set %s to a file path (e.g. %s).",
-            path,
-            ENV_CACHE,
-            os.path.join(path, CACHE_FILE_NAME),
+            f"megatron_tuning: the auto cache {path} is a folder, not a table file; running without a "
+            f"cache. Set {ENV_CACHE} to a file path (e.g. {os.path.join(path, CACHE_FILE_NAME)})."
         )
         return None
-    table, data = Table(meta=CACHE_META), None
-    if os.path.exists(path):  # a dangling symlink is a cache not written yet (written through)
-        try:
-            data, table = read_cache_file(path)
-        except TableError as exc:
-            logger.warning(
-                "megatron_tuning: ignoring the auto cache for this run, it is unreadable (%s). The file "
-                "is left as it is; delete or move it to start a new cache, or set %s elsewhere.",
-                exc,
-                ENV_CACHE,
-            )
-            return None
-    found = cache_format_of(table)
-    usable = found == CACHE_FORMAT
-    if not usable:
-        _warn_format(path, found)
-    newer = not usable and not (isinstance(found, int) and found < CACHE_FORMAT)
+    try:
+        data, loaded = read_cache_file(path) if os.path.exists(path) else (None, Table(meta=CACHE_META))
+    except (OSError, TableError) as exc:
+        logger.warning(
+            f"megatron_tuning: ignoring the auto cache for this run, it is unreadable ({exc}). The file "
+            f"is left as it is; delete or move it to start a new cache, or set {ENV_CACHE} elsewhere."
+        )
+        return None
+    found, order = _format(loaded)
+    if order:  # its entries mean something else (e.g. keys written another way)
+        what = "the next persist replaces them" if order < 0 else "this run does not write to it"
+        logger.warning(
+            f"megatron_tuning: the auto cache {path} is in cache format {found}, this version uses "
+            f"{CACHE_FORMAT}: its entries are not used, and {what}. Set {ENV_CACHE} to another file "
+            "to keep versions apart."
+        )
+    # Checked now: a run learns at start-up, not at its end, that nothing it tunes will persist.
+    problem = files.output_folder_problem(os.path.dirname(path)) if order <= 0 else None
+    if problem is None and order <= 0 and os.path.exists(path) and not os.access(path, os.W_OK):
+        problem = "the file is read-only"
+    if problem is not None:
+        logger.warning(
+            f"megatron_tuning: the auto cache {path} cannot be written ({problem}); decisions tuned in "
+            f"this run will not persist. Set {ENV_CACHE} to a writable file, or to 'off'."
+        )
     return AutoCache(
         path=path,
-        table=table if usable else Table(meta=CACHE_META),
-        writable=not newer and _writable(path),
+        table=Table(meta=CACHE_META) if order else loaded,
+        writable=order <= 0 and problem is None,
         max_entries=max_entries,
-        digest=content_digest(data),
-        loaded=table if data is not None else None,
-        warned_oversize=data is not None and len(data) > max_cache_bytes(),
-        shrink_due=data is not None and (len(data) > max_cache_bytes() or len(table) > max_entries),
+        _seen=None if data is None else (data, loaded),
     )
 
 
 def read_cache_file(path: str) -> tuple[bytes, Table]:
-    """A cache file's bytes and table, read up to ``legacy_read_bytes()``: a file over the table
-    read limit (older versions let caches grow) is read with one warning saying what happens to it.
-    Problems raise ``TableError``."""
-    data = read_cache_bytes(path)
+    """A cache file's bytes and table, read as ``open_cache`` reads them: a file that is missing, not
+    a table file, or over the table read limit raises ``TableError``."""
+    data = _read(path)
     if data is None:
         raise TableError(path, "no such file")
-    table = table_from_data(data, path)
-    if len(data) > max_cache_bytes():
-        over_limit = len(data) > files.MAX_FILE_BYTES
-        logger.warning(
-            "megatron_tuning: the auto cache %s is %d bytes (%d entries), over this version's bound "
-            "of %d bytes%s: read anyway as the auto cache; the next persist evicts the entries "
-            "persisted longest ago down to the cap (%s).%s",
-            path,
-            len(data),
-            len(table),
-            max_cache_bytes(),
-            f" and the {files.MAX_FILE_BYTES}-byte read limit for tables" if over_limit else "",
-            ENV_CACHE_MAX_ENTRIES,
-            f" Until then `show`/`export` need `--max-size {-(-len(data) // 2**20)}`." if over_limit else "",
-        )
-    return data, table
+    return data, table_from_data(data, path)
 
 
-def _warn_format(path: str, found: int | str) -> None:
-    # Entries of another cache format mean something else (e.g. keys written another way): unused.
-    older = isinstance(found, int) and found < CACHE_FORMAT
-    logger.warning(
-        "megatron_tuning: the auto cache %s is in cache format %s, this version uses %d: its "
-        "entries are not used, and %s. Set %s to another file to keep versions apart.",
-        path,
-        found,
-        CACHE_FORMAT,
-        "the next persist replaces them" if older else "this run does not write to it (a newer version's)",
-        ENV_CACHE,
-    )
+@dataclass
+class AutoCache:
+    """One run's cache: what lookups see, and the decisions still to persist into the file."""
+
+    path: str
+    table: Table
+    """What lookups see: the file as read at start-up (persists do not change it)."""
+    writable: bool
+    max_entries: int
+    lock_timeout_s: float = LOCK_TIMEOUT_S
+    _seen: tuple[bytes, Table] | None = None
+    """The file's bytes and content as this process last read or wrote them: not decoded again."""
+    _written: set[_Ident] = field(default_factory=set)
+    _warned: set[str] = field(default_factory=set)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def persist(self, decisions: Iterable[Decision]) -> int:
+        """Merge this run's ``tuned``/``adopted`` decisions not yet persisted into the file; return
+        how many entries that added (a key the file already holds is not added: first persisted wins).
+
+        Never raises: a failed write is one warning naming the file and the fix, and its entries
+        are kept for the next persist. Thread-safe, and cheap with nothing new: call it as often
+        as a crash should lose little.
+        """
+        if not self.writable:
+            return 0
+        decisions = list(decisions)
+        with self._lock:
+            version = installed_triton_version()
+            pending = self._pending(decisions, version)
+            if not pending:
+                return 0
+            hashes = {(d.arch, d.kernel): d.source_hash for d in decisions if d.source_hash}
+            try:
+                plan = self._write(pending, hashes, version)
+            except (OSError, TableError) as exc:
+                problem = exc.problem if isinstance(exc, TableError) else exc.strerror or str(exc)
+                self._warn_once(
+                    "write",
+                    f"megatron_tuning: the auto cache {self.path} was not written ({problem}). "
+                    f"{_count(len(pending), 'new entry')} kept in memory for the next persist "
+                    "(handle.persist() or close); if none succeeds, they are tuned again next run. If "
+                    f"this repeats, set {ENV_CACHE} to another file, or to 'off'.",
+                )
+                return 0
+            self._written.update(entry.ident for entry in pending)
+            self._report(plan)
+            return sum(plan.table.get(*entry.ident) is entry for entry in plan.added)
+
+    def _pending(self, decisions: list[Decision], version: str | None) -> list[Entry]:
+        pending: dict[_Ident, Entry] = {}
+        for decision in decisions:
+            ident = (decision.arch, decision.kernel, decision.key)
+            if decision.source not in PERSISTED_SOURCES or ident in self._written or ident in pending:
+                continue
+            entry = entry_from_decision(decision, triton_version=version)
+            if entry is not None:
+                note = f"adopted in auto mode from {decision.origin or 'another rank'}"
+                pending[ident] = entry_with(entry, note=note) if decision.source == "adopted" else entry
+        return list(pending.values())
+
+    def _write(self, pending: list[Entry], hashes: _Hashes, version: str | None) -> _Plan:
+        # Without the lock first: when every key is already there (the common case at close, where
+        # the ranks of a node persist the same adopted keys), nothing is locked or written.
+        data = _read(self.path)
+        plan = _merge(self._base(data), pending, hashes, version, self.max_entries)
+        if not plan.changed:
+            return plan
+        with files.locked(self.path, timeout_s=self.lock_timeout_s, wait_level=logging.INFO):
+            current = _read(self.path)
+            if current != data:  # another writer got in first: merge into what it wrote
+                plan = _merge(self._base(current), pending, hashes, version, self.max_entries)
+                if not plan.changed:
+                    return plan
+            # Encoded under the lock: done outside, the work would be wasted whenever another
+            # writer got in first, which is when CPU time is scarce.
+            payload = _encode(plan, max_cache_bytes(), as_json=self.path.endswith(".json"))
+            files.write_atomic(self.path, payload)
+        self._seen = (payload, plan.table)
+        return plan
+
+    def _base(self, data: bytes | None) -> Table:
+        """The file's content, decoded only when its bytes are not those this process last saw.
+        Raises ``TableError`` for a newer cache format: this version must not rewrite it."""
+        if data is None:
+            return Table(meta=CACHE_META)
+        if self._seen is None or self._seen[0] != data:
+            self._seen = (data, table_from_data(data, self.path))
+        found, order = _format(self._seen[1])
+        if order > 0:
+            raise TableError(
+                self.path, f"it is in cache format {found}, newer than this version's {CACHE_FORMAT}"
+            )
+        return self._seen[1]
+
+    def _report(self, plan: _Plan) -> None:
+        if plan.kept:
+            old, ours = plan.kept[0]
+            logger.info(
+                f"auto cache {self.path}: kept {_count(len(plan.kept), 'entry')} another run persisted "
+                f"first (e.g. {old.kernel} [{_shortened(old.key)}]: cache {_signature(old)}, this run "
+                f"{_signature(ours)}); later runs launch the cache's"
+            )
+        if plan.stale:
+            reasons = collections.Counter(reason for _, reason in plan.stale)
+            why = ", ".join(f"{count} {reason}" for reason, count in sorted(reasons.items()))
+            logger.info(f"auto cache {self.path}: evicted {_count(len(plan.stale), 'stale entry')} ({why})")
+        if plan.evicted:
+            bound = f"cap of {self.max_entries} entries"
+            bound = f"bound of {max_cache_bytes()} bytes (and a {bound})" if plan.by_bytes else bound
+            first = plan.evicted[0]
+            self._warn_once(
+                "cap",
+                f"megatron_tuning: the auto cache {self.path} reached its {bound}, below the "
+                f"{files.MAX_FILE_BYTES}-byte read limit for tables: evicted the "
+                f"{_count(len(plan.evicted), 'entry')} persisted longest ago (the first: {first.kernel} "
+                f"[{_shortened(first.key)}]); they are tuned again when next used. It now holds "
+                f"{len(plan.table)} entries, {plan.size} bytes. To keep them: `python -m megatron_tuning "
+                f"export {self.path} tuned.json`, review, `import` it and commit it as a table "
+                f"(MEGATRON_TUNING_TABLE), then delete the cache; or raise {ENV_CACHE_MAX_ENTRIES} (now "
+                f"{self.max_entries}; the byte bound holds whatever it says).",
+            )
+        if plan.size:
+            logger.info(
+                f"auto cache: {_count(len(plan.added), 'entry')} merged into {self.path} "
+                f"({len(plan.table)} entries, {plan.size} bytes)"
+            )
+
+    def _warn_once(self, kind: str, message: str) -> None:
+        # One warning per kind and run; repeats (a persist called often) are logged at INFO.
+        logger.log(logging.INFO if kind in self._warned else logging.WARNING, message)
+        self._warned.add(kind)
 
 
-def _writable(path: str) -> bool:
-    folder = os.path.dirname(path)
-    try:
-        os.makedirs(folder, exist_ok=True)
-    except OSError as exc:
-        problem = f"cannot create its folder ({exc.strerror or exc})"
+@dataclass
+class _Plan:
+    """What one persist does to the file's content: the table to write, and what happened to which entries."""
+
+    table: Table
+    added: list[Entry] = field(default_factory=list)
+    kept: list[tuple[Entry, Entry]] = field(default_factory=list)
+    """(the file's entry, this run's) for keys another run persisted first with another config."""
+    stale: list[tuple[Entry, str]] = field(default_factory=list)
+    evicted: list[Entry] = field(default_factory=list)
+    """Evicted by the cap, oldest first (may include some of ``added``)."""
+    by_bytes: bool = False
+    size: int = 0
+    """Bytes written (0: nothing written)."""
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.added or self.stale or self.evicted)
+
+
+def _merge(base: Table, pending: list[Entry], hashes: _Hashes, version: str | None, cap: int) -> _Plan:
+    """``pending`` merged into a copy of ``base`` (the file's content, not changed; this format or
+    an older one): stale entries evicted, new keys added (first persisted wins), the oldest evicted
+    past ``cap``. The byte bound is ``_encode``'s."""
+    found, order = _format(base)
+    plan = _Plan(base.copy())
+    table = plan.table
+    if order:
+        plan.stale = [(entry, f"in cache format {found}") for entry in table.entries_in_order()]
     else:
-        if os.access(folder, os.W_OK | os.X_OK) and (not os.path.exists(path) or os.access(path, os.W_OK)):
-            return True
-        problem = "it is not writable"
-    logger.warning(
-        "megatron_tuning: the auto cache %s cannot be written (%s); decisions tuned in this run will "
-        "not persist. Set %s to a writable file, or to 'off'.",
-        path,
-        problem,
-        ENV_CACHE,
-    )
-    return False
+        # Staleness depends only on an entry's provenance, and a cache holds few distinct ones:
+        # judge those, and walk the entries only when one is stale.
+        kinds = set(map(_provenance, table.values()))
+        reasons = {kind: why for kind in kinds if (why := _staleness(kind, version, hashes))}
+        if reasons:
+            plan.stale = [
+                (e, reasons[_provenance(e)]) for e in table.entries_in_order() if _provenance(e) in reasons
+            ]
+    for entry, _ in plan.stale:
+        table.remove(*entry.ident)
+    for entry in pending:
+        old = table.get(*entry.ident)
+        if old is None:
+            table.add(entry)
+            plan.added.append(entry)
+        elif not same_config(old.config, entry.config):
+            plan.kept.append((old, entry))
+    if len(table) > cap:
+        plan.evicted = _evict_oldest(table, len(table) - cap)
+    table.meta = {**base.meta, **CACHE_META}
+    table.library_version = library_version()
+    return plan
 
 
-__all__ = [
-    "CACHE_FILE_NAME",
-    "DEFAULT_MAX_ENTRIES",
-    "LOCK_TIMEOUT_S",
-    "PERSISTED_SOURCES",
-    "AutoCache",
-    "cache_max_entries",
-    "cache_path",
-    "content_digest",
-    "default_cache_dir",
-    "legacy_read_bytes",
-    "max_cache_bytes",
-    "open_cache",
-    "read_cache_file",
-]
+def _staleness(provenance: _Provenance, running: str | None, hashes: _Hashes) -> str | None:
+    """Why entries of this provenance can no longer be used by this run (the rule lookups apply)."""
+    arch, kernel, source_hash, triton_version = provenance
+    if running is not None and triton_version not in (None, running):
+        return f"tuned with Triton {triton_version}, running {running}"
+    known = hashes.get((arch, kernel))
+    if known is not None and source_hash not in (None, known):
+        return "tuned for other kernel source"
+    return None
+
+
+def _encode(plan: _Plan, max_bytes: int, *, as_json: bool) -> bytes:
+    """``plan.table`` encoded with rows in entry order, its oldest entries evicted until it fits."""
+    table = plan.table
+    while True:
+        payload = table.to_json(keep_order=True).encode() if as_json else table.to_bytes(keep_order=True)
+        if len(payload) <= max_bytes or not len(table):
+            plan.size = len(payload)
+            return payload
+        # A little more than the excess, so one re-encode almost always suffices.
+        drop = math.ceil((len(payload) - max_bytes) * 1.02 * len(table) / len(payload)) + 1
+        plan.evicted += _evict_oldest(table, min(drop, len(table)))
+        plan.by_bytes = True
+
+
+def _evict_oldest(table: Table, count: int) -> list[Entry]:
+    oldest = table.entries_in_order()[:count]
+    for entry in oldest:
+        table.remove(*entry.ident)
+    return oldest
+
+
+def _read(path: str) -> bytes | None:
+    """The cache file's bytes; ``None`` when there is none yet (a dangling symlink: written through).
+    Raises ``TableError`` for what is not a readable table file, or is over the table read limit."""
+    if not os.path.exists(path):
+        return None
+    size = os.path.getsize(path)
+    if size > files.MAX_FILE_BYTES:  # an older version let caches grow: never read, never rewritten
+        raise TableError(
+            path,
+            f"it is {size} bytes, over the {files.MAX_FILE_BYTES}-byte read limit for tables; `show` "
+            f"and `export` read it with `--max-size {-(-size // 2**20)}`",
+        )
+    return files.read_regular_file(path, error=TableError)
+
+
+def _format(table: Table) -> tuple[str, int]:
+    """The cache format a table's header names (none: 1, from before formats were numbered), and how
+    it compares with this version's: -1 older, 0 the same, 1 newer (or not a number)."""
+    found = table.meta.get("cache_format", "1")
+    number = int(found) if found.isascii() and found.isdigit() else CACHE_FORMAT + 1
+    return found, (number > CACHE_FORMAT) - (number < CACHE_FORMAT)
+
+
+def _shortened(text: str, limit: int = 160) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _count(count: int, noun: str) -> str:
+    return f"{count} {noun if count == 1 else noun[:-1] + 'ies'}"  # the nouns here end in "entry"
+
+
+def _signature(entry: Entry) -> str:
+    config = entry.config
+    parts = [f"{k}={v}" for k, v in config.get("kwargs", {}).items()]
+    return ", ".join(parts + [f"{k}={config[k]}" for k in ("num_warps", "num_stages") if k in config])
+
+
+__all__ = ["CACHE_FILE_NAME", "CACHE_FORMAT", "LOCK_TIMEOUT_S", "PERSISTED_SOURCES", "AutoCache"]
+__all__ += ["cache_path", "default_cache_dir", "max_cache_bytes", "open_cache", "read_cache_file"]

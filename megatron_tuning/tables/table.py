@@ -199,8 +199,8 @@ def load_table(path: str | os.PathLike[str], *, max_bytes: int | None = None) ->
             raise TableError(
                 name,
                 f"file is {size} bytes, over the {limit}-byte limit for reading a table. If it is "
-                "genuine (e.g. an auto cache an older megatron_tuning let grow; it shrinks at its "
-                f"next persist), `show` and `export` read it with `--max-size {-(-size // 2**20)}` (MiB)",
+                "genuine (e.g. an auto cache an older megatron_tuning let grow), `show` and `export` "
+                f"read it with `--max-size {-(-size // 2**20)}` (MiB)",
             )
     data = read_regular_file(name, error=TableError, max_bytes=limit)
     return table_from_data(data, name)

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from megatron_tuning.core.decisions import Decision
-from megatron_tuning.core.errors import PolicyError, TableError
+from megatron_tuning.core.errors import PolicyError
 from megatron_tuning.core.policy import TuningPolicy
 from megatron_tuning.tables.cache import AutoCache, cache_path, default_cache_dir, open_cache
 from megatron_tuning.tables.entry import Entry
@@ -97,13 +97,17 @@ def test_an_unwritable_cache_folder_warns_once_and_never_raises(tmp_path, caplog
     assert len(warnings) == 1 and "cannot be written" in warnings[0] and str(blocker) in warnings[0]
 
 
-def test_a_failed_write_is_logged_not_raised(tmp_path, caplog):
+def test_a_failed_write_is_one_warning_not_an_error_and_keeps_its_entries(tmp_path, caplog):
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")  # the folder went away after start-up
-    cache = AutoCache(path=str(blocker / "auto.msgpack"), table=Table(), writable=True)
-    with caplog.at_level(logging.ERROR):
+    cache = AutoCache(path=str(blocker / "auto.msgpack"), table=Table(), writable=True, max_entries=10)
+    with caplog.at_level(logging.INFO, logger="megatron_tuning"):
         assert cache.persist([decision("n=1 | x:f")]) == 0
-    assert any("could not write" in r.getMessage() and str(blocker) in r.getMessage() for r in caplog.records)
+        assert cache.persist([decision("n=1 | x:f")]) == 0  # kept, tried again: logged at INFO
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert str(blocker) in warning and "1 new entry kept in memory" in warning
+    assert "MEGATRON_TUNING_CACHE" in warning
+    assert sum("was not written" in r.getMessage() for r in caplog.records) == 2
 
 
 _KILLED = textwrap.dedent(
@@ -209,16 +213,13 @@ _RACER = textwrap.dedent(
     else:
         while not os.path.exists(marker + ".holding"):
             time.sleep(0.01)
-        try:  # say when the second job has read the cache (before the first replaced it)
-            from megatron_tuning.tables import cache_persist
-            real_read = cache_persist.read_cache_bytes
-            def spy(name):
-                data = real_read(name)
-                open(marker + ".read", "w").close()
-                return data
-            cache_persist.read_cache_bytes = spy
-        except ImportError:  # the code before this fix: the first job waits 30 s instead
-            pass
+        from megatron_tuning.tables import cache as cache_module
+        real_read = cache_module._read
+        def spy(name):  # say when the second job has read the cache (before the first replaced it)
+            data = real_read(name)
+            open(marker + ".read", "w").close()
+            return data
+        cache_module._read = spy
     config = {"kwargs": {"BLOCK": block}, "num_warps": 4, "num_stages": 3, "num_ctas": 1, "maxnreg": None}
     decisions = [Decision(kernel="pkg.k:kern", key=f"n={n} | x:f", signature=f"BLOCK={block}", source="tuned",
                           config=config, arch="sm90", source_hash="ab" * 32) for n in (1, 2, 3)]
@@ -270,10 +271,10 @@ def test_past_its_cap_the_cache_evicts_the_entries_persisted_longest_ago_with_on
         assert fix in warning
     # The second eviction in the same run is logged at INFO, not warned again.
     assert any("cap" in r.getMessage() and r.levelno == logging.INFO for r in caplog.records)
-    # A lower cap set later shrinks the cache at the next persist, even with nothing new.
+    # A lower cap set later shrinks the cache at its next write.
     monkeypatch.setenv("MEGATRON_TUNING_CACHE_MAX_ENTRIES", "1")
-    assert auto(path).persist([]) == 0
-    assert [e.key for e in load_table(path).entries_in_order()] == ["n=7 | x:f"]
+    assert auto(path).persist([decision("n=8 | x:f")]) == 1
+    assert [e.key for e in load_table(path).entries_in_order()] == ["n=8 | x:f"]
 
 
 def test_the_byte_bound_keeps_every_file_the_cache_writes_readable(tmp_path, monkeypatch, caplog):
@@ -342,33 +343,67 @@ def test_a_writer_that_cannot_get_the_lock_warns_naming_the_holder_and_keeps_its
     assert blocks(path) == {"n=1 | x:f": 64}
 
 
-def test_a_cache_over_the_read_limit_is_still_read_and_shrunk_at_its_next_persist(
+def key_ordered_cache(path, count: int) -> bytes:
+    """A cache file of ``count`` entries in key order (as an older version or `merge` writes it)."""
+    entries = [Entry(arch="sm90", kernel="pkg.k:kern", key=f"n={i:03}", config=CONFIG) for i in range(count)]
+    save_table(Table(entries), path)
+    return path.read_bytes()
+
+
+def test_a_cache_over_the_read_limit_is_ignored_for_the_run_and_left_untouched(tmp_path, monkeypatch, caplog):
+    from megatron_tuning.tables import files
+
+    path = tmp_path / "auto.msgpack"
+    data = key_ordered_cache(path, 400)
+    monkeypatch.setattr(files, "MAX_FILE_BYTES", len(data) // 2)  # as an older version let it grow
+    with caplog.at_level(logging.WARNING):
+        assert open_cache(TuningPolicy(mode="auto", cache=str(path)), "sm90") is None
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert str(path) in warning and f"{len(data)} bytes" in warning and "--max-size 1" in warning
+    assert "MEGATRON_TUNING_CACHE" in warning
+    assert path.read_bytes() == data
+
+
+def test_a_cache_over_its_byte_bound_shrinks_at_its_next_write_from_its_first_rows(
     tmp_path, monkeypatch, caplog
 ):
     from megatron_tuning.tables import files
 
     path = tmp_path / "auto.msgpack"
-    save_table(
-        Table([Entry(arch="sm90", kernel="pkg.k:kern", key=f"n={i:03}", config=CONFIG) for i in range(400)]),
-        path,
-    )
-    size = os.path.getsize(path)
-    monkeypatch.setattr(files, "MAX_FILE_BYTES", size // 2)  # as an older version let it grow
-    with pytest.raises(TableError, match="--max-size"):
-        load_table(path)
+    size = len(key_ordered_cache(path, 400))
+    monkeypatch.setattr(files, "MAX_FILE_BYTES", size * 2)  # readable; the cache's bound is size // 2
+    cache = auto(path)
+    assert len(cache.table) == 400
     with caplog.at_level(logging.WARNING):
-        cache = auto(path)
-    (warning,) = [r.getMessage() for r in caplog.records]
-    assert str(path) in warning and f"{size} bytes (400 entries)" in warning and "--max-size" in warning
-    assert len(cache.table) == 400  # read, not ignored
-    with caplog.at_level(logging.WARNING):
-        # A run whose keys were all in the cache has nothing new, yet its close shrinks the file.
-        assert cache.persist([decision("n=1", source="table")]) == 0
-    assert len(caplog.records) == 1  # opening warned; the eviction that follows is not warned again
-    assert os.path.getsize(path) <= size // 8
+        assert cache.persist([decision("n=new")]) == 1
+    assert os.path.getsize(path) <= size // 2
     kept = [e.key for e in load_table(path).entries_in_order()]
-    # A file written in key order (as older versions did) is evicted from its first rows.
-    assert kept == [f"n={i:03}" for i in range(400 - len(kept), 400)]
+    assert kept[-1] == "n=new" and kept[:-1] == [f"n={i:03}" for i in range(401 - len(kept), 400)]
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert f"bound of {size * 2 // 4} bytes" in warning and str(path) in warning
+
+
+def test_a_persist_decodes_the_file_only_when_its_bytes_changed(tmp_path, monkeypatch):
+    from megatron_tuning.tables import cache as cache_module
+
+    path = tmp_path / "auto.msgpack"
+    auto(path).persist([decision("n=0 | x:f")])
+    decodes = []
+    real = cache_module.table_from_data
+    monkeypatch.setattr(cache_module, "table_from_data", lambda *a: decodes.append(a[1]) or real(*a))
+    cache = auto(path)
+    assert decodes == [str(path)]  # at open
+    assert cache.persist([decision("n=1 | x:f")]) == 1
+    assert cache.persist([decision("n=2 | x:f")]) == 1
+    assert len(decodes) == 1  # the file held what this process last read, then what it wrote
+    auto(path).persist([decision("n=3 | x:f")])  # another job writes
+    decodes.clear()
+    assert cache.persist([decision("n=4 | x:f")]) == 1
+    assert decodes == [str(path)]  # changed: decoded once
+    assert sorted(blocks(path)) == [f"n={i} | x:f" for i in range(5)]
+    # Nothing pending: no I/O at all (the file is not even read).
+    monkeypatch.setattr(cache_module, "_read", None)
+    assert cache.persist([decision(f"n={i} | x:f") for i in (1, 2, 4)]) == 0
 
 
 def test_a_cache_in_another_format_is_not_used_and_a_newer_one_is_never_rewritten(tmp_path, caplog):
@@ -395,15 +430,3 @@ def test_a_bad_cap_setting_is_refused_naming_it(tmp_path, monkeypatch):
     monkeypatch.setenv("MEGATRON_TUNING_CACHE_MAX_ENTRIES", "0")
     with pytest.raises(PolicyError, match="MEGATRON_TUNING_CACHE_MAX_ENTRIES"):
         auto(tmp_path / "auto.msgpack")
-
-
-def test_digest_and_origin_tell_caches_and_their_hits_apart(tmp_path):
-    path = tmp_path / "auto.msgpack"
-    empty = auto(path)
-    assert empty.digest == "" and empty.is_cache_file(str(path)) and not empty.is_cache_file(None)
-    empty.persist([decision("n=1 | x:f")])
-    a, b = auto(path), auto(path)
-    assert a.digest == b.digest != ""
-    assert a.is_cache_file(str(tmp_path / "." / "auto.msgpack")) and not a.is_cache_file("configs/x.msgpack")
-    a.persist([decision("n=2 | x:f")])
-    assert auto(path).digest != a.digest
