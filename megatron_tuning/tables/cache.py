@@ -282,7 +282,7 @@ class _Plan:
     """(the file's entry, this run's) for keys another run persisted first with another config."""
     stale: list[tuple[Entry, str]] = field(default_factory=list)
     evicted: list[Entry] = field(default_factory=list)
-    """Evicted by the cap, oldest first (may include some of ``added``)."""
+    """Evicted past the entry cap or the byte bound (``by_bytes``), oldest first; may include ``added``."""
     by_bytes: bool = False
     size: int = 0
     """Bytes written (0: nothing written)."""

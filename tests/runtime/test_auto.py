@@ -194,9 +194,12 @@ def test_a_second_run_pins_every_key_from_the_cache_with_zero_measurements(tmp_p
     monkeypatch.setattr(session, "_make_measure", fake_measure)
     with megatron_tuning.init_deterministic_tuning() as handle:
         assert handle.policy.mode == "auto"
-        for n in (100, 257):
-            launch(n)
-    assert len(measures[0].calls) == 2
+        launch(100)
+        assert handle.persist() == 1  # at a checkpoint: the key reaches the file before close
+        assert {e.key for e in load_table(cache)} == {key(100)}
+        assert handle.persist() == 0
+        launch(257)
+    assert len(measures[0].calls) == 2  # close persisted the second key
     entries = {e.key: config_signature(e.config) for e in load_table(cache)}
     assert set(entries) == {key(100), key(257)}
 

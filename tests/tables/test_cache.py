@@ -422,6 +422,13 @@ def test_a_cache_in_another_format_is_not_used_and_a_newer_one_is_never_rewritte
     assert load_table(older).meta["cache_format"] == "1"
     warnings = [r.getMessage() for r in caplog.records]
     assert len(warnings) == 2  # one per file, at open
+    # A newer version that rewrites the cache while this run holds it open: not written either.
+    current = auto(tmp_path / "current.msgpack")
+    newer.rename(tmp_path / "current.msgpack")
+    with caplog.at_level(logging.WARNING):
+        assert current.persist([decision("n=2 | x:f")]) == 0
+    assert (tmp_path / "current.msgpack").read_bytes() == data
+    assert "cache format 2, newer than this version's 1" in caplog.records[-1].getMessage()
     assert "cache format 0" in warnings[0] and "the next persist replaces them" in warnings[0]
     assert "cache format 2" in warnings[1] and "does not write to it" in warnings[1]
 
