@@ -54,9 +54,9 @@ def _with_raw_header_value(raw: bytes) -> bytes:
     return _doc(BASE, header={"library_version": marker}).replace(msgpack.packb(marker), raw)
 
 
-def _nested_lists(widths: list[int]) -> bytes:
-    """Lists of ``widths[0]`` lists of ``widths[1]`` lists ... of empty lists, as msgpack bytes."""
-    node = b"\x90"
+def _nested_lists(widths: list[int], leaf: bytes = b"\x90") -> bytes:
+    """Lists of ``widths[0]`` lists of ``widths[1]`` lists ... of ``leaf`` values, as msgpack bytes."""
+    node = leaf
     for width in reversed(widths):
         node = b"\xdc" + width.to_bytes(2, "big") + node * width
     return node
@@ -91,6 +91,11 @@ def _peak(load: Callable[[], Any]) -> int:
         ("a key column of empty arrays", _with_raw_column("key", _array(2 * MB, b"\x90")), "values for"),
         ("a key column of maps", _with_raw_column("key", _array(MB, b"\x80")), "values for"),
         ("an index column of negative ints", _with_raw_column("arch", _array(2 * MB, b"\xe0")), "would need"),
+        (
+            "a strings column of negative ints",
+            _with_raw_column("strings", _array(2 * MB, b"\xe0")),
+            "would need",
+        ),
         ("a column claiming 2**32-1 values", _with_raw_column("key", b"\xdd\xff\xff\xff\xff"), "claimed"),
         ("a header value claiming 2**32-1 items", _with_raw_header_value(b"\xdd\xff\xff\xff\xff"), "exceeds"),
         ("a header value nested 4096 deep", _with_raw_header_value(b"\x91" * 4096 + b"\xc0"), "too deeply"),
@@ -114,11 +119,12 @@ def test_hostile_msgpack_is_refused_before_it_is_built(name, data, match):
     assert peak < 3 * len(data) + 4 * MB, f"{name}: {peak / len(data):.1f} bytes per file byte"
 
 
-def test_lists_inside_a_value_are_charged_as_they_are_built():
-    # 8 MiB of empty lists nested inside one header value (each list within msgpack's length
+@pytest.mark.parametrize("leaf", [b"\x90", b"\x80"], ids=["empty lists", "empty maps"])
+def test_lists_and_maps_inside_a_value_are_charged_as_they_are_built(leaf):
+    # 8 MiB of empty lists or maps nested inside one header value (each within msgpack's length
     # limit): ~65 bytes of objects per file byte, 4x the budget, were they all built. The hooks
-    # charge each list as it completes, so decoding stops at the budget.
-    data = _with_raw_header_value(_nested_lists([128, 128, 128, 4]))
+    # charge each list and map as it completes, so decoding stops at the budget.
+    data = _with_raw_header_value(_nested_lists([128, 128, 128, 4], leaf))
     peak, message = _peak(lambda: Table.from_bytes(data, path="hostile"))
     assert "would need about" in message
     assert peak < budget(len(data))
