@@ -3,7 +3,7 @@
 Shipped tuning tables live in the top-level ``configs/`` folder (one sub-folder per GPU arch, e.g.
 ``configs/sm90/``) so that code review sees them next to the code. A regular install copies that
 folder into the package as ``megatron_tuning/_configs``; an editable install reads it in place.
-``megatron_tuning.tables.shipped.shipped_tables_dir()`` hides the difference.
+``megatron_tuning.tables.search.shipped_tables_dir()`` hides the difference.
 """
 
 from pathlib import Path

@@ -3,9 +3,10 @@
     python benchmarks/hostile_files.py [--mib 20] [--out r.json]
 
 CPU only. Writes files built to make a decoder allocate far more than their size (arrays of empty
-arrays or maps, negative integers, one-character strings; whole files and single columns of an
-otherwise valid table), loads each with ``load_table`` in a fresh process, and prints its peak
-RSS growth (``ru_maxrss``) per file byte. A genuine 100k-entry table is measured for comparison.
+arrays or maps, negative integers, one-character strings; whole files, single columns of an
+otherwise valid table, short lists nested inside one header value), loads each with ``load_table``
+in a fresh process, and prints its peak RSS growth (``ru_maxrss``) per file byte. A genuine
+100k-entry table is measured for comparison.
 """
 
 from __future__ import annotations
@@ -48,12 +49,29 @@ def _column(name: str, raw: bytes) -> bytes:
     return packed.replace(msgpack.packb(marker), raw)
 
 
+def _nested_lists(widths: list[int]) -> bytes:
+    node = b"\x90"  # lists of widths[0] lists of widths[1] lists ... of empty lists
+    for width in reversed(widths):
+        node = b"\xdc" + width.to_bytes(2, "big") + node * width
+    return node
+
+
+def _header_value(raw: bytes) -> bytes:
+    marker = "\x00" * 7
+    packed = msgpack.packb([FORMAT, 1, {"library_version": marker}, BASE], use_bin_type=True)
+    return packed.replace(msgpack.packb(marker), raw)
+
+
 def make_files(folder: Path, size: int) -> list[Path]:
     files: dict[str, bytes | str] = {
         "array_of_empty_arrays.msgpack": _array(size, b"\x90"),
         "key_column_of_empty_arrays.msgpack": _column("key", _array(size, b"\x90")),
         "key_column_of_empty_maps.msgpack": _column("key", _array(size, b"\x80")),
         "arch_column_of_negative_ints.msgpack": _column("arch", _array(size, b"\xe0")),
+        # Each list short enough for msgpack's limits: what the decoder's hooks must charge.
+        "header_value_of_nested_lists.msgpack": _header_value(
+            _nested_lists([128, 128, 128, (size >> 21) - 3])
+        ),
         "array_of_empty_arrays.json": "[" + ",".join(["[]"] * (size // 3)) + "]",
         "array_of_negative_ints.json": "[" + ",".join(["-6"] * (size // 3)) + "]",
         "array_of_one_char_strings.json": "[" + ",".join(['"\u0101"'] * (size // 5)) + "]",

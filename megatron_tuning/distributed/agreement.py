@@ -39,8 +39,7 @@ from ..core import __version__
 from ..core.decisions import Decision, decision_log
 from ..core.errors import DivergenceError, InputMismatchError, PolicyError, StoreError, TableError
 from ..runtime.pinning import is_capturing
-from ..tables.search import ENV_TABLE, expand_table_paths, installed_triton_version
-from ..tables.shipped import shipped_tables_dir
+from ..tables.search import ENV_TABLE, expand_table_paths, installed_triton_version, shipped_tables_dir
 from . import store as kv
 from . import verify
 from .verify import all_gather_bytes, pack_text, unchecked_sources, unpack_text

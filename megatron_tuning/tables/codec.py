@@ -13,14 +13,21 @@ body fields: ``strings`` [str]; ``configs`` [config map]; ``arch``/``kernel``/``
 ``config`` [index]; ``key`` [str]; optional ``source_hash``/``triton_version``/``note``
 [index|nil], ``median_ms``/``spread_ms``/``runner_up_ms`` [float|nil],
 ``samples``/``candidates``/``votes_for``/``votes_total`` [int|nil].
+
+Decoding is bounded (``files.budget``): msgpack's unpacker reads with its limits (no binary or
+extension values, string map keys, lists and maps inside values of at most ``_NESTED`` items), and
+memory is charged before it is spent: a column once its length is read, lists and maps inside
+values by hooks as they are built. The JSON view is bounded by ``files.check_json_budget``.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
-from itertools import repeat
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from functools import partial
+from itertools import islice, repeat
 from typing import Any
 
 import msgpack
@@ -38,7 +45,7 @@ from .entry import (
     entry_from_data,
     make_entry,
 )
-from .unpacking import ENTRY_BYTES, check_json_budget, json_text, unique_map, unpack_table
+from .files import budget, check_json_budget, json_text, over_budget
 
 FORMAT = "megatron_tuning.table"
 SCHEMA = 1
@@ -52,10 +59,29 @@ _STRING_COLUMNS = ("source_hash", "triton_version", "note")
 _FLOAT_COLUMNS = ("median_ms", "spread_ms", "runner_up_ms")
 _COUNT_COLUMNS = ("samples", "candidates", "votes_for", "votes_total")
 _REQUIRED = ("strings", "configs", "arch", "kernel", "key", "config", "how")
-_BODY_FIELDS = frozenset(_REQUIRED + _STRING_COLUMNS + _FLOAT_COLUMNS + _COUNT_COLUMNS)
-_NONE = type(None)
+_COLUMN_TYPES: dict[str, frozenset[type]] = {
+    "strings": frozenset({str}),
+    "key": frozenset({str}),
+    "configs": frozenset({dict}),
+    **dict.fromkeys(("arch", "kernel", "how", "config"), frozenset({int})),
+    **dict.fromkeys(_STRING_COLUMNS + _COUNT_COLUMNS, frozenset({int, type(None)})),
+    **dict.fromkeys(_FLOAT_COLUMNS, frozenset({float, type(None)})),
+}
 _NO_TIMING = Timing()
 _EMPTY_BODY: dict[str, list[Any]] = {name: [] for name in sorted(_REQUIRED)}
+
+ENTRY_BYTES = 448  # an entry besides its column values (Entry, ident, index slot, timing): ~380 measured
+MAX_META_ITEMS = 4096
+_NESTED = 128  # items in a list or map inside a value: a config's kwargs hold far fewer
+_VALUE_BYTES = 96  # the most a column value costs (its list slot, a str object; its text is apart)
+# What is built before a hook can charge it: up to 1,024 levels (msgpack's limit) of _NESTED
+# pending pairs (~240 bytes each), and the header's meta items.
+_IN_FLIGHT = 1024 * _NESTED * 240 + MAX_META_ITEMS * 200
+_LIMITS = {"raw": False, "strict_map_key": True, "max_bin_len": 0, "max_ext_len": 0}
+_LIMITS.update(max_array_len=_NESTED, max_map_len=_NESTED)
+# msgpack's messages for these are empty: say what they mean.
+_ERRORS = {msgpack.OutOfData: "the file ends early", msgpack.StackError: "data nested too deeply"}
+_ERRORS[msgpack.FormatError] = "an invalid type byte"
 
 
 # -- msgpack -----------------------------------------------------------------------
@@ -100,45 +126,139 @@ def encode_msgpack(library_version: str, meta: dict[str, str], entries: Sequence
 
 
 def decode_msgpack(data: bytes) -> _Decoded:
-    """Validate and decode a whole file; any problem raises ``Invalid``.
-
-    The structure and the memory decoding would cost are checked before objects are built
-    (``unpacking.unpack_table``): a hostile file cannot make the loader allocate without bound.
-    """
+    """Validate and decode a whole file; any problem raises ``Invalid`` (bounded: see above)."""
     if not data:
         raise Invalid("empty file")
-    header, body = unpack_table(data, fmt=FORMAT, check_schema=check_schema)
-    if type(header) is not dict or not header.keys() <= _HEADER_FIELDS:
+    if data.lstrip()[:1] == b"{":
+        raise Invalid(
+            "this is JSON, not msgpack: name JSON views *.json, or convert with "
+            "`megatron-tuning import FILE OUT.msgpack`"
+        )
+    header, body = _unpack(data)
+    if not header.keys() <= _HEADER_FIELDS:
         raise Invalid(f"header must be a map with fields {sorted(_HEADER_FIELDS)}")
     version, meta = check_header(header.get("library_version"), header.get("meta"))
     return version, meta, _decode_body(body)
 
 
-def _decode_body(body: Any) -> dict[_Ident, Entry]:
-    if type(body) is not dict:
-        raise Invalid("table body must be a map of columns")
-    unknown = body.keys() - _BODY_FIELDS
+def _unpack(data: bytes) -> tuple[dict[str, Any], dict[str, list[Any]]]:
+    """The header and the columns of ``[FORMAT, SCHEMA, header, body]``, each checked as it is read."""
+    spent, limit = 3 * len(data) + _IN_FLIGHT, budget(len(data))  # the file, msgpack's copy, text
+
+    def charge(cost: int) -> None:
+        nonlocal spent
+        spent += cost
+        if spent > limit:
+            raise over_budget(spent, len(data))
+
+    def built_list(items: list[Any]) -> list[Any]:
+        charge(128 + 112 * len(items))  # the list, its items, check_config's copy
+        return items
+
+    def built_map(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
+        charge(512 + 320 * len(pairs))  # the dict, msgpack's pair tuples, keys, values, a copy
+        return unique_map(pairs)
+
+    up = msgpack.Unpacker(
+        max_buffer_size=max(1, len(data)), list_hook=built_list, object_pairs_hook=built_map, **_LIMITS
+    )
+    up.feed(data)
+    where, header, body, count = "", {}, {}, None
+    try:
+        if _length(up.read_array_header) != 4 or up.unpack() != FORMAT:
+            raise Invalid(f"not a {FORMAT} file (missing format marker)")
+        check_schema(up.unpack())
+        where = "header: "
+        for key in _fields(up, "header", len(_HEADER_FIELDS)):
+            items = _fields(up, "header meta", MAX_META_ITEMS) if key == "meta" else None  # read lazily
+            header[key] = up.unpack() if items is None else {k: up.unpack() for k in items}
+        for name in _fields(up, "table body", len(data), "column"):  # unknown names are refused as met
+            where, types, n = f"column {name}: ", _COLUMN_TYPES.get(name), _length(up.read_array_header)
+            if types is None:
+                raise Invalid(f"table body: unknown columns {[name]}")
+            if n is None:
+                raise Invalid(f"column {name} must be a list")
+            if n > len(data) - up.tell():  # each value takes a byte: refused before anything is sized by it
+                raise Invalid(f"column {name}: truncated or corrupt ({n} values claimed)")
+            if name not in ("strings", "configs"):
+                if count is None:
+                    charge(ENTRY_BYTES * n)  # the entries built from the columns
+                elif n != count:
+                    raise Invalid(f"column {name} has {n} values for {count} entries")
+                count = n
+            charge(_VALUE_BYTES * n)
+            body[name] = column = list(islice(up, n))
+            if len(column) != n:
+                raise Invalid(f"column {name}: not valid msgpack (truncated or corrupt): the file ends early")
+            wrong = sorted(t.__name__ for t in set(map(type, column)) - types)
+            if wrong:
+                raise Invalid(f"column {name}: values of type {', '.join(wrong)} are not allowed")
+        if up.tell() != len(data):
+            raise Invalid("trailing bytes after the table (corrupt or concatenated file)")
+    except Invalid:
+        raise
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:
+        detail = next((text for kind, text in _ERRORS.items() if isinstance(exc, kind)), str(exc))
+        raise Invalid(
+            f"{where}not valid msgpack (truncated or corrupt): {detail} at byte {up.tell()}"
+        ) from None
+    return header, body
+
+
+def _length(read_header: Callable[[], int]) -> int | None:
+    """The length of the list or map starting here; ``None``, having read nothing, for other values."""
+    try:
+        return int(read_header())
+    except ValueError:  # msgpack: "Unexpected type header on stream"
+        return None
+
+
+def _fields(up: msgpack.Unpacker, what: str, limit: int, item: str = "field") -> Iterator[str]:
+    """The keys of the map starting here, each a string met once; the caller reads each value."""
+    n = _length(up.read_map_header)
+    if n is None:
+        raise Invalid(f"{what} must be a map")
+    if n > limit:
+        raise Invalid(f"{what} has {n} {item}s, over the {limit} limit")
+    seen: set[str] = set()
+    for _ in range(n):
+        key = up.unpack()
+        if type(key) is not str:
+            raise Invalid(f"{what}: {item} names must be strings")
+        if key in seen:
+            raise Invalid(f"{what}: duplicate {item} {key!r}")
+        seen.add(key)
+        yield key
+
+
+def unique_map(pairs: list[tuple[Any, Any]], what: str = "map key") -> dict[Any, Any]:
+    """A dict of ``pairs``, refusing a repeated key (msgpack and json would keep the last silently)."""
+    out: dict[Any, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise Invalid(f"duplicate {what} {key!r}")
+        out[key] = value
+    return out
+
+
+def _decode_body(body: dict[str, list[Any]]) -> dict[_Ident, Entry]:
+    # ``_unpack`` checked each column's value types and that entry columns have one length.
     missing = [name for name in _REQUIRED if name not in body]
-    if unknown or missing:
-        raise Invalid(f"table body: unknown columns {sorted(unknown)}, missing columns {missing}")
-    strings, configs = body["strings"], body["configs"]
-    if type(strings) is not list or not set(map(type, strings)) <= {str}:
-        raise Invalid("strings must be a list of strings")
-    if type(configs) is not list:
-        raise Invalid("configs must be a list")
+    if missing:
+        raise Invalid(f"table body: missing columns {missing}")
+    strings, configs, keys = body["strings"], body["configs"], body["key"]
     checked_configs = []
     for index, config in enumerate(configs):
         try:
             checked_configs.append(check_config(config))
         except Invalid as exc:
             raise Invalid(f"configs[{index}]: {exc}") from None
-    keys = _column(body, "key", {str})
     count = len(keys)
     if count > MAX_ENTRIES:
         raise Invalid(f"{count} entries, over the {MAX_ENTRIES} limit")
 
     def index_column(name: str, size: int, nullable: bool) -> list[Any]:
-        col = _column(body, name, {int, _NONE} if nullable else {int}, count)
+        col = body[name]
         present = [v for v in col if v is not None] if nullable else col
         if present and not (min(present) >= 0 and max(present) < size):
             raise Invalid(f"column {name}: index out of range")
@@ -160,10 +280,10 @@ def _decode_body(body: Any) -> dict[_Ident, Entry]:
         n: _strings_of(index_column(n, len(strings), True), strings) if n in body else None
         for n in _STRING_COLUMNS
     }
-    floats = {n: _float_column(body, n, count) for n in _FLOAT_COLUMNS}
-    counts = {n: _count_column(body, n, count) for n in _COUNT_COLUMNS}
-    timings = _timings(floats, counts, count)
-    votes = _votes(counts["votes_for"], counts["votes_total"], count)
+    floats = {n: _number_column(body, n) for n in _FLOAT_COLUMNS}
+    counts = {n: _number_column(body, n) for n in _COUNT_COLUMNS}
+    timings = _timings(floats, counts)
+    votes = _votes(counts["votes_for"], counts["votes_total"])
 
     nones = repeat(None)
     rows = zip(
@@ -173,52 +293,26 @@ def _decode_body(body: Any) -> dict[_Ident, Entry]:
     )  # fmt: skip
     entries = {(row[0], row[1], row[2]): make_entry(row) for row in rows}
     if len(entries) != count:
-        seen: set[_Ident] = set()
-        for ident in zip(arch, kernel, keys):
-            if ident in seen:
-                raise Invalid(f"duplicate entry for arch={ident[0]!r} kernel={ident[1]!r} key={ident[2]!r}")
-            seen.add(ident)
+        ident = next(ident for ident, n in Counter(zip(arch, kernel, keys)).items() if n > 1)
+        raise Invalid(f"duplicate entry for arch={ident[0]!r} kernel={ident[1]!r} key={ident[2]!r}")
     return entries
-
-
-def _column(body: dict[str, Any], name: str, types: set[type], count: int | None = None) -> list[Any]:
-    col = body[name]
-    if type(col) is not list:
-        raise Invalid(f"column {name} must be a list")
-    if count is not None and len(col) != count:
-        raise Invalid(f"column {name} has {len(col)} values for {count} entries")
-    found = set(map(type, col))
-    if not found <= types:
-        wrong = sorted(t.__name__ for t in found - types)
-        raise Invalid(f"column {name}: values of type {', '.join(wrong)} are not allowed")
-    return col
 
 
 def _strings_of(col: list[Any], strings: list[str]) -> list[Any]:
     return [None if i is None else strings[i] for i in col]
 
 
-def _float_column(body: dict[str, Any], name: str, count: int) -> list[Any] | None:
-    if name not in body:
-        return None
-    col = _column(body, name, {float, _NONE}, count)
-    present = [v for v in col if v is not None]
-    if present and not (all(map(math.isfinite, present)) and min(present) >= 0):
+def _number_column(body: dict[str, list[Any]], name: str) -> list[Any] | None:
+    col = body.get(name)
+    present = [v for v in col or () if v is not None]
+    if name in _FLOAT_COLUMNS and present and not (all(map(math.isfinite, present)) and min(present) >= 0):
         raise Invalid(f"column {name}: values must be finite and >= 0")
-    return col
-
-
-def _count_column(body: dict[str, Any], name: str, count: int) -> list[Any] | None:
-    if name not in body:
-        return None
-    col = _column(body, name, {int, _NONE}, count)
-    present = [v for v in col if v is not None]
-    if present and not (min(present) >= 0 and max(present) <= INT_MAX):
+    if name in _COUNT_COLUMNS and present and not (min(present) >= 0 and max(present) <= INT_MAX):
         raise Invalid(f"column {name}: values must be integers >= 0")
     return col
 
 
-def _timings(floats: dict[str, Any], counts: dict[str, Any], count: int) -> list[Timing | None] | None:
+def _timings(floats: dict[str, Any], counts: dict[str, Any]) -> list[Timing | None] | None:
     names = ("median_ms", "spread_ms", "samples", "candidates", "runner_up_ms")  # Timing field order
     cols = [floats.get(n) or counts.get(n) for n in names]
     if not any(c is not None for c in cols):
@@ -230,20 +324,15 @@ def _timings(floats: dict[str, Any], counts: dict[str, Any], count: int) -> list
     ]
 
 
-def _votes(won: list[Any] | None, total: list[Any] | None, count: int) -> list[Any] | None:
+def _votes(won: list[Any] | None, total: list[Any] | None) -> list[Any] | None:
     if won is None and total is None:
         return None
     if won is None or total is None:
         raise Invalid("columns votes_for and votes_total must come together")
-    out: list[Any] = []
-    for a, b in zip(won, total):
-        if a is None and b is None:
-            out.append(None)
-        elif a is None or b is None or not 0 < a <= b:
-            raise Invalid("votes must satisfy 0 < votes_for <= votes_total")
-        else:
-            out.append((a, b))
-    return out
+    votes = [None if a is None and b is None else (a, b) for a, b in zip(won, total)]
+    if any(v is not None and (None in v or not 0 < v[0] <= v[1]) for v in votes):
+        raise Invalid("votes must satisfy 0 < votes_for <= votes_total")
+    return votes
 
 
 def check_schema(schema: Any) -> None:
@@ -289,14 +378,13 @@ def decode_json(text: str | bytes) -> _Decoded:
     # Each entry has at least three maps (entry, config, kwargs): its cost is spread over them.
     check_json_budget(text, per_object=ENTRY_BYTES // 3, size=size)
 
-    def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-        return unique_map(pairs, "JSON field")
-
     def no_constants(name: str) -> Any:
         raise Invalid(f"non-finite number {name} is not allowed")
 
     try:
-        doc = json.loads(text, object_pairs_hook=no_duplicates, parse_constant=no_constants)
+        doc = json.loads(
+            text, object_pairs_hook=partial(unique_map, what="JSON field"), parse_constant=no_constants
+        )
     except Invalid:
         raise
     except (ValueError, RecursionError) as exc:

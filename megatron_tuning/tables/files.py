@@ -5,7 +5,9 @@ Every persisted artefact (tables, recordings, decision logs, tuning results) is 
 
 * a crash leaves the old file or the new one, never a mix;
 * only regular files are read (a device, FIFO or socket would read forever or block), and
-  never more than ``MAX_FILE_BYTES``;
+  never more than ``MAX_FILE_BYTES``; decoding one may cost at most ``budget(size)`` bytes of
+  objects (the table codec charges msgpack against it as it reads, ``check_json_budget``
+  checks JSON before parsing);
 * an output that exists must be a regular file (``merge /dev/null ...`` must not replace a
   device node), and the temp file is created exclusively, never through a planted symlink;
 * a lock is taken on the file actually written (a symlink's target), so writers using
@@ -14,6 +16,7 @@ Every persisted artefact (tables, recordings, decision logs, tuning results) is 
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import errno
 import json
@@ -28,13 +31,16 @@ import filelock
 
 from ..core.errors import TableError
 from .entry import Invalid
-from .unpacking import check_json_budget, json_text
 
 logger = logging.getLogger(__name__)
 
 # Far above any real table (100k entries with full provenance: 18 MB of msgpack, 61 MB as a
 # JSON view), small enough that a corrupt or hostile file cannot make a loader allocate much.
 MAX_FILE_BYTES = 64 * 1024 * 1024
+# What decoding a file may cost: a genuine 100k-entry table needs ~7x its size, hostile files
+# built to amplify (an array of empty arrays: 64 bytes per byte) are refused at this.
+BUDGET_FACTOR = 16
+BUDGET_SLACK = 128 * 1024 * 1024
 
 LOCK_TIMEOUT_S = 300.0
 """How long a read-modify-write waits for another writer of the same table."""
@@ -253,6 +259,49 @@ def broken_link_problem(path: str | os.PathLike[str]) -> str | None:
 def read_table_bytes(name: str) -> bytes:
     """A table file's bytes (``read_regular_file`` with ``TableError``)."""
     return read_regular_file(name, error=TableError)
+
+
+def budget(size: int) -> int:
+    """Bytes of decoded objects a file of ``size`` bytes may cost."""
+    return BUDGET_FACTOR * size + BUDGET_SLACK
+
+
+def over_budget(estimate: int, size: int) -> Invalid:
+    return Invalid(
+        f"decoding would need about {estimate / 2**20:.0f} MiB of memory for a {size}-byte file "
+        f"(limit: {BUDGET_FACTOR}x the file size + {BUDGET_SLACK // 2**20} MiB), so it is refused "
+        "unread, as a hostile file would be; split a genuine table this large into several files"
+    )
+
+
+def json_text(data: str | bytes) -> str:
+    """The text of a JSON file: strict UTF-8, no byte-order mark (JSON files here are UTF-8)."""
+    if isinstance(data, str):
+        return data
+    if data.startswith(codecs.BOM_UTF8):
+        raise Invalid("starts with a byte-order mark: JSON files here are UTF-8 without one")
+    if b"\x00" in data:  # valid UTF-8, but what UTF-16/32 text looks like: name the real problem
+        raise Invalid("not UTF-8 (it holds NUL bytes: UTF-16 or UTF-32?); JSON files here are UTF-8")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise Invalid(f"not UTF-8 (byte {exc.start}: {exc.reason}); JSON files here are UTF-8") from None
+
+
+def check_json_budget(text: str, *, per_object: int = 0, size: int | None = None) -> None:
+    """Refuse JSON whose decoded form could need more than ``budget`` bytes, before parsing it.
+
+    Every value but the first follows a ``,`` or ``:``, and every list or object opens with a
+    bracket, so those counts bound what ``json.loads`` builds (they over-count inside strings,
+    which only makes the bound safer). ``per_object`` adds what the caller builds per container
+    (e.g. a table entry); ``size`` is the file's size in bytes (default: the text's length).
+    """
+    size = len(text) if size is None else size
+    containers = text.count("[") + text.count("{")
+    values = text.count(",") + text.count(":") + 1
+    estimate = 2 * size + (80 + per_object) * containers + 96 * values  # a value: up to a ~90-byte str
+    if estimate > budget(size):
+        raise over_budget(estimate, size)
 
 
 def read_json_file(path: str | os.PathLike[str], *, error: ErrorFactory, what: str) -> Any:

@@ -7,7 +7,10 @@ A path may name a file or a folder (its ``*.msgpack`` files, in name order). Exp
 tables load when the set is built, so a bad file fails at startup, not mid-training;
 a path that does not exist, or a folder with no ``*.msgpack`` table, fails the same way
 (``TableError`` naming it) instead of silently pinning nothing;
-shipped tables load lazily, per arch, on the first lookup for that arch.
+shipped tables load lazily, per arch, on the first lookup for that arch. They live in the
+repository's top-level ``configs/``; a regular ``pip install .`` copies that folder into the
+package as ``megatron_tuning/_configs`` (``setup.py``), a checkout or ``pip install -e .`` leaves
+it where it is, and ``shipped_tables_dir`` finds either.
 
 Content matches: the same code loaded under another module name (an eval pipeline's
 ``spec_from_file_location("candidate", path)``) finds the entries tuned under the first name.
@@ -41,7 +44,6 @@ from ..core.nearest import nearest_keys
 from ..core.policy import ENV_TABLE, read_knob
 from ..core.warn import warn_once
 from .files import broken_link_problem
-from .shipped import shipped_tables_dir
 from .table import Entry, Table, load_table
 
 if TYPE_CHECKING:
@@ -52,6 +54,25 @@ logger = logging.getLogger(__name__)
 STALE_CHOICES = ("use", "miss", "error")
 
 _Ident = tuple[str, str, str]
+_PACKAGE_DIR = Path(__file__).resolve().parent.parent  # megatron_tuning/
+
+
+def shipped_tables_dir() -> Path:
+    """Return the folder that holds the per-arch table folders (``sm90/`` and so on).
+
+    The installed copy wins over the checkout so that an installed wheel never picks up a
+    stray ``configs/`` folder next to ``site-packages``. The returned folder may not exist
+    when no table was shipped; callers treat that as "no shipped tables".
+    """
+    installed = _PACKAGE_DIR / "_configs"
+    if installed.is_dir():
+        return installed
+    checkout = _PACKAGE_DIR.parent / "configs"
+    # Only trust a sibling configs/ folder inside a source tree (setup.py next to it), never
+    # an unrelated folder of that name in site-packages.
+    if checkout.is_dir() and (_PACKAGE_DIR.parent / "setup.py").is_file():
+        return checkout
+    return installed
 
 
 def installed_triton_version() -> str | None:

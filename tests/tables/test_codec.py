@@ -1,7 +1,7 @@
-"""Bounded decoding: hostile files are refused before they cost memory out of proportion.
+"""The table codec: canonical bytes, and bounded decoding of hostile files (issue 12).
 
 Memory is measured with ``tracemalloc`` (it sees every Python object msgpack and json build).
-Before ``tables/unpacking.py`` these files cost 15-80 bytes per file byte before being refused.
+Before decoding was bounded these files cost 15-80 bytes per file byte before being refused.
 """
 
 from __future__ import annotations
@@ -9,14 +9,16 @@ from __future__ import annotations
 import codecs
 import tracemalloc
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import msgpack
 import pytest
 
 from megatron_tuning.core.errors import TableError
+from megatron_tuning.tables.files import BUDGET_FACTOR, budget
+from megatron_tuning.tables.search import shipped_tables_dir
 from megatron_tuning.tables.table import Entry, Table, Timing
-from megatron_tuning.tables.unpacking import BUDGET_FACTOR
 
 MB = 1 << 20
 FORMAT = "megatron_tuning.table"
@@ -46,6 +48,32 @@ def _array(n: int, element: bytes) -> bytes:
     return b"\xdd" + n.to_bytes(4, "big") + element * n
 
 
+def _with_raw_header_value(raw: bytes) -> bytes:
+    """A table whose header ``library_version`` is the msgpack bytes ``raw`` (spliced, not packed)."""
+    marker = "\x00" * 7
+    return _doc(BASE, header={"library_version": marker}).replace(msgpack.packb(marker), raw)
+
+
+def _nested_lists(widths: list[int], leaf: bytes = b"\x90") -> bytes:
+    """Lists of ``widths[0]`` lists of ``widths[1]`` lists ... of ``leaf`` values, as msgpack bytes."""
+    node = leaf
+    for width in reversed(widths):
+        node = b"\xdc" + width.to_bytes(2, "big") + node * width
+    return node
+
+
+def test_shipped_tables_re_encode_to_their_own_bytes():
+    # The canonical format: the shipped tables load and re-encode byte for byte, also through
+    # the JSON view (what `export` then `import` does).
+    paths = sorted(Path(shipped_tables_dir()).glob("*/*.msgpack"))
+    assert paths, f"no shipped tables under {shipped_tables_dir()}"
+    for path in paths:
+        data = path.read_bytes()
+        table = Table.from_bytes(data, path=str(path))
+        assert table.to_bytes() == data, path
+        assert Table.from_json(table.to_json()).to_bytes() == data, path
+
+
 def _peak(load: Callable[[], Any]) -> int:
     tracemalloc.start()
     try:
@@ -62,7 +90,15 @@ def _peak(load: Callable[[], Any]) -> int:
         ("a top-level array of empty arrays", _array(2 * MB, b"\x90"), "format marker"),
         ("a key column of empty arrays", _with_raw_column("key", _array(2 * MB, b"\x90")), "values for"),
         ("a key column of maps", _with_raw_column("key", _array(MB, b"\x80")), "values for"),
-        ("an index column of negative ints", _with_raw_column("arch", _array(2 * MB, b"\xe0")), "values for"),
+        ("an index column of negative ints", _with_raw_column("arch", _array(2 * MB, b"\xe0")), "would need"),
+        (
+            "a strings column of negative ints",
+            _with_raw_column("strings", _array(2 * MB, b"\xe0")),
+            "would need",
+        ),
+        ("a column claiming 2**32-1 values", _with_raw_column("key", b"\xdd\xff\xff\xff\xff"), "claimed"),
+        ("a header value claiming 2**32-1 items", _with_raw_header_value(b"\xdd\xff\xff\xff\xff"), "exceeds"),
+        ("a header value nested 4096 deep", _with_raw_header_value(b"\x91" * 4096 + b"\xc0"), "too deeply"),
         (
             "a table of two million one-byte entries",
             _doc(
@@ -83,15 +119,15 @@ def test_hostile_msgpack_is_refused_before_it_is_built(name, data, match):
     assert peak < 3 * len(data) + 4 * MB, f"{name}: {peak / len(data):.1f} bytes per file byte"
 
 
-def test_a_wrong_value_costs_one_chunk_not_the_whole_column():
-    # Within the budget as far as the counts go, but every arch value is a negative int: building
-    # the column would cost ~40 bytes per value. It is decoded in chunks, refused at the first.
-    n = 250_000  # inside the estimate, but not with ~90 bytes per arch value: decoded in chunks
-    body = {**BASE, "key": ["k"] * n, **{c: [0] * n for c in ("config", "how", "kernel")}, "arch": [-32] * n}
-    assert list(body).index("arch") < list(body).index("key")  # decoded before the valid columns
-    peak, message = _peak(lambda: Table.from_bytes(_doc(body), path="hostile"))
-    assert "arch: index out of range" in message
-    assert peak < 32 * n  # less than the column's int objects alone
+@pytest.mark.parametrize("leaf", [b"\x90", b"\x80"], ids=["empty lists", "empty maps"])
+def test_lists_and_maps_inside_a_value_are_charged_as_they_are_built(leaf):
+    # 8 MiB of empty lists or maps nested inside one header value (each within msgpack's length
+    # limit): ~65 bytes of objects per file byte, 4x the budget, were they all built. The hooks
+    # charge each list and map as it completes, so decoding stops at the budget.
+    data = _with_raw_header_value(_nested_lists([128, 128, 128, 4], leaf))
+    peak, message = _peak(lambda: Table.from_bytes(data, path="hostile"))
+    assert "would need about" in message
+    assert peak < budget(len(data))
 
 
 def test_hostile_json_is_refused_before_it_is_parsed():
