@@ -51,13 +51,14 @@ from ..core.identity import (
 from ..core.policy import TuningPolicy
 from ..core.warn import reset_warnings
 from . import inductor, pinning
-from .auto import Consensus, Measure
 from .launches import Launch, compile_run, launch_key, make_launch, raw_key, specialize_find
 from .pinning import (
     PINNED_ATTR,
     STATE_ATTR,
     AutotunerState,
+    Consensus,
     Installation,
+    Measure,
     current_policy,
     decide,
     forget_triton_cache,

@@ -1,11 +1,18 @@
 """The per-process pinning state: the active installation, each autotuner's decisions, and how a
-new (kernel, key) is decided, recorded and pinned.
+new (kernel, key) is decided, recorded and pinned, in every mode.
 
 Shared by the two adapters that launch pinned configs: ``interception`` (Triton's
 ``Autotuner.run``) and ``inductor`` (torch.compile's handling of user kernels), so an eager launch
 and a compiled one of the same key go through one decision, one decision-log entry and one
 agreement check. The Triton internals a decision touches (the autotuner's pruning and its
 ``cache``) are reached through ``triton_compat``.
+
+``auto`` mode (``auto_choice``): a table entry pins the key as in ``deterministic``; else a decision
+another rank of the job already published is adopted (matched back to a live candidate, so its
+``Config.pre_hook`` survives); else this rank tunes once and publishes (first writer wins; a rank
+that lost the race launches the winner's config). A hit in this node's own ``auto`` cache is
+proposed to the job the same way, so per-node caches never split ranks. Where nothing can be
+measured the policy's miss rule applies.
 """
 
 from __future__ import annotations
@@ -15,13 +22,14 @@ import logging
 import threading
 import types
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from ..core.chaos import ChaosCoordinator, choose_chaos
-from ..core.choice import Choice, ConfigTable, choose_deterministically
+from ..core.choice import Choice, ConfigTable, choose_deterministically, choose_on_miss, pin_without_fallback
 from ..core.decisions import Decision, decision_log
+from ..core.errors import ConsensusError
 from ..core.identity import (
     arch_tag,
     config_data,
@@ -34,7 +42,6 @@ from ..core.identity import (
 )
 from ..core.policy import TuningPolicy
 from ..core.warn import warn_once
-from .auto import Consensus, Measure, auto_choice
 
 # Re-exported: the adapters and tests reach the launch records and keys through this module.
 from .launches import (  # noqa: F401
@@ -50,6 +57,30 @@ from .launches import (  # noqa: F401
 from .triton_compat import forget_triton_cache, live_candidates, remember_in_triton_cache  # noqa: F401
 
 logger = logging.getLogger("megatron_tuning.runtime.interception")
+
+# measure(autotuner, candidates, args, kwargs, kernel, key) -> (config, timings)
+Measure = Callable[[Any, list[Any], tuple[Any, ...], dict[str, Any], str, str], tuple[Any, dict[str, Any]]]
+
+
+class PublishedDecision(Protocol):
+    config: Mapping[str, Any]
+    signature: str
+    rank: int
+
+
+class Consensus(Protocol):
+    """What ``auto`` needs from the job: ``distributed.store.StoreConsensus`` implements it."""
+
+    rank: int
+
+    def is_local(self, origin: str | None) -> bool: ...
+
+    def lookup(self, kernel: str, key: str, arch: str) -> PublishedDecision | None: ...
+
+    def publish(
+        self, kernel: str, key: str, arch: str, config: Mapping[str, Any], signature: str
+    ) -> PublishedDecision: ...
+
 
 STATE_ATTR = "_megatron_tuning_state"
 # Set on the one-config Autotuner copies compiled code launches (runtime/inductor.py): the value is
@@ -342,6 +373,75 @@ def decide(
         state.pins[raw] = config
         remember_in_triton_cache(autotuner, state, args, kwargs, config)
         return config
+
+
+def auto_choice(
+    autotuner: Any,
+    candidates: list[Any],
+    key: str,
+    call: tuple[tuple[Any, ...], dict[str, Any]],
+    *,
+    kernel: str,
+    arch: str,
+    policy: TuningPolicy,
+    table: ConfigTable | None,
+    measure: Measure | None,
+    consensus: Consensus | None,
+    may_measure: bool = True,
+) -> tuple[Choice, dict[str, Any] | None]:
+    """The choice for (kernel, key) in ``auto`` mode, and the timings when this rank measured."""
+    pinned = pin_without_fallback(autotuner, candidates, key, table=table, block_sizes=policy.block_sizes)
+    if isinstance(pinned, Choice):
+        return _proposed(pinned, candidates, kernel, key, arch, consensus), None
+    if consensus is not None:
+        published = consensus.lookup(kernel, key, arch)
+        if published is not None:
+            return _adopt(published, candidates, kernel, key, consensus.rank), None
+    if not may_measure or measure is None:
+        fallback = choose_on_miss(autotuner, candidates, key, pinned, table=table, on_miss=policy.on_miss)
+        return _proposed(fallback, candidates, kernel, key, arch, consensus), None
+    args, kwargs = call
+    config, timings = measure(autotuner, candidates, args, kwargs, kernel, key)
+    if consensus is None:
+        return Choice(config, "tuned"), timings
+    winner = consensus.publish(kernel, key, arch, config_data(config), config_signature(config))
+    if winner.rank == consensus.rank and winner.signature == config_signature(config):
+        return Choice(config, "tuned"), timings
+    # Another rank published first (maybe the same config): launch its config, keep our
+    # measurement for the record. A record naming this rank with another config is adopted too.
+    return _adopt(winner, candidates, kernel, key, consensus.rank), timings
+
+
+def _proposed(
+    choice: Choice, candidates: Sequence[Any], kernel: str, key: str, arch: str, consensus: Consensus | None
+) -> Choice:
+    """``choice``, unless it came from this node's own cache in a job: then it is proposed to the
+    job (first writer wins) and the winner is launched, so per-node caches never split ranks."""
+    if consensus is None or not consensus.is_local(choice.origin):
+        return choice
+    mine = config_signature(choice.config)
+    winner = consensus.publish(kernel, key, arch, config_data(choice.config), mine)
+    return choice if winner.signature == mine else _adopt(winner, candidates, kernel, key, consensus.rank)
+
+
+def _adopt(
+    published: PublishedDecision, candidates: Sequence[Any], kernel: str, key: str, rank: int
+) -> Choice:
+    for candidate in candidates:  # position order: the first live duplicate wins
+        if config_signature(candidate) == published.signature:
+            # A record naming this rank that this rank did not publish (it is adopting, so its own
+            # pick differed or it never tuned) came from elsewhere: say so rather than "this rank".
+            origin = (
+                f"rank {published.rank}" if published.rank != rank else "the job's store (names this rank)"
+            )
+            return Choice(candidate, "adopted", origin)
+    live = "; ".join(config_signature(c) for c in candidates) or "(none)"
+    raise ConsensusError(
+        kernel,
+        key,
+        f"rank {published.rank} published {published.signature}, which is not among this rank's "
+        f"{len(candidates)} live configs ({live})",
+    )
 
 
 def _replace_active(old: Installation, new: Installation) -> Installation:

@@ -1,23 +1,37 @@
-"""decide(): kernel identity (two autotuners over one function; the same code under another module
-name) and chaos picks, through real interpreted launches."""
+"""pinning.decide through real interpreted launches: kernel identity (two autotuners over one
+function; the same code under another module name), chaos picks, and auto mode (tune once per key,
+adopt what the job published, persist, never wait; its consensus as one rank sees it).
+
+Real kernels in the interpreter; measurements are fakes (they pick a known config and count their
+calls), so these tests check the decision flow, not timing. Several fake ranks share one in-memory
+store (no process group); the torchrun races are in ``tests_distributed/``.
+"""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import sys
 import textwrap
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 import triton
 
+import megatron_tuning
+from megatron_tuning import session
 from megatron_tuning.commands.validate import coverage_of
 from megatron_tuning.core.chaos import ChaosClaim
+from megatron_tuning.core.choice import InMemoryTable
 from megatron_tuning.core.decisions import decision_log, get_decisions
+from megatron_tuning.core.errors import ConsensusError, PolicyError, TableMissError
 from megatron_tuning.core.identity import (
+    arch_tag,
     base_kernel_id,
     config_data,
     config_signature,
@@ -27,19 +41,27 @@ from megatron_tuning.core.identity import (
 )
 from megatron_tuning.core.policy import TuningPolicy
 from megatron_tuning.core.warn import reset_warnings
-from megatron_tuning.runtime import interception
+from megatron_tuning.distributed import store as kv
+from megatron_tuning.distributed.agreement import unchecked_sources
+from megatron_tuning.distributed.store import StoreConsensus
+from megatron_tuning.runtime import interception, pinning
+from megatron_tuning.runtime.pinning import auto_choice
 from megatron_tuning.runtime.triton_compat import lazy_benchmarker
 from megatron_tuning.tables.entry import Entry
 from megatron_tuning.tables.merge import recording_table
-from megatron_tuning.tables.search import TableSet
+from megatron_tuning.tables.search import TableSet, installed_triton_version
 from megatron_tuning.tables.table import Table, load_table, save_table
 
 from .. import support_kernels as sk
 from ..support_kernels import grid
 
+KERNEL = kernel_id(sk.scale_add)
+ARCH = arch_tag()  # what the lookup uses ("unknown" in the interpreter)
+
 
 @pytest.fixture(autouse=True)
 def _clean_state():
+    sk.BENCH_CALLS.clear()
     decision_log().clear()
     reset_warnings()
     for kernel in (sk.twin_small, sk.twin_large, sk.scale_add):
@@ -257,8 +279,6 @@ def test_chaos_with_one_distinct_config_says_it_proves_nothing():
 
 
 def test_inside_a_cuda_graph_capture_chaos_recalls_instead_of_claiming(monkeypatch):
-    from megatron_tuning.runtime import pinning
-
     class RecallOnly(_Claims):
         def claim(self, kernel: str, key: str, arch: str, signature: str) -> ChaosClaim:
             raise AssertionError("no store traffic inside a CUDA graph capture")
@@ -271,3 +291,355 @@ def test_inside_a_cuda_graph_capture_chaos_recalls_instead_of_claiming(monkeypat
     (decision,) = get_decisions()
     assert decision.chaos == "differs" and "rank 7's claim" in (decision.origin or "")
     assert block != 128  # rank 7 claimed BLOCK_SIZE=128: this rank launches another
+
+
+# --------------------------------------------------------------------------- auto
+
+
+class FakeMeasure:
+    """Picks the config with ``BLOCK_SIZE == block`` and counts how often it was asked."""
+
+    def __init__(self, block: int = 32) -> None:
+        self.block = block
+        self.calls: list[str] = []
+
+    def __call__(self, autotuner, candidates, args, kwargs, kernel, key):
+        self.calls.append(key)
+        chosen = next(c for c in candidates if c.kwargs["BLOCK_SIZE"] == self.block)
+        return chosen, {"format": "fake", "median_ms": 1.0}
+
+
+def launch(n: int) -> None:
+    x, y = torch.randn(n), torch.randn(n)
+    out = torch.full((n,), float("nan"))
+    sk.scale_add[grid(n)](x, y, out, n, 0.5)
+    torch.testing.assert_close(out, 0.5 * x + y)
+
+
+def key(n: int) -> str:
+    x = torch.zeros(n)
+    return tuning_key(sk.scale_add, (x, x, x, n, 0.5), {})
+
+
+def ours() -> list:
+    return [d for d in get_decisions() if d.kernel == KERNEL]
+
+
+def test_a_miss_is_tuned_once_per_key_and_launched_without_triton_benchmarking():
+    measure = FakeMeasure(block=32)
+    interception.install(TuningPolicy(mode="auto"), measure=measure)
+    for n in (100, 100, 257, 100):
+        launch(n)
+    assert measure.calls == [key(100), key(257)]
+    assert [(d.source, d.signature.split(",")[0]) for d in ours()] == [("tuned", "BLOCK_SIZE=32")] * 2
+    assert sk.BENCH_CALLS == []  # Triton's own benchmarking never ran
+
+
+def test_a_table_entry_pins_without_measuring():
+    by_block = {c.kwargs["BLOCK_SIZE"]: c for c in sk.ADD_CONFIGS}
+    table = InMemoryTable({(KERNEL, key(100)): config_data(by_block[64])})
+    measure = FakeMeasure(block=32)
+    interception.install(TuningPolicy(mode="auto"), table=table, measure=measure)
+    launch(100)
+    assert measure.calls == []
+    assert [d.source for d in ours()] == ["table"]
+
+
+def test_without_a_way_to_measure_auto_applies_the_miss_rule():
+    by_block = {c.kwargs["BLOCK_SIZE"]: c for c in sk.ADD_CONFIGS}
+    table = InMemoryTable({(KERNEL, key(1024)): config_data(by_block[128])})
+    interception.install(TuningPolicy(mode="auto"), table=table)  # no measure function
+    launch(1000)
+    (decision,) = ours()
+    assert (decision.source, decision.nearest_key) == ("nearest", key(1024))
+    interception.install(TuningPolicy(mode="auto", on_miss="error"))
+    with pytest.raises(TableMissError):
+        launch(999)
+
+
+def store_pair() -> tuple[StoreConsensus, StoreConsensus]:
+    store = dist.HashStore()
+    return StoreConsensus(store=store, rank=0), StoreConsensus(store=store, rank=1)
+
+
+def choose(consensus: StoreConsensus, measure: FakeMeasure, n: int = 100, **changes):
+    x = torch.zeros(n)
+    options = dict(
+        kernel=KERNEL,
+        arch=ARCH,
+        policy=TuningPolicy(mode="auto"),
+        table=None,
+        measure=measure,
+        consensus=consensus,
+    )
+    options.update(changes)
+    return auto_choice(sk.scale_add, list(sk.ADD_CONFIGS), key(n), ((x, x, x, n, 0.5), {}), **options)
+
+
+def test_a_published_decision_is_adopted_without_measuring():
+    rank0, rank1 = store_pair()
+    first, second = FakeMeasure(block=64), FakeMeasure(block=16)
+    choice, timings = choose(rank1, second)
+    assert (choice.source, choice.config.kwargs["BLOCK_SIZE"]) == ("tuned", 16) and timings is not None
+    adopted, timings = choose(rank0, first)
+    assert (adopted.source, adopted.origin, adopted.config.kwargs["BLOCK_SIZE"]) == ("adopted", "rank 1", 16)
+    assert first.calls == [] and timings is None
+    assert adopted.config is sk.ADD_CONFIGS[1]  # the live Config object, hooks and all
+
+
+def test_the_loser_of_a_race_launches_the_winners_config():
+    rank0, rank1 = store_pair()
+
+    class PublishFirst(FakeMeasure):
+        """Rank 0 measures while rank 1 publishes: rank 0's lookup came back empty."""
+
+        def __call__(self, *args):
+            result = super().__call__(*args)
+            choose(rank1, FakeMeasure(block=128))
+            return result
+
+    loser = PublishFirst(block=8)
+    choice, timings = choose(rank0, loser)
+    assert loser.calls == [key(100)] and timings is not None  # it measured, and keeps the record
+    assert (choice.source, choice.origin, choice.config.kwargs["BLOCK_SIZE"]) == ("adopted", "rank 1", 128)
+
+
+def test_a_published_config_this_rank_cannot_launch_is_an_error_naming_it():
+    rank0, rank1 = store_pair()
+    choose(rank1, FakeMeasure(block=128))
+    live = [c for c in sk.ADD_CONFIGS if c.kwargs["BLOCK_SIZE"] != 128]
+    x = torch.zeros(100)
+    with pytest.raises(ConsensusError, match="rank 1 published BLOCK_SIZE=128") as caught:
+        auto_choice(
+            sk.scale_add,
+            live,
+            key(100),
+            ((x, x, x, 100, 0.5), {}),
+            kernel=KERNEL,
+            arch=ARCH,
+            policy=TuningPolicy(mode="auto"),
+            table=None,
+            measure=FakeMeasure(),
+            consensus=rank0,
+        )
+    assert caught.value.kernel == KERNEL and caught.value.key == key(100)
+
+
+def test_lookup_never_waits_for_a_key_nobody_published():
+    rank0, _ = store_pair()
+    assert rank0.lookup(KERNEL, key(100), ARCH) is None  # a blocking get would hang here
+
+
+def test_auto_compares_tuned_decisions_across_ranks_tune_mode_does_not():
+    assert "tuned" not in unchecked_sources("auto") and "adopted" not in unchecked_sources("auto")
+    assert "tuned" in unchecked_sources("tune") and "out_of_scope" in unchecked_sources("auto")
+
+
+def test_a_second_run_pins_every_key_from_the_cache_with_zero_measurements(tmp_path, monkeypatch):
+    cache = tmp_path / "auto.msgpack"
+    monkeypatch.setenv("MEGATRON_TUNING_MODE", "auto")
+    monkeypatch.setenv("MEGATRON_TUNING_CACHE", str(cache))
+    measures: list[FakeMeasure] = []
+
+    def fake_measure(policy):
+        measures.append(FakeMeasure(block=64))
+        return measures[-1]
+
+    monkeypatch.setattr(session, "_make_measure", fake_measure)
+    with megatron_tuning.init_deterministic_tuning() as handle:
+        assert handle.policy.mode == "auto"
+        launch(100)
+        assert handle.persist() == 1  # at a checkpoint: the key reaches the file before close
+        assert {e.key for e in load_table(cache)} == {key(100)}
+        assert handle.persist() == 0
+        launch(257)
+    assert len(measures[0].calls) == 2  # close persisted the second key
+    entries = {e.key: config_signature(e.config) for e in load_table(cache)}
+    assert set(entries) == {key(100), key(257)}
+
+    decision_log().clear()
+    with megatron_tuning.init_deterministic_tuning():
+        for n in (100, 257):
+            launch(n)
+    assert measures[1].calls == []
+    assert [(d.source, d.origin) for d in ours()] == [("table", str(cache))] * 2
+    assert all(d.signature.startswith("BLOCK_SIZE=64") for d in ours())
+
+
+def test_a_new_key_during_cuda_graph_capture_is_never_measured(monkeypatch):
+    monkeypatch.setattr(pinning, "is_capturing", lambda: True)
+    measure = FakeMeasure(block=32)
+    interception.install(TuningPolicy(mode="auto", on_miss="min_cost"), measure=measure)
+    launch(100)
+    assert measure.calls == []
+    assert [d.source for d in ours()] == ["cheapest"]
+
+
+# ------------------------------------------------------------- auto: the consensus as one rank sees it
+
+
+class Counting:
+    def __init__(self, store: Any) -> None:
+        self.store, self.calls = store, 0
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self.store, name)
+
+        def counted(*args: Any) -> Any:
+            self.calls += 1
+            return method(*args)
+
+        return counted
+
+
+def ranks(count: int, store: Any = None, caches: dict[int, str] | None = None) -> list[StoreConsensus]:
+    store = store if store is not None else dist.HashStore()
+    caches = caches or {}
+    return [StoreConsensus(store=store, rank=r, world=count, local_cache=caches.get(r)) for r in range(count)]
+
+
+def _store_key(kernel: str, key: str, arch: str) -> str:
+    return "d/" + kv.identity_digest(kernel, key, arch).hex()
+
+
+def block(choice: Any) -> int:
+    return int(choice.config.kwargs["BLOCK_SIZE"])
+
+
+def test_a_lookup_is_one_request_and_adopting_costs_one_per_key() -> None:
+    first, second = ranks(2)
+    choose(first, FakeMeasure(block=64))
+    counting = second._store = Counting(second._store)
+    choice, _ = choose(second, FakeMeasure(block=16))
+    assert (choice.source, block(choice)) == ("adopted", 64)
+    assert counting.calls == 1
+
+
+def test_a_foreign_record_naming_this_rank_with_another_config_is_adopted_not_taken_for_ours() -> None:
+    rank0, rank1 = ranks(2)
+    config = config_data(next(c for c in sk.ADD_CONFIGS if c.kwargs["BLOCK_SIZE"] == 64))
+    record = {"config": config, "signature": config_signature(config), "rank": 1}
+    rank1._store.set(_store_key(KERNEL, key(100), ARCH), json.dumps(record))
+
+    # Rank 1's lookup sees the record: it must launch 64 (what the store says), like rank 0 will.
+    choice, _ = choose(rank1, FakeMeasure(block=16))
+    assert (choice.source, block(choice)) == ("adopted", 64)
+    assert "names this rank" in str(choice.origin)
+    other, _ = choose(rank0, FakeMeasure(block=16))
+    assert block(other) == 64
+
+
+def test_publish_compares_the_published_signature_not_the_rank() -> None:
+    """A foreign record naming this rank appears while it measures: it is adopted, not taken for ours."""
+    (rank0,) = ranks(1)
+    config = config_data(next(c for c in sk.ADD_CONFIGS if c.kwargs["BLOCK_SIZE"] == 64))
+    foreign = json.dumps({"config": config, "signature": config_signature(config), "rank": 0})
+
+    class ForeignWriter(FakeMeasure):
+        def __call__(self, *args: Any) -> Any:
+            rank0._store.set(_store_key(KERNEL, key(100), ARCH), foreign)
+            return super().__call__(*args)
+
+    choice, timings = choose(rank0, ForeignWriter(block=16))
+    assert timings is not None  # it measured, then found the store holding another config
+    assert (choice.source, block(choice)) == ("adopted", 64)
+
+
+@pytest.mark.parametrize(
+    "raw, shown",
+    [
+        (b"\xff\xfe", "not the library's JSON"),
+        ('{"config": {}, "signature": "s", "rank": Infinity}', "Infinity"),
+        ("[" * 5000 + "]" * 5000, "not the library's JSON"),
+        ('{"config": {}, "signature": "s", "rank": 1.9}', "1.9"),
+        ('{"config": {}, "signature": "s", "rank": true}', "True"),
+        ('{"config": {}, "signature": "s", "rank": -7}', "-7"),
+        ('{"config": {}, "signature": "s", "rank": 99}', "99"),
+        ('{"config": [], "signature": "s", "rank": 0}', "config"),
+        ('"just text"', "not a JSON object"),
+    ],
+)
+def test_garbage_under_a_decision_key_is_a_consensus_error_naming_kernel_key_and_value(
+    raw: Any, shown: str
+) -> None:
+    rank0, _ = ranks(2)
+    rank0._store.set(_store_key(KERNEL, key(100), ARCH), raw)
+    with pytest.raises(ConsensusError) as caught:
+        choose(rank0, FakeMeasure())
+    assert caught.value.kernel == KERNEL and caught.value.key == key(100)
+    assert shown in str(caught.value)
+
+
+def cache_table(blocks: dict[int, int]) -> Table:
+    """A cache holding, for each n, the config with BLOCK_SIZE=blocks[n]."""
+    entries = []
+    for n, size in blocks.items():
+        config = next(c for c in sk.ADD_CONFIGS if c.kwargs["BLOCK_SIZE"] == size)
+        entries.append(
+            Entry(
+                arch=ARCH,
+                kernel=KERNEL,
+                key=key(n),
+                config=config_data(config),
+                how="tuned",
+                source_hash=kernel_source_hash(sk.scale_add),
+                triton_version=installed_triton_version(),
+            )
+        )
+    return Table(entries, meta={"kind": "auto-cache"})
+
+
+def cached(tmp_path: Any, rank: int, blocks: dict[int, int]) -> tuple[str, TableSet]:
+    """Rank ``rank``'s cache file holding ``blocks``, and the search path that reads it."""
+    path = str(tmp_path / f"cache{rank}.msgpack")
+    return path, TableSet([], cache=(path, cache_table(blocks)))
+
+
+def test_a_cache_hit_in_a_job_is_proposed_with_one_request_and_the_others_adopt_it(tmp_path: Any) -> None:
+    path, table = cached(tmp_path, 0, {100: 64})
+    r0, r1 = ranks(2, caches={0: path})
+    counting = r0._store = Counting(r0._store)
+    hit, timings = choose(r0, FakeMeasure(block=16), table=table)
+    assert (hit.source, block(hit), timings, counting.calls) == ("table", 64, None, 1)
+    measure = FakeMeasure(block=16)  # rank 1's cache is empty: it adopts the proposal, measures nothing
+    follower, _ = choose(r1, measure)
+    assert (follower.source, block(follower), measure.calls) == ("adopted", 64, [])
+
+
+@pytest.mark.parametrize("second_has", ["empty", "other config", "tuned first"])
+def test_ranks_with_different_caches_launch_one_config_per_key(tmp_path: Any, second_has: str) -> None:
+    path0, table0 = cached(tmp_path, 0, {100: 64})
+    path1, table1 = cached(tmp_path, 1, {100: 16} if second_has == "other config" else {})
+    r0, r1 = ranks(2, caches={0: path0, 1: path1})
+    if second_has == "tuned first":  # rank 1 (no cache entry) tunes and publishes before rank 0 proposes
+        first = choose(r1, FakeMeasure(block=128), table=table1)[0]
+        second = choose(r0, FakeMeasure(block=8), table=table0)[0]
+        assert (second.source, second.origin) == ("adopted", "rank 1")
+    else:
+        first = choose(r0, FakeMeasure(block=8), table=table0)[0]
+        second = choose(r1, FakeMeasure(block=8), table=table1)[0]
+    assert block(first) == block(second)
+
+
+def test_an_explicit_table_hit_is_an_input_every_rank_shares_and_is_not_proposed(tmp_path: Any) -> None:
+    explicit = tmp_path / "explicit.msgpack"
+    save_table(cache_table({100: 64}), explicit)
+    (r0,) = ranks(1, caches={0: str(tmp_path / "cache0.msgpack")})
+    counting = r0._store = Counting(r0._store)
+    choice, _ = choose(r0, FakeMeasure(block=16), table=TableSet([explicit]))
+    assert (choice.source, block(choice), counting.calls) == ("table", 64, 0)
+
+
+def test_auto_refuses_a_job_above_its_cap_naming_the_flow(monkeypatch: Any) -> None:
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda: kv.AUTO_MAX_RANKS + 1)
+    with pytest.raises(PolicyError) as raised:
+        kv.start_consensus(None)
+    message = str(raised.value)
+    for part in (
+        "megatron_tuning tune",
+        "show",
+        "MEGATRON_TUNING_MODE=deterministic",
+        str(kv.AUTO_MAX_RANKS),
+    ):
+        assert part in message
