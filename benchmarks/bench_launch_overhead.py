@@ -12,7 +12,7 @@ where they differ from Triton's defaults), ``triton_hit`` (stock ``@triton.autot
 first call), ``one_config`` (a one-config ``@triton.autotune``, no key built), ``pinned`` (the
 autotuned kernel under the interception, deterministic policy, a table entry pinning the config
 Triton chose) and ``pinned_all_options`` (the same with every compile option passed, as before the
-launch record left out the defaults: ``launches.make_launch``). Trials interleave the paths in
+launch record left out the defaults). Trials interleave the paths in
 rotating order; the interception is installed only around the pinned paths' trials. Goal
 (issue 18): pinned <= 1.05x bare per launch.
 
@@ -124,25 +124,22 @@ def measure_gpu(args: argparse.Namespace) -> dict[str, list[float]]:
 
 def _hand_written(config: Any) -> dict[str, Any]:
     """The keywords a hand-written launch of ``config`` passes: its kwargs, and the compile options
-    that differ from what Triton compiles with when they are left out."""
-    from megatron_tuning.runtime.launches import make_launch
-    from megatron_tuning.runtime.triton_compat import launch_option_defaults
+    that differ from what Triton compiles with when they are left out (what the pinned path passes)."""
+    from megatron_tuning.runtime.interception import launch_option_defaults
 
-    return make_launch(config, launch_option_defaults()).run_options
+    defaults = launch_option_defaults()
+    return {k: v for k, v in config.all_kwargs().items() if k not in defaults or defaults[k] != v}
 
 
 def _check_compiled(kernel: Any, args: tuple[Any, ...], grid: Any) -> None:
     """The kernel the pinned path's options compile has the pinned config's warps and stages:
     leaving default options out of a launch must compile the same kernel."""
-    from megatron_tuning.runtime.launches import make_launch
-    from megatron_tuning.runtime.triton_compat import launch_option_defaults
-
     config = kernel.best_config
-    launch = make_launch(config, launch_option_defaults())
-    compiled = kernel.fn.run(*args, grid=grid, warmup=True, **launch.run_options)
+    options = _hand_written(config)
+    compiled = kernel.fn.run(*args, grid=grid, warmup=True, **options)
     got = (compiled.metadata.num_warps, compiled.metadata.num_stages)
     assert got == (config.num_warps, config.num_stages), f"compiled {got}, pinned {config}"
-    left_out = sorted(set(launch.options) - set(launch.run_options))
+    left_out = sorted(set(config.all_kwargs()) - set(options))
     print(f"pinned launch leaves out {left_out}; its compiled kernel has warps/stages {got}, as pinned")
 
 
@@ -186,7 +183,7 @@ def measure_cpu(args: argparse.Namespace) -> dict[str, list[float]]:
     from megatron_tuning import kernels as tiny
     from megatron_tuning.core.identity import kernel_id
     from megatron_tuning.runtime import interception
-    from megatron_tuning.runtime.triton_compat import triton_cache_key
+    from megatron_tuning.runtime.interception import triton_cache_key
 
     kernel = tiny.add_one_kernel
     n = 1024

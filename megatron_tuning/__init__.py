@@ -33,7 +33,7 @@ from .core.errors import (
 )
 from .core.policy import TuningPolicy
 from .core.warn import TuningWarning, install_default_handler
-from .runtime.triton_compat import lazy_benchmarker
+from .runtime.interception import lazy_benchmarker
 from .selection import (
     arch_tag,
     autotune_configs,

@@ -114,7 +114,7 @@ def _import_kernel_module(name: str) -> ModuleType:
     if name in sys.modules:
         return sys.modules[name]
     try:
-        from megatron_tuning.runtime.triton_compat import lazy_benchmarker
+        from megatron_tuning.runtime.interception import lazy_benchmarker
     except ImportError:
         return importlib.import_module(name)
     with lazy_benchmarker():

@@ -10,7 +10,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from megatron_tuning.runtime.triton_compat import lazy_benchmarker
+from megatron_tuning.runtime.interception import lazy_benchmarker
 
 BENCH_CALLS: list[str] = []  # every benchmark any kernel here attempts, via its do_bench
 

@@ -62,7 +62,7 @@ def use_cpu_interpreter() -> None:
     os.environ["TRITON_INTERPRET"] = "1"
     # Triton 3.3 resolves its benchmarker when a kernel is decorated, which fails without a
     # GPU driver: keep the lazy one for this whole (short-lived) process.
-    from megatron_tuning.runtime.triton_compat import lazy_benchmarker
+    from megatron_tuning.runtime.interception import lazy_benchmarker
 
     _PROCESS_CONTEXTS.enter_context(lazy_benchmarker())
 

@@ -98,7 +98,7 @@ def find_autotuners(module: Any) -> list[Any]:
 def _import_for_inspection(name: str) -> Any:
     # On Triton 3.2/3.3 decorating an autotuned kernel without a GPU fails unless the
     # benchmarker is resolved lazily; the interception provides exactly that.
-    from ..runtime.triton_compat import lazy_benchmarker
+    from ..runtime.interception import lazy_benchmarker
 
     with lazy_benchmarker():
         return importlib.import_module(name)

@@ -11,7 +11,8 @@ graph's first run. So the choice has to be made while the call is traced.
   (``DynamoTritonHOPifier``) and ``wrap_triton``/``triton_op`` (``TracingTritonHOPifier``), that
   turns a kernel call into that node. For an in-scope Autotuner under a pinning mode it
   specializes the ``key=`` arguments (a guard per value, so a dynamic-shape graph is recompiled
-  per key value, like eager keys), decides through ``pinning.decide`` with
+  per key value, like eager keys), decides through ``pinning.decide`` (by way of the
+  interception, which hands this module its decision function) with
   ``may_measure=False`` (same kernel id, key, decision log entry and agreement check as eager),
   and hands the original a one-config ``triton.autotune`` copy of the kernel. Everything
   downstream (heuristics, grids, lowering, codegen, the FX graph cache key) sees one config, so
@@ -45,7 +46,6 @@ from ..core.identity import tuning_key
 from ..core.policy import TuningPolicy
 from ..core.warn import warn_once
 from . import pinning
-from .triton_compat import autotuner_class
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +60,9 @@ _originals: dict[str, tuple[Any, Any]] = {}  # name -> (owner class, original at
 _unsupported: str | None = None  # why compiled launches cannot be pinned in this process, if so
 _tls = threading.local()
 _copies: weakref.WeakKeyDictionary[Any, dict[int, tuple[Any, Any]]] = weakref.WeakKeyDictionary()
+_pin: Any = None
+"""``interception._pin``, handed over by ``patch``: a traced call's decision (this module cannot
+import the interception, which imports it)."""
 
 
 def torch_version() -> str:
@@ -79,10 +82,15 @@ def unsupported_reason() -> str | None:
     return _unsupported
 
 
-def patch() -> None:
-    """Wrap torch's handling of user Triton kernels; a torch without it only records why."""
-    global _unsupported
+def patch(pin: Any) -> None:
+    """Wrap torch's handling of user Triton kernels; a torch without it only records why.
+
+    ``pin(kernel, installation, args, kwargs, may_measure=False)`` gives a traced call's
+    config (``interception._pin``: the key's decision, made if new, filed in Triton's cache).
+    """
+    global _unsupported, _pin
     with _lock:
+        _pin = pin
         if _originals:
             return
         _unsupported = None
@@ -167,6 +175,8 @@ def _caching_autotuner_class() -> Any:
 
 
 def _make_call_triton_kernel(original: Any) -> Any:
+    from triton.runtime.autotuner import Autotuner
+
     @functools.wraps(original)
     def call_triton_kernel(self: Any, variable: Any, args: Any, kwargs: Any, tx: Any) -> Any:
         if "benchmark_all_configs" not in _originals and _originals:
@@ -181,7 +191,7 @@ def _make_call_triton_kernel(original: Any) -> Any:
         if (
             installation is None
             or installation.policy.mode in PASS_THROUGH_MODES
-            or not isinstance(kernel, autotuner_class())
+            or not isinstance(kernel, Autotuner)
             or pinning.PINNED_ATTR in kernel.__dict__
         ):
             return original(self, variable, args, kwargs, tx)
@@ -196,21 +206,16 @@ def _make_call_triton_kernel(original: Any) -> Any:
                 kwargs[name] = _specialize(variable, kwargs[name])
         values = tuple(_concrete(a) for a in args)
         named = {k: _concrete(v) for k, v in kwargs.items()}
-        raw = pinning.raw_key(state, values, named)
-        config = state.pins.get(raw)
-        if config is None:
-            try:
-                with _no_tracing_modes():  # the agreement check may create tensors: keep them real
-                    config = pinning.decide(
-                        kernel, state, installation, raw, values, named, may_measure=False
-                    )
-            except MegatronTuningError as error:
-                if tx is None:  # wrap_triton / make_fx tracing: the error reaches the caller as is
-                    raise
-                # Dynamo would rewrap it as InternalTorchDynamoError. A graph break runs this launch
-                # eagerly instead, where the same decision raises it unwrapped (fullgraph=True
-                # reports the message as Unsupported).
-                self.raise_unsupported(f"megatron_tuning: {type(error).__name__}: {error}")
+        try:
+            with _no_tracing_modes():  # the agreement check may create tensors: keep them real
+                config = _pin(kernel, installation, values, named, may_measure=False)
+        except MegatronTuningError as error:
+            if tx is None:  # wrap_triton / make_fx tracing: the error reaches the caller as is
+                raise
+            # Dynamo would rewrap it as InternalTorchDynamoError. A graph break runs this launch
+            # eagerly instead, where the same decision raises it unwrapped (fullgraph=True
+            # reports the message as Unsupported).
+            self.raise_unsupported(f"megatron_tuning: {type(error).__name__}: {error}")
         kernel.best_config = config
         pinned = _recreate(self, variable, _one_config_copy(kernel, config))
         _tls.depth = getattr(_tls, "depth", 0) + 1
@@ -279,8 +284,10 @@ def _one_config_copy(kernel: Any, config: Any) -> Any:
 
 
 def _mark_nested_copy(kernel: Any) -> None:
+    from triton.runtime.autotuner import Autotuner
+
     if (
-        isinstance(kernel, autotuner_class())
+        isinstance(kernel, Autotuner)
         and pinning.PINNED_ATTR not in kernel.__dict__
         and len(kernel.configs) == 1
     ):
@@ -365,10 +372,11 @@ def _original_kernel(generated: Any) -> Any:
         from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
     except Exception:
         return None
-    autotuner = autotuner_class()
+    from triton.runtime.autotuner import Autotuner
+
     matches = []
     for kernel in list(kernel_side_table.id_to_kernel.values()):
-        if not isinstance(kernel, autotuner) or not kernel.keys or pinning.PINNED_ATTR in kernel.__dict__:
+        if not isinstance(kernel, Autotuner) or not kernel.keys or pinning.PINNED_ATTR in kernel.__dict__:
             continue  # the HOPifier's own rewrites (key=[]) and our copies; the user's kernel is there too
         try:
             if kernel.base_fn.__name__ not in (name, _generated_name(generated)):

@@ -1,24 +1,22 @@
-"""The per-process pinning state: the active installation, each autotuner's decisions, and how a
-new (kernel, key) is decided, recorded and pinned, in every mode.
+"""Decisions: which config an in-scope kernel launches for a key, in every mode, once per process.
 
-Shared by the two adapters that launch pinned configs: ``interception`` (Triton's
-``Autotuner.run``) and ``inductor`` (torch.compile's handling of user kernels), so an eager launch
-and a compiled one of the same key go through one decision, one decision-log entry and one
-agreement check. The Triton internals a decision touches (the autotuner's pruning and its
-``cache``) are reached through ``triton_compat``.
+Holds the active ``Installation`` (policy, table, measure, the job's coordinators) and each
+autotuner's ``AutotunerState`` (its decisions by key). Both adapters decide here: ``interception``
+(eager launches through Triton's ``Autotuner.run``) and ``inductor`` (calls traced by
+torch.compile), so an eager and a compiled launch of one key share one decision, one decision-log
+entry and one agreement check. Nothing here touches Triton's autotuner internals: the adapters
+hand in the kernel's live (pruned) candidates.
 
-``auto`` mode (``auto_choice``): a table entry pins the key as in ``deterministic``; else a decision
-another rank of the job already published is adopted (matched back to a live candidate, so its
-``Config.pre_hook`` survives); else this rank tunes once and publishes (first writer wins; a rank
-that lost the race launches the winner's config). A hit in this node's own ``auto`` cache is
-proposed to the job the same way, so per-node caches never split ranks. Where nothing can be
-measured the policy's miss rule applies.
+``auto`` mode (``auto_choice``): a table entry pins the key as in ``deterministic``; else a
+decision another rank of the job published is adopted; else this rank tunes once and publishes
+(first writer wins; a rank that lost launches the winner's config). A hit in this node's own
+``auto`` cache is proposed to the job the same way, so per-node caches never split ranks.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
+import sys
 import threading
 import types
 import weakref
@@ -43,23 +41,16 @@ from ..core.identity import (
 from ..core.policy import TuningPolicy
 from ..core.warn import warn_once
 
-# Re-exported: the adapters and tests reach the launch records and keys through this module.
-from .launches import (  # noqa: F401
-    FAST_RUN_ATTR,
-    MAX_LAUNCHES,
-    Launch,
-    compile_run,
-    find_launch,
-    launch_key,
-    raw_key,
-    specialize_find,
-)
-from .triton_compat import forget_triton_cache, live_candidates, remember_in_triton_cache  # noqa: F401
-
 logger = logging.getLogger("megatron_tuning.runtime.interception")
 
 # measure(autotuner, candidates, args, kwargs, kernel, key) -> (config, timings)
 Measure = Callable[[Any, list[Any], tuple[Any, ...], dict[str, Any], str, str], tuple[Any, dict[str, Any]]]
+
+STATE_ATTR = "_megatron_tuning_state"
+PINNED_ATTR = "_megatron_tuning_pinned_config"
+"""Set on the one-config copies compiled code launches (``inductor``): the config, decided already."""
+SERVES_ATTR = "_megatron_tuning_serves"
+"""Set on every instance ``run`` the interception generates: the installation it serves."""
 
 
 class PublishedDecision(Protocol):
@@ -82,14 +73,10 @@ class Consensus(Protocol):
     ) -> PublishedDecision: ...
 
 
-STATE_ATTR = "_megatron_tuning_state"
-# Set on the one-config Autotuner copies compiled code launches (runtime/inductor.py): the value is
-# the config to launch, already decided, so ``run`` launches it without a new decision.
-PINNED_ATTR = "_megatron_tuning_pinned_config"
-
-
 @dataclass(frozen=True)
 class Installation:
+    """What ``interception.install`` was given; a new one (new policy or table) starts afresh."""
+
     policy: TuningPolicy
     table: ConfigTable | None
     measure: Measure | None
@@ -100,128 +87,47 @@ class Installation:
 
     @property
     def arch(self) -> str:
-        """The arch of the device current now: read when a decision is made, never at install.
-
-        A rank may install before ``torch.cuda.set_device(local_rank)``; reading the device then
-        would open a context on GPU 0 and record its arch. Decisions are once per (kernel, key),
-        so this is not on the launch path.
-        """
+        """The arch of the device current now, read per decision and never at install: a rank may
+        install before ``torch.cuda.set_device(local_rank)``, and reading then would touch GPU 0."""
         return arch_tag()
 
 
 @dataclass
 class AutotunerState:
-    """Per-autotuner cache, valid for one installation generation."""
+    """One autotuner's decisions under one installation generation."""
 
     generation: int
     in_scope: bool
     kernel: str
     key_index: tuple[tuple[str, int], ...]
+    """(name, parameter position) of each ``key=`` argument."""
     arg_names: tuple[str, ...]
     pins: dict[tuple[Any, ...], Any] = field(default_factory=dict)
     """Decision key (``raw_key``) -> the decided config: one decision per key."""
     lock: threading.Lock = field(default_factory=threading.Lock)
     source_hash: str | None = None
-    triton_keys: dict[tuple[Any, ...], Any] = field(default_factory=dict)
-    """Entries this installation wrote into the autotuner's own ``cache`` (removed at uninstall)."""
-    launches: dict[tuple[Any, ...], Launch] = field(default_factory=dict)
-    """Launch key (``launch_key``) -> ``Launch``: what the hit path reads, one dict lookup a
-    launch. Never rebound (``find`` holds its ``get``)."""
-    live: Installation | None = None
-    """The installation ``launches`` serve: set by the interception once a pinned launch of this
-    state was made. The hit path uses ``launches`` only while this ``is`` the active installation,
-    so a new policy, table or ``uninstall`` can never launch a record of an old one."""
-    arg_set: frozenset[str] = field(init=False)
-    find: Any = field(init=False)
-    """``find(args, kwargs) -> Launch | None``, the hit path's lookup in ``launches``:
-    ``launches.find_launch`` until ``specialize_find`` compiles one for the first call's shape."""
-
-    def __post_init__(self) -> None:
-        self.arg_set = frozenset(self.arg_names)
-        self.find = functools.partial(find_launch, self)
 
 
 active: Installation | None = None
-"""The installation ``interception.install`` made current; read on every launch (hot path).
-Changed only through ``set_active``, which takes every armed instance ``run`` away with it."""
-_armed: weakref.WeakSet[Any] = weakref.WeakSet()
-"""Autotuners whose instance ``run`` is a compiled hit path (``arm``)."""
-_active_lock = threading.Lock()
-"""Orders ``set_active`` and ``arm``: a hit path compiled for an installation is never stored after
-that installation stopped being the active one."""
-_ANY: Any = object()
+"""The installation in force; read at every launch. Changed only through ``set_active``."""
 touched: weakref.WeakSet[Any] = weakref.WeakSet()
-"""Autotuners that carry a state, so ``uninstall`` can clear them."""
+"""Autotuners that were given a state, so ``uninstall`` can clear them."""
 before_decision: list[Callable[[Installation], Installation]] = []
-"""Called at each new (kernel, key) decision, never on a launch of a pinned key; may return a
+"""Called at each new (kernel, key) decision, never on a launch of a decided key; may return a
 replacement installation, which becomes the active one. The session registers one while it waits
 for a process group created after it started (``session._LateAttach``)."""
+_active_lock = threading.Lock()
+_ANY: Any = object()
 
 
 def set_active(installation: Installation | None, *, replacing: Any = _ANY) -> bool:
-    """Make ``installation`` the active one (``None``: none) and disarm every autotuner.
-
-    With ``replacing``, only if that is still the active installation (returns whether it was).
-    Every change of ``active`` goes through here, so no instance ``run`` compiled for an older
-    installation survives it (each also checks ``active`` itself, in case one is put back).
-    """
+    """Make ``installation`` the active one; with ``replacing``, only if that one still is."""
     global active
     with _active_lock:
         if replacing is not _ANY and active is not replacing:
             return False
         active = installation
-        for autotuner in list(_armed):
-            _pop_fast_run(autotuner)
-        _armed.clear()
     return True
-
-
-def arm(autotuner: Any, run: Any) -> bool:
-    """Store ``run`` (``launches.compile_run``) as ``autotuner``'s instance ``run``.
-
-    Only while the installation it serves is still active, and never over an instance ``run``
-    that is not one of ours (a user's monkeypatch keeps precedence, as it would over Triton's).
-    """
-    with _active_lock:
-        if active is None or active is not run.__dict__[FAST_RUN_ATTR]:
-            return False
-        current = autotuner.__dict__.get("run")
-        if current is not None and serving(current) is None:
-            return False
-        autotuner.__dict__["run"] = run
-        _armed.add(autotuner)
-    return True
-
-
-def disarm(autotuner: Any) -> None:
-    """Take ``autotuner``'s compiled instance ``run`` away, if it has one (its class ``run`` applies)."""
-    with _active_lock:
-        _pop_fast_run(autotuner)
-        _armed.discard(autotuner)
-
-
-def mark_pinned(autotuner: Any, config: Any) -> None:
-    """Make ``autotuner`` a compiled graph's one-config copy, launching ``config`` (decided already).
-
-    A ``copy.copy`` of an autotuner carries the original's state and instance ``run`` (a closure
-    over the original): both go, so the copy launches its own pin, never the original's records.
-    """
-    autotuner.__dict__[PINNED_ATTR] = config
-    autotuner.__dict__.pop(STATE_ATTR, None)
-    disarm(autotuner)
-
-
-def serving(run: Any) -> Installation | None:
-    """The installation a compiled instance ``run`` serves; ``None`` for anything else."""
-    if isinstance(run, types.FunctionType):
-        served: Installation | None = run.__dict__.get(FAST_RUN_ATTR)
-        return served
-    return None
-
-
-def _pop_fast_run(autotuner: Any) -> None:
-    if serving(autotuner.__dict__.get("run")) is not None:
-        del autotuner.__dict__["run"]
 
 
 def installed() -> bool:
@@ -233,24 +139,49 @@ def current_policy() -> TuningPolicy | None:
     return None if installation is None else installation.policy
 
 
+def serving(run: Any) -> Installation | None:
+    """The installation an instance ``run`` the interception generated serves; ``None`` for any other
+    (read from the function's own ``__dict__``: a user's mock answers every attribute)."""
+    served: Installation | None = (
+        run.__dict__.get(SERVES_ATTR) if isinstance(run, types.FunctionType) else None
+    )
+    return served
+
+
+def mark_pinned(autotuner: Any, config: Any) -> None:
+    """Make ``autotuner`` a compiled graph's one-config copy that launches ``config`` (decided already).
+
+    A ``copy.copy`` of an autotuner carries the original's state and instance ``run`` (which
+    launches the original's records): both go, so the copy launches its own pin.
+    """
+    autotuner.__dict__[PINNED_ATTR] = config
+    autotuner.__dict__.pop(STATE_ATTR, None)
+    if serving(autotuner.__dict__.get("run")) is not None:
+        del autotuner.__dict__["run"]
+
+
 def state_for(autotuner: Any, installation: Installation) -> AutotunerState:
+    """``autotuner``'s state under ``installation``, made at its first launch under it.
+
+    A state made for an installation that is no longer the active one is not kept, so a launch
+    that raced with ``install`` never replaces the new installation's decisions.
+    """
     state = autotuner.__dict__.get(STATE_ATTR)
     if state is not None and state.generation == installation.generation:
         return state
-    if state is not None:
-        forget_triton_cache(autotuner, state)
     arg_names = list(autotuner.arg_names)
     kernel = kernel_id(autotuner)
-    state = AutotunerState(
+    new = AutotunerState(
         generation=installation.generation,
         in_scope=installation.policy.in_scope(kernel_module(autotuner)),
         kernel=kernel,
         key_index=tuple((name, arg_names.index(name)) for name in autotuner.keys if name in arg_names),
         arg_names=tuple(arg_names),
     )
-    autotuner.__dict__[STATE_ATTR] = state
-    touched.add(autotuner)
-    if not state.in_scope:
+    if state is None or installation is active:
+        autotuner.__dict__[STATE_ATTR] = new
+        touched.add(autotuner)
+    if not new.in_scope:
         decision_log().record(
             Decision(
                 kernel=kernel,
@@ -261,7 +192,22 @@ def state_for(autotuner: Any, installation: Installation) -> AutotunerState:
                 rank=current_rank(),
             )
         )
-    return state
+    return new
+
+
+def raw_key(state: AutotunerState, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    """The decision key: the parts of ``tuning_key`` by argument name, without building text.
+
+    The ``key=`` values present, each with its name and type (so ``True``/``1``/``1.0`` stay
+    distinct keys, as in ``tuning_key``), then ``(name, dtype)`` of every named argument that has
+    a dtype, in parameter order. Positional and keyword passing give the same key; keywords that
+    are not kernel arguments (``grid``, ``warmup``) play no part.
+    """
+    named = dict(zip(state.arg_names, args))
+    named.update((name, value) for name, value in kwargs.items() if name in state.arg_names)
+    values = tuple((name, named[name].__class__, named[name]) for name, _ in state.key_index if name in named)
+    dtypes = tuple((name, named[name].dtype) for name in state.arg_names if hasattr(named.get(name), "dtype"))
+    return (values, dtypes)
 
 
 def decide(
@@ -272,107 +218,135 @@ def decide(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     *,
+    candidates: Callable[[], list[Any]],
     may_measure: bool = True,
 ) -> Any:
-    """Choose, record and pin the config for one (kernel, key); the first use of it in this process.
+    """The config of one (kernel, key): decided, logged and pinned at its first use in this process.
 
-    ``may_measure=False`` where no real arguments exist (torch.compile trace time): ``tune`` and
-    ``auto`` then apply the policy's miss rule instead of measuring. A new key first launched
-    while a CUDA graph is being captured is never measured either (timing would break the capture).
+    ``candidates()`` gives the kernel's live configs after its own pruning (the adapter's). The
+    decision is logged before it is pinned: a listener that raises (the agreement check) pins
+    nothing, and the next launch of the key asks again. ``may_measure=False`` where no real
+    arguments exist (torch.compile tracing): ``tune`` and ``auto`` apply the miss rule instead. A
+    key first launched during a CUDA graph capture is never measured either, and sends nothing to
+    the job's store.
     """
     with state.lock:
         config = state.pins.get(raw)
         if config is not None:
             return config
         for hook in tuple(before_decision):
-            installation = _replace_active(installation, hook(installation))
-        policy = installation.policy
-        may_measure = may_measure and not is_capturing()
+            new = hook(installation)
+            if new is not installation:
+                set_active(new, replacing=installation)
+                installation = new
+        capturing = is_capturing()
         key = tuning_key(autotuner, args, kwargs)
-        candidates = live_candidates(autotuner, args, kwargs)
-        rank = current_rank()
-        arch = installation.arch  # the launching device's, resolved once per decision
-        timings = None
-        if policy.mode == "chaos":
-            choice = choose_chaos(
-                state.kernel,
-                key,
-                candidates,
-                rank=rank,
-                arch=arch,
-                coordinator=installation.chaos,
-                offline=is_capturing(),  # no store traffic inside a CUDA graph capture
-            )
-        elif policy.mode == "tune" and len(candidates) > 1 and may_measure:
-            assert installation.measure is not None
-            config, timings = installation.measure(autotuner, candidates, args, kwargs, state.kernel, key)
-            choice = Choice(config, "tuned")
-        elif policy.mode == "auto":
-            choice, timings = auto_choice(
-                autotuner,
-                candidates,
-                key,
-                (args, kwargs),
-                kernel=state.kernel,
-                arch=arch,
-                policy=policy,
-                table=installation.table,
-                measure=installation.measure,
-                consensus=installation.consensus,
-                may_measure=may_measure,
-            )
-        else:
-            if policy.mode == "tune" and len(candidates) > 1:
-                warn_once(
-                    ("tune-cannot-measure", state.kernel, key),
-                    "kernel %s key %s is first seen where nothing can be measured (compiled code, "
-                    "or a CUDA graph capture); using the deterministic choice instead of tuning it. "
-                    "Launch this key once eagerly, outside graph capture, before compiling or "
-                    "capturing, so the tuner can time it",
-                    state.kernel,
-                    key,
-                )
-            choice = choose_deterministically(
-                autotuner,
-                candidates,
-                key,
-                table=installation.table,
-                on_miss=policy.on_miss,
-                block_sizes=policy.block_sizes,
-            )
-        config, source, origin = choice.config, choice.source, choice.origin
+        arch = installation.arch  # the launching device's, once per decision
+        choice, timings = _choose(
+            autotuner,
+            state,
+            installation,
+            key,
+            candidates(),
+            (args, kwargs),
+            arch,
+            may_measure=may_measure and not capturing,
+            capturing=capturing,
+        )
         if state.source_hash is None:
             state.source_hash = kernel_source_hash(autotuner)
-        decision = Decision(
-            kernel=state.kernel,
-            key=key,
-            signature=config_signature(config),
-            source=source,
-            config=config_data(config),
-            arch=arch,
-            rank=rank,
-            origin=origin,
-            source_hash=state.source_hash,
-            timings=timings,
-            nearest_key=choice.nearest_key,
-            matched_by=choice.matched_by,
-            entry_kernel=choice.entry_kernel,
-            chaos=choice.chaos,
-        )
-        logger.info(
-            "kernel %s key %s -> %s (%s%s%s%s)",
-            state.kernel,
+        log(state, key, choice, arch, timings)  # listeners (agreement) may raise: nothing is pinned
+        state.pins[raw] = choice.config
+        return choice.config
+
+
+def log(state: AutotunerState, key: str, choice: Choice, arch: str, timings: dict[str, Any] | None) -> None:
+    """Record ``choice`` for (``state.kernel``, ``key``) in the decision log (its listeners run)."""
+    decision = Decision(
+        kernel=state.kernel,
+        key=key,
+        signature=config_signature(choice.config),
+        source=choice.source,
+        config=config_data(choice.config),
+        arch=arch,
+        rank=current_rank(),
+        origin=choice.origin,
+        source_hash=state.source_hash,
+        timings=timings,
+        nearest_key=choice.nearest_key,
+        matched_by=choice.matched_by,
+        entry_kernel=choice.entry_kernel,
+        chaos=choice.chaos,
+    )
+    logger.info(
+        "kernel %s key %s -> %s (%s%s%s%s)",
+        state.kernel,
+        key,
+        decision.signature,
+        choice.source,
+        f" from {choice.origin}" if choice.origin else "",
+        f", entry for {choice.nearest_key}" if choice.nearest_key else "",
+        f", matched by content: tuned as {choice.entry_kernel}" if choice.matched_by else "",
+    )
+    decision_log().record(decision)
+
+
+def _choose(
+    autotuner: Any,
+    state: AutotunerState,
+    installation: Installation,
+    key: str,
+    candidates: list[Any],
+    call: tuple[tuple[Any, ...], dict[str, Any]],
+    arch: str,
+    *,
+    may_measure: bool,
+    capturing: bool,
+) -> tuple[Choice, dict[str, Any] | None]:
+    """The policy mode's choice among ``candidates``, and the timings when this rank measured."""
+    policy, kernel = installation.policy, state.kernel
+    if policy.mode == "chaos":
+        rank, coordinator = current_rank(), installation.chaos
+        return choose_chaos(
+            kernel, key, candidates, rank=rank, arch=arch, coordinator=coordinator, offline=capturing
+        ), None
+    if policy.mode == "tune" and len(candidates) > 1 and may_measure:
+        assert installation.measure is not None
+        config, timings = installation.measure(autotuner, candidates, *call, kernel, key)
+        return Choice(config, "tuned"), timings
+    if policy.mode == "auto":
+        return auto_choice(
+            autotuner,
+            candidates,
             key,
-            decision.signature,
-            source,
-            f" from {origin}" if origin else "",
-            f", entry for {choice.nearest_key}" if choice.nearest_key else "",
-            f", matched by content: tuned as {choice.entry_kernel}" if choice.matched_by else "",
+            call,
+            kernel=kernel,
+            arch=arch,
+            policy=policy,
+            table=installation.table,
+            measure=installation.measure,
+            consensus=installation.consensus,
+            may_measure=may_measure,
         )
-        decision_log().record(decision)  # listeners (agreement) may raise: then nothing is pinned
-        state.pins[raw] = config
-        remember_in_triton_cache(autotuner, state, args, kwargs, config)
-        return config
+    if policy.mode == "tune" and len(candidates) > 1:
+        warn_once(
+            ("tune-cannot-measure", kernel, key),
+            "kernel %s key %s is first seen where nothing can be measured (compiled code, or a CUDA "
+            "graph capture); using the deterministic choice instead of tuning it. Launch this key "
+            "once eagerly, outside graph capture, before compiling or capturing, so the tuner can "
+            "time it",
+            kernel,
+            key,
+        )
+    choice = choose_deterministically(
+        autotuner,
+        candidates,
+        key,
+        table=installation.table,
+        on_miss=policy.on_miss,
+        block_sizes=policy.block_sizes,
+    )
+    return choice, None
 
 
 def auto_choice(
@@ -389,7 +363,11 @@ def auto_choice(
     consensus: Consensus | None,
     may_measure: bool = True,
 ) -> tuple[Choice, dict[str, Any] | None]:
-    """The choice for (kernel, key) in ``auto`` mode, and the timings when this rank measured."""
+    """``auto``'s choice for (kernel, key), and the timings when this rank measured.
+
+    ``consensus`` (``distributed.store.StoreConsensus``) shares decisions across the job's ranks;
+    ``None``: this process alone. Where nothing can be measured the policy's miss rule applies.
+    """
     pinned = pin_without_fallback(autotuner, candidates, key, table=table, block_sizes=policy.block_sizes)
     if isinstance(pinned, Choice):
         return _proposed(pinned, candidates, kernel, key, arch, consensus), None
@@ -400,12 +378,12 @@ def auto_choice(
     if not may_measure or measure is None:
         fallback = choose_on_miss(autotuner, candidates, key, pinned, table=table, on_miss=policy.on_miss)
         return _proposed(fallback, candidates, kernel, key, arch, consensus), None
-    args, kwargs = call
-    config, timings = measure(autotuner, candidates, args, kwargs, kernel, key)
+    config, timings = measure(autotuner, candidates, *call, kernel, key)
     if consensus is None:
         return Choice(config, "tuned"), timings
-    winner = consensus.publish(kernel, key, arch, config_data(config), config_signature(config))
-    if winner.rank == consensus.rank and winner.signature == config_signature(config):
+    mine = config_signature(config)
+    winner = consensus.publish(kernel, key, arch, config_data(config), mine)
+    if winner.rank == consensus.rank and winner.signature == mine:
         return Choice(config, "tuned"), timings
     # Another rank published first (maybe the same config): launch its config, keep our
     # measurement for the record. A record naming this rank with another config is adopted too.
@@ -416,7 +394,7 @@ def _proposed(
     choice: Choice, candidates: Sequence[Any], kernel: str, key: str, arch: str, consensus: Consensus | None
 ) -> Choice:
     """``choice``, unless it came from this node's own cache in a job: then it is proposed to the
-    job (first writer wins) and the winner is launched, so per-node caches never split ranks."""
+    job (first writer wins) and the winner is launched."""
     if consensus is None or not consensus.is_local(choice.origin):
         return choice
     mine = config_signature(choice.config)
@@ -427,6 +405,7 @@ def _proposed(
 def _adopt(
     published: PublishedDecision, candidates: Sequence[Any], kernel: str, key: str, rank: int
 ) -> Choice:
+    """The live candidate of ``published``'s signature (so its ``Config.pre_hook`` survives)."""
     for candidate in candidates:  # position order: the first live duplicate wins
         if config_signature(candidate) == published.signature:
             # A record naming this rank that this rank did not publish (it is adopting, so its own
@@ -444,20 +423,12 @@ def _adopt(
     )
 
 
-def _replace_active(old: Installation, new: Installation) -> Installation:
-    if new is not old:
-        set_active(new, replacing=old)
-    return new
-
-
 def is_capturing() -> bool:
     """Whether the current CUDA stream is capturing a graph (never imports torch itself).
 
     Nothing may be measured then (timing would break the capture), and the agreement layer sends
     no store or collective traffic.
     """
-    import sys
-
     torch = sys.modules.get("torch")
     if torch is None or not torch.cuda.is_available():
         return False

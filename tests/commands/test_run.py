@@ -105,7 +105,7 @@ def test_the_same_script_without_run_autotunes(tmp_path: Path) -> None:
     (tmp_path / "evaljob.py").write_text(EVAL)
     # Stock Triton 3.2/3.3 resolve a GPU benchmarker when decorating; this shim only defers that.
     shim = (
-        "from megatron_tuning.runtime.triton_compat import lazy_benchmarker; import runpy\n"
+        "from megatron_tuning.runtime.interception import lazy_benchmarker; import runpy\n"
         "with lazy_benchmarker(): runpy.run_path('evaljob.py', run_name='__main__')"
     )
     done = subprocess.run(

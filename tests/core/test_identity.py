@@ -19,7 +19,7 @@ from megatron_tuning.core.identity import (
     kernel_source_hash,
     split_kernel_id,
 )
-from megatron_tuning.runtime.triton_compat import lazy_benchmarker
+from megatron_tuning.runtime.interception import lazy_benchmarker
 
 from .. import support_kernels as sk
 

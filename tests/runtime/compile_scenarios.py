@@ -35,7 +35,7 @@ from megatron_tuning.core.decisions import decision_log, get_decisions  # noqa: 
 from megatron_tuning.core.identity import config_signature, kernel_id  # noqa: E402
 from megatron_tuning.core.policy import TuningPolicy  # noqa: E402
 from megatron_tuning.runtime import interception  # noqa: E402
-from megatron_tuning.runtime.triton_compat import lazy_benchmarker  # noqa: E402
+from megatron_tuning.runtime.interception import lazy_benchmarker  # noqa: E402
 
 with lazy_benchmarker():  # Triton 3.3 resolves its benchmarker at decoration
     from tests.runtime import compile_kernels as ck

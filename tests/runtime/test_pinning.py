@@ -45,8 +45,8 @@ from megatron_tuning.distributed import store as kv
 from megatron_tuning.distributed.agreement import unchecked_sources
 from megatron_tuning.distributed.store import StoreConsensus
 from megatron_tuning.runtime import interception, pinning
+from megatron_tuning.runtime.interception import lazy_benchmarker
 from megatron_tuning.runtime.pinning import auto_choice
-from megatron_tuning.runtime.triton_compat import lazy_benchmarker
 from megatron_tuning.tables.entry import Entry
 from megatron_tuning.tables.merge import recording_table
 from megatron_tuning.tables.search import TableSet, installed_triton_version

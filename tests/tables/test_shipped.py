@@ -44,14 +44,14 @@ def build_interpreter_table() -> Table:
     from megatron_tuning.core.decisions import decision_log, get_decisions
     from megatron_tuning.core.identity import config_data, config_signature, kernel_id
     from megatron_tuning.core.policy import TuningPolicy
-    from megatron_tuning.runtime import interception, triton_compat
+    from megatron_tuning.runtime import interception
 
     decision_log().clear()
     interception.install(TuningPolicy(mode="deterministic", scope=("megatron_tuning.kernels",)))
     try:
         from megatron_tuning.commands.selftest import CPU_SHAPES, reference_workload
 
-        with triton_compat.lazy_benchmarker():
+        with interception.lazy_benchmarker():
             autotuners = {kernel_id(a): a for a in find_autotuners(import_module("megatron_tuning.kernels"))}
         failures = reference_workload(torch.device("cpu"), CPU_SHAPES, torch.float32)
         assert not failures, failures
