@@ -59,7 +59,7 @@ _generation = 0
 _originals: dict[str, Any] = {}
 _filed: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], Any]] = weakref.WeakKeyDictionary()
 """The entries written into each autotuner's ``cache``, so exactly those are removed again."""
-_init_original: Any = None
+_init_original: tuple[Any, Any] | None = None  # (Autotuner, its own __init__) while patched
 _init_users = 0
 
 __all__ = ["current_policy", "install", "installed", "lazy_benchmarker", "uninstall"]
@@ -118,7 +118,7 @@ def uninstall() -> None:
             inductor.unpatch()
             _use_lazy_init(-1)
         _forget_instance_runs_and_filed_entries()
-        for instance in list(pinning.touched):
+        for instance in pinning.touched():
             instance.__dict__.pop(pinning.STATE_ATTR, None)
     if previous is not None:
         report_policy_end(previous.policy)  # the policy's end: how many keys fell back, and so on
@@ -126,7 +126,7 @@ def uninstall() -> None:
 
 
 def _forget_instance_runs_and_filed_entries() -> None:
-    for autotuner in list(pinning.touched):  # (under ``_lock``)
+    for autotuner in pinning.touched():  # (under ``_lock``, as ``_filed`` is written)
         if pinning.serving(autotuner.__dict__.get("run")) is not None:
             del autotuner.__dict__["run"]
     for autotuner, entries in list(_filed.items()):
@@ -188,8 +188,9 @@ def _pin(
             autotuner, state, installation, raw, args, kwargs, candidates=candidates, may_measure=may_measure
         )
         key = triton_cache_key(autotuner, args, kwargs)
-        autotuner.cache[key] = config
-        _filed.setdefault(autotuner, {})[key] = config
+        with _lock:
+            autotuner.cache[key] = config
+            _filed.setdefault(autotuner, {})[key] = config
     return config
 
 
@@ -371,10 +372,9 @@ def _live_candidates(autotuner: Any, args: Args, kwargs: Kwargs) -> list[Any]:
 
 
 def launch_option_defaults() -> dict[str, Any]:
-    """What ``JITFunction.run`` compiles with for each of ``LAUNCH_OPTIONS`` left out of a launch
-    (the active backend's ``parse_options({})`` for the current target); ``{}`` where that cannot
-    be read (the interpreter, no GPU driver), so nothing is left out there. Read once per launch
-    record, never per launch."""
+    """What ``JITFunction.run`` compiles with for each of ``LAUNCH_OPTIONS`` left out of a launch (the
+    backend's ``parse_options({})``); ``{}`` where that cannot be read (the interpreter, no GPU
+    driver), so nothing is left out there. Read once per launch record, never per launch."""
     try:
         from triton.runtime.driver import driver
 
@@ -414,17 +414,18 @@ def lazy_benchmarker() -> Iterator[None]:
 def _use_lazy_init(change: int) -> None:
     """Count the lazy benchmarker's users (an installation, each ``lazy_benchmarker`` block): the
     first patches ``Autotuner.__init__`` where Triton resolves its benchmarker eagerly (3.3; 3.4+
-    use a ``cached_property``), the last restores it."""
+    use a ``cached_property``), the last restores it (importing nothing: it may run at exit)."""
     global _init_original, _init_users
     with _lock:
-        autotuner = autotuner_class()
         _init_users += change
-        eager = not isinstance(inspect.getattr_static(autotuner, "do_bench", None), functools.cached_property)
-        if change > 0 and _init_users == 1 and eager:
-            _init_original = autotuner.__dict__["__init__"]
-            autotuner.__init__ = _make_init(_init_original)
+        if change > 0 and _init_users == 1:
+            autotuner = autotuner_class()
+            if not isinstance(inspect.getattr_static(autotuner, "do_bench", None), functools.cached_property):
+                _init_original = (autotuner, autotuner.__dict__["__init__"])
+                autotuner.__init__ = _make_init(_init_original[1])
         elif _init_users == 0 and _init_original is not None:
-            autotuner.__init__ = _init_original
+            autotuner, original = _init_original
+            autotuner.__init__ = original
             _init_original = None
 
 

@@ -110,8 +110,7 @@ class AutotunerState:
 
 active: Installation | None = None
 """The installation in force; read at every launch. Changed only through ``set_active``."""
-touched: weakref.WeakSet[Any] = weakref.WeakSet()
-"""Autotuners that were given a state, so ``uninstall`` can clear them."""
+_touched: weakref.WeakSet[Any] = weakref.WeakSet()  # autotuners given a state (under _active_lock)
 before_decision: list[Callable[[Installation], Installation]] = []
 """Called at each new (kernel, key) decision, never on a launch of a decided key; may return a
 replacement installation, which becomes the active one. The session registers one while it waits
@@ -128,6 +127,12 @@ def set_active(installation: Installation | None, *, replacing: Any = _ANY) -> b
             return False
         active = installation
     return True
+
+
+def touched() -> list[Any]:
+    """The autotuners that were given a state, so ``uninstall`` can clear them."""
+    with _active_lock:
+        return list(_touched)
 
 
 def installed() -> bool:
@@ -163,8 +168,8 @@ def mark_pinned(autotuner: Any, config: Any) -> None:
 def state_for(autotuner: Any, installation: Installation) -> AutotunerState:
     """``autotuner``'s state under ``installation``, made at its first launch under it.
 
-    A state made for an installation that is no longer the active one is not kept, so a launch
-    that raced with ``install`` never replaces the new installation's decisions.
+    Kept only while ``installation`` is the active one, so a launch that raced with ``install``
+    or ``uninstall`` never replaces the new installation's decisions or outlives the uninstall.
     """
     state = autotuner.__dict__.get(STATE_ATTR)
     if state is not None and state.generation == installation.generation:
@@ -178,9 +183,10 @@ def state_for(autotuner: Any, installation: Installation) -> AutotunerState:
         key_index=tuple((name, arg_names.index(name)) for name in autotuner.keys if name in arg_names),
         arg_names=tuple(arg_names),
     )
-    if state is None or installation is active:
-        autotuner.__dict__[STATE_ATTR] = new
-        touched.add(autotuner)
+    with _active_lock:  # ordered with set_active, and a WeakSet is not iterated while it grows
+        if installation is active:
+            autotuner.__dict__[STATE_ATTR] = new
+            _touched.add(autotuner)
     if not new.in_scope:
         decision_log().record(
             Decision(
