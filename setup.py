@@ -36,7 +36,7 @@ setup(
     package_data=package_data,
     include_package_data=False,
     # filelock >= 3.20.1: older releases follow a planted <table>.lock symlink and truncate its
-    # target (CVE-2025-68146); tables/files.py refuses such a lock path itself as well.
+    # target (CVE-2025-68146); tables/files.py names the refused lock path.
     install_requires=["torch", "triton", "msgpack", "numpy", "filelock>=3.20.1", "platformdirs"],
     extras_require={
         "test": TEST_REQUIRES,

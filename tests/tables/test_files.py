@@ -334,20 +334,6 @@ def test_a_planted_lock_symlink_is_refused_through_merge_and_the_auto_cache(tmp_
     assert victim.read_text() == "123456789"
 
 
-def test_a_lock_file_with_other_names_or_of_another_kind_is_refused(tmp_path):
-    table = tmp_path / "t.msgpack"
-    save_table(Table([_entry(0)]), table)
-    victim = _victim(tmp_path)
-    os.link(victim, f"{table}.lock")
-    with pytest.raises(TableError, match="has 2 hard links"):
-        merge_entries(table, [_entry(1)])
-    assert victim.read_text() == "123456789"
-    os.unlink(f"{table}.lock")
-    os.mkfifo(f"{table}.lock")
-    with pytest.raises(TableError, match="is a FIFO \\(named pipe\\), not a regular file"):
-        merge_entries(table, [_entry(1)])
-
-
 def test_an_ordinary_lock_file_is_reused_and_a_missing_folder_is_made(tmp_path):
     table = tmp_path / "t.msgpack"
     save_table(Table([_entry(0)]), table)
