@@ -1,51 +1,33 @@
 """Persisted per-shape tuning tables: canonical msgpack on disk, a lossless JSON view.
 
-A table maps (GPU arch, kernel id ``module:qualname``, tuning-key text) to the config
-to launch (``config_data`` form) plus provenance: the kernel source hash, the
-Triton version, how the entry was chosen, and timing statistics when it was measured.
-
-Encoding is canonical (see ``codec``) so the same content always gives the same
-bytes: tables are committed and diffed. Loading is all-or-nothing: any problem raises
-exactly one ``TableError`` naming the file and the problem, never another exception
-type and never a partly loaded table. Writes go through a temp file + fsync +
-``os.replace``; ``update_table`` wraps its read-modify-write in a ``filelock.FileLock``
-so concurrent writers never lose entries. No pickle anywhere.
+A table maps (GPU arch, kernel id, tuning-key text) to a config plus provenance. Loading is
+all-or-nothing: any problem raises one ``TableError`` naming the file, never a partly loaded
+table. ``update_table`` holds the table's lock around its read-modify-write, so concurrent
+writers never lose entries.
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
-import logging
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
 
 from ..core import __version__
 from ..core.errors import TableError
 from . import files
-from .codec import (
-    FORMAT,
-    SCHEMA,
-    check_header,
-    decode_json,
-    decode_msgpack,
-    encode_json,
-    encode_msgpack,
-)
-from .entry import HOW_VALUES, Entry, Invalid, Timing, entry_with
+from .codec import check_header, decode_json, decode_msgpack, encode_json, encode_msgpack
+from .entry import Entry, Invalid, Timing, entry_with
 from .files import LOCK_TIMEOUT_S, locked, read_regular_file, write_atomic
 
-logger = logging.getLogger(__name__)
-
 _Ident = tuple[str, str, str]
+_Decoded = tuple[str, dict[str, str], dict[_Ident, Entry]]
 
 
 def library_version() -> str:
     """The running megatron_tuning version, stamped into tables this process writes."""
     return __version__
-
-
-_current_version = library_version  # Table.__init__'s parameter shadows the public name
 
 
 class Table:
@@ -59,21 +41,18 @@ class Table:
         meta: Mapping[str, str] | None = None,
     ) -> None:
         """``library_version`` defaults to this library's; ``meta`` is free str->str header data."""
-        version = library_version if library_version is not None else _current_version()
+        version = __version__ if library_version is None else library_version
         self.library_version, self.meta = check_header(version, dict(meta or {}))
         self._entries: dict[_Ident, Entry] = {}
         for entry in entries:
             self.add(entry)
 
-    # -- access --------------------------------------------------------------------
     def get(self, arch: str, kernel: str, key: str) -> Entry | None:
         return self._entries.get((arch, kernel, key))
 
     def add(self, entry: Entry, *, replace: bool = True) -> bool:
         """Insert ``entry``; an existing one with the same ident is kept unless ``replace``.
-
-        Returns whether the table changed.
-        """
+        Returns whether the table changed."""
         if not isinstance(entry, Entry):
             raise TypeError(f"expected Entry, got {type(entry).__name__}")
         old = self._entries.get(entry.ident)
@@ -123,49 +102,40 @@ class Table:
     def __repr__(self) -> str:
         return f"Table({len(self)} entries, library_version={self.library_version!r})"
 
-    # -- encoding ------------------------------------------------------------------
     def to_bytes(self, *, keep_order: bool = False) -> bytes:
         """Canonical msgpack bytes: same content, same bytes.
 
-        ``keep_order``: rows in the order entries were added instead of (arch, kernel, key)
-        order. Every reader accepts such a file (row order carries no meaning for lookups);
-        ``auto``'s cache uses it as its eviction order. Not canonical: do not commit it.
+        ``keep_order``: rows in the order entries were added (``auto``'s cache keeps its eviction
+        order so). Every reader accepts such a file, but it is not canonical: do not commit it.
         """
         rows = self.entries_in_order() if keep_order else self.entries()
-        with _no_gc():  # see _no_gc: encoding builds ~10 columns of 100k-entry containers
+        with _no_gc():
             return encode_msgpack(self.library_version, self.meta, rows)
 
     def to_json(self, *, keep_order: bool = False) -> str:
-        """Lossless, reviewable JSON text (sorted keys, one field per line); ``keep_order`` as for
-        ``to_bytes``."""
+        """Lossless, reviewable JSON text (sorted keys, one field per line)."""
         rows = self.entries_in_order() if keep_order else self.entries()
         return encode_json(self.library_version, self.meta, rows)
 
     @classmethod
     def from_bytes(cls, data: bytes, *, path: str = "<bytes>") -> Table:
         """Decode canonical msgpack; any problem raises one ``TableError`` naming ``path``."""
-        try:
-            with _no_gc():
-                return cls._from_decoded(decode_msgpack(data))
-        except Invalid as exc:
-            raise TableError(path, str(exc)) from None
-        except Exception as exc:  # belt and braces: a loader must only ever raise TableError
-            raise TableError(path, f"unreadable table ({type(exc).__name__}: {exc})") from exc
+        return cls._decode(decode_msgpack, data, path)
 
     @classmethod
     def from_json(cls, text: str | bytes, *, path: str = "<json>") -> Table:
         """Parse the JSON view written by ``to_json``; problems raise one ``TableError``."""
-        try:
-            with _no_gc():
-                return cls._from_decoded(decode_json(text))
-        except Invalid as exc:
-            raise TableError(path, str(exc)) from None
-        except Exception as exc:
-            raise TableError(path, f"unreadable JSON table ({type(exc).__name__}: {exc})") from exc
+        return cls._decode(decode_json, text, path)
 
     @classmethod
-    def _from_decoded(cls, decoded: tuple[str, dict[str, str], dict[_Ident, Entry]]) -> Table:
-        version, meta, entries = decoded
+    def _decode(cls, decode: Callable[[Any], _Decoded], data: bytes | str, path: str) -> Table:
+        try:
+            with _no_gc():
+                version, meta, entries = decode(data)
+        except Invalid as exc:
+            raise TableError(path, str(exc)) from None
+        except Exception as exc:  # belt and braces: a loader must only ever raise TableError
+            raise TableError(path, f"unreadable table ({type(exc).__name__}: {exc})") from exc
         table = cls(library_version=version, meta=meta)
         table._entries = entries
         return table
@@ -173,8 +143,8 @@ class Table:
 
 @contextlib.contextmanager
 def _no_gc() -> Iterator[None]:
-    # A load allocates ~10 container objects per entry and none of them form cycles; the
-    # cyclic GC would rescan the growing heap over and over (measured: 2-3x slower loads).
+    # A load or save builds ~10 containers per entry, none in cycles; the cyclic GC would rescan
+    # the growing heap over and over (measured: 2-3x slower loads).
     was_enabled = gc.isenabled()
     gc.disable()
     try:
@@ -184,7 +154,6 @@ def _no_gc() -> Iterator[None]:
             gc.enable()
 
 
-# -- files -------------------------------------------------------------------------
 def load_table(path: str | os.PathLike[str], *, max_bytes: int | None = None) -> Table:
     """Load a msgpack table, or the JSON view when the name ends in ``.json``.
 
@@ -202,8 +171,7 @@ def load_table(path: str | os.PathLike[str], *, max_bytes: int | None = None) ->
                 "genuine (e.g. an auto cache an older megatron_tuning let grow), `show` and `export` "
                 f"read it with `--max-size {-(-size // 2**20)}` (MiB)",
             )
-    data = read_regular_file(name, error=TableError, max_bytes=limit)
-    return table_from_data(data, name)
+    return table_from_data(read_regular_file(name, max_bytes=limit), name)
 
 
 def table_from_data(data: bytes, name: str) -> Table:
@@ -216,21 +184,16 @@ def table_from_data(data: bytes, name: str) -> Table:
 def save_table(table: Table, path: str | os.PathLike[str]) -> None:
     """Write atomically: msgpack, or the JSON view when the name ends in ``.json``."""
     name = os.fspath(path)
-    payload = table.to_json().encode("utf-8") if name.endswith(".json") else table.to_bytes()
-    write_atomic(name, payload)
+    write_atomic(name, table.to_json().encode("utf-8") if name.endswith(".json") else table.to_bytes())
 
 
 def update_table(
-    path: str | os.PathLike[str],
-    mutate: Callable[[Table], None],
-    *,
-    timeout_s: float = LOCK_TIMEOUT_S,
+    path: str | os.PathLike[str], mutate: Callable[[Table], None], *, timeout_s: float = LOCK_TIMEOUT_S
 ) -> Table:
-    """Read-modify-write ``path`` under ``<resolved path>.lock``; a missing file starts empty.
+    """Read-modify-write ``path`` under its lock (``files.locked``); a missing file starts empty.
 
-    ``mutate`` changes the table in place. The result is stamped with this library's
-    version and written atomically if it changed (or the file did not exist); it is returned.
-    Past ``timeout_s`` waiting for another writer, raises ``TableError`` naming the holder.
+    ``mutate`` changes the table in place. The result is stamped with this library's version and
+    written atomically if it changed (or the file did not exist); it is returned.
     """
     name = os.fspath(path)
     with locked(name, timeout_s=timeout_s):
@@ -238,11 +201,10 @@ def update_table(
         table = load_table(name) if exists else Table()
         # A snapshot, not the encoding: comparing mappings whose unchanged entries are the same
         # objects costs milliseconds, encoding a 100k-entry table twice cost seconds.
-        version, meta, entries = table.library_version, dict(table.meta), dict(table._entries)
+        before = (table.library_version, dict(table.meta), dict(table._entries))
         mutate(table)
-        table.library_version = _current_version()
-        changed = (table.library_version, table.meta, table._entries) != (version, meta, entries)
-        if not exists or changed:
+        table.library_version = __version__
+        if not exists or (table.library_version, table.meta, table._entries) != before:
             save_table(table, name)
     return table
 
@@ -264,20 +226,4 @@ def merge_entries(
     return update_table(path, _mutate, timeout_s=timeout_s)
 
 
-__all__ = [
-    "FORMAT",
-    "HOW_VALUES",
-    "SCHEMA",
-    "Entry",
-    "Table",
-    "TableError",
-    "Timing",
-    "entry_with",
-    "library_version",
-    "load_table",
-    "merge_entries",
-    "save_table",
-    "table_from_data",
-    "update_table",
-    "write_atomic",
-]
+__all__ = ["Entry", "Table", "Timing", "entry_with", "library_version", "load_table", "save_table"]

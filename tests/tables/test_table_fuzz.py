@@ -149,7 +149,7 @@ def test_structure_mutations(edits: list[tuple[tuple[Any, ...], Any]]) -> None:
     for path, value in edits:
         try:
             doc = _replace(doc, path, value)
-        except (KeyError, IndexError, TypeError):  # an earlier edit removed this path
+        except (KeyError, IndexError, TypeError, ValueError):  # an earlier edit removed this path
             continue
     _load_only_table_error(msgpack.packb(doc, use_bin_type=True))
 
