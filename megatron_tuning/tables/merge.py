@@ -1,10 +1,9 @@
 """What runs record, and how it becomes one table: decision logs, per-rank recordings, the vote, diffs.
 
-Record mode and ``tune`` leave one file per process (a recording table, a decision log); ``merge``
-and ``tune`` pool them through one vote per input for each (arch, kernel, key): the majority wins,
-ties go to the lowest median time, then the lowest static cost, then the signature text, so the
-same inputs in any order give the same bytes. Every entry where inputs disagreed is reported: a
-measurement of how unstable autotuning was for that job.
+``merge`` and ``tune`` pool recordings through one vote per input for each (arch, kernel, key): the
+majority wins, ties go to the lowest median time, then the lowest static cost, then the signature
+text, so the same inputs in any order give the same bytes. Every disagreement is reported: it
+measures how unstable autotuning was for that job.
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ import logging
 import math
 import os
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -218,20 +217,11 @@ def write_recording(
 
 @dataclass(frozen=True, slots=True)
 class Vote:
-    """The inputs that chose one config for an entry."""
+    """The inputs that chose one config for an entry; ``median_ms``: the median of their medians."""
 
     signature: str
     inputs: tuple[str, ...]
     median_ms: float | None
-    """Median over the voters' measured medians, when they measured."""
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "signature": self.signature,
-            "votes": len(self.inputs),
-            "inputs": list(self.inputs),
-            "median_ms": self.median_ms,
-        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,18 +232,7 @@ class Disagreement:
     kernel: str
     key: str
     votes: tuple[Vote, ...]
-    rule: str
-    """Why the winner won: ``majority`` or ``tie: ...``."""
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "arch": self.arch,
-            "kernel": self.kernel,
-            "key": self.key,
-            "rule": self.rule,
-            "chosen": self.votes[0].signature,
-            "votes": [v.to_json() for v in self.votes],
-        }
+    rule: str  # why the winner won: ``majority`` or ``tie: ...``
 
 
 @dataclass(slots=True)
@@ -267,10 +246,16 @@ class MergeResult:
     """Entries whose inputs came from different kernel sources: (arch, kernel, key, hashes)."""
 
     def to_json(self) -> dict[str, Any]:
+        def vote(v: Vote) -> dict[str, Any]:
+            return {**asdict(v), "inputs": list(v.inputs), "votes": len(v.inputs)}
+
         return {
             "inputs": self.inputs,
             "entries": len(self.table),
-            "disagreements": [d.to_json() for d in self.disagreements],
+            "disagreements": [
+                {**asdict(d), "chosen": d.votes[0].signature, "votes": [vote(v) for v in d.votes]}
+                for d in self.disagreements
+            ],
             "mixed_source_hashes": [
                 {"arch": a, "kernel": k, "key": key, "source_hashes": list(h)}
                 for a, k, key, h in self.mixed_source_hashes
@@ -278,29 +263,30 @@ class MergeResult:
         }
 
 
+_RULES = ("majority", "tie: lowest median time", "tie: lowest static cost", "tie: signature order")
+
+
 def merge_tables(inputs: Sequence[tuple[str, Table]]) -> MergeResult:
     """One vote per input (name, table) for each (arch, kernel, key); see the module docstring."""
     ballots: dict[tuple[str, str, str], dict[str, list[tuple[str, Entry]]]] = {}
     for name, table in inputs:
         for entry in table.values():
-            ballots.setdefault(entry.ident, {}).setdefault(config_signature(entry.config), []).append(
-                (name, entry)
-            )
+            voters = ballots.setdefault(entry.ident, {}).setdefault(config_signature(entry.config), [])
+            voters.append((name, entry))
     result = MergeResult(table=Table(meta={"kind": "merged"}), inputs=[name for name, _ in inputs])
     for ident in sorted(ballots):
         by_signature = ballots[ident]
-        votes = sorted(
-            (_vote(sig, voters) for sig, voters in by_signature.items()), key=_rank_key(by_signature)
-        )
-        winner = votes[0]
-        representative = min(by_signature[winner.signature], key=_representative_key)[1]
-        result.table.add(
-            entry_with(representative, votes=(len(winner.inputs), sum(len(v.inputs) for v in votes)))
-        )
+        ranked = sorted(_vote(sig, voters) for sig, voters in by_signature.items())
+        votes = tuple(vote for _, vote in ranked)
+        winner = by_signature[votes[0].signature]
+        # The entry whose provenance is kept: the fastest measurement, then a content order, never
+        # the input order (merging the same inputs in any order gives the same bytes).
+        kept = min(winner, key=_provenance_order)[1]
+        result.table.add(entry_with(kept, votes=(len(winner), sum(len(v.inputs) for v in votes))))
         if len(votes) > 1:
-            result.disagreements.append(
-                Disagreement(*ident, votes=tuple(votes), rule=_rule(votes, by_signature))
-            )
+            first, second = ranked[0][0], ranked[1][0]
+            rule = _RULES[next(i for i, (a, b) in enumerate(zip(first, second)) if a != b)]
+            result.disagreements.append(Disagreement(*ident, votes=votes, rule=rule))
         hashes = sorted(
             {e.source_hash for voters in by_signature.values() for _, e in voters if e.source_hash}
         )
@@ -309,45 +295,27 @@ def merge_tables(inputs: Sequence[tuple[str, Table]]) -> MergeResult:
     return result
 
 
-def _vote(signature: str, voters: list[tuple[str, Entry]]) -> Vote:
-    medians = sorted(
-        e.timing.median_ms for _, e in voters if e.timing is not None and e.timing.median_ms is not None
-    )
+def _vote(signature: str, voters: list[tuple[str, Entry]]) -> tuple[tuple[Any, ...], Vote]:
+    """The vote for ``signature`` and its rank key: most votes, lowest median, cost, signature."""
+    medians = sorted(e.timing.median_ms for _, e in voters if e.timing and e.timing.median_ms is not None)
     median = None
     if medians:
         mid = len(medians) // 2
         median = medians[mid] if len(medians) % 2 else (medians[mid - 1] + medians[mid]) / 2
-    return Vote(signature, tuple(sorted(name for name, _ in voters)), median)
+    cost = estimate_config_cost(voters[0][1].config)
+    rank = (-len(voters), _time_or_inf(median), cost, signature)
+    return rank, Vote(signature, tuple(sorted(name for name, _ in voters)), median)
 
 
-def _rank_key(by_signature: Mapping[str, list[tuple[str, Entry]]]) -> Any:
-    def key(vote: Vote) -> tuple[Any, ...]:
-        config = by_signature[vote.signature][0][1].config
-        return (-len(vote.inputs), _time_or_inf(vote.median_ms), estimate_config_cost(config), vote.signature)
-
-    return key
-
-
-def _rule(votes: Sequence[Vote], by_signature: Mapping[str, list[tuple[str, Entry]]]) -> str:
-    first, second = votes[0], votes[1]
-    if len(first.inputs) != len(second.inputs):
-        return "majority"
-    if _time_or_inf(first.median_ms) != _time_or_inf(second.median_ms):
-        return "tie: lowest median time"
-    cost = [estimate_config_cost(by_signature[v.signature][0][1].config) for v in (first, second)]
-    return "tie: lowest static cost" if cost[0] != cost[1] else "tie: signature order"
+def _provenance_order(voter: tuple[str, Entry]) -> tuple[float, bytes]:
+    # The entry whose provenance is kept: the fastest measurement, then a content order, never
+    # the input order (merging the same inputs in any order gives the same bytes).
+    timing = voter[1].timing
+    return (_time_or_inf(timing.median_ms if timing else None), msgpack.packb(voter[1].to_data()))
 
 
 def _time_or_inf(value: float | None) -> float:
     return math.inf if value is None else value
-
-
-def _representative_key(voter: tuple[str, Entry]) -> tuple[float, bytes]:
-    # The entry whose provenance is kept: the fastest measurement, then a content order, never
-    # the input order (merging the same inputs in any order gives the same bytes).
-    _, entry = voter
-    median = entry.timing.median_ms if entry.timing is not None else None
-    return (_time_or_inf(median), msgpack.packb(entry.to_data(), use_bin_type=True))
 
 
 def merge_files(
@@ -359,8 +327,7 @@ def merge_files(
     """Merge recordings/tables (folders: their ``*.msgpack``) into ``out``, written atomically.
 
     ``out`` is replaced, not merged into: to keep what it holds, list it among ``inputs`` (it then
-    votes once, and the merge holds ``out``'s lock as ``update_table`` does, so a concurrent writer
-    loses nothing).
+    votes once, and the merge holds ``out``'s lock, so a concurrent writer loses nothing).
     """
     target, inputs = os.fspath(out), list(inputs)
     listed = any(os.path.realpath(os.fspath(p)) == os.path.realpath(target) for p in inputs)
@@ -390,11 +357,11 @@ def diff_tables(a: Table, b: Table, *, ignore_provenance: bool = False) -> dict[
     data when the signatures match). Header fields describe the file, not what runs: not compared.
     """
 
-    def ident(entry: Entry) -> dict[str, str]:
+    def brief(entry: Entry) -> dict[str, str]:
         return {"arch": entry.arch, "kernel": entry.kernel, "key": entry.key}
 
-    removed = [dict(ident(e), config=config_signature(e.config)) for e in a.entries() if e.ident not in b]
-    added = [dict(ident(e), config=config_signature(e.config)) for e in b.entries() if e.ident not in a]
+    removed = [dict(brief(e), config=config_signature(e.config)) for e in a.entries() if e.ident not in b]
+    added = [dict(brief(e), config=config_signature(e.config)) for e in b.entries() if e.ident not in a]
     changed = []
     for old in a.entries():
         new = b.get(*old.ident)
@@ -410,7 +377,7 @@ def diff_tables(a: Table, b: Table, *, ignore_provenance: bool = False) -> dict[
                 {n: [before.get(n), after.get(n)] for n in _PROVENANCE if before.get(n) != after.get(n)}
             )
         if fields:
-            changed.append(dict(ident(old), fields=fields))
+            changed.append(dict(brief(old), fields=fields))
     return {"added": added, "removed": removed, "changed": changed}
 
 
@@ -422,20 +389,3 @@ def review_view(table: Table) -> Table:
     """
     entries = [Entry(arch=e.arch, kernel=e.kernel, key=e.key, config=e.config) for e in table.entries()]
     return Table(entries, library_version=table.library_version, meta=table.meta)
-
-
-__all__ = [
-    "Disagreement",
-    "MergeResult",
-    "Vote",
-    "diff_tables",
-    "entry_from_decision",
-    "merge_files",
-    "merge_tables",
-    "read_decisions",
-    "recording_table",
-    "review_view",
-    "timing_from_decision",
-    "write_decisions",
-    "write_recording",
-]
