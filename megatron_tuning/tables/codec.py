@@ -1,23 +1,16 @@
 """Table encodings: columnar canonical msgpack (on disk) and row-wise JSON (for review).
 
-msgpack layout, schema 1: ``[FORMAT, SCHEMA, header, body]``. ``body`` is columnar
-because a load builds every entry: one list per field, repeated strings (arch, kernel,
-how, hashes, versions, notes) and configs stored once and referenced by index. Column
-checks then run at C speed (``set(map(type, col))``, ``min``/``max``) and distinct
-values are validated once, which is what keeps a 100k-entry load well under a second.
+msgpack, schema 1: ``[FORMAT, SCHEMA, header, body]``. The body is columnar because a load builds
+every entry: one list per field, repeated strings and configs stored once (``strings``,
+``configs``) and referenced by index, so column checks run at C speed and distinct values are
+validated once (a 100k-entry load stays well under a second). Canonical: ``strings`` sorted,
+``configs`` sorted by their packed bytes, rows by (arch, kernel, key), map keys sorted, optional
+columns (``source_hash``, ``triton_version``, ``note``, the ``Timing`` fields, ``votes_for``,
+``votes_total``) omitted when all nil.
 
-Canonical: ``strings`` sorted, ``configs`` sorted by their packed bytes, rows sorted by
-(arch, kernel, key), every map's keys sorted, optional columns omitted when all nil.
-
-body fields: ``strings`` [str]; ``configs`` [config map]; ``arch``/``kernel``/``how``/
-``config`` [index]; ``key`` [str]; optional ``source_hash``/``triton_version``/``note``
-[index|nil], ``median_ms``/``spread_ms``/``runner_up_ms`` [float|nil],
-``samples``/``candidates``/``votes_for``/``votes_total`` [int|nil].
-
-Decoding is bounded (``files.budget``): msgpack's unpacker reads with its limits (no binary or
-extension values, string map keys, lists and maps inside values of at most ``_NESTED`` items), and
-memory is charged before it is spent: a column once its length is read, lists and maps inside
-values by hooks as they are built. The JSON view is bounded by ``files.check_json_budget``.
+Decoding is bounded (``files.budget``): msgpack's unpacker reads under its limits, and memory is
+charged before it is spent: a column once its length is read, lists and maps inside values by
+hooks as they are built. The JSON view is bounded by ``files.check_json_budget``.
 """
 
 from __future__ import annotations
@@ -25,7 +18,7 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from functools import partial
 from itertools import islice, repeat
 from typing import Any
@@ -246,28 +239,25 @@ def _decode_body(body: dict[str, list[Any]]) -> dict[_Ident, Entry]:
     missing = [name for name in _REQUIRED if name not in body]
     if missing:
         raise Invalid(f"table body: missing columns {missing}")
-    strings, configs, keys = body["strings"], body["configs"], body["key"]
-    checked_configs = []
-    for index, config in enumerate(configs):
+    strings, keys, configs = body["strings"], body["key"], []
+    for index, config in enumerate(body["configs"]):
         try:
-            checked_configs.append(check_config(config))
+            configs.append(check_config(config))
         except Invalid as exc:
             raise Invalid(f"configs[{index}]: {exc}") from None
-    count = len(keys)
-    if count > MAX_ENTRIES:
-        raise Invalid(f"{count} entries, over the {MAX_ENTRIES} limit")
+    if len(keys) > MAX_ENTRIES:
+        raise Invalid(f"{len(keys)} entries, over the {MAX_ENTRIES} limit")
 
-    def index_column(name: str, size: int, nullable: bool) -> list[Any]:
-        col = body[name]
-        present = [v for v in col if v is not None] if nullable else col
-        if present and not (min(present) >= 0 and max(present) < size):
+    def column(name: str, values: list[Any] = strings) -> Iterable[Any]:
+        """An index column's values (nil stays nil); absent: all nil."""
+        if name not in body:
+            return repeat(None)
+        present = [i for i in body[name] if i is not None]
+        if present and not (min(present) >= 0 and max(present) < len(values)):
             raise Invalid(f"column {name}: index out of range")
-        return col
+        return [None if i is None else values[i] for i in body[name]]
 
-    arch = _strings_of(index_column("arch", len(strings), False), strings)
-    kernel = _strings_of(index_column("kernel", len(strings), False), strings)
-    how = _strings_of(index_column("how", len(strings), False), strings)
-    config_ix = index_column("config", len(checked_configs), False)
+    arch, kernel, how, config = column("arch"), column("kernel"), column("how"), column("config", configs)
     if "" in set(arch):
         raise Invalid("column arch: empty arch")
     bad_kernel = next((k for k in set(kernel) if ":" not in k), None)
@@ -276,63 +266,34 @@ def _decode_body(body: dict[str, list[Any]]) -> dict[_Ident, Entry]:
     bad_how = set(how) - set(HOW_VALUES)
     if bad_how:
         raise Invalid(f"column how: {sorted(bad_how)} not among {HOW_VALUES}")
-    text = {
-        n: _strings_of(index_column(n, len(strings), True), strings) if n in body else None
-        for n in _STRING_COLUMNS
-    }
-    floats = {n: _number_column(body, n) for n in _FLOAT_COLUMNS}
-    counts = {n: _number_column(body, n) for n in _COUNT_COLUMNS}
-    timings = _timings(floats, counts)
-    votes = _votes(counts["votes_for"], counts["votes_total"])
-
-    nones = repeat(None)
-    rows = zip(
-        arch, kernel, keys, (checked_configs[i] for i in config_ix), how,
-        text["source_hash"] or nones, text["triton_version"] or nones, timings or nones, votes or nones,
-        text["note"] or nones,
-    )  # fmt: skip
+    source_hash, triton_version, note = (column(name) for name in _STRING_COLUMNS)
+    for name in _FLOAT_COLUMNS + _COUNT_COLUMNS:
+        present = [v for v in body.get(name, ()) if v is not None]
+        if (
+            name in _FLOAT_COLUMNS
+            and present
+            and not (all(map(math.isfinite, present)) and min(present) >= 0)
+        ):
+            raise Invalid(f"column {name}: values must be finite and >= 0")
+        if name in _COUNT_COLUMNS and present and not (min(present) >= 0 and max(present) <= INT_MAX):
+            raise Invalid(f"column {name}: values must be integers >= 0")
+    timings: Iterable[Any] = repeat(None)
+    if any(name in body for name in Timing._fields):
+        columns = zip(*(body.get(name, repeat(None)) for name in Timing._fields))
+        timings = [None if row == _NO_TIMING else tuple.__new__(Timing, row) for row in columns]
+    votes: Iterable[Any] = repeat(None)
+    if ("votes_for" in body) != ("votes_total" in body):
+        raise Invalid("columns votes_for and votes_total must come together")
+    if "votes_for" in body:
+        votes = [None if v == (None, None) else v for v in zip(body["votes_for"], body["votes_total"])]
+        if any(v is not None and (None in v or not 0 < v[0] <= v[1]) for v in votes):
+            raise Invalid("votes must satisfy 0 < votes_for <= votes_total")
+    rows = zip(arch, kernel, keys, config, how, source_hash, triton_version, timings, votes, note)
     entries = {(row[0], row[1], row[2]): make_entry(row) for row in rows}
-    if len(entries) != count:
+    if len(entries) != len(keys):
         ident = next(ident for ident, n in Counter(zip(arch, kernel, keys)).items() if n > 1)
         raise Invalid(f"duplicate entry for arch={ident[0]!r} kernel={ident[1]!r} key={ident[2]!r}")
     return entries
-
-
-def _strings_of(col: list[Any], strings: list[str]) -> list[Any]:
-    return [None if i is None else strings[i] for i in col]
-
-
-def _number_column(body: dict[str, list[Any]], name: str) -> list[Any] | None:
-    col = body.get(name)
-    present = [v for v in col or () if v is not None]
-    if name in _FLOAT_COLUMNS and present and not (all(map(math.isfinite, present)) and min(present) >= 0):
-        raise Invalid(f"column {name}: values must be finite and >= 0")
-    if name in _COUNT_COLUMNS and present and not (min(present) >= 0 and max(present) <= INT_MAX):
-        raise Invalid(f"column {name}: values must be integers >= 0")
-    return col
-
-
-def _timings(floats: dict[str, Any], counts: dict[str, Any]) -> list[Timing | None] | None:
-    names = ("median_ms", "spread_ms", "samples", "candidates", "runner_up_ms")  # Timing field order
-    cols = [floats.get(n) or counts.get(n) for n in names]
-    if not any(c is not None for c in cols):
-        return None
-    new = tuple.__new__
-    filled = [c if c is not None else repeat(None) for c in cols]
-    return [
-        None if values == (None, None, None, None, None) else new(Timing, values) for values in zip(*filled)
-    ]
-
-
-def _votes(won: list[Any] | None, total: list[Any] | None) -> list[Any] | None:
-    if won is None and total is None:
-        return None
-    if won is None or total is None:
-        raise Invalid("columns votes_for and votes_total must come together")
-    votes = [None if a is None and b is None else (a, b) for a, b in zip(won, total)]
-    if any(v is not None and (None in v or not 0 < v[0] <= v[1]) for v in votes):
-        raise Invalid("votes must satisfy 0 < votes_for <= votes_total")
-    return votes
 
 
 def check_schema(schema: Any) -> None:
