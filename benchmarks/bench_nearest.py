@@ -37,7 +37,7 @@ def child(args: argparse.Namespace) -> None:
     import megatron_tuning
     from megatron_tuning import kernels as mm
     from megatron_tuning.core.choice import Miss, choose_on_miss, match_live
-    from megatron_tuning.core.cost import cheapest
+    from megatron_tuning.core.fallback import cheapest
     from megatron_tuning.core.identity import (
         arch_tag,
         config_signature,

@@ -21,7 +21,7 @@ import common
 
 def measure(args: argparse.Namespace, table_path: str | None) -> list[dict[str, Any]]:
     from megatron_tuning import kernels as mm
-    from megatron_tuning.core.cost import cheapest
+    from megatron_tuning.core.fallback import cheapest
     from megatron_tuning.core.identity import arch_tag, config_signature, kernel_id, tuning_key
 
     kernel = mm.matmul_kernel

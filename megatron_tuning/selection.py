@@ -1,16 +1,15 @@
 """The seed API of the selection core, in its documented home.
 
-The rules live in ``megatron_tuning.core`` (``identity``: names and keys, ``cost``: static cost,
-``choice``: choosing without measuring, ``chaos``: the positive control, ``warn``: warn-once);
-this module gathers the public names so ``from megatron_tuning.selection import
-deterministic_choice`` keeps working.
+The rules live in ``megatron_tuning.core`` (``identity``: names and keys, ``fallback``: static cost
+and nearest shape, ``choice``: choosing without measuring, ``chaos``: the positive control,
+``warn``: warn-once); this module gathers the public names.
 """
 
 from __future__ import annotations
 
 from .core.chaos import chaos_choice
 from .core.choice import autotune_configs, deterministic_choice, warn_if_mamba_env_ignored
-from .core.cost import cheapest, estimate_config_cost, filter_configs_by_block_sizes
+from .core.fallback import cheapest, estimate_config_cost, filter_configs_by_block_sizes
 from .core.identity import arch_tag, config_data, config_signature, kernel_module, kernel_name, tuning_key
 from .core.warn import reset_warnings
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from .choice import Choice
-from .cost import order_by_cost
 from .decisions import CHAOS_NO_OTHER_CONFIG
+from .fallback import order_by_cost
 from .identity import config_signature, current_rank, kernel_id, tuning_key
 
 

@@ -13,8 +13,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from .cost import as_block_sizes, cheapest, filter_configs_by_block_sizes
 from .errors import BlockSizeOverrideError, PolicyError, TableMissError
+from .fallback import as_block_sizes, cheapest, filter_configs_by_block_sizes, nearest_keys, pick_neighbour
 from .identity import (
     arch_tag,
     base_kernel_id,
@@ -24,7 +24,6 @@ from .identity import (
     kernel_source_hash,
     tuning_key,
 )
-from .nearest import nearest_keys, pick_neighbour
 from .policy import ON_MISS, TuningPolicy
 from .warn import tallies, tally, warn_once
 
@@ -211,7 +210,7 @@ def choose_on_miss(
     table: ConfigTable | Mapping[tuple[str, str], Any] | None = None,
     on_miss: str = "nearest",
 ) -> Choice:
-    """What a miss launches, without measuring: the nearest shape's entry (``core.nearest``: the
+    """What a miss launches, without measuring: the nearest shape's entry (``core.fallback``: the
     nearest usable entry, or the lower of two bracketing ones that disagree), the cheapest, or an error."""
     if on_miss not in ON_MISS:
         raise PolicyError("on_miss", on_miss, "one of " + "|".join(ON_MISS))

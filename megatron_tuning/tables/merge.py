@@ -20,9 +20,9 @@ from typing import Any
 
 import msgpack
 
-from ..core.cost import estimate_config_cost
 from ..core.decisions import Decision, get_decisions
 from ..core.errors import TableError
+from ..core.fallback import estimate_config_cost
 from ..core.identity import config_signature, current_rank
 from .entry import same_config
 from .files import LOCK_TIMEOUT_S, locked, read_json_file, write_atomic

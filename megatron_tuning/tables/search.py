@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING
 
 from ..core.choice import TableHit
 from ..core.errors import StaleEntryError, TableError
+from ..core.fallback import nearest_keys
 from ..core.identity import content_name
-from ..core.nearest import nearest_keys
 from ..core.policy import ENV_TABLE, read_knob
 from ..core.warn import warn_once
 from .files import broken_link_problem

@@ -251,7 +251,7 @@ def analyze_configs(
     errors: Sequence[str | None] | None = None,
 ) -> TuneResult:
     """``analyze`` for ``triton.Config`` objects (or ``config_data`` dicts), using selection's order."""
-    from ..core.cost import order_by_cost
+    from ..core.fallback import order_by_cost
     from ..core.identity import config_data, config_signature
 
     settings = settings or TuneSettings()

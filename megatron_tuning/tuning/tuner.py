@@ -10,7 +10,7 @@ reproducible instead:
 2. each candidate gets a median and a p20-p80 spread;
 3. every candidate whose median is within ``tie_band`` of the best median (or whose spread
    overlaps the best's, up to ``overlap_cap``) is tied with it, and the tie is broken by the same
-   static cost and signature order the deterministic fallback uses (``core.cost.order_by_cost``).
+   static cost and signature order the deterministic fallback uses (``core.fallback.order_by_cost``).
 
 Short kernels (fastest candidate under ``TuneSettings.cold_below_ms``) are timed one launch at a
 time after an L2 flush, as ``triton.testing.do_bench`` times them; longer ones back to back. The

@@ -24,7 +24,7 @@ from megatron_tuning.core.chaos import (
     choose_chaos,
     distinct_by_signature,
 )
-from megatron_tuning.core.cost import order_by_cost
+from megatron_tuning.core.fallback import order_by_cost
 from megatron_tuning.core.identity import config_signature
 
 from .. import support_kernels as sk

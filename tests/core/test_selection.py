@@ -20,13 +20,13 @@ from megatron_tuning.core.choice import (
     deterministic_choice,
     warn_if_mamba_env_ignored,
 )
-from megatron_tuning.core.cost import (
+from megatron_tuning.core.errors import BlockSizeOverrideError, PolicyError, TableMissError
+from megatron_tuning.core.fallback import (
     cheapest,
     estimate_config_cost,
     filter_configs_by_block_sizes,
     order_by_cost,
 )
-from megatron_tuning.core.errors import BlockSizeOverrideError, PolicyError, TableMissError
 from megatron_tuning.core.identity import (
     arch_tag,
     config_data,
@@ -348,8 +348,8 @@ _PROBE = textwrap.dedent(
     import torch
     from tests import support_kernels as sk
     from types import SimpleNamespace
-    from megatron_tuning.core import chaos, choice, cost, identity
-    s = SimpleNamespace(**{**vars(identity), **vars(cost), **vars(choice), **vars(chaos)})
+    from megatron_tuning.core import chaos, choice, fallback, identity
+    s = SimpleNamespace(**{**vars(identity), **vars(fallback), **vars(choice), **vars(chaos)})
     x, h = torch.zeros(3), torch.zeros(3, dtype=torch.float16)
     args = (x, h, x, 3, 0.25)
     out = {"key": s.tuning_key(sk.scale_add, args, {}), "id": s.kernel_id(sk.copy_hooked),

@@ -30,7 +30,7 @@ NOTE_PRUNED = "CPU-interpreter demo entry: the config the kernel's own pruning l
 
 
 def _tile(config: object) -> int:
-    from megatron_tuning.core.cost import is_block_size_name
+    from megatron_tuning.core.fallback import is_block_size_name
 
     kwargs = config.kwargs  # type: ignore[attr-defined]
     return math.prod(v for k, v in kwargs.items() if is_block_size_name(k) and type(v) is int)

@@ -9,8 +9,8 @@ import torch
 import triton
 from triton.runtime.autotuner import Autotuner
 
-from megatron_tuning.core.cost import order_by_cost
 from megatron_tuning.core.errors import PolicyError
+from megatron_tuning.core.fallback import order_by_cost
 from megatron_tuning.core.identity import config_signature
 from megatron_tuning.tuning.stats import (
     TuneSettings,

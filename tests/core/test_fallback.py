@@ -10,7 +10,7 @@ import sys
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_tuning.core.nearest import (
+from megatron_tuning.core.fallback import (
     BRACKET_RATIO,
     key_distance,
     key_shape,
@@ -91,7 +91,7 @@ def test_nearest_is_a_pure_function_of_table_and_key(key, table, seed):
 def test_nearest_is_the_same_in_every_process():
     """Python salts str hashes per process; the order must not depend on them."""
     code = (
-        "import json, sys; from megatron_tuning.core.nearest import nearest_keys; "
+        "import json, sys; from megatron_tuning.core.fallback import nearest_keys; "
         "print(json.dumps(nearest_keys(sys.argv[1], sys.argv[2:])))"
     )
     table = [f"n={n} | x:f" for n in (1, 7, 3, 5, 9, 2, 6, 4, 8)]

@@ -1,0 +1,213 @@
+"""What a miss launches without measuring: the cheapest config by static cost, or the entry of
+the nearest tuned shape. Both are pure functions of their arguments, so every rank agrees.
+
+Nearest shape: two keys of one kernel are *comparable* when they name the same key arguments in
+the same order, with the same dtypes, and differ only in numeric values (``True`` is not a number
+here). Distance is the sum of ``|s(a) - s(b)|`` with ``s(v) = sign(v) * log2(1 + |v|)``; ties
+break by key text. ``pick_neighbour`` prefers the lower of two bracketing entries that disagree,
+while it is at most ``BRACKET_RATIO`` times as far: a config tuned for the smaller shape keeps
+more tiles in flight as the problem grows, one tuned for the larger leaves SMs idle (measured:
+M=1536 ran the M=2048 entry's config at 90.7% of the best, RESULTS section 9).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .identity import config_signature
+
+_SHORT_BLOCK_NAMES = frozenset({"BM", "BN", "BK", "BD", "BH", "BT", "BS", "BC", "BV"})
+
+
+def is_block_size_name(name: str) -> bool:
+    """Whether a kwarg is a tile extent: ``BLOCK_M``, ``BLOCK_SIZE_N``, ``BM``, ``XBLOCK``, ``R0_BLOCK``."""
+    upper = name.upper()
+    if upper in _SHORT_BLOCK_NAMES:
+        return True
+    if "BLOCK" not in upper:
+        return False
+    # Counts and groupings are not tile extents (NUM_BLOCKS, GROUP_SIZE, BLOCKS_PER_SM).
+    return not any(word in upper for word in ("NUM", "GROUP", "BLOCKS"))
+
+
+def estimate_config_cost(cfg: Any) -> tuple[int, int, int]:
+    """Static cost ``(block_cost, num_warps, num_stages)``; lower is cheaper. Never measures.
+
+    ``block_cost`` is the product of the tile extents times the pipeline stages, a proxy for
+    the shared-memory footprint (``stages * (BM*BK + BK*BN)`` for a matmul grows with it).
+    Kwargs that are not tile extents do not count; ties are broken by the caller.
+    """
+    kwargs = cfg["kwargs"] if isinstance(cfg, Mapping) else cfg.kwargs
+    stages = (cfg.get("num_stages") if isinstance(cfg, Mapping) else getattr(cfg, "num_stages", 1)) or 1
+    warps = (cfg.get("num_warps") if isinstance(cfg, Mapping) else getattr(cfg, "num_warps", 1)) or 1
+    block = math.prod(
+        int(v)
+        for k, v in kwargs.items()
+        if is_block_size_name(k) and isinstance(v, numbers.Integral) and not isinstance(v, bool)
+    )
+    return (block * int(stages), int(warps), int(stages))
+
+
+def order_by_cost(configs: Iterable[Any]) -> list[Any]:
+    """Configs in a total order: static cost, then signature text, then list position."""
+    indexed = list(enumerate(configs))
+    indexed.sort(key=lambda item: (estimate_config_cost(item[1]), config_signature(item[1]), item[0]))
+    return [config for _, config in indexed]
+
+
+def cheapest(configs: Sequence[Any]) -> Any:
+    """The deterministic fallback: the first config of ``order_by_cost``."""
+    if not configs:
+        raise ValueError("cheapest() needs at least one config")
+    return order_by_cost(configs)[0]
+
+
+def as_block_sizes(block_sizes: Mapping[str, int] | Iterable[tuple[str, int]]) -> dict[str, int]:
+    return dict(block_sizes.items() if isinstance(block_sizes, Mapping) else block_sizes)
+
+
+def filter_configs_by_block_sizes(
+    configs: Sequence[Any], block_sizes: Mapping[str, int] | Iterable[tuple[str, int]] = ()
+) -> list[Any]:
+    """Configs whose kwargs match every override name that these configs use.
+
+    Override names no config has are ignored (an override for one kernel family must not
+    break the others), so with no relevant names this returns ``configs`` unchanged. An
+    empty result means the override is relevant here and matches nothing.
+    """
+    wanted = as_block_sizes(block_sizes)
+    relevant = {k: v for k, v in wanted.items() if any(k in c.kwargs for c in configs)}
+    if not relevant:
+        return list(configs)
+    return [
+        c
+        for c in configs
+        if all(
+            k in c.kwargs and c.kwargs[k] == v and type(c.kwargs[k]) is type(v) for k, v in relevant.items()
+        )
+    ]
+
+
+# --------------------------------------------------------------------------- nearest shape
+
+# Key text is ``name=value, name=value | arg:dtype, ...`` (``identity.tuning_key``). Values are
+# found between ``name=`` markers, so a value may itself hold ", " (a tuple, a string), but not
+# ", word=": such a string key argument would be read as two values.
+_VALUE_START = re.compile(r"(?:^|, )([A-Za-z_]\w*)=")
+BRACKET_RATIO = 2.0
+_NUMBER = re.compile(r"-?(?:\d+\.\d*|\.\d+|\d+)(?:e[-+]?\d+)?|-?inf|nan", re.IGNORECASE)
+
+
+@dataclass(frozen=True, slots=True)
+class KeyShape:
+    """What must match exactly between comparable keys, and the numeric values that may differ."""
+
+    fixed: tuple[str, ...]
+    """Argument names, non-numeric values (with a placeholder where a number sits), and dtypes."""
+    numbers: tuple[float, ...]
+
+
+def key_shape(key: str) -> KeyShape | None:
+    """Split key text into its fixed part and its numbers; ``None`` when it cannot be parsed."""
+    values_text, sep, dtypes_text = key.partition(" | ")
+    if not sep:
+        return None
+    starts = list(_VALUE_START.finditer(values_text))
+    if values_text and (not starts or starts[0].start() != 0):
+        return None
+    fixed: list[str] = []
+    values: list[float] = []
+    for index, match in enumerate(starts):
+        end = starts[index + 1].start() if index + 1 < len(starts) else len(values_text)
+        raw = values_text[match.end() : end]
+        number = _as_number(raw)
+        if number is None:
+            fixed.append(f"{match.group(1)}={raw}")
+        else:
+            fixed.append(f"{match.group(1)}=#")
+            values.append(number)
+    fixed.append("|" + dtypes_text)
+    return KeyShape(tuple(fixed), tuple(values))
+
+
+def _as_number(raw: str) -> float | None:
+    value = float(raw) if _NUMBER.fullmatch(raw) else math.nan
+    return value if math.isfinite(value) else None
+
+
+def _scale(value: float) -> float:
+    return math.copysign(math.log2(1.0 + abs(value)), value)
+
+
+def key_distance(a: KeyShape, b: KeyShape) -> float:
+    """Distance in log space between comparable keys (``math.inf`` when they are not comparable)."""
+    if a.fixed != b.fixed:
+        return math.inf
+    return sum(abs(_scale(x) - _scale(y)) for x, y in zip(a.numbers, b.numbers))
+
+
+def nearest_keys(key: str, candidates: Iterable[str]) -> list[str]:
+    """Comparable ``candidates`` ordered nearest first (ties by key text); ``key`` itself excluded.
+
+    A pure function of its arguments: the same table and key give the same order in every
+    process. Keys that cannot be parsed, or are not comparable with ``key``, are left out.
+    """
+    target = key_shape(key)
+    if target is None:
+        return []
+    ranked: list[tuple[float, str]] = []
+    for candidate in set(candidates):
+        if candidate == key:
+            continue
+        shape = key_shape(candidate)
+        if shape is None:
+            continue
+        distance = key_distance(target, shape)
+        if distance != math.inf:
+            ranked.append((distance, candidate))
+    ranked.sort()
+    return [candidate for _, candidate in ranked]
+
+
+def side_of(key: KeyShape, other: KeyShape) -> int | None:
+    """``-1`` when every number of ``other`` is <= the key's, ``1`` when every one is >=, ``0``
+    when all are equal; ``None`` for a mixed direction or keys that are not comparable."""
+    if key.fixed != other.fixed:
+        return None
+    below = any(o < k for k, o in zip(key.numbers, other.numbers))
+    above = any(o > k for k, o in zip(key.numbers, other.numbers))
+    if below and above:
+        return None
+    return -1 if below else 1 if above else 0
+
+
+def pick_neighbour(key: str, signatures: Mapping[str, str]) -> str | None:
+    """The neighbour whose entry a miss of ``key`` launches (the rule in the module docstring).
+
+    ``signatures`` maps each usable neighbour key, nearest first (``nearest_keys`` order), to the
+    signature of the config its entry launches. A pure function of its arguments; ``None`` when
+    there is no neighbour.
+    """
+    ordered = list(signatures)
+    if not ordered:
+        return None
+    nearest = ordered[0]
+    target = key_shape(key)
+    nearest_shape = key_shape(nearest)
+    if target is None or nearest_shape is None or side_of(target, nearest_shape) != 1:
+        return nearest
+    for candidate in ordered[1:]:  # nearest first: the first entry below is the lower bracket
+        shape = key_shape(candidate)
+        if shape is None or side_of(target, shape) not in (-1, 0):
+            continue
+        if signatures[candidate] == signatures[nearest]:
+            return nearest  # the brackets agree: nothing to choose
+        if key_distance(target, shape) <= BRACKET_RATIO * key_distance(target, nearest_shape):
+            return candidate
+        return nearest
+    return nearest
