@@ -11,7 +11,7 @@ the rank formula applies. ``chaos_choice`` is the seed API, a pure function of r
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -19,18 +19,6 @@ from .choice import Choice
 from .decisions import CHAOS_NO_OTHER_CONFIG
 from .fallback import order_by_cost
 from .identity import config_signature, current_rank, kernel_id, tuning_key
-
-
-def distinct_by_signature(configs: Iterable[Any]) -> list[Any]:
-    """``configs`` without repeats of a signature (first kept): duplicates launch the same thing."""
-    seen: set[str] = set()
-    out = []
-    for config in configs:
-        signature = config_signature(config)
-        if signature not in seen:
-            seen.add(signature)
-            out.append(config)
-    return out
 
 
 def chaos_index(kernel: str, key: str, rank: int, count: int) -> int:
@@ -137,5 +125,4 @@ __all__ = [
     "chaos_choice",
     "chaos_index",
     "choose_chaos",
-    "distinct_by_signature",
 ]

@@ -38,11 +38,6 @@ CHAOS_OUTCOMES = (
 CHAOS_NO_OTHER_CONFIG = "no_other_config"
 
 
-def chaos_can_differ(decision: Decision) -> bool:
-    """Whether a chaos decision could have differed between ranks (counts as proof when caught)."""
-    return decision.source == "chaos" and decision.chaos != CHAOS_NO_OTHER_CONFIG
-
-
 @dataclass(frozen=True, slots=True)
 class Decision:
     """One choice made at the first use of a (kernel, key) in this process."""

@@ -315,26 +315,6 @@ def config_data(config: Any) -> dict[str, Any]:
     return data
 
 
-def config_from_data(data: Mapping[str, Any]) -> Any:
-    """Build a ``triton.Config`` from ``config_data`` output (no hooks)."""
-    import triton
-
-    accepted = inspect.signature(triton.Config.__init__).parameters
-    options: dict[str, Any] = {}
-    for name in ("num_warps", "num_stages") + tuple(name for name, _ in _OPTIONAL_FIELDS):
-        if name not in data:
-            continue
-        if name not in accepted:
-            default = dict(_OPTIONAL_FIELDS).get(name)
-            if data[name] == default:
-                continue
-            raise ValueError(
-                f"config field {name}={data[name]!r} is not supported by Triton {triton.__version__}"
-            )
-        options[name] = data[name]
-    return triton.Config(dict(data["kwargs"]), **options)
-
-
 def config_signature(config: Any) -> str:
     """Stable text of a config for logs and cross-rank comparison.
 

@@ -64,11 +64,6 @@ def next_session() -> int:
         return _sessions
 
 
-def session_number() -> int:
-    """How many checked sessions this process started (``verify_agreement`` compares them)."""
-    return _sessions
-
-
 def active_checker() -> Any:
     """The agreement checker ``start_agreement`` attached, if any."""
     return _checker

@@ -22,9 +22,7 @@ from megatron_tuning.core.chaos import (
     chaos_choice,
     chaos_index,
     choose_chaos,
-    distinct_by_signature,
 )
-from megatron_tuning.core.fallback import order_by_cost
 from megatron_tuning.core.identity import config_signature
 
 from .. import support_kernels as sk
@@ -136,13 +134,6 @@ def test_the_rank_formula_picks_distinct_configs_for_ranks_closer_than_their_cou
             key = f"M={m} | a:torch.int8"
             picked = [picks_for([r], [r], candidates, key, coordinated=False)[r] for r in range(distinct)]
             assert len(set(picked)) == distinct, (distinct, key, picked)
-
-
-def test_distinct_by_signature_keeps_the_first_of_each_in_order():
-    doubled = [c for c in sk.ADD_CONFIGS for _ in range(2)]
-    kept = distinct_by_signature(order_by_cost(doubled))
-    assert [config_signature(c) for c in kept] == [config_signature(c) for c in order_by_cost(sk.ADD_CONFIGS)]
-    assert all(any(k is c for c in doubled) for k in kept)
 
 
 def test_one_distinct_config_says_no_other_config_and_never_asks_the_store():
