@@ -1,11 +1,8 @@
 """Chaos mode: a per-rank different config, on purpose, as the agreement check's positive control.
 
-The pick is among the *distinct* live configs (duplicates in a config list launch the same thing,
-torchao's ``int8_mm`` lists 27 configs of which 25 differ). A rank-only formula cannot keep every
-pair of ranks apart once there are more ranks than distinct configs, so in a job the ranks
-coordinate through a ``ChaosCoordinator`` (``distributed.store``): the first rank to reach a
-(kernel, key) keeps its pick and every later one launches another. Without one (a single process)
-the rank formula applies. ``chaos_choice`` is the seed API, a pure function of rank and candidates.
+A rank-only formula cannot keep every pair of ranks apart once there are more ranks than distinct
+configs, so in a job the ranks coordinate through a ``ChaosCoordinator`` (``distributed.store``):
+the first rank to reach a (kernel, key) keeps its pick and every later one launches another.
 """
 
 from __future__ import annotations
@@ -37,13 +34,11 @@ class ChaosClaim:
 
 
 class ChaosCoordinator(Protocol):
-    """What chaos mode needs from the job; ``distributed.store.StoreChaos`` implements it.
+    """What chaos mode needs from the job (``distributed.store.StoreChaos``).
 
-    ``claim`` records ``signature`` as the job's first pick for (kernel, key, arch) unless a rank
-    was first, and returns the first claim either way (one atomic store request); ``None`` when
-    it cannot coordinate (no process group yet), so the rank formula applies. ``recall`` returns
-    the last claim this process got for (kernel, key, arch), in any session, without store
-    traffic (inside a CUDA graph capture), so a key re-decided there launches what it did outside.
+    ``claim``: the job's first claim for (kernel, key, arch), ours unless a rank was first; ``None``
+    without a process group. ``recall``: the last claim this process got, without store traffic
+    (inside a CUDA graph capture), so a key re-decided there launches what it did outside.
     """
 
     def claim(self, kernel: str, key: str, arch: str, signature: str) -> ChaosClaim | None: ...
@@ -61,16 +56,12 @@ def choose_chaos(
     coordinator: ChaosCoordinator | None = None,
     offline: bool = False,
 ) -> Choice:
-    """Chaos mode's pick for one rank: a config other ranks do not launch, on purpose.
+    """Chaos mode's pick for one rank among the *distinct* live configs, in cost order.
 
-    Picks among the *distinct* live configs in cost order. Without a coordinator, by the rank
-    formula (``chaos_index``). With one, the first rank to reach (kernel, key) keeps its formula
-    pick and every later rank launches a different config (its formula pick, or, where that is
-    the first claim, another one), so any two ranks that reach a key include one that differs
-    from the first: the agreement check must fire, whatever the layout or number of ranks.
-    With a single distinct config no rank can differ: ``chaos="no_other_config"`` says so.
-    ``offline`` (inside a CUDA graph capture): no claim is made, the coordinator's recalled claim
-    (or else the rank formula) decides.
+    Without a coordinator, the rank formula (``chaos_index``). With one, the first rank to reach
+    (kernel, key) keeps its pick and every later rank launches another, so the agreement check
+    must fire whatever the layout or number of ranks. ``offline`` (CUDA graph capture): no claim,
+    the recalled one (or the rank formula) decides.
     """
     if not candidates:
         raise ValueError(f"no live configs for kernel {kernel}")
@@ -105,24 +96,8 @@ def choose_chaos(
 def chaos_choice(
     autotuner: Any, candidates: Sequence[Any], args: Sequence[Any], kwargs: Mapping[str, Any]
 ) -> Any:
-    """A per-rank different config, on purpose: the positive control for the agreement check.
-
-    Reproducible (the same rank picks the same config in every run). The pick is among the
-    distinct configs (duplicates count once): with ``n >= 2`` of them, ranks fewer than ``n``
-    apart, consecutive ranks in particular, always pick different configs; ranks ``n`` apart
-    pick the same one. ``init_deterministic_tuning`` in chaos mode does better in a job: the
-    ranks coordinate through the job's store so no rank repeats the first rank's pick.
+    """A per-rank different config, reproducible per rank: with ``n`` distinct configs, ranks fewer
+    than ``n`` apart pick differently. (In a job, chaos mode coordinates through the store instead.)
     """
-    if not candidates:
-        raise ValueError(f"no live configs for kernel {kernel_id(autotuner)}")
     key = tuning_key(autotuner, args, kwargs)
     return choose_chaos(kernel_id(autotuner), key, candidates, rank=current_rank()).config
-
-
-__all__ = [
-    "ChaosClaim",
-    "ChaosCoordinator",
-    "chaos_choice",
-    "chaos_index",
-    "choose_chaos",
-]

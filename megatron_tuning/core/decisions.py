@@ -1,10 +1,7 @@
 """The per-process decision log: what config each in-scope (kernel, key) launched, and why.
 
-The interception records one ``Decision`` at the first use of each (kernel, key) in this
-process. Listeners registered with ``add_listener`` see each new decision before the
-kernel launches; the agreement layer uses this to compare ranks, and may raise to stop
-the launch. Written out with ``tables.decision_files.write_decisions``, the log is what
-``python -m megatron_tuning coverage`` reads.
+Listeners see each new decision before the kernel launches (the agreement check compares ranks
+there, and may raise to stop the launch); ``tables.merge.write_decisions`` writes the log out.
 """
 
 from __future__ import annotations
@@ -43,12 +40,11 @@ class Decision:
     """One choice made at the first use of a (kernel, key) in this process."""
 
     kernel: str
-    """Kernel id (``core.identity.kernel_id``): ``module:qualname`` of the user function, with
-    ``@<config-list digest>`` when several autotuners wrap that function."""
+    """``core.identity.kernel_id``."""
     key: str
-    """Stable tuning-key text (``selection.tuning_key``); ``"*"`` for out-of-scope kernels."""
+    """``tuning_key`` text; ``"*"`` for out-of-scope kernels."""
     signature: str
-    """``selection.config_signature`` of the launched config; empty when out of scope."""
+    """``config_signature`` of the launched config; empty when out of scope."""
     source: str
     """One of ``SOURCES``."""
     config: dict[str, Any] = field(default_factory=dict)
@@ -63,12 +59,11 @@ class Decision:
     nearest_key: str | None = None
     """For ``nearest``: the key of the table entry whose config was launched."""
     matched_by: str | None = None
-    """``"content"`` when a ``table``/``nearest`` entry was found under another kernel id with the
-    same qualname and source hash (the same code loaded under another module name); else ``None``."""
+    """``"content"``: the entry was found under another module name (same qualname and source)."""
     entry_kernel: str | None = None
     """For ``matched_by="content"``: the kernel id the entry was tuned under."""
     chaos: str | None = None
-    """For ``chaos``: one of ``CHAOS_OUTCOMES``, how this rank's pick relates to the other ranks'."""
+    """For ``chaos``: one of ``CHAOS_OUTCOMES``."""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -90,11 +85,8 @@ class DecisionLog:
         self._listeners: list[Listener] = []
 
     def record(self, decision: Decision) -> None:
-        """Append ``decision`` and notify listeners in registration order.
-
-        A listener's exception propagates to the caller (the launch), after the decision
-        is logged, so a divergence still shows up in the coverage report.
-        """
+        """Append ``decision``, then notify listeners; a listener's exception reaches the launch
+        after the decision is logged, so a divergence still shows in the log."""
         with self._lock:
             self._decisions.append(decision)
             listeners = list(self._listeners)
@@ -124,7 +116,6 @@ _LOG = DecisionLog()
 
 
 def decision_log() -> DecisionLog:
-    """The process-wide decision log."""
     return _LOG
 
 

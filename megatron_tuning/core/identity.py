@@ -41,13 +41,9 @@ _OPTIONAL_FIELDS: tuple[tuple[str, Any], ...] = (
 # --------------------------------------------------------------------------- hardware
 
 
-def _interpreter_active() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
-
-
 def _cuda_usable() -> bool:
     """Whether kernels run on a CUDA/HIP device here (not the interpreter, torch with a GPU)."""
-    if _interpreter_active():
+    if os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on"):
         return False
     try:
         import torch
@@ -66,12 +62,8 @@ def arch_tag() -> str:
 
 
 def node_arch() -> str | None:
-    """The arch every visible device shares, read by device index; ``None`` when they differ.
-
-    For what is needed before a rank has picked its device (``auto`` mode's default cache folder
-    at init): ``torch.cuda.current_device()`` would be device 0 on a rank that installs before
-    ``torch.cuda.set_device(local_rank)``. On a node of one GPU model the answer is exact whatever
-    the rank's device; on a mixed node only the launching device can tell (``arch_tag``)."""
+    """The arch every visible device shares; ``None`` when they differ. For use before a rank has
+    picked its device (``current_device()`` would still be device 0)."""
     if not _cuda_usable():
         return "unknown"
     import torch
@@ -134,29 +126,17 @@ _ids_lock = threading.Lock()
 
 
 def config_list_digest(autotuner: Any) -> str:
-    """12 hex digits naming the autotuner's declared config list (``configs=``).
-
-    sha256 over the sorted distinct ``config_signature`` texts, so it is the same in every
-    process and on Triton 3.3-3.9, and list order or duplicate entries do not change it (neither
-    changes which configs can be launched). Hooks are not part of it.
-    """
+    """12 hex digits naming the autotuner's declared configs: order, duplicates and hooks do not
+    change it (they do not change which configs can be launched)."""
     signatures = sorted({config_signature(c) for c in autotuner.configs})
     return hashlib.sha256("\n".join(signatures).encode("utf-8")).hexdigest()[:DIGEST_CHARS]
 
 
 def kernel_id(autotuner: Any) -> str:
-    """The kernel's identity in tables, logs and across ranks.
-
-    ``module:qualname`` of the user function, unless two or more autotuners with different
-    config lists wrap that one function: then each is ``module:qualname@<config_list_digest>``,
-    so they are separate kernels (separate decisions, table entries and agreement checks).
-
-    The rule is a pure function of the code, so every rank and every process computes the same
-    id: the autotuners counted are this one and those reachable from the function's module
-    globals (through ``triton.heuristics`` wrappers), e.g. torchao HQQ's two autotuners over one
-    ``@triton.jit`` function. A second autotuner made elsewhere (inside a function, or in another
-    module) sees the module's own one and is told apart; two made outside the module cannot see
-    each other and share the plain id. Computed once per autotuner, at its first use.
+    """The kernel's identity in tables, logs and across ranks: ``module:qualname``, or
+    ``module:qualname@<config_list_digest>`` when autotuners with different config lists wrap one
+    function (torchao HQQ has two). A pure function of the code: the autotuners counted are this
+    one and those reachable from the function's module globals. Computed once per autotuner.
     """
     try:
         cached = _ids.get(autotuner)
@@ -177,8 +157,7 @@ def split_kernel_id(kernel: str) -> tuple[str, str, str | None]:
 
 
 def content_name(kernel: str) -> str:
-    """A kernel id without its module (``qualname`` or ``qualname@digest``): what a content match
-    compares, together with the source hash, when the same code is loaded under another module name."""
+    """A kernel id without its module: what a content match compares, with the source hash."""
     return kernel.partition(":")[2]
 
 
@@ -188,15 +167,8 @@ def _compute_kernel_id(wrapper: Any) -> str:
     if autotuner is None:  # a bare @triton.jit (or heuristics) function: nothing to tell apart
         return base
     mine = config_list_digest(autotuner)
-    fn = _user_function(autotuner)
-    digests = {mine}
-    for other in _module_autotuners_over(fn):
-        if other is not autotuner:
-            try:
-                digests.add(config_list_digest(other))
-            except Exception:  # a foreign object that only looks like an autotuner
-                continue
-    return base if len(digests) == 1 else f"{base}{_DIGEST_SEP}{mine}"
+    others = {config_list_digest(o) for o in _module_autotuners_over(_user_function(autotuner))}
+    return base if others <= {mine} else f"{base}{_DIGEST_SEP}{mine}"
 
 
 def _autotuner_in(wrapper: Any) -> Any:
@@ -213,30 +185,24 @@ def _autotuner_in(wrapper: Any) -> Any:
 
 def _module_autotuners_over(fn: Any) -> list[Any]:
     """Triton autotuners over ``fn`` among the globals of ``fn``'s module (through ``.fn`` wrappers)."""
-    module = sys.modules.get("triton.runtime.autotuner")
-    autotuner_type = getattr(module, "Autotuner", None)
+    autotuner_type = getattr(sys.modules.get("triton.runtime.autotuner"), "Autotuner", None)
     scope = getattr(fn, "__globals__", None)
     if autotuner_type is None or not isinstance(scope, dict):
         return []
     found: list[Any] = []
-    for value in list(scope.values()):
+    for obj in list(scope.values()):
         try:
-            _collect_autotuners(value, fn, autotuner_type, found)
+            for _ in range(_MAX_WRAPPERS):
+                if obj is None or isinstance(obj, (types.ModuleType, type)):
+                    break  # never walk a module's or class's attributes (lazy imports, descriptors)
+                if isinstance(obj, autotuner_type) and _user_function(obj) is fn:
+                    found.append(obj)
+                # The instance dict, not getattr: no __getattr__ of a foreign object runs.
+                attributes = getattr(obj, "__dict__", None)
+                obj = attributes.get("fn") if isinstance(attributes, dict) else None
         except Exception:  # an odd global (a proxy, a half-built object) is no autotuner of ours
             continue
     return found
-
-
-def _collect_autotuners(value: Any, fn: Any, autotuner_type: type, found: list[Any]) -> None:
-    obj = value
-    for _ in range(_MAX_WRAPPERS):
-        if obj is None or isinstance(obj, (types.ModuleType, type)):
-            return  # modules and classes: never walk their attributes (lazy imports, descriptors)
-        if isinstance(obj, autotuner_type) and not any(obj is f for f in found) and _user_function(obj) is fn:
-            found.append(obj)
-        attributes = getattr(obj, "__dict__", None)
-        # The instance dict, not getattr: no __getattr__ of a foreign object runs.
-        obj = attributes.get("fn") if isinstance(attributes, dict) else None
 
 
 @functools.cache
@@ -278,11 +244,8 @@ def _render(value: Any) -> str:
 
 
 def tuning_key(autotuner: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
-    """Stable text of the tuning key: the ``key=`` argument values, then every tensor dtype.
-
-    At least as fine as Triton's own key (same values and dtypes; bools are kept apart from
-    ints), in parameter order, e.g. ``M=64, N=48, K=40 | a_ptr:torch.float16, b_ptr:...``.
-    """
+    """Stable text of the tuning key, at least as fine as Triton's (bools apart from ints):
+    ``M=64, N=48, K=40 | a_ptr:torch.float16, b_ptr:...``."""
     arg_names = list(autotuner.arg_names)
     named: dict[str, Any] = dict(zip(arg_names, args))
     for name, value in kwargs.items():
@@ -296,11 +259,8 @@ def tuning_key(autotuner: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -
 
 
 def config_data(config: Any) -> dict[str, Any]:
-    """Serializable launch options of a ``triton.Config`` (hooks stay on the live object).
-
-    ``kwargs``, ``num_warps``, ``num_stages``, ``num_ctas`` and ``maxnreg`` are always present;
-    release-specific fields only when set to a non-default value.
-    """
+    """Serializable launch options of a ``triton.Config`` (no hooks); release-specific fields
+    only when not default."""
     data: dict[str, Any] = {
         "kwargs": {k: config.kwargs[k] for k in sorted(config.kwargs)},
         "num_warps": getattr(config, "num_warps", None),
@@ -316,12 +276,8 @@ def config_data(config: Any) -> dict[str, Any]:
 
 
 def config_signature(config: Any) -> str:
-    """Stable text of a config for logs and cross-rank comparison.
-
-    Sorted kwargs with their types kept, then ``num_warps`` and ``num_stages`` always, then
-    other fields only when non-default, so one config reads the same on Triton 3.3-3.9.
-    Accepts a ``triton.Config`` or its ``config_data`` dict.
-    """
+    """Stable text of a ``triton.Config`` or its ``config_data``: sorted typed kwargs, warps and
+    stages, other fields only when non-default, so one config reads the same on Triton 3.3-3.9."""
     data = config if isinstance(config, Mapping) else config_data(config)
     parts = [f"{k}={_render(v)}" for k, v in sorted(data["kwargs"].items())]
     parts.append(f"num_warps={_render(data.get('num_warps'))}")

@@ -1,27 +1,12 @@
 """What the user sees: notices (``warnings``, once per cause) and diagnostics (``logging``).
 
-Two channels, on purpose:
-
-* A **notice** is something the user must act on to get what they asked for: a kernel launched
-  the cheapest config because no table has its shape, a stale or unusable table entry, timing
-  with the host clock, a misspelt setting. ``warn_once`` issues it as a ``TuningWarning``
-  through Python's ``warnings`` machinery, once per cause, so it reaches stderr by default
-  in any program, and users filter it with the standard tools: ``warnings.filterwarnings`` or
-  pytest's ``filterwarnings`` by category, ``-W``/``PYTHONWARNINGS`` by the message prefix
-  (``-W "error:megatron_tuning"`` makes notices fatal in CI; Python parses ``-W`` before any
-  package can be imported, so a category option naming ours is ignored there), and
-  ``logging.captureWarnings(True)`` routes them into logging. The warning is attributed to the
-  first frame outside this library, Triton and torch, so it points at the user's launch.
-* A **diagnostic** (one line per decision, tables loaded, a lock wait) stays in ``logging``
-  under the ``megatron_tuning`` logger. ``default_handler()`` prints those records on stderr
-  only while the application has configured no logging handler of its own (the role Python's
-  ``logging.lastResort`` plays, which the usual library ``NullHandler`` would disable), so
-  ``logging.getLogger("megatron_tuning").setLevel(logging.INFO)`` alone shows INFO lines, and
-  an application's ``logging.basicConfig``/``dictConfig`` takes over completely.
-
-Every notice is counted per policy (``tally``), so the end of a policy can say how many keys a
-cause covered; ``reset_warnings`` (called by ``interception.install`` for every new policy) lets
-a new policy report again.
+A *notice* is something to act on (a fallback to the cheapest config, a stale entry, a misspelt
+setting): ``warn_once`` issues a ``TuningWarning`` once per cause and policy, attributed to the
+first frame outside this library, Triton and torch, so it reaches stderr by default and standard
+filters apply (``-W "error:megatron_tuning"`` by message prefix, since ``-W`` cannot name our
+category). A *diagnostic* stays in ``logging``; ``install_default_handler`` prints it on stderr
+only while the application has configured no handler of its own (a ``NullHandler`` would hide
+it). Notices are tallied per policy so the end of a policy can count what a cause covered.
 """
 
 from __future__ import annotations
@@ -37,17 +22,10 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 PREFIX = "megatron_tuning: "
-"""Every notice starts with this, so ``-W "ignore:megatron_tuning"`` (or ``error:``) filters them
-by message, which works on the command line where a category of ours cannot be named."""
 
 
 class TuningWarning(UserWarning):
-    """A notice from megatron_tuning: something to act on (a fallback, a stale entry, a typo).
-
-    Shown once per cause and policy. Filter it like any warning, e.g.
-    ``warnings.filterwarnings("ignore", category=megatron_tuning.TuningWarning)`` in code, or
-    ``python -W "error:megatron_tuning"`` (fail on any notice) on the command line.
-    """
+    """A notice from megatron_tuning: something to act on (a fallback, a stale entry, a typo)."""
 
 
 _warned: set[tuple[Any, ...]] = set()
@@ -56,22 +34,15 @@ _warned_lock = threading.Lock()
 
 
 def reset_warnings() -> None:
-    """Forget which causes were reported and what was tallied, so a new policy reports again.
-
-    ``interception.install`` calls it for every new policy; tests and long-lived REPLs may too.
-    """
+    """Forget which causes were reported and what was tallied, so a new policy reports again."""
     with _warned_lock:
         _warned.clear()
         _tallies.clear()
 
 
 def warn_once(cause: tuple[Any, ...], message: str, *args: Any) -> bool:
-    """Issue ``message % args`` as a ``TuningWarning`` the first time ``cause`` is seen.
-
-    Returns whether it was issued. The message should name the kernel, key or file, and the fix.
-    Under an ``error`` filter the warning raises, and the cause stays unreported so the next
-    occurrence raises too.
-    """
+    """Issue ``message % args`` as a ``TuningWarning`` the first time ``cause`` is seen; return
+    whether it was. Under an ``error`` filter it raises, and the next occurrence raises too."""
     with _warned_lock:
         if cause in _warned:
             return False
@@ -102,23 +73,13 @@ def tallies(kind: str) -> dict[tuple[Any, ...], frozenset[Hashable]]:
         return {group: frozenset(items) for group, items in _tallies.items() if group and group[0] == kind}
 
 
-def _internal_prefixes() -> tuple[str, ...]:
-    prefixes = []
-    for name in ("megatron_tuning", "triton", "torch"):
-        module = sys.modules.get(name)
-        path = getattr(module, "__file__", None)
-        if path:
-            prefixes.append(os.path.dirname(os.path.abspath(path)) + os.sep)
-    return tuple(prefixes)
-
-
 def _warn_at_caller(text: str) -> None:
     """``warnings.warn`` attributed to the first frame outside this library, Triton and torch.
 
-    ``warn_explicit`` with a fresh registry: which causes were reported is ``warn_once``'s job
-    (reset per policy), so Python's per-location registry must not swallow a repeat after a reset.
+    A fresh registry: ``warn_once`` decides repeats (reset per policy), not Python's per-location one.
     """
-    internal = _internal_prefixes()
+    paths = (getattr(sys.modules.get(n), "__file__", None) for n in ("megatron_tuning", "triton", "torch"))
+    internal = tuple(os.path.dirname(os.path.abspath(p)) + os.sep for p in paths if p)
     frame = sys._getframe(2)
     while frame.f_back is not None and (
         frame.f_code.co_filename.startswith(internal) or frame.f_code.co_filename.startswith("<frozen ")
@@ -167,42 +128,22 @@ def _configured_elsewhere(name: str) -> bool:
     return False
 
 
-def default_handler() -> logging.Handler:
-    """The handler the package logger carries instead of a ``NullHandler`` (see the module doc)."""
-    handler = _StderrUnlessConfigured()
-    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
-    return handler
-
-
 def install_default_handler(package_logger: logging.Logger) -> None:
-    """Attach ``default_handler()`` to ``package_logger`` once (re-imports must not stack them)."""
+    """Attach the stderr-unless-configured handler to ``package_logger`` once (re-imports must not
+    stack them)."""
     if not any(isinstance(h, _StderrUnlessConfigured) for h in package_logger.handlers):
-        package_logger.addHandler(default_handler())
+        handler = _StderrUnlessConfigured()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        package_logger.addHandler(handler)
 
 
 def printable(text: str) -> str:
-    """``text`` with every non-printable character written as an escape.
-
-    Keys, kernel ids and notes come from files other people wrote: printed raw, a ``\\r``, an ANSI
-    sequence or a bidi override could rewrite what a reviewer sees. JSON output stays exact.
-    """
+    """``text`` with every non-printable character escaped: keys and notes come from files others
+    wrote, and a raw ``\\r``, ANSI sequence or bidi override could rewrite what a reviewer sees."""
     if text.isprintable():
         return text
-    return "".join(ch if ch.isprintable() else _escape(ord(ch)) for ch in text)
+    return "".join(c if c.isprintable() else _escape(ord(c)) for c in text)
 
 
 def _escape(code: int) -> str:
     return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
-
-
-__all__ = [
-    "PREFIX",
-    "printable",
-    "TuningWarning",
-    "default_handler",
-    "install_default_handler",
-    "reset_warnings",
-    "tallies",
-    "tally",
-    "warn_once",
-]
