@@ -1,12 +1,9 @@
-"""What the library does: every ``MEGATRON_TUNING_*`` knob, and the ``TuningPolicy`` built from them.
+"""Every ``MEGATRON_TUNING_*`` knob, declared once (as Triton's ``knobs.py``), and ``TuningPolicy``.
 
-Each variable is declared once below (``_knob``: name, parser, default, one line of doc), as
-Triton's ``knobs.py`` does; nothing else in the package reads ``os.environ`` for a setting of
-its own, and ``docs/policy.md`` lists exactly these (a test checks both). Variables are read when
-asked, never at import. One rule for every knob, in code and environment alike: surrounding
-whitespace is ignored, an empty value means unset, words and booleans in any case, numbers are
-finite ASCII decimals, and a bad value raises ``PolicyError`` naming the variable, the value and
-what is allowed.
+Nothing else reads ``os.environ`` for a setting of its own; ``docs/policy.md`` lists exactly
+``KNOBS`` (a test checks). Read when asked, never at import. In code and environment alike:
+whitespace is ignored, empty means unset, words in any case, numbers finite ASCII decimals, and
+a bad value raises ``PolicyError`` naming the variable, the value and what is allowed.
 """
 
 from __future__ import annotations
@@ -79,15 +76,17 @@ def parse_int(text: str) -> int | None:
     return int(stripped) if _INT.fullmatch(stripped) else None
 
 
-def _words(choices: Sequence[str], field: str) -> Callable[[str, str], str]:
-    def parse(name: str, raw: str) -> str:
-        word = raw.lower()
-        if word in choices:
-            return word
-        allowed = _REMOVED.get((field, word), "one of " + "|".join(choices) + " (any case)")
-        raise PolicyError(name, raw, allowed)
+def _words(choices: tuple[str, ...], field: str) -> Callable[[str, str], str]:
+    return lambda name, raw: _word(name, raw, choices, field)
 
-    return parse
+
+def _word(name: str, value: object, allowed: tuple[str, ...], field: str | None = None) -> str:
+    text = value.strip().lower() if isinstance(value, str) else ""
+    if text in allowed:
+        return text
+    raise PolicyError(
+        name, value, _REMOVED.get((field or name, text), "one of " + "|".join(allowed) + " (any case)")
+    )
 
 
 def _bool(name: str, raw: str) -> bool:
@@ -217,22 +216,15 @@ def read_knob(name: str) -> Any:
     return knob.default if value is None else value
 
 
-def unknown_variables(environ: Mapping[str, str] | None = None) -> list[tuple[str, str | None]]:
-    """``MEGATRON_TUNING_*`` names set that no knob declares, each with the closest known one."""
-    names = sorted(n for n in (os.environ if environ is None else environ) if n.startswith(PREFIX))
-    # Compared without the shared prefix, which would make every name look close to every other.
-    known = sorted(name[len(PREFIX) :] for name in KNOBS)
-    out = []
-    for name in (n for n in names if n not in KNOBS):
-        close = difflib.get_close_matches(name[len(PREFIX) :], known, n=1, cutoff=0.6)
-        out.append((name, PREFIX + close[0] if close else None))
-    return out
-
-
 def warn_unknown_variables() -> None:
     """One notice per unknown ``MEGATRON_TUNING_*`` name: it is ignored, so it is most likely a typo."""
-    for name, close in unknown_variables():
-        hint = f"Did you mean {close}?" if close else "Known variables: " + ", ".join(sorted(KNOBS))
+    # Compared without the shared prefix, which would make every name look close to every other.
+    known = sorted(name[len(PREFIX) :] for name in KNOBS)
+    for name in sorted(n for n in os.environ if n.startswith(PREFIX) and n not in KNOBS):
+        close = difflib.get_close_matches(name[len(PREFIX) :], known, n=1, cutoff=0.6)
+        hint = (
+            f"Did you mean {PREFIX}{close[0]}?" if close else "Known variables: " + ", ".join(sorted(KNOBS))
+        )
         warn_once(
             ("unknown-env", name),
             "%s is set but is not a megatron_tuning setting, so it is ignored. %s (docs/policy.md)",
@@ -394,13 +386,6 @@ class TuningPolicy:
 
 def _set(policy: TuningPolicy, name: str, value: Any) -> None:
     object.__setattr__(policy, name, value)
-
-
-def _word(name: str, value: object, allowed: tuple[str, ...]) -> str:
-    if isinstance(value, str) and value.strip().lower() in allowed:
-        return value.strip().lower()
-    text = value.strip().lower() if isinstance(value, str) else ""
-    raise PolicyError(name, value, _REMOVED.get((name, text), "one of " + "|".join(allowed) + " (any case)"))
 
 
 def _sequence(name: str, value: object, allowed: str) -> tuple[Any, ...]:
