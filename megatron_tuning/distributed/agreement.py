@@ -1,26 +1,13 @@
 """Cross-rank agreement: every rank launches the same config for each (kernel, key), provably.
 
-``init_deterministic_tuning`` calls ``start_agreement(policy, group, inputs=...)`` once the
-interception is installed. First, every rank compares its *inputs* (policy, table contents,
-versions, arch, session number) with the session's first rank through one ``claim``: every
-deterministic choice is a pure function of these, so ranks that differ are named at init,
-not key by key later (``InputMismatchError``). Then, by ``policy.agreement``:
-
-* ``store`` (default up to ``STORE_UP_TO_RANKS`` ranks): at the first use of each (kernel, key)
-  on a rank, before the launch, the rank claims the key with its config signature; a later rank
-  whose signature differs raises ``DivergenceError`` and records it in the session's divergence
-  flag, which every rank raises at its next check. No collective: ranks that reach kernels at
-  different times, or never (pipeline stages), cannot deadlock. Two store requests per new key.
-* ``allgather``: for strictly SPMD groups: at first use all ranks meet at a barrier with a
-  deadline, then all-gather 64-byte digests; every rank raises the same error.
-* ``verify`` (default above ``STORE_UP_TO_RANKS`` ranks): nothing per key. Ranks agree by
-  construction when their inputs agree, and the user's ``verify_agreement()`` at step
-  boundaries compares whole decision logs (one collective, 32 bytes per rank when all agree);
-  ``stop()`` runs it once more at close, bounded, so a rank that died cannot hang it.
-* ``off``: nothing.
-
-No store or collective traffic happens while a CUDA graph is captured: such checks run at the
-next check outside capture, at ``verify_agreement``, or at close.
+At start, every rank compares its *inputs* (policy, table contents, versions, session number)
+with the session's first rank through one ``claim``: every choice is a pure function of them, so
+a difference is named at init (``InputMismatchError``). Then, by ``policy.agreement``
+(docs/agreement.md): ``store`` claims each new key's signature before its launch (no collective,
+so ranks that reach kernels at different times cannot deadlock; a divergence is flagged for every
+rank), ``allgather`` compares digests at first use in strictly SPMD groups, ``verify`` leaves it
+to ``verify_agreement()`` at step boundaries and a bounded check at close, ``off`` checks nothing.
+No store or collective traffic happens during a CUDA graph capture: such checks wait for the next.
 """
 
 from __future__ import annotations
@@ -33,11 +20,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from ..core import __version__
 from ..core.decisions import Decision, decision_log
-from ..core.errors import DivergenceError, InputMismatchError, PolicyError, StoreError, TableError
+from ..core.errors import DivergenceError, InputMismatchError, StoreError, TableError
+from ..core.policy import TuningPolicy, read_knob
 from ..runtime.pinning import is_capturing
 from ..tables.search import ENV_TABLE, expand_table_paths, installed_triton_version, shipped_tables_dir
 from . import store as kv
@@ -46,24 +35,22 @@ from .verify import all_gather_bytes, pack_text, unchecked_sources, unpack_text
 
 logger = logging.getLogger(__name__)
 
-MODES = ("store", "allgather", "verify", "off")
 STORE_UP_TO_RANKS = 64
 """Worlds up to this size check each key at first use (``store``); larger ones use ``verify``."""
 CHECKED_MODES = ("deterministic", "chaos", "auto")
 
 
-def resolve_mode(policy: Any, group: Any = None) -> str:
+def resolve_mode(policy: TuningPolicy, group: Any = None) -> str:
     """The mode ``policy`` asks for; unset: ``store`` up to ``STORE_UP_TO_RANKS`` ranks, else ``verify``."""
-    mode = getattr(policy, "agreement", None)
-    if mode is not None:
-        return str(mode)
+    if policy.agreement is not None:
+        return policy.agreement
     if not (dist.is_available() and dist.is_initialized()):
         return "store"
     return "verify" if len(kv.group_ranks(group)) > STORE_UP_TO_RANKS else "store"
 
 
 class _NoAgreement:
-    """Handle for a process that checks nothing (no process group, agreement off, or a measuring mode)."""
+    """Handle for a process that checks nothing."""
 
     mode = "off"
 
@@ -71,18 +58,15 @@ class _NoAgreement:
         return None
 
 
-def start_agreement(policy: Any, group: Any = None, *, inputs: Mapping[str, str] | None = None) -> Any:
-    """Start cross-rank checks for ``policy``; returns a handle whose ``stop()`` ends them.
-
-    A no-op handle comes back without a process group, with ``agreement == "off"``, or in a mode
-    that measures (``tune``/``record``). ``inputs`` (``describe_inputs``) are compared with the
-    session's first rank first: a difference raises ``InputMismatchError`` here, on this rank, and
-    on the rank it differs from at its next check.
+def start_agreement(
+    policy: TuningPolicy, group: Any = None, *, inputs: Mapping[str, str] | None = None
+) -> Any:
+    """Start cross-rank checks for ``policy``; returns a handle whose ``stop()`` ends them (a no-op
+    one without a process group, with agreement ``off``, or in a measuring mode). ``inputs`` that
+    differ from the first rank's raise ``InputMismatchError`` here, and on that rank at its next check.
     """
     mode = resolve_mode(policy, group)
-    if mode not in MODES:
-        raise PolicyError("agreement", mode, "one of " + "|".join(MODES))
-    if mode == "off" or getattr(policy, "mode", "deterministic") not in CHECKED_MODES:
+    if mode == "off" or policy.mode not in CHECKED_MODES:
         return _NoAgreement()
     if not (dist.is_available() and dist.is_initialized()):
         return _NoAgreement()
@@ -97,14 +81,12 @@ def start_agreement(policy: Any, group: Any = None, *, inputs: Mapping[str, str]
 
 
 class AgreementChecker:
-    """Decision-log listener comparing each new (kernel, key) with the other ranks.
-
-    ``store``, ``rank`` and ``ranks`` exist so tests can drive it without a process group.
-    """
+    """Decision-log listener comparing each new (kernel, key) with the other ranks. ``store``,
+    ``rank`` and ``ranks`` let tests drive it without a process group."""
 
     def __init__(
         self,
-        policy: Any,
+        policy: TuningPolicy,
         group: Any = None,
         *,
         session: int = 1,
@@ -113,12 +95,10 @@ class AgreementChecker:
         rank: int | None = None,
         ranks: Sequence[int] | None = None,
     ) -> None:
-        self.mode: str = mode or getattr(policy, "agreement", None) or "store"
-        if self.mode not in MODES:
-            raise PolicyError("agreement", self.mode, "one of " + "|".join(MODES))
+        self.mode: str = mode or policy.agreement or "store"
         self.policy = policy
-        self.timeout_s = float(getattr(policy, "agreement_timeout_s", 300.0))
-        self.unchecked = unchecked_sources(getattr(policy, "mode", "deterministic"))
+        self.timeout_s = policy.agreement_timeout_s
+        self.unchecked = unchecked_sources(policy.mode)
         self.group = group
         self.session = session
         self.rank = dist.get_rank() if rank is None else int(rank)
@@ -285,33 +265,25 @@ def _error_from_flag(record: Mapping[str, Any]) -> Exception:
 # --------------------------------------------------------------------------- the inputs
 
 
-def describe_inputs(policy: Any, table: Any = None) -> dict[str, str]:
+def describe_inputs(policy: TuningPolicy, table: Any = None) -> dict[str, str]:
     """What this rank's choices depend on, as short comparable text per input. Table files are
     compared by content, so the same tables at different paths on different nodes agree."""
-    from ..core.policy import read_knob
-
     inputs = {
-        "policy": policy.summary() if hasattr(policy, "summary") else repr(policy),
+        "policy": policy.summary(),
         "megatron_tuning": __version__,
         "triton": installed_triton_version() or "not installed",
-        "torch": _torch_version(),
+        "torch": str(torch.__version__),
     }
     if table is not None and not hasattr(table, "files"):
         inputs["tables"] = _mapping_digest(table)
     else:
-        explicit = tuple(getattr(policy, "tables", ()) or ()) + tuple(read_knob(ENV_TABLE))
+        explicit = policy.tables + tuple(read_knob(ENV_TABLE))
         inputs["tables"] = _files_digest(explicit)
-    if getattr(policy, "use_shipped_tables", True):
+    if policy.use_shipped_tables:
         folder = shipped_tables_dir()
         files = sorted(p for p in folder.rglob("*.msgpack") if p.is_file()) if folder.is_dir() else []
         inputs["shipped tables"] = _digest_of(files, folder)
     return inputs
-
-
-def _torch_version() -> str:
-    import torch
-
-    return str(torch.__version__)
 
 
 def _digest_of(files: Sequence[Path], root: Path | None = None) -> str:

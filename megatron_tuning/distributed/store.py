@@ -1,15 +1,11 @@
 """The job's key-value store: one claim primitive for every first-writer-wins record, and a barrier.
 
-Every record the library keeps in the job's c10d store is first-writer-wins: ``auto``'s decision
-for a key (a tuned result, or a cache hit proposed to the job), chaos mode's first pick, the
-agreement check's claim for a key and its divergence flag, a session's inputs. ``claim`` makes
-one with one atomic ``compare_set``: ours is stored unless a record is there, and the record that
-won comes back either way, so a rank never waits for another. Records are JSON objects with a
-``rank`` field (``encode``/``decode``), never pickles; what comes back is untrusted input, and a
-record that is not one the library writes raises ``StoreError`` naming it.
-
-``arrive`` is the one place a rank waits for others: a barrier with a deadline that names the
-ranks that did not come (``verify_agreement`` and ``allgather`` checks).
+Every record the library keeps in the c10d store (``auto``'s decision for a key, chaos mode's
+first pick, the agreement check's claim and divergence flag, a session's inputs) is made by
+``claim``: one atomic ``compare_set`` stores ours unless a record is there and returns the winner,
+so a rank never waits for another. Records are JSON objects, never pickles, and what comes back is
+untrusted: a record the library would not write raises ``StoreError`` naming it. ``arrive`` is the
+one place a rank waits for others: a barrier with a deadline that names the missing ranks.
 """
 
 from __future__ import annotations
@@ -65,10 +61,9 @@ def job_namespace() -> str:
 
 
 def identity_digest(kernel: str, key: str, arch: str) -> bytes:
-    """32-byte digest of what must agree; arch is part of it (other GPUs may pick otherwise)."""
-    return hashlib.sha256(
-        json.dumps([kernel, key, arch]).encode()
-    ).digest()  # JSON: no field can fake a boundary
+    """32-byte digest of what must agree (arch too: other GPUs may pick otherwise). JSON, so no
+    field can fake a boundary."""
+    return hashlib.sha256(json.dumps([kernel, key, arch]).encode()).digest()
 
 
 def signature_digest(signature: str) -> bytes:
@@ -161,10 +156,8 @@ def peek(store: Any, key: str, what: str) -> dict[str, Any] | None:
 def arrive(store: Any, tag: str, rank: int, ranks: Sequence[int], what: str, timeout_s: float) -> None:
     """Return when every rank of ``ranks`` arrived at ``tag``; past ``timeout_s`` name the missing ones.
 
-    O(1) requests per rank: an arrival counter, one ``go`` key the last arrival sets, and the list of
-    arrivals, read only on a timeout. All ranks settle on one verdict through ``compare_set``, so a
-    rank arriving just after the others gave up raises too instead of entering a collective alone.
-    The last rank to leave deletes the keys.
+    O(1) requests per rank. All ranks settle on one verdict through ``compare_set``, so a rank
+    arriving just after the others gave up raises too instead of entering a collective alone.
     """
     count = len(ranks)
     request(what, lambda: store.append(f"{tag}/in", f"{rank},"))
@@ -192,13 +185,8 @@ def arrive(store: Any, tag: str, rank: int, ranks: Sequence[int], what: str, tim
 
 class StoreChaos:
     """Chaos mode's coordinator (``core.chaos.ChaosCoordinator``): the job's first pick per key.
-
-    A rank-only formula cannot keep every pair of ranks apart once there are more ranks than
-    distinct configs, so the first rank to reach a (kernel, key) claims its pick and every later
-    rank launches another one (``core.chaos.choose_chaos``). It binds to the process group at its
-    first claim, so one made before ``init_process_group`` coordinates once the group exists.
-    Inside a CUDA graph capture nothing touches the store: ``recall`` answers from this process.
-    """
+    Binds to the process group at its first claim, so one made before ``init_process_group``
+    coordinates once the group exists."""
 
     _sessions = 0
     _recalled: dict[tuple[str, str, str], ChaosClaim] = {}
@@ -279,10 +267,9 @@ class Published:
 class StoreConsensus:
     """``auto``'s decisions shared by the job: one config per (arch, kernel, key), first writer wins.
 
-    A rank that misses the tables looks up the job's decision (one request) and adopts it; else it
-    tunes and publishes (one more). A hit in this rank's own ``auto`` cache (``local_cache``) is
-    not a private fact: caches are per node, so it is published like a tuned result and the
-    winner is launched, and ranks with different caches still launch one config per key.
+    A rank that misses looks up the job's decision and adopts it, else tunes and publishes. A hit
+    in this rank's own cache (``local_cache``) is published like a tuned result: caches are per
+    node, and ranks with different caches must still launch one config per key.
     """
 
     def __init__(
@@ -295,9 +282,7 @@ class StoreConsensus:
     ) -> None:
         self._store = prefixed(f"auto/{job_namespace()}", store)
         self.rank = dist.get_rank() if rank is None else int(rank)
-        self.world = (
-            world if world is not None else (dist.get_world_size() if dist.is_initialized() else None)
-        )
+        self.world = world if world is not None or not dist.is_initialized() else dist.get_world_size()
         self.local_cache = os.path.realpath(local_cache) if local_cache else None
 
     def is_local(self, origin: str | None) -> bool:
@@ -311,10 +296,8 @@ class StoreConsensus:
     def lookup(self, kernel: str, key: str, arch: str) -> Published | None:
         """The decision published for (arch, kernel, key), or ``None``; one request, never waits."""
         name = "d/" + identity_digest(kernel, key, arch).hex()
-        raw = request(
-            f"the auto lookup of kernel {kernel} with key {key}",
-            lambda: self._store.compare_set(name, "", ""),
-        )
+        what = f"the auto lookup of kernel {kernel} with key {key}"
+        raw = request(what, lambda: self._store.compare_set(name, "", ""))
         return self._published(raw, kernel, key) if bytes(raw) else None
 
     def publish(
@@ -323,11 +306,8 @@ class StoreConsensus:
         """Publish ours unless a rank was first; return the decision every rank must launch."""
         name = "d/" + identity_digest(kernel, key, arch).hex()
         mine = encode({"config": dict(config), "signature": signature, "rank": self.rank})
-        raw = request(
-            f"the auto publish of kernel {kernel} with key {key}",
-            lambda: self._store.compare_set(name, "", mine),
-        )
-        return self._published(raw, kernel, key)
+        what = f"the auto publish of kernel {kernel} with key {key}"
+        return self._published(request(what, lambda: self._store.compare_set(name, "", mine)), kernel, key)
 
     def _published(self, raw: Any, kernel: str, key: str) -> Published:
         what = f"the decision published for kernel {kernel} with key {key}"
@@ -339,20 +319,3 @@ class StoreConsensus:
             raise ConsensusError(
                 kernel, key, f"{bad.problem}; was it written by another megatron_tuning version?"
             ) from None
-
-
-__all__ = [
-    "Published",
-    "StoreChaos",
-    "StoreConsensus",
-    "arrive",
-    "start_consensus",
-    "claim",
-    "decode",
-    "default_store",
-    "encode",
-    "group_ranks",
-    "identity_digest",
-    "peek",
-    "request",
-]

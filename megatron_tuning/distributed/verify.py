@@ -1,22 +1,13 @@
 """``verify_agreement``: compare every rank's whole decision log at a step boundary (collective).
 
-Digest first, rows only where logs differ, sharded by identity, so the cost per rank does not
-grow with the number of ranks:
-
-1. one store barrier with a deadline (O(1) requests per rank), so a missing rank is named;
-2. an all-gather of a 32-byte header per rank: a digest of its sorted (identity, signature) rows,
-   its row count and its session number. Ranks with equal digests hold identical logs: when every
-   rank has the same digest (tensor/data parallel jobs) the call ends here;
-3. otherwise one *representative* per distinct digest (its lowest rank) sends each row to the rank
-   that owns the row's identity (identity digest mod world), in one ``all_to_all_single``. Each
-   owner compares the rows it received and all-gathers a fixed-size summary (shared and differing
-   counts, its first differing entries), so every rank computes the same verdict;
-4. on a divergence, the representatives that hold the named entries broadcast their texts, and
-   every rank raises the same ``DivergenceError``.
-
-Exchanged per rank: 32 bytes x ranks, then its own rows (O(keys)), never O(ranks x keys). Only
-fixed-size byte tensors cross ranks (no pickle, no ``all_gather_object``). This module also keeps
-which agreement checker is active and how many checked sessions this process started.
+After a store barrier with a deadline (so a missing rank is named), every rank all-gathers a
+32-byte header: a digest of its sorted (identity, signature) rows, its row count and session
+number. Equal digests mean identical logs, and then the call ends there. Otherwise the lowest
+rank of each distinct log sends each row to the rank that owns its identity (one
+``all_to_all_single``), owners all-gather a fixed-size summary, and the holders of the named
+entries broadcast their texts, so every rank raises the same ``DivergenceError``. Per rank that
+is O(ranks) header bytes plus its own rows, never O(ranks x keys); only byte tensors, no pickle.
+This module also keeps which agreement checker is active.
 """
 
 from __future__ import annotations
@@ -57,7 +48,7 @@ _checker_lock = threading.Lock()
 
 
 def next_session() -> int:
-    """Start this process's next checked session; return its number (store keys are per session)."""
+    """Start this process's next checked session; return its number."""
     global _sessions
     with _checker_lock:
         _sessions += 1
@@ -65,7 +56,6 @@ def next_session() -> int:
 
 
 def active_checker() -> Any:
-    """The agreement checker ``start_agreement`` attached, if any."""
     return _checker
 
 
@@ -87,12 +77,10 @@ def unchecked_sources(mode: str | None) -> frozenset[str]:
 def verify_agreement(group: Any = None, *, timeout_s: float | None = None) -> int:
     """Compare every rank's decision log at a step boundary; return how many entries were shared.
 
-    Collective over ``group`` (default: the job): every rank of it must call this. Only
-    (kernel, key) entries that two or more ranks observed are compared. On a mismatch every
-    rank raises the same ``DivergenceError``, naming up to ``MAX_NAMED`` differing entries. A
-    rank that does not arrive within ``timeout_s`` (default: the active policy's agreement
-    timeout) is named in an ``AgreementTimeoutError``. Also flushes the ``digest`` mode's pending
-    decisions and checks deferred by a CUDA graph capture. Without a process group it returns 0.
+    Collective over ``group`` (default: the job). Only entries two or more ranks observed are
+    compared; on a mismatch every rank raises the same ``DivergenceError`` naming up to
+    ``MAX_NAMED`` of them, and a rank missing past ``timeout_s`` (default: the policy's) is named
+    in an ``AgreementTimeoutError``. Runs checks deferred by a CUDA graph capture first.
     """
     if not (dist.is_available() and dist.is_initialized()):
         return 0
@@ -255,11 +243,8 @@ def _ranks_text(ranks: list[int]) -> str:
 
 
 def _log_table(unchecked: frozenset[str]) -> dict[bytes, Decision]:
-    """This process's checked decisions by identity digest, in first-use order.
-
-    After a re-install the same (kernel, key) can appear twice: the latest decision is what the
-    process launches now, so it wins (a dict keeps the first insertion's position).
-    """
+    """This process's checked decisions by identity digest, in first-use order; after a re-install
+    the latest decision of a key wins (it is what launches now)."""
     return {
         kv.identity_digest(d.kernel, d.key, d.arch): d
         for d in decision_log().decisions()
@@ -317,11 +302,8 @@ def all_gather_bytes(data: bytes, group: Any) -> list[bytes]:
 
 
 def all_to_all_bytes(chunks: Sequence[bytes], group: Any) -> list[bytes]:
-    """Send ``chunks[i]`` to the group's i-th rank; return what each rank sent to this one.
-
-    Sizes first (one int64 per rank pair), then one ``all_to_all_single`` of the bytes: each rank
-    moves only its own data, O(rows), not O(ranks x rows) as an all-gather would.
-    """
+    """Send ``chunks[i]`` to the group's i-th rank; return what each rank sent to this one (sizes
+    first, then one ``all_to_all_single``: O(rows) per rank, not O(ranks x rows))."""
     device = _device(group)
     send_sizes = torch.tensor([len(c) for c in chunks], dtype=torch.int64, device=device)
     recv_sizes = torch.empty_like(send_sizes)

@@ -37,7 +37,7 @@ def _clean_env(monkeypatch):
 def test_defaults_in_code_and_from_env():
     assert TuningPolicy().mode == "deterministic"
     policy = TuningPolicy.from_env()
-    # agreement unset: store up to 64 ranks, digest above (distributed.agreement.resolve_mode)
+    # agreement unset: store up to 64 ranks, verify above (distributed.agreement.resolve_mode)
     assert policy.mode == "off" and policy.on_miss == "nearest" and policy.agreement is None
     assert policy.cache is None  # auto mode then uses the per-user default
     assert TuningPolicy.from_env(default_mode="deterministic").mode == "deterministic"
