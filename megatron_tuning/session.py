@@ -13,11 +13,12 @@ from typing import Any
 from .core.choice import warn_if_mamba_env_ignored
 from .core.decisions import get_decisions
 from .core.errors import PolicyError
-from .core.identity import current_rank
-from .core.policy import TuningPolicy
+from .core.identity import arch_tag, current_rank, node_arch
+from .core.policy import ENV_DECISION_LOG, ENV_RECORD_DIR, TuningPolicy
 from .core.warn import warn_once
 from .runtime import interception, pinning
-from .tables.merge import write_decisions
+from .tables.files import output_file_problem, output_folder_problem
+from .tables.merge import write_decisions, write_recording
 
 logger = logging.getLogger(__name__)
 
@@ -32,8 +33,7 @@ class TuningHandle:
     def __init__(self, policy: TuningPolicy, table: Any, agreement: Any, cache: Any = None) -> None:
         self.policy = policy
         self.table = table
-        self.cache = cache
-        """``auto`` mode's cache (``tables.cache.AutoCache``), or ``None``."""
+        self.cache = cache  # auto mode's tables.cache.AutoCache
         self._agreement = agreement
         self._late: _LateAttach | None = None
         self._closed = False
@@ -44,10 +44,7 @@ class TuningHandle:
 
     def persist(self) -> int:
         """Write the decisions ``auto`` tuned or adopted so far to the cache table; return how many.
-
-        ``close()`` (and interpreter exit) does this too; call it at a checkpoint to bound what a
-        crash can lose.
-        """
+        ``close()`` does this too; call it at a checkpoint to bound what a crash can lose."""
         return self.cache.persist(get_decisions()) if self.cache is not None else 0
 
     def close(self) -> None:
@@ -80,8 +77,6 @@ class TuningHandle:
 
 def _write_outputs(policy: TuningPolicy) -> None:
     if policy.mode in ("record", "tune") and policy.record_dir:
-        from .tables.merge import write_recording
-
         write_recording(None, policy.record_dir, current_rank())
     elif policy.mode in ("record", "tune"):
         logger.warning(
@@ -125,12 +120,8 @@ def init_deterministic_tuning(
 
 
 def initializing() -> bool:
-    """Whether ``init_deterministic_tuning`` is running in this thread.
-
-    A process armed by ``run`` or the environment switch starts its session at ``import triton``;
-    when that import happens inside the job's own ``init_deterministic_tuning`` call, the armed
-    session must not start (it would be orphaned there): the job's call, and its policy, win.
-    """
+    """Whether ``init_deterministic_tuning`` is running in this thread: an armed process whose
+    ``import triton`` happens inside the job's own call must not start a second session there."""
     return getattr(_initializing, "depth", 0) > 0
 
 
@@ -143,12 +134,20 @@ def _init(policy: TuningPolicy | None, table: Any, group: Any) -> TuningHandle:
         previous = _active
     if previous is not None:
         previous.close()
-    cache = _open_cache(policy) if policy.mode == "auto" else None
+    cache = None
+    if policy.mode == "auto":
+        from .tables.cache import open_cache
+
+        cache = open_cache(policy, _cache_arch)
     resolved_table = table if table is not None else _load_tables(policy, cache)
     measure = _make_measure(policy) if policy.mode in ("tune", "auto") else None
     local_cache = cache.path if cache is not None and table is None else None
     consensus = _start_consensus(local_cache) if policy.mode == "auto" else None
-    chaos = _start_chaos(group) if policy.mode == "chaos" else None
+    chaos = None
+    if policy.mode == "chaos":
+        from .distributed.store import StoreChaos
+
+        chaos = StoreChaos(group)
     interception.install(policy, table=resolved_table, measure=measure, consensus=consensus, chaos=chaos)
     try:
         agreement = _start_agreement(policy, group, resolved_table)
@@ -180,9 +179,6 @@ def _load_tables(policy: TuningPolicy, cache: Any) -> Any:
 
 def check_output_paths(policy: TuningPolicy) -> None:
     """Raise ``PolicyError`` when an output the policy names could not be written at close."""
-    from .core.policy import ENV_DECISION_LOG, ENV_RECORD_DIR
-    from .tables.files import output_file_problem, output_folder_problem
-
     if policy.decision_log:
         path = decision_log_path(policy.decision_log)
         problem = output_file_problem(path)
@@ -202,18 +198,9 @@ def check_output_paths(policy: TuningPolicy) -> None:
             )
 
 
-def _open_cache(policy: TuningPolicy) -> Any:
-    from .tables.cache import open_cache
-
-    return open_cache(policy, _cache_arch)
-
-
 def _cache_arch() -> str:
     """The arch of the default cache folder, read at init without the current device (a rank may
-    install before ``torch.cuda.set_device``); decisions read theirs on the launching device."""
-    from .core.identity import arch_tag, node_arch
-    from .core.warn import warn_once
-
+    install before ``torch.cuda.set_device``)."""
     arch = node_arch()
     if arch is not None:
         return arch
@@ -235,12 +222,6 @@ def _start_consensus(local_cache: str | None) -> Any:
     from .distributed.store import start_consensus
 
     return start_consensus(local_cache)
-
-
-def _start_chaos(group: Any) -> Any:
-    from .distributed.store import StoreChaos
-
-    return StoreChaos(group)
 
 
 def _make_measure(policy: TuningPolicy) -> Any:
@@ -269,18 +250,11 @@ def _group_exists() -> bool:
     return bool(dist.is_available() and dist.is_initialized())
 
 
-def _world_size_env() -> int:
-    raw = os.environ.get("WORLD_SIZE", "").strip()
-    return int(raw) if raw.isdigit() else 1
-
-
 class _LateAttach:
     """Attach a session started before ``init_process_group`` to the group, once it exists.
 
-    Registered in ``runtime.pinning.before_decision``, so it runs at each new (kernel, key)
-    decision (never on a launch that hits a pinned key) until a process group is up; then it
-    starts ``auto``'s consensus and the agreement check, has the checker compare the decisions
-    this session made before, and unregisters itself.
+    Runs at each new (kernel, key) decision (``runtime.pinning.before_decision``, never on a hit)
+    until a group is up; then starts what crosses ranks, checks the earlier decisions, and leaves.
     """
 
     def __init__(self, handle: TuningHandle, group: Any, local_cache: str | None) -> None:
@@ -290,7 +264,8 @@ class _LateAttach:
         self.first_decision = len(get_decisions())  # the log is per process: ours start here
         self.attached = False
         self._lock = threading.Lock()
-        self.world_size = _world_size_env()
+        raw = os.environ.get("WORLD_SIZE", "").strip()
+        self.world_size = int(raw) if raw.isdigit() else 1
         if self.world_size > 1:
             logger.info(
                 "megatron_tuning: no process group yet (WORLD_SIZE=%d): the %s start at the first new "

@@ -1,8 +1,6 @@
 """Choosing a config without measuring: table entry, then block-size override, then the miss rule.
 
-Every rule is a pure function of the candidate list and the call signature, so each rank computes
-the same answer. ``deterministic_choice`` is the seed API; ``choose_deterministically`` is the same
-rule with a precomputed key, returning where the choice came from.
+Every rule is a pure function of the candidates and the call, so each rank computes the same answer.
 """
 
 from __future__ import annotations
@@ -42,17 +40,15 @@ class TableHit:
     config: Mapping[str, Any]
     origin: str
     key: str | None = None
-    """The entry's own key, when it was found for another key (a nearest-shape neighbour)."""
+    """The entry's own key, for a nearest-shape neighbour."""
     kernel: str | None = None
-    """The entry's own kernel id when it was found by content (same qualname and source hash
-    under another module name); ``None``: found by kernel id."""
+    """The entry's own kernel id when found by content (same code under another module name)."""
 
 
 @runtime_checkable
 class ConfigTable(Protocol):
-    """What choosing needs from a table (``tables.search.TableSet``). A table may also offer
-    ``neighbours(kernel, key, *, arch, source_hash)``, the usable entries for comparable keys,
-    nearest first; without it ``on_miss='nearest'`` falls back to the cheapest config."""
+    """What choosing needs from a table (``tables.search.TableSet``). With ``neighbours(kernel, key,
+    *, arch, source_hash)`` (comparable entries, nearest first) ``on_miss='nearest'`` can use them."""
 
     def lookup(
         self, kernel: str, key: str, *, arch: str, source_hash: str | None = None
@@ -94,13 +90,10 @@ class Choice:
     config: Any
     source: str
     origin: str | None = None
-    nearest_key: str | None = None
-    """For ``source == "nearest"``: the key of the table entry that was used."""
+    nearest_key: str | None = None  # the rest as in ``core.decisions.Decision``
     matched_by: str | None = None
-    """``"content"`` when the table entry was found under another kernel id (``entry_kernel``)."""
     entry_kernel: str | None = None
     chaos: str | None = None
-    """For ``source == "chaos"``: a ``core.decisions.CHAOS_OUTCOMES`` value."""
 
 
 def _from_hit(config: Any, source: str, hit: TableHit, nearest_key: str | None = None) -> Choice:
@@ -176,9 +169,7 @@ def pin_without_fallback(
 
 
 def _warn_if_ambiguous_entry(lookup: ConfigTable, autotuner: Any, kernel: str, key: str) -> None:
-    """A miss for ``module:qualname@digest`` while the table holds the plain ``module:qualname``: an
-    entry tuned before the autotuners over this function were told apart cannot say which it was
-    tuned for, so it is not used. Say so once, with the fix."""
+    """Say once why an entry under the plain ``module:qualname`` is not used for ``...@digest``."""
     base = base_kernel_id(autotuner)
     if base == kernel:
         return
@@ -201,6 +192,11 @@ def _warn_if_ambiguous_entry(lookup: ConfigTable, autotuner: Any, kernel: str, k
         )
 
 
+def _check_on_miss(on_miss: str) -> None:
+    if on_miss not in ON_MISS:
+        raise PolicyError("on_miss", on_miss, "one of " + "|".join(ON_MISS))
+
+
 def choose_on_miss(
     autotuner: Any,
     candidates: Sequence[Any],
@@ -212,8 +208,7 @@ def choose_on_miss(
 ) -> Choice:
     """What a miss launches, without measuring: the nearest shape's entry (``core.fallback``: the
     nearest usable entry, or the lower of two bracketing ones that disagree), the cheapest, or an error."""
-    if on_miss not in ON_MISS:
-        raise PolicyError("on_miss", on_miss, "one of " + "|".join(ON_MISS))
+    _check_on_miss(on_miss)
     kernel = kernel_id(autotuner)
     if on_miss == "error":
         raise TableMissError(kernel, key, miss.reason)
@@ -262,8 +257,7 @@ def choose_on_miss(
 
 
 def report_policy_end(policy: TuningPolicy | None) -> None:
-    """What only the end of a policy can tell (called when it is replaced or uninstalled): how many
-    keys fell back, and block-size override names that no launched kernel has (a typo)."""
+    """At the end of a policy: how many keys fell back, and override names no launched kernel has."""
     for kind, what in (("cheapest", "the cheapest config"), ("nearest", "a nearest-shape entry")):
         by_kernel = {group[1]: len(keys) for group, keys in tallies(kind).items()}
         if sum(by_kernel.values()) > len(by_kernel):  # one key per kernel was said by its own notice
@@ -309,8 +303,7 @@ def choose_deterministically(
     block_sizes: Mapping[str, int] | Iterable[tuple[str, int]] = (),
 ) -> Choice:
     """``deterministic_choice`` with a precomputed key, returning the source of the choice."""
-    if on_miss not in ON_MISS:
-        raise PolicyError("on_miss", on_miss, "one of " + "|".join(ON_MISS))
+    _check_on_miss(on_miss)
     pinned = pin_without_fallback(autotuner, candidates, key, table=table, block_sizes=block_sizes)
     if isinstance(pinned, Choice):
         return pinned
@@ -345,12 +338,9 @@ def deterministic_choice(
 def autotune_configs(configs: Sequence[Any], *, policy: TuningPolicy | None = None) -> list[Any]:
     """For a project's own kernels, at decoration: ``@triton.autotune(configs=autotune_configs([...]))``.
 
-    Under deterministic mode (``TuningPolicy.from_env()``: ``MEGATRON_TUNING_MODE`` or torch's
-    deterministic algorithms) the list shrinks to the one deterministic choice, honouring a
-    block-size override, so neither Triton nor torch.compile's autotuner can benchmark or pick
-    differently. Otherwise the list is returned unchanged. (Triton's ``TRITON_CACHE_AUTOTUNING`` is
-    not enough: a cache miss still times the candidates, so the cached winner is whichever process
-    wrote last, and the cache is skipped for configs with a ``pre_hook``.)
+    Under deterministic mode (``TuningPolicy.from_env()``) the list shrinks to the cheapest config,
+    honouring a block-size override, so neither Triton nor torch.compile can benchmark or pick
+    otherwise. (``TRITON_CACHE_AUTOTUNING`` is not enough: a miss still times the candidates.)
     """
     policy = policy if policy is not None else TuningPolicy.from_env()
     configs = list(configs)
@@ -385,11 +375,8 @@ _UNPINNED_BECAUSE = {
 
 
 def warn_if_mamba_env_ignored(policy: TuningPolicy | None = None) -> bool:
-    """Warn once when ``MAMBA_DETERMINISTIC`` asks for determinism but the mode does not pin configs.
-
-    ``deterministic`` and ``auto`` pin (one config per key, the same on every rank and in every run
-    that reads the same table or cache), so they are silent.
-    """
+    """Warn once when ``MAMBA_DETERMINISTIC`` asks for determinism but the mode does not pin configs
+    (``deterministic`` and ``auto`` pin, so they are silent)."""
     raw = os.environ.get("MAMBA_DETERMINISTIC", "").strip().lower()
     if raw in ("", "0", "false", "no", "off"):
         return False

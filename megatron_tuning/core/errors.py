@@ -1,8 +1,5 @@
-"""The exception hierarchy: one root, subclasses that carry structured fields and name the fix.
-
-Errors are picklable (``__reduce__`` rebuilds them from their fields), so they survive
-multiprocessing and torch.distributed elastic error files.
-"""
+"""One root error; subclasses carry structured fields and name the fix. ``__reduce__`` rebuilds
+them from their fields, so they survive multiprocessing and elastic error files."""
 
 from __future__ import annotations
 
@@ -105,8 +102,7 @@ class CompiledLaunchNotPinnedError(MegatronTuningError, RuntimeError):
 
 
 class TableError(MegatronTuningError, ValueError):
-    """A file the library reads or writes (a tuning table, a decision log, tuning results) is
-    missing, unreadable, corrupt or of the wrong schema. ``what`` names the kind of file."""
+    """A file the library reads or writes is missing, unreadable, corrupt or of the wrong schema."""
 
     def __init__(self, path: str, problem: str, what: str = "Tuning table") -> None:
         self.path, self.problem, self.what = str(path), problem, what
@@ -172,11 +168,8 @@ class AgreementTimeoutError(MegatronTuningError, TimeoutError):
 
 
 class InputMismatchError(MegatronTuningError, RuntimeError):
-    """Ranks of one job started tuning with different inputs (policy, tables, versions, session count).
-
-    Every choice is a pure function of these, so such ranks would launch different configs;
-    ``differences`` maps each input that differs to each rank's value.
-    """
+    """Ranks of one job started tuning with different inputs (policy, tables, versions, session
+    count), so they would launch different configs; ``differences``: input -> rank -> value."""
 
     def __init__(
         self, where: str, ranks: Sequence[int], differences: Mapping[str, Mapping[int, str]]
@@ -195,8 +188,7 @@ class InputMismatchError(MegatronTuningError, RuntimeError):
 
 
 class StoreError(MegatronTuningError, RuntimeError):
-    """A request to the job's c10d store failed, or a record under the library's keys is not one the
-    library writes (another megatron_tuning version on some ranks, or foreign code)."""
+    """A request to the job's c10d store failed, or a record there is not one the library writes."""
 
     def __init__(self, what: str, problem: str) -> None:
         self.what, self.problem = what, problem

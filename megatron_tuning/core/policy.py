@@ -252,16 +252,14 @@ class TuningPolicy:
 
     mode: str = "deterministic"
     """off: stock Triton. deterministic: table entry, else the miss rule; never measures. chaos: a
-    different pick per rank on purpose (the agreement check's positive control). record: Triton
-    autotunes and every winner is recorded. tune: the noise-aware tuner. auto: table entry, else the
-    job's published decision, else tune once and publish (first writer wins), persisted in ``cache``."""
+    different pick per rank (the agreement check's positive control). record: Triton's winners are
+    recorded. tune: the noise-aware tuner. auto: entry, else the job's decision, else tune once."""
 
     scope: tuple[str, ...] = ()
     """Module prefixes of the kernels to pin (``pkg`` covers ``pkg`` and ``pkg.sub``); empty: all."""
 
     on_miss: str = "nearest"
-    """No usable entry (and, in ``auto``, nothing can be measured): ``nearest`` launches the entry of
-    the nearest shape of the kernel, else the cheapest config; ``min_cost`` the cheapest; ``error`` raises."""
+    """No usable entry: ``nearest`` shape's entry, else the cheapest; ``min_cost``; or ``error``."""
 
     tables: tuple[str, ...] = ()
     """Table files or folders searched before ``MEGATRON_TUNING_TABLE`` and the shipped tables."""
@@ -270,9 +268,8 @@ class TuningPolicy:
     """Search the tables shipped in the package's ``configs/<arch>/`` last."""
 
     agreement: str | None = None
-    """Cross-rank check: ``store`` (each new (kernel, key) before its launch), ``allgather`` (strictly
-    SPMD groups), ``verify`` (``verify_agreement()`` at step boundaries and a bounded check at close,
-    for large jobs) or ``off``. ``None``: ``store`` up to 64 ranks, ``verify`` above."""
+    """Cross-rank check: ``store``, ``allgather``, ``verify`` or ``off`` (docs/agreement.md).
+    ``None``: ``store`` up to 64 ranks, ``verify`` above."""
 
     agreement_timeout_s: float = 300.0
     """How long a cross-rank check waits for missing ranks before naming them."""
@@ -293,8 +290,8 @@ class TuningPolicy:
     """If set, the decision log is written here at close (``{rank}`` and ``{pid}`` are replaced)."""
 
     cache: str | None = None
-    """``auto``'s cache table: ``None`` for ``<user cache dir>/megatron_tuning/<arch>/auto.msgpack``,
-    ``"off"`` for none (false words are stored as ``"off"``, true words as ``None``), else a path."""
+    """``auto``'s cache table: ``None`` for the user cache folder's, ``"off"`` (or a false word)
+    for none, else a path."""
 
     def __post_init__(self) -> None:
         # Normalised values are written back (object.__setattr__: the dataclass is frozen).
@@ -368,12 +365,8 @@ class TuningPolicy:
     def from_env(
         cls, *, default_mode: str = "off", follow_torch_determinism: bool = True, **overrides: Any
     ) -> TuningPolicy:
-        """Build a policy from the ``MEGATRON_TUNING_*`` knobs, read now; ``overrides`` win.
-
-        With ``MEGATRON_TUNING_MODE`` unset the mode is ``deterministic`` when
-        ``torch.are_deterministic_algorithms_enabled()`` (unless ``follow_torch_determinism=False``),
-        else ``default_mode``.
-        """
+        """Build a policy from the ``MEGATRON_TUNING_*`` knobs, read now; ``overrides`` win. With the
+        mode unset: ``deterministic`` under torch's deterministic algorithms, else ``default_mode``."""
         fields = {k.field: v for k in KNOBS.values() if k.field and (v := k.read()) is not None}
         if "mode" not in fields:
             fields["mode"] = (
