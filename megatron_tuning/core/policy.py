@@ -344,15 +344,6 @@ class TuningPolicy:
     def replace(self, **changes: Any) -> TuningPolicy:
         return dataclasses.replace(self, **changes)
 
-    def describe(self) -> str:
-        """One line for logs."""
-        cache = f" cache={self.cache or 'default'}" if self.mode == "auto" else ""
-        return (
-            f"mode={self.mode} scope={','.join(self.scope) or 'all'} on_miss={self.on_miss} "
-            f"tables={':'.join(self.tables) or '-'} agreement={self.agreement or 'by-size'} "
-            f"strict={int(self.strict)}{cache}"
-        )
-
     def summary(self) -> str:
         """The fields every rank of one session must share (compared by the inputs check)."""
         blocks = ",".join(f"{k}={v}" for k, v in self.block_sizes) or "-"
@@ -360,6 +351,11 @@ class TuningPolicy:
             f"mode={self.mode} agreement={self.agreement} scope={','.join(self.scope) or 'all'} "
             f"on_miss={self.on_miss} block_sizes={blocks} stale_entries={self.effective_stale_entries}"
         )
+
+    def describe(self) -> str:
+        """One line for logs: the summary, the tables and (in ``auto``) the cache."""
+        cache = f" cache={self.cache or 'default'}" if self.mode == "auto" else ""
+        return f"{self.summary()} tables={':'.join(self.tables) or '-'} strict={int(self.strict)}{cache}"
 
     @classmethod
     def from_env(
