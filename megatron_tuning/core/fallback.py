@@ -105,10 +105,8 @@ _NUMBER = re.compile(r"-?(?:\d+\.\d*|\.\d+|\d+)(?:e[-+]?\d+)?|-?inf|nan", re.IGN
 
 @dataclass(frozen=True, slots=True)
 class KeyShape:
-    """What must match exactly between comparable keys, and the numeric values that may differ."""
-
     fixed: tuple[str, ...]
-    """Argument names, non-numeric values (with a placeholder where a number sits), and dtypes."""
+    """What comparable keys share: names, non-numeric values (``#`` for a number), dtypes."""
     numbers: tuple[float, ...]
 
 
@@ -152,26 +150,13 @@ def key_distance(a: KeyShape, b: KeyShape) -> float:
 
 
 def nearest_keys(key: str, candidates: Iterable[str]) -> list[str]:
-    """Comparable ``candidates`` ordered nearest first (ties by key text); ``key`` itself excluded.
-
-    A pure function of its arguments: the same table and key give the same order in every
-    process. Keys that cannot be parsed, or are not comparable with ``key``, are left out.
-    """
+    """Comparable ``candidates`` other than ``key``, nearest first (ties by key text)."""
     target = key_shape(key)
     if target is None:
         return []
-    ranked: list[tuple[float, str]] = []
-    for candidate in set(candidates):
-        if candidate == key:
-            continue
-        shape = key_shape(candidate)
-        if shape is None:
-            continue
-        distance = key_distance(target, shape)
-        if distance != math.inf:
-            ranked.append((distance, candidate))
-    ranked.sort()
-    return [candidate for _, candidate in ranked]
+    shapes = {c: shape for c in set(candidates) - {key} if (shape := key_shape(c)) is not None}
+    ranked = sorted((key_distance(target, shape), c) for c, shape in shapes.items())
+    return [c for distance, c in ranked if distance != math.inf]
 
 
 def side_of(key: KeyShape, other: KeyShape) -> int | None:
@@ -187,12 +172,8 @@ def side_of(key: KeyShape, other: KeyShape) -> int | None:
 
 
 def pick_neighbour(key: str, signatures: Mapping[str, str]) -> str | None:
-    """The neighbour whose entry a miss of ``key`` launches (the rule in the module docstring).
-
-    ``signatures`` maps each usable neighbour key, nearest first (``nearest_keys`` order), to the
-    signature of the config its entry launches. A pure function of its arguments; ``None`` when
-    there is no neighbour.
-    """
+    """The neighbour whose entry a miss of ``key`` launches (the rule in the module docstring);
+    ``signatures``: each usable neighbour key, nearest first, to its entry's config signature."""
     ordered = list(signatures)
     if not ordered:
         return None
