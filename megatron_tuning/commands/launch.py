@@ -169,25 +169,38 @@ def add_enable(parser: argparse.ArgumentParser) -> None:
         "process of this environment is armed when MEGATRON_TUNING_MODE is set. See docs/launcher.md."
     )
     default = sysconfig.get_path("purelib")
-    parser.add_argument(
-        "--site-dir", default=None, metavar="DIR", help=f"the site-packages folder (default: {default})"
-    )
+    parser.add_argument("--site-dir", metavar="DIR", help=f"the site-packages folder (default: {default})")
 
 
 add_disable = add_enable
 
 
 def run_enable(args: argparse.Namespace) -> int:
-    folder = _site_dir(args)
-    problem = _folder_problem(folder)
-    if problem:
-        print(f"enable: {problem}", file=sys.stderr)
-        return EXIT_USAGE
+    return _switch(args, enable=True)
+
+
+def run_disable(args: argparse.Namespace) -> int:
+    return _switch(args, enable=False)
+
+
+def _switch(args: argparse.Namespace, enable: bool) -> int:
+    folder = Path(os.path.abspath(args.site_dir or sysconfig.get_path("purelib")))
     path = folder / PTH_NAME
-    text, current = pth_text(str(path)), _read(path)
-    if current is not None and not current.startswith(PTH_MARKER):
-        print(f"enable: {path} exists and was not written by megatron_tuning; left alone", file=sys.stderr)
+    current = _read(path)
+    if current is None and not enable:
+        print(f"megatron_tuning is not enabled in {folder}: no {PTH_NAME} (nothing to do)")
+        return 0
+    problem = _folder_problem(folder)
+    if problem is None and current is not None and not current.startswith(PTH_MARKER):
+        problem = f"{path} {'exists and ' if enable else ''}was not written by megatron_tuning; left alone"
+    if problem:
+        print(f"{'enable' if enable else 'disable'}: {problem}", file=sys.stderr)
         return EXIT_USAGE
+    if not enable:
+        path.unlink()
+        print(f"removed {path}: MEGATRON_TUNING_MODE no longer arms processes of this environment")
+        return 0
+    text = pth_text(str(path))
     if current == text:
         print(f"megatron_tuning is already enabled: {path} (unchanged)")
     else:
@@ -206,29 +219,6 @@ def run_enable(args: argparse.Namespace) -> int:
             "only from those (and from folders passed to site.addsitedir)"
         )
     return 0
-
-
-def run_disable(args: argparse.Namespace) -> int:
-    folder = _site_dir(args)
-    path = folder / PTH_NAME
-    current = _read(path)
-    if current is None:
-        print(f"megatron_tuning is not enabled in {folder}: no {PTH_NAME} (nothing to do)")
-        return 0
-    if not current.startswith(PTH_MARKER):
-        print(f"disable: {path} was not written by megatron_tuning; left alone", file=sys.stderr)
-        return EXIT_USAGE
-    problem = _folder_problem(folder)
-    if problem:
-        print(f"disable: {problem}", file=sys.stderr)
-        return EXIT_USAGE
-    path.unlink()
-    print(f"removed {path}: MEGATRON_TUNING_MODE no longer arms processes of this environment")
-    return 0
-
-
-def _site_dir(args: argparse.Namespace) -> Path:
-    return Path(os.path.abspath(args.site_dir or sysconfig.get_path("purelib")))
 
 
 def _folder_problem(folder: Path) -> str | None:

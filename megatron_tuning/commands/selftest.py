@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 from ..core.decisions import CHAOS_NO_OTHER_CONFIG
@@ -140,12 +141,10 @@ def _launch(args: argparse.Namespace, mode: str, folder: str, interpret: bool) -
             output, _ = process.communicate()
             returncode = None
     write_atomic(os.path.join(folder, "torchrun.log"), output.encode("utf-8"))  # never through a planted link
-    ranks = {}
-    for rank in range(args.nproc):
-        path = os.path.join(folder, f"rank{rank}.json")
-        if os.path.exists(path):
-            with open(path, encoding="utf-8") as handle:
-                ranks[rank] = json.load(handle)
+    paths = {rank: os.path.join(folder, f"rank{rank}.json") for rank in range(args.nproc)}
+    ranks = {
+        r: json.loads(Path(p).read_text(encoding="utf-8")) for r, p in paths.items() if os.path.exists(p)
+    }
     return {"returncode": returncode, "output": output, "ranks": ranks, "seconds": time.monotonic() - start}
 
 

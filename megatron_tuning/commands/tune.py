@@ -186,8 +186,7 @@ def _run_job(
     if not decisions:
         print(
             "tune: the job recorded no tuned (kernel, key). Did it launch an in-scope autotuned kernel "
-            "with more "
-            "than one live config? (MEGATRON_TUNING_SCOPE limits the scope.)",
+            "with more than one live config? (MEGATRON_TUNING_SCOPE limits the scope.)",
             file=sys.stderr,
         )
         return returncode or 1, []
