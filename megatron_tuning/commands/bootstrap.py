@@ -215,19 +215,11 @@ def _chain_sitecustomize(own_dir: str) -> None:
     try:
         sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != own_dir]
         importlib.import_module("sitecustomize")
-    except ImportError as exc:
-        if exc.name != "sitecustomize":  # it exists but failed: report it, as site.py does
-            _report_sitecustomize_error(exc)
-    except Exception as exc:  # a broken sitecustomize must not keep the library off
-        _report_sitecustomize_error(exc)
+    except Exception as exc:  # a broken sitecustomize is reported, as site.py does, and must not keep us off
+        if not (isinstance(exc, ImportError) and exc.name == "sitecustomize"):  # absent: nothing to chain
+            message = f"Error in sitecustomize; set PYTHONVERBOSE for traceback:\n{type(exc).__name__}: {exc}"
+            print(message, file=sys.stderr)
     finally:
         sys.path[:] = saved
         if ours is not None:
             sys.modules["sitecustomize"] = ours
-
-
-def _report_sitecustomize_error(exc: BaseException) -> None:
-    print(
-        f"Error in sitecustomize; set PYTHONVERBOSE for traceback:\n{type(exc).__name__}: {exc}",
-        file=sys.stderr,
-    )
