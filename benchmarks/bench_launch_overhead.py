@@ -63,6 +63,7 @@ def _pin_table(kernel: Any, config: Any, args: tuple[Any, ...]) -> dict[tuple[st
 def measure_gpu(args: argparse.Namespace) -> dict[str, list[float]]:
     import torch
     import triton
+    from bare_kernel import BARE_BLOCK, add_one_bare_kernel
 
     from megatron_tuning import kernels as tiny
     from megatron_tuning.runtime import interception
@@ -77,8 +78,8 @@ def measure_gpu(args: argparse.Namespace) -> dict[str, list[float]]:
         common.allow_stock_autotune_on_cpu(tiny.add_one_kernel)
     same_config: dict[str, Any] = {}  # the pinned config as a hand-written launch names it
     calls: dict[str, Callable[[], Any]] = {
-        "bare": lambda: tiny.add_one_bare_kernel[grid](x, y, n, BLOCK=tiny.BARE_BLOCK),
-        "bare_same_config": lambda: tiny.add_one_bare_kernel[grid](x, y, n, **same_config),
+        "bare": lambda: add_one_bare_kernel[grid](x, y, n, BLOCK=BARE_BLOCK),
+        "bare_same_config": lambda: add_one_bare_kernel[grid](x, y, n, **same_config),
         "triton_hit": lambda: tiny.add_one_kernel[grid](x, y, n),
         "one_config": lambda: one[grid](x, y, n),
         "pinned": lambda: tiny.add_one_kernel[grid](x, y, n),

@@ -88,3 +88,15 @@ def test_git_commit_of_a_checkout_and_of_a_plain_folder(harness: SimpleNamespace
     commit = harness.report.git_commit(REPO)
     assert commit and all(c in "0123456789abcdef" for c in commit)
     assert harness.report.git_commit(tmp_path) is None
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_the_bare_launch_baseline_adds_one(monkeypatch: pytest.MonkeyPatch, dtype: str) -> None:
+    import torch
+
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import bare_kernel
+
+    x = torch.randn(301).to(getattr(torch, dtype))
+    torch.testing.assert_close(bare_kernel.add_one_bare(x), x + 1)
+    del sys.modules["bare_kernel"]  # no other test sees a top-level module of benchmarks/

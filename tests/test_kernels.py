@@ -127,13 +127,6 @@ def test_splitk_explicit_config_matches_torch(import_kernel, k: int) -> None:  #
     _check_matmul(out, a, b)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_tiny_bare_twin_matches_torch(import_kernel, dtype: torch.dtype) -> None:  # type: ignore[no-untyped-def]
-    tiny = import_kernel(TINY)
-    x = torch.randn(301).to(dtype)
-    torch.testing.assert_close(tiny.add_one_bare(x), x + 1)
-
-
 # --- the split-K pruning hooks are pure and behave as documented ----------------------------
 
 

@@ -1,13 +1,9 @@
 """``python -m megatron_tuning`` / ``megatron-tuning``: the command line.
 
-One registration style: each command lives in a module of this package that defines
-``add_<name>(parser)`` and ``run_<name>(args) -> int``, and ``COMMANDS`` maps the command's name to
-that module and one line of help. Only the module of the command being run is imported, so
-``show`` or ``diff`` never pay for importing torch.
-
-Exit codes scripts can rely on: 0 ok; 1 differences or problems found (``diff``, ``validate``,
-``coverage`` when ranks diverged, a failed ``selftest``); 2 usage error or bad input (one line on
-stderr, no traceback); ``run`` and ``tune`` pass their job's status through.
+Each command lives in a module of this package defining ``add_<name>(parser)`` and
+``run_<name>(args) -> int``; only the module of the command being run is imported, so ``show`` or
+``diff`` never pay for importing torch. Exit codes: 0 ok; 1 differences or problems found; 2 usage
+error or bad input (one line on stderr, no traceback); ``run`` and ``tune`` pass their job's status on.
 """
 
 from __future__ import annotations

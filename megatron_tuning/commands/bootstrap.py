@@ -1,25 +1,11 @@
 """Arm megatron_tuning in every Python process of a job that was not edited for it.
 
-Two ways in, one mechanism:
-
-* The launchers (``run``, ``tune``) write a ``sitecustomize.py`` into a fresh private folder
-  (``write_bootstrap``) and put that folder first on the job's ``PYTHONPATH``
-  (``job_environment``), so every Python process the job starts (the script, ``python -m``,
-  each torchrun rank, spawned workers) runs it at start-up.
-* ``enable`` writes a one-line ``.pth`` file (``pth_text``) into an environment's site-packages;
-  Python runs it at the start of every process of that environment, and it arms the process only
-  when ``MEGATRON_TUNING_MODE`` is set.
-
-Both load *this file* by its path, under the name ``_megatron_tuning_bootstrap``, and not as
-``megatron_tuning.commands.bootstrap``: importing the package costs about 0.2 s, and a process
-that never imports Triton (torchrun's launcher, pip, a shell-out ``python -c``) should pay
-nothing. So this module imports only the standard library at its top; what it needs from the
-package (the launcher side: ``write_bootstrap``) it imports inside functions.
-
-In the process, nothing happens until Triton is imported: a meta-path hook (``_AfterImport``)
-runs the activation right after ``import triton`` completes, before any kernel is decorated. The
-activation is ``megatron_tuning.commands.<launcher>.activate`` for the launcher named in
-``MEGATRON_TUNING_LAUNCHER`` (``run`` when the ``.pth`` armed the process).
+``run`` and ``tune`` write a ``sitecustomize.py`` into a fresh private folder put first on the job's
+``PYTHONPATH``; ``enable`` writes a one-line ``.pth`` into site-packages that arms a process only when
+``MEGATRON_TUNING_MODE`` is set. Both load *this file* by path (not the package: importing it costs
+about 0.2 s, which torchrun's launcher, pip or a ``python -c`` should never pay), so it imports only
+the standard library at its top. Nothing happens until the process imports Triton: a meta-path hook
+then runs ``megatron_tuning.commands.<launcher>.activate`` before any kernel is decorated.
 """
 
 from __future__ import annotations
@@ -30,9 +16,9 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-ENV_LAUNCHER = "MEGATRON_TUNING_LAUNCHER"
-"""Set by ``run``/``tune`` for their job: which activation to run; the ``.pth`` then stands down."""
-ENV_MODE = "MEGATRON_TUNING_MODE"  # core.policy.ENV_MODE, repeated: this file imports no package module
+# core.policy's names, repeated: this file imports no package module. ENV_LAUNCHER is set by
+# run/tune for their job (which activation to run); the .pth then stands down.
+ENV_LAUNCHER, ENV_MODE = "MEGATRON_TUNING_LAUNCHER", "MEGATRON_TUNING_MODE"
 MODULE_NAME = "_megatron_tuning_bootstrap"
 LAUNCHERS = ("run", "tune")
 
@@ -73,9 +59,8 @@ PTH_MARKER = "# megatron_tuning environment switch"
 def write_bootstrap(folder: Path, launcher: str) -> Path:
     """Create ``folder`` (it must not exist) holding only our ``sitecustomize.py``; return it.
 
-    The folder goes first on the job's ``PYTHONPATH``, so whatever it holds runs ahead of the
-    standard library in every process of the job: it is created here, private (mode 0700), and
-    only this file is ever written into it.
+    It goes first on the job's ``PYTHONPATH``, ahead of the standard library: so it is new and
+    private (mode 0700), and nothing else is ever written into it.
     """
     from megatron_tuning.tables.files import write_atomic
 
@@ -103,11 +88,8 @@ def job_environment(bootstrap: Path, launcher: str, base: Mapping[str, str] | No
 
 
 def pth_text(pth_path: str) -> str:
-    """The ``.pth`` file ``enable`` writes: a marker comment, then one line Python executes.
-
-    The line costs one environment lookup when ``MEGATRON_TUNING_MODE`` is unset; when it is set,
-    it loads this file by path and arms the process at its ``import triton``.
-    """
+    """The ``.pth`` ``enable`` writes: a marker comment, then one line Python executes (one
+    environment lookup when ``MEGATRON_TUNING_MODE`` is unset)."""
     code = (
         "try:\n"
         + "".join(f" {line}\n" for line in _loader_code().splitlines())
@@ -191,12 +173,8 @@ def _activate(launcher: str) -> None:
 
 
 class _AfterImport:
-    """A meta-path finder that runs ``callback`` once module ``name`` has finished importing.
-
-    An exception from ``callback`` propagates out of the ``import``: the activation decides
-    whether the process may go on (``tune`` reports and continues; ``run`` stops the process
-    rather than let it run unpinned).
-    """
+    """A meta-path finder that runs ``callback`` once module ``name`` has finished importing; an
+    exception from ``callback`` propagates out of the ``import`` (``run`` stops an unpinned process)."""
 
     def __init__(self, name: str, callback: Callable[[], None]) -> None:
         self.name = name
@@ -237,19 +215,11 @@ def _chain_sitecustomize(own_dir: str) -> None:
     try:
         sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != own_dir]
         importlib.import_module("sitecustomize")
-    except ImportError as exc:
-        if exc.name != "sitecustomize":  # it exists but failed: report it, as site.py does
-            _report_sitecustomize_error(exc)
-    except Exception as exc:  # a broken sitecustomize must not keep the library off
-        _report_sitecustomize_error(exc)
+    except Exception as exc:  # a broken sitecustomize is reported, as site.py does, and must not keep us off
+        if not (isinstance(exc, ImportError) and exc.name == "sitecustomize"):  # absent: nothing to chain
+            message = f"Error in sitecustomize; set PYTHONVERBOSE for traceback:\n{type(exc).__name__}: {exc}"
+            print(message, file=sys.stderr)
     finally:
         sys.path[:] = saved
         if ours is not None:
             sys.modules["sitecustomize"] = ours
-
-
-def _report_sitecustomize_error(exc: BaseException) -> None:
-    print(
-        f"Error in sitecustomize; set PYTHONVERBOSE for traceback:\n{type(exc).__name__}: {exc}",
-        file=sys.stderr,
-    )

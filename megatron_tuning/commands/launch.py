@@ -1,13 +1,9 @@
 """Pinning jobs you do not edit: ``run [policy options] -- <command>``, and ``enable``/``disable``.
 
-``run`` starts the job (a script, ``-m pkg``, ``python ...`` or ``torchrun ...``) with the policy in
-``MEGATRON_TUNING_*`` variables and the shared bootstrap (``commands/bootstrap.py``) first on its
-``PYTHONPATH``: every Python process of the job calls ``init_deterministic_tuning()`` right after it
-imports Triton. Each option sets one variable and replaces the value the environment had; the
-whole policy is validated before the job starts (a bad value is a usage error naming the option).
+``run`` starts the job with the policy in ``MEGATRON_TUNING_*`` variables (each option sets one,
+validated before the job starts) and the bootstrap (``bootstrap.py``) first on its ``PYTHONPATH``.
 ``enable`` writes a ``.pth`` into an environment's site-packages instead, for processes you do not
-start yourself: they are armed when ``MEGATRON_TUNING_MODE`` is set. The job start, its signals and
-its exit status (``run_job``) are shared with ``tune``.
+start yourself. Starting a job, its signals and its exit status (``run_job``) are shared with ``tune``.
 """
 
 from __future__ import annotations
@@ -24,6 +20,7 @@ import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from ..core import policy as knobs
 from ..core.errors import MegatronTuningError, PolicyError
@@ -35,76 +32,30 @@ EXIT_CANNOT_EXECUTE, EXIT_NOT_FOUND = 126, 127  # as the shell and env(1) report
 RUN_MODES = ("deterministic", "auto", "chaos", "record", "off")
 """``tune`` is its own command: it needs a parent that pools every process's measurements."""
 
-# option -> (the knob it sets, add_argument keywords): the registry's names, one list of knobs
-_OPTIONS: dict[str, tuple[str, dict[str, object]]] = {
+# option -> (the knob it sets, add_argument keywords; the help is the knob's own doc unless given)
+_OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
     "--mode": (
         knobs.ENV_MODE,
-        {"choices": RUN_MODES, "help": "deterministic (default), auto, chaos, record or off"},
+        {"choices": RUN_MODES, "help": "default deterministic"},
     ),
-    "--table": (
-        knobs.ENV_TABLE,
-        {
-            "action": "append",
-            "metavar": "PATH",
-            "help": "a table file or folder to search, earlier first (repeatable)",
-        },
-    ),
+    "--table": (knobs.ENV_TABLE, {"action": "append", "metavar": "PATH", "help": "a table file or folder"}),
     "--no-shipped-tables": (
         knobs.ENV_SHIPPED_TABLES,
         {"action": "store_const", "const": "0", "help": "do not search the tables shipped with the package"},
     ),
-    "--scope": (
-        knobs.ENV_SCOPE,
-        {
-            "action": "append",
-            "metavar": "MODULE",
-            "help": "pin only kernels of these modules (prefixes, repeatable; default all)",
-        },
-    ),
-    "--on-miss": (
-        knobs.ENV_ON_MISS,
-        {
-            "choices": knobs.ON_MISS,
-            "help": "no usable entry: the nearest shape's entry, else the cheapest (nearest, the "
-            "default); the cheapest (min_cost); or raise (error)",
-        },
-    ),
-    "--agreement": (
-        knobs.ENV_AGREEMENT,
-        {
-            "choices": knobs.AGREEMENT_MODES,
-            "help": "cross-rank check (default: store up to 64 ranks, verify above)",
-        },
-    ),
-    "--agreement-timeout": (
-        knobs.ENV_AGREEMENT_TIMEOUT,
-        {"metavar": "SECONDS", "help": "how long a cross-rank check waits (default 300)"},
-    ),
-    "--cache": (knobs.ENV_CACHE, {"metavar": "PATH|off", "help": "auto mode's cache table"}),
-    "--strict": (
-        knobs.ENV_STRICT,
-        {
-            "action": "store_const",
-            "const": "1",
-            "help": "raise on stale entries and unpinned compiled launches",
-        },
-    ),
-    "--stale-entries": (
-        knobs.ENV_STALE_ENTRIES,
-        {"choices": knobs.STALE_ENTRIES, "help": "use (default), miss or error"},
-    ),
-    "--block-sizes": (
-        knobs.ENV_BLOCK_SIZES,
-        {"metavar": "NAME=INT,...", "help": "explicit block-size override"},
-    ),
+    "--scope": (knobs.ENV_SCOPE, {"action": "append", "metavar": "MODULE"}),
+    "--on-miss": (knobs.ENV_ON_MISS, {"choices": knobs.ON_MISS}),
+    "--agreement": (knobs.ENV_AGREEMENT, {"choices": knobs.AGREEMENT_MODES}),
+    "--agreement-timeout": (knobs.ENV_AGREEMENT_TIMEOUT, {"metavar": "SECONDS"}),
+    "--cache": (knobs.ENV_CACHE, {"metavar": "PATH|off"}),
+    "--strict": (knobs.ENV_STRICT, {"action": "store_const", "const": "1"}),
+    "--stale-entries": (knobs.ENV_STALE_ENTRIES, {"choices": knobs.STALE_ENTRIES}),
+    "--block-sizes": (knobs.ENV_BLOCK_SIZES, {"metavar": "NAME=INT,..."}),
     "--decision-log": (
         knobs.ENV_DECISION_LOG,
         {"metavar": "PATH", "help": "write each process's decisions here at exit ({rank}, {pid} replaced)"},
     ),
-    "--record-dir": (
-        knobs.ENV_RECORD_DIR,
-        {"metavar": "DIR", "help": "where record mode writes one file per rank"},
-    ),
+    "--record-dir": (knobs.ENV_RECORD_DIR, {"metavar": "DIR"}),
 }
 EXAMPLES = """\
 examples:
@@ -135,22 +86,24 @@ def add_run(parser: argparse.ArgumentParser) -> None:
     )
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = EXAMPLES
-    for flag, (_, options) in _OPTIONS.items():
-        parser.add_argument(flag, dest=_dest(flag), default=None, **options)  # type: ignore[arg-type]
+    for flag, (variable, options) in _OPTIONS.items():
+        help = options.get("help", knobs.KNOBS[variable].doc)
+        more = "; repeatable" if options.get("action") == "append" else ""
+        parser.add_argument(flag, dest=variable, **{**options, "help": f"{help} [{variable}{more}]"})
     add_job_argument(parser, "the job, after `--`: script.py [args], -m pkg [args], python ..., torchrun ...")
 
 
 def run_run(args: argparse.Namespace) -> int:
     """Validate the policy, run the job armed, return its exit status."""
-    command = job_command(args)
-    if not command:
-        print(
-            "run: give the command to run after `--`, e.g. `python -m megatron_tuning run -- eval.py` "
-            "(see run --help)",
-            file=sys.stderr,
-        )
+    command = job_command(args, "run", "run -- eval.py")
+    if command is None:
         return EXIT_USAGE
-    updates = policy_environment(args)
+    updates = {}  # the MEGATRON_TUNING_* values the options given set
+    for variable, _ in _OPTIONS.values():
+        value = getattr(args, variable)
+        if value is not None:
+            joiner = ":" if variable == knobs.ENV_TABLE else ","
+            updates[variable] = joiner.join(value) if isinstance(value, list) else str(value)
     try:
         policy = validated_policy(updates)
     except MegatronTuningError as exc:
@@ -159,10 +112,6 @@ def run_run(args: argparse.Namespace) -> int:
         print(f"run: {flag + ': ' if flag else ''}{exc}", file=sys.stderr)
         return EXIT_USAGE
     updates[knobs.ENV_MODE] = policy.mode  # the default mode, spelled out for every process
-    problem = command_problem(job_argv(command), os.environ)
-    if problem is not None:
-        print(f"run: {problem[1]}", file=sys.stderr)
-        return problem[0]
     bootstrap = Path(tempfile.mkdtemp(prefix="megatron_tuning_run_")) / "bootstrap"
     try:
         environment = job_environment(write_bootstrap(bootstrap, "run"), "run")
@@ -170,21 +119,6 @@ def run_run(args: argparse.Namespace) -> int:
         return run_job(job_argv(command), environment, prog="run")
     finally:
         shutil.rmtree(bootstrap.parent, ignore_errors=True)
-
-
-def _dest(flag: str) -> str:
-    return "shipped_tables" if flag == "--no-shipped-tables" else flag[2:].replace("-", "_")
-
-
-def policy_environment(args: argparse.Namespace) -> dict[str, str]:
-    """The ``MEGATRON_TUNING_*`` values the options given set (options left out set nothing)."""
-    updates = {}
-    for flag, (variable, _) in _OPTIONS.items():
-        value = getattr(args, _dest(flag), None)
-        if value is not None:
-            joiner = ":" if flag == "--table" else ","
-            updates[variable] = joiner.join(value) if isinstance(value, list) else str(value)
-    return updates
 
 
 def validated_policy(updates: dict[str, str]) -> knobs.TuningPolicy:
@@ -235,25 +169,38 @@ def add_enable(parser: argparse.ArgumentParser) -> None:
         "process of this environment is armed when MEGATRON_TUNING_MODE is set. See docs/launcher.md."
     )
     default = sysconfig.get_path("purelib")
-    parser.add_argument(
-        "--site-dir", default=None, metavar="DIR", help=f"the site-packages folder (default: {default})"
-    )
+    parser.add_argument("--site-dir", metavar="DIR", help=f"the site-packages folder (default: {default})")
 
 
 add_disable = add_enable
 
 
 def run_enable(args: argparse.Namespace) -> int:
-    folder = _site_dir(args)
-    problem = _folder_problem(folder)
-    if problem:
-        print(f"enable: {problem}", file=sys.stderr)
-        return EXIT_USAGE
+    return _switch(args, enable=True)
+
+
+def run_disable(args: argparse.Namespace) -> int:
+    return _switch(args, enable=False)
+
+
+def _switch(args: argparse.Namespace, enable: bool) -> int:
+    folder = Path(os.path.abspath(args.site_dir or sysconfig.get_path("purelib")))
     path = folder / PTH_NAME
-    text, current = pth_text(str(path)), _read(path)
-    if current is not None and not current.startswith(PTH_MARKER):
-        print(f"enable: {path} exists and was not written by megatron_tuning; left alone", file=sys.stderr)
+    current = _read(path)
+    if current is None and not enable:
+        print(f"megatron_tuning is not enabled in {folder}: no {PTH_NAME} (nothing to do)")
+        return 0
+    problem = _folder_problem(folder)
+    if problem is None and current is not None and not current.startswith(PTH_MARKER):
+        problem = f"{path} {'exists and ' if enable else ''}was not written by megatron_tuning; left alone"
+    if problem:
+        print(f"{'enable' if enable else 'disable'}: {problem}", file=sys.stderr)
         return EXIT_USAGE
+    if not enable:
+        path.unlink()
+        print(f"removed {path}: MEGATRON_TUNING_MODE no longer arms processes of this environment")
+        return 0
+    text = pth_text(str(path))
     if current == text:
         print(f"megatron_tuning is already enabled: {path} (unchanged)")
     else:
@@ -272,29 +219,6 @@ def run_enable(args: argparse.Namespace) -> int:
             "only from those (and from folders passed to site.addsitedir)"
         )
     return 0
-
-
-def run_disable(args: argparse.Namespace) -> int:
-    folder = _site_dir(args)
-    path = folder / PTH_NAME
-    current = _read(path)
-    if current is None:
-        print(f"megatron_tuning is not enabled in {folder}: no {PTH_NAME} (nothing to do)")
-        return 0
-    if not current.startswith(PTH_MARKER):
-        print(f"disable: {path} was not written by megatron_tuning; left alone", file=sys.stderr)
-        return EXIT_USAGE
-    problem = _folder_problem(folder)
-    if problem:
-        print(f"disable: {problem}", file=sys.stderr)
-        return EXIT_USAGE
-    path.unlink()
-    print(f"removed {path}: MEGATRON_TUNING_MODE no longer arms processes of this environment")
-    return 0
-
-
-def _site_dir(args: argparse.Namespace) -> Path:
-    return Path(os.path.abspath(args.site_dir or sysconfig.get_path("purelib")))
 
 
 def _folder_problem(folder: Path) -> str | None:
@@ -328,10 +252,17 @@ def add_job_argument(parser: argparse.ArgumentParser, help: str) -> None:
     parser.add_argument("job", metavar="COMMAND", nargs=argparse.REMAINDER, help=help)
 
 
-def job_command(args: argparse.Namespace) -> list[str]:
-    """The job's words, without the ``--`` that separates them (empty: none given)."""
+def job_command(args: argparse.Namespace, prog: str, example: str) -> list[str] | None:
+    """The job's words after ``--``; ``None``, having said what to type, when none were given."""
     command = list(args.job or [])
-    return command[1:] if command and command[0] == "--" else command
+    command = command[1:] if command[:1] == ["--"] else command
+    if not command:
+        print(
+            f"{prog}: give the command to run after `--`, e.g. `python -m megatron_tuning {example}` "
+            f"(see {prog} --help)",
+            file=sys.stderr,
+        )
+    return command or None
 
 
 def job_argv(command: Sequence[str]) -> list[str]:
@@ -358,17 +289,6 @@ def command_problem(argv: Sequence[str], env: Mapping[str, str]) -> tuple[int, s
     return None
 
 
-def exit_status(returncode: int) -> tuple[int, str | None]:
-    """The launcher's exit status for a job's ``returncode``, and what to say about it."""
-    if returncode >= 0:
-        return returncode, None
-    try:
-        name = signal.Signals(-returncode).name
-    except ValueError:
-        name = f"signal {-returncode}"
-    return 128 - returncode, f"the job was killed by {name} (exit status {128 - returncode})"
-
-
 def run_job(argv: Sequence[str], env: Mapping[str, str], prog: str) -> int:
     """Run the job to its end; return the status a shell would report (messages prefixed ``prog``).
 
@@ -385,10 +305,15 @@ def run_job(argv: Sequence[str], env: Mapping[str, str], prog: str) -> int:
         print(f"{prog}: cannot run {argv[0]!r}: {exc.strerror or exc}", file=sys.stderr)
         return EXIT_NOT_FOUND if isinstance(exc, FileNotFoundError) else EXIT_CANNOT_EXECUTE
     with _signals_passed_to(process):
-        code, note = exit_status(process.wait())
-    if note:
-        print(f"{prog}: {note}", file=sys.stderr)
-    return code
+        code = process.wait()
+    if code >= 0:
+        return code
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    print(f"{prog}: the job was killed by {name} (exit status {128 - code})", file=sys.stderr)
+    return 128 - code
 
 
 @contextmanager
@@ -401,11 +326,11 @@ def _signals_passed_to(process: subprocess.Popen[bytes]) -> Iterator[None]:
         if process.poll() is None:
             process.send_signal(number)
 
-    names = {"SIGTERM": forward, "SIGHUP": forward, "SIGUSR1": forward, "SIGUSR2": forward}
-    names.update({"SIGINT": signal.SIG_IGN, "SIGQUIT": signal.SIG_IGN})  # type: ignore[dict-item]
+    handlers = {"SIGTERM": forward, "SIGHUP": forward, "SIGUSR1": forward, "SIGUSR2": forward}
+    handlers.update({"SIGINT": signal.SIG_IGN, "SIGQUIT": signal.SIG_IGN})  # type: ignore[dict-item]
     saved = {
         getattr(signal, n): signal.signal(getattr(signal, n), h)
-        for n, h in names.items()
+        for n, h in handlers.items()
         if hasattr(signal, n)
     }
     try:

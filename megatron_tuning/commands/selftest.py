@@ -1,17 +1,10 @@
 """``selftest``: prove on this machine that pinning agrees across ranks and that the check is not blind.
 
-It launches a small torchrun job twice (gloo; CPU and the Triton interpreter without a GPU):
-
-1. ``deterministic``: every rank must pick the same configs and every result must match torch:
-   the agreement check must stay quiet;
-2. ``chaos``: ranks pick different configs on purpose: the check must fire, on every rank, with
-   one ``DivergenceError`` naming the kernel, the key and the ranks.
-
-It exits 0 only when both behave: "no error" alone cannot tell a working detector from a blind
-one. Each rank launches the reference kernels (``megatron_tuning.kernels``: matmul, split-K
-matmul, add-one) on a few shapes, ends with ``verify_agreement()``, and writes a JSON result the
-parent reads (no log scraping). ``--show`` prints what each phase launched, per kernel and shape,
-and where its config came from: the README's demo (``scripts/demo.sh``).
+It runs a small torchrun job (gloo; the Triton interpreter without a GPU) twice: ``deterministic``
+must agree and match torch with no alarm; ``chaos`` must raise one ``DivergenceError`` on every
+rank. It exits 0 only when both behave: "no error" alone cannot tell a working detector from a
+blind one. Each rank writes a JSON result the parent reads (no log scraping); ``--show`` prints
+what each phase launched and where its config came from (the README's demo, ``scripts/demo.sh``).
 """
 
 from __future__ import annotations
@@ -26,15 +19,16 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 from ..core.decisions import CHAOS_NO_OTHER_CONFIG
+from ..core.policy import AGREEMENT_MODES, MAX_AGREEMENT_TIMEOUT_S
 from ..tables.files import write_atomic
 
 KERNEL_MODULE = "megatron_tuning.kernels"
 CPU_SHAPES = ((37, 29, 45), (64, 48, 40))  # interpreted launches cost ~0.2 s: small, odd shapes
 GPU_SHAPES = ((4096, 4096, 4096), (8192, 1024, 4096), (1, 4096, 4096))
-MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a week: longer is a typo (and overflows a timedelta later)
 
 
 def _ranks(text: str) -> int:
@@ -54,22 +48,21 @@ def _seconds(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number of seconds, not {text!r}") from None
-    if not math.isfinite(value) or not 0 < value <= MAX_TIMEOUT_S:
+    if not math.isfinite(value) or not 0 < value <= MAX_AGREEMENT_TIMEOUT_S:
         raise argparse.ArgumentTypeError(
-            f"expected a number of seconds above 0 and at most {MAX_TIMEOUT_S:g}, not {text!r}"
+            f"expected a number of seconds above 0 and at most {MAX_AGREEMENT_TIMEOUT_S:g}, not {text!r}"
         )
     return value
 
 
 def add_selftest(parser: argparse.ArgumentParser) -> None:
-    """Options (bad values are usage errors: exit 2, before any job)."""
     parser.add_argument("--nproc", type=_ranks, default=2, help="ranks per run (>= 2; default 2)")
     parser.add_argument(
         "--timeout", type=_seconds, default=240.0, help="seconds allowed for each torchrun job (default 240)"
     )
     parser.add_argument(
         "--agreement",
-        choices=("store", "allgather", "verify", "off"),
+        choices=AGREEMENT_MODES,
         default="store",
         help="agreement mode under test (default store; 'off' shows chaos going unnoticed, so the "
         "selftest fails)",
@@ -87,7 +80,9 @@ def add_selftest(parser: argparse.ArgumentParser) -> None:
 
 def run_selftest(args: argparse.Namespace) -> int:
     """Run both jobs and print a report; 0 when deterministic passed and chaos was detected."""
-    interpret = args.interpret or not _cuda_available()
+    import torch
+
+    interpret = args.interpret or not torch.cuda.is_available()
     root = args.keep or tempfile.mkdtemp(prefix="megatron_tuning_selftest_")
     passed: bool | None = None  # None: interrupted before a verdict
     try:
@@ -121,38 +116,17 @@ def run_selftest(args: argparse.Namespace) -> int:
             shutil.rmtree(root, ignore_errors=True)
 
 
-def _cuda_available() -> bool:
-    import torch
-
-    return bool(torch.cuda.is_available())
-
-
 def _launch(args: argparse.Namespace, mode: str, folder: str, interpret: bool) -> dict[str, Any]:
     os.makedirs(folder, exist_ok=True)
-    env = {
-        k: v for k, v in os.environ.items() if not k.startswith("MEGATRON_TUNING_")
-    }  # the user's policy must not change the test
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRON_TUNING_")}  # not the user's
     env["TRITON_INTERPRET"] = "1" if interpret else env.get("TRITON_INTERPRET", "0")
     env.setdefault("OMP_NUM_THREADS", "1")
     # The job must import this very copy of the package, installed or not.
     package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
-    worker = [
-        f"--mode={mode}",
-        f"--out={folder}",
-        f"--agreement={args.agreement}",
-        f"--timeout={args.timeout}",
-    ]
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={args.nproc}",
-        "-m",
-        __name__,
-        *worker,
-    ]
+    worker = {"mode": mode, "out": folder, "agreement": args.agreement, "timeout": args.timeout}
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}"]
+    command = [*argv, "-m", __name__, json.dumps(worker)]
     start = time.monotonic()
     # A session of its own, so a timeout kills torchrun and its ranks, not only the launcher.
     with subprocess.Popen(
@@ -167,12 +141,10 @@ def _launch(args: argparse.Namespace, mode: str, folder: str, interpret: bool) -
             output, _ = process.communicate()
             returncode = None
     write_atomic(os.path.join(folder, "torchrun.log"), output.encode("utf-8"))  # never through a planted link
-    ranks = {}
-    for rank in range(args.nproc):
-        path = os.path.join(folder, f"rank{rank}.json")
-        if os.path.exists(path):
-            with open(path, encoding="utf-8") as handle:
-                ranks[rank] = json.load(handle)
+    paths = {rank: os.path.join(folder, f"rank{rank}.json") for rank in range(args.nproc)}
+    ranks = {
+        r: json.loads(Path(p).read_text(encoding="utf-8")) for r, p in paths.items() if os.path.exists(p)
+    }
     return {"returncode": returncode, "output": output, "ranks": ranks, "seconds": time.monotonic() - start}
 
 
@@ -248,7 +220,7 @@ def _show(mode: str, outcome: dict[str, Any]) -> None:
 # --------------------------------------------------------------------------- one rank of the job
 
 
-def _worker(argv: list[str]) -> int:
+def _worker(argv: list[str]) -> int:  # argv: the parent's settings, one JSON object
     """One rank of the selftest job (started by torchrun); it always leaves a result file."""
     import logging
     import traceback
@@ -256,11 +228,7 @@ def _worker(argv: list[str]) -> int:
 
     import torch.distributed as dist
 
-    parser = argparse.ArgumentParser()
-    for name in ("--mode", "--out", "--agreement"):
-        parser.add_argument(name, required=True)
-    parser.add_argument("--timeout", type=float, required=True)
-    args = parser.parse_args(argv)
+    args = argparse.Namespace(**json.loads(argv[0]))
     logging.basicConfig(
         level=logging.WARNING,
         format=f"[rank{os.environ.get('RANK', '?')}] %(levelname)s %(name)s: %(message)s",

@@ -1,14 +1,10 @@
 """``tune -- <command>``: tune a real job and write a table; ``report``: print and plot what it measured.
 
-``tune`` runs the user's command (a script, ``-m pkg``, ``python ...`` or ``torchrun ...``) with
-``MEGATRON_TUNING_MODE=tune`` and the shared bootstrap (as ``run`` does), so every Python process
-that imports Triton installs the noise-aware tuner and writes its ``tuned`` decisions (with every
-sample) to a decision log of its own as they happen. Each job works in a fresh folder (under
-``--work-dir``, or a temporary one), so nothing left there by another job is pooled. After the job
-the per-process logs are pooled the one way every recording is: each process's winners are one
-table, and ``tables.merge.merge_tables`` votes (majority, then the lowest median, then static cost),
-so ranks that tuned the same shape give one entry with its votes. The entries are merged into
-``--out``; ``--results`` keeps every process's decisions, with their statistics, for ``report``.
+``tune`` runs the command armed in tune mode (the bootstrap ``run`` uses), in a fresh folder per job
+so nothing another job left is pooled. Every process writes its ``tuned`` decisions, with their
+samples, as they happen; after the job each process's winners are one table and
+``tables.merge.merge_tables`` votes them into ``--out``. ``--results`` keeps every decision for
+``report``.
 """
 
 from __future__ import annotations
@@ -37,6 +33,7 @@ from ..core.policy import (
     ENV_TUNE_DIR,
     ENV_TUNE_ROUNDS,
     ENV_TUNE_TIE_BAND,
+    KNOBS,
     read_knob,
 )
 from ..core.warn import printable
@@ -66,23 +63,13 @@ def add_tune(parser: argparse.ArgumentParser) -> None:
         "--out", default="tuned.msgpack", help="table to merge the tuned entries into (.json: the JSON view)"
     )
     parser.add_argument(
-        "--results",
-        default=None,
-        help="every process's decisions and statistics (default: <out stem>.tuning.json)",
+        "--results", help="every process's decisions and statistics (default: <out stem>.tuning.json)"
     )
-    parser.add_argument(
-        "--plot", metavar="DIR", default=None, help="also draw one PNG per (kernel, key) here"
-    )
-    parser.add_argument(
-        "--tie-band",
-        type=float,
-        default=None,
-        help="candidates within this fraction of the best median tie (default 0.02)",
-    )
-    parser.add_argument("--rounds", type=int, default=None, help="timed rounds per candidate (default 10)")
+    parser.add_argument("--plot", metavar="DIR", help="also draw one PNG per (kernel, key) here")
+    parser.add_argument("--tie-band", type=float, help=_knob_help(ENV_TUNE_TIE_BAND))
+    parser.add_argument("--rounds", type=int, help=_knob_help(ENV_TUNE_ROUNDS))
     parser.add_argument(
         "--work-dir",
-        default=None,
         help="keep per-process results in a new subfolder of this folder for each job (a new or empty "
         "folder, or one tune used before; default: a temp dir, removed)",
     )
@@ -91,15 +78,13 @@ def add_tune(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _knob_help(name: str) -> str:
+    return f"{KNOBS[name].doc} (default {KNOBS[name].default}; sets {name})"
+
+
 def run_tune(args: argparse.Namespace) -> int:
-    command = job_command(args)
-    if not command:
-        print(
-            "tune: give the command to run after `--`, e.g. "
-            "`python -m megatron_tuning tune --out t.msgpack -- "
-            "train.py --steps 3`",
-            file=sys.stderr,
-        )
+    command = job_command(args, "tune", "tune --out t.msgpack -- train.py --steps 3")
+    if command is None:
         return EXIT_USAGE
     overrides = {k: v for k, v in (("rounds", args.rounds), ("tie_band", args.tie_band)) if v is not None}
     settings = TuneSettings.from_env(**overrides)  # validated before the long run
@@ -201,8 +186,7 @@ def _run_job(
     if not decisions:
         print(
             "tune: the job recorded no tuned (kernel, key). Did it launch an in-scope autotuned kernel "
-            "with more "
-            "than one live config? (MEGATRON_TUNING_SCOPE limits the scope.)",
+            "with more than one live config? (MEGATRON_TUNING_SCOPE limits the scope.)",
             file=sys.stderr,
         )
         return returncode or 1, []
@@ -360,57 +344,35 @@ def plot_decision(d: Decision, path: Path) -> Path:
     from matplotlib.patches import Patch
 
     timings: Mapping[str, Any] = d.timings or {}
-    rows, failed = [], []
+    rows, failed = [], []  # rows: (median, p20, p80, signature), fastest first
     for signature, value in timings.get("candidates", {}).items():
-        triple = [
-            float(v) if v is not None else math.nan for v in (value if isinstance(value, list) else [value])
+        values = [
+            math.nan if v is None else float(v) for v in (value if isinstance(value, list) else [value])
         ]
-        if not triple or not math.isfinite(triple[0]):
-            failed.append(signature)
+        if values and math.isfinite(values[0]):
+            rows.append((values[0], *(values + values[:1] * 2)[1:3], signature))
         else:
-            rows.append(
-                (
-                    triple[0],
-                    triple[1] if len(triple) > 1 else triple[0],
-                    triple[2] if len(triple) > 2 else triple[0],
-                    signature,
-                )
-            )
+            failed.append(signature)
     rows.sort()
     tied, band = set(timings.get("tied", [d.signature])), float(timings.get("tie_band", 0.02))
     height = 2.0 + 0.34 * max(1, len(rows) + len(failed))
     figure = Figure(figsize=(11.0, height), dpi=100)
     FigureCanvasAgg(figure)
     axes = figure.add_subplot(1, 1, 1)
+    green, light = "#1b7837", "#7fbf7b"
     handles = [
-        Patch(color="#1b7837", label="winner"),
-        Patch(color="#7fbf7b", label="tied (lost the static-cost tie-break)"),
+        Patch(color=green, label="winner"),
+        Patch(color=light, label="tied (lost the static-cost tie-break)"),
     ]
     if rows:
         best = rows[0][0]
+        label = f"tie band ({band:.1%} of best median)"
         handles.append(
-            axes.axvspan(
-                best,
-                best * (1 + band),
-                color="#fee08b",
-                alpha=0.45,
-                zorder=4,
-                label=f"tie band ({band:.1%} of best median)",
-            )
+            axes.axvspan(best, best * (1 + band), color="#fee08b", alpha=0.45, zorder=4, label=label)
         )
-        for y, (median, low, high, signature) in enumerate(rows):
-            color = "#1b7837" if signature == d.signature else "#7fbf7b" if signature in tied else "#9e9e9e"
-            axes.barh(y, median, color=color, height=0.7, zorder=2)
-            axes.errorbar(
-                median,
-                y,
-                xerr=[[median - low], [high - median]],
-                fmt="none",
-                ecolor="black",
-                capsize=3,
-                lw=1,
-                zorder=3,
-            )
+        colors = [green if r[3] == d.signature else light if r[3] in tied else "#9e9e9e" for r in rows]
+        spread = [[r[0] - r[1] for r in rows], [r[2] - r[0] for r in rows]]
+        axes.barh(range(len(rows)), [r[0] for r in rows], xerr=spread, color=colors, height=0.7, capsize=3)
     labels = [("★ " if r[3] == d.signature else "") + r[3] for r in rows] + [f"{s} (failed)" for s in failed]
     axes.set_yticks(range(len(labels)))
     axes.set_yticklabels(labels, fontsize=7)

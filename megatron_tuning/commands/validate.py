@@ -1,12 +1,10 @@
 """Checks for CI: ``validate`` (would these entries apply here, unchanged?) and ``coverage`` (what did a
 run launch, per kernel, key and rank?).
 
-The runtime validators in ``tables.search`` act per lookup; ``validate`` checks a whole table ahead
-of time, e.g. after a Triton upgrade or a kernel edit: every entry's arch is this machine's, it was
-tuned with the installed Triton, and, for kernels of modules the caller names, the kernel still
-exists, its source hash matches, and the entry's config is one the kernel declares (unless the
-kernel prunes configs itself, which can create new ones: only the live run can tell).
-``coverage`` lines decision logs up per (kernel, key) and rank: table hits, fallbacks, divergences.
+The runtime validators act per lookup; ``validate`` checks a whole table ahead of time, e.g. after a
+Triton upgrade or a kernel edit: each entry's arch and Triton version and, for kernels of the
+modules given with ``--import``, that the kernel exists, its source hash matches and the config is
+one it declares (unless the kernel prunes configs itself, which can create new ones).
 """
 
 from __future__ import annotations
@@ -14,13 +12,12 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import logging
 import os
 import sys
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..core.decisions import Decision
 from ..core.identity import (
@@ -38,21 +35,15 @@ from ..tables.search import installed_triton_version
 from ..tables.table import load_table
 from . import EXIT_FOUND, EXIT_OK
 
-logger = logging.getLogger(__name__)
-
 _MAX_WRAPPERS = 8  # heuristics/autotune decorators stacked on one kernel, far above real use
 
 
-@dataclass(frozen=True, slots=True)
-class Problem:
+class Problem(NamedTuple):
     path: str
     arch: str
     kernel: str
     key: str
     problem: str
-
-    def to_json(self) -> dict[str, str]:
-        return {name: getattr(self, name) for name in ("path", "arch", "kernel", "key", "problem")}
 
 
 @dataclass(slots=True)
@@ -61,22 +52,20 @@ class ValidationReport:
     problems: list[Problem] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
-    def to_json(self) -> dict[str, Any]:
-        problems = [p.to_json() for p in self.problems]
-        return {"checked": self.checked, "problems": problems, "notes": self.notes}
 
-    def lines(self) -> list[str]:
-        out = [f"note: {note}" for note in self.notes]
-        out += [f"{p.path}: {p.arch}  {p.kernel}  [{p.key}]: {p.problem}" for p in self.problems]
-        out.append(f"{self.checked} entries checked, {len(self.problems)} problem(s)")
-        return [printable(line) for line in out]
-
-
-@dataclass(frozen=True, slots=True)
-class _Kernel:
+class _Kernel(NamedTuple):
     source_hash: str | None
     signatures: frozenset[str]
     prunes: bool
+
+
+def _wrappers(obj: Any) -> Iterator[Any]:
+    """``obj``, then what it wraps (``.fn``), down a bounded chain."""
+    for _ in range(_MAX_WRAPPERS):
+        if obj is None:
+            return
+        yield obj
+        obj = getattr(obj, "fn", None)
 
 
 def find_autotuners(module: Any) -> list[Any]:
@@ -85,37 +74,26 @@ def find_autotuners(module: Any) -> list[Any]:
 
     found: list[Any] = []
     for value in list(vars(module).values()):
-        obj = value
-        for _ in range(_MAX_WRAPPERS):
+        for obj in _wrappers(value):
             if isinstance(obj, Autotuner) and not any(obj is f for f in found):
                 found.append(obj)
-            obj = getattr(obj, "fn", None)
-            if obj is None:
-                break
     return found
 
 
-def _import_for_inspection(name: str) -> Any:
-    # On Triton 3.2/3.3 decorating an autotuned kernel without a GPU fails unless the
-    # benchmarker is resolved lazily; the interception provides exactly that.
-    from ..runtime.interception import lazy_benchmarker
-
-    with lazy_benchmarker():
-        return importlib.import_module(name)
-
-
 def _import_kernels(modules: Sequence[str], report: ValidationReport) -> tuple[set[str], dict[str, _Kernel]]:
+    from ..runtime.interception import lazy_benchmarker  # Triton 3.2/3.3 without a GPU needs it
+
     covered: set[str] = set()
     kernels: dict[str, _Kernel] = {}
     for name in modules:
         try:
-            module = _import_for_inspection(name)
+            with lazy_benchmarker():
+                module = importlib.import_module(name)
         except (Exception, SystemExit) as exc:  # a finding about the user's code, not a crash
             report.problems.append(Problem("-", "-", f"{name}:*", "-", f"cannot import module: {exc!r}"))
             continue
-        # A package that re-exports some kernels of a submodule: scan that submodule too,
-        # so its other kernels are not reported missing. Only scanned modules count as
-        # covered.
+        # A package that re-exports some kernels of a submodule: scan that submodule too, so its
+        # other kernels are not reported missing. Only scanned modules count as covered.
         pending = [(name, module)]
         while pending:
             module_name, scanned = pending.pop()
@@ -128,16 +106,6 @@ def _import_kernels(modules: Sequence[str], report: ValidationReport) -> tuple[s
                     pending.append((home, sys.modules[home]))
                 kernels[kernel_id(autotuner)] = _describe(autotuner)
     return covered, kernels
-
-
-def _split_ids(kernels: dict[str, _Kernel]) -> dict[str, list[str]]:
-    """Plain ``module:qualname`` -> the ``@digest`` ids of the autotuners told apart under it."""
-    split: dict[str, list[str]] = {}
-    for kernel in kernels:
-        module, qualname, digest = split_kernel_id(kernel)
-        if digest is not None:
-            split.setdefault(f"{module}:{qualname}", []).append(kernel)
-    return split
 
 
 def _describe(autotuner: Any) -> _Kernel:
@@ -155,14 +123,11 @@ def _resolve_kernel(kernel: str, kernels: dict[str, _Kernel]) -> _Kernel | None:
     module_name, qualname, _ = split_kernel_id(kernel)
     obj: Any = sys.modules.get(module_name)
     for part in qualname.split("."):
-        obj = getattr(obj, part, None) if obj is not None else None
-    for _ in range(_MAX_WRAPPERS):
-        if obj is None or isinstance(obj, Autotuner):
-            break
-        obj = getattr(obj, "fn", None)
-    if not isinstance(obj, Autotuner) or kernel_id(obj) != kernel:
+        obj = getattr(obj, part, None)
+    found = next((o for o in _wrappers(obj) if isinstance(o, Autotuner)), None)
+    if found is None or kernel_id(found) != kernel:
         return None  # a ``@digest`` id names a module-level autotuner, found by the scan or nowhere
-    kernels[kernel] = _describe(obj)
+    kernels[kernel] = _describe(found)
     return kernels[kernel]
 
 
@@ -217,17 +182,16 @@ def _entry_problems(
         return problems
     kernel = kernels.get(entry.kernel) or _resolve_kernel(entry.kernel, kernels)
     if kernel is None:
-        split = _split_ids(kernels).get(entry.kernel)
+        # Autotuners with different config lists over one function are told apart by ``@digest``.
+        split = sorted(k for k in kernels if k.startswith(entry.kernel + "@"))
         if split:
             problems.append(
                 f"{len(split)} autotuners with different config lists wrap this function, so they are "
-                f"told apart as {', '.join(sorted(split))}: this entry cannot say which one it was tuned "
+                f"told apart as {', '.join(split)}: this entry cannot say which one it was tuned "
                 "for and is not used; re-tune to get entries under those ids"
             )
-            return problems
-        if "<locals>" in entry.kernel:  # made inside a function: only a run can tell
-            return problems
-        problems.append(f"no autotuned kernel {entry.kernel} in module {module} (renamed or removed?)")
+        elif "<locals>" not in entry.kernel:  # one made inside a function: only a run can tell
+            problems.append(f"no autotuned kernel {entry.kernel} in module {module} (renamed or removed?)")
         return problems
     if entry.source_hash and kernel.source_hash and entry.source_hash != kernel.source_hash:
         problems.append(
@@ -267,21 +231,15 @@ def run_validate(args: argparse.Namespace) -> int:
         args.tables, arch=args.arch, triton_version=args.triton_version, modules=args.modules
     )
     if args.json:
-        print(json.dumps(report.to_json(), indent=1, sort_keys=True))
+        problems = [p._asdict() for p in report.problems]
+        doc = {"checked": report.checked, "problems": problems, "notes": report.notes}
+        print(json.dumps(doc, indent=1, sort_keys=True))
     else:
-        for line in report.lines():
-            print(line)
+        lines = [f"note: {note}" for note in report.notes]
+        lines += [f"{p.path}: {p.arch}  {p.kernel}  [{p.key}]: {p.problem}" for p in report.problems]
+        lines.append(f"{report.checked} entries checked, {len(report.problems)} problem(s)")
+        print("\n".join(map(printable, lines)))
     return 1 if report.problems else 0
-
-
-__all__ = [
-    "Problem",
-    "ValidationReport",
-    "add_validate",
-    "find_autotuners",
-    "run_validate",
-    "validate_tables",
-]
 
 
 # --------------------------------------------------------------------------- coverage
@@ -304,8 +262,7 @@ PINNED_WITHOUT_TABLE = ("override", "single")
 """What ``--require-table`` accepts besides a hit: an explicit override, or a single live config."""
 
 
-@dataclass(frozen=True, slots=True)
-class Cell:
+class Cell(NamedTuple):
     """What one rank did for one (kernel, key)."""
 
     status: str
@@ -408,10 +365,7 @@ def run_coverage(args: argparse.Namespace) -> int:
         lines.append(f"Summary (kernel/key x rank): {summary or 'no decisions'}")
         for row in diverged:
             lines.append(f"DIVERGED: {row.kernel} [{row.key}]")
-            lines += [
-                f"  rank {label}: {cell.signature or '-'} ({cell.status})"
-                for label, cell in row.cells.items()
-            ]
+            lines += [f"  rank {label}: {c.signature or '-'} ({c.status})" for label, c in row.cells.items()]
         print("\n".join(map(printable, lines)))
     found = bool(diverged) or (args.fail_on_fallback and counts.get("fallback", 0) > 0)
     if args.require_table:
