@@ -11,7 +11,7 @@ from types import TracebackType
 from typing import Any
 
 from .core.choice import warn_if_mamba_env_ignored
-from .core.decisions import get_decisions
+from .core.decisions import decision_log, get_decisions
 from .core.errors import PolicyError
 from .core.identity import arch_tag, current_rank, node_arch
 from .core.policy import ENV_DECISION_LOG, ENV_RECORD_DIR, TuningPolicy
@@ -59,6 +59,8 @@ class TuningHandle:
             if self._agreement is not None:
                 self._agreement.stop()
             self.persist()
+            if self.cache is not None:
+                decision_log().remove_listener(self.cache.on_decision)
             _write_outputs(self.policy)
         finally:
             with _active_lock:
@@ -155,6 +157,8 @@ def _init(policy: TuningPolicy | None, table: Any, group: Any) -> TuningHandle:
         interception.uninstall()
         raise
     handle = TuningHandle(policy, resolved_table, agreement, cache)
+    if cache is not None:  # kill-safe: each key this rank measures reaches the file at once
+        decision_log().add_listener(cache.on_decision)
     if _needs_group(policy) and not _group_exists():
         handle._late = _LateAttach(handle, group, local_cache)
     with _active_lock:

@@ -86,6 +86,13 @@ def test_compile_benchmark_smoke(tmp_path: Path) -> None:
     assert len(pinned) == 4 and all(s["decisions_per_process"] == [1] for s in pinned)
 
 
+def test_compile_auto_benchmark_smoke(tmp_path: Path) -> None:
+    # Plumbing and the cache round trip (eager on CPU); tests/runtime/test_inductor.py covers Dynamo.
+    result = _smoke("bench_compile_auto.py", tmp_path)
+    assert result["stage"] == "auto-compiled" and len(result["runs"]) == 3
+    assert result["goals"] and all(goal["met"] for goal in result["goals"])
+
+
 MAMBA_RESULTS = REPO / "benchmarks" / "results" / "2026-12-01-h200" / "call1"
 
 

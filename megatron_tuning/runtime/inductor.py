@@ -1,35 +1,27 @@
-"""The torch.compile adapter: compiled graphs launch the pinned config of in-scope kernels.
+"""The torch.compile adapter: compiled graphs launch the decided config of in-scope kernels.
 
-Inductor never calls ``Autotuner.run`` for a user ``@triton.autotune`` kernel. Dynamo turns the
-call into a ``triton_kernel_wrapper_mutation`` node that points at the kernel, and Inductor
-compiles the kernel's whole config list into a ``CachingAutotuner`` that benchmarks it at the
-graph's first run. So the choice has to be made while the call is traced.
+Inductor never calls ``Autotuner.run`` for a user ``@triton.autotune`` kernel: Dynamo turns the call
+into a kernel node, and Inductor compiles the node's whole config list into a ``CachingAutotuner``
+that benchmarks it at the graph's first run. ``patch()`` (from ``interception.install``) wraps:
 
-``patch()`` (called by ``interception.install``) wraps two torch attributes:
+* ``TritonHOPifier.call_triton_kernel``, the one function (Dynamo's and ``wrap_triton``'s) that
+  builds that node. For an in-scope Autotuner under a pinning mode it makes the ``key=`` arguments
+  graph constants (a guard per value), decides through ``pinning.decide`` without measuring, and
+  hands on a one-config copy of the kernel: Inductor has nothing to benchmark, CUDA-graph replays
+  launch it too. In ``auto`` a key that needs a measurement is *deferred*: the node keeps every
+  config, and the key is decided at the first run.
+* ``CachingAutotuner.benchmark_all_configs``, that first run, on real tensors: a deferred key is
+  decided there as an eager miss is (adopted, or timed by the tuner over Inductor's launchers and
+  claimed), and Inductor keeps the decided launcher. Any other in-scope kernel benchmarked there
+  bypassed the pin (a torch that cannot be intercepted, a graph traced before ``install``): a
+  warning, or ``CompiledLaunchNotPinnedError`` under ``strict``.
 
-* ``TritonHOPifier.call_triton_kernel``: the one function, shared by Dynamo
-  (``DynamoTritonHOPifier``) and ``wrap_triton``/``triton_op`` (``TracingTritonHOPifier``), that
-  turns a kernel call into that node. For an in-scope Autotuner under a pinning mode it
-  specializes the ``key=`` arguments (a guard per value, so a dynamic-shape graph is recompiled
-  per key value, like eager keys), decides through ``pinning.decide`` (by way of the
-  interception, which hands this module its decision function) with
-  ``may_measure=False`` (same kernel id, key, decision log entry and agreement check as eager),
-  and hands the original a one-config ``triton.autotune`` copy of the kernel. Everything
-  downstream (heuristics, grids, lowering, codegen, the FX graph cache key) sees one config, so
-  Inductor has nothing to benchmark, and CUDA-graph replays launch it too.
-* ``CachingAutotuner.benchmark_all_configs``: a tripwire. Inductor benchmarking an in-scope user
-  kernel means the pin was bypassed (a torch it cannot intercept, or a graph traced before
-  ``install``): it warns, and raises ``CompiledLaunchNotPinnedError`` under ``strict``.
-
-torch is imported here only when ``patch()`` runs, and Dynamo and Inductor (about a second to
-import) only when the process already uses them: otherwise the tripwire is installed when the
-hook first runs, i.e. when the process first traces a kernel call. Contract tests in
-``tests/runtime/test_torch_contract.py`` pin every private torch attribute used here.
+Dynamo and Inductor are imported only once the process uses them (the second wrap waits for the
+first trace). ``tests/runtime/test_torch_contract.py`` pins every private torch attribute used.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import inspect
@@ -38,11 +30,10 @@ import re
 import sys
 import threading
 import weakref
-from collections.abc import Iterator
 from typing import Any
 
 from ..core.errors import CompiledLaunchNotPinnedError, MegatronTuningError
-from ..core.identity import tuning_key
+from ..core.identity import config_signature, tuning_key
 from ..core.policy import TuningPolicy
 from ..core.warn import warn_once
 from . import pinning
@@ -60,26 +51,21 @@ _originals: dict[str, tuple[Any, Any]] = {}  # name -> (owner class, original at
 _unsupported: str | None = None  # why compiled launches cannot be pinned in this process, if so
 _tls = threading.local()
 _copies: weakref.WeakKeyDictionary[Any, dict[int, tuple[Any, Any]]] = weakref.WeakKeyDictionary()
+_deferred: weakref.WeakKeyDictionary[Any, set[Any]] = weakref.WeakKeyDictionary()
+"""Kernel -> the decision keys ``auto`` left for Inductor's first run to tune (traced with every config)."""
 _pin: Any = None
 """``interception._pin``, handed over by ``patch``: a traced call's decision (this module cannot
 import the interception, which imports it)."""
 
 
 def torch_version() -> str:
-    try:
-        import torch
-    except ImportError:
-        return "(not installed)"
-    return str(torch.__version__)
+    torch = sys.modules.get("torch")  # imported by whoever could have been intercepted
+    return str(torch.__version__) if torch is not None else "(not imported)"
 
 
 def supported() -> bool:
     """Whether compiled launches are pinned in this process (meaningful after ``patch()``)."""
     return "call_triton_kernel" in _originals
-
-
-def unsupported_reason() -> str | None:
-    return _unsupported
 
 
 def patch(pin: Any) -> None:
@@ -122,23 +108,23 @@ def unpatch() -> None:
         for name, (owner, original) in _originals.items():
             setattr(owner, name, original)
         _originals.clear()
+        _deferred.clear()
 
 
 def warn_if_unsupported(policy: TuningPolicy) -> None:
     """One warning per process when compiled launches of in-scope kernels cannot be pinned."""
     if _unsupported is None or policy.mode in PASS_THROUGH_MODES:
         return
+    strict = (
+        ", or set MEGATRON_TUNING_STRICT=1 to fail on them" if "benchmark_all_configs" in _originals else ""
+    )
     warn_once(
         ("inductor-unsupported", torch_version(), _unsupported),
         "megatron_tuning: torch %s cannot be intercepted (%s): in-scope @triton.autotune kernels "
         "called from torch.compile graphs are NOT pinned; Inductor benchmarks their configs itself. "
         "Eager launches are pinned. Use megatron_tuning.autotune_configs at decoration time for such "
         "kernels%s.",
-        torch_version(),
-        _unsupported,
-        ""
-        if "benchmark_all_configs" not in _originals
-        else ", or set MEGATRON_TUNING_STRICT=1 to fail on them",
+        *(torch_version(), _unsupported, strict),
     )
 
 
@@ -164,9 +150,9 @@ def _hopifier_class() -> tuple[Any, str]:
 
 
 def _caching_autotuner_class() -> Any:
-    try:
+    try:  # without Inductor, compiled code cannot run user Triton kernels through it
         from torch._inductor.runtime.triton_heuristics import CachingAutotuner
-    except Exception:  # no Inductor: compiled code cannot run user Triton kernels through it
+    except Exception:
         return None
     return CachingAutotuner if "benchmark_all_configs" in CachingAutotuner.__dict__ else None
 
@@ -183,8 +169,7 @@ def _make_call_triton_kernel(original: Any) -> Any:
             _patch_tripwire()  # deferred from patch(): this process compiles kernels after all
         kernel = variable.kernel
         if getattr(_tls, "depth", 0):
-            # The HOPifier recursing on our one-config copy (heuristics applied, special kwargs
-            # moved): the Autotuner it builds inherits the pin.
+            # The HOPifier recursing on what we handed it: an Autotuner it builds inherits a pin.
             _mark_nested_copy(kernel)
             return original(self, variable, args, kwargs, tx)
         installation = pinning.active
@@ -206,9 +191,15 @@ def _make_call_triton_kernel(original: Any) -> Any:
                 kwargs[name] = _specialize(variable, kwargs[name])
         values = tuple(_concrete(a) for a in args)
         named = {k: _concrete(v) for k, v in kwargs.items()}
+        from torch.utils._python_dispatch import _disable_current_modes
+
         try:
-            with _no_tracing_modes():  # the agreement check may create tensors: keep them real
-                config = _pin(kernel, installation, values, named, may_measure=False)
+            with _disable_current_modes():  # the agreement check may create tensors: keep them real
+                config = _pin(kernel, installation, values, named, may_measure=False, defer=True)
+        except pinning.Deferred:  # auto, a miss: tuned at the graph's first run (_tune_at_first_run)
+            with _lock:
+                _deferred.setdefault(kernel, set()).add(pinning.raw_key(state, values, named))
+            config = None
         except MegatronTuningError as error:
             if tx is None:  # wrap_triton / make_fx tracing: the error reaches the caller as is
                 raise
@@ -216,11 +207,12 @@ def _make_call_triton_kernel(original: Any) -> Any:
             # eagerly instead, where the same decision raises it unwrapped (fullgraph=True
             # reports the message as Unsupported).
             self.raise_unsupported(f"megatron_tuning: {type(error).__name__}: {error}")
-        kernel.best_config = config
-        pinned = _recreate(self, variable, _one_config_copy(kernel, config))
+        if config is not None:  # else (deferred) the node keeps every config
+            kernel.best_config = config
+            variable = _recreate(self, variable, _one_config_copy(kernel, config))
         _tls.depth = getattr(_tls, "depth", 0) + 1
         try:
-            return original(self, pinned, args, kwargs, tx)
+            return original(self, variable, args, kwargs, tx)
         finally:
             _tls.depth -= 1
 
@@ -229,17 +221,17 @@ def _make_call_triton_kernel(original: Any) -> Any:
 
 def _specialize(variable: Any, value: Any) -> Any:
     """Make a key argument a constant of the graph: a guard on its value, a recompile per value."""
+    return variable.specialize_symbolic(_realized(value))
+
+
+def _realized(value: Any) -> Any:
     realize = getattr(value, "realize", None)  # Dynamo's LazyVariableTracker (resume functions)
-    if callable(realize):
-        value = realize()
-    return variable.specialize_symbolic(value)
+    return realize() if callable(realize) else value
 
 
 def _concrete(value: Any) -> Any:
     """A traced argument as the decision code sees eager ones: ints, bools, tensors with a dtype."""
-    realize = getattr(value, "realize", None)
-    if callable(realize):
-        value = realize()
+    value = _realized(value)
     if not hasattr(value, "is_python_constant") or not hasattr(value, "as_proxy"):
         return value  # wrap_triton tracing: already FakeTensors, ints and SymInts
     if value.is_python_constant():
@@ -249,14 +241,6 @@ def _concrete(value: Any) -> Any:
     except Exception:  # not a graph value (e.g. a user object): keep the variable itself
         return value
     return node.meta.get("example_value", value)  # FakeTensor, or SymInt for a dynamic int
-
-
-@contextlib.contextmanager
-def _no_tracing_modes() -> Iterator[None]:
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    with _disable_current_modes():
-        yield
 
 
 def _one_config_copy(kernel: Any, config: Any) -> Any:
@@ -284,14 +268,9 @@ def _one_config_copy(kernel: Any, config: Any) -> Any:
 
 
 def _mark_nested_copy(kernel: Any) -> None:
-    from triton.runtime.autotuner import Autotuner
-
-    if (
-        isinstance(kernel, Autotuner)
-        and pinning.PINNED_ATTR not in kernel.__dict__
-        and len(kernel.configs) == 1
-    ):
-        pinning.mark_pinned(kernel, kernel.configs[0])
+    configs = getattr(kernel, "configs", None)  # an Autotuner (a JITFunction has none)
+    if isinstance(configs, list) and len(configs) == 1 and pinning.PINNED_ATTR not in kernel.__dict__:
+        pinning.mark_pinned(kernel, configs[0])
 
 
 def _recreate(hopifier: Any, variable: Any, kernel: Any) -> Any:
@@ -314,10 +293,75 @@ def _make_benchmark_all_configs(original: Any) -> Any:
             and getattr(self, "custom_kernel", False)
             and len(getattr(self, "launchers", ())) > 1
         ):
+            chosen = _tune_at_first_run(self, installation, args, kwargs)
+            if chosen is not None:  # Inductor keeps the launcher of least time: the only one given
+                return {chosen: 0.0}
             _report_bypass(self, installation, args)
         return original(self, *args, **kwargs)
 
     return benchmark_all_configs
+
+
+def _tune_at_first_run(caching: Any, installation: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The launcher of a key ``auto`` deferred at trace time, decided now on the real arguments as an
+    eager miss is (adopted, or timed by the tuner over Inductor's launchers and claimed: one decision
+    per key, logged, persisted, the same on every rank). ``None``: no deferred key (the tripwire's)."""
+    names = _launcher_arg_names(caching)
+    if installation.policy.mode != "auto" or names is None:
+        return None
+    named = dict(zip(names, args))
+    for kernel in _matching_kernels(caching.fn, list(_deferred)):
+        state = pinning.state_for(kernel, installation)
+        raw = pinning.raw_key(state, (), named)
+        if raw not in _deferred.get(kernel, ()):
+            continue
+        launchers = {config_signature(launcher.config): launcher for launcher in caching.launchers}
+        own = {config_signature(config): config for config in kernel.configs}
+        candidates = [own.get(signature, launcher.config) for signature, launcher in launchers.items()]
+        measure = installation.measure and functools.partial(
+            _measure_launchers, installation.measure, caching, args, kwargs, launchers
+        )
+        listed: Any = functools.partial(list, candidates)
+        config = pinning.decide(
+            kernel, state, installation, raw, (), named, candidates=listed, measure=measure
+        )
+        caching.reset_to_zero_args(*args, **kwargs)  # as Inductor's own benchmark ends
+        return launchers.get(config_signature(config))
+    return None
+
+
+def _measure_launchers(measure: Any, caching: Any, args: Any, kwargs: Any, launchers: Any, *call: Any) -> Any:
+    """The tuner's ``measure`` (tie-aware, as for eager misses) over Inductor's launchers: called as
+    ``measure(autotuner, candidates, args, kwargs, kernel, key)`` with ``_Launchers`` as autotuner."""
+    candidates = call[1]
+    by_options = {_options(c.all_kwargs()): launchers[config_signature(c)] for c in candidates}
+    return measure(_Launchers(caching, args, kwargs, by_options), candidates, (), {}, *call[4:])
+
+
+def _options(options: dict[str, Any]) -> tuple[tuple[str, str], ...]:
+    return tuple(sorted((name, repr(value)) for name, value in options.items()))
+
+
+class _Launchers:
+    """What ``measure`` uses of an ``Autotuner``: ``fn.run(**config.all_kwargs())`` launches that
+    config's Inductor launcher on copies of the arguments the kernel mutates (as Inductor's own
+    benchmark does) on the current stream; ``pre_hook`` zeroes ``reset_to_zero`` copies."""
+
+    arg_names: tuple[str, ...] = ()
+
+    def __init__(self, caching: Any, args: Any, kwargs: Any, by_options: dict[Any, Any]) -> None:
+        self.fn, self._caching, self._by_options = self, caching, by_options
+        self._args, self._kwargs = caching.clone_args(*args, **kwargs)
+        device = caching.get_device_interface()
+        self._stream = device.get_raw_stream(device.current_device())
+
+    def run(self, **options: Any) -> None:
+        self._by_options[_options(options)](*self._args, **self._kwargs, stream=self._stream)
+
+    def pre_hook(self, nargs: Any, reset_only: bool = False) -> None:
+        self._caching.reset_to_zero_args(*self._args, **self._kwargs)
+
+    post_hook = staticmethod(lambda nargs, exception=None: None)
 
 
 def _report_bypass(caching_autotuner: Any, installation: Any, args: tuple[Any, ...]) -> None:
@@ -339,19 +383,12 @@ def _report_bypass(caching_autotuner: Any, installation: Any, args: tuple[Any, .
     count = len(caching_autotuner.launchers)
     if installation.policy.strict:
         raise CompiledLaunchNotPinnedError(name, key, count, reason)
-    warn_once(
-        ("inductor-bypass", name, key),
-        "megatron_tuning: compiled code benchmarks %d configs of kernel %s with key %s: not pinned (%s)",
-        count,
-        name,
-        key,
-        reason,
-    )
+    message = "megatron_tuning: compiled code benchmarks %d configs of kernel %s with key %s: not pinned (%s)"
+    warn_once(("inductor-bypass", name, key), message, *(count, name, key, reason))
 
 
 def _generated_name(fn: Any) -> str:
-    inner = getattr(fn, "fn", fn)
-    return str(getattr(inner, "__name__", type(fn).__name__))
+    return str(getattr(getattr(fn, "fn", fn), "__name__", type(fn).__name__))
 
 
 def _body_digest(source: str) -> str | None:
@@ -365,37 +402,49 @@ def _body_digest(source: str) -> str | None:
 
 
 def _original_kernel(generated: Any) -> Any:
-    """The user Autotuner a generated kernel copies: same name and body, found in Dynamo's side table."""
-    name = re.sub(r"_\d+$", "", _generated_name(generated))
-    digest = _body_digest(getattr(generated, "src", "") or "")
-    try:
-        from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
-    except Exception:
-        return None
+    """The user Autotuner a generated kernel copies, found in Dynamo's side table."""
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+
+    return (_matching_kernels(generated, list(kernel_side_table.id_to_kernel.values())) or [None])[0]
+
+
+def _matching_kernels(generated: Any, kernels: list[Any]) -> list[Any]:
+    """The user Autotuners among ``kernels`` a generated kernel copies (same name, maybe ``_N`` added;
+    the same body first), not the HOPifier's own rewrites (``key=[]``) or our copies."""
     from triton.runtime.autotuner import Autotuner
 
-    matches = []
-    for kernel in list(kernel_side_table.id_to_kernel.values()):
+    name = re.sub(r"_\d+$", "", _generated_name(generated))
+    digest = _body_digest(getattr(generated, "src", "") or "")
+    matches: list[Any] = []
+    for kernel in kernels:
         if not isinstance(kernel, Autotuner) or not kernel.keys or pinning.PINNED_ATTR in kernel.__dict__:
-            continue  # the HOPifier's own rewrites (key=[]) and our copies; the user's kernel is there too
+            continue
         try:
             if kernel.base_fn.__name__ not in (name, _generated_name(generated)):
                 continue
             source = inspect.getsource(kernel.base_fn)
         except (OSError, TypeError, AttributeError):
             continue
-        matches.append((_body_digest(source) == digest, kernel))
-    same_body = [k for exact, k in matches if exact]
-    return (same_body or [k for _, k in matches] or [None])[0]
+        matches.append((_body_digest(source) != digest, len(matches), kernel))
+    return [kernel for *_, kernel in sorted(matches)]
+
+
+def _launcher_arg_names(caching_autotuner: Any) -> list[str] | None:
+    """The names of the arguments Inductor passes a user kernel's launchers (its non-constexpr ones)."""
+    try:
+        names = getattr(caching_autotuner.launchers[0], "def_args", None)
+        if names is None:
+            signature = caching_autotuner.triton_meta["signature"]
+            names = [name for name, kind in signature.items() if kind != "constexpr"]
+        return list(names)
+    except Exception:  # an unexpected launcher
+        return None
 
 
 def _key_text(kernel: Any, caching_autotuner: Any, args: tuple[Any, ...]) -> str:
     """The tuning key of the launch Inductor is about to benchmark, from its launcher's arguments."""
+    names = _launcher_arg_names(caching_autotuner)
     try:
-        names = getattr(caching_autotuner.launchers[0], "def_args", None)
-        if names is None:  # the launcher's parameters are the signature's non-constexpr arguments
-            signature = caching_autotuner.triton_meta["signature"]
-            names = [name for name, kind in signature.items() if kind != "constexpr"]
-        return tuning_key(kernel, (), dict(zip(list(names), args)))
-    except Exception:  # an unexpected launcher: still name the kernel
+        return "?" if names is None else tuning_key(kernel, (), dict(zip(names, args)))
+    except Exception:  # still name the kernel
         return "?"

@@ -174,18 +174,17 @@ def _make_run(original: Any) -> Any:
     return run
 
 
-def _pin(
-    autotuner: Any, installation: Installation, args: Args, kwargs: Kwargs, may_measure: bool = True
-) -> Any:
+def _pin(autotuner: Any, installation: Installation, args: Args, kwargs: Kwargs, **options: Any) -> Any:
     """The config of this call's key: its decision, made now if the key is new (``inductor`` calls
-    this too). A new decision is filed in the autotuner's ``cache`` under Triton's key."""
+    this too, with ``pinning.decide``'s options). A new decision is filed in the autotuner's
+    ``cache`` under Triton's key."""
     state = pinning.state_for(autotuner, installation)
     raw = pinning.raw_key(state, args, kwargs)
     config = state.pins.get(raw)
     if config is None:
         candidates = functools.partial(_live_candidates, autotuner, args, kwargs)
         config = pinning.decide(
-            autotuner, state, installation, raw, args, kwargs, candidates=candidates, may_measure=may_measure
+            autotuner, state, installation, raw, args, kwargs, candidates=candidates, **options
         )
         key = triton_cache_key(autotuner, args, kwargs)
         with _lock:

@@ -1,11 +1,8 @@
 """Decisions: which config an in-scope kernel launches for a key, in every mode, once per process.
 
-Holds the active ``Installation`` (policy, table, measure, the job's coordinators) and each
-autotuner's ``AutotunerState`` (its decisions by key). Both adapters decide here: ``interception``
-(eager launches through Triton's ``Autotuner.run``) and ``inductor`` (calls traced by
-torch.compile), so an eager and a compiled launch of one key share one decision, one decision-log
-entry and one agreement check. Nothing here touches Triton's autotuner internals: the adapters
-hand in the kernel's live (pruned) candidates.
+Holds the active ``Installation`` and each autotuner's ``AutotunerState`` (its decisions by key).
+Both adapters decide here, ``interception`` (eager) and ``inductor`` (compiled), so one key has one
+decision, log entry and agreement check. The adapters hand in the live (pruned) candidates.
 
 ``auto`` mode (``auto_choice``): a table entry pins the key as in ``deterministic``; else a
 decision another rank of the job published is adopted; else this rank tunes once and publishes
@@ -71,6 +68,10 @@ class Consensus(Protocol):
     def publish(
         self, kernel: str, key: str, arch: str, config: Mapping[str, Any], signature: str
     ) -> PublishedDecision: ...
+
+
+class Deferred(Exception):
+    """``decide(defer=True)``: ``auto`` must measure this key, later (``inductor``). Nothing was logged."""
 
 
 @dataclass(frozen=True)
@@ -226,15 +227,16 @@ def decide(
     *,
     candidates: Callable[[], list[Any]],
     may_measure: bool = True,
+    defer: bool = False,
+    measure: Measure | None = None,
 ) -> Any:
     """The config of one (kernel, key): decided, logged and pinned at its first use in this process.
 
-    ``candidates()`` gives the kernel's live configs after its own pruning (the adapter's). The
-    decision is logged before it is pinned: a listener that raises (the agreement check) pins
-    nothing, and the next launch of the key asks again. ``may_measure=False`` where no real
-    arguments exist (torch.compile tracing): ``tune`` and ``auto`` apply the miss rule instead. A
-    key first launched during a CUDA graph capture is never measured either, and sends nothing to
-    the job's store.
+    ``candidates()`` gives the kernel's live configs after its own pruning (the adapter's). Logged
+    before pinned: a listener that raises (the agreement check) pins nothing. ``may_measure=False``
+    where no real arguments exist (tracing): the miss rule applies, or with ``defer`` ``auto``
+    raises ``Deferred`` where it would measure; ``measure`` replaces the installation's. A key first
+    launched during a CUDA graph capture is never measured and sends nothing to the job's store.
     """
     with state.lock:
         config = state.pins.get(raw)
@@ -258,6 +260,8 @@ def decide(
             arch,
             may_measure=may_measure and not capturing,
             capturing=capturing,
+            defer=defer,
+            measure=measure or installation.measure,
         )
         if state.source_hash is None:
             state.source_hash = kernel_source_hash(autotuner)
@@ -308,6 +312,8 @@ def _choose(
     *,
     may_measure: bool,
     capturing: bool,
+    defer: bool,
+    measure: Measure | None,
 ) -> tuple[Choice, dict[str, Any] | None]:
     """The policy mode's choice among ``candidates``, and the timings when this rank measured."""
     policy, kernel = installation.policy, state.kernel
@@ -317,8 +323,8 @@ def _choose(
             kernel, key, candidates, rank=rank, arch=arch, coordinator=coordinator, offline=capturing
         ), None
     if policy.mode == "tune" and len(candidates) > 1 and may_measure:
-        assert installation.measure is not None
-        config, timings = installation.measure(autotuner, candidates, *call, kernel, key)
+        assert measure is not None
+        config, timings = measure(autotuner, candidates, *call, kernel, key)
         return Choice(config, "tuned"), timings
     if policy.mode == "auto":
         return auto_choice(
@@ -330,9 +336,10 @@ def _choose(
             arch=arch,
             policy=policy,
             table=installation.table,
-            measure=installation.measure,
+            measure=measure,
             consensus=installation.consensus,
             may_measure=may_measure,
+            defer=defer,
         )
     if policy.mode == "tune" and len(candidates) > 1:
         warn_once(
@@ -368,9 +375,9 @@ def auto_choice(
     measure: Measure | None,
     consensus: Consensus | None,
     may_measure: bool = True,
+    defer: bool = False,
 ) -> tuple[Choice, dict[str, Any] | None]:
     """``auto``'s choice for (kernel, key), and the timings when this rank measured.
-
     ``consensus`` (``distributed.store.StoreConsensus``) shares decisions across the job's ranks;
     ``None``: this process alone. Where nothing can be measured the policy's miss rule applies.
     """
@@ -382,6 +389,8 @@ def auto_choice(
         if published is not None:
             return _adopt(published, candidates, kernel, key, consensus.rank), None
     if not may_measure or measure is None:
+        if defer and measure is not None:
+            raise Deferred
         fallback = choose_on_miss(autotuner, candidates, key, pinned, table=table, on_miss=policy.on_miss)
         return _proposed(fallback, candidates, kernel, key, arch, consensus), None
     config, timings = measure(autotuner, candidates, *call, kernel, key)

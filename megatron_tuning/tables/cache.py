@@ -187,6 +187,14 @@ class AutoCache:
             self._report(plan)
             return sum(plan.table.get(*entry.ident) is entry for entry in plan.added)
 
+    def on_decision(self, decision: Decision) -> None:
+        """A decision-log listener (the session registers it): a decision this rank measured is
+        persisted at once, so a run killed (SIGKILL, SIGTERM, ``os._exit``) after a tune keeps it.
+        One persist per measured key costs well under the tuning; adopted keys wait for the next
+        persist (their winner's node persists them at once)."""
+        if decision.source in PERSISTED_SOURCES and decision.timings is not None:
+            self.persist([decision])
+
     def _pending(self, decisions: list[Decision], version: str | None) -> list[Entry]:
         pending: dict[_Ident, Entry] = {}
         for decision in decisions:

@@ -73,3 +73,49 @@ def stub_launches() -> None:
             LAUNCHES.append({"kernel": _name, "BLOCK": kwargs["BLOCK"], "EVEN": kwargs.get("EVEN")})
 
         jit.run = run
+
+
+def first_run(kernel, arg_names, configs, slow_unless=None, mutated=None):  # noqa: ANN001, ANN201
+    """Inductor's ``CachingAutotuner`` of a user kernel at its graph's first run, built without a GPU:
+    one launcher per config of ``configs`` (rebuilt from plain values, as generated code does) that
+    launches the kernel through ``JITFunction.run``; every launcher but BLOCK ``slow_unless`` sleeps
+    1 ms. The kernel writes ``mutated`` (default: its first argument)."""
+    import inspect
+    import time
+    import types
+
+    from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+
+    jit = kernel.fn
+    while hasattr(jit, "fn") and not inspect.isfunction(jit.fn):  # heuristics wrappers
+        jit = jit.fn
+    # The generated copy's identity: its source (Inductor's JITFunction.src), name and arguments.
+    fn = types.SimpleNamespace(
+        src=inspect.getsource(jit.fn), fn=jit.fn, __name__=jit.fn.__name__, arg_names=list(arg_names)
+    )
+
+    def launcher_of(config):  # noqa: ANN001, ANN202
+        def launcher(*args, stream):  # noqa: ANN002, ANN202
+            if slow_unless is not None and launcher.config.kwargs["BLOCK"] != slow_unless:
+                time.sleep(0.001)
+            jit.run(*args, grid=(1,), warmup=False, **launcher.config.all_kwargs())
+
+        launcher.config = triton.Config(
+            dict(config.kwargs), num_warps=config.num_warps, num_stages=config.num_stages
+        )
+        launcher.def_args, launcher.cache_hash = list(arg_names), None
+        launcher.n_regs = launcher.n_spills = launcher.shared = 0
+        return launcher
+
+    class FirstRun(CachingAutotuner):
+        def __init__(self) -> None:  # none of Inductor's compiling: only what its first run reads
+            self.fn, self.custom_kernel, self.launchers = fn, True, [launcher_of(c) for c in configs]
+            self.mutated_arg_names = list(mutated or arg_names[:1])
+            self.reset_to_zero_arg_names = []
+            self.inductor_meta, self.save_cache_hook, self.compile_results = {}, None, []
+            self.precompile_time_taken_ns, self.benchmark_failure_reasons = 0, {}
+
+        def get_device_interface(self):  # noqa: ANN202
+            return types.SimpleNamespace(current_device=lambda: 0, get_raw_stream=lambda index: 0)
+
+    return FirstRun()

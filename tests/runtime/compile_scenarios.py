@@ -356,6 +356,33 @@ def not_installed() -> dict[str, Any]:
     return {"graphs": compiled(write_block, (1000,), fullgraph=True), "decisions": decisions()}
 
 
+def auto_first_run() -> dict[str, Any]:
+    """``auto``, a key first reached in compiled code: nothing decided at trace time; Inductor's first
+    run (its real ``autotune_to_one_config`` over a GPU-less ``CachingAutotuner``) tunes it."""
+    import megatron_tuning
+
+    torch._dynamo.reset()
+    handle = megatron_tuning.init_deterministic_tuning(TuningPolicy(mode="auto", use_shipped_tables=False))
+    graphs = compiled(write_block, (1000,), fullgraph=True)
+    at_trace = decisions()
+    (((*blocks,),),) = graphs  # the configs the kernel node carries: what Inductor compiles
+    caching = ck.first_run(ck.write_block, ["y_ptr", "n"], [BY_BLOCK[b] for b in blocks], slow_unless=128)
+    if len(caching.launchers) > 1:  # as Inductor's run: one launcher is launched, never benchmarked
+        caching.autotune_to_one_config(torch.zeros(1000), 1000)
+    ck.LAUNCHES.clear()
+    (launcher,) = caching.launchers
+    launcher(torch.zeros(1000), 1000, stream=0)
+    again = compiled(write_block, (1000,), fullgraph=True)  # a recompile: the decision, one config
+    handle.close()
+    return {
+        "graphs": graphs,
+        "at_trace": at_trace,
+        "launched": [launch["BLOCK"] for launch in ck.LAUNCHES],
+        "again": again,
+        "decisions": decisions(),
+    }
+
+
 SCENARIOS = {
     fn.__name__: fn
     for fn in (
@@ -374,6 +401,7 @@ SCENARIOS = {
         out_of_scope,
         mode_off,
         not_installed,
+        auto_first_run,
     )
 }
 

@@ -25,9 +25,9 @@ from torch._inductor.runtime.triton_heuristics import CachingAutotuner
 
 from megatron_tuning.core.decisions import get_decisions
 from megatron_tuning.core.errors import CompiledLaunchNotPinnedError
-from megatron_tuning.core.identity import kernel_id
+from megatron_tuning.core.identity import config_signature, kernel_id
 from megatron_tuning.core.policy import TuningPolicy
-from megatron_tuning.runtime import inductor, interception
+from megatron_tuning.runtime import inductor, interception, pinning
 
 from .. import support_kernels as sk
 
@@ -318,3 +318,129 @@ def test_tripwire_warns_without_strict_and_stays_quiet_for_what_it_does_not_own(
     assert "benchmarks" not in notices.text
     assert len(calls) == 5  # Inductor's own benchmark always runs after the check
     assert [d.source for d in get_decisions()] == ["out_of_scope"]
+
+
+# --------------------------------------------------------------------------- auto: tuned at the first run
+
+
+def _run_auto_first_run(cache: Path, tmp_path: Path) -> dict[str, Any]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("MEGATRON_TUNING_") and k != "TRITON_INTERPRET"
+    }
+    env.update(
+        PYTHONPATH=str(REPO),
+        MEGATRON_TUNING_CACHE=str(cache),
+        MEGATRON_TUNING_TUNE_ROUNDS="1",
+        TRITON_CACHE_DIR=str(tmp_path / "triton"),
+        TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"),
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.runtime.compile_scenarios", "auto_first_run"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, done.stdout[-3000:] + done.stderr[-5000:]
+    return _result(json.loads(lines[-1][len("RESULT ") :]), "auto_first_run")
+
+
+def test_auto_tunes_a_key_first_reached_in_compiled_code_once_and_later_runs_launch_it(tmp_path):
+    """Three fresh processes sharing one cache; the key is first reached under torch.compile."""
+    cache = tmp_path / "auto.msgpack"
+    first, second, third = (_run_auto_first_run(cache, tmp_path) for _ in range(3))
+    stages = _stages(first)
+    # Run 1: nothing decided at trace time; Inductor gets every config, and its first run tunes
+    # (BLOCK 128 is the one fast launcher): one decision, "tuned", launched and persisted.
+    assert first["at_trace"] == [] and first["graphs"] == ALL_CONFIGS
+    assert first["decisions"] == [[WB, WB_1000, _sig(128, stages), "tuned"]]
+    assert first["launched"] == [128] and first["again"] == [[[128]]]
+    # Runs 2-3: the cache answers at trace time; Inductor compiles that one config.
+    for later in (second, third):
+        assert later["decisions"] == [[WB, WB_1000, _sig(128, stages), "table"]]
+        assert later["graphs"] == [[[128]]] and later["launched"] == [128]
+
+
+def _first_run_of(kernel: Any, args: tuple[Any, ...]) -> Any:
+    """A GPU-less Inductor autotuner of ``kernel`` whose key ``auto`` deferred at trace time."""
+    from . import compile_kernels as ck
+
+    installation = pinning.active
+    state = pinning.state_for(kernel, installation)
+    inductor._deferred[kernel] = {pinning.raw_key(state, args, {})}  # what the trace hook records
+    return ck.first_run(
+        kernel, ["x_ptr", "y_ptr", "out_ptr", "n", "alpha"], kernel.configs, mutated=["out_ptr"]
+    )
+
+
+class _PeerWon:
+    """A job store where rank 1 claimed BLOCK_SIZE 16 first."""
+
+    rank = 0
+
+    def __init__(self) -> None:
+        self.published: list[str] = []
+
+    def is_local(self, origin: Any) -> bool:
+        return False
+
+    def lookup(self, kernel: str, key: str, arch: str) -> Any:
+        return None
+
+    def publish(self, kernel: str, key: str, arch: str, config: Any, signature: str) -> Any:
+        self.published.append(signature)
+        peer = next(c for c in sk.scale_add.configs if c.kwargs["BLOCK_SIZE"] == 16)
+        return types.SimpleNamespace(config=config, signature=config_signature(peer), rank=1)
+
+
+def test_the_first_run_tunes_inductors_launchers_with_the_tuner_on_copies_of_the_outputs():
+    import torch
+
+    from megatron_tuning.tuning.stats import TuneSettings
+    from megatron_tuning.tuning.tuner import ClockTimer, make_measure
+
+    settings = TuneSettings(rounds=1, warmup_rounds=0, warmup_ms=0, max_launches=2)
+    measure = make_measure(settings, timer=ClockTimer(), progress=False)
+    interception.install(TuningPolicy(mode="auto", use_shipped_tables=False), measure=measure)
+    x, out = torch.ones(64), torch.full((64,), float("nan"))
+    caching = _first_run_of(sk.scale_add, (x, x, out, 64, 1.0))
+    caching.autotune_to_one_config(x, x, out, 64, 1.0)
+    (decision,) = [d for d in get_decisions() if d.kernel == kernel_id(sk.scale_add)]
+    assert decision.source == "tuned" and decision.timings is not None
+    (launcher,) = caching.launchers  # Inductor keeps the decided launcher, and only it
+    assert config_signature(launcher.config) == decision.signature
+    assert torch.isnan(out).all()  # the tuner launched on copies: the graph's output is untouched
+
+
+def test_a_key_a_peer_claimed_first_launches_the_peers_config_and_capture_measures_nothing(monkeypatch):
+    import torch
+
+    measured: list[str] = []
+
+    def measure(autotuner: Any, candidates: list[Any], args: Any, kwargs: Any, kernel: str, key: str) -> Any:
+        measured.append(key)
+        return candidates[-1], {"median_ms": 1.0}
+
+    consensus = _PeerWon()
+    policy = TuningPolicy(mode="auto", use_shipped_tables=False)
+    interception.install(policy, measure=measure, consensus=consensus)
+    x = torch.ones(64)
+    caching = _first_run_of(sk.scale_add, (x, x, x, 64, 1.0))
+    caching.autotune_to_one_config(x, x, x, 64, 1.0)
+    (decision,) = [d for d in get_decisions() if d.kernel == kernel_id(sk.scale_add)]
+    assert decision.source == "adopted" and decision.origin == "rank 1" and len(measured) == 1
+    assert consensus.published == [config_signature(sk.scale_add.configs[-1])]  # ours, claimed
+    (launcher,) = caching.launchers
+    assert launcher.config.kwargs == {"BLOCK_SIZE": 16}
+    assert config_signature(launcher.config) == decision.signature  # the peer's, on this rank too
+
+    interception.install(policy, measure=measure)  # a new installation: the key is new again
+    monkeypatch.setattr(pinning, "is_capturing", lambda: True)
+    caching = _first_run_of(sk.scale_add, (x, x, x, 64, 1.0))
+    caching.autotune_to_one_config(x, x, x, 64, 1.0)
+    assert len(measured) == 1  # a CUDA-graph capture: the miss rule, nothing timed
+    assert get_decisions()[-1].source in ("cheapest", "nearest")

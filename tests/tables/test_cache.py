@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -437,3 +438,69 @@ def test_a_bad_cap_setting_is_refused_naming_it(tmp_path, monkeypatch):
     monkeypatch.setenv("MEGATRON_TUNING_CACHE_MAX_ENTRIES", "0")
     with pytest.raises(PolicyError, match="MEGATRON_TUNING_CACHE_MAX_ENTRIES"):
         auto(tmp_path / "auto.msgpack")
+
+
+# -- kill-safe (issue 27 item 2): a key this run tuned is in the file before the run can die --------
+_TUNE_THEN_DIE = textwrap.dedent(
+    """
+    import os, pathlib, signal, sys, time
+    import torch, megatron_tuning
+    from tests import support_kernels as sk
+
+    marker, how = pathlib.Path(sys.argv[1]), sys.argv[2]
+    megatron_tuning.init_deterministic_tuning()
+    x = torch.zeros(100)
+    sk.scale_add[sk.grid(100)](x, x, torch.empty(100), 100, 1.0)  # auto: tunes this key
+    marker.write_text("tuned")
+    if how == "exit":
+        time.sleep(1.0)
+        os._exit(0)  # no atexit, no close
+    time.sleep(600)  # the parent kills us
+    """
+)
+
+
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM", "exit"])
+def test_a_run_killed_a_second_after_tuning_keeps_the_key(tmp_path, how):
+    from pathlib import Path
+
+    path, marker = tmp_path / "auto.msgpack", tmp_path / "tuned"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRON_TUNING_")}
+    env.update(
+        PYTHONPATH=str(Path(__file__).resolve().parents[2]),
+        TRITON_INTERPRET="1",
+        MEGATRON_TUNING_MODE="auto",
+        MEGATRON_TUNING_CACHE=str(path),
+        MEGATRON_TUNING_TUNE_ROUNDS="1",
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", _TUNE_THEN_DIE, str(marker), how],
+        cwd=tmp_path,
+        env=env,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while not marker.exists() and child.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert marker.exists(), child.communicate(timeout=60)[1].decode()[-3000:]
+        time.sleep(1.0)
+        if how != "exit":
+            child.send_signal(getattr(signal, how))
+        child.wait(timeout=60)
+    finally:
+        child.kill()
+        child.communicate()
+    assert child.returncode == (0 if how == "exit" else -getattr(signal, how))
+    (entry,) = load_table(path)  # the next run reads it: nothing is tuned again
+    assert entry.kernel == "tests.support_kernels:scale_add" and entry.key.startswith("n=100 | ")
+    assert entry.how == "tuned" and entry.timing is not None
+
+
+def test_the_listener_persists_what_this_rank_measured_at_once_and_leaves_plain_adoptions(tmp_path):
+    cache = auto(tmp_path / "auto.msgpack")
+    cache.on_decision(decision("n=1 | x:f", timings={"median_ms": 1.0}))
+    cache.on_decision(decision("n=2 | x:f", source="adopted", origin="rank 1", timings={"median_ms": 1.0}))
+    cache.on_decision(decision("n=3 | x:f", source="adopted", origin="rank 1"))  # never measured here
+    cache.on_decision(decision("n=4 | x:f", source="cheapest", timings={"median_ms": 1.0}))
+    assert sorted(blocks(cache.path)) == ["n=1 | x:f", "n=2 | x:f"]
