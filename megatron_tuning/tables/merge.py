@@ -23,7 +23,7 @@ import msgpack
 from ..core.decisions import Decision, get_decisions
 from ..core.errors import TableError
 from ..core.fallback import estimate_config_cost
-from ..core.identity import config_signature, current_rank
+from ..core.identity import config_signature, content_name, current_rank
 from .entry import same_config
 from .files import LOCK_TIMEOUT_S, locked, read_json_file, write_atomic
 from .search import expand_table_paths, installed_triton_version
@@ -98,6 +98,14 @@ def _row_problem(row: Any) -> str | None:
 
 
 # --------------------------------------------------------------------------- entries from decisions
+
+
+def content_ident(entry: Entry) -> tuple[str | None, ...]:
+    """What makes entries under different module names one (kernel, key): the id without its module
+    and the same source hash. An entry without a source hash is only its own ident."""
+    if entry.source_hash is None:
+        return entry.ident
+    return (entry.arch, content_name(entry.kernel), entry.key, entry.source_hash)
 
 
 def entry_from_decision(decision: Decision, *, triton_version: str | None = None) -> Entry | None:
