@@ -390,10 +390,14 @@ def diff_tables(a: Table, b: Table, *, ignore_provenance: bool = False) -> dict[
 
 
 def review_view(table: Table) -> Table:
-    """The table without provenance (how, hashes, versions, timing, votes, note): configs only.
+    """The table without how, versions, timing, votes and note: configs and source hashes only.
 
     What ``export --no-provenance`` writes for a pull request, where a re-tune would otherwise show
-    every timing and vote that moved. A view for review, not a replacement table.
+    every timing and vote that moved. The source hash stays: a content match under another module
+    name needs it, and it changes only with the kernel's code.
     """
-    entries = [Entry(arch=e.arch, kernel=e.kernel, key=e.key, config=e.config) for e in table.entries()]
+    entries = [
+        Entry(arch=e.arch, kernel=e.kernel, key=e.key, config=e.config, source_hash=e.source_hash)
+        for e in table.entries()
+    ]
     return Table(entries, library_version=table.library_version, meta=table.meta)
