@@ -270,6 +270,33 @@ def test_merge_warns_about_inputs_from_different_kernel_sources(capsys, tmp_path
     assert f"warning: sm90 {KERNEL} [M=1 | a:torch.float16] was recorded from different kernel sources" in out
 
 
+def test_diff_and_merge_see_one_source_under_two_module_names_as_one_kernel(capsys, tmp_path):
+    same, other = "ab" * 32, "cd" * 32
+    a, b = tmp_path / "a.msgpack", tmp_path / "b.msgpack"
+    save_table(Table([entry(64, kernel="mykernels:matmul", source_hash=same)]), a)
+    rows = [entry(64, kernel="candidate:matmul", source_hash=same)]
+    save_table(Table([*rows, entry(32, kernel="edited:matmul", source_hash=other)]), b)
+    code, out, _ = run(capsys, "diff", a, b, "--json")
+    doc = json.loads(out)
+    assert code == 1 and [c["fields"] for c in doc["changed"]] == [
+        {"kernel": ["mykernels:matmul", "candidate:matmul"]}
+    ]
+    assert [c["kernel"] for c in doc["added"]] == ["edited:matmul"] and doc["removed"] == []
+    code, out, _ = run(capsys, "diff", a, b, "--json", "--ignore-provenance")
+    assert json.loads(out)["changed"] == []  # a module name alone is no config change
+    save_table(Table([entry(128, kernel="candidate:matmul", source_hash=same)]), b)
+    third = tmp_path / "c.msgpack"
+    save_table(Table([entry(64, kernel="third:matmul", source_hash=same)]), third)
+    code, out, _ = run(capsys, "merge", tmp_path / "out.msgpack", a, b, third, "--json")
+    (merged,) = load_table(tmp_path / "out.msgpack").entries()
+    assert code == 0 and (merged.kernel, merged.config["kwargs"], merged.votes) == (
+        "candidate:matmul",
+        {"BLOCK": 64},
+        (2, 3),
+    )
+    assert len(json.loads(out)["disagreements"]) == 1
+
+
 def test_merge_into_a_folder_names_the_folder_not_a_temp_file(capsys, tmp_path):
     _recordings(tmp_path / "rec")
     code, _, err = run(capsys, "merge", tmp_path / "rec", tmp_path / "rec")
