@@ -374,6 +374,29 @@ def test_validate_reports_unimportable_module_and_bad_table(capsys, tmp_path, ta
     assert run(capsys, "validate", bad)[0] == 2
 
 
+def test_validate_imports_a_candidate_file_by_path(capsys, tmp_path):
+    path = tmp_path / "candidate_file.py"
+    path.write_text(
+        "import triton\n"
+        "import triton.language as tl\n"
+        "@triton.autotune(configs=[triton.Config({'B': 16}, num_warps=4, num_stages=3)], key=['n'])\n"
+        "@triton.jit\n"
+        "def k(x, n, B: tl.constexpr):\n"
+        "    pass\n"
+    )
+    config = {"kwargs": {"B": 16}, "num_warps": 4, "num_stages": 3}
+    rows = [
+        Entry(arch="sm90", kernel=f"candidate_file:{k}", key="n=1 | x:f", config=config)
+        for k in ("k", "gone")
+    ]
+    table = tmp_path / "v.msgpack"
+    save_table(Table(rows), table)
+    code, out, _ = run(capsys, "validate", table, "--arch", "sm90", "--import", path)
+    assert code == 1 and "1 problem(s)" in out and "no autotuned kernel candidate_file:gone" in out
+    code, out, _ = run(capsys, "validate", table, "--arch", "sm90", "--import", tmp_path / "absent.py")
+    assert code == 1 and "cannot import module" in out and "absent.py" in out
+
+
 def _package(root: Path, name: str, init: str) -> None:
     (root / name).mkdir()
     (root / name / "__init__.py").write_text(init)
