@@ -270,6 +270,33 @@ def test_merge_warns_about_inputs_from_different_kernel_sources(capsys, tmp_path
     assert f"warning: sm90 {KERNEL} [M=1 | a:torch.float16] was recorded from different kernel sources" in out
 
 
+def test_diff_and_merge_see_one_source_under_two_module_names_as_one_kernel(capsys, tmp_path):
+    same, other = "ab" * 32, "cd" * 32
+    a, b = tmp_path / "a.msgpack", tmp_path / "b.msgpack"
+    save_table(Table([entry(64, kernel="mykernels:matmul", source_hash=same)]), a)
+    rows = [entry(64, kernel="candidate:matmul", source_hash=same)]
+    save_table(Table([*rows, entry(32, kernel="edited:matmul", source_hash=other)]), b)
+    code, out, _ = run(capsys, "diff", a, b, "--json")
+    doc = json.loads(out)
+    assert code == 1 and [c["fields"] for c in doc["changed"]] == [
+        {"kernel": ["mykernels:matmul", "candidate:matmul"]}
+    ]
+    assert [c["kernel"] for c in doc["added"]] == ["edited:matmul"] and doc["removed"] == []
+    code, out, _ = run(capsys, "diff", a, b, "--json", "--ignore-provenance")
+    assert json.loads(out)["changed"] == []  # a module name alone is no config change
+    save_table(Table([entry(128, kernel="candidate:matmul", source_hash=same)]), b)
+    third = tmp_path / "c.msgpack"
+    save_table(Table([entry(64, kernel="third:matmul", source_hash=same)]), third)
+    code, out, _ = run(capsys, "merge", tmp_path / "out.msgpack", a, b, third, "--json")
+    (merged,) = load_table(tmp_path / "out.msgpack").entries()
+    assert code == 0 and (merged.kernel, merged.config["kwargs"], merged.votes) == (
+        "candidate:matmul",
+        {"BLOCK": 64},
+        (2, 3),
+    )
+    assert len(json.loads(out)["disagreements"]) == 1
+
+
 def test_merge_into_a_folder_names_the_folder_not_a_temp_file(capsys, tmp_path):
     _recordings(tmp_path / "rec")
     code, _, err = run(capsys, "merge", tmp_path / "rec", tmp_path / "rec")
@@ -345,6 +372,29 @@ def test_validate_reports_unimportable_module_and_bad_table(capsys, tmp_path, ta
     bad = tmp_path / "bad.msgpack"
     bad.write_bytes(b"")
     assert run(capsys, "validate", bad)[0] == 2
+
+
+def test_validate_imports_a_candidate_file_by_path(capsys, tmp_path):
+    path = tmp_path / "candidate_file.py"
+    path.write_text(
+        "import triton\n"
+        "import triton.language as tl\n"
+        "@triton.autotune(configs=[triton.Config({'B': 16}, num_warps=4, num_stages=3)], key=['n'])\n"
+        "@triton.jit\n"
+        "def k(x, n, B: tl.constexpr):\n"
+        "    pass\n"
+    )
+    config = {"kwargs": {"B": 16}, "num_warps": 4, "num_stages": 3}
+    rows = [
+        Entry(arch="sm90", kernel=f"candidate_file:{k}", key="n=1 | x:f", config=config)
+        for k in ("k", "gone")
+    ]
+    table = tmp_path / "v.msgpack"
+    save_table(Table(rows), table)
+    code, out, _ = run(capsys, "validate", table, "--arch", "sm90", "--import", path)
+    assert code == 1 and "1 problem(s)" in out and "no autotuned kernel candidate_file:gone" in out
+    code, out, _ = run(capsys, "validate", table, "--arch", "sm90", "--import", tmp_path / "absent.py")
+    assert code == 1 and "cannot import module" in out and "absent.py" in out
 
 
 def _package(root: Path, name: str, init: str) -> None:

@@ -29,6 +29,7 @@ SCENARIOS = [
     "allgather_missing",
     "capture_deferred",
     "kernels_asymmetric",
+    "kernels_factory",
     "kernels_store_deterministic",
     "kernels_store_chaos",
     "kernels_allgather_deterministic",
@@ -94,6 +95,7 @@ def _scenario(job: tuple[int, Results], name: str) -> list[dict[str, Any]]:
         "asymmetric_store",
         "asymmetric_verify",
         "kernels_asymmetric",
+        "kernels_factory",
         "kernels_store_deterministic",
         "kernels_allgather_deterministic",
         "kernels_off_deterministic",
@@ -125,6 +127,22 @@ def test_verify_compares_only_shared_entries(
     if expected is None:  # the shared kernel, plus stage_0/stage_1 once two ranks run each
         expected = 1 + (2 if nproc >= 4 else 0)
     assert [row["shared"] for row in _scenario(job, name)] == [expected] * nproc
+
+
+def test_factory_kernels_in_opposite_orders_are_distinct_kernels(job: tuple[int, Results]) -> None:
+    rows = _scenario(job, "kernels_factory")
+    launched = rows[0]["launched"]
+    assert all(row["launched"] == launched for row in rows)
+    # Four kernel ids, each launching the cheapest of its own config list (BLOCK 16 or 32).
+    blocks = sorted(
+        (kernel.split(":")[1].split("@")[0], sig.split(",")[0]) for kernel, sig in launched.items()
+    )
+    assert blocks == [
+        ("_lone_shift_body", "BLOCK=16"),
+        ("_lone_shift_body", "BLOCK=32"),
+        ("_make_shift.<locals>.made_shift", "BLOCK=16"),
+        ("_make_shift.<locals>.made_shift", "BLOCK=32"),
+    ], launched
 
 
 def _named_ranks(message: str) -> set[int]:

@@ -70,8 +70,8 @@ def add_export(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--no-provenance",
         action="store_true",
-        help="a review view for pull requests: configs only, without how/hashes/versions/timing/votes/notes "
-        "(what `diff --ignore-provenance` ignores), so one config change is a few-line diff; not lossless, "
+        help="a review view for pull requests: configs and source hashes (what content matching needs), "
+        "without how/versions/timing/votes/notes, so one config change is a few-line diff; not lossless, "
         "keep the table itself as the source",
     )
     _add_max_size(p)

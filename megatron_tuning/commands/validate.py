@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import json
 import os
 import sys
@@ -88,10 +89,11 @@ def _import_kernels(modules: Sequence[str], report: ValidationReport) -> tuple[s
     for name in modules:
         try:
             with lazy_benchmarker():
-                module = importlib.import_module(name)
+                module = _import(name)
         except (Exception, SystemExit) as exc:  # a finding about the user's code, not a crash
             report.problems.append(Problem("-", "-", f"{name}:*", "-", f"cannot import module: {exc!r}"))
             continue
+        name = module.__name__
         # A package that re-exports some kernels of a submodule: scan that submodule too, so its
         # other kernels are not reported missing. Only scanned modules count as covered.
         pending = [(name, module)]
@@ -106,6 +108,19 @@ def _import_kernels(modules: Sequence[str], report: ValidationReport) -> tuple[s
                     pending.append((home, sys.modules[home]))
                 kernels[kernel_id(autotuner)] = _describe(autotuner)
     return covered, kernels
+
+
+def _import(name: str) -> Any:
+    """A module by name, or a ``.py`` file loaded under its stem (as an eval pipeline loads a
+    candidate), left out of ``sys.modules``."""
+    if not name.endswith(".py"):
+        return importlib.import_module(name)
+    spec = importlib.util.spec_from_file_location(os.path.basename(name)[:-3], name)
+    if spec is None or spec.loader is None or not os.path.isfile(name):
+        raise FileNotFoundError(f"no such file: {name}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _describe(autotuner: Any) -> _Kernel:
@@ -221,7 +236,8 @@ def add_validate(p: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="MODULE",
-        help="import MODULE and check its autotuned kernels' source hashes (repeatable)",
+        help="import MODULE (a module name, or a .py file: loaded under its file name's stem) and check "
+        "its autotuned kernels' source hashes (repeatable)",
     )
     p.add_argument("--json", action="store_true", help="machine-readable output")
 

@@ -7,6 +7,7 @@ so every process and every rank derives the same text.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import inspect
@@ -126,18 +127,31 @@ _ids_lock = threading.Lock()
 
 
 def config_list_digest(autotuner: Any) -> str:
-    """12 hex digits naming the autotuner's declared configs: order, duplicates and hooks do not
-    change it (they do not change which configs can be launched)."""
-    signatures = sorted({config_signature(c) for c in autotuner.configs})
-    return hashlib.sha256("\n".join(signatures).encode("utf-8")).hexdigest()[:DIGEST_CHARS]
+    """12 hex digits naming the autotuner's declared configs (order, duplicates and hooks do not
+    change it) and, for a function made in another function, the values it closes over."""
+    parts = sorted({config_signature(c) for c in autotuner.configs})
+    fn = _user_function(autotuner)
+    for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
+        with contextlib.suppress(ValueError):  # an unbound cell has no contents
+            parts.append(f"closure {name}={_closure_text(cell.cell_contents)}")
+    return hashlib.sha256("\n".join(parts).encode("utf-8")).hexdigest()[:DIGEST_CHARS]
+
+
+def _closure_text(value: Any) -> str:
+    """Stable text of a closed-over value: a module or function by name, else ``_render``."""
+    if isinstance(value, types.ModuleType):
+        return value.__name__
+    try:
+        fn = _user_function(value)  # a function, or a jit function or autotuner over one
+    except TypeError:
+        return _render(value)
+    return f"{fn.__module__}:{fn.__qualname__}"
 
 
 def kernel_id(autotuner: Any) -> str:
-    """The kernel's identity in tables, logs and across ranks: ``module:qualname``, or
-    ``module:qualname@<config_list_digest>`` when autotuners with different config lists wrap one
-    function (torchao HQQ has two). A pure function of the code: the autotuners counted are this
-    one and those reachable from the function's module globals. Computed once per autotuner.
-    """
+    """The kernel's identity in tables, logs and across ranks: ``module:qualname`` for the autotuner
+    its function's module holds, else ``module:qualname@<config_list_digest>`` (docs/choosing.md).
+    A pure function of the code, computed once per autotuner."""
     try:
         cached = _ids.get(autotuner)
     except TypeError:  # not weak-referenceable (a test double): compute every time
@@ -166,9 +180,11 @@ def _compute_kernel_id(wrapper: Any) -> str:
     autotuner = _autotuner_in(wrapper)
     if autotuner is None:  # a bare @triton.jit (or heuristics) function: nothing to tell apart
         return base
-    mine = config_list_digest(autotuner)
-    others = {config_list_digest(o) for o in _module_autotuners_over(_user_function(autotuner))}
-    return base if others <= {mine} else f"{base}{_DIGEST_SEP}{mine}"
+    fn, mine = _user_function(autotuner), config_list_digest(autotuner)
+    # Plain only for what the function's own module holds (alone, or with others of its config
+    # list): an autotuner built anywhere else, or over a function made by a factory, is told apart.
+    home = {config_list_digest(o) for o in _module_autotuners_over(fn)}
+    return base if home == {mine} and "<locals>" not in fn.__qualname__ else f"{base}{_DIGEST_SEP}{mine}"
 
 
 def _autotuner_in(wrapper: Any) -> Any:
@@ -184,13 +200,19 @@ def _autotuner_in(wrapper: Any) -> Any:
 
 
 def _module_autotuners_over(fn: Any) -> list[Any]:
-    """Triton autotuners over ``fn`` among the globals of ``fn``'s module (through ``.fn`` wrappers)."""
+    """Triton autotuners over ``fn`` among the globals of ``fn``'s module and at its qualname (a
+    class attribute), through ``.fn`` wrappers."""
     autotuner_type = getattr(sys.modules.get("triton.runtime.autotuner"), "Autotuner", None)
     scope = getattr(fn, "__globals__", None)
     if autotuner_type is None or not isinstance(scope, dict):
         return []
+    head, *path = fn.__qualname__.split(".")
+    holder = scope.get(head)
+    for part in path:
+        attributes = getattr(holder, "__dict__", None)  # the class's own, never a __getattr__
+        holder = attributes.get(part) if isinstance(attributes, Mapping) else None
     found: list[Any] = []
-    for obj in list(scope.values()):
+    for obj in [*scope.values(), holder]:
         try:
             for _ in range(_MAX_WRAPPERS):
                 if obj is None or isinstance(obj, (types.ModuleType, type)):

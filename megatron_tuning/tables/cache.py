@@ -4,7 +4,8 @@ The cache is an ordinary table file, per user and GPU arch (``<user cache dir>/m
 <arch>/auto.msgpack``, or ``MEGATRON_TUNING_CACHE`` / the policy's ``cache``). Reference: docs/cache.md.
 
 * **First persisted wins**: a fresh entry in the file (the running source hash and Triton version)
-  is never replaced, so overlapping jobs converge on one config per key.
+  is never replaced, also by one of the same source under another module name, so overlapping jobs
+  converge on one config per key.
 * **Bounded**: a persist that writes evicts stale entries, then, past the entry cap or
   ``max_cache_bytes()``, the entries persisted longest ago (row order is entry order: no clock).
 * **Cheap enough to call often**: nothing pending, no I/O; every pending key already in the file,
@@ -31,7 +32,7 @@ from ..core.errors import TableError
 from ..core.policy import CACHE_OFF, ENV_CACHE, ENV_CACHE_MAX_ENTRIES, TuningPolicy, read_knob
 from . import files
 from .entry import Entry, entry_with, same_config
-from .merge import entry_from_decision
+from .merge import content_ident, entry_from_decision
 from .search import installed_triton_version
 from .table import Table, library_version, table_from_data
 
@@ -320,10 +321,13 @@ def _merge(base: Table, pending: list[Entry], hashes: _Hashes, version: str | No
             ]
     for entry, _ in plan.stale:
         table.remove(*entry.ident)
+    # One kernel by content under another module name (an eval pipeline's loads) holds the key too.
+    twins = {content_ident(entry): entry for entry in table.values()}
     for entry in pending:
-        old = table.get(*entry.ident)
+        old = table.get(*entry.ident) or twins.get(content_ident(entry))
         if old is None:
             table.add(entry)
+            twins[content_ident(entry)] = entry
             plan.added.append(entry)
         elif not same_config(old.config, entry.config):
             plan.kept.append((old, entry))

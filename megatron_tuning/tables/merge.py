@@ -23,7 +23,7 @@ import msgpack
 from ..core.decisions import Decision, get_decisions
 from ..core.errors import TableError
 from ..core.fallback import estimate_config_cost
-from ..core.identity import config_signature, current_rank
+from ..core.identity import config_signature, content_name, current_rank
 from .entry import same_config
 from .files import LOCK_TIMEOUT_S, locked, read_json_file, write_atomic
 from .search import expand_table_paths, installed_triton_version
@@ -34,7 +34,8 @@ logger = logging.getLogger(__name__)
 DECISIONS_FORMAT = "megatron_tuning.decisions"
 RECORDING_PREFIX = "recording-rank"
 _HOW = {"recorded": "recorded", "tuned": "tuned", "adopted": "tuned"}
-_PROVENANCE = ("how", "source_hash", "triton_version", "timing", "votes", "note")
+# What ``diff --ignore-provenance`` skips; ``kernel``: the module name of a content match.
+_PROVENANCE = ("kernel", "how", "source_hash", "triton_version", "timing", "votes", "note")
 
 
 # --------------------------------------------------------------------------- decision logs
@@ -98,6 +99,14 @@ def _row_problem(row: Any) -> str | None:
 
 
 # --------------------------------------------------------------------------- entries from decisions
+
+
+def content_ident(entry: Entry) -> tuple[str | None, ...]:
+    """What makes entries under different module names one (kernel, key): the id without its module
+    and the same source hash. An entry without a source hash is only its own ident."""
+    if entry.source_hash is None:
+        return entry.ident
+    return (entry.arch, content_name(entry.kernel), entry.key, entry.source_hash)
 
 
 def entry_from_decision(decision: Decision, *, triton_version: str | None = None) -> Entry | None:
@@ -267,12 +276,16 @@ _RULES = ("majority", "tie: lowest median time", "tie: lowest static cost", "tie
 
 
 def merge_tables(inputs: Sequence[tuple[str, Table]]) -> MergeResult:
-    """One vote per input (name, table) for each (arch, kernel, key); see the module docstring."""
+    """One vote per input (name, table) for each (arch, kernel, key); see the module docstring.
+    Entries of one source under several module names vote as one kernel, kept under the first name."""
+    names: dict[tuple[str | None, ...], str] = {}
+    for entry in (entry for _, table in inputs for entry in table.values()):
+        names[content_ident(entry)] = min(names.get(content_ident(entry), entry.kernel), entry.kernel)
     ballots: dict[tuple[str, str, str], dict[str, list[tuple[str, Entry]]]] = {}
     for name, table in inputs:
         for entry in table.values():
-            voters = ballots.setdefault(entry.ident, {}).setdefault(config_signature(entry.config), [])
-            voters.append((name, entry))
+            ident = (entry.arch, names[content_ident(entry)], entry.key)
+            ballots.setdefault(ident, {}).setdefault(config_signature(entry.config), []).append((name, entry))
     result = MergeResult(table=Table(meta={"kind": "merged"}), inputs=[name for name, _ in inputs])
     for ident in sorted(ballots):
         by_signature = ballots[ident]
@@ -282,7 +295,9 @@ def merge_tables(inputs: Sequence[tuple[str, Table]]) -> MergeResult:
         # The entry whose provenance is kept: the fastest measurement, then a content order, never
         # the input order (merging the same inputs in any order gives the same bytes).
         kept = min(winner, key=_provenance_order)[1]
-        result.table.add(entry_with(kept, votes=(len(winner), sum(len(v.inputs) for v in votes))))
+        result.table.add(
+            entry_with(kept, kernel=ident[1], votes=(len(winner), sum(len(v.inputs) for v in votes)))
+        )
         if len(votes) > 1:
             first, second = ranked[0][0], ranked[1][0]
             rule = _RULES[next(i for i, (a, b) in enumerate(zip(first, second)) if a != b)]
@@ -355,16 +370,18 @@ def diff_tables(a: Table, b: Table, *, ignore_provenance: bool = False) -> dict[
 
     A changed entry lists each differing field as ``[old, new]``, ``config`` by signature (or by
     data when the signatures match). Header fields describe the file, not what runs: not compared.
+    An entry of the same source under another module name is the same kernel: its ``kernel`` changed.
     """
 
     def brief(entry: Entry) -> dict[str, str]:
         return {"arch": entry.arch, "kernel": entry.kernel, "key": entry.key}
 
-    removed = [dict(brief(e), config=config_signature(e.config)) for e in a.entries() if e.ident not in b]
-    added = [dict(brief(e), config=config_signature(e.config)) for e in b.entries() if e.ident not in a]
+    only_b = {content_ident(e): e for e in b.entries() if e.ident not in a}
+    pairs = [(old, b.get(*old.ident) or only_b.pop(content_ident(old), None)) for old in a.entries()]
+    removed = [dict(brief(old), config=config_signature(old.config)) for old, new in pairs if new is None]
+    added = [dict(brief(e), config=config_signature(e.config)) for e in only_b.values()]
     changed = []
-    for old in a.entries():
-        new = b.get(*old.ident)
+    for old, new in pairs:
         if new is None or new == old:
             continue
         fields: dict[str, list[Any]] = {}
@@ -382,10 +399,14 @@ def diff_tables(a: Table, b: Table, *, ignore_provenance: bool = False) -> dict[
 
 
 def review_view(table: Table) -> Table:
-    """The table without provenance (how, hashes, versions, timing, votes, note): configs only.
+    """The table without how, versions, timing, votes and note: configs and source hashes only.
 
     What ``export --no-provenance`` writes for a pull request, where a re-tune would otherwise show
-    every timing and vote that moved. A view for review, not a replacement table.
+    every timing and vote that moved. The source hash stays: a content match under another module
+    name needs it, and it changes only with the kernel's code.
     """
-    entries = [Entry(arch=e.arch, kernel=e.kernel, key=e.key, config=e.config) for e in table.entries()]
+    entries = [
+        Entry(arch=e.arch, kernel=e.kernel, key=e.key, config=e.config, source_hash=e.source_hash)
+        for e in table.entries()
+    ]
     return Table(entries, library_version=table.library_version, meta=table.meta)

@@ -6,6 +6,7 @@ import importlib.util
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import triton
 
@@ -111,3 +112,49 @@ def test_the_rule_is_a_function_of_the_code_not_of_the_module_name(tmp_path: Pat
     assert [content_name(k) for k in ids_a] == [content_name(k) for k in ids_b]
     assert [split_kernel_id(k)[0] for k in ids_b] == ["candidate_ident"] * 2
     assert kernel_source_hash(a.first) == kernel_source_hash(b.second)  # type: ignore[attr-defined]
+
+
+_FACTORY_FILE = """
+import triton
+import triton.language as tl
+
+CONFIGS = [triton.Config({"BLOCK": b}) for b in (8, 16, 32, 64)]
+
+
+def make(configs, offset):
+    @triton.autotune(configs=configs, key=["n"])
+    @triton.jit
+    def kernel(x_ptr, n, BLOCK: tl.constexpr):
+        offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(x_ptr + offsets, tl.load(x_ptr + offsets, mask=offsets < n) + offset, mask=offsets < n)
+
+    return kernel
+
+
+small, large, shifted = make(CONFIGS[:2], 1), make(CONFIGS[2:], 1), make(CONFIGS[:2], 2)
+
+
+@triton.jit
+def body(x_ptr, n, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(x_ptr + offsets, tl.load(x_ptr + offsets, mask=offsets < n) + 1, mask=offsets < n)
+
+
+def build(configs):
+    return triton.autotune(configs=configs, key=["n"])(body)
+"""
+
+
+def test_factory_kernels_and_autotuners_built_anywhere_get_distinct_stable_ids(tmp_path: Path):
+    path = tmp_path / "factory.py"
+    path.write_text(textwrap.dedent(_FACTORY_FILE))
+    a, b = _load(path, "factory_a"), _load(path, "factory_b")
+
+    def ids(module: Any) -> list[str]:
+        with lazy_benchmarker():
+            built = [module.build(module.CONFIGS[:2]), module.build(module.CONFIGS[2:])]
+        return [kernel_id(k) for k in (module.small, module.large, module.shifted, *built)]
+
+    ids_a, ids_b = ids(a), ids(b)
+    assert len(set(ids_a)) == 5, ids_a  # configs, closed-over values and build sites tell them apart
+    assert [content_name(k) for k in ids_a] == [content_name(k) for k in ids_b]  # stable across loads

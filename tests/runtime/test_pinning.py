@@ -213,6 +213,21 @@ def test_the_same_file_under_another_module_name_hits_by_content_and_says_so(tun
     assert load_table(table).entries()[0].kernel == "mykernels:add_two"  # nothing written back
 
 
+def test_a_no_provenance_review_view_round_trip_still_pins_under_a_third_module_name(tuned_as_mykernels):
+    from megatron_tuning import commands as cli
+
+    source, table = tuned_as_mykernels
+    view, committed = table.with_name("review.json"), table.with_name("committed.msgpack")
+    assert cli.main(["export", str(table), str(view), "--no-provenance"]) == 0
+    assert cli.main(["import", str(view), str(committed)]) == 0
+    third = _load(source, "third_name")
+    policy = TuningPolicy(mode="deterministic", on_miss="error")
+    interception.install(policy, table=TableSet([committed]))
+    assert _run_add_two(third, 40) == 32  # the source hash survived review: a content match
+    (decision,) = get_decisions()
+    assert (decision.matched_by, decision.entry_kernel) == ("content", "mykernels:add_two")
+
+
 def test_a_different_source_under_the_same_qualname_does_not_hit(tuned_as_mykernels, tmp_path):
     _, table = tuned_as_mykernels
     edited = tmp_path / "edited_kernel_file.py"

@@ -504,3 +504,65 @@ def test_the_listener_persists_what_this_rank_measured_at_once_and_leaves_plain_
     cache.on_decision(decision("n=3 | x:f", source="adopted", origin="rank 1"))  # never measured here
     cache.on_decision(decision("n=4 | x:f", source="cheapest", timings={"median_ms": 1.0}))
     assert sorted(blocks(cache.path)) == ["n=1 | x:f", "n=2 | x:f"]
+
+
+_COLD_RUN = textwrap.dedent(
+    """
+    import importlib.util, os, sys, time
+    import torch, triton, megatron_tuning
+
+    source, name, marker = sys.argv[1:4]
+    megatron_tuning.init_deterministic_tuning()  # auto: reads the cache now, empty for both runs
+    spec = importlib.util.spec_from_file_location(name, source)  # as eval pipelines load candidates
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    open(f"{marker}.{name}", "w").close()
+    while not all(os.path.exists(f"{marker}.{other}") for other in ("cand_a", "cand_b")):
+        time.sleep(0.01)
+    for n in (40, 100):
+        x = torch.zeros(n)
+        module.add_one[lambda meta: (triton.cdiv(n, meta["BLOCK"]),)](x, torch.empty(n), n)
+    """
+)
+_ADD_ONE_FILE = """
+import triton
+import triton.language as tl
+
+
+@triton.autotune(configs=[triton.Config({"BLOCK": b}) for b in (8, 16, 32, 64)], key=["n"])
+@triton.jit
+def add_one(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + offsets, tl.load(x_ptr + offsets, mask=offsets < n) + 1, mask=offsets < n)
+"""
+
+
+def test_concurrent_cold_runs_of_one_file_under_two_module_names_keep_one_entry_per_key(tmp_path):
+    from pathlib import Path
+
+    path, source, marker = tmp_path / "auto.msgpack", tmp_path / "kernel_file.py", str(tmp_path / "ready")
+    source.write_text(_ADD_ONE_FILE)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRON_TUNING_")}
+    env.update(
+        PYTHONPATH=str(Path(__file__).resolve().parents[2]),
+        TRITON_INTERPRET="1",
+        MEGATRON_TUNING_MODE="auto",
+        MEGATRON_TUNING_CACHE=str(path),
+        MEGATRON_TUNING_TUNE_ROUNDS="1",
+    )
+    runs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _COLD_RUN, str(source), name, marker],
+            cwd=tmp_path,
+            env=env,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name in ("cand_a", "cand_b")
+    ]
+    errors = [run.communicate(timeout=240)[1] for run in runs]
+    assert [run.returncode for run in runs] == [0, 0], errors
+    # Both tuned both keys; one kernel by content, so the first persisted entry per key wins.
+    entries = load_table(path).entries()
+    assert sorted(e.key.split(" |")[0] for e in entries) == ["n=100", "n=40"], entries
+    assert {e.kernel.split(":")[1] for e in entries} == {"add_one"}

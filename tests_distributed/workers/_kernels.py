@@ -46,6 +46,35 @@ shift_small = triton.autotune(configs=_CONFIGS[:2], key=["n"])(_shift_body)  # c
 shift_large = triton.autotune(configs=_CONFIGS[1:], key=["n"])(_shift_body)  # cheapest: BLOCK 32
 
 
+def _make_shift(configs: list[triton.Config]) -> object:
+    """A kernel factory: one code location, one autotuner (with its own config list) per call."""
+
+    @triton.autotune(configs=configs, key=["n"])
+    @triton.jit
+    def made_shift(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(axis=0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=mask) + 3.0, mask=mask)
+
+    return made_shift
+
+
+@triton.jit
+def _lone_shift_body(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(axis=0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=mask) + 3.0, mask=mask)
+
+
+# Factory-made kernels, and two autotuners over one jit function that its module holds none of.
+MADE = {
+    "made_small": _make_shift(_CONFIGS[:2]),
+    "made_large": _make_shift(_CONFIGS[1:]),
+    "built_small": triton.autotune(configs=_CONFIGS[:2], key=["n"])(_lone_shift_body),
+    "built_large": triton.autotune(configs=_CONFIGS[1:], key=["n"])(_lone_shift_body),
+}
+
+
 def launch(name: str, x: torch.Tensor, y: torch.Tensor) -> None:
     """``y = x + 1`` ("add"), ``y = 2 x`` ("scale") or ``y = x + 3`` ("shift_*"), unchecked."""
     n = x.numel()
@@ -54,6 +83,7 @@ def launch(name: str, x: torch.Tensor, y: torch.Tensor) -> None:
         "scale": scale_kernel,
         "shift_small": shift_small,
         "shift_large": shift_large,
+        **MADE,
     }
     kernels[name][lambda meta: (triton.cdiv(n, meta["BLOCK"]),)](x, y, n)
 

@@ -427,6 +427,31 @@ def kernels_asymmetric(result: dict[str, Any]) -> None:
         handle.close()
 
 
+def kernels_factory(result: dict[str, Any]) -> None:
+    """Factory-made kernels and autotuners built over one jit function, in opposite orders per rank."""
+    import megatron_tuning
+
+    policy = TuningPolicy(
+        mode="deterministic",
+        scope=("_kernels",),
+        agreement="store",
+        agreement_timeout_s=30.0,
+        use_shipped_tables=False,
+    )
+    handle = megatron_tuning.init_deterministic_tuning(policy)
+    import _kernels
+
+    try:
+        names = sorted(_kernels.MADE)
+        for name in names if RANK % 2 else reversed(names):
+            _guarded(result, lambda k=name: _kernels.run(k, 64, DEVICE))
+        dist.barrier()
+        result["shared"] = verify.verify_agreement()
+        result["launched"] = {d.kernel: d.signature for d in decision_log().decisions()}
+    finally:
+        handle.close()
+
+
 def _cuda_graph_run(result: dict[str, Any], mode: str) -> None:
     """A kernel's first use inside a real CUDA graph capture: checked after it, never during."""
     import torch
@@ -480,6 +505,7 @@ SCENARIOS: dict[str, Callable[[dict[str, Any]], None]] = {
     "allgather_missing": allgather_missing,
     "capture_deferred": capture_deferred,
     "kernels_asymmetric": kernels_asymmetric,
+    "kernels_factory": kernels_factory,
     "session_extra_other_policy": session_extra_other_policy,
     "session_extra_same_policy": session_extra_same_policy,
     "session_extra_allgather": session_extra_allgather,
