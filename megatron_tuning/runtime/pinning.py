@@ -22,7 +22,15 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ..core.chaos import ChaosCoordinator, choose_chaos
-from ..core.choice import Choice, ConfigTable, choose_deterministically, choose_on_miss, pin_without_fallback
+from ..core.choice import (
+    Choice,
+    ConfigTable,
+    Miss,
+    choose_deterministically,
+    choose_on_miss,
+    pin_without_fallback,
+    warn_if_nondeterministic,
+)
 from ..core.decisions import Decision, decision_log
 from ..core.errors import ConsensusError
 from ..core.identity import (
@@ -116,6 +124,10 @@ before_decision: list[Callable[[Installation], Installation]] = []
 """Called at each new (kernel, key) decision, never on a launch of a decided key; may return a
 replacement installation, which becomes the active one. The session registers one while it waits
 for a process group created after it started (``session._LateAttach``)."""
+after_decision: list[Callable[[Any, list[Any], Any, str, str, Choice], None]] = []
+"""Called at each new (kernel, key) decision before its first launch, with the autotuner, the live
+candidates, the call ``(args, kwargs)`` (``None`` where nothing may launch), kernel, key and choice:
+the ``audit`` command's hook (``commands.tune``)."""
 _active_lock = threading.Lock()
 _ANY: Any = object()
 
@@ -203,13 +215,8 @@ def state_for(autotuner: Any, installation: Installation) -> AutotunerState:
 
 
 def raw_key(state: AutotunerState, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
-    """The decision key: the parts of ``tuning_key`` by argument name, without building text.
-
-    The ``key=`` values present, each with its name and type (so ``True``/``1``/``1.0`` stay
-    distinct keys, as in ``tuning_key``), then ``(name, dtype)`` of every named argument that has
-    a dtype, in parameter order. Positional and keyword passing give the same key; keywords that
-    are not kernel arguments (``grid``, ``warmup``) play no part.
-    """
+    """The decision key: the parts of ``tuning_key`` by argument name (each ``key=`` value with its
+    type, so ``True``/``1``/``1.0`` differ; then each argument's dtype), without building text."""
     named = dict(zip(state.arg_names, args))
     named.update((name, value) for name, value in kwargs.items() if name in state.arg_names)
     values = tuple((name, named[name].__class__, named[name]) for name, _ in state.key_index if name in named)
@@ -247,25 +254,30 @@ def decide(
             if new is not installation:
                 set_active(new, replacing=installation)
                 installation = new
-        capturing = is_capturing()
+        capturing, live = is_capturing(), candidates()
         key = tuning_key(autotuner, args, kwargs)
         arch = installation.arch  # the launching device's, once per decision
+        launchable = may_measure and not capturing
+        call = (args, kwargs)
         choice, timings = _choose(
             autotuner,
             state,
             installation,
             key,
-            candidates(),
-            (args, kwargs),
+            live,
+            call,
             arch,
-            may_measure=may_measure and not capturing,
-            capturing=capturing,
-            defer=defer,
-            measure=measure or installation.measure,
+            launchable,
+            capturing,
+            defer,
+            measure or installation.measure,
         )
         if state.source_hash is None:
             state.source_hash = kernel_source_hash(autotuner)
         log(state, key, choice, arch, timings)  # listeners (agreement) may raise: nothing is pinned
+        warn_if_nondeterministic(state.kernel, key, choice)
+        for after in tuple(after_decision):
+            after(autotuner, live, call if launchable else None, state.kernel, key, choice)
         state.pins[raw] = choice.config
         return choice.config
 
@@ -287,6 +299,7 @@ def log(state: AutotunerState, key: str, choice: Choice, arch: str, timings: dic
         matched_by=choice.matched_by,
         entry_kernel=choice.entry_kernel,
         chaos=choice.chaos,
+        deterministic=None if choice.numerics is None else choice.numerics.deterministic,
     )
     logger.info(
         "kernel %s key %s -> %s (%s%s%s%s)",
@@ -309,7 +322,6 @@ def _choose(
     candidates: list[Any],
     call: tuple[tuple[Any, ...], dict[str, Any]],
     arch: str,
-    *,
     may_measure: bool,
     capturing: bool,
     defer: bool,
@@ -382,6 +394,9 @@ def auto_choice(
     ``None``: this process alone. Where nothing can be measured the policy's miss rule applies.
     """
     pinned = pin_without_fallback(autotuner, candidates, key, table=table, block_sizes=policy.block_sizes)
+    numerics = getattr(pinned, "numerics", None)
+    if policy.numerics == "deterministic-only" and numerics is not None and not numerics.deterministic:
+        pinned = Miss("the table marks its config non-deterministic on its own")  # re-tuned
     if isinstance(pinned, Choice):
         return _proposed(pinned, candidates, kernel, key, arch, consensus), None
     if consensus is not None:
