@@ -41,6 +41,7 @@ from ..core.policy import (
     ENV_TUNE_ROUNDS,
     ENV_TUNE_TIE_BAND,
     KNOBS,
+    NUMERICS,
     read_knob,
 )
 from ..core.warn import printable
@@ -75,7 +76,9 @@ def add_tune(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", metavar="DIR", help="also draw one PNG per (kernel, key) here")
     parser.add_argument("--tie-band", type=float, help=_knob_help(ENV_TUNE_TIE_BAND))
     parser.add_argument("--rounds", type=int, help=_knob_help(ENV_TUNE_ROUNDS))
-    parser.add_argument("--numerics", help=_knob_help(ENV_NUMERICS) + "; same-class keeps --out's classes")
+    parser.add_argument(
+        "--numerics", choices=NUMERICS, help=_knob_help(ENV_NUMERICS) + "; keeps --out's classes"
+    )
     parser.add_argument(
         "--work-dir",
         help="keep per-process results in a new subfolder of this folder for each job (a new or empty "
@@ -186,9 +189,10 @@ def _run_job(
     env = job_environment(write_bootstrap(work / "bootstrap", "tune"), "tune")
     env.update({ENV_MODE: "tune", ENV_TUNE_DIR: str(results), ENV_RECORD_DIR: str(work / "recordings")})
     env.update({ENV_TUNE_ROUNDS: str(settings.rounds), ENV_TUNE_TIE_BAND: repr(settings.tie_band)})
-    if args.numerics:  # --out's entries are the bits to keep: searched first
+    if args.numerics:  # --out's entries (if any) are the bits to keep: searched first
+        keep = args.out if os.path.exists(args.out) else None
         env.update(
-            {ENV_NUMERICS: args.numerics, ENV_TABLE: ":".join(filter(None, (args.out, env.get(ENV_TABLE))))}
+            {ENV_NUMERICS: args.numerics, ENV_TABLE: ":".join(filter(None, (keep, env.get(ENV_TABLE))))}
         )
     argv = job_argv(command)
     print(f"tune: running {' '.join(argv)} (per-process results in {results})", file=sys.stderr)
