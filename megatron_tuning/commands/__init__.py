@@ -31,7 +31,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "coverage": ("validate", "per kernel and key: table hit / fallback / out of scope, per rank"),
     "validate": ("validate", "check tables against this machine, Triton and kernel sources"),
     "tune": ("tune", "noise-aware tuning of a job's kernels on a GPU, writing a table"),
-    "audit": ("tune", "which configs of a job's kernels give bit-identical outputs (numerics classes)"),
+    "audit": ("launch", "which configs of a job's kernels give bit-identical outputs (numerics classes)"),
     "report": ("tune", "report on a tuning run (timings, noise, plots)"),
     "run": ("launch", "run a command with its autotuned kernels pinned, without editing it"),
     "enable": ("launch", "pin every process of this Python environment that sets MEGATRON_TUNING_MODE"),

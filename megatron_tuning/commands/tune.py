@@ -51,7 +51,7 @@ from ..tables.table import merge_entries
 from ..tuning.stats import TuneSettings
 from . import EXIT_USAGE
 from .bootstrap import job_environment, write_bootstrap
-from .launch import add_job_argument, command_problem, job_argv, job_command, run_job, validated_policy
+from .launch import add_job_argument, command_problem, job_argv, job_command, run_job
 
 PROCESS_PREFIX = "tuned-"
 """Per-process results of a tune job are ``tuned-<host>-<pid>.json`` decision logs."""
@@ -243,7 +243,7 @@ def activate() -> None:
 
         def record(entry: dict[str, Any]) -> None:
             entries.append({**entry, "arch": arch_tag(), "rank": current_rank()})
-            write_atomic(Path(audits) / f"{AUDIT_PREFIX}{name}", json.dumps(entries).encode())
+            write_atomic(Path(audits) / f"audited-{name}", json.dumps(entries).encode())
 
         after_decision.append(make_audit_hook(record, read_knob(ENV_AUDIT_RUNS)))
         return
@@ -255,62 +255,6 @@ def activate() -> None:
             write_decisions(path, [d for d in get_decisions() if d.source == "tuned"])
 
     decision_log().add_listener(write)
-
-
-# --------------------------------------------------------------------------- audit
-
-AUDIT_PREFIX = "audited-"
-
-
-def add_audit(parser: argparse.ArgumentParser) -> None:
-    parser.description = (
-        "Run a job unedited, pinned as `run` pins it. At each (kernel, key) it reaches, launch every live "
-        "config --runs times on the job's own inputs (restored between launches) and report which configs "
-        "give bit-identical outputs (numerics classes) and which differ from run to run on their own. The "
-        "job's results are those of its pinned configs. docs/numerics.md"
-    )
-    parser.add_argument("--runs", type=int, help=_knob_help(ENV_AUDIT_RUNS))
-    parser.add_argument("--out", default="audit.json", help="the JSON report (default audit.json)")
-    parser.add_argument("--table", help="pin from this table first, and record the audit in its entries")
-    add_job_argument(
-        parser, "the job to run after `--`: script.py [args], -m mod, python -m mod, torchrun ..."
-    )
-
-
-def run_audit(args: argparse.Namespace) -> int:
-    from ..tuning.audit import audit_table, record_numerics
-
-    command = job_command(args, "audit", "audit --out audit.json -- train.py --steps 3")
-    if command is None:
-        return EXIT_USAGE
-    runs = (
-        read_knob(ENV_AUDIT_RUNS)
-        if args.runs is None
-        else KNOBS[ENV_AUDIT_RUNS].parse("--runs", str(args.runs))
-    )
-    updates = {ENV_MODE: "deterministic", ENV_AUDIT_RUNS: str(runs)}
-    if args.table:
-        updates[ENV_TABLE] = ":".join(filter(None, (args.table, os.environ.get(ENV_TABLE))))
-    validated_policy(updates)  # a bad value or table fails now, not in every process of the job
-    problem = output_file_problem(args.out) or command_problem(job_argv(command), os.environ)
-    if problem:
-        print(f"audit: {problem if isinstance(problem, str) else problem[1]}", file=sys.stderr)
-        return EXIT_USAGE if isinstance(problem, str) else problem[0]
-    work = Path(tempfile.mkdtemp(prefix="megatron_tuning_audit_"))
-    try:
-        env = job_environment(write_bootstrap(work / "bootstrap", "audit"), "audit")
-        env.update(updates, **{ENV_AUDIT_DIR: str(work)})
-        returncode = run_job(job_argv(command), env, prog="audit")
-        entries = [e for f in sorted(work.glob(f"{AUDIT_PREFIX}*.json")) for e in json.loads(f.read_text())]
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    report = {"format": "megatron_tuning.audit/1", "runs": runs, "command": command, "entries": entries}
-    write_atomic(args.out, json.dumps(report, indent=1, sort_keys=True).encode())
-    print(audit_table(entries))
-    if args.table and entries:
-        print(f"audit: numerics recorded in {record_numerics(args.table, entries)} entries of {args.table}")
-    print(f"audit: {len(entries)} (kernel, key) audited; report in {args.out}")
-    return returncode or (0 if entries else 1)
 
 
 # --------------------------------------------------------------------------- report

@@ -125,34 +125,19 @@ class StaleEntryError(MegatronTuningError, RuntimeError):
 
 
 class NumericsError(MegatronTuningError, RuntimeError):
-    """``numerics`` policy: no live config of (kernel, key) may be picked; ``classes``: signatures
+    """``numerics`` policy: no live config of (kernel, key) qualifies; ``classes``: signatures
     grouped by bit-identical outputs on the call's inputs."""
 
     def __init__(
-        self,
-        kernel: str,
-        key: str,
-        numerics: str,
-        reason: str,
-        classes: Sequence[Sequence[str]],
-        nondet: Sequence[str],
+        self, kernel: str, key: str, numerics: str, reason: str, classes: Sequence[Sequence[str]]
     ) -> None:
-        self.kernel, self.key, self.numerics, self.reason = kernel, key, numerics, reason
-        self.classes, self.nondeterministic = [list(c) for c in classes], list(nondet)
-        listing = "".join(
-            f"\n  class {n}: " + "; ".join(s + " (self-non-deterministic)" * (s in nondet) for s in members)
-            for n, members in enumerate(self.classes, 1)
-        )
+        self.kernel, self.key, self.numerics, self.classes = kernel, key, numerics, [list(c) for c in classes]
+        listing = "".join(f"\n  class {n}: " + "; ".join(c) for n, c in enumerate(self.classes, 1))
         self._init(
             f"No live config of kernel {kernel} key {key} qualifies under numerics={numerics!r}: {reason}. "
             f"Numerics classes on this call's inputs:{listing or ' (none launched)'}\nSet "
             "MEGATRON_TUNING_NUMERICS=any to allow a change of output bits (docs/numerics.md).",
-            kernel,
-            key,
-            numerics,
-            reason,
-            self.classes,
-            self.nondeterministic,
+            *(kernel, key, numerics, reason, self.classes),
         )
 
 

@@ -1,8 +1,7 @@
 """Decisions: which config an in-scope kernel launches for a key, in every mode, once per process.
 
-Holds the active ``Installation`` and each autotuner's ``AutotunerState`` (its decisions by key).
-Both adapters decide here, ``interception`` (eager) and ``inductor`` (compiled), so one key has one
-decision, log entry and agreement check. The adapters hand in the live (pruned) candidates.
+Holds the active ``Installation`` and each autotuner's ``AutotunerState``. Both adapters,
+``interception`` (eager) and ``inductor`` (compiled), decide here on the live (pruned) candidates.
 
 ``auto`` mode (``auto_choice``): a table entry pins the key as in ``deterministic``; else a
 decision another rank of the job published is adopted; else this rank tunes once and publishes
@@ -21,16 +20,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from ..core import choice as rules
 from ..core.chaos import ChaosCoordinator, choose_chaos
-from ..core.choice import (
-    Choice,
-    ConfigTable,
-    Miss,
-    choose_deterministically,
-    choose_on_miss,
-    pin_without_fallback,
-    warn_if_nondeterministic,
-)
+from ..core.choice import Choice, ConfigTable, choose_deterministically, choose_on_miss, pin_without_fallback
 from ..core.decisions import Decision, decision_log
 from ..core.errors import ConsensusError
 from ..core.identity import (
@@ -48,14 +40,12 @@ from ..core.warn import warn_once
 
 logger = logging.getLogger("megatron_tuning.runtime.interception")
 
-# measure(autotuner, candidates, args, kwargs, kernel, key) -> (config, timings)
 Measure = Callable[[Any, list[Any], tuple[Any, ...], dict[str, Any], str, str], tuple[Any, dict[str, Any]]]
 
 STATE_ATTR = "_megatron_tuning_state"
 PINNED_ATTR = "_megatron_tuning_pinned_config"
 """Set on the one-config copies compiled code launches (``inductor``): the config, decided already."""
-SERVES_ATTR = "_megatron_tuning_serves"
-"""Set on every instance ``run`` the interception generates: the installation it serves."""
+SERVES_ATTR = "_megatron_tuning_serves"  # on every ``run`` the interception generates: its installation
 
 
 class PublishedDecision(Protocol):
@@ -125,9 +115,8 @@ before_decision: list[Callable[[Installation], Installation]] = []
 replacement installation, which becomes the active one. The session registers one while it waits
 for a process group created after it started (``session._LateAttach``)."""
 after_decision: list[Callable[[Any, list[Any], Any, str, str, Choice], None]] = []
-"""Called at each new (kernel, key) decision before its first launch, with the autotuner, the live
-candidates, the call ``(args, kwargs)`` (``None`` where nothing may launch), kernel, key and choice:
-the ``audit`` command's hook (``commands.tune``)."""
+"""At each new decision, before its first launch: (autotuner, live candidates, ``(args, kwargs)`` or
+``None`` where nothing may launch, kernel, key, choice). The ``audit`` command's hook."""
 _active_lock = threading.Lock()
 _ANY: Any = object()
 
@@ -257,8 +246,7 @@ def decide(
         capturing, live = is_capturing(), candidates()
         key = tuning_key(autotuner, args, kwargs)
         arch = installation.arch  # the launching device's, once per decision
-        launchable = may_measure and not capturing
-        call = (args, kwargs)
+        launchable, call = may_measure and not capturing, (args, kwargs)
         choice, timings = _choose(
             autotuner,
             state,
@@ -267,15 +255,14 @@ def decide(
             live,
             call,
             arch,
-            launchable,
-            capturing,
-            defer,
-            measure or installation.measure,
+            may_measure=launchable,
+            capturing=capturing,
+            defer=defer,
+            measure=measure or installation.measure,
         )
         if state.source_hash is None:
             state.source_hash = kernel_source_hash(autotuner)
         log(state, key, choice, arch, timings)  # listeners (agreement) may raise: nothing is pinned
-        warn_if_nondeterministic(state.kernel, key, choice)
         for after in tuple(after_decision):
             after(autotuner, live, call if launchable else None, state.kernel, key, choice)
         state.pins[raw] = choice.config
@@ -301,6 +288,7 @@ def log(state: AutotunerState, key: str, choice: Choice, arch: str, timings: dic
         chaos=choice.chaos,
         deterministic=None if choice.numerics is None else choice.numerics.deterministic,
     )
+    rules.warn_if_nondeterministic(state.kernel, key, choice)
     logger.info(
         "kernel %s key %s -> %s (%s%s%s%s)",
         state.kernel,
@@ -322,6 +310,7 @@ def _choose(
     candidates: list[Any],
     call: tuple[tuple[Any, ...], dict[str, Any]],
     arch: str,
+    *,
     may_measure: bool,
     capturing: bool,
     defer: bool,
@@ -389,14 +378,12 @@ def auto_choice(
     may_measure: bool = True,
     defer: bool = False,
 ) -> tuple[Choice, dict[str, Any] | None]:
-    """``auto``'s choice for (kernel, key), and the timings when this rank measured.
-    ``consensus`` (``distributed.store.StoreConsensus``) shares decisions across the job's ranks;
-    ``None``: this process alone. Where nothing can be measured the policy's miss rule applies.
-    """
+    """``auto``'s choice for (kernel, key), and the timings when this rank measured. ``consensus``
+    shares decisions across the job's ranks (``None``: this process alone)."""
     pinned = pin_without_fallback(autotuner, candidates, key, table=table, block_sizes=policy.block_sizes)
     numerics = getattr(pinned, "numerics", None)
     if policy.numerics == "deterministic-only" and numerics is not None and not numerics.deterministic:
-        pinned = Miss("the table marks its config non-deterministic on its own")  # re-tuned
+        pinned = rules.Miss("the table marks its config non-deterministic on its own")  # re-tuned
     if isinstance(pinned, Choice):
         return _proposed(pinned, candidates, kernel, key, arch, consensus), None
     if consensus is not None:
@@ -415,16 +402,14 @@ def auto_choice(
     winner = consensus.publish(kernel, key, arch, config_data(config), mine)
     if winner.rank == consensus.rank and winner.signature == mine:
         return Choice(config, "tuned"), timings
-    # Another rank published first (maybe the same config): launch its config, keep our
-    # measurement for the record. A record naming this rank with another config is adopted too.
+    # Another rank published first (maybe the same config): launch its config, keep our timings.
     return _adopt(winner, candidates, kernel, key, consensus.rank), timings
 
 
 def _proposed(
     choice: Choice, candidates: Sequence[Any], kernel: str, key: str, arch: str, consensus: Consensus | None
 ) -> Choice:
-    """``choice``, unless it came from this node's own cache in a job: then it is proposed to the
-    job (first writer wins) and the winner is launched."""
+    """``choice``, unless it came from this node's own cache in a job: then the job's winner."""
     if consensus is None or not consensus.is_local(choice.origin):
         return choice
     mine = config_signature(choice.config)

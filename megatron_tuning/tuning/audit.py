@@ -134,8 +134,7 @@ def allowed(
         keep = [i for i in launched if audit.class_id(i) == audit.class_id(sigs.index(reference))]
         why = f"none is in the class of the table entry's config {reference}"
     if not keep:
-        found = audit.report(candidates)
-        raise NumericsError(kernel, key, numerics, why, found["classes"], found["self_nondeterministic"])
+        raise NumericsError(kernel, key, numerics, why, audit.report(candidates)["classes"])
     return keep
 
 
