@@ -143,6 +143,10 @@ def _init(policy: TuningPolicy | None, table: Any, group: Any) -> TuningHandle:
         cache = open_cache(policy, _cache_arch)
     resolved_table = table if table is not None else _load_tables(policy, cache)
     measure = _make_measure(policy) if policy.mode in ("tune", "auto") else None
+    if measure is not None and policy.numerics != "any":  # audit first, time only the allowed configs
+        from .tuning.audit import with_numerics
+
+        measure = with_numerics(measure, policy.numerics, resolved_table)
     local_cache = cache.path if cache is not None and table is None else None
     consensus = _start_consensus(local_cache) if policy.mode == "auto" else None
     chaos = None
@@ -174,8 +178,11 @@ def _init(policy: TuningPolicy | None, table: Any, group: Any) -> TuningHandle:
 
 
 def _load_tables(policy: TuningPolicy, cache: Any) -> Any:
-    if policy.mode not in ("deterministic", "chaos", "auto"):
-        return None  # record and tune measure; off passes through
+    if policy.mode not in ("deterministic", "chaos", "auto") and (policy.mode, policy.numerics) != (
+        "tune",
+        "same-class",
+    ):
+        return None  # record and tune measure (tune same-class keeps its table's bits); off passes through
     from .tables.search import TableSet
 
     return TableSet.from_policy(policy, cache=(cache.path, cache.table) if cache is not None else None)

@@ -145,3 +145,11 @@ def test_tuner_judge_smoke_compares_both_tuner_methods_with_the_judge(tmp_path: 
     (row,) = result["rows"]
     assert set(row["tuners"]) == {"shipped", "previous"}
     assert all(0 < t["quality"] <= 1 and t["winner"] in row["judge_ms"] for t in row["tuners"].values())
+
+
+def test_audit_benchmark_smoke_audits_splitk_and_gemm_twice(tmp_path: Path) -> None:
+    result = _smoke("bench_audit.py", tmp_path, "--runs", "2")
+    rows = {row["kernel"].rsplit(":", 1)[1]: row for row in result["suites"]["gemm"]["rows"]}
+    assert set(rows) == {"splitk_matmul_kernel", "matmul_kernel"}
+    assert len(rows["splitk_matmul_kernel"]["classes"][0]) >= 2 and result["suites"]["gemm"]["agree"]
+    assert all(isinstance(s, float) for row in rows.values() for s in row["seconds"])

@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Any
 
 # core.policy's names, repeated: this file imports no package module. ENV_LAUNCHER is set by
-# run/tune for their job (which activation to run); the .pth then stands down.
+# run/tune/audit for their job (which activation to run); the .pth then stands down.
 ENV_LAUNCHER, ENV_MODE = "MEGATRON_TUNING_LAUNCHER", "MEGATRON_TUNING_MODE"
 MODULE_NAME = "_megatron_tuning_bootstrap"
-LAUNCHERS = ("run", "tune")
+LAUNCHERS = {"run": "launch", "tune": "tune", "audit": "tune"}  # launcher -> its commands module
 
 _HERE = os.path.abspath(__file__)
 _PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(_HERE)))
@@ -65,7 +65,7 @@ def write_bootstrap(folder: Path, launcher: str) -> Path:
     from megatron_tuning.tables.files import write_atomic
 
     if launcher not in LAUNCHERS:
-        raise ValueError(f"launcher must be one of {LAUNCHERS}, not {launcher!r}")
+        raise ValueError(f"launcher must be one of {tuple(LAUNCHERS)}, not {launcher!r}")
     folder.mkdir(mode=0o700)  # FileExistsError for a folder someone else could have filled
     loader = "".join(f"    {line}\n" for line in _loader_code().splitlines())
     text = _SITECUSTOMIZE.format(launcher=launcher, loader=loader)
@@ -166,10 +166,7 @@ def _activate(launcher: str) -> None:
             importlib.import_module("megatron_tuning")
         finally:
             sys.path.remove(_PACKAGE_PARENT)
-    module = importlib.import_module(
-        f"megatron_tuning.commands.{'launch' if launcher == 'run' else launcher}"
-    )
-    module.activate()
+    importlib.import_module(f"megatron_tuning.commands.{LAUNCHERS[launcher]}").activate()
 
 
 class _AfterImport:

@@ -9,6 +9,7 @@ start yourself. Starting a job, its signals and its exit status (``run_job``) ar
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import signal
@@ -24,7 +25,7 @@ from typing import Any
 
 from ..core import policy as knobs
 from ..core.errors import MegatronTuningError, PolicyError
-from ..tables.files import output_folder_problem, write_atomic
+from ..tables.files import output_file_problem, output_folder_problem, write_atomic
 from . import EXIT_USAGE
 from .bootstrap import PTH_MARKER, PTH_NAME, is_site_dir, job_environment, pth_text, write_bootstrap
 
@@ -338,3 +339,59 @@ def _signals_passed_to(process: subprocess.Popen[bytes]) -> Iterator[None]:
     finally:
         for number, handler in saved.items():
             signal.signal(number, handler)
+
+
+# --------------------------------------------------------------------------- audit
+
+
+def add_audit(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Run a job unedited, pinned as `run` pins it. At each (kernel, key) it reaches, launch every live "
+        "config --runs times on the job's own inputs and report which configs give bit-identical outputs "
+        "(numerics classes) and which differ from run to run on their own. docs/numerics.md"
+    )
+    parser.add_argument(
+        "--runs", type=int, help=f"launches per config (default {knobs.read_knob(knobs.ENV_AUDIT_RUNS)})"
+    )
+    parser.add_argument("--out", default="audit.json", help="the JSON report (default audit.json)")
+    parser.add_argument("--table", help="pin from this table first, and record the audit in its entries")
+    add_job_argument(
+        parser, "the job to run after `--`: script.py [args], -m mod, python -m mod, torchrun ..."
+    )
+
+
+def run_audit(args: argparse.Namespace) -> int:
+    from ..tuning.audit import audit_table, record_numerics
+
+    command = job_command(args, "audit", "audit --out audit.json -- train.py --steps 3")
+    if command is None:
+        return EXIT_USAGE
+    runs_knob = knobs.KNOBS[knobs.ENV_AUDIT_RUNS]
+    runs = (
+        knobs.read_knob(knobs.ENV_AUDIT_RUNS)
+        if args.runs is None
+        else runs_knob.parse("--runs", str(args.runs))
+    )
+    updates = {knobs.ENV_MODE: "deterministic", knobs.ENV_AUDIT_RUNS: str(runs)}
+    if args.table:
+        updates[knobs.ENV_TABLE] = ":".join(filter(None, (args.table, os.environ.get(knobs.ENV_TABLE))))
+    validated_policy(updates)  # a bad value or table fails now, not in every process of the job
+    problem = output_file_problem(args.out) or command_problem(job_argv(command), os.environ)
+    if problem:
+        print(f"audit: {problem if isinstance(problem, str) else problem[1]}", file=sys.stderr)
+        return EXIT_USAGE if isinstance(problem, str) else problem[0]
+    work = Path(tempfile.mkdtemp(prefix="megatron_tuning_audit_"))
+    try:
+        env = job_environment(write_bootstrap(work / "bootstrap", "audit"), "audit")
+        env.update(updates, **{knobs.ENV_AUDIT_DIR: str(work)})
+        returncode = run_job(job_argv(command), env, prog="audit")
+        entries = [e for f in sorted(work.glob("audited-*.json")) for e in json.loads(f.read_text())]
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    report = {"format": "megatron_tuning.audit/1", "runs": runs, "command": command, "entries": entries}
+    write_atomic(args.out, json.dumps(report, indent=1, sort_keys=True).encode())
+    print(audit_table(entries))
+    if args.table and entries:
+        print(f"audit: numerics recorded in {record_numerics(args.table, entries)} entries of {args.table}")
+    print(f"audit: {len(entries)} (kernel, key) audited; report in {args.out}")
+    return returncode or (0 if entries else 1)

@@ -176,6 +176,9 @@ def describe_entry(entry: Any) -> str:
         facts.append(f"src {entry.source_hash[:12]}")
     if entry.triton_version:
         facts.append(f"triton {entry.triton_version}")
+    if entry.numerics is not None:  # what the numerics audit found (docs/numerics.md)
+        own = "deterministic" if entry.numerics.deterministic else "NOT deterministic on its own"
+        facts.append(f"numerics class {entry.numerics.class_id}, {own}")
     note = f"  # {entry.note}" if entry.note else ""
     return printable(f"{config_signature(entry.config)}  ({', '.join(facts)}){note}")
 
@@ -223,7 +226,9 @@ def run_diff(args: argparse.Namespace) -> int:
         for item in changes[kind]:
             print(printable(f"{mark} {item['arch']}  {item['kernel']}  [{item['key']}]  {item['config']}"))
     for item in changes["changed"]:
-        print(printable(f"~ {item['arch']}  {item['kernel']}  [{item['key']}]"))
+        effect = item.get("numerics", "")
+        effect = f"  ({effect.upper() if effect == 'changes numerics' else effect})" if effect else ""
+        print(printable(f"~ {item['arch']}  {item['kernel']}  [{item['key']}]{effect}"))
         for name, (before, after) in item["fields"].items():
             print(
                 printable(

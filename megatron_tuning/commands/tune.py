@@ -1,10 +1,12 @@
-"""``tune -- <command>``: tune a real job and write a table; ``report``: print and plot what it measured.
+"""The measuring commands: ``tune`` (tune a job, write a table), ``audit`` (which configs change the
+output bits) and ``report`` (print and plot what a tune measured).
 
 ``tune`` runs the command armed in tune mode (the bootstrap ``run`` uses), in a fresh folder per job
 so nothing another job left is pooled. Every process writes its ``tuned`` decisions, with their
 samples, as they happen; after the job each process's winners are one table and
 ``tables.merge.merge_tables`` votes them into ``--out``. ``--results`` keeps every decision for
-``report``.
+``report``. ``audit`` runs the command armed as ``run`` pins it, audits each key before its first
+launch (``tuning.tuner.audit_candidates``) and pools every process's report (docs/numerics.md).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import io
+import json
 import math
 import os
 import re
@@ -28,12 +31,17 @@ from typing import Any
 from ..core.decisions import Decision, decision_log, get_decisions
 from ..core.errors import TableError
 from ..core.policy import (
+    ENV_AUDIT_DIR,
+    ENV_AUDIT_RUNS,
     ENV_MODE,
+    ENV_NUMERICS,
     ENV_RECORD_DIR,
+    ENV_TABLE,
     ENV_TUNE_DIR,
     ENV_TUNE_ROUNDS,
     ENV_TUNE_TIE_BAND,
     KNOBS,
+    NUMERICS,
     read_knob,
 )
 from ..core.warn import printable
@@ -68,6 +76,9 @@ def add_tune(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", metavar="DIR", help="also draw one PNG per (kernel, key) here")
     parser.add_argument("--tie-band", type=float, help=_knob_help(ENV_TUNE_TIE_BAND))
     parser.add_argument("--rounds", type=int, help=_knob_help(ENV_TUNE_ROUNDS))
+    parser.add_argument(
+        "--numerics", choices=NUMERICS, help=_knob_help(ENV_NUMERICS) + "; keeps --out's classes"
+    )
     parser.add_argument(
         "--work-dir",
         help="keep per-process results in a new subfolder of this folder for each job (a new or empty "
@@ -178,6 +189,11 @@ def _run_job(
     env = job_environment(write_bootstrap(work / "bootstrap", "tune"), "tune")
     env.update({ENV_MODE: "tune", ENV_TUNE_DIR: str(results), ENV_RECORD_DIR: str(work / "recordings")})
     env.update({ENV_TUNE_ROUNDS: str(settings.rounds), ENV_TUNE_TIE_BAND: repr(settings.tie_band)})
+    if args.numerics:  # --out's entries (if any) are the bits to keep: searched first
+        keep = args.out if os.path.exists(args.out) else None
+        env.update(
+            {ENV_NUMERICS: args.numerics, ENV_TABLE: ":".join(filter(None, (keep, env.get(ENV_TABLE))))}
+        )
     argv = job_argv(command)
     print(f"tune: running {' '.join(argv)} (per-process results in {results})", file=sys.stderr)
     returncode = run_job(argv, env, prog="tune")
@@ -203,20 +219,35 @@ def _run_job(
 
 
 def activate() -> None:
-    """In a process of the job, at its ``import triton``: tune mode, writing its tuned decisions as
-    they happen (a crash loses nothing measured). A failure is reported and the process goes on
-    untuned: the job's own work matters more, and ``tune`` says at the end when nothing was tuned."""
+    """In a process of a ``tune`` or ``audit`` job, at its ``import triton``: start the session and
+    write this process's results as they come (a crash loses nothing measured). A failure is
+    reported and the process goes on: the job's own work matters more, and the command says at
+    the end when nothing was measured."""
     from .. import session
 
-    directory = read_knob(ENV_TUNE_DIR)
-    if not directory:
+    directory, audits = read_knob(ENV_TUNE_DIR), read_knob(ENV_AUDIT_DIR)
+    if not (directory or audits):
         return
     try:
-        session.init_deterministic_tuning()  # the policy comes from MEGATRON_TUNING_MODE=tune
+        session.init_deterministic_tuning()  # the policy comes from the MEGATRON_TUNING_* the command set
     except Exception as exc:
-        print(f"megatron_tuning tune: could not enable tune mode: {exc!r}", file=sys.stderr)
+        print(f"megatron_tuning: could not start the session: {exc!r}", file=sys.stderr)
         return
-    path = Path(directory) / f"{PROCESS_PREFIX}{socket.gethostname()}-{os.getpid()}.json"
+    name = f"{socket.gethostname()}-{os.getpid()}.json"
+    if audits:
+        from ..core.identity import arch_tag, current_rank
+        from ..runtime.pinning import after_decision
+        from ..tuning.audit import make_audit_hook
+
+        entries: list[dict[str, Any]] = []
+
+        def record(entry: dict[str, Any]) -> None:
+            entries.append({**entry, "arch": arch_tag(), "rank": current_rank()})
+            write_atomic(Path(audits) / f"audited-{name}", json.dumps(entries).encode())
+
+        after_decision.append(make_audit_hook(record, read_knob(ENV_AUDIT_RUNS)))
+        return
+    path = Path(directory) / f"{PROCESS_PREFIX}{name}"
 
     def write(decision: Decision) -> None:
         if decision.source == "tuned":

@@ -354,8 +354,13 @@ def add_coverage(p: argparse.ArgumentParser) -> None:
 def run_coverage(args: argparse.Namespace) -> int:
     from ..tables.merge import read_decisions
 
-    labels, rows = coverage_of([(os.fspath(p), read_decisions(p)) for p in args.logs])
+    logs = [(os.fspath(p), read_decisions(p)) for p in args.logs]
+    labels, rows = coverage_of(logs)
     counts = Counter(cell.status for row in rows for cell in row.cells.values())
+    # Pinned configs the table's numerics audit found non-deterministic on their own.
+    nondet = sorted(
+        {(d.kernel, d.key, d.signature) for _, ds in logs for d in ds if d.deterministic is False}
+    )
     diverged = [row for row in rows if row.diverged]
     if args.json:
         entries = [
@@ -372,6 +377,7 @@ def run_coverage(args: argparse.Namespace) -> int:
             "ranks": labels,
             "counts": dict(sorted(counts.items())),
             "entries": entries,
+            "nondeterministic": [{"kernel": k, "key": key, "signature": sig} for k, key, sig in nondet],
         }
         print(json.dumps(doc, indent=1, sort_keys=True))
     else:
@@ -379,6 +385,11 @@ def run_coverage(args: argparse.Namespace) -> int:
         lines += [f"{row.kernel}  [{row.key}]  {_describe_row(row, labels)}" for row in rows]
         summary = ", ".join(f"{s} {counts[s]}" for s in STATUS_ORDER if counts.get(s))
         lines.append(f"Summary (kernel/key x rank): {summary or 'no decisions'}")
+        lines += [
+            f"NOT DETERMINISTIC ON ITS OWN (numerics audit): {k} [{key}] {sig}" for k, key, sig in nondet
+        ]
+        if nondet:
+            lines.append(f"{len(nondet)} pinned config(s) the audit found non-deterministic on their own")
         for row in diverged:
             lines.append(f"DIVERGED: {row.kernel} [{row.key}]")
             lines += [f"  rank {label}: {c.signature or '-'} ({c.status})" for label, c in row.cells.items()]

@@ -43,6 +43,8 @@ class TableHit:
     """The entry's own key, for a nearest-shape neighbour."""
     kernel: str | None = None
     """The entry's own kernel id when found by content (same code under another module name)."""
+    numerics: Any = None
+    """The entry's ``tables.entry.Numerics`` (what the numerics audit found), if recorded."""
 
 
 @runtime_checkable
@@ -94,12 +96,38 @@ class Choice:
     matched_by: str | None = None
     entry_kernel: str | None = None
     chaos: str | None = None
+    numerics: Any = None  # ``TableHit.numerics`` of a table or nearest-shape hit
 
 
 def _from_hit(config: Any, source: str, hit: TableHit, nearest_key: str | None = None) -> Choice:
     content = "content" if hit.kernel is not None else None
     return Choice(
-        config, source, hit.origin, nearest_key=nearest_key, matched_by=content, entry_kernel=hit.kernel
+        config,
+        source,
+        hit.origin,
+        nearest_key=nearest_key,
+        matched_by=content,
+        entry_kernel=hit.kernel,
+        numerics=hit.numerics,
+    )
+
+
+def warn_if_nondeterministic(kernel: str, key: str, choice: Choice) -> None:
+    """One notice per kernel when the table marks the pinned config non-deterministic on its own."""
+    if choice.numerics is None or choice.numerics.deterministic:
+        return
+    others = "; ".join(choice.numerics.alternatives) or "none among the live configs"
+    warn_once(
+        ("nondeterministic", kernel),
+        "kernel %s key %s launches %s, which the numerics audit in %s found non-deterministic on its "
+        "own (its launches on the same inputs gave different bits): pinning the config cannot make "
+        "this kernel bitwise reproducible. Deterministic alternatives the audit found: %s. Re-tune "
+        "with MEGATRON_TUNING_NUMERICS=deterministic-only to pin one (docs/numerics.md).",
+        kernel,
+        key,
+        config_signature(choice.config),
+        choice.origin,
+        others,
     )
 
 

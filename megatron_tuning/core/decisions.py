@@ -64,6 +64,9 @@ class Decision:
     """For ``matched_by="content"``: the kernel id the entry was tuned under."""
     chaos: str | None = None
     """For ``chaos``: one of ``CHAOS_OUTCOMES``."""
+    deterministic: bool | None = None
+    """What the table entry's numerics audit found for the launched config: ``False`` when its
+    own launches gave different bits (docs/numerics.md); ``None``: not audited."""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

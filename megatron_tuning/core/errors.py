@@ -124,6 +124,23 @@ class StaleEntryError(MegatronTuningError, RuntimeError):
         )
 
 
+class NumericsError(MegatronTuningError, RuntimeError):
+    """``numerics`` policy: no live config of (kernel, key) qualifies; ``classes``: signatures
+    grouped by bit-identical outputs on the call's inputs."""
+
+    def __init__(
+        self, kernel: str, key: str, numerics: str, reason: str, classes: Sequence[Sequence[str]]
+    ) -> None:
+        self.kernel, self.key, self.numerics, self.classes = kernel, key, numerics, [list(c) for c in classes]
+        listing = "".join(f"\n  class {n}: " + "; ".join(c) for n, c in enumerate(self.classes, 1))
+        self._init(
+            f"No live config of kernel {kernel} key {key} qualifies under numerics={numerics!r}: {reason}. "
+            f"Numerics classes on this call's inputs:{listing or ' (none launched)'}\nSet "
+            "MEGATRON_TUNING_NUMERICS=any to allow a change of output bits (docs/numerics.md).",
+            *(kernel, key, numerics, reason, self.classes),
+        )
+
+
 class DivergenceError(MegatronTuningError, RuntimeError):
     """Ranks launched different configs for the same (kernel, key); ``signatures``: rank -> config."""
 

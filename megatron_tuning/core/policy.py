@@ -26,6 +26,7 @@ MODES = ("off", "deterministic", "chaos", "record", "tune", "auto")
 ON_MISS = ("nearest", "min_cost", "error")
 AGREEMENT_MODES = ("store", "allgather", "verify", "off")
 STALE_ENTRIES = ("use", "miss", "error")
+NUMERICS = ("any", "same-class", "deterministic-only")
 NON_MEASURING_MODES = ("deterministic", "chaos")  # the interception's _bench guard refuses to time
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off")
@@ -196,6 +197,13 @@ ENV_STRICT = _knob("STRICT", _bool, False, "raise on stale entries and unpinned 
 ENV_STALE_ENTRIES = _knob(
     "STALE_ENTRIES", _words(STALE_ENTRIES, "stale_entries"), "use", "what a stale entry does", "stale_entries"
 )
+ENV_NUMERICS = _knob(
+    "NUMERICS",
+    _words(NUMERICS, "numerics"),
+    "any",
+    "which configs tune and auto may pick (docs/numerics.md)",
+    "numerics",
+)
 ENV_BLOCK_SIZES = _knob("BLOCK_SIZES", _assignments, (), "explicit block-size override", "block_sizes")
 ENV_RECORD_DIR = _knob("RECORD_DIR", _text, None, "where record mode writes one file per rank", "record_dir")
 ENV_DECISION_LOG = _knob("DECISION_LOG", _text, None, "write the decision log here at exit", "decision_log")
@@ -204,8 +212,12 @@ ENV_CACHE_MAX_ENTRIES = _knob("CACHE_MAX_ENTRIES", _int(1, 1_000_000), 50_000, "
 ENV_TUNE_ROUNDS = _knob("TUNE_ROUNDS", _int(1, 10_000), 10, "timed rounds per candidate when tuning")
 ENV_TUNE_TIE_BAND = _knob("TUNE_TIE_BAND", _fraction, 0.02, "fraction of the best median called a tie")
 ENV_TUNE_DIR = _knob("TUNE_DIR", _text, None, "internal: where a `tune` job's processes write their results")
+ENV_AUDIT_RUNS = _knob("AUDIT_RUNS", _int(2, 100), 3, "launches per config when comparing output bits")
+ENV_AUDIT_DIR = _knob(
+    "AUDIT_DIR", _text, None, "internal: where an `audit` job's processes write their reports"
+)
 ENV_LAUNCHER = _knob(
-    "LAUNCHER", _words(("run", "tune"), "launcher"), None, "internal: the launcher of this job"
+    "LAUNCHER", _words(("run", "tune", "audit"), "launcher"), None, "internal: the launcher of this job"
 )
 
 
@@ -280,6 +292,10 @@ class TuningPolicy:
     stale_entries: str = "use"
     """An entry tuned for other kernel source or another Triton: use (warn once), miss, or error."""
 
+    numerics: str = "any"
+    """Which configs ``tune`` and ``auto`` may pick: ``any``; ``same-class`` (bit-identical, on the
+    call's inputs, to the key's current table entry); ``deterministic-only`` (docs/numerics.md)."""
+
     block_sizes: tuple[tuple[str, int], ...] = ()
     """Explicit block-size override, e.g. ``{"BLOCK_SIZE_M": 64}``; stored as sorted pairs."""
 
@@ -295,7 +311,12 @@ class TuningPolicy:
 
     def __post_init__(self) -> None:
         # Normalised values are written back (object.__setattr__: the dataclass is frozen).
-        for name, allowed in (("mode", MODES), ("on_miss", ON_MISS), ("stale_entries", STALE_ENTRIES)):
+        for name, allowed in (
+            ("mode", MODES),
+            ("on_miss", ON_MISS),
+            ("stale_entries", STALE_ENTRIES),
+            ("numerics", NUMERICS),
+        ):
             _set(self, name, _word(name, getattr(self, name), allowed))
         if self.agreement is not None:
             _set(self, "agreement", _word("agreement", self.agreement, AGREEMENT_MODES))
@@ -349,7 +370,8 @@ class TuningPolicy:
         blocks = ",".join(f"{k}={v}" for k, v in self.block_sizes) or "-"
         return (
             f"mode={self.mode} agreement={self.agreement} scope={','.join(self.scope) or 'all'} "
-            f"on_miss={self.on_miss} block_sizes={blocks} stale_entries={self.effective_stale_entries}"
+            f"on_miss={self.on_miss} block_sizes={blocks} stale_entries={self.effective_stale_entries} "
+            f"numerics={self.numerics}"
         )
 
     def describe(self) -> str:

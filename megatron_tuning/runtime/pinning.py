@@ -1,8 +1,7 @@
 """Decisions: which config an in-scope kernel launches for a key, in every mode, once per process.
 
-Holds the active ``Installation`` and each autotuner's ``AutotunerState`` (its decisions by key).
-Both adapters decide here, ``interception`` (eager) and ``inductor`` (compiled), so one key has one
-decision, log entry and agreement check. The adapters hand in the live (pruned) candidates.
+Holds the active ``Installation`` and each autotuner's ``AutotunerState``. Both adapters,
+``interception`` (eager) and ``inductor`` (compiled), decide here on the live (pruned) candidates.
 
 ``auto`` mode (``auto_choice``): a table entry pins the key as in ``deterministic``; else a
 decision another rank of the job published is adopted; else this rank tunes once and publishes
@@ -21,6 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from ..core import choice as rules
 from ..core.chaos import ChaosCoordinator, choose_chaos
 from ..core.choice import Choice, ConfigTable, choose_deterministically, choose_on_miss, pin_without_fallback
 from ..core.decisions import Decision, decision_log
@@ -40,14 +40,12 @@ from ..core.warn import warn_once
 
 logger = logging.getLogger("megatron_tuning.runtime.interception")
 
-# measure(autotuner, candidates, args, kwargs, kernel, key) -> (config, timings)
 Measure = Callable[[Any, list[Any], tuple[Any, ...], dict[str, Any], str, str], tuple[Any, dict[str, Any]]]
 
 STATE_ATTR = "_megatron_tuning_state"
 PINNED_ATTR = "_megatron_tuning_pinned_config"
 """Set on the one-config copies compiled code launches (``inductor``): the config, decided already."""
-SERVES_ATTR = "_megatron_tuning_serves"
-"""Set on every instance ``run`` the interception generates: the installation it serves."""
+SERVES_ATTR = "_megatron_tuning_serves"  # on every ``run`` the interception generates: its installation
 
 
 class PublishedDecision(Protocol):
@@ -116,6 +114,9 @@ before_decision: list[Callable[[Installation], Installation]] = []
 """Called at each new (kernel, key) decision, never on a launch of a decided key; may return a
 replacement installation, which becomes the active one. The session registers one while it waits
 for a process group created after it started (``session._LateAttach``)."""
+after_decision: list[Callable[[Any, list[Any], Any, str, str, Choice], None]] = []
+"""At each new decision, before its first launch: (autotuner, live candidates, ``(args, kwargs)`` or
+``None`` where nothing may launch, kernel, key, choice). The ``audit`` command's hook."""
 _active_lock = threading.Lock()
 _ANY: Any = object()
 
@@ -203,13 +204,8 @@ def state_for(autotuner: Any, installation: Installation) -> AutotunerState:
 
 
 def raw_key(state: AutotunerState, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
-    """The decision key: the parts of ``tuning_key`` by argument name, without building text.
-
-    The ``key=`` values present, each with its name and type (so ``True``/``1``/``1.0`` stay
-    distinct keys, as in ``tuning_key``), then ``(name, dtype)`` of every named argument that has
-    a dtype, in parameter order. Positional and keyword passing give the same key; keywords that
-    are not kernel arguments (``grid``, ``warmup``) play no part.
-    """
+    """The decision key: the parts of ``tuning_key`` by argument name (each ``key=`` value with its
+    type, so ``True``/``1``/``1.0`` differ; then each argument's dtype), without building text."""
     named = dict(zip(state.arg_names, args))
     named.update((name, value) for name, value in kwargs.items() if name in state.arg_names)
     values = tuple((name, named[name].__class__, named[name]) for name, _ in state.key_index if name in named)
@@ -247,18 +243,19 @@ def decide(
             if new is not installation:
                 set_active(new, replacing=installation)
                 installation = new
-        capturing = is_capturing()
+        capturing, live = is_capturing(), candidates()
         key = tuning_key(autotuner, args, kwargs)
         arch = installation.arch  # the launching device's, once per decision
+        launchable, call = may_measure and not capturing, (args, kwargs)
         choice, timings = _choose(
             autotuner,
             state,
             installation,
             key,
-            candidates(),
-            (args, kwargs),
+            live,
+            call,
             arch,
-            may_measure=may_measure and not capturing,
+            may_measure=launchable,
             capturing=capturing,
             defer=defer,
             measure=measure or installation.measure,
@@ -266,6 +263,8 @@ def decide(
         if state.source_hash is None:
             state.source_hash = kernel_source_hash(autotuner)
         log(state, key, choice, arch, timings)  # listeners (agreement) may raise: nothing is pinned
+        for after in tuple(after_decision):
+            after(autotuner, live, call if launchable else None, state.kernel, key, choice)
         state.pins[raw] = choice.config
         return choice.config
 
@@ -287,7 +286,9 @@ def log(state: AutotunerState, key: str, choice: Choice, arch: str, timings: dic
         matched_by=choice.matched_by,
         entry_kernel=choice.entry_kernel,
         chaos=choice.chaos,
+        deterministic=None if choice.numerics is None else choice.numerics.deterministic,
     )
+    rules.warn_if_nondeterministic(state.kernel, key, choice)
     logger.info(
         "kernel %s key %s -> %s (%s%s%s%s)",
         state.kernel,
@@ -377,11 +378,12 @@ def auto_choice(
     may_measure: bool = True,
     defer: bool = False,
 ) -> tuple[Choice, dict[str, Any] | None]:
-    """``auto``'s choice for (kernel, key), and the timings when this rank measured.
-    ``consensus`` (``distributed.store.StoreConsensus``) shares decisions across the job's ranks;
-    ``None``: this process alone. Where nothing can be measured the policy's miss rule applies.
-    """
+    """``auto``'s choice for (kernel, key), and the timings when this rank measured. ``consensus``
+    shares decisions across the job's ranks (``None``: this process alone)."""
     pinned = pin_without_fallback(autotuner, candidates, key, table=table, block_sizes=policy.block_sizes)
+    numerics = getattr(pinned, "numerics", None)
+    if policy.numerics == "deterministic-only" and numerics is not None and not numerics.deterministic:
+        pinned = rules.Miss("the table marks its config non-deterministic on its own")  # re-tuned
     if isinstance(pinned, Choice):
         return _proposed(pinned, candidates, kernel, key, arch, consensus), None
     if consensus is not None:
@@ -400,16 +402,14 @@ def auto_choice(
     winner = consensus.publish(kernel, key, arch, config_data(config), mine)
     if winner.rank == consensus.rank and winner.signature == mine:
         return Choice(config, "tuned"), timings
-    # Another rank published first (maybe the same config): launch its config, keep our
-    # measurement for the record. A record naming this rank with another config is adopted too.
+    # Another rank published first (maybe the same config): launch its config, keep our timings.
     return _adopt(winner, candidates, kernel, key, consensus.rank), timings
 
 
 def _proposed(
     choice: Choice, candidates: Sequence[Any], kernel: str, key: str, arch: str, consensus: Consensus | None
 ) -> Choice:
-    """``choice``, unless it came from this node's own cache in a job: then it is proposed to the
-    job (first writer wins) and the winner is launched."""
+    """``choice``, unless it came from this node's own cache in a job: then the job's winner."""
     if consensus is None or not consensus.is_local(choice.origin):
         return choice
     mine = config_signature(choice.config)

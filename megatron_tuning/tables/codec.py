@@ -5,7 +5,7 @@ every entry: one list per field, repeated strings and configs stored once (``str
 ``configs``) and referenced by index, so column checks run at C speed and distinct values are
 validated once (a 100k-entry load stays well under a second). Canonical: ``strings`` sorted,
 ``configs`` sorted by their packed bytes, rows by (arch, kernel, key), map keys sorted, optional
-columns (``source_hash``, ``triton_version``, ``note``, the ``Timing`` fields, ``votes_for``,
+columns (``source_hash``, ``triton_version``, ``note``, the ``Timing`` fields, ``numerics``, ``votes_for``,
 ``votes_total``) omitted when all nil.
 
 Decoding is bounded (``files.budget``): msgpack's unpacker reads under its limits, and memory is
@@ -34,6 +34,7 @@ from .entry import (
     Timing,
     canonical_key,
     check_config,
+    check_numerics,
     check_text,
     entry_from_data,
     make_entry,
@@ -59,6 +60,7 @@ _COLUMN_TYPES: dict[str, frozenset[type]] = {
     **dict.fromkeys(("arch", "kernel", "how", "config"), frozenset({int})),
     **dict.fromkeys(_STRING_COLUMNS + _COUNT_COLUMNS, frozenset({int, type(None)})),
     **dict.fromkeys(_FLOAT_COLUMNS, frozenset({float, type(None)})),
+    "numerics": frozenset({dict, type(None)}),
 }
 _NO_TIMING = Timing()
 _EMPTY_BODY: dict[str, list[Any]] = {name: [] for name in sorted(_REQUIRED)}
@@ -86,7 +88,9 @@ def encode_msgpack(library_version: str, meta: dict[str, str], entries: Sequence
     if not entries:
         return msgpack.packb([FORMAT, SCHEMA, header, _EMPTY_BODY], use_bin_type=True)
     # Entries are named tuples: zip(*entries) gives each field as a column at C speed.
-    arch, kernel, keys, configs, how, source_hash, triton_version, timing, votes, note = zip(*entries)
+    arch, kernel, keys, configs, how, source_hash, triton_version, timing, votes, note, numerics = zip(
+        *entries
+    )
     strings = sorted(set(arch) | set(kernel) | set(how) | ({*source_hash, *triton_version, *note} - {None}))
     sidx = {s: i for i, s in enumerate(strings)}
     packed_by_id: dict[int, bytes] = {}  # configs are interned: pack each distinct dict once
@@ -114,6 +118,7 @@ def encode_msgpack(library_version: str, meta: dict[str, str], entries: Sequence
     optional.update(zip(Timing._fields, timing_cols))
     optional["votes_for"] = [None if v is None else v[0] for v in votes]
     optional["votes_total"] = [None if v is None else v[1] for v in votes]
+    optional["numerics"] = [None if n is None else n.to_data() for n in numerics]
     body.update({name: list(col) for name, col in optional.items() if col.count(None) != len(col)})
     return msgpack.packb([FORMAT, SCHEMA, header, dict(sorted(body.items()))], use_bin_type=True)
 
@@ -288,7 +293,8 @@ def _decode_body(body: dict[str, list[Any]]) -> dict[_Ident, Entry]:
         votes = [None if v == (None, None) else v for v in zip(body["votes_for"], body["votes_total"])]
         if any(v is not None and (None in v or not 0 < v[0] <= v[1]) for v in votes):
             raise Invalid("votes must satisfy 0 < votes_for <= votes_total")
-    rows = zip(arch, kernel, keys, config, how, source_hash, triton_version, timings, votes, note)
+    numerics = map(check_numerics, body.get("numerics", repeat(None, len(keys))))
+    rows = zip(arch, kernel, keys, config, how, source_hash, triton_version, timings, votes, note, numerics)
     entries = {(row[0], row[1], row[2]): make_entry(row) for row in rows}
     if len(entries) != len(keys):
         ident = next(ident for ident, n in Counter(zip(arch, kernel, keys)).items() if n > 1)

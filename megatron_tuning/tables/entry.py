@@ -39,6 +39,45 @@ class Timing(NamedTuple):
         return {name: getattr(self, name) for name in sorted(self._fields) if getattr(self, name) is not None}
 
 
+class Numerics(NamedTuple):
+    """What the numerics audit found for an entry's config (``audit``; docs/numerics.md)."""
+
+    class_id: str  # 16 hex: the distinct outputs its launches gave on the audited inputs
+    inputs: str  # 16 hex: digest of those inputs; class ids compare only between equal inputs
+    deterministic: bool  # its own launches on the same inputs gave the same bits
+    alternatives: tuple[str, ...] = ()  # when not: the deterministic configs the audit found
+
+    def to_data(self) -> dict[str, Any]:
+        return {**self._asdict(), "alternatives": list(self.alternatives)}
+
+
+_HEX16 = re.compile(r"[0-9a-f]{16}")
+
+
+def check_numerics(value: Any) -> Numerics | None:
+    """Validate ``Numerics`` data (its ``to_data`` form); ``None`` stays ``None``."""
+    if value is None or isinstance(value, Numerics):
+        return value
+    if type(value) is not dict or not {"class_id", "inputs", "deterministic"} <= value.keys() <= set(
+        Numerics._fields
+    ):
+        raise Invalid(f"numerics must be a map with fields {sorted(Numerics._fields)}")
+    alternatives = value.get("alternatives", [])
+    if not all(type(value[n]) is str and _HEX16.fullmatch(value[n]) for n in ("class_id", "inputs")):
+        raise Invalid("numerics.class_id and numerics.inputs must be 16 lowercase hex digits")
+    if type(value["deterministic"]) is not bool:
+        raise Invalid("numerics.deterministic must be true or false")
+    if (
+        type(alternatives) not in (list, tuple)
+        or len(alternatives) > 16
+        or not all(type(a) is str for a in alternatives)
+    ):
+        raise Invalid("numerics.alternatives must be a list of at most 16 config signatures")
+    for text in alternatives:
+        check_text("numerics alternative", text)
+    return Numerics(value["class_id"], value["inputs"], value["deterministic"], tuple(alternatives))
+
+
 class _EntryFields(NamedTuple):
     arch: str
     kernel: str  # ``module:qualname``
@@ -50,6 +89,7 @@ class _EntryFields(NamedTuple):
     timing: Timing | None
     votes: tuple[int, int] | None  # after a merge: (votes for this config, inputs that had this entry)
     note: str | None  # free text for reviewers, e.g. why a hand entry was chosen
+    numerics: Numerics | None  # what the numerics audit found for this config
 
 
 class Entry(_EntryFields):
@@ -74,10 +114,11 @@ class Entry(_EntryFields):
         timing: Timing | Mapping[str, Any] | None = None,
         votes: tuple[int, int] | list[int] | None = None,
         note: str | None = None,
+        numerics: Numerics | Mapping[str, Any] | None = None,
     ) -> Entry:
         data: dict[str, Any] = {"arch": arch, "kernel": kernel, "key": key, "how": how, "note": note}
         data.update(config=dict(config) if isinstance(config, Mapping) else config, votes=votes)
-        data.update(source_hash=source_hash, triton_version=triton_version, timing=timing)
+        data.update(source_hash=source_hash, triton_version=triton_version, timing=timing, numerics=numerics)
         return entry_from_data(data)  # the loader's path: built in code, encoded as if read back
 
     # Tuple equality would say a config with True equals one with 1 (True == 1 in Python);
@@ -104,6 +145,8 @@ class Entry(_EntryFields):
             data["timing"] = self.timing.to_data()
         if self.votes is not None:
             data["votes"] = list(self.votes)
+        if self.numerics is not None:
+            data["numerics"] = self.numerics.to_data()
         return data
 
 
@@ -148,10 +191,13 @@ def entry_from_data(row: Any) -> Entry:
                     raise Invalid(f"{name} must be a string")
                 check_text(name, value)
         timing, votes = _check_timing(row.get("timing")), _check_votes(row.get("votes"))
+        numerics = check_numerics(row.get("numerics"))
     except Invalid as exc:
         raise Invalid(f"{exc} (arch={arch!r} kernel={kernel!r} key={key!r})") from None
     source_hash, triton_version, note = texts.values()
-    return make_entry((arch, kernel, key, config, how, source_hash, triton_version, timing, votes, note))
+    return make_entry(
+        (arch, kernel, key, config, how, source_hash, triton_version, timing, votes, note, numerics)
+    )
 
 
 def check_text(name: str, text: str) -> None:

@@ -24,7 +24,7 @@ from ..core.decisions import Decision, get_decisions
 from ..core.errors import TableError
 from ..core.fallback import estimate_config_cost
 from ..core.identity import config_signature, content_name, current_rank
-from .entry import same_config
+from .entry import Invalid, Numerics, check_numerics, same_config
 from .files import LOCK_TIMEOUT_S, locked, read_json_file, write_atomic
 from .search import expand_table_paths, installed_triton_version
 from .table import Entry, Table, Timing, entry_with, load_table, save_table, update_table
@@ -35,7 +35,7 @@ DECISIONS_FORMAT = "megatron_tuning.decisions"
 RECORDING_PREFIX = "recording-rank"
 _HOW = {"recorded": "recorded", "tuned": "tuned", "adopted": "tuned"}
 # What ``diff --ignore-provenance`` skips; ``kernel``: the module name of a content match.
-_PROVENANCE = ("kernel", "how", "source_hash", "triton_version", "timing", "votes", "note")
+_PROVENANCE = ("kernel", "how", "source_hash", "triton_version", "timing", "votes", "note", "numerics")
 
 
 # --------------------------------------------------------------------------- decision logs
@@ -88,6 +88,8 @@ def _row_problem(row: Any) -> str | None:
             return f"{name} must be a string, got {row.get(name)!r}"
     if "rank" in row and type(row["rank"]) is not int:
         return f"rank must be an integer, got {row['rank']!r}"
+    if row.get("deterministic") is not None and type(row["deterministic"]) is not bool:
+        return f"deterministic must be true, false or null, got {row['deterministic']!r}"
     for name in _OPTIONAL_TEXT:
         if row.get(name) is not None and type(row[name]) is not str:
             return f"{name} must be a string or null, got {row[name]!r}"
@@ -129,7 +131,16 @@ def entry_from_decision(decision: Decision, *, triton_version: str | None = None
         triton_version=triton_version,
         timing=timing_from_decision(decision),
         note=note,
+        numerics=_numerics_from(timings.get("numerics")),
     )
+
+
+def _numerics_from(found: Any) -> Numerics | None:
+    """The ``Numerics`` a tuner that audited the candidates (``numerics`` policy) left, if usable."""
+    try:
+        return check_numerics({k: found[k] for k in ("class_id", "inputs", "deterministic")})
+    except (Invalid, TypeError, KeyError):
+        return None
 
 
 def timing_from_decision(decision: Decision) -> Timing | None:
@@ -295,9 +306,14 @@ def merge_tables(inputs: Sequence[tuple[str, Table]]) -> MergeResult:
         # The entry whose provenance is kept: the fastest measurement, then a content order, never
         # the input order (merging the same inputs in any order gives the same bytes).
         kept = min(winner, key=_provenance_order)[1]
-        result.table.add(
-            entry_with(kept, kernel=ident[1], votes=(len(winner), sum(len(v.inputs) for v in votes)))
+        # An audit's finding is kept whichever input carried it; any input that saw the config's
+        # own launches differ makes it non-deterministic.
+        audited = [e.numerics for _, e in sorted(winner, key=_provenance_order) if e.numerics is not None]
+        numerics = (
+            audited[0]._replace(deterministic=all(n.deterministic for n in audited)) if audited else None
         )
+        total = sum(len(v.inputs) for v in votes)
+        result.table.add(entry_with(kept, kernel=ident[1], votes=(len(winner), total), numerics=numerics))
         if len(votes) > 1:
             first, second = ranked[0][0], ranked[1][0]
             rule = _RULES[next(i for i, (a, b) in enumerate(zip(first, second)) if a != b)]
@@ -369,8 +385,9 @@ def diff_tables(a: Table, b: Table, *, ignore_provenance: bool = False) -> dict[
     """Entries only in ``a`` (removed), only in ``b`` (added), and in both but different (changed).
 
     A changed entry lists each differing field as ``[old, new]``, ``config`` by signature (or by
-    data when the signatures match). Header fields describe the file, not what runs: not compared.
-    An entry of the same source under another module name is the same kernel: its ``kernel`` changed.
+    data when the signatures match); a config change also says what it does to the output bits
+    (``numerics``: from the audits both entries record). Header fields are not compared. An entry
+    of the same source under another module name is the same kernel: its ``kernel`` changed.
     """
 
     def brief(entry: Entry) -> dict[str, str]:
@@ -385,17 +402,29 @@ def diff_tables(a: Table, b: Table, *, ignore_provenance: bool = False) -> dict[
         if new is None or new == old:
             continue
         fields: dict[str, list[Any]] = {}
+        verdict: dict[str, str] = {}
         old_sig, new_sig = config_signature(old.config), config_signature(new.config)
         if not same_config(old.config, new.config):
             fields["config"] = [old_sig, new_sig] if old_sig != new_sig else [old.config, new.config]
+            verdict = {"numerics": _numerics_verdict(old, new)}
         if not ignore_provenance:
             before, after = old.to_data(), new.to_data()
             fields.update(
                 {n: [before.get(n), after.get(n)] for n in _PROVENANCE if before.get(n) != after.get(n)}
             )
         if fields:
-            changed.append(dict(brief(old), fields=fields))
+            changed.append(dict(brief(old), fields=fields, **verdict))
     return {"added": added, "removed": removed, "changed": changed}
+
+
+def _numerics_verdict(old: Entry, new: Entry) -> str:
+    """A config change's effect on output bits, from the audits the two entries record."""
+    a, b = old.numerics, new.numerics
+    if a is None or b is None or a.inputs != b.inputs:
+        return "numerics unknown (not audited on the same inputs)"
+    if a.class_id != b.class_id or not (a.deterministic and b.deterministic):
+        return "changes numerics"
+    return "same numerics class"
 
 
 def review_view(table: Table) -> Table:

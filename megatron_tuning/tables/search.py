@@ -191,7 +191,7 @@ class TableSet:
             for twin in self._twins(arch, kernel):
                 hit = self._twin_hit((arch, twin, key), source_hash, self.stale_entries)
                 if hit is not None:
-                    return TableHit(hit.config, hit.origin, kernel=twin)
+                    return TableHit(hit.config, hit.origin, kernel=twin, numerics=hit.numerics)
         return self._resolve(ident, source_hash, self.stale_entries)
 
     def _has_own_entry(self, ident: _Ident, source_hash: str) -> bool:
@@ -250,7 +250,7 @@ class TableSet:
         for entry, origin in candidates:
             detail = self._staleness(entry, source_hash)
             if detail is None:
-                return TableHit(MappingProxyType(entry.config), origin)
+                return TableHit(MappingProxyType(entry.config), origin, numerics=entry.numerics)
             if origin == self._cache_file:  # a cache is ours: an entry tuned for other code is re-tuned
                 logger.debug(
                     "cache entry for %s [%s] in %s is stale (%s): a miss", kernel, key, origin, detail
@@ -275,7 +275,7 @@ class TableSet:
                 "used" if use else "ignored",
             )
             if use:
-                return TableHit(MappingProxyType(entry.config), origin)
+                return TableHit(MappingProxyType(entry.config), origin, numerics=entry.numerics)
         return None
 
     def _staleness(self, entry: Entry, source_hash: str | None) -> str | None:

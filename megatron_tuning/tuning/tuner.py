@@ -1,21 +1,10 @@
 """Noise-aware tuning: time the candidates robustly, call near-ties ties, break ties statically.
 
-Triton's autotuner keeps the argmin of one timing pass, so when the best candidates are within
-noise of each other the winner changes from process to process. This tuner makes re-tuning
-reproducible instead:
-
-1. every candidate is compiled and warmed up, then the candidates are timed in interleaved
-   rounds (round-robin, the starting candidate rotating each round) so clock and thermal drift
-   hit all of them alike;
-2. each candidate gets a median and a p20-p80 spread;
-3. every candidate whose median is within ``tie_band`` of the best median (or whose spread
-   overlaps the best's, up to ``overlap_cap``) is tied with it, and the tie is broken by the same
-   static cost and signature order the deterministic fallback uses (``core.fallback.order_by_cost``).
-
-Short kernels (fastest candidate under ``TuneSettings.cold_below_ms``) are timed one launch at a
-time after an L2 flush, as ``triton.testing.do_bench`` times them; longer ones back to back. The
-decision rules are pure and live in ``stats``; the clocks (``CudaEventTimer`` on a GPU,
-``ClockTimer`` elsewhere) are here. ``make_measure`` builds the callable that
+Tuning makes a re-tune reproducible: each candidate is compiled and warmed up, then timed in
+interleaved rounds (the starting candidate rotating, so drift hits all alike); every candidate
+whose median is within ``tie_band`` of the best (or whose p20-p80 spread overlaps it) is tied, and
+the tie is broken by static cost (``stats``, pure). Short kernels are timed cold, one launch after
+an L2 flush, as ``triton.testing.do_bench`` times them. ``make_measure`` builds the callable that
 ``interception.install(policy, measure=...)`` calls in ``tune`` and ``auto``.
 """
 
@@ -28,6 +17,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
+from ..core.identity import arch_tag
+from ..runtime.pinning import Measure
 from .stats import TuneSettings, analyze_configs, timing_method
 
 if TYPE_CHECKING:
@@ -35,9 +26,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 progress_logger = logging.getLogger(__name__ + ".progress")
-"""The per-key "tuned ..." lines. At INFO by default so they reach stderr (``core.warn``'s default
-handler, or the application's handlers) without any logging setup; silence them with
-``logging.getLogger("megatron_tuning.tuning.tuner.progress").setLevel(logging.WARNING)``."""
+"""The per-key "tuned ..." and "audited ..." lines: at INFO by default so batch logs show them (see
+docs/policy.md to silence them)."""
 progress_logger.setLevel(logging.INFO)
 
 
@@ -45,12 +35,10 @@ progress_logger.setLevel(logging.INFO)
 
 
 class Timer(Protocol):
-    """Times launches. ``sample`` returns milliseconds per launch over ``launches`` back-to-back launches.
+    """Times launches: ``sample`` returns ms per launch over ``launches`` back-to-back launches.
 
-    A timer may also offer ``sample_cold(launch, launches)`` (the median milliseconds of
-    ``launches`` launches, each timed alone after an L2 flush: what ``do_bench`` measures) and
-    ``warm_up(ms)`` (keep the device busy for ``ms``). Without ``sample_cold``, cold timing takes
-    the median of single-launch ``sample`` calls; without ``warm_up``, there is no warm-up.
+    Optional: ``sample_cold(launch, launches)`` (median ms of single launches, each after an L2
+    flush: what ``do_bench`` measures; default: single-launch ``sample`` calls) and ``warm_up(ms)``.
     """
 
     def synchronize(self) -> None: ...
@@ -79,18 +67,15 @@ class ClockTimer:
         return (self._clock() - start) * 1e3 / launches
 
     def sample_cold(self, launch: Callable[[], None], launches: int) -> float:
-        """Median of single launches, each between two synchronizes (no cache to flush here)."""
         return statistics.median(self.sample(launch, 1) for _ in range(launches))
 
 
 class CudaEventTimer:
-    """CUDA events around ``launches`` back-to-back launches on the current stream.
+    """CUDA events around launches on the current stream.
 
-    Short kernels launched from Python are host-bound: the GPU would idle between launches
-    and the events would time the host. So each sample first enqueues a GPU spin
-    (``torch.cuda._sleep``) long enough for the host to queue every launch behind it; the
-    events then time the kernels back to back. The L2 flush before a sample (a 256 MiB memset,
-    as in ``triton.testing.do_bench``) keeps one candidate from inheriting another's cached data.
+    Each sample first enqueues a GPU spin (``torch.cuda._sleep``) long enough for the host to
+    queue every launch behind it, so the events time the kernels, not the host. An L2 flush (a
+    256 MiB memset, as in ``do_bench``) keeps one candidate from inheriting another's cached data.
     """
 
     _FLUSH_BYTES = 256 * 1024 * 1024
@@ -98,8 +83,7 @@ class CudaEventTimer:
     def __init__(self, *, flush_l2: bool = True, torch_module: Any = None) -> None:
         if torch_module is None:
             import torch as torch_module
-        torch = torch_module  # injectable so CPU tests can drive this class with a fake
-        self._torch = torch
+        torch = self._torch = torch_module  # injectable: CPU tests drive this class with a fake
         self._start = torch.cuda.Event(enable_timing=True)
         self._end = torch.cuda.Event(enable_timing=True)
         self._flush = (
@@ -115,7 +99,6 @@ class CudaEventTimer:
         self._torch.cuda.synchronize()
 
     def _spin(self, launches: int) -> None:
-        # Long enough for the host to queue every launch behind it (a sample times the GPU only).
         spin_s = min(0.05, 20e-6 + 1.5 * launches * self._host_s_per_launch)
         self._torch.cuda._sleep(int(spin_s * self._cycles_per_s))
 
@@ -133,12 +116,8 @@ class CudaEventTimer:
         return float(self._start.elapsed_time(self._end)) / launches
 
     def sample_cold(self, launch: Callable[[], None], launches: int) -> float:
-        """Median milliseconds of ``launches`` launches, each after an L2 flush between its own events.
-
-        What ``triton.testing.do_bench`` measures per call: the flush (a 256 MiB memset, longer
-        than the host needs to queue the next launch) keeps the GPU from idling between launches,
-        and each launch starts with cold L2 and pays its own start-up, as a lone launch does.
-        """
+        """Median ms of ``launches`` launches, each after an L2 flush between its own events (the
+        flush also keeps the GPU busy while the host queues the next launch)."""
         torch = self._torch
         while len(self._pairs) < launches:
             self._pairs.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
@@ -173,8 +152,6 @@ class CudaEventTimer:
 
 def default_timer(settings: TuneSettings) -> Timer:
     """CUDA events on a GPU, else the host clock (timings then only mean something for smoke tests)."""
-    from ..core.identity import arch_tag
-
     if arch_tag() != "unknown":
         return CudaEventTimer(flush_l2=settings.flush_l2)
     from ..core.warn import warn_once
@@ -188,7 +165,7 @@ def default_timer(settings: TuneSettings) -> Timer:
     return ClockTimer()
 
 
-# --------------------------------------------------------------------------- timing
+# --------------------------------------------------------------------------- launching candidates
 
 
 def benchmark_failures() -> tuple[type[BaseException], ...]:
@@ -207,12 +184,17 @@ def benchmark_failures() -> tuple[type[BaseException], ...]:
 
 
 def make_launcher(
-    autotuner: Any, config: Any, args: Sequence[Any], kwargs: Mapping[str, Any]
+    autotuner: Any,
+    config: Any,
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    observe: Callable[[], None] | None = None,
 ) -> Callable[[], None]:
     """One benchmark launch of ``config``, with exactly the hooks ``Autotuner._bench`` runs.
 
     ``Config.pre_hook``, then the autotuner's ``pre_hook`` (zeroes ``reset_to_zero``, snapshots
-    ``restore_value``), the kernel, then its ``post_hook`` (restores), also when the kernel raises.
+    ``restore_value``), the kernel, ``observe`` (the audit's digest: before anything is restored),
+    then the autotuner's ``post_hook`` (restores), also when the kernel raises.
     """
     conflicts = kwargs.keys() & config.kwargs.keys()
     if conflicts:
@@ -229,6 +211,8 @@ def make_launcher(
         autotuner.pre_hook(full_nargs)
         try:
             autotuner.fn.run(*args, **current)
+            if observe is not None:
+                observe()
         except Exception as exc:
             try:
                 autotuner.post_hook(full_nargs, exception=exc)
@@ -243,11 +227,10 @@ class Timed(NamedTuple):
     """What ``time_candidates`` measured for one key."""
 
     samples: list[list[float]]
-    """Per candidate, one value (ms per launch) per timed round; empty for a failed candidate."""
+    """Per candidate, ms per launch of each timed round; empty for a failed candidate."""
     errors: list[str | None]
     method: str
-    """``"cold"`` (each launch alone after an L2 flush, as ``do_bench``) or ``"batched"``
-    (back-to-back launches); ``stats.timing_method``."""
+    """``"cold"`` (each launch alone after an L2 flush) or ``"batched"``: ``stats.timing_method``."""
 
 
 def time_candidates(
@@ -260,11 +243,9 @@ def time_candidates(
 ) -> Timed:
     """Compile and warm up each candidate, then sample them in interleaved, rotating rounds.
 
-    A key whose fastest candidate is shorter than ``settings.cold_below_ms`` is timed cold
-    (``Timer.sample_cold``, ``settings.cold_launches`` launches a sample); any other key back to
-    back, ``sample_ms`` of launches a sample. ``settings.warmup_ms`` of device work (``warm_up``)
-    precede the rounds. A candidate that raised one of ``failures`` (compile/resource errors)
-    gets no samples and an error text. Other errors propagate, as in Triton.
+    Cold (``Timer.sample_cold``) when the fastest candidate is under ``settings.cold_below_ms``,
+    else back to back, ``sample_ms`` of launches a sample. A candidate that raised one of
+    ``failures`` (compile/resource errors) gets no samples and an error text; other errors propagate.
     """
     failures = benchmark_failures() if failures is None else failures
     step = on_step or (lambda: None)
@@ -276,8 +257,7 @@ def time_candidates(
         try:
             launch()  # compiles on first use; compile errors surface here
             timer.synchronize()
-            # Best of three single launches: a rough per-launch time to size the samples.
-            estimates[i] = min(timer.sample(launch, 1) for _ in range(3))
+            estimates[i] = min(timer.sample(launch, 1) for _ in range(3))  # sizes the samples
         except failures as exc:
             errors[i] = f"{type(exc).__name__}: {exc}"
             logger.info("candidate %d failed to compile or launch: %s", i, errors[i])
@@ -286,8 +266,7 @@ def time_candidates(
     sample = _sampler(timer, method)
     if method == "cold":
         launches = [min(settings.cold_launches, settings.max_launches)] * n
-    else:
-        # A NaN estimate (a timer that failed to time) gets single launches, not a crash.
+    else:  # a NaN estimate (a timer that failed to time) gets single launches, not a crash
         launches = [
             1
             if math.isnan(e)
@@ -301,8 +280,7 @@ def time_candidates(
         live = [i for i in range(n) if errors[i] is None]
         if not live:
             break
-        start = round_index % len(live)
-        # Rotating the start spreads slow drift evenly over the candidates' positions in a round.
+        start = round_index % len(live)  # rotating spreads slow drift over the positions in a round
         for i in live[start:] + live[:start]:
             try:
                 value = sample(launchers[i], launches[i])
@@ -326,25 +304,19 @@ def _sampler(timer: Timer, method: str) -> Callable[[Callable[[], None], int], f
     return lambda launch, launches: statistics.median(timer.sample(launch, 1) for _ in range(launches))
 
 
-# --------------------------------------------------------------------------- the measure callable
-
-Measure = Callable[[Any, list[Any], tuple[Any, ...], dict[str, Any], str, str], tuple[Any, dict[str, Any]]]
-
-
 def make_measure(
     settings: TuneSettings | TuningPolicy | None = None,
     *,
     timer: Timer | Callable[[], Timer] | None = None,
     progress: bool = True,
 ) -> Measure:
-    """The ``measure`` callable for ``interception.install(policy, measure=...)`` in mode ``tune``.
+    """The ``measure`` callable for ``interception.install(policy, measure=...)`` in ``tune``/``auto``.
 
     ``measure(autotuner, candidates, args, kwargs, kernel, key) -> (config, timings)`` times the
     live candidates with the real call arguments and returns the chosen live ``Config`` and
     ``TuneResult.to_timings()``. ``timer`` is a ``Timer`` or a factory for one (default: CUDA
-    events on a GPU). With ``progress``, a tqdm bar naming the kernel and key shows on a terminal
-    (when tqdm is installed), and each tuned (kernel, key) logs one line with its time on
-    ``progress_logger``, which reaches stderr by default, so batch logs show progress too.
+    events on a GPU). With ``progress``, a tqdm bar shows on a terminal and each key logs one line on
+    ``progress_logger`` (stderr by default), so batch logs show progress too.
     """
     # A policy (what ``session`` passes) carries no tuner settings: those come from the environment.
     settings = settings if isinstance(settings, TuneSettings) else TuneSettings.from_env()
@@ -374,30 +346,23 @@ def make_measure(
         bar = _progress_bar(total, _bar_label(kernel, key)) if progress else None
         try:
             timed = time_candidates(
-                launchers,
-                timer=get_timer(),
-                settings=settings,
-                on_step=(bar.update if bar is not None else None),
+                launchers, timer=get_timer(), settings=settings, on_step=(bar.update if bar else None)
             )
         finally:
             if bar is not None:
                 bar.close()
         result = analyze_configs(candidates, timed.samples, settings=settings, errors=timed.errors)
         timings = result.to_timings()
-        timings["method"] = timed.method
         chosen = candidates[result.winner]
         # As Triton does after benchmarking: zero reset_to_zero tensors once more so the real
         # launch starts from the state the caller prepared, not from the last benchmark's output.
         full_nargs = {**dict(zip(autotuner.arg_names, args)), **kwargs, **chosen.all_kwargs()}
         autotuner.pre_hook(full_nargs, reset_only=True)
         elapsed = time.perf_counter() - started
-        # Triton exposes these after its own tuning; keep them meaningful for code that reads them:
-        # [median, p20, p80] floats, inf for a failed candidate, as ``Autotuner._bench`` returns.
+        # What Triton exposes after its own tuning: [median, p20, p80], inf for a failed candidate.
         autotuner.configs_timings = {c: [s.median, s.low, s.high] for c, s in zip(candidates, result.stats)}
         autotuner.bench_time = elapsed
         best = result.stats[result.winner]
-        # One line per (kernel, key) tuned, shown by default (``progress_logger``): a batch log has
-        # no progress bar (tqdm draws only on a terminal), and a long first run must not be silent.
         (progress_logger if progress else logger).info(
             "tuned %s [%s] in %.1fs: %s (median %.4f ms; %d tied; fastest %s)",
             kernel,
@@ -408,8 +373,7 @@ def make_measure(
             len(result.tied),
             result.stats[result.fastest].signature,
         )
-        timings["rounds"] = settings.rounds
-        timings["tune_seconds"] = round(elapsed, 3)
+        timings.update(method=timed.method, rounds=settings.rounds, tune_seconds=round(elapsed, 3))
         return chosen, timings
 
     return measure
