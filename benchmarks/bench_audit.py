@@ -4,6 +4,8 @@
     python3 benchmarks/bench_audit.py --out results/audit.json
     # also megatron-core's Mamba SSD kernels (skipped, saying why, when megatron-core is missing)
     PYTHONPATH=.:/tmp/site python3 benchmarks/bench_audit.py --third-party mamba --out results/audit.json
+    # the Mamba SSD suite alone
+    PYTHONPATH=.:/tmp/site python3 benchmarks/bench_audit.py --third-party mamba --no-gemm --out m.json
     # CPU check of every code path (Triton interpreter, tiny fp32 shapes; numbers meaningless)
     python3 benchmarks/bench_audit.py --smoke --out /tmp/audit_smoke.json
 
@@ -104,6 +106,7 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=3, help="launches per config (default 3)")
     parser.add_argument("--smoke", action="store_true", help="CPU interpreter, tiny shapes")
     parser.add_argument("--third-party", choices=("mamba",), help="also audit megatron-core's Mamba SSD")
+    parser.add_argument("--no-gemm", action="store_true", help="skip the GEMM suite (with --third-party)")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench_audit_"))
     jobs = {
@@ -112,6 +115,8 @@ def main() -> int:
             "megatron_tuning.kernels",
         )
     }
+    if args.no_gemm:
+        del jobs["gemm"]
     result: dict = {"runs": args.runs, "smoke": args.smoke, "suites": {}}
     if args.third_party == "mamba":
         try:
