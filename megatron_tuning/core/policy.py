@@ -207,6 +207,7 @@ ENV_TUNE_DIR = _knob("TUNE_DIR", _text, None, "internal: where a `tune` job's pr
 ENV_LAUNCHER = _knob(
     "LAUNCHER", _words(("run", "tune"), "launcher"), None, "internal: the launcher of this job"
 )
+ENV_RESULT_DIR = _knob("RESULT_DIR", _text, None, "internal: where `run`'s processes report a divergence")
 
 
 def read_knob(name: str) -> Any:
