@@ -340,10 +340,6 @@ def _close_at_exit() -> None:
     """Close the session; a divergence the process died of, or that the check at close found,
     makes it exit ``EXIT_DIVERGENCE`` (skipping later exit handlers: Python's status is fixed)."""
     error = getattr(sys, "last_value", None)  # what the process died of, if anything
-    for _ in range(8):  # or its cause
-        if error is None or isinstance(error, DivergenceError):
-            break
-        error = error.__cause__ or error.__context__
     handle = _active
     if handle is not None and not handle.closed:
         try:

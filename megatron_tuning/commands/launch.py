@@ -70,7 +70,8 @@ examples:
       then: python -m megatron_tuning coverage decisions-*.json
 
 Everything after `--` is the job, exactly as you would type it. The exit status is the job's
-(128+N when it died of signal N); 2 for a bad option; 126/127 when the command cannot run.
+(128+N when it died of signal N); 3 when a process raised DivergenceError; 2 for a bad option;
+126/127 when the command cannot run. Prove the check on your job: selftest -- <command>.
 Without a launcher (processes you do not start): python -m megatron_tuning enable, then set
 MEGATRON_TUNING_MODE. See docs/launcher.md.
 """
