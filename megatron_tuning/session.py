@@ -3,21 +3,23 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import logging
 import os
+import sys
 import threading
 from types import TracebackType
 from typing import Any
 
 from .core.choice import warn_if_mamba_env_ignored
 from .core.decisions import decision_log, get_decisions
-from .core.errors import PolicyError
+from .core.errors import EXIT_DIVERGENCE, DivergenceError, PolicyError
 from .core.identity import arch_tag, current_rank, node_arch
-from .core.policy import ENV_DECISION_LOG, ENV_RECORD_DIR, TuningPolicy
+from .core.policy import ENV_DECISION_LOG, ENV_RECORD_DIR, ENV_RESULT_DIR, TuningPolicy, read_knob
 from .core.warn import warn_once
 from .runtime import interception, pinning
-from .tables.files import output_file_problem, output_folder_problem
+from .tables.files import output_file_problem, output_folder_problem, write_atomic
 from .tables.merge import write_decisions, write_recording
 
 logger = logging.getLogger(__name__)
@@ -342,9 +344,24 @@ def _what_attaches(policy: TuningPolicy) -> str:
 
 @atexit.register
 def _close_at_exit() -> None:
+    """Close the session; a divergence the process died of, or that the check at close found,
+    makes it exit ``EXIT_DIVERGENCE`` (skipping later exit handlers: Python's status is fixed)."""
+    error = getattr(sys, "last_value", None)  # what the process died of, if anything
     handle = _active
     if handle is not None and not handle.closed:
         try:
             handle.close()
+        except DivergenceError as exc:
+            error = exc
+            logger.error("megatron_tuning: the agreement check at exit failed: %s", exc)
         except Exception:  # never turn a clean interpreter exit into a traceback storm
             logger.exception("megatron_tuning: error while closing at exit")
+    folder = read_knob(ENV_RESULT_DIR)
+    if DivergenceError.raised and folder:  # `run` (and `selftest`) make it the job's status
+        with contextlib.suppress(Exception):  # a vanished folder: the exit status still says it
+            write_atomic(os.path.join(folder, f"divergence-{os.getpid()}"), b"%d" % DivergenceError.raised)
+    if isinstance(error, DivergenceError):
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_DIVERGENCE)

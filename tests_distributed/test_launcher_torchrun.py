@@ -16,6 +16,8 @@ from typing import Any
 import pytest
 from _launch import WORKERS, gloo_available, read_results, run_bounded
 
+from megatron_tuning.core.errors import EXIT_DIVERGENCE
+
 NPROC = 2
 
 
@@ -32,7 +34,11 @@ def _torchrun() -> list[str]:
 
 
 def _run_unedited(
-    tmp: Path, *options: str, env: tuple[str, ...] = (), job_args: tuple[str, ...] = ()
+    tmp: Path,
+    *options: str,
+    env: tuple[str, ...] = (),
+    job_args: tuple[str, ...] = (),
+    command_name: str = "run",
 ) -> tuple[Any, dict[int, dict[str, Any]]]:
     out = tmp / "out"
     out.mkdir()
@@ -41,7 +47,7 @@ def _run_unedited(
         sys.executable,
         "-m",
         "megatron_tuning",
-        "run",
+        command_name,
         *options,
         "--",
         *_torchrun(),
@@ -74,11 +80,37 @@ def test_run_pins_every_rank_of_an_unedited_torchrun_job(tmp_path: Path) -> None
 
 def test_the_agreement_check_is_on_in_an_unedited_torchrun_job(tmp_path: Path) -> None:
     done, results = _run_unedited(tmp_path, "--mode", "chaos")
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    # The job caught it and exited 0; `run` still reports it, with its own status.
+    assert done.returncode == EXIT_DIVERGENCE, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "2 process(es) of the job raised DivergenceError" in done.stderr
     errors = {results[r]["error"] for r in range(NPROC)}
     assert "DivergenceError" in errors, results
     message = next(results[r]["message"] for r in range(NPROC) if results[r]["error"])
     assert "_kernels:add_kernel" in message and "Rank(s) [0]" in message and "Rank(s) [1]" in message
+    assert "Planted by chaos mode" in message
+
+
+def test_a_divergence_the_check_at_close_finds_fails_the_job(tmp_path: Path) -> None:
+    """verify checks at close (atexit here): before, the divergence was only logged and run exited 0."""
+    done, results = _run_unedited(
+        tmp_path, "--mode", "chaos", "--agreement", "verify", job_args=("--keep-group",)
+    )
+    assert [results[r]["error"] for r in range(NPROC)] == [None] * NPROC  # nothing seen while it ran
+    assert done.returncode == EXIT_DIVERGENCE, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "exitcode  : 3" in done.stderr  # each rank's own status, as torchrun reports it
+
+
+def test_selftest_of_a_job_chaos_can_catch_passes(tmp_path: Path) -> None:
+    done, results = _run_unedited(tmp_path, command_name="selftest")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "selftest passed" in done.stdout
+    assert "Planted by chaos mode" in results[0]["message"]  # the chaos run wrote last
+
+
+def test_selftest_of_a_job_chaos_cannot_reach_fails_and_says_why(tmp_path: Path) -> None:
+    done, _ = _run_unedited(tmp_path, command_name="selftest", job_args=("--own-sizes",))  # no shared key
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "selftest FAILED: chaos could not fire" in done.stderr
 
 
 def test_auto_shares_one_decision_per_key_in_an_unedited_torchrun_job(tmp_path: Path) -> None:

@@ -3,8 +3,8 @@
 Each command lives in a module of this package defining ``add_<name>(parser)`` and
 ``run_<name>(args) -> int``; only the module of the command being run is imported, so ``show`` or
 ``diff`` never pay for importing torch. Exit codes: 0 ok; 1 differences or problems found; 2 usage
-error or bad input (one line on stderr, no traceback); ``run``, ``tune``, ``audit`` pass their job's
-status on.
+error or bad input (one line on stderr, no traceback); 3 a ``DivergenceError``; ``run``, ``tune``
+and ``audit`` pass their job's status on.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="megatron-tuning",
         description="Deterministic Triton autotuning: tables, pinned jobs, tuning and checks.",
-        epilog="Exit codes: 0 ok, 1 differences/problems found, 2 usage error or bad input.",
+        epilog="Exit codes: 0 ok, 1 differences/problems found, 2 usage error or bad input, 3 divergence.",
     )
     parser.add_argument(
         "-v", "--verbose", action="count", default=0, help="more logging (-v info, -vv debug)"

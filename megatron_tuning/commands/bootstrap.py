@@ -2,7 +2,7 @@
 
 ``run`` and ``tune`` write a ``sitecustomize.py`` into a fresh private folder put first on the job's
 ``PYTHONPATH``; ``enable`` writes a one-line ``.pth`` into site-packages that arms a process only when
-``MEGATRON_TUNING_MODE`` is set. Both load *this file* by path (not the package: importing it costs
+a ``MEGATRON_TUNING_*`` variable is set. Both load *this file* by path (not the package: importing it costs
 about 0.2 s, which torchrun's launcher, pip or a ``python -c`` should never pay), so it imports only
 the standard library at its top. Nothing happens until the process imports Triton: a meta-path hook
 then runs ``megatron_tuning.commands.<launcher>.activate`` before any kernel is decorated.
@@ -18,7 +18,7 @@ from typing import Any
 
 # core.policy's names, repeated: this file imports no package module. ENV_LAUNCHER is set by
 # run/tune/audit for their job (which activation to run); the .pth then stands down.
-ENV_LAUNCHER, ENV_MODE = "MEGATRON_TUNING_LAUNCHER", "MEGATRON_TUNING_MODE"
+PREFIX, ENV_LAUNCHER, ENV_MODE = "MEGATRON_TUNING_", "MEGATRON_TUNING_LAUNCHER", "MEGATRON_TUNING_MODE"
 MODULE_NAME = "_megatron_tuning_bootstrap"
 LAUNCHERS = {"run": "launch", "tune": "tune", "audit": "tune"}  # launcher -> its commands module
 
@@ -76,20 +76,19 @@ def write_bootstrap(folder: Path, launcher: str) -> Path:
 def job_environment(bootstrap: Path, launcher: str, base: Mapping[str, str] | None = None) -> dict[str, str]:
     """The job's environment: ``bootstrap`` first on ``PYTHONPATH``, the launcher named."""
     env = dict(os.environ if base is None else base)
-    paths = [str(bootstrap)]
+    paths = [str(bootstrap), *(p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p)]
     if not is_site_dir(_PACKAGE_PARENT):
-        # A source checkout: the job must import this very copy. An installed copy is already on
-        # the job's path, and a site-packages folder on PYTHONPATH would shadow the standard library.
+        # A source checkout, after the user's entries (its `tests` must not shadow theirs). An
+        # installed copy is on the path already; site-packages on PYTHONPATH would shadow the stdlib.
         paths.append(_PACKAGE_PARENT)
-    paths += [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     env[ENV_LAUNCHER] = launcher
     return env
 
 
 def pth_text(pth_path: str) -> str:
-    """The ``.pth`` ``enable`` writes: a marker comment, then one line Python executes (one
-    environment lookup when ``MEGATRON_TUNING_MODE`` is unset)."""
+    """The ``.pth`` ``enable`` writes: a marker comment, then one line Python executes (one scan of
+    the environment's names when no ``MEGATRON_TUNING_*`` variable is set)."""
     code = (
         "try:\n"
         + "".join(f" {line}\n" for line in _loader_code().splitlines())
@@ -99,7 +98,7 @@ def pth_text(pth_path: str) -> str:
         "Remove it with: python -m megatron_tuning disable'"
         f" % ({pth_path!r}, _mt_exc), file=_mt_sys.stderr)\n"
     )
-    line = f"import os, sys as _mt_sys; os.environ.get({ENV_MODE!r}) and exec({code!r})"
+    line = f"import os, sys as _mt_sys; any(n.startswith({PREFIX!r}) for n in os.environ) and exec({code!r})"
     return (
         f"{PTH_MARKER}, written by `python -m megatron_tuning enable`; remove it with "
         "`python -m megatron_tuning disable`.\n"
@@ -132,12 +131,10 @@ def bootstrap_process(sitecustomize_file: str) -> None:
 
 
 def arm_environment() -> None:
-    """Run from the ``.pth``: arm this process unless a launcher's bootstrap does, or the mode is off."""
-    if os.environ.get(ENV_LAUNCHER):
-        return  # `run`/`tune` put their own sitecustomize on the path: it arms this process
-    if os.environ.get(ENV_MODE, "").strip().lower() in ("", "off"):
-        return
-    arm("run")
+    """Run from the ``.pth``: arm this process unless a launcher's bootstrap does, or the mode is off
+    (with the mode unset, arming only names a misspelt variable: ``launch.activate``)."""
+    if not os.environ.get(ENV_LAUNCHER) and os.environ.get(ENV_MODE, "").strip().lower() != "off":
+        arm("enable")
 
 
 def arm(launcher: str) -> None:
@@ -166,7 +163,8 @@ def _activate(launcher: str) -> None:
             importlib.import_module("megatron_tuning")
         finally:
             sys.path.remove(_PACKAGE_PARENT)
-    importlib.import_module(f"megatron_tuning.commands.{LAUNCHERS[launcher]}").activate()
+    module = importlib.import_module(f"megatron_tuning.commands.{LAUNCHERS.get(launcher, 'launch')}")
+    module.activate(launcher) if module.__name__.endswith(".launch") else module.activate()
 
 
 class _AfterImport:

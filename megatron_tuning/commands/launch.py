@@ -18,13 +18,13 @@ import sys
 import sysconfig
 import tempfile
 import threading
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from ..core import policy as knobs
-from ..core.errors import MegatronTuningError, PolicyError
+from ..core.errors import EXIT_DIVERGENCE, MegatronTuningError, PolicyError
+from ..core.warn import warn_once
 from ..tables.files import output_file_problem, output_folder_problem, write_atomic
 from . import EXIT_USAGE
 from .bootstrap import PTH_MARKER, PTH_NAME, is_site_dir, job_environment, pth_text, write_bootstrap
@@ -71,7 +71,8 @@ examples:
       then: python -m megatron_tuning coverage decisions-*.json
 
 Everything after `--` is the job, exactly as you would type it. The exit status is the job's
-(128+N when it died of signal N); 2 for a bad option; 126/127 when the command cannot run.
+(128+N when it died of signal N); 3 when a process raised DivergenceError; 2 for a bad option;
+126/127 when the command cannot run. Prove the check on your job: selftest -- <command>.
 Without a launcher (processes you do not start): python -m megatron_tuning enable, then set
 MEGATRON_TUNING_MODE. See docs/launcher.md.
 """
@@ -113,13 +114,27 @@ def run_run(args: argparse.Namespace) -> int:
         print(f"run: {flag + ': ' if flag else ''}{exc}", file=sys.stderr)
         return EXIT_USAGE
     updates[knobs.ENV_MODE] = policy.mode  # the default mode, spelled out for every process
-    bootstrap = Path(tempfile.mkdtemp(prefix="megatron_tuning_run_")) / "bootstrap"
+    return run_armed(job_argv(command), updates, "run")
+
+
+def run_armed(argv: Sequence[str], updates: Mapping[str, str], prog: str) -> int:
+    """Run the job with every Python process armed, ``updates`` set; return its exit status, or
+    ``EXIT_DIVERGENCE`` when any of its processes raised a ``DivergenceError`` (handled or not)."""
+    folder = Path(tempfile.mkdtemp(prefix="megatron_tuning_run_"))
     try:
-        environment = job_environment(write_bootstrap(bootstrap, "run"), "run")
-        environment.update(updates)
-        return run_job(job_argv(command), environment, prog="run")
+        environment = job_environment(write_bootstrap(folder / "bootstrap", "run"), "run")
+        environment.update({**updates, knobs.ENV_RESULT_DIR: str(folder)})
+        code = run_job(argv, environment, prog=prog)
+        caught = len(list(folder.glob("divergence-*")))
+        if caught:
+            print(
+                f"{prog}: {caught} process(es) of the job raised DivergenceError: ranks launched "
+                f"different configs (exit status {EXIT_DIVERGENCE})",
+                file=sys.stderr,
+            )
+        return EXIT_DIVERGENCE if caught else code
     finally:
-        shutil.rmtree(bootstrap.parent, ignore_errors=True)
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def validated_policy(updates: dict[str, str]) -> knobs.TuningPolicy:
@@ -143,22 +158,47 @@ def validated_policy(updates: dict[str, str]) -> knobs.TuningPolicy:
     return policy
 
 
-def activate() -> None:
-    """In a process of the job, at its ``import triton``: start tuning with the job's policy.
+def activate(launcher: str = "run") -> None:
+    """In a process of the job (``run``) or of an ``enable``d environment, at its ``import triton``:
+    start tuning with the job's policy.
 
-    A failure stops the process (it propagates out of ``import triton``): the user asked for
-    pinned kernels, so none may run unpinned without a word. When the job imports Triton inside
-    its own ``init_deterministic_tuning`` call, nothing is armed: that call wins.
+    A failure stops the process out of its ``import triton``, in one line when it is a bad setting
+    (exit 2): the user asked for pinned kernels, so none may run unpinned without a word. When the
+    job imports Triton inside its own ``init_deterministic_tuning`` call, that call wins.
     """
     from ..session import init_deterministic_tuning, initializing
 
     if initializing():
         return
     try:
+        if launcher == "enable" and knobs.KNOBS[knobs.ENV_MODE].read() is None:
+            knobs.warn_unknown_variables()  # a typo of the mode name would arm nothing
+            return
         init_deterministic_tuning()
     except Exception as exc:
-        print(f"megatron_tuning run: cannot pin this process's kernels, stopping it: {exc}", file=sys.stderr)
+        print(
+            f"megatron_tuning {launcher}: cannot pin this process's kernels, stopping it: {exc}",
+            file=sys.stderr,
+        )
+        if isinstance(exc, MegatronTuningError):
+            raise SystemExit(EXIT_USAGE) from None
         raise
+    interpret = os.environ.get("TRITON_INTERPRET", "").strip().lower() in knobs.TRUE_WORDS
+    if not interpret and not _gpu_driver():
+        warn_once(
+            ("no-gpu-driver",),
+            "Triton finds no GPU driver here, so launching a kernel fails with '0 active drivers'. "
+            "To run Triton kernels on the CPU, in Triton's interpreter, set TRITON_INTERPRET=1.",
+        )
+
+
+def _gpu_driver() -> bool:
+    from triton.backends import backends
+
+    try:
+        return any(backend.driver.is_active() for backend in backends.values())
+    except Exception:  # noqa: BLE001 - a backend that cannot tell: let Triton say what is wrong
+        return True
 
 
 # --------------------------------------------------------------------------- enable / disable
@@ -267,8 +307,13 @@ def job_command(args: argparse.Namespace, prog: str, example: str) -> list[str] 
 
 
 def job_argv(command: Sequence[str]) -> list[str]:
-    """The argv to start for ``command``: scripts and ``-m`` get this interpreter."""
-    return [sys.executable, *command] if command[0].endswith(".py") or command[0] == "-m" else list(command)
+    """The argv to start for ``command``: scripts and ``-m`` get this interpreter; ``python`` and
+    ``torchrun`` are those next to it when it has them (its virtualenv's), else PATH's."""
+    if command[0].endswith(".py") or command[0] == "-m":
+        return [sys.executable, *command]
+    beside = os.path.join(os.path.dirname(sys.executable), command[0])
+    mine = command[0] in ("python", "python3", "torchrun") and os.access(beside, os.X_OK)
+    return [beside if mine else command[0], *command[1:]]
 
 
 def command_problem(argv: Sequence[str], env: Mapping[str, str]) -> tuple[int, str] | None:
@@ -291,11 +336,7 @@ def command_problem(argv: Sequence[str], env: Mapping[str, str]) -> tuple[int, s
 
 
 def run_job(argv: Sequence[str], env: Mapping[str, str], prog: str) -> int:
-    """Run the job to its end; return the status a shell would report (messages prefixed ``prog``).
-
-    SIGTERM, SIGHUP, SIGUSR1 and SIGUSR2 sent to the launcher are passed on; Ctrl-C and Ctrl-\\
-    reach the job from the terminal directly, so they are ignored here while it runs.
-    """
+    """Run the job to its end; return the status a shell would report (messages prefixed ``prog``)."""
     problem = command_problem(argv, env)
     if problem is not None:
         print(f"{prog}: {problem[1]}", file=sys.stderr)
@@ -305,8 +346,7 @@ def run_job(argv: Sequence[str], env: Mapping[str, str], prog: str) -> int:
     except OSError as exc:  # vanished since the check, or a bad #! interpreter
         print(f"{prog}: cannot run {argv[0]!r}: {exc.strerror or exc}", file=sys.stderr)
         return EXIT_NOT_FOUND if isinstance(exc, FileNotFoundError) else EXIT_CANNOT_EXECUTE
-    with _signals_passed_to(process):
-        code = process.wait()
+    code = _wait_passing_signals(process)
     if code >= 0:
         return code
     try:
@@ -317,28 +357,34 @@ def run_job(argv: Sequence[str], env: Mapping[str, str], prog: str) -> int:
     return 128 - code
 
 
-@contextmanager
-def _signals_passed_to(process: subprocess.Popen[bytes]) -> Iterator[None]:
-    if threading.current_thread() is not threading.main_thread():
-        yield  # handlers can only be set from the main thread: the child still gets terminal signals
-        return
+def _wait_passing_signals(process: subprocess.Popen[bytes]) -> int:
+    """Wait for the job, passing on each signal a program sends the launcher (``kill``: SIGINT from
+    a scheduler or a notebook, SIGTERM...). What the terminal sends (Ctrl-C, Ctrl-\\, hang-up) has
+    reached the job's process group already: ``si_code`` tells them apart, so none arrives twice."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "sigtimedwait"):
+        return process.wait()  # signals can only be taken from the main thread
+    names = ("SIGINT", "SIGQUIT", "SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2")
+    passed = {getattr(signal, name) for name in names}
 
-    def forward(number: int, frame: object) -> None:
+    def forward(number: int, frame: object) -> None:  # delivered to another thread: sender unknown
         if process.poll() is None:
             process.send_signal(number)
 
-    handlers = {"SIGTERM": forward, "SIGHUP": forward, "SIGUSR1": forward, "SIGUSR2": forward}
-    handlers.update({"SIGINT": signal.SIG_IGN, "SIGQUIT": signal.SIG_IGN})  # type: ignore[dict-item]
-    saved = {
-        getattr(signal, n): signal.signal(getattr(signal, n), h)
-        for n, h in handlers.items()
-        if hasattr(signal, n)
-    }
+    saved = {number: signal.signal(number, forward) for number in passed}
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, passed | {signal.SIGCHLD})
     try:
-        yield
+        while process.poll() is None:
+            info = signal.sigtimedwait(passed | {signal.SIGCHLD}, 0.5)
+            # si_code <= 0: sent by a process (SI_USER, SI_QUEUE, SI_TKILL); > 0: by the kernel (a tty)
+            if info is not None and info.si_signo in passed and info.si_code <= 0 and process.poll() is None:
+                process.send_signal(info.si_signo)
+        while signal.sigtimedwait(passed, 0) is not None:
+            pass  # arrived as the job ended: nobody left to pass them to
     finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         for number, handler in saved.items():
             signal.signal(number, handler)
+    return process.returncode
 
 
 # --------------------------------------------------------------------------- audit

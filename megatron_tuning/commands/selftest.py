@@ -5,6 +5,7 @@ must agree and match torch with no alarm; ``chaos`` must raise one ``DivergenceE
 rank. It exits 0 only when both behave: "no error" alone cannot tell a working detector from a
 blind one. Each rank writes a JSON result the parent reads (no log scraping); ``--show`` prints
 what each phase launched and where its config came from (the README's demo, ``scripts/demo.sh``).
+``selftest -- <command>`` does the same for the user's own job, run as ``run`` runs it (``_your_job``).
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from ..core.decisions import CHAOS_NO_OTHER_CONFIG
-from ..core.policy import AGREEMENT_MODES, MAX_AGREEMENT_TIMEOUT_S
+from ..core.errors import EXIT_DIVERGENCE
+from ..core.policy import AGREEMENT_MODES, ENV_MODE, MAX_AGREEMENT_TIMEOUT_S
 from ..tables.files import write_atomic
 
 KERNEL_MODULE = "megatron_tuning.kernels"
@@ -76,10 +78,15 @@ def add_selftest(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--keep", metavar="DIR", default=None, help="write per-rank results and torchrun output under DIR"
     )
+    from .launch import add_job_argument
+
+    add_job_argument(parser, "your own job after `--` (as for `run`): run deterministic, then chaos")
 
 
 def run_selftest(args: argparse.Namespace) -> int:
     """Run both jobs and print a report; 0 when deterministic passed and chaos was detected."""
+    if args.job:
+        return _your_job(args.job[1:] if args.job[0] == "--" else args.job)
     import torch
 
     interpret = args.interpret or not torch.cuda.is_available()
@@ -114,6 +121,30 @@ def run_selftest(args: argparse.Namespace) -> int:
         # A temp root goes unless a finished run failed: then its logs are what the user needs.
         if not args.keep and passed is not False:
             shutil.rmtree(root, ignore_errors=True)
+
+
+def _your_job(command: list[str]) -> int:
+    """The user's job under ``run``'s launcher, deterministic then chaos: 0 only when the first exits
+    0 and in the second some process raised a ``DivergenceError`` (run_armed counts them)."""
+    from .launch import job_argv, run_armed
+
+    print(f"megatron_tuning selftest: your job, deterministic then chaos: {' '.join(command)}", flush=True)
+    code = run_armed(job_argv(command), {ENV_MODE: "deterministic"}, "selftest")
+    if code != 0:
+        print(f"selftest FAILED: the deterministic run exited {code}; it must pass first.", file=sys.stderr)
+        return 1
+    code = run_armed(job_argv(command), {ENV_MODE: "chaos"}, "selftest")
+    if code != EXIT_DIVERGENCE:
+        print(
+            f"selftest FAILED: chaos could not fire (the chaos run exited {code} and no process raised "
+            "DivergenceError). Chaos plants a difference only in an in-scope autotuned kernel with two or "
+            "more configs, launched with one key on two or more ranks, with the agreement check on: this "
+            "job has no such launch, so nothing proves the check works for it.",
+            file=sys.stderr,
+        )
+        return 1
+    print("selftest passed: the deterministic run agreed and chaos was detected in your job.")
+    return 0
 
 
 def _launch(args: argparse.Namespace, mode: str, folder: str, interpret: bool) -> dict[str, Any]:

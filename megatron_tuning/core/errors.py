@@ -4,7 +4,11 @@ them from their fields, so they survive multiprocessing and elastic error files.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
+
+EXIT_DIVERGENCE = 3
+"""Exit status of a process that died of (or noticed at exit) a ``DivergenceError``, and of a ``run``
+job any of whose processes raised one; Python itself uses 1 and 2 (docs/agreement.md)."""
 
 
 class MegatronTuningError(Exception):
@@ -142,14 +146,20 @@ class NumericsError(MegatronTuningError, RuntimeError):
 
 
 class DivergenceError(MegatronTuningError, RuntimeError):
-    """Ranks launched different configs for the same (kernel, key); ``signatures``: rank -> config."""
+    """Ranks launched different configs for the same (kernel, key); ``signatures``: rank -> config.
+    ``planted``: chaos mode made them differ on purpose."""
 
-    def __init__(self, kernel: str, key: str, signatures: Mapping[int, str], detail: str = "") -> None:
-        self.kernel, self.key, self.detail = kernel, key, detail
+    raised: ClassVar[int] = 0
+    """How many this process built (each one is raised): what tells a launcher the check fired."""
+
+    def __init__(
+        self, kernel: str, key: str, signatures: Mapping[int, str], detail: str = "", planted: bool = False
+    ) -> None:
+        self.kernel, self.key, self.detail, self.planted = kernel, key, detail, bool(planted)
         self.signatures = {int(r): s for r, s in signatures.items()}
-        self._init(
-            _divergence_message(kernel, key, self.signatures, detail), kernel, key, self.signatures, detail
-        )
+        DivergenceError.raised += 1
+        message = _divergence_message(kernel, key, self.signatures, detail, self.planted)
+        self._init(message, kernel, key, self.signatures, detail, self.planted)
 
 
 class ConsensusError(MegatronTuningError, RuntimeError):
@@ -218,7 +228,9 @@ class StoreError(MegatronTuningError, RuntimeError):
         )
 
 
-def _divergence_message(kernel: str, key: str, signatures: Mapping[int, str], detail: str) -> str:
+def _divergence_message(
+    kernel: str, key: str, signatures: Mapping[int, str], detail: str, planted: bool
+) -> str:
     groups: dict[str, list[int]] = {}
     for rank in sorted(signatures):
         groups.setdefault(signatures[rank], []).append(rank)
@@ -230,7 +242,10 @@ def _divergence_message(kernel: str, key: str, signatures: Mapping[int, str], de
     if detail:
         lines.append(f"  {detail}")
     lines.append(
-        "  Pin this kernel with a tuning table (MEGATRON_TUNING_TABLE) or make every rank use the "
+        "  Planted by chaos mode (ranks pick different configs on purpose): the check works and "
+        "nothing needs fixing."
+        if planted
+        else "  Pin this kernel with a tuning table (MEGATRON_TUNING_TABLE) or make every rank use the "
         "same policy and table."
     )
     return "\n".join(lines)

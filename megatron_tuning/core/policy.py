@@ -219,6 +219,7 @@ ENV_AUDIT_DIR = _knob(
 ENV_LAUNCHER = _knob(
     "LAUNCHER", _words(("run", "tune", "audit"), "launcher"), None, "internal: the launcher of this job"
 )
+ENV_RESULT_DIR = _knob("RESULT_DIR", _text, None, "internal: where `run`'s processes report a divergence")
 
 
 def read_knob(name: str) -> Any:

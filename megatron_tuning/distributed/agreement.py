@@ -207,6 +207,7 @@ class AgreementChecker:
 
     def _divergence(self, d: Decision, signatures: dict[int, str], detail: str) -> Exception:
         record: dict[str, Any] = {"kind": "divergence", "kernel": d.kernel, "key": d.key, "detail": detail}
+        record["planted"] = self.policy.mode == "chaos"
         record["signatures"] = {str(r): s for r, s in sorted(signatures.items())}
         # The first divergence recorded wins, so every rank raises the identical message.
         return _error_from_flag(self._flag(record))
@@ -237,7 +238,8 @@ class AgreementChecker:
                 f" Ranks reached different kernels at this check ({'; '.join(elsewhere)}): allgather needs "
                 "identical kernels in identical order; use agreement 'store' otherwise."
             )
-        raise DivergenceError(texts[0][0], texts[0][1], {self.ranks[i]: texts[i][2] for i in same}, detail)
+        signatures = {self.ranks[i]: texts[i][2] for i in same}
+        raise DivergenceError(texts[0][0], texts[0][1], signatures, detail, self.policy.mode == "chaos")
 
 
 def _error_from_flag(record: Mapping[str, Any]) -> Exception:
@@ -259,6 +261,7 @@ def _error_from_flag(record: Mapping[str, Any]) -> Exception:
         kv.field(record, "key", str, what),
         signatures,
         kv.field(record, "detail", str, what),
+        record.get("planted") is True,
     )
 
 

@@ -122,7 +122,8 @@ def verify_agreement(group: Any = None, *, timeout_s: float | None = None) -> in
     found = _compare_sharded(table, idents, me in weight, weight, len(ranks), group)
     shared, differing, named = found
     if differing:
-        raise _divergence(named, differing, shared, table, weight, groups, ranks, group)
+        planted = policy is not None and policy.mode == "chaos"
+        raise _divergence(named, differing, shared, table, weight, groups, ranks, group, planted)
     return _agreed(shared, ranks, late_error)
 
 
@@ -189,6 +190,7 @@ def _divergence(
     groups: dict[bytes, list[int]],
     ranks: list[int],
     group: Any,
+    planted: bool,
 ) -> DivergenceError:
     """Every rank builds the same error from texts the representatives broadcast."""
     short = {ident[:16]: ident for ident in table}
@@ -233,7 +235,7 @@ def _divergence(
         lines.append(f"  Also kernel {other_kernel} with key {other_key}: {listing}")
     if total > len(named):
         lines.append(f"  ... and {total - len(named)} more.")
-    return DivergenceError(kernel, key, signatures, "\n".join(lines))
+    return DivergenceError(kernel, key, signatures, "\n".join(lines), planted)
 
 
 def _ranks_text(ranks: list[int]) -> str:

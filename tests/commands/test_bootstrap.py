@@ -25,7 +25,8 @@ PROBE = textwrap.dedent("""
     if "--import-triton" in sys.argv:
         import triton
         from megatron_tuning.runtime import interception
-        print("after triton: installed", interception.installed(), interception.current_policy().mode)
+        policy = interception.current_policy()
+        print("after triton: installed", interception.installed(), getattr(policy, "mode", None))
 """)
 
 
@@ -62,9 +63,9 @@ def test_run_stops_a_process_it_cannot_arm(tmp_path: Path, monkeypatch: MonkeyPa
         text=True,
         timeout=120,
     )
-    assert done.returncode == 1 and "after triton" not in done.stdout
+    assert done.returncode == 2 and "after triton" not in done.stdout
     assert "megatron_tuning run: cannot pin this process's kernels, stopping it" in done.stderr
-    assert "RANK='first'" in done.stderr
+    assert "RANK='first'" in done.stderr and "Traceback" not in done.stderr
 
 
 # -- the .pth line --------------------------------------------------------------------------------
@@ -186,3 +187,32 @@ def test_a_job_that_starts_its_own_session_replaces_the_armed_one(
     assert cli.main(["run", "--mode", "deterministic", "--", str(tmp_path / "own.py")]) == 0
     # The armed session was closed (its hook gone), not left behind half-replaced.
     assert "policy: chaos hooks of the active session: [True]" in capfd.readouterr().out
+
+
+def test_the_pth_names_a_misspelt_variable_and_arms_nothing(tmp_path: Path) -> None:
+    done = _with_pth(tmp_path, bootstrap.pth_text("p"), "--import-triton", MEGATRON_TUNING_MOD="auto")
+    assert done.returncode == 0, done.stderr
+    assert "after triton: installed False" in done.stdout
+    assert "MEGATRON_TUNING_MOD is set but is not a megatron_tuning setting" in done.stderr
+    assert "Did you mean MEGATRON_TUNING_MODE?" in done.stderr
+
+
+def test_a_bad_value_under_enable_stops_the_process_in_one_line_naming_enable(tmp_path: Path) -> None:
+    done = _with_pth(tmp_path, bootstrap.pth_text("p"), "--import-triton", MEGATRON_TUNING_MODE="fast")
+    assert done.returncode == 2 and "after triton" not in done.stdout
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert (
+        done.stderr.startswith("megatron_tuning enable: cannot pin this process's kernels")
+        and "'fast'" in done.stderr
+    )
+
+
+def test_without_a_gpu_driver_the_notice_names_triton_interpret(tmp_path: Path) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU driver is present")
+    extra = {"MEGATRON_TUNING_MODE": "deterministic", "TRITON_INTERPRET": "0"}
+    done = _with_pth(tmp_path, bootstrap.pth_text("p"), "--import-triton", **extra)
+    assert "after triton: installed True" in done.stdout, done.stderr
+    assert "set TRITON_INTERPRET=1" in done.stderr

@@ -251,13 +251,14 @@ def test_a_job_killed_by_a_signal_exits_128_plus_n_and_says_so(
     assert code == 137 and "the job was killed by SIGKILL (exit status 137)" in err
 
 
-def test_sigterm_to_the_launcher_reaches_the_job(tmp_path: Path) -> None:
+@pytest.mark.parametrize("name", ["SIGTERM", "SIGINT"])  # SIGINT: a scheduler's or a notebook's
+def test_a_signal_a_program_sends_the_launcher_reaches_the_job(tmp_path: Path, name: str) -> None:
     ready = tmp_path / "ready"
     job = _script(
         tmp_path,
         f"""
         import signal, sys, time
-        signal.signal(signal.SIGTERM, lambda *a: sys.exit(42))
+        signal.signal(signal.{name}, lambda *a: sys.exit(42))
         open({str(ready)!r}, "w").close()
         time.sleep(60)
         """,
@@ -277,12 +278,63 @@ def test_sigterm_to_the_launcher_reaches_the_job(tmp_path: Path) -> None:
 
             time.sleep(0.05)
         assert ready.exists(), process.stderr.read() if process.stderr else ""
-        process.send_signal(signal.SIGTERM)
+        process.send_signal(getattr(signal, name))
         assert process.wait(timeout=30) == 42  # the job's handler ran: the signal was passed on
     finally:
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def test_the_users_pythonpath_comes_before_the_checkout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """The checkout's own ``tests`` package must not shadow the user's."""
+    package = tmp_path / "lib" / "tests"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "helpers.py").write_text("WHO = 'the user'\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "lib"))
+    code, out, err = _main(capfd, "--", _script(tmp_path, "from tests.helpers import WHO\nprint(WHO)\n"))
+    assert code == 0 and "the user" in out, err
+
+
+def test_torchrun_and_python_resolve_beside_the_interpreter_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from megatron_tuning.commands.launch import job_argv
+
+    for folder in ("venv", "elsewhere"):
+        (tmp_path / folder).mkdir()
+        for name in ("python", "torchrun"):
+            (tmp_path / folder / name).write_text("#!/bin/sh\n")
+            (tmp_path / folder / name).chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "venv" / "python"))
+    monkeypatch.setenv("PATH", f"{tmp_path / 'elsewhere'}{os.pathsep}{os.environ['PATH']}")
+    assert job_argv(["torchrun", "--standalone", "x.py"]) == [
+        str(tmp_path / "venv" / "torchrun"),
+        "--standalone",
+        "x.py",
+    ]
+    assert job_argv(["python", "-c", "0"])[0] == str(tmp_path / "venv" / "python")
+    (tmp_path / "venv" / "torchrun").unlink()
+    assert job_argv(["torchrun", "x.py"])[0] == "torchrun"  # none beside it: PATH's
+
+
+def test_a_divergence_makes_the_process_and_the_run_exit_3(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Distinct from a crash (1), so CI need not grep; `run` also counts one the job caught."""
+    error = 'DivergenceError("m:k", "n=1", {0: "BLOCK=16", 1: "BLOCK=32"})'
+    imports = "from megatron_tuning.core.errors import DivergenceError\n"
+    died = _script(tmp_path, f"{imports}raise {error}\n")
+    done = subprocess.run([sys.executable, died], env=_env(tmp_path), capture_output=True, text=True)
+    assert done.returncode == 3 and "DivergenceError" in done.stderr
+    caught = _script(
+        tmp_path, f"{imports}try:\n    raise {error}\nexcept DivergenceError:\n    pass\n", "c.py"
+    )
+    code, _, err = _main(capfd, "--", caught)
+    assert code == 3 and "1 process(es) of the job raised DivergenceError" in err
 
 
 @pytest.mark.parametrize(

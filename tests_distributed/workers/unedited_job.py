@@ -3,7 +3,9 @@
 training scripts do, launches one kernel on three sizes, and writes ``<out>/rank<r>.json`` with
 the error it hit, if any, for ``tests_distributed/test_launcher_torchrun.py`` to judge. With
 ``--pipeline``, rank 0 launches nothing until the last rank has launched its kernels and sent it
-a tensor, as a later pipeline stage waits for an earlier one.
+a tensor, as a later pipeline stage waits for an earlier one. With ``--own-sizes`` each rank
+launches sizes no other rank reaches (chaos cannot differ); with ``--keep-group`` the group
+outlives the job's code (a check at close can run).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ def main() -> int:
         dist.recv(torch.zeros(1), src=last)  # no kernel launched (no tuning session) until then
     for n in SIZES:
         try:
-            run("add", n)
+            run("add", n + rank if "--own-sizes" in sys.argv else n)
         except Exception as error:  # what the user would see: kept for the test
             result["error"], result["message"] = type(error).__name__, str(error)
             break
@@ -40,7 +42,8 @@ def main() -> int:
     dist.barrier()
     with open(os.path.join(out, f"rank{rank}.json"), "w") as handle:
         json.dump(result, handle)
-    dist.destroy_process_group()
+    if "--keep-group" not in sys.argv:
+        dist.destroy_process_group()
     return 0
 
 
