@@ -162,8 +162,7 @@ def pick_neighbour(key: str, signatures: Mapping[str, str]) -> str | None:
     if not ordered:
         return None
     nearest = ordered[0]
-    target = key_shape(key)
-    nearest_shape = key_shape(nearest)
+    target, nearest_shape = key_shape(key), key_shape(nearest)
     if target is None or nearest_shape is None or side_of(target, nearest_shape) != 1:
         return nearest
     for candidate in ordered[1:]:  # nearest first: the first entry below is the lower bracket

@@ -79,25 +79,17 @@ def _warn_at_caller(text: str) -> None:
         frame = frame.f_back
     # No ``module_globals``: asking a module's loader for its source raises ImportError for a
     # script run with ``python -m`` (``__main__``); the source line is read from the file instead.
-    warnings.warn_explicit(
-        text,
-        TuningWarning,
-        frame.f_code.co_filename,
-        frame.f_lineno,
-        module=str(frame.f_globals.get("__name__", "<unknown>")),
-        registry={},
-    )
+    module, where = str(frame.f_globals.get("__name__", "<unknown>")), frame.f_code.co_filename
+    warnings.warn_explicit(text, TuningWarning, where, frame.f_lineno, module=module, registry={})
 
 
 class _StderrUnlessConfigured(logging.Handler):
     """Writes the package's log records to stderr while no other handler would receive them."""
 
     def emit(self, record: logging.LogRecord) -> None:
-        if _configured_elsewhere(record.name):
-            return  # the application's handlers get the record through propagation
         stream = sys.stderr  # looked up now: tests and launchers replace sys.stderr
-        if stream is None:
-            return
+        if stream is None or _configured_elsewhere(record.name):
+            return  # no stderr, or the application's handlers get the record (propagation)
         try:
             stream.write(self.format(record) + "\n")
             stream.flush()

@@ -44,11 +44,8 @@ def group_ranks(group: Any) -> list[int]:
 
 
 def scope_id(group: Any, ranks: Sequence[int]) -> str:
-    return (
-        "world"
-        if group is None
-        else "g" + hashlib.sha256(",".join(map(str, ranks)).encode()).hexdigest()[:16]
-    )
+    digest = hashlib.sha256(",".join(map(str, ranks)).encode()).hexdigest()[:16]
+    return "world" if group is None else "g" + digest
 
 
 def job_namespace() -> str:
@@ -79,12 +76,9 @@ def request(what: str, call: Callable[[], T]) -> T:
         raise StoreError(what, f"the job's store failed ({type(exc).__name__}: {exc})") from exc
     elapsed = time.monotonic() - start
     if elapsed > SLOW_REQUEST_S:
-        warn_once(
-            ("slow-store", re.sub(r"[#\d]+", "", what.split(" of ", 1)[0])),
-            "a request to the job's store for %s took %.1f s: the store host may be overloaded or paused",
-            what,
-            elapsed,
-        )
+        purpose = re.sub(r"[#\d]+", "", what.split(" of ", 1)[0])
+        message = "a request to the job's store for %s took %.1f s: its host may be overloaded or paused"
+        warn_once(("slow-store", purpose), message, what, elapsed)
     return result
 
 
@@ -265,11 +259,7 @@ class StoreConsensus:
 
     def is_local(self, origin: str | None) -> bool:
         """Whether a table hit came from this rank's own ``auto`` cache (then it is proposed)."""
-        return (
-            origin is not None
-            and self.local_cache is not None
-            and os.path.realpath(origin) == self.local_cache
-        )
+        return origin is not None and os.path.realpath(origin) == self.local_cache
 
     def lookup(self, kernel: str, key: str, arch: str) -> Published | None:
         """The decision published for (arch, kernel, key), or ``None``; one request, never waits."""

@@ -97,9 +97,8 @@ def warn_if_unsupported(policy: TuningPolicy) -> None:
     """One warning per process when compiled launches of in-scope kernels cannot be pinned."""
     if _unsupported is None or policy.mode in PASS_THROUGH_MODES:
         return
-    strict = (
-        ", or set MEGATRON_TUNING_STRICT=1 to fail on them" if "benchmark_all_configs" in _originals else ""
-    )
+    tripwire = "benchmark_all_configs" in _originals  # then strict mode can fail on them
+    strict = ", or set MEGATRON_TUNING_STRICT=1 to fail on them" if tripwire else ""
     warn_once(
         ("inductor-unsupported", torch_version(), _unsupported),
         "megatron_tuning: torch %s cannot be intercepted (%s): in-scope @triton.autotune kernels "
@@ -122,9 +121,8 @@ def _hopifier_class() -> tuple[Any, str]:
         return None, "TritonHOPifier.call_triton_kernel is missing"
     if list(inspect.signature(method).parameters) != HOOK_PARAMETERS:
         return None, f"TritonHOPifier.call_triton_kernel{inspect.signature(method)} changed"
-    subclasses = [getattr(tkw, "TracingTritonHOPifier", None)]
     dynamo = sys.modules.get("torch._dynamo.variables.functions")  # not imported for this (~1 s)
-    subclasses.append(getattr(dynamo, "DynamoTritonHOPifier", None))
+    subclasses = [getattr(tkw, "TracingTritonHOPifier", None), getattr(dynamo, "DynamoTritonHOPifier", None)]
     overriding = [c.__name__ for c in subclasses if c is not None and "call_triton_kernel" in c.__dict__]
     if overriding:
         return None, f"{', '.join(overriding)} overrides call_triton_kernel"
@@ -174,9 +172,8 @@ def _make_call_triton_kernel(original: Any) -> Any:
         except MegatronTuningError as error:
             if tx is None:  # wrap_triton / make_fx tracing: the error reaches the caller as is
                 raise
-            # Dynamo would rewrap it as InternalTorchDynamoError. A graph break runs this launch
-            # eagerly instead, where the same decision raises it unwrapped (fullgraph=True
-            # reports the message as Unsupported).
+            # Dynamo would rewrap it as InternalTorchDynamoError; a graph break runs the launch eagerly,
+            # where the same decision raises it unwrapped (fullgraph=True reports it as Unsupported).
             self.raise_unsupported(f"megatron_tuning: {type(error).__name__}: {error}")
         if config is not None:  # else (deferred) the node keeps every config
             kernel.best_config = config

@@ -270,14 +270,8 @@ def locked(
         try:
             lock.acquire(timeout=0)
         except filelock.Timeout:
-            logger.log(
-                wait_level,
-                "waiting up to %gs for %s (held by %s) before writing %s",
-                timeout_s,
-                lock_path,
-                describe_holders(lock_path),
-                name,
-            )
+            message = "waiting up to %gs for %s (held by %s) before writing %s"
+            logger.log(wait_level, message, timeout_s, lock_path, describe_holders(lock_path), name)
             lock.acquire(timeout=timeout_s)
     except filelock.Timeout:
         raise error(
