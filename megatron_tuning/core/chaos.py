@@ -18,8 +18,7 @@ from .identity import config_signature, current_rank, kernel_id, tuning_key
 
 
 def chaos_index(kernel: str, key: str, rank: int, count: int) -> int:
-    """Position that the rank formula picks among ``count`` distinct configs: ranks fewer than
-    ``count`` apart get different positions; ranks a multiple of ``count`` apart the same one."""
+    """The rank formula's position among ``count`` distinct configs (ranks fewer apart differ)."""
     offset = int(hashlib.sha256(f"{kernel}\n{key}".encode()).hexdigest()[:8], 16)
     return (rank + offset) % count
 
