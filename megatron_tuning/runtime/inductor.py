@@ -81,7 +81,7 @@ def _patch_tripwire() -> None:
         original = CachingAutotuner.__dict__.get("benchmark_all_configs")
         if original is not None:
             _originals["benchmark_all_configs"] = (CachingAutotuner, original)
-            CachingAutotuner.benchmark_all_configs = _make_benchmark_all_configs(original)
+            CachingAutotuner.benchmark_all_configs = _make_benchmark_all_configs(original)  # type: ignore[method-assign]
 
 
 def unpatch() -> None:
