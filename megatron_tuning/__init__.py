@@ -61,8 +61,7 @@ def verify_agreement(group: Any = None, *, timeout_s: float | None = None) -> in
     return _verify(group, timeout_s=timeout_s)
 
 
-# Not a NullHandler: records reach stderr while the application configures no logging of its own
-# (so ``setLevel(logging.INFO)`` alone shows INFO lines); see ``core.warn``.
+# Not a NullHandler: records reach stderr until the application configures logging (core.warn).
 install_default_handler(logging.getLogger(__name__))
 
 __all__ = [

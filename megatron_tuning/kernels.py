@@ -1,14 +1,9 @@
-"""Reference Triton kernels of the demo, the selftest and the shipped tables (tests and benchmarks
-use them too).
+"""Reference Triton kernels of the demo, the selftest and the shipped tables: ``matmul`` (18 configs,
+several within noise of each other), ``splitk_matmul`` (``reset_to_zero``, ``Config.pre_hook``,
+``prune_configs_by``, ``triton.heuristics``; atomics) and ``add_one`` (launch overhead only).
 
-Importing this module decorates its kernels: do it after ``TRITON_INTERPRET`` is settled and, on
-Triton 3.3 without a GPU, after ``init_deterministic_tuning`` or inside ``lazy_benchmarker()``.
-
-- ``matmul``: an autotuned GEMM over 18 H100/H200-style configs, several within noise of each
-  other on real shapes (what makes stock autotuning pick differently);
-- ``splitk_matmul``: a split-K GEMM exercising ``reset_to_zero``, ``Config.pre_hook``,
-  ``prune_configs_by`` and ``triton.heuristics``; its atomics make some configs change output bits;
-- ``add_one``: so small that a launch costs only host overhead.
+Import it after ``TRITON_INTERPRET`` is settled and, on Triton 3.3 without a GPU, after
+``init_deterministic_tuning`` or inside ``lazy_benchmarker()`` (importing decorates the kernels).
 """
 
 from __future__ import annotations
@@ -19,8 +14,6 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
-
-# --------------------------------------------------------------------------- matmul
 
 
 def _matmul_cfg(bm: int, bn: int, bk: int, group: int, warps: int, stages: int) -> triton.Config:
@@ -126,9 +119,6 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return c
 
 
-# --------------------------------------------------------------------------- split-K matmul
-
-
 # SMs of an H100/H200 SXM; the perf model only needs a plausible wave size.
 _NUM_SMS = 132
 
@@ -188,10 +178,8 @@ def early_config_prune(
 def perf_model(
     M: int, N: int, K: int, BLOCK_M: int, BLOCK_N: int, BLOCK_K: int, SPLIT_K: int, **_: Any
 ) -> float:
-    """Static estimate (arbitrary units): waves of programs times the work of one program.
-
-    Pure and cheap on purpose: a pruning model must give every rank the same order.
-    """
+    """Static estimate (arbitrary units): waves of programs times the work of one program; pure and
+    cheap on purpose, since a pruning model must give every rank the same order."""
     programs = triton.cdiv(M, BLOCK_M) * triton.cdiv(N, BLOCK_N) * SPLIT_K
     waves = triton.cdiv(programs, _NUM_SMS)
     k_steps = triton.cdiv(K, BLOCK_K * SPLIT_K)
@@ -275,10 +263,8 @@ def splitk_grid(M: int, N: int) -> Callable[[dict[str, Any]], tuple[int, int]]:
 
 
 def splitk_matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Return ``a @ b`` in ``a.dtype``, accumulated by split-K atomics into an fp32 buffer.
-
-    ``out`` (fp32, (M, N)) reuses a buffer: whatever it holds, each config's pre_hook zeroes it.
-    """
+    """Return ``a @ b`` in ``a.dtype``, accumulated by split-K atomics into an fp32 buffer; ``out``
+    (fp32, (M, N)) reuses a buffer, whatever it holds (each config's pre_hook zeroes it)."""
     M, K = a.shape
     N = b.shape[1]
     if out is None:
@@ -288,9 +274,6 @@ def splitk_matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = N
         a, b, out, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1)
     )
     return out if a.dtype == torch.float32 else out.to(a.dtype)
-
-
-# --------------------------------------------------------------------------- add-one
 
 
 ADD_ONE_CONFIGS: list[triton.Config] = [

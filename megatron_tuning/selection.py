@@ -1,9 +1,4 @@
-"""The seed API of the selection core, in its documented home.
-
-The rules live in ``megatron_tuning.core`` (``identity``: names and keys, ``fallback``: static cost
-and nearest shape, ``choice``: choosing without measuring, ``chaos``: the positive control,
-``warn``: warn-once); this module gathers the public names.
-"""
+"""The public names of the selection rules, which live in ``megatron_tuning.core``."""
 
 from __future__ import annotations
 

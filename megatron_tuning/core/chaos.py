@@ -1,8 +1,7 @@
 """Chaos mode: a per-rank different config, on purpose, as the agreement check's positive control.
 
-A rank-only formula cannot keep every pair of ranks apart once there are more ranks than distinct
-configs, so in a job the ranks coordinate through a ``ChaosCoordinator`` (``distributed.store``):
-the first rank to reach a (kernel, key) keeps its pick and every later one launches another.
+In a job the ranks coordinate through a ``ChaosCoordinator`` (a rank formula alone cannot keep
+every pair apart): the first rank to reach a (kernel, key) keeps its pick, every later one differs.
 """
 
 from __future__ import annotations
@@ -19,8 +18,7 @@ from .identity import config_signature, current_rank, kernel_id, tuning_key
 
 
 def chaos_index(kernel: str, key: str, rank: int, count: int) -> int:
-    """Position that the rank formula picks among ``count`` distinct configs: ranks fewer than
-    ``count`` apart get different positions; ranks a multiple of ``count`` apart the same one."""
+    """The rank formula's position among ``count`` distinct configs (ranks fewer apart differ)."""
     offset = int(hashlib.sha256(f"{kernel}\n{key}".encode()).hexdigest()[:8], 16)
     return (rank + offset) % count
 
@@ -34,12 +32,8 @@ class ChaosClaim:
 
 
 class ChaosCoordinator(Protocol):
-    """What chaos mode needs from the job (``distributed.store.StoreChaos``).
-
-    ``claim``: the job's first claim for (kernel, key, arch), ours unless a rank was first; ``None``
-    without a process group. ``recall``: the last claim this process got, without store traffic
-    (inside a CUDA graph capture), so a key re-decided there launches what it did outside.
-    """
+    """What chaos mode needs from the job (``distributed.store.StoreChaos``): ``claim`` the job's first
+    claim (``None`` without a process group); ``recall`` the last one, without store traffic."""
 
     def claim(self, kernel: str, key: str, arch: str, signature: str) -> ChaosClaim | None: ...
 
@@ -56,13 +50,9 @@ def choose_chaos(
     coordinator: ChaosCoordinator | None = None,
     offline: bool = False,
 ) -> Choice:
-    """Chaos mode's pick for one rank among the *distinct* live configs, in cost order.
-
-    Without a coordinator, the rank formula (``chaos_index``). With one, the first rank to reach
-    (kernel, key) keeps its pick and every later rank launches another, so the agreement check
-    must fire whatever the layout or number of ranks. ``offline`` (CUDA graph capture): no claim,
-    the recalled one (or the rank formula) decides.
-    """
+    """Chaos mode's pick for one rank among the *distinct* live configs, in cost order: the rank
+    formula (``chaos_index``) without a coordinator, else the first claim wins and later ranks move
+    off it. ``offline`` (CUDA graph capture): the recalled claim (or the rank formula) decides."""
     if not candidates:
         raise ValueError(f"no live configs for kernel {kernel}")
     by_signature: dict[str, Any] = {}  # distinct signatures in cost order, first config of each
@@ -73,9 +63,8 @@ def choose_chaos(
         detail = f"no other distinct config (1 distinct of {len(candidates)} live)"
         return Choice(by_signature[signatures[0]], "chaos", detail, chaos=CHAOS_NO_OTHER_CONFIG)
     mine = signatures[chaos_index(kernel, key, rank, len(signatures))]
-    if coordinator is None:
-        claim = None
-    else:
+    claim = None
+    if coordinator is not None:
         claim = (
             coordinator.recall(kernel, key, arch) if offline else coordinator.claim(kernel, key, arch, mine)
         )
@@ -96,8 +85,7 @@ def choose_chaos(
 def chaos_choice(
     autotuner: Any, candidates: Sequence[Any], args: Sequence[Any], kwargs: Mapping[str, Any]
 ) -> Any:
-    """A per-rank different config, reproducible per rank: with ``n`` distinct configs, ranks fewer
-    than ``n`` apart pick differently. (In a job, chaos mode coordinates through the store instead.)
-    """
+    """A per-rank different config by the rank formula: with ``n`` distinct configs, ranks fewer than
+    ``n`` apart pick differently (in a job, chaos mode coordinates through the store instead)."""
     key = tuning_key(autotuner, args, kwargs)
     return choose_chaos(kernel_id(autotuner), key, candidates, rank=current_rank()).config

@@ -1,13 +1,10 @@
 """What a miss launches without measuring: the cheapest config by static cost, or the entry of
-the nearest tuned shape. Both are pure functions of their arguments, so every rank agrees.
+the nearest tuned shape; pure functions, so every rank agrees.
 
-Nearest shape: two keys of one kernel are *comparable* when they name the same key arguments in
-the same order, with the same dtypes, and differ only in numeric values (``True`` is not a number
-here). Distance is the sum of ``|s(a) - s(b)|`` with ``s(v) = sign(v) * log2(1 + |v|)``; ties
-break by key text. ``pick_neighbour`` prefers the lower of two bracketing entries that disagree,
-while it is at most ``BRACKET_RATIO`` times as far: a config tuned for the smaller shape keeps
-more tiles in flight as the problem grows, one tuned for the larger leaves SMs idle (measured:
-M=1536 ran the M=2048 entry's config at 90.7% of the best, RESULTS section 9).
+Keys are *comparable* when they differ only in numeric values (``True`` is not a number); distance
+is the sum of ``|s(a) - s(b)|``, ``s(v) = sign(v) * log2(1 + |v|)``. ``pick_neighbour`` prefers the
+lower of two disagreeing brackets while it is at most ``BRACKET_RATIO`` times as far: a config tuned
+for the smaller shape keeps more tiles in flight (RESULTS section 9: 90.7% of the best the other way).
 """
 
 from __future__ import annotations
@@ -27,21 +24,14 @@ _SHORT_BLOCK_NAMES = frozenset({"BM", "BN", "BK", "BD", "BH", "BT", "BS", "BC", 
 def is_block_size_name(name: str) -> bool:
     """Whether a kwarg is a tile extent: ``BLOCK_M``, ``BLOCK_SIZE_N``, ``BM``, ``XBLOCK``, ``R0_BLOCK``."""
     upper = name.upper()
-    if upper in _SHORT_BLOCK_NAMES:
-        return True
-    if "BLOCK" not in upper:
-        return False
     # Counts and groupings are not tile extents (NUM_BLOCKS, GROUP_SIZE, BLOCKS_PER_SM).
-    return not any(word in upper for word in ("NUM", "GROUP", "BLOCKS"))
+    counts = any(word in upper for word in ("NUM", "GROUP", "BLOCKS"))
+    return upper in _SHORT_BLOCK_NAMES or ("BLOCK" in upper and not counts)
 
 
 def estimate_config_cost(cfg: Any) -> tuple[int, int, int]:
-    """Static cost ``(block_cost, num_warps, num_stages)``; lower is cheaper. Never measures.
-
-    ``block_cost`` is the product of the tile extents times the pipeline stages, a proxy for
-    the shared-memory footprint (``stages * (BM*BK + BK*BN)`` for a matmul grows with it).
-    Kwargs that are not tile extents do not count; ties are broken by the caller.
-    """
+    """Static cost ``(block_cost, num_warps, num_stages)``, lower is cheaper; ``block_cost`` (tile
+    extents times stages) is a proxy for shared memory. Never measures."""
     kwargs = cfg["kwargs"] if isinstance(cfg, Mapping) else cfg.kwargs
     stages = (cfg.get("num_stages") if isinstance(cfg, Mapping) else getattr(cfg, "num_stages", 1)) or 1
     warps = (cfg.get("num_warps") if isinstance(cfg, Mapping) else getattr(cfg, "num_warps", 1)) or 1
@@ -74,12 +64,8 @@ def as_block_sizes(block_sizes: Mapping[str, int] | Iterable[tuple[str, int]]) -
 def filter_configs_by_block_sizes(
     configs: Sequence[Any], block_sizes: Mapping[str, int] | Iterable[tuple[str, int]] = ()
 ) -> list[Any]:
-    """Configs whose kwargs match every override name that these configs use.
-
-    Override names no config has are ignored (an override for one kernel family must not
-    break the others), so with no relevant names this returns ``configs`` unchanged. An
-    empty result means the override is relevant here and matches nothing.
-    """
+    """Configs whose kwargs match every override name that these configs use; names no config has
+    are ignored (an override for one kernel family must not break the others)."""
     wanted = as_block_sizes(block_sizes)
     relevant = {k: v for k, v in wanted.items() if any(k in c.kwargs for c in configs)}
     if not relevant:
@@ -93,9 +79,7 @@ def filter_configs_by_block_sizes(
     ]
 
 
-# --------------------------------------------------------------------------- nearest shape
-
-# Key text is ``name=value, name=value | arg:dtype, ...`` (``identity.tuning_key``). Values are
+# Nearest shape. Key text is ``name=value, name=value | arg:dtype, ...`` (``identity.tuning_key``). Values are
 # found between ``name=`` markers, so a value may itself hold ", " (a tuple, a string), but not
 # ", word=": such a string key argument would be read as two values.
 _VALUE_START = re.compile(r"(?:^|, )([A-Za-z_]\w*)=")
@@ -178,17 +162,14 @@ def pick_neighbour(key: str, signatures: Mapping[str, str]) -> str | None:
     if not ordered:
         return None
     nearest = ordered[0]
-    target = key_shape(key)
-    nearest_shape = key_shape(nearest)
+    target, nearest_shape = key_shape(key), key_shape(nearest)
     if target is None or nearest_shape is None or side_of(target, nearest_shape) != 1:
         return nearest
     for candidate in ordered[1:]:  # nearest first: the first entry below is the lower bracket
         shape = key_shape(candidate)
         if shape is None or side_of(target, shape) not in (-1, 0):
             continue
-        if signatures[candidate] == signatures[nearest]:
-            return nearest  # the brackets agree: nothing to choose
-        if key_distance(target, shape) <= BRACKET_RATIO * key_distance(target, nearest_shape):
-            return candidate
-        return nearest
+        agree = signatures[candidate] == signatures[nearest]  # then there is nothing to choose
+        close = key_distance(target, shape) <= BRACKET_RATIO * key_distance(target, nearest_shape)
+        return candidate if close and not agree else nearest
     return nearest

@@ -1,12 +1,8 @@
 """What the user sees: notices (``warnings``, once per cause) and diagnostics (``logging``).
 
-A *notice* is something to act on (a fallback to the cheapest config, a stale entry, a misspelt
-setting): ``warn_once`` issues a ``TuningWarning`` once per cause and policy, attributed to the
-first frame outside this library, Triton and torch, so it reaches stderr by default and standard
-filters apply (``-W "error:megatron_tuning"`` by message prefix, since ``-W`` cannot name our
-category). A *diagnostic* stays in ``logging``; ``install_default_handler`` prints it on stderr
-only while the application has configured no handler of its own (a ``NullHandler`` would hide
-it). Notices are tallied per policy so the end of a policy can count what a cause covered.
+A notice (a fallback, a stale entry, a misspelt setting) is a ``TuningWarning`` from ``warn_once``,
+attributed to the user's frame, so it reaches stderr and ``-W "error:megatron_tuning"`` filters it.
+Diagnostics go to stderr (``install_default_handler``) only while the application configures none.
 """
 
 from __future__ import annotations
@@ -18,8 +14,6 @@ import threading
 import warnings
 from collections.abc import Hashable
 from typing import Any
-
-logger = logging.getLogger(__name__)
 
 PREFIX = "megatron_tuning: "
 
@@ -74,10 +68,8 @@ def tallies(kind: str) -> dict[tuple[Any, ...], frozenset[Hashable]]:
 
 
 def _warn_at_caller(text: str) -> None:
-    """``warnings.warn`` attributed to the first frame outside this library, Triton and torch.
-
-    A fresh registry: ``warn_once`` decides repeats (reset per policy), not Python's per-location one.
-    """
+    """``warnings.warn`` attributed to the first frame outside this library, Triton and torch, with
+    a fresh registry: ``warn_once`` decides repeats (reset per policy), not Python's per location."""
     paths = (getattr(sys.modules.get(n), "__file__", None) for n in ("megatron_tuning", "triton", "torch"))
     internal = tuple(os.path.dirname(os.path.abspath(p)) + os.sep for p in paths if p)
     frame = sys._getframe(2)
@@ -87,28 +79,17 @@ def _warn_at_caller(text: str) -> None:
         frame = frame.f_back
     # No ``module_globals``: asking a module's loader for its source raises ImportError for a
     # script run with ``python -m`` (``__main__``); the source line is read from the file instead.
-    warnings.warn_explicit(
-        text,
-        TuningWarning,
-        frame.f_code.co_filename,
-        frame.f_lineno,
-        module=str(frame.f_globals.get("__name__", "<unknown>")),
-        registry={},
-    )
-
-
-# --------------------------------------------------------------------------- diagnostics
+    module, where = str(frame.f_globals.get("__name__", "<unknown>")), frame.f_code.co_filename
+    warnings.warn_explicit(text, TuningWarning, where, frame.f_lineno, module=module, registry={})
 
 
 class _StderrUnlessConfigured(logging.Handler):
     """Writes the package's log records to stderr while no other handler would receive them."""
 
     def emit(self, record: logging.LogRecord) -> None:
-        if _configured_elsewhere(record.name):
-            return  # the application's handlers get the record through propagation
         stream = sys.stderr  # looked up now: tests and launchers replace sys.stderr
-        if stream is None:
-            return
+        if stream is None or _configured_elsewhere(record.name):
+            return  # no stderr, or the application's handlers get the record (propagation)
         try:
             stream.write(self.format(record) + "\n")
             stream.flush()
@@ -129,8 +110,7 @@ def _configured_elsewhere(name: str) -> bool:
 
 
 def install_default_handler(package_logger: logging.Logger) -> None:
-    """Attach the stderr-unless-configured handler to ``package_logger`` once (re-imports must not
-    stack them)."""
+    """Attach the stderr-unless-configured handler to ``package_logger`` once (re-imports must not stack)."""
     if not any(isinstance(h, _StderrUnlessConfigured) for h in package_logger.handlers):
         handler = _StderrUnlessConfigured()
         handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))

@@ -1,11 +1,9 @@
 """The job's key-value store: one claim primitive for every first-writer-wins record, and a barrier.
 
-Every record the library keeps in the c10d store (``auto``'s decision for a key, chaos mode's
-first pick, the agreement check's claim and divergence flag, a session's inputs) is made by
-``claim``: one atomic ``compare_set`` stores ours unless a record is there and returns the winner,
-so a rank never waits for another. Records are JSON objects, never pickles, and what comes back is
-untrusted: a record the library would not write raises ``StoreError`` naming it. ``arrive`` is the
-one place a rank waits for others: a barrier with a deadline that names the missing ranks.
+Every record (``auto``'s decisions, chaos claims, the agreement check's records) is made by
+``claim``: one atomic ``compare_set`` keeps the first writer's, so a rank never waits for another.
+Records are JSON objects, never pickles, checked on the way back (``StoreError`` naming a bad one).
+``arrive`` is the one place a rank waits: a barrier with a deadline that names the missing ranks.
 """
 
 from __future__ import annotations
@@ -28,10 +26,8 @@ from ..core.errors import AgreementTimeoutError, ConsensusError, PolicyError, St
 from ..core.warn import warn_once
 
 PREFIX = "megatron_tuning/v2"
-SLOW_REQUEST_S = 5.0
-"""A store request slower than this is reported once per purpose (a paused or overloaded store)."""
-MAX_RECORD_BYTES = 1 << 20
-"""The largest record the library writes is a few KiB; anything huge is refused unread."""
+SLOW_REQUEST_S = 5.0  # a slower request is reported once per purpose (a paused or overloaded store)
+MAX_RECORD_BYTES = 1 << 20  # the largest record the library writes is a few KiB
 T = TypeVar("T")
 
 
@@ -48,11 +44,8 @@ def group_ranks(group: Any) -> list[int]:
 
 
 def scope_id(group: Any, ranks: Sequence[int]) -> str:
-    return (
-        "world"
-        if group is None
-        else "g" + hashlib.sha256(",".join(map(str, ranks)).encode()).hexdigest()[:16]
-    )
+    digest = hashlib.sha256(",".join(map(str, ranks)).encode()).hexdigest()[:16]
+    return "world" if group is None else "g" + digest
 
 
 def job_namespace() -> str:
@@ -61,8 +54,7 @@ def job_namespace() -> str:
 
 
 def identity_digest(kernel: str, key: str, arch: str) -> bytes:
-    """32-byte digest of what must agree (arch too: other GPUs may pick otherwise). JSON, so no
-    field can fake a boundary."""
+    """32-byte digest of what must agree (arch too); JSON, so no field can fake a boundary."""
     return hashlib.sha256(json.dumps([kernel, key, arch]).encode()).digest()
 
 
@@ -75,9 +67,6 @@ def prefixed(name: str, store: Any = None) -> Any:
     return dist.PrefixStore(f"{PREFIX}/{name}", store if store is not None else default_store())
 
 
-# --------------------------------------------------------------------------- requests and records
-
-
 def request(what: str, call: Callable[[], T]) -> T:
     """One store request for ``what``; a failure is a ``StoreError`` naming it, a slow one a notice."""
     start = time.monotonic()
@@ -87,12 +76,9 @@ def request(what: str, call: Callable[[], T]) -> T:
         raise StoreError(what, f"the job's store failed ({type(exc).__name__}: {exc})") from exc
     elapsed = time.monotonic() - start
     if elapsed > SLOW_REQUEST_S:
-        warn_once(
-            ("slow-store", re.sub(r"[#\d]+", "", what.split(" of ", 1)[0])),
-            "a request to the job's store for %s took %.1f s: the store host may be overloaded or paused",
-            what,
-            elapsed,
-        )
+        purpose = re.sub(r"[#\d]+", "", what.split(" of ", 1)[0])
+        message = "a request to the job's store for %s took %.1f s: its host may be overloaded or paused"
+        warn_once(("slow-store", purpose), message, what, elapsed)
     return result
 
 
@@ -150,15 +136,10 @@ def peek(store: Any, key: str, what: str) -> dict[str, Any] | None:
     return decode(raw, what) if bytes(raw if not isinstance(raw, str) else raw.encode()) else None
 
 
-# --------------------------------------------------------------------------- the barrier
-
-
 def arrive(store: Any, tag: str, rank: int, ranks: Sequence[int], what: str, timeout_s: float) -> None:
     """Return when every rank of ``ranks`` arrived at ``tag``; past ``timeout_s`` name the missing ones.
-
-    O(1) requests per rank. All ranks settle on one verdict through ``compare_set``, so a rank
-    arriving just after the others gave up raises too instead of entering a collective alone.
-    """
+    O(1) requests per rank; all ranks settle one verdict through ``compare_set``, so a rank arriving
+    just after the others gave up raises too instead of entering a collective alone."""
     count = len(ranks)
     request(what, lambda: store.append(f"{tag}/in", f"{rank},"))
     if request(what, lambda: store.add(f"{tag}/n", 1)) >= count:
@@ -180,13 +161,9 @@ def arrive(store: Any, tag: str, rank: int, ranks: Sequence[int], what: str, tim
         raise AgreementTimeoutError(what, missing, timeout_s)
 
 
-# --------------------------------------------------------------------------- chaos and auto
-
-
 class StoreChaos:
     """Chaos mode's coordinator (``core.chaos.ChaosCoordinator``): the job's first pick per key.
-    Binds to the process group at its first claim, so one made before ``init_process_group``
-    coordinates once the group exists."""
+    Binds to the process group at its first claim (it may be made before ``init_process_group``)."""
 
     _sessions = 0
     _recalled: dict[tuple[str, str, str], ChaosClaim] = {}
@@ -229,9 +206,9 @@ class StoreChaos:
             return StoreChaos._recalled.get((kernel, key, arch))
 
 
+# ``auto`` keeps its decisions in the job's store up to this many ranks (RESULTS.md: the store's
+# work at the cap); larger jobs tune on one node and run ``deterministic``.
 AUTO_MAX_RANKS = 256
-"""``auto`` keeps its decisions in the job's store up to this many ranks (benchmarks/RESULTS.md:
-the store's work at the cap). Larger jobs tune on one node and run ``deterministic``."""
 AUTO_AT_SCALE = (
     "a table tuned on a smaller job: `python -m megatron_tuning tune --out t.msgpack -- <job on one "
     "node>` (or run `auto` there), review it (`python -m megatron_tuning show t.msgpack`), commit it, "
@@ -256,9 +233,7 @@ def start_consensus(local_cache: str | None) -> StoreConsensus | None:
 
 
 @dataclass(frozen=True, slots=True)
-class Published:
-    """A decision as the job's store holds it."""
-
+class Published:  # a decision as the job's store holds it
     config: dict[str, Any]
     signature: str
     rank: int
@@ -266,11 +241,8 @@ class Published:
 
 class StoreConsensus:
     """``auto``'s decisions shared by the job: one config per (arch, kernel, key), first writer wins.
-
-    A rank that misses looks up the job's decision and adopts it, else tunes and publishes. A hit
-    in this rank's own cache (``local_cache``) is published like a tuned result: caches are per
-    node, and ranks with different caches must still launch one config per key.
-    """
+    A miss adopts the job's decision, else tunes and publishes; a hit in this rank's own cache
+    (``local_cache``) is published too, so ranks whose per-node caches differ still agree."""
 
     def __init__(
         self,
@@ -287,11 +259,7 @@ class StoreConsensus:
 
     def is_local(self, origin: str | None) -> bool:
         """Whether a table hit came from this rank's own ``auto`` cache (then it is proposed)."""
-        return (
-            origin is not None
-            and self.local_cache is not None
-            and os.path.realpath(origin) == self.local_cache
-        )
+        return origin is not None and os.path.realpath(origin) == self.local_cache
 
     def lookup(self, kernel: str, key: str, arch: str) -> Published | None:
         """The decision published for (arch, kernel, key), or ``None``; one request, never waits."""

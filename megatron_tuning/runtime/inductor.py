@@ -1,31 +1,19 @@
 """The torch.compile adapter: compiled graphs launch the decided config of in-scope kernels.
 
-Inductor never calls ``Autotuner.run`` for a user ``@triton.autotune`` kernel: Dynamo turns the call
-into a kernel node, and Inductor compiles the node's whole config list into a ``CachingAutotuner``
-that benchmarks it at the graph's first run. ``patch()`` (from ``interception.install``) wraps:
-
-* ``TritonHOPifier.call_triton_kernel``, the one function (Dynamo's and ``wrap_triton``'s) that
-  builds that node. For an in-scope Autotuner under a pinning mode it makes the ``key=`` arguments
-  graph constants (a guard per value), decides through ``pinning.decide`` without measuring, and
-  hands on a one-config copy of the kernel: Inductor has nothing to benchmark, CUDA-graph replays
-  launch it too. In ``auto`` a key that needs a measurement is *deferred*: the node keeps every
-  config, and the key is decided at the first run.
-* ``CachingAutotuner.benchmark_all_configs``, that first run, on real tensors: a deferred key is
-  decided there as an eager miss is (adopted, or timed by the tuner over Inductor's launchers and
-  claimed), and Inductor keeps the decided launcher. Any other in-scope kernel benchmarked there
-  bypassed the pin (a torch that cannot be intercepted, a graph traced before ``install``): a
-  warning, or ``CompiledLaunchNotPinnedError`` under ``strict``.
-
-Dynamo and Inductor are imported only once the process uses them (the second wrap waits for the
-first trace). ``tests/runtime/test_torch_contract.py`` pins every private torch attribute used.
+Inductor never calls ``Autotuner.run``; it benchmarks a user kernel's configs at a graph's first run.
+``patch()`` wraps ``TritonHOPifier.call_triton_kernel`` (trace time: key arguments become graph
+constants, the decision is made and a one-config copy handed on; ``auto`` may defer a key) and
+``CachingAutotuner.benchmark_all_configs`` (first run: deferred keys are tuned there; any other
+in-scope kernel benchmarked there bypassed the pin: a warning, or an error under ``strict``).
+``tests/runtime/test_torch_contract.py`` pins every private torch attribute used.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import inspect
-import logging
 import re
 import sys
 import threading
@@ -38,24 +26,18 @@ from ..core.policy import TuningPolicy
 from ..core.warn import warn_once
 from . import pinning
 
-logger = logging.getLogger(__name__)
-
 # Modes whose compiled launches keep Inductor's own behaviour (nothing is pinned in them).
 PASS_THROUGH_MODES = ("off", "record")
 HOOK_PARAMETERS = ["self", "variable", "args", "kwargs", "tx"]
-_DYNAMO_HOPIFIER_MODULE = "torch._dynamo.variables.functions"
-_INDUCTOR_RUNTIME_MODULE = "torch._inductor.runtime.triton_heuristics"
 
 _lock = threading.RLock()
 _originals: dict[str, tuple[Any, Any]] = {}  # name -> (owner class, original attribute)
 _unsupported: str | None = None  # why compiled launches cannot be pinned in this process, if so
 _tls = threading.local()
 _copies: weakref.WeakKeyDictionary[Any, dict[int, tuple[Any, Any]]] = weakref.WeakKeyDictionary()
+# Kernel -> the keys ``auto`` left for Inductor's first run to tune (traced with every config).
 _deferred: weakref.WeakKeyDictionary[Any, set[Any]] = weakref.WeakKeyDictionary()
-"""Kernel -> the decision keys ``auto`` left for Inductor's first run to tune (traced with every config)."""
-_pin: Any = None
-"""``interception._pin``, handed over by ``patch``: a traced call's decision (this module cannot
-import the interception, which imports it)."""
+_pin: Any = None  # ``interception._pin``, handed over by ``patch`` (that module imports this one)
 
 
 def torch_version() -> str:
@@ -69,11 +51,8 @@ def supported() -> bool:
 
 
 def patch(pin: Any) -> None:
-    """Wrap torch's handling of user Triton kernels; a torch without it only records why.
-
-    ``pin(kernel, installation, args, kwargs, may_measure=False)`` gives a traced call's
-    config (``interception._pin``: the key's decision, made if new, filed in Triton's cache).
-    """
+    """Wrap torch's handling of user Triton kernels (``pin`` decides a traced call's config); a
+    torch without it only records why. Inductor is wrapped once imported (at the first trace)."""
     global _unsupported, _pin
     with _lock:
         _pin = pin
@@ -87,7 +66,7 @@ def patch(pin: Any) -> None:
             hopifier.call_triton_kernel = _make_call_triton_kernel(original)
         else:
             _unsupported = reason
-        if hopifier is None or _INDUCTOR_RUNTIME_MODULE in sys.modules:
+        if hopifier is None or "torch._inductor.runtime.triton_heuristics" in sys.modules:
             _patch_tripwire()
 
 
@@ -95,11 +74,14 @@ def _patch_tripwire() -> None:
     with _lock:
         if "benchmark_all_configs" in _originals:
             return
-        caching = _caching_autotuner_class()
-        if caching is not None:
-            original = caching.__dict__["benchmark_all_configs"]
-            _originals["benchmark_all_configs"] = (caching, original)
-            caching.benchmark_all_configs = _make_benchmark_all_configs(original)
+        try:  # without Inductor, compiled code cannot run user Triton kernels through it
+            from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+        except Exception:
+            return
+        original = CachingAutotuner.__dict__.get("benchmark_all_configs")
+        if original is not None:
+            _originals["benchmark_all_configs"] = (CachingAutotuner, original)
+            CachingAutotuner.benchmark_all_configs = _make_benchmark_all_configs(original)  # type: ignore[method-assign]
 
 
 def unpatch() -> None:
@@ -115,9 +97,8 @@ def warn_if_unsupported(policy: TuningPolicy) -> None:
     """One warning per process when compiled launches of in-scope kernels cannot be pinned."""
     if _unsupported is None or policy.mode in PASS_THROUGH_MODES:
         return
-    strict = (
-        ", or set MEGATRON_TUNING_STRICT=1 to fail on them" if "benchmark_all_configs" in _originals else ""
-    )
+    tripwire = "benchmark_all_configs" in _originals  # then strict mode can fail on them
+    strict = ", or set MEGATRON_TUNING_STRICT=1 to fail on them" if tripwire else ""
     warn_once(
         ("inductor-unsupported", torch_version(), _unsupported),
         "megatron_tuning: torch %s cannot be intercepted (%s): in-scope @triton.autotune kernels "
@@ -140,24 +121,12 @@ def _hopifier_class() -> tuple[Any, str]:
         return None, "TritonHOPifier.call_triton_kernel is missing"
     if list(inspect.signature(method).parameters) != HOOK_PARAMETERS:
         return None, f"TritonHOPifier.call_triton_kernel{inspect.signature(method)} changed"
-    subclasses = [getattr(tkw, "TracingTritonHOPifier", None)]
-    dynamo = sys.modules.get(_DYNAMO_HOPIFIER_MODULE)  # not imported for this check (~1 s)
-    subclasses.append(getattr(dynamo, "DynamoTritonHOPifier", None))
+    dynamo = sys.modules.get("torch._dynamo.variables.functions")  # not imported for this (~1 s)
+    subclasses = [getattr(tkw, "TracingTritonHOPifier", None), getattr(dynamo, "DynamoTritonHOPifier", None)]
     overriding = [c.__name__ for c in subclasses if c is not None and "call_triton_kernel" in c.__dict__]
     if overriding:
         return None, f"{', '.join(overriding)} overrides call_triton_kernel"
     return hopifier, ""
-
-
-def _caching_autotuner_class() -> Any:
-    try:  # without Inductor, compiled code cannot run user Triton kernels through it
-        from torch._inductor.runtime.triton_heuristics import CachingAutotuner
-    except Exception:
-        return None
-    return CachingAutotuner if "benchmark_all_configs" in CachingAutotuner.__dict__ else None
-
-
-# --------------------------------------------------------------------------- the trace-time pin
 
 
 def _make_call_triton_kernel(original: Any) -> Any:
@@ -184,11 +153,11 @@ def _make_call_triton_kernel(original: Any) -> Any:
         if not state.in_scope:
             return original(self, variable, args, kwargs, tx)
         args, kwargs = list(args), dict(kwargs)
-        for name, index in state.key_index:
+        for name, index in state.key_index:  # graph constants: a guard and a recompile per value
             if index < len(args):
-                args[index] = _specialize(variable, args[index])
+                args[index] = variable.specialize_symbolic(_realized(args[index]))
             elif name in kwargs:
-                kwargs[name] = _specialize(variable, kwargs[name])
+                kwargs[name] = variable.specialize_symbolic(_realized(kwargs[name]))
         values = tuple(_concrete(a) for a in args)
         named = {k: _concrete(v) for k, v in kwargs.items()}
         from torch.utils._python_dispatch import _disable_current_modes
@@ -203,9 +172,8 @@ def _make_call_triton_kernel(original: Any) -> Any:
         except MegatronTuningError as error:
             if tx is None:  # wrap_triton / make_fx tracing: the error reaches the caller as is
                 raise
-            # Dynamo would rewrap it as InternalTorchDynamoError. A graph break runs this launch
-            # eagerly instead, where the same decision raises it unwrapped (fullgraph=True
-            # reports the message as Unsupported).
+            # Dynamo would rewrap it as InternalTorchDynamoError; a graph break runs the launch eagerly,
+            # where the same decision raises it unwrapped (fullgraph=True reports it as Unsupported).
             self.raise_unsupported(f"megatron_tuning: {type(error).__name__}: {error}")
         if config is not None:  # else (deferred) the node keeps every config
             kernel.best_config = config
@@ -217,11 +185,6 @@ def _make_call_triton_kernel(original: Any) -> Any:
             _tls.depth -= 1
 
     return call_triton_kernel
-
-
-def _specialize(variable: Any, value: Any) -> Any:
-    """Make a key argument a constant of the graph: a guard on its value, a recompile per value."""
-    return variable.specialize_symbolic(_realized(value))
 
 
 def _realized(value: Any) -> Any:
@@ -244,11 +207,8 @@ def _concrete(value: Any) -> Any:
 
 
 def _one_config_copy(kernel: Any, config: Any) -> Any:
-    """``triton.autotune(configs=[config])`` over the kernel's own function, one per (kernel, config).
-
-    ``reset_to_zero``/``restore_value`` are kept because Inductor reads them for mutation analysis;
-    pruning hooks are not (pruning already ran in the decision).
-    """
+    """``triton.autotune(configs=[config])`` over the kernel's function, one per (kernel, config);
+    Inductor's mutation analysis reads ``reset_to_zero``/``restore_value``, pruning already ran."""
     import triton
 
     with _lock:
@@ -280,9 +240,6 @@ def _recreate(hopifier: Any, variable: Any, kernel: Any) -> Any:
     return type(variable)(kernel, None, variable.grid)
 
 
-# --------------------------------------------------------------------------- the run-time tripwire
-
-
 def _make_benchmark_all_configs(original: Any) -> Any:
     @functools.wraps(original)
     def benchmark_all_configs(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -303,9 +260,8 @@ def _make_benchmark_all_configs(original: Any) -> Any:
 
 
 def _tune_at_first_run(caching: Any, installation: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """The launcher of a key ``auto`` deferred at trace time, decided now on the real arguments as an
-    eager miss is (adopted, or timed by the tuner over Inductor's launchers and claimed: one decision
-    per key, logged, persisted, the same on every rank). ``None``: no deferred key (the tripwire's)."""
+    """The launcher of a key ``auto`` deferred at trace time, decided now as an eager miss is (timed
+    over Inductor's launchers); ``None`` when no deferred key matches."""
     names = _launcher_arg_names(caching)
     if installation.policy.mode != "auto" or names is None:
         return None
@@ -331,8 +287,7 @@ def _tune_at_first_run(caching: Any, installation: Any, args: tuple[Any, ...], k
 
 
 def _measure_launchers(measure: Any, caching: Any, args: Any, kwargs: Any, launchers: Any, *call: Any) -> Any:
-    """The tuner's ``measure`` (tie-aware, as for eager misses) over Inductor's launchers: called as
-    ``measure(autotuner, candidates, args, kwargs, kernel, key)`` with ``_Launchers`` as autotuner."""
+    """The tuner's ``measure(autotuner, candidates, args, kwargs, kernel, key)`` over Inductor's launchers."""
     candidates = call[1]
     by_options = {_options(c.all_kwargs()): launchers[config_signature(c)] for c in candidates}
     return measure(_Launchers(caching, args, kwargs, by_options), candidates, (), {}, *call[4:])
@@ -344,8 +299,7 @@ def _options(options: dict[str, Any]) -> tuple[tuple[str, str], ...]:
 
 class _Launchers:
     """What ``measure`` uses of an ``Autotuner``: ``fn.run(**config.all_kwargs())`` launches that
-    config's Inductor launcher on copies of the arguments the kernel mutates (as Inductor's own
-    benchmark does) on the current stream; ``pre_hook`` zeroes ``reset_to_zero`` copies."""
+    config's launcher on copies of the mutated arguments; ``pre_hook`` zeroes ``reset_to_zero``."""
 
     arg_names: tuple[str, ...] = ()
 
@@ -365,12 +319,18 @@ class _Launchers:
 
 
 def _report_bypass(caching_autotuner: Any, installation: Any, args: tuple[Any, ...]) -> None:
-    kernel = _original_kernel(caching_autotuner.fn)
-    if kernel is not None:
-        state = pinning.state_for(kernel, installation)
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+
+    # The user Autotuner the generated kernel copies, found in Dynamo's side table.
+    traced = _matching_kernels(caching_autotuner.fn, list(kernel_side_table.id_to_kernel.values()))
+    if traced:
+        state = pinning.state_for(traced[0], installation)
         if not state.in_scope:
             return
-        name, key = state.kernel, _key_text(kernel, caching_autotuner, args)
+        name, key = state.kernel, "?"
+        names = _launcher_arg_names(caching_autotuner)
+        with contextlib.suppress(Exception):  # a key that cannot be told still names the kernel
+            key = tuning_key(traced[0], (), dict(zip(names, args))) if names is not None else "?"
     elif installation.policy.scope:
         return  # a kernel this process never traced cannot be matched to a scope
     else:
@@ -401,13 +361,6 @@ def _body_digest(source: str) -> str | None:
     return hashlib.sha256("\n".join(line.rstrip() for line in body.strip().splitlines()).encode()).hexdigest()
 
 
-def _original_kernel(generated: Any) -> Any:
-    """The user Autotuner a generated kernel copies, found in Dynamo's side table."""
-    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
-
-    return (_matching_kernels(generated, list(kernel_side_table.id_to_kernel.values())) or [None])[0]
-
-
 def _matching_kernels(generated: Any, kernels: list[Any]) -> list[Any]:
     """The user Autotuners among ``kernels`` a generated kernel copies (same name, maybe ``_N`` added;
     the same body first), not the HOPifier's own rewrites (``key=[]``) or our copies."""
@@ -430,7 +383,7 @@ def _matching_kernels(generated: Any, kernels: list[Any]) -> list[Any]:
 
 
 def _launcher_arg_names(caching_autotuner: Any) -> list[str] | None:
-    """The names of the arguments Inductor passes a user kernel's launchers (its non-constexpr ones)."""
+    """The names of the (non-constexpr) arguments Inductor passes a user kernel's launchers."""
     try:
         names = getattr(caching_autotuner.launchers[0], "def_args", None)
         if names is None:
@@ -439,12 +392,3 @@ def _launcher_arg_names(caching_autotuner: Any) -> list[str] | None:
         return list(names)
     except Exception:  # an unexpected launcher
         return None
-
-
-def _key_text(kernel: Any, caching_autotuner: Any, args: tuple[Any, ...]) -> str:
-    """The tuning key of the launch Inductor is about to benchmark, from its launcher's arguments."""
-    names = _launcher_arg_names(caching_autotuner)
-    try:
-        return "?" if names is None else tuning_key(kernel, (), dict(zip(names, args)))
-    except Exception:  # still name the kernel
-        return "?"

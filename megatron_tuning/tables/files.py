@@ -1,10 +1,8 @@
 """Files on disk, written and read safely: atomic replace, bounded reads, locks, named errors.
 
-Every persisted artefact (tables, recordings, decision logs, tuning results) is written with
-``write_atomic`` (a crash leaves the old file or the new one; an existing output must be a regular
-file) and read with ``read_regular_file`` (regular files only, at most ``MAX_FILE_BYTES``, decoded
-within ``budget(size)``). Read-modify-writes hold ``locked`` on the file really written, so writers
-using different names for one table (a symlink and its target) exclude each other.
+Every persisted artefact is written with ``write_atomic`` (a crash leaves the old file or the new
+one) and read with ``read_regular_file`` (regular files only, at most ``MAX_FILE_BYTES``, decoded
+within ``budget(size)``). Read-modify-writes hold ``locked`` on the file really written.
 """
 
 from __future__ import annotations
@@ -65,13 +63,8 @@ def _real_output(path: str) -> str:
 
 
 def write_atomic(path: str | os.PathLike[str], payload: bytes, *, error: ErrorFactory = TableError) -> None:
-    """Temp file in the same folder, fsync, ``os.replace``, fsync the folder.
-
-    The temp name carries the pid and a random token and is created with ``O_EXCL | O_NOFOLLOW``
-    (a symlink planted at a guessed name is never followed); it starts with a dot and ends in
-    ``.tmp`` so table globs skip it. An existing ``path`` that is neither a regular file nor a
-    folder (which fails at ``os.replace``, named) is refused with ``error(path, problem)``.
-    """
+    """Temp file (``.<name>.<pid>.<random>.tmp``, ``O_EXCL | O_NOFOLLOW``) in the same folder, fsync,
+    ``os.replace``, fsync the folder. A ``path`` that is a device, FIFO or socket raises ``error``."""
     target = os.fspath(path)
     try:
         mode = os.stat(target).st_mode
@@ -158,12 +151,9 @@ def output_folder_problem(path: str) -> str | None:
 def read_regular_file(
     path: str | os.PathLike[str], *, error: ErrorFactory = TableError, max_bytes: int | None = None
 ) -> bytes:
-    """The bytes of the regular file at ``path``, at most ``max_bytes`` (default ``MAX_FILE_BYTES``).
-
-    Anything else raises ``error(path, problem)``: a missing file, a folder, a device, FIFO or
-    socket (opened non-blocking and checked with ``fstat`` before anything could block), a symlink
-    loop, a file over the limit.
-    """
+    """The bytes of the regular file at ``path``, at most ``max_bytes`` (default ``MAX_FILE_BYTES``);
+    anything else (missing, a folder, a FIFO or device: opened non-blocking and checked with
+    ``fstat`` before anything could block, a file over the limit) raises ``error(path, problem)``."""
     name = os.fspath(path)
     limit = MAX_FILE_BYTES if max_bytes is None else max_bytes
     try:
@@ -192,8 +182,7 @@ def read_regular_file(
 
 
 def broken_link_problem(path: str | os.PathLike[str]) -> str | None:
-    """Why ``path`` cannot be opened: a symlink loop, a dangling symlink or a missing file; ``None``
-    when it can be reached or the reason is another."""
+    """Why ``path`` cannot be opened (a symlink loop, a dangling symlink, a missing file), else ``None``."""
     name = os.fspath(path)
     try:
         os.stat(name)
@@ -207,7 +196,6 @@ def broken_link_problem(path: str | os.PathLike[str]) -> str | None:
 
 
 def read_table_bytes(name: str) -> bytes:
-    """A table file's bytes (``read_regular_file`` with ``TableError``)."""
     return read_regular_file(name, error=TableError)
 
 
@@ -239,12 +227,8 @@ def json_text(data: str | bytes) -> str:
 
 
 def check_json_budget(text: str, *, per_object: int = 0, size: int | None = None) -> None:
-    """Refuse JSON whose decoded form could need more than ``budget`` bytes, before parsing it.
-
-    Every value but the first follows a ``,`` or ``:`` and every container opens with a bracket,
-    so those counts bound what ``json.loads`` builds (over-counting inside strings only makes the
-    bound safer). ``per_object``: what the caller builds per container; ``size``: the file's bytes.
-    """
+    """Refuse JSON whose decoded form could need more than ``budget`` bytes, before parsing it: every
+    value but the first follows a ``,`` or ``:`` and every container opens with a bracket."""
     size = len(text) if size is None else size
     containers = text.count("[") + text.count("{")
     values = text.count(",") + text.count(":") + 1
@@ -276,14 +260,9 @@ def locked(
     error: ErrorFactory = TableError,
     wait_level: int = logging.WARNING,
 ) -> Iterator[str]:
-    """Hold ``<resolved path>.lock`` for a read-modify-write of ``path``; yields the resolved path.
-
-    ``current.msgpack -> v3.msgpack`` and ``v3.msgpack`` share one lock. A writer that has to wait
-    logs who holds it (at ``wait_level``: the auto cache, where waiting is routine, uses INFO);
-    after ``timeout_s`` it raises ``error(path, ...)`` naming the lock file and its holder.
-    filelock (>= 3.20.1, CVE-2025-68146) opens the lock with ``O_NOFOLLOW``, so a ``<table>.lock``
-    symlink planted to truncate another file fails to open; that is reported here, named.
-    """
+    """Hold ``<resolved path>.lock`` (a symlink and its target share it); yields the resolved path.
+    A writer that waits logs the holder at ``wait_level``, and raises ``error`` after ``timeout_s``.
+    filelock (>= 3.20.1, CVE-2025-68146) refuses a symlinked lock file; that is reported, named."""
     name, real = os.fspath(path), os.path.realpath(path)
     lock_path = real + ".lock"
     lock = filelock.FileLock(lock_path)
@@ -291,14 +270,8 @@ def locked(
         try:
             lock.acquire(timeout=0)
         except filelock.Timeout:
-            logger.log(
-                wait_level,
-                "waiting up to %gs for %s (held by %s) before writing %s",
-                timeout_s,
-                lock_path,
-                describe_holders(lock_path),
-                name,
-            )
+            message = "waiting up to %gs for %s (held by %s) before writing %s"
+            logger.log(wait_level, message, timeout_s, lock_path, describe_holders(lock_path), name)
             lock.acquire(timeout=timeout_s)
     except filelock.Timeout:
         raise error(

@@ -1,9 +1,7 @@
 """Persisted per-shape tuning tables: canonical msgpack on disk, a lossless JSON view.
 
 A table maps (GPU arch, kernel id, tuning-key text) to a config plus provenance. Loading is
-all-or-nothing: any problem raises one ``TableError`` naming the file, never a partly loaded
-table. ``update_table`` holds the table's lock around its read-modify-write, so concurrent
-writers never lose entries.
+all-or-nothing (one ``TableError`` naming the file); ``update_table`` writes under the table's lock.
 """
 
 from __future__ import annotations
@@ -51,8 +49,7 @@ class Table:
         return self._entries.get((arch, kernel, key))
 
     def add(self, entry: Entry, *, replace: bool = True) -> bool:
-        """Insert ``entry``; an existing one with the same ident is kept unless ``replace``.
-        Returns whether the table changed."""
+        """Insert ``entry`` (an existing one is kept unless ``replace``); return whether it changed."""
         if not isinstance(entry, Entry):
             raise TypeError(f"expected Entry, got {type(entry).__name__}")
         old = self._entries.get(entry.ident)
@@ -103,11 +100,8 @@ class Table:
         return f"Table({len(self)} entries, library_version={self.library_version!r})"
 
     def to_bytes(self, *, keep_order: bool = False) -> bytes:
-        """Canonical msgpack bytes: same content, same bytes.
-
-        ``keep_order``: rows in the order entries were added (``auto``'s cache keeps its eviction
-        order so). Every reader accepts such a file, but it is not canonical: do not commit it.
-        """
+        """Canonical msgpack bytes: same content, same bytes. ``keep_order`` (``auto``'s cache:
+        its eviction order) writes rows as added: readable, but not canonical, so not for commits."""
         rows = self.entries_in_order() if keep_order else self.entries()
         with _no_gc():
             return encode_msgpack(self.library_version, self.meta, rows)
@@ -155,11 +149,8 @@ def _no_gc() -> Iterator[None]:
 
 
 def load_table(path: str | os.PathLike[str], *, max_bytes: int | None = None) -> Table:
-    """Load a msgpack table, or the JSON view when the name ends in ``.json``.
-
-    ``max_bytes`` raises the read limit (default ``files.MAX_FILE_BYTES``) for one file known to
-    be genuine, e.g. an ``auto`` cache an older version let grow past it.
-    """
+    """Load a msgpack table, or the JSON view when the name ends in ``.json``; ``max_bytes`` raises
+    the read limit (default ``files.MAX_FILE_BYTES``) for a file known to be genuine."""
     name = os.fspath(path)
     limit = files.MAX_FILE_BYTES if max_bytes is None else max_bytes
     with contextlib.suppress(OSError):  # the reader reports missing files and odd kinds itself
@@ -190,11 +181,8 @@ def save_table(table: Table, path: str | os.PathLike[str]) -> None:
 def update_table(
     path: str | os.PathLike[str], mutate: Callable[[Table], None], *, timeout_s: float = LOCK_TIMEOUT_S
 ) -> Table:
-    """Read-modify-write ``path`` under its lock (``files.locked``); a missing file starts empty.
-
-    ``mutate`` changes the table in place. The result is stamped with this library's version and
-    written atomically if it changed (or the file did not exist); it is returned.
-    """
+    """Read-modify-write ``path`` under its lock; a missing file starts empty. ``mutate`` changes the
+    table in place; it is stamped with this version, written if it changed, and returned."""
     name = os.fspath(path)
     with locked(name, timeout_s=timeout_s):
         exists = os.path.exists(name)
