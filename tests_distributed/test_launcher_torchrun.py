@@ -123,9 +123,18 @@ def test_auto_shares_one_decision_per_key_in_an_unedited_torchrun_job(tmp_path: 
     assert [results[r]["error"] for r in range(NPROC)] == [None] * NPROC
     per_rank = [_decisions(tmp_path / f"d-{rank}.json") for rank in range(NPROC)]
     for key in {d["key"] for d in per_rank[0]}:
-        rows = [d for decisions in per_rank for d in decisions if d["key"] == key]
-        assert sorted(d["source"] for d in rows) == ["adopted", "tuned"], rows
+        rows = sorted(
+            (d for decisions in per_rank for d in decisions if d["key"] == key), key=lambda d: d["source"]
+        )
+        assert [d["source"] for d in rows] == ["adopted", "tuned"], rows
         assert len({d["signature"] for d in rows}) == 1
+        # The adopting rank caches the publisher's timings, and says whose config it launches.
+        assert rows[0]["timings"] == rows[1]["timings"] and rows[1]["timings"]["candidates"]
+        publisher = f"rank {rows[1]['rank']}"
+        assert rows[0]["origin"] == publisher
+        assert (
+            f"adopted {rows[0]['signature']} from {publisher} for _kernels:add_kernel [{key}]" in done.stderr
+        )
 
 
 def test_auto_in_a_pipeline_never_waits_for_a_rank_that_waits_for_it(tmp_path: Path) -> None:

@@ -55,7 +55,7 @@ class Decision:
     """The table file a ``table``/``nearest`` decision came from; for ``adopted``, the publisher."""
     source_hash: str | None = None
     timings: dict[str, Any] | None = None
-    """Measurement statistics for ``tuned`` / ``recorded`` decisions."""
+    """Measurement statistics for ``tuned`` / ``recorded`` decisions; for ``adopted``, the publisher's."""
     nearest_key: str | None = None
     """For ``nearest``: the key of the table entry whose config was launched."""
     matched_by: str | None = None
