@@ -65,9 +65,11 @@ def _decisions(path: Path) -> list[dict[str, Any]]:
     return [d for d in json.loads(path.read_text())["decisions"] if d["kernel"].endswith(":add_kernel")]
 
 
-def test_run_pins_every_rank_of_an_unedited_torchrun_job(tmp_path: Path) -> None:
+def test_run_pins_every_rank_of_an_unedited_torchrun_job_with_one_notice_per_job(tmp_path: Path) -> None:
     log = tmp_path / "d-{rank}.json"
-    done, results = _run_unedited(tmp_path, "--no-shipped-tables", "--decision-log", str(log))
+    done, results = _run_unedited(
+        tmp_path, "--no-shipped-tables", "--decision-log", str(log), env=("MEGATRON_TUNING_TABLES=x",)
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert [results[r]["error"] for r in range(NPROC)] == [None] * NPROC
     per_rank = [_decisions(tmp_path / f"d-{rank}.json") for rank in range(NPROC)]
@@ -76,6 +78,13 @@ def test_run_pins_every_rank_of_an_unedited_torchrun_job(tmp_path: Path) -> None
         (d["key"], d["signature"]) for d in per_rank[1]
     ]
     assert [d["rank"] for d in per_rank[1]] == [1, 1, 1]
+    # Each notice once per job (rank 0's; not the launcher's, not every rank's), at the user's frame.
+    notices = [line for line in done.stderr.splitlines() if "TuningWarning: megatron_tuning:" in line]
+    assert [line.split(": TuningWarning")[0].rsplit(":", 1)[0] for line in notices] == [
+        str(WORKERS / "_kernels.py"),  # the typo'd variable: the job's `import triton`
+        str(WORKERS / "_kernels.py"),  # the cheapest-config fallback: the launch
+        str(WORKERS / "unedited_job.py"),  # the count at exit: no frame of the job runs, so its program
+    ], notices
 
 
 def test_the_agreement_check_is_on_in_an_unedited_torchrun_job(tmp_path: Path) -> None:
