@@ -271,16 +271,9 @@ class StoreConsensus:
         return self._published(raw, kernel, key) if bytes(raw) else None
 
     def publish(
-        self,
-        kernel: str,
-        key: str,
-        arch: str,
-        config: Mapping[str, Any],
-        signature: str,
-        timings: Mapping[str, Any] | None = None,
+        self, kernel: str, key: str, arch: str, config: Mapping[str, Any], signature: str, timings: Any = None
     ) -> Published:
-        """Publish ours (with our ``timings``) unless a rank was first; return the decision every rank
-        must launch."""
+        """Publish ours (and our ``timings``) unless a rank was first; return the decision to launch."""
         name = "d/" + identity_digest(kernel, key, arch).hex()
         record = {"config": dict(config), "signature": signature, "rank": self.rank, "timings": timings}
         try:
