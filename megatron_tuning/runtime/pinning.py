@@ -425,12 +425,8 @@ def _adopt(
     """The live candidate of ``published``'s signature (so its ``Config.pre_hook`` survives)."""
     for candidate in candidates:  # position order: the first live duplicate wins
         if config_signature(candidate) == published.signature:
-            # A record naming this rank that this rank did not publish (it is adopting, so its own
-            # pick differed or it never tuned) came from elsewhere: say so rather than "this rank".
-            origin = (
-                f"rank {published.rank}" if published.rank != rank else "the job's store (names this rank)"
-            )
-            # Next to this rank's own "tuned ..." line (the tuner's progress logger), if it measured.
+            # A record naming this rank that it did not publish (it adopts) came from elsewhere.
+            origin = f"rank {published.rank}" if published.rank != rank else "the store (names this rank)"
             progress.info("adopted %s from %s for %s [%s]", published.signature, origin, kernel, key)
             return Choice(candidate, "adopted", origin)
     live = "; ".join(config_signature(c) for c in candidates) or "(none)"
