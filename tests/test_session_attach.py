@@ -116,12 +116,12 @@ def test_a_session_that_never_sees_its_group_warns_that_the_checks_never_ran(
     monkeypatch: pytest.MonkeyPatch, notices: Any
 ) -> None:
     monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("RANK", "0")  # the rank that gives a job's notices
     with megatron_tuning.init_deterministic_tuning(megatron_tuning.TuningPolicy()):
         _launch(30)
         _launch(31)
     (warning,) = notices.matching("never ran")
-    assert "agreement check never ran in this process (rank 1 of WORLD_SIZE=2)" in warning
+    assert "agreement check never ran in this process (rank 0 of WORLD_SIZE=2)" in warning
     assert "its 2 kernel decisions" in warning and "Create the process group before" in warning
     assert pinning.before_decision == []
 

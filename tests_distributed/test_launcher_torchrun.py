@@ -65,9 +65,11 @@ def _decisions(path: Path) -> list[dict[str, Any]]:
     return [d for d in json.loads(path.read_text())["decisions"] if d["kernel"].endswith(":add_kernel")]
 
 
-def test_run_pins_every_rank_of_an_unedited_torchrun_job(tmp_path: Path) -> None:
+def test_run_pins_every_rank_of_an_unedited_torchrun_job_with_one_notice_per_job(tmp_path: Path) -> None:
     log = tmp_path / "d-{rank}.json"
-    done, results = _run_unedited(tmp_path, "--no-shipped-tables", "--decision-log", str(log))
+    done, results = _run_unedited(
+        tmp_path, "--no-shipped-tables", "--decision-log", str(log), env=("MEGATRON_TUNING_TABLES=x",)
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert [results[r]["error"] for r in range(NPROC)] == [None] * NPROC
     per_rank = [_decisions(tmp_path / f"d-{rank}.json") for rank in range(NPROC)]
@@ -76,6 +78,13 @@ def test_run_pins_every_rank_of_an_unedited_torchrun_job(tmp_path: Path) -> None
         (d["key"], d["signature"]) for d in per_rank[1]
     ]
     assert [d["rank"] for d in per_rank[1]] == [1, 1, 1]
+    # Each notice once per job (rank 0's; not the launcher's, not every rank's), at the user's frame.
+    notices = [line for line in done.stderr.splitlines() if "TuningWarning: megatron_tuning:" in line]
+    assert [line.split(": TuningWarning")[0].rsplit(":", 1)[0] for line in notices] == [
+        str(WORKERS / "_kernels.py"),  # the typo'd variable: the job's `import triton`
+        str(WORKERS / "_kernels.py"),  # the cheapest-config fallback: the launch
+        str(WORKERS / "unedited_job.py"),  # the count at exit: no frame of the job runs, so its program
+    ], notices
 
 
 def test_the_agreement_check_is_on_in_an_unedited_torchrun_job(tmp_path: Path) -> None:
@@ -123,9 +132,18 @@ def test_auto_shares_one_decision_per_key_in_an_unedited_torchrun_job(tmp_path: 
     assert [results[r]["error"] for r in range(NPROC)] == [None] * NPROC
     per_rank = [_decisions(tmp_path / f"d-{rank}.json") for rank in range(NPROC)]
     for key in {d["key"] for d in per_rank[0]}:
-        rows = [d for decisions in per_rank for d in decisions if d["key"] == key]
-        assert sorted(d["source"] for d in rows) == ["adopted", "tuned"], rows
+        rows = sorted(
+            (d for decisions in per_rank for d in decisions if d["key"] == key), key=lambda d: d["source"]
+        )
+        assert [d["source"] for d in rows] == ["adopted", "tuned"], rows
         assert len({d["signature"] for d in rows}) == 1
+        # The adopting rank caches the publisher's timings, and says whose config it launches.
+        assert rows[0]["timings"] == rows[1]["timings"] and rows[1]["timings"]["candidates"]
+        publisher = f"rank {rows[1]['rank']}"
+        assert rows[0]["origin"] == publisher
+        assert (
+            f"adopted {rows[0]['signature']} from {publisher} for _kernels:add_kernel [{key}]" in done.stderr
+        )
 
 
 def test_auto_in_a_pipeline_never_waits_for_a_rank_that_waits_for_it(tmp_path: Path) -> None:

@@ -18,13 +18,14 @@ import sys
 import sysconfig
 import tempfile
 import threading
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from ..core import policy as knobs
 from ..core.errors import EXIT_DIVERGENCE, MegatronTuningError, PolicyError
-from ..core.warn import warn_once
+from ..core.warn import TuningWarning, warn_once
 from ..tables.files import output_file_problem, output_folder_problem, write_atomic
 from . import EXIT_USAGE
 from .bootstrap import PTH_MARKER, PTH_NAME, is_site_dir, job_environment, pth_text, write_bootstrap
@@ -143,7 +144,8 @@ def validated_policy(updates: dict[str, str]) -> knobs.TuningPolicy:
     from ..session import check_output_paths
     from ..tables.search import TableSet
 
-    with knobs.scoped_environ(updates):
+    with knobs.scoped_environ(updates), warnings.catch_warnings():
+        warnings.simplefilter("ignore", TuningWarning)  # the job's rank 0 gives them, once per job
         policy = knobs.TuningPolicy.from_env(default_mode="deterministic", follow_torch_determinism=False)
         if policy.mode == "tune":
             raise PolicyError(

@@ -6,10 +6,14 @@ there, and may raise to stop the launch); ``tables.merge.write_decisions`` write
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from .policy import ENV_PRINT_DECISIONS, read_knob
+from .warn import printable
 
 # Where a decision's config came from.
 SOURCES = (
@@ -55,7 +59,7 @@ class Decision:
     """The table file a ``table``/``nearest`` decision came from; for ``adopted``, the publisher."""
     source_hash: str | None = None
     timings: dict[str, Any] | None = None
-    """Measurement statistics for ``tuned`` / ``recorded`` decisions."""
+    """Measurement statistics for ``tuned`` / ``recorded`` decisions; for ``adopted``, the publisher's."""
     nearest_key: str | None = None
     """For ``nearest``: the key of the table entry whose config was launched."""
     matched_by: str | None = None
@@ -90,6 +94,10 @@ class DecisionLog:
     def record(self, decision: Decision) -> None:
         """Append ``decision``, then notify listeners; a listener's exception reaches the launch
         after the decision is logged, so a divergence still shows in the log."""
+        if read_knob(ENV_PRINT_DECISIONS):  # as TRITON_PRINT_AUTOTUNING, in any run (zero-edit too)
+            d, origin = decision, f" from {decision.origin}" if decision.origin else ""
+            line = f"rank {d.rank}: {d.kernel} [{d.key}] -> {d.signature or '-'} ({d.source}{origin})"
+            sys.stderr.write(f"megatron_tuning: {printable(line)}\n")
         with self._lock:
             self._decisions.append(decision)
             listeners = list(self._listeners)

@@ -207,6 +207,9 @@ ENV_NUMERICS = _knob(
 ENV_BLOCK_SIZES = _knob("BLOCK_SIZES", _assignments, (), "explicit block-size override", "block_sizes")
 ENV_RECORD_DIR = _knob("RECORD_DIR", _text, None, "where record mode writes one file per rank", "record_dir")
 ENV_DECISION_LOG = _knob("DECISION_LOG", _text, None, "write the decision log here at exit", "decision_log")
+ENV_PRINT_DECISIONS = _knob(
+    "PRINT_DECISIONS", _bool, False, "print each decision (kernel, key, config, source) to stderr"
+)
 ENV_CACHE = _knob("CACHE", _cache, None, "auto mode's cache table: a path or off", "cache")
 ENV_CACHE_MAX_ENTRIES = _knob("CACHE_MAX_ENTRIES", _int(1, 1_000_000), 50_000, "entries auto's cache keeps")
 ENV_TUNE_ROUNDS = _knob("TUNE_ROUNDS", _int(1, 10_000), 10, "timed rounds per candidate when tuning")

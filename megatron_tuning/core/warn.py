@@ -1,7 +1,8 @@
 """What the user sees: notices (``warnings``, once per cause) and diagnostics (``logging``).
 
 A notice (a fallback, a stale entry, a misspelt setting) is a ``TuningWarning`` from ``warn_once``,
-attributed to the user's frame, so it reaches stderr and ``-W "error:megatron_tuning"`` filters it.
+once per job (rank 0's; other ranks log it at INFO) and attributed to the user's frame, so it reaches
+stderr and ``-W "error:megatron_tuning"`` filters it.
 Diagnostics go to stderr (``install_default_handler``) only while the application configures none.
 """
 
@@ -44,6 +45,9 @@ def warn_once(cause: tuple[Any, ...], message: str, *args: Any) -> bool:
     text = message % args if args else message
     if not text.startswith(PREFIX):
         text = PREFIX + text
+    if _other_rank():  # once per job, not per rank: ranks of one job meet the same causes
+        logging.getLogger(__name__).info("%s", text)
+        return True
     try:
         _warn_at_caller(text)
     except BaseException:
@@ -71,16 +75,26 @@ def _warn_at_caller(text: str) -> None:
     """``warnings.warn`` attributed to the first frame outside this library, Triton and torch, with
     a fresh registry: ``warn_once`` decides repeats (reset per policy), not Python's per location."""
     paths = (getattr(sys.modules.get(n), "__file__", None) for n in ("megatron_tuning", "triton", "torch"))
+    # Also skipped: the stdlib's frozen modules and the launch code interception generates.
     internal = tuple(os.path.dirname(os.path.abspath(p)) + os.sep for p in paths if p)
+    internal += ("<frozen ", "<megatron_tuning ")
     frame = sys._getframe(2)
-    while frame.f_back is not None and (
-        frame.f_code.co_filename.startswith(internal) or frame.f_code.co_filename.startswith("<frozen ")
-    ):
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(internal):
         frame = frame.f_back
+    where, line, module = frame.f_code.co_filename, frame.f_lineno, frame.f_globals.get("__name__")
+    if where.startswith(internal):  # no frame of the user's runs (at exit): name their program
+        where, line, module = getattr(sys.modules.get("__main__"), "__file__", None) or where, 0, "__main__"
     # No ``module_globals``: asking a module's loader for its source raises ImportError for a
     # script run with ``python -m`` (``__main__``); the source line is read from the file instead.
-    module, where = str(frame.f_globals.get("__name__", "<unknown>")), frame.f_code.co_filename
-    warnings.warn_explicit(text, TuningWarning, where, frame.f_lineno, module=module, registry={})
+    warnings.warn_explicit(text, TuningWarning, where, line, module=str(module), registry={})
+
+
+def _other_rank() -> bool:
+    """Whether this process is a rank other than 0 (torch.distributed's, else torchrun's ``RANK``)."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return bool(dist.get_rank() != 0)
+    return os.environ.get("RANK", "0").strip() not in ("", "0")
 
 
 class _StderrUnlessConfigured(logging.Handler):

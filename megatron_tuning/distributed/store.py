@@ -237,6 +237,8 @@ class Published:  # a decision as the job's store holds it
     config: dict[str, Any]
     signature: str
     rank: int
+    timings: dict[str, Any] | None = None
+    """The publisher's measurement, if it measured: what an adopting rank caches."""
 
 
 class StoreConsensus:
@@ -269,11 +271,15 @@ class StoreConsensus:
         return self._published(raw, kernel, key) if bytes(raw) else None
 
     def publish(
-        self, kernel: str, key: str, arch: str, config: Mapping[str, Any], signature: str
+        self, kernel: str, key: str, arch: str, config: Mapping[str, Any], signature: str, timings: Any = None
     ) -> Published:
-        """Publish ours unless a rank was first; return the decision every rank must launch."""
+        """Publish ours (and our ``timings``) unless a rank was first; return the decision to launch."""
         name = "d/" + identity_digest(kernel, key, arch).hex()
-        mine = encode({"config": dict(config), "signature": signature, "rank": self.rank})
+        record = {"config": dict(config), "signature": signature, "rank": self.rank, "timings": timings}
+        try:
+            mine = json.dumps(record, sort_keys=True, allow_nan=False)
+        except ValueError:  # a failed candidate's inf: the decision travels, the timings stay here
+            mine = encode({**record, "timings": None})
         what = f"the auto publish of kernel {kernel} with key {key}"
         return self._published(request(what, lambda: self._store.compare_set(name, "", mine)), kernel, key)
 
@@ -282,7 +288,8 @@ class StoreConsensus:
         try:
             record = decode(raw, what)
             config, signature = field(record, "config", dict, what), field(record, "signature", str, what)
-            return Published(config, signature, rank_of(record, what, self.world))
+            timings = record.get("timings") if isinstance(record.get("timings"), dict) else None
+            return Published(config, signature, rank_of(record, what, self.world), timings)
         except StoreError as bad:
             raise ConsensusError(
                 kernel, key, f"{bad.problem}; was it written by another megatron_tuning version?"

@@ -39,6 +39,7 @@ from ..core.policy import TuningPolicy
 from ..core.warn import warn_once
 
 logger = logging.getLogger("megatron_tuning.runtime.interception")
+progress = logging.getLogger("megatron_tuning.tuning.tuner.progress")
 
 Measure = Callable[[Any, list[Any], tuple[Any, ...], dict[str, Any], str, str], tuple[Any, dict[str, Any]]]
 
@@ -52,6 +53,7 @@ class PublishedDecision(Protocol):
     config: Mapping[str, Any]
     signature: str
     rank: int
+    timings: dict[str, Any] | None
 
 
 class Consensus(Protocol):
@@ -64,7 +66,7 @@ class Consensus(Protocol):
     def lookup(self, kernel: str, key: str, arch: str) -> PublishedDecision | None: ...
 
     def publish(
-        self, kernel: str, key: str, arch: str, config: Mapping[str, Any], signature: str
+        self, kernel: str, key: str, arch: str, config: Mapping[str, Any], signature: str, timings: Any = None
     ) -> PublishedDecision: ...
 
 
@@ -389,7 +391,7 @@ def auto_choice(
     if consensus is not None:
         published = consensus.lookup(kernel, key, arch)
         if published is not None:
-            return _adopt(published, candidates, kernel, key, consensus.rank), None
+            return _adopt(published, candidates, kernel, key, consensus.rank), published.timings
     if not may_measure or measure is None:
         if defer and measure is not None:
             raise Deferred
@@ -399,11 +401,11 @@ def auto_choice(
     if consensus is None:
         return Choice(config, "tuned"), timings
     mine = config_signature(config)
-    winner = consensus.publish(kernel, key, arch, config_data(config), mine)
+    winner = consensus.publish(kernel, key, arch, config_data(config), mine, timings)
     if winner.rank == consensus.rank and winner.signature == mine:
         return Choice(config, "tuned"), timings
-    # Another rank published first (maybe the same config): launch its config, keep our timings.
-    return _adopt(winner, candidates, kernel, key, consensus.rank), timings
+    # Another rank published first (maybe the same config): launch its config, cache its timings.
+    return _adopt(winner, candidates, kernel, key, consensus.rank), winner.timings
 
 
 def _proposed(
@@ -423,11 +425,9 @@ def _adopt(
     """The live candidate of ``published``'s signature (so its ``Config.pre_hook`` survives)."""
     for candidate in candidates:  # position order: the first live duplicate wins
         if config_signature(candidate) == published.signature:
-            # A record naming this rank that this rank did not publish (it is adopting, so its own
-            # pick differed or it never tuned) came from elsewhere: say so rather than "this rank".
-            origin = (
-                f"rank {published.rank}" if published.rank != rank else "the job's store (names this rank)"
-            )
+            # A record naming this rank that it did not publish (it adopts) came from elsewhere.
+            origin = f"rank {published.rank}" if published.rank != rank else "the store (names this rank)"
+            progress.info("adopted %s from %s for %s [%s]", published.signature, origin, kernel, key)
             return Choice(candidate, "adopted", origin)
     live = "; ".join(config_signature(c) for c in candidates) or "(none)"
     raise ConsensusError(

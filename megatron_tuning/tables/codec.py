@@ -25,6 +25,7 @@ from typing import Any
 
 import msgpack
 
+from ..core import __version__
 from .entry import (
     HOW_VALUES,
     INT_MAX,
@@ -362,7 +363,8 @@ def decode_json(text: str | bytes) -> _Decoded:
     if extra:
         raise Invalid(f"unknown top-level fields {sorted(extra)}")
     check_schema(doc.get("schema"))
-    version, meta = check_header(doc.get("library_version"), doc.get("meta"))
+    # Optional in JSON, which people write by hand: without it, the table reads as this library's.
+    version, meta = check_header(doc.get("library_version", __version__), doc.get("meta"))
     rows = doc.get("entries")
     if type(rows) is not list:
         raise Invalid("entries must be a list")

@@ -91,13 +91,22 @@ def test_run_pins_an_unedited_script(tmp_path: Path, form: str) -> None:
     _table_for_double(table)
     job = ["evaljob.py"] if form == "script" else [sys.executable, "-m", "evaljob"]
     log = tmp_path / "decisions.json"
-    done = _cli(tmp_path, "run", "--table", str(table), "--decision-log", str(log), "--", *job)
+    env = {**_env(tmp_path), "MEGATRON_TUNING_PRINT_DECISIONS": "1"}
+    done = _cli(tmp_path, "run", "--table", str(table), "--decision-log", str(log), "--", *job, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "benchmark calls: 0; library loaded: True" in done.stdout
     decisions = {d["key"].split(" |")[0]: d for d in json.loads(log.read_text())["decisions"]}
     assert decisions["n=100"]["source"] == "table" and decisions["n=100"]["origin"] == str(table)
     assert decisions["n=100"]["signature"] == "BLOCK=64, num_warps=2, num_stages=3"
     assert decisions["n=37"]["source"] in ("nearest", "cheapest")  # no entry: the deterministic rule
+    # MEGATRON_TUNING_PRINT_DECISIONS: one line per decision, as TRITON_PRINT_AUTOTUNING prints.
+    printed = [line for line in done.stderr.splitlines() if line.startswith("megatron_tuning: rank 0: ")]
+    assert printed == [
+        f"megatron_tuning: rank 0: {DOUBLE} [{DOUBLE_KEY}] -> BLOCK=64, num_warps=2, num_stages=3 "
+        f"(table from {table})",
+        f"megatron_tuning: rank 0: {DOUBLE} [{decisions['n=37']['key']}] -> "
+        f"{decisions['n=37']['signature']} (nearest from {table})",
+    ], done.stderr
 
 
 def test_the_same_script_without_run_autotunes(tmp_path: Path) -> None:

@@ -391,10 +391,12 @@ class _PeerWon:
     def lookup(self, kernel: str, key: str, arch: str) -> Any:
         return None
 
-    def publish(self, kernel: str, key: str, arch: str, config: Any, signature: str) -> Any:
+    def publish(
+        self, kernel: str, key: str, arch: str, config: Any, signature: str, timings: Any = None
+    ) -> Any:
         self.published.append(signature)
         peer = next(c for c in sk.scale_add.configs if c.kwargs["BLOCK_SIZE"] == 16)
-        return types.SimpleNamespace(config=config, signature=config_signature(peer), rank=1)
+        return types.SimpleNamespace(config=config, signature=config_signature(peer), rank=1, timings=None)
 
 
 def test_the_first_run_tunes_inductors_launchers_with_the_tuner_on_copies_of_the_outputs():

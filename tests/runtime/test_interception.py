@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import threading
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -458,6 +459,16 @@ def test_the_first_pinned_launch_arms_the_instance_run_and_later_launches_take_i
     run = sk.scale_add.__dict__["run"]
     assert getattr(run, pinning.SERVES_ATTR) is pinning.active
     assert pinning.serving(lambda: None) is None and pinning.serving(None) is None
+
+
+def test_a_notice_from_the_instance_run_points_at_the_users_line_not_the_generated_one(launched):
+    interception.install(_policy(on_miss="nearest"), table=_table((KEY_40, 64)))
+    _scale_add()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert _paths(lambda: _scale_add(12)) == ["instance"]  # the miss is decided in the instance run
+    (notice,) = caught
+    assert "nearest shape" in str(notice.message) and notice.filename == __file__, notice
 
 
 def test_calls_of_another_shape_take_the_class_path_and_launch_the_same_decision(launched):

@@ -321,7 +321,7 @@ class FakeMeasure:
     def __call__(self, autotuner, candidates, args, kwargs, kernel, key):
         self.calls.append(key)
         chosen = next(c for c in candidates if c.kwargs["BLOCK_SIZE"] == self.block)
-        return chosen, {"format": "fake", "median_ms": 1.0}
+        return chosen, {"format": "fake", "median_ms": float(self.block)}
 
 
 def launch(n: int) -> None:
@@ -398,11 +398,11 @@ def test_a_published_decision_is_adopted_without_measuring():
     assert (choice.source, choice.config.kwargs["BLOCK_SIZE"]) == ("tuned", 16) and timings is not None
     adopted, timings = choose(rank0, first)
     assert (adopted.source, adopted.origin, adopted.config.kwargs["BLOCK_SIZE"]) == ("adopted", "rank 1", 16)
-    assert first.calls == [] and timings is None
+    assert first.calls == [] and timings == {"format": "fake", "median_ms": 16.0}  # the publisher's
     assert adopted.config is sk.ADD_CONFIGS[1]  # the live Config object, hooks and all
 
 
-def test_the_loser_of_a_race_launches_the_winners_config():
+def test_the_loser_of_a_race_launches_the_winners_config_says_so_and_keeps_its_timings(caplog):
     rank0, rank1 = store_pair()
 
     class PublishFirst(FakeMeasure):
@@ -414,9 +414,13 @@ def test_the_loser_of_a_race_launches_the_winners_config():
             return result
 
     loser = PublishFirst(block=8)
-    choice, timings = choose(rank0, loser)
-    assert loser.calls == [key(100)] and timings is not None  # it measured, and keeps the record
+    with caplog.at_level(logging.INFO, "megatron_tuning.tuning.tuner.progress"):
+        choice, timings = choose(rank0, loser)
+    assert loser.calls == [key(100)]  # it measured, but caches the winner's timings, not its own
+    assert timings == {"format": "fake", "median_ms": 128.0}
     assert (choice.source, choice.origin, choice.config.kwargs["BLOCK_SIZE"]) == ("adopted", "rank 1", 128)
+    adopted = [r.getMessage() for r in caplog.records if r.getMessage().startswith("adopted ")]
+    assert adopted == [f"adopted {config_signature(choice.config)} from rank 1 for {KERNEL} [{key(100)}]"]
 
 
 def test_a_published_config_this_rank_cannot_launch_is_an_error_naming_it():
@@ -555,7 +559,7 @@ def test_publish_compares_the_published_signature_not_the_rank() -> None:
             return super().__call__(*args)
 
     choice, timings = choose(rank0, ForeignWriter(block=16))
-    assert timings is not None  # it measured, then found the store holding another config
+    assert timings is None  # it measured, then adopted a record without timings: nothing to cache
     assert (choice.source, block(choice)) == ("adopted", 64)
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import msgpack
 import pytest
 
+from megatron_tuning.core import __version__
 from megatron_tuning.core.errors import MegatronTuningError, TableError
 from megatron_tuning.tables import files as files_mod
 from megatron_tuning.tables import table as table_mod
@@ -270,6 +271,13 @@ def test_json_view_named_msgpack_gets_a_clear_error(tmp_path):
     path.write_text(sample_table().to_json())
     with pytest.raises(TableError, match="this is JSON, not msgpack"):
         load_table(path)
+
+
+def test_a_hand_written_json_table_may_leave_out_library_version():
+    doc = json.loads(sample_table().to_json())
+    del doc["library_version"]
+    table = Table.from_json(json.dumps(doc))
+    assert table.library_version == __version__ and table.entries() == sample_table().entries()
 
 
 def test_duplicate_json_entries_are_rejected():
