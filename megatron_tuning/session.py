@@ -9,7 +9,6 @@ import logging
 import os
 import sys
 import threading
-from types import TracebackType
 from typing import Any
 
 from .core.choice import warn_if_mamba_env_ignored
@@ -38,11 +37,7 @@ class TuningHandle:
         self.cache = cache  # auto mode's tables.cache.AutoCache
         self._agreement = agreement
         self._late: _LateAttach | None = None
-        self._closed = False
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
+        self.closed = False
 
     def persist(self) -> int:
         """Write the decisions ``auto`` tuned or adopted so far to the cache table; return how many.
@@ -52,9 +47,9 @@ class TuningHandle:
     def close(self) -> None:
         """Stop agreement checks, write requested outputs, and uninstall the interception."""
         global _active
-        if self._closed:
+        if self.closed:
             return
-        self._closed = True
+        self.closed = True
         try:
             if self._late is not None:
                 self._late.cancel()
@@ -73,9 +68,7 @@ class TuningHandle:
     def __enter__(self) -> TuningHandle:
         return self
 
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
@@ -102,19 +95,13 @@ def decision_log_path(template: str) -> str:
 def init_deterministic_tuning(
     policy: TuningPolicy | None = None, *, table: Any = None, group: Any = None
 ) -> TuningHandle:
-    """Install deterministic tuning for this process.
+    """Install deterministic tuning for this process; calling it again replaces the previous session.
 
-    Call it after ``init_process_group`` when you can. Called before (or armed by ``python -m
-    megatron_tuning run``), it attaches to the default process group at the first new (kernel, key)
-    launched once the group exists: the agreement check (which then also checks the decisions made
-    before) and ``auto``'s shared decisions start there.
-
-    ``policy`` defaults to ``TuningPolicy.from_env(default_mode="deterministic")``. ``table``
-    overrides the tables the policy names (a ``ConfigTable`` or a ``{(kernel, key): config}``
-    mapping; in ``auto`` mode the cache table is then not read, but still written). ``group`` is
-    the process group for ``allgather`` agreement (default: world); in chaos mode its ranks
-    avoid each other's first pick.
-    Calling it again replaces the previous session.
+    Call it after ``init_process_group`` when you can; called before, it attaches to the default group
+    at the first new (kernel, key) launched once the group exists, and checks the earlier decisions.
+    ``policy`` defaults to ``TuningPolicy.from_env(default_mode="deterministic")``. ``table`` overrides
+    the policy's tables (a ``ConfigTable`` or ``{(kernel, key): config}``; ``auto`` then still writes
+    its cache). ``group``: the process group for ``allgather`` agreement and chaos (default: world).
     """
     _initializing.depth = getattr(_initializing, "depth", 0) + 1
     try:
@@ -170,20 +157,13 @@ def _init(policy: TuningPolicy | None, table: Any, group: Any) -> TuningHandle:
     with _active_lock:
         _active = handle
     files = getattr(resolved_table, "files", None)
-    logger.info(
-        "megatron_tuning: %s (rank %d)%s",
-        policy.describe(),
-        current_rank(),
-        f" table files: {', '.join(files) or '(none yet)'}" if files is not None else "",
-    )
+    listed = f" table files: {', '.join(files) or '(none yet)'}" if files is not None else ""
+    logger.info("megatron_tuning: %s (rank %d)%s", policy.describe(), current_rank(), listed)
     return handle
 
 
 def _load_tables(policy: TuningPolicy, cache: Any) -> Any:
-    if policy.mode not in ("deterministic", "chaos", "auto") and (policy.mode, policy.numerics) != (
-        "tune",
-        "same-class",
-    ):
+    if policy.mode in ("off", "record") or (policy.mode == "tune" and policy.numerics != "same-class"):
         return None  # record and tune measure (tune same-class keeps its table's bits); off passes through
     from .tables.search import TableSet
 
@@ -194,8 +174,7 @@ def check_output_paths(policy: TuningPolicy) -> None:
     """Raise ``PolicyError`` when an output the policy names could not be written at close."""
     if policy.decision_log:
         path = decision_log_path(policy.decision_log)
-        problem = output_file_problem(path)
-        if problem:
+        if problem := output_file_problem(path):
             raise PolicyError(
                 f"decision_log ({ENV_DECISION_LOG})",
                 policy.decision_log,
@@ -237,7 +216,7 @@ def _start_consensus(local_cache: str | None) -> Any:
     return start_consensus(local_cache)
 
 
-def _make_measure(policy: TuningPolicy) -> Any:
+def _make_measure(policy: TuningPolicy) -> Any:  # a seam: tests and benchmarks put a fake tuner here
     from .tuning.tuner import make_measure
 
     return make_measure(policy)
@@ -252,9 +231,7 @@ def _start_agreement(policy: TuningPolicy, group: Any, table: Any) -> Any:
 
 def _needs_group(policy: TuningPolicy) -> bool:
     """Whether the policy does anything across ranks: the agreement check, or auto's consensus."""
-    if policy.mode == "auto":
-        return True
-    return policy.mode in ("deterministic", "chaos") and policy.agreement != "off"
+    return policy.mode == "auto" or (policy.mode in ("deterministic", "chaos") and policy.agreement != "off")
 
 
 def _group_exists() -> bool:
@@ -264,11 +241,9 @@ def _group_exists() -> bool:
 
 
 class _LateAttach:
-    """Attach a session started before ``init_process_group`` to the group, once it exists.
-
-    Runs at each new (kernel, key) decision (``runtime.pinning.before_decision``, never on a hit)
-    until a group is up; then starts what crosses ranks, checks the earlier decisions, and leaves.
-    """
+    """Attach a session started before ``init_process_group`` to the group, at the first new (kernel,
+    key) decision once it exists (``pinning.before_decision``): start what crosses ranks, check the
+    earlier decisions, and leave."""
 
     def __init__(self, handle: TuningHandle, group: Any, local_cache: str | None) -> None:
         self.handle = handle
@@ -299,8 +274,7 @@ class _LateAttach:
             policy = self.handle.policy
             if policy.mode == "auto" and installation.consensus is None:
                 installation = dataclasses.replace(installation, consensus=_start_consensus(self.local_cache))
-            agreement = _start_agreement(policy, self.group, self.handle.table)
-            self.handle._agreement = agreement
+            self.handle._agreement = agreement = _start_agreement(policy, self.group, self.handle.table)
             earlier = get_decisions()[self.first_decision :]
             logger.info(
                 "megatron_tuning: attached to the process group (rank %d); checking %d earlier decision(s)",
@@ -315,10 +289,8 @@ class _LateAttach:
 
     def cancel(self) -> None:
         """Stop waiting for a group; at close, say which checks never ran."""
-        try:
+        with contextlib.suppress(ValueError):
             pinning.before_decision.remove(self)
-        except ValueError:
-            pass
         if self.attached or self.world_size <= 1:
             return
         unchecked = [d for d in get_decisions()[self.first_decision :] if d.source != "out_of_scope"]

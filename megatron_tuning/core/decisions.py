@@ -1,7 +1,6 @@
 """The per-process decision log: what config each in-scope (kernel, key) launched, and why.
 
-Listeners see each new decision before the kernel launches (the agreement check compares ranks
-there, and may raise to stop the launch); ``tables.merge.write_decisions`` writes the log out.
+Listeners see each new decision before the kernel launches (the agreement check may raise there).
 """
 
 from __future__ import annotations
@@ -43,34 +42,23 @@ CHAOS_NO_OTHER_CONFIG = "no_other_config"
 class Decision:
     """One choice made at the first use of a (kernel, key) in this process."""
 
-    kernel: str
-    """``core.identity.kernel_id``."""
-    key: str
-    """``tuning_key`` text; ``"*"`` for out-of-scope kernels."""
-    signature: str
-    """``config_signature`` of the launched config; empty when out of scope."""
-    source: str
-    """One of ``SOURCES``."""
-    config: dict[str, Any] = field(default_factory=dict)
-    """``config_data`` of the launched config."""
+    kernel: str  # ``core.identity.kernel_id``
+    key: str  # ``tuning_key`` text; ``"*"`` for out-of-scope kernels
+    signature: str  # ``config_signature`` of the launched config; empty when out of scope
+    source: str  # one of ``SOURCES``
+    config: dict[str, Any] = field(default_factory=dict)  # ``config_data`` of the launched config
     arch: str = "unknown"
     rank: int = 0
-    origin: str | None = None
-    """The table file a ``table``/``nearest`` decision came from; for ``adopted``, the publisher."""
+    origin: str | None = None  # the table file of a ``table``/``nearest`` decision; the ``adopted`` publisher
     source_hash: str | None = None
-    timings: dict[str, Any] | None = None
-    """Measurement statistics for ``tuned`` / ``recorded`` decisions; for ``adopted``, the publisher's."""
-    nearest_key: str | None = None
-    """For ``nearest``: the key of the table entry whose config was launched."""
-    matched_by: str | None = None
-    """``"content"``: the entry was found under another module name (same qualname and source)."""
-    entry_kernel: str | None = None
-    """For ``matched_by="content"``: the kernel id the entry was tuned under."""
-    chaos: str | None = None
-    """For ``chaos``: one of ``CHAOS_OUTCOMES``."""
+    timings: dict[str, Any] | None = None  # of ``tuned``/``recorded`` decisions; ``adopted``: the publisher's
+    nearest_key: str | None = None  # ``nearest``: the key of the table entry whose config was launched
+    matched_by: str | None = None  # ``"content"``: entry found under another module (same qualname, source)
+    entry_kernel: str | None = None  # ``matched_by="content"``: the kernel id the entry was tuned under
+    chaos: str | None = None  # ``chaos``: one of ``CHAOS_OUTCOMES``
+    # The table entry's numerics audit of the launched config: ``False`` when its own launches gave
+    # different bits (docs/numerics.md); ``None``: not audited.
     deterministic: bool | None = None
-    """What the table entry's numerics audit found for the launched config: ``False`` when its
-    own launches gave different bits (docs/numerics.md); ``None``: not audited."""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

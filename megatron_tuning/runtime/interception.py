@@ -1,24 +1,10 @@
-"""The Triton adapter: the only module that touches Triton's private autotuner internals.
+"""The Triton adapter: the only module that patches Triton's private ``Autotuner`` internals.
 
-``install(policy)`` patches ``triton.runtime.autotuner.Autotuner`` at class level:
-
-* ``run``: an in-scope kernel under ``deterministic``/``chaos``/``tune``/``auto`` launches the
-  config ``pinning.decide`` chose for the key among its live (pruned) configs, as Triton's
-  cache-hit path launches one: ``best_config`` set, ``Config.pre_hook`` with the full argument
-  dict, ``fn.run``. The decision is filed in the autotuner's ``cache`` under Triton's key until the
-  next install or uninstall. Autotuner-level ``reset_to_zero``/``restore_value``/``pre_hook``/
-  ``post_hook`` protect benchmarking only, so they do not run. ``record`` lets Triton autotune and
-  logs its winner; out-of-scope kernels and mode ``off`` get Triton's own ``run``.
-* ``_bench``: raises ``BenchmarkForbiddenError`` for in-scope kernels under deterministic, chaos
-  and auto, so a key mismatch can never fall back to timing silently.
-* ``__init__`` on Triton 3.3 only: a lazy benchmarker (``lazy_benchmarker``).
-
-The hit path: after a pinned ``kernel[grid](*args)`` launch the autotuner gets an instance ``run``
-(found before the class's; ``_generate_run``) that serves calls of that shape under the same
-installation. Other calls take the class-level ``run``, which finds the key's decision by name.
-
-``install`` also patches torch.compile's handling of user kernels (``inductor``). ``uninstall()``
-restores Triton exactly; ``tests/runtime/test_triton_contract.py`` pins each private attribute used.
+``run`` launches ``pinning.decide``'s config as Triton's cache-hit path does (``best_config``, the
+config's ``pre_hook`` with all arguments, ``fn.run``; autotuner-level hooks guard benchmarking only);
+after a ``kernel[grid](*args)`` launch a generated instance ``run`` serves that call shape. ``_bench``
+refuses to time in deterministic, chaos and auto; ``record`` logs Triton's winner. ``install`` also
+patches torch.compile (``inductor``); ``uninstall()`` restores Triton exactly (``test_triton_contract``).
 """
 
 from __future__ import annotations
@@ -44,12 +30,8 @@ from .pinning import AutotunerState, Consensus, Installation, Measure, current_p
 logger = logging.getLogger(__name__)
 
 MIN_TRITON = (3, 3)
-LAUNCH_OPTIONS = ("num_warps", "num_ctas", "num_stages", "maxnreg")
-"""The compile options ``Config.all_kwargs()`` adds to a launch, beside the config's own kwargs."""
-# Modes whose in-scope launches never reach Triton's own benchmarking: ``_bench`` raises there.
-_GUARDED_MODES = ("deterministic", "chaos", "auto")
-# The keywords ``kernel[grid](...)`` adds to a call: the call shape the instance ``run`` serves.
-_LAUNCH_KEYWORDS = frozenset(("grid", "warmup"))
+LAUNCH_OPTIONS = ("num_warps", "num_ctas", "num_stages", "maxnreg")  # added by Config.all_kwargs()
+_LAUNCH_KEYWORDS = frozenset(("grid", "warmup"))  # what ``kernel[grid](...)`` passes: the call shape armed
 _ABSENT = object()  # the launch-key entry of an argument without a dtype; a keyword not passed
 Args = tuple[Any, ...]
 Kwargs = dict[str, Any]
@@ -57,8 +39,8 @@ Kwargs = dict[str, Any]
 _lock = threading.RLock()
 _generation = 0
 _originals: dict[str, Any] = {}
+# The entries written into each autotuner's ``cache``, so exactly those are removed again.
 _filed: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], Any]] = weakref.WeakKeyDictionary()
-"""The entries written into each autotuner's ``cache``, so exactly those are removed again."""
 _init_original: tuple[Any, Any] | None = None  # (Autotuner, its own __init__) while patched
 _init_users = 0
 
@@ -73,13 +55,11 @@ def install(
     consensus: Consensus | None = None,
     chaos: ChaosCoordinator | None = None,
 ) -> None:
-    """Patch Triton's Autotuner for ``policy``. Idempotent; a second call replaces the policy.
+    """Patch Triton's Autotuner for ``policy``; a second call replaces the policy.
 
-    ``table`` provides ``lookup`` (``core.choice.ConfigTable``) or is a ``{(kernel, key): config}``
-    mapping. ``measure`` (``tuning.tuner.make_measure``) is required in mode ``tune``; in ``auto``
-    without one, a miss falls back to the policy's miss rule. ``consensus`` shares ``auto``
-    decisions across the job's ranks (``distributed.store``); ``None``: this process alone.
-    ``chaos`` lets chaos-mode ranks avoid the job's first pick (``distributed.store``).
+    ``table``: a ``core.choice.ConfigTable`` or a ``{(kernel, key): config}`` mapping. ``measure`` is
+    required in ``tune``; ``auto`` without one applies the miss rule. ``consensus`` (``auto``) and
+    ``chaos`` coordinate the job's ranks (``distributed.store``); ``None``: this process alone.
     """
     global _generation
     if policy.mode == "tune" and measure is None:
@@ -140,7 +120,8 @@ def _make_bench(original: Any) -> Any:
     @functools.wraps(original)
     def _bench(self: Any, *args: Any, **kwargs: Any) -> Any:
         installation = pinning.active
-        if installation is not None and installation.policy.mode in _GUARDED_MODES:
+        # deterministic, chaos and auto never time: a key mismatch must not fall back to timing silently
+        if installation is not None and installation.policy.mode in ("deterministic", "chaos", "auto"):
             state = pinning.state_for(self, installation)
             if state.in_scope:
                 raise BenchmarkForbiddenError(state.kernel, installation.policy.mode)
@@ -175,9 +156,8 @@ def _make_run(original: Any) -> Any:
 
 
 def _pin(autotuner: Any, installation: Installation, args: Args, kwargs: Kwargs, **options: Any) -> Any:
-    """The config of this call's key: its decision, made now if the key is new (``inductor`` calls
-    this too, with ``pinning.decide``'s options). A new decision is filed in the autotuner's
-    ``cache`` under Triton's key."""
+    """The config of this call's key, decided now if new and then filed in the autotuner's ``cache``
+    under Triton's key (``inductor`` calls this too, with ``pinning.decide``'s options)."""
     state = pinning.state_for(autotuner, installation)
     raw = pinning.raw_key(state, args, kwargs)
     config = state.pins.get(raw)
@@ -203,9 +183,8 @@ def _launch(autotuner: Any, config: Any, args: Args, kwargs: Kwargs) -> Any:
 
 
 def _arm(autotuner: Any, state: AutotunerState, installation: Installation, args: Args) -> None:
-    """Make the hit path for calls shaped like ``args`` the instance ``run``: only over none or ours (a
-    user's own keeps precedence), where the class ``run`` is ours (a subclass may override it), and
-    while ``installation`` is active (checked under ``_lock``, which ``uninstall`` holds)."""
+    """Make the instance ``run`` the hit path for calls shaped like ``args``: not over a user's own, not
+    where a subclass overrides ``run``, and only while ``installation`` is active (under ``_lock``)."""
     if getattr(type(autotuner), "run", None) is not autotuner_class().__dict__.get("run"):
         return
     run = _generate_run(autotuner, state, installation, args)
@@ -216,15 +195,11 @@ def _arm(autotuner: Any, state: AutotunerState, installation: Installation, args
 
 
 def _generate_run(autotuner: Any, state: AutotunerState, installation: Installation, args: Args) -> Any:
-    """The pinned hit path for calls with ``len(args)`` positional arguments and ``grid`` and
-    ``warmup`` by keyword while ``installation`` is active; any other call goes to the class path.
-
-    Its launch key is one expression over the unpacked arguments: each ``key=`` value with its type
-    (``True``, ``1`` and ``1.0`` stay apart), then each argument's ``dtype`` (``.dtype`` where
-    ``args`` had one, else ``getattr``). For a fixed count of arguments, equal launch keys mean
-    equal decision keys. A key without a record gets its decision from ``learn``. Generated, as
-    Triton generates its JIT binder per signature, because a closure's ``map`` over the arguments
-    measured 0.26x of what Triton's own hit path adds per launch, this 0.16x, the goal 0.2x
+    """The pinned hit path for calls of ``len(args)`` positional arguments plus ``grid`` and ``warmup``
+    while ``installation`` is active; other calls go to the class path. Its launch key: each ``key=``
+    value with its type (``True``, ``1``, ``1.0`` differ), then each argument's dtype; for a fixed
+    argument count, equal launch keys mean equal decision keys. Generated (as Triton's JIT binder)
+    because a closure's ``map`` measured 0.26x of Triton's hit-path cost, this 0.16x, the goal 0.2x
     (``benchmarks/bench_launch_overhead.py --cpu``). Only positions enter the source, never names.
     """
     names = [f"a{i}" for i in range(len(args))]
@@ -314,9 +289,6 @@ def _record(
     return result
 
 
-# --------------------------------------------------------------------------- Triton's internals
-
-
 def autotuner_class() -> Any:
     from triton.runtime.autotuner import Autotuner
 
@@ -348,9 +320,8 @@ def check_triton_contract() -> None:
 
 
 def triton_cache_key(autotuner: Any, args: Args, kwargs: Kwargs) -> tuple[Any, ...]:
-    """The key Triton's own ``Autotuner.run`` files a call under in ``autotuner.cache``: the
-    ``key=`` values in ``key=`` order, then ``str(dtype)`` of every argument that has one,
-    positional arguments first, then keyword arguments in call order."""
+    """The key Triton's ``Autotuner.run`` files a call under in ``cache``: the ``key=`` values, then
+    ``str(dtype)`` of each argument that has one (positional first, then keywords in call order)."""
     arg_names = autotuner.arg_names
     named = {**dict(zip(arg_names, args)), **kwargs}
     present = {name: value for name, value in named.items() if name in arg_names}
@@ -371,9 +342,8 @@ def _live_candidates(autotuner: Any, args: Args, kwargs: Kwargs) -> list[Any]:
 
 
 def launch_option_defaults() -> dict[str, Any]:
-    """What ``JITFunction.run`` compiles with for each of ``LAUNCH_OPTIONS`` left out of a launch (the
-    backend's ``parse_options({})``); ``{}`` where that cannot be read (the interpreter, no GPU
-    driver), so nothing is left out there. Read once per launch record, never per launch."""
+    """The backend's defaults (``parse_options({})``) for ``LAUNCH_OPTIONS``; ``{}`` without a GPU driver,
+    so nothing is left out there. Read once per launch record, never per launch."""
     try:
         from triton.runtime.driver import driver
 
@@ -396,13 +366,9 @@ def _defaults_for(target: Any) -> tuple[tuple[str, Any], ...]:
 
 @contextlib.contextmanager
 def lazy_benchmarker() -> Iterator[None]:
-    """Let ``@triton.autotune`` decorate without a GPU driver (Triton interpreter on CPU).
-
-    Triton 3.3 resolves the default benchmarker when the decorator runs, which fails with
-    "0 active drivers" without a GPU. Inside this block (and while the interception is
-    installed) decoration passes a benchmarker resolved at first use instead. Elsewhere (3.4+
-    resolve it lazily themselves) this does nothing.
-    """
+    """Let ``@triton.autotune`` decorate without a GPU driver: Triton 3.3 resolves its benchmarker at
+    decoration ("0 active drivers"); inside this block (and while installed) it is resolved at first
+    use. Triton 3.4+ resolve it lazily themselves: nothing to do there."""
     _use_lazy_init(+1)
     try:
         yield
@@ -411,9 +377,8 @@ def lazy_benchmarker() -> Iterator[None]:
 
 
 def _use_lazy_init(change: int) -> None:
-    """Count the lazy benchmarker's users (an installation, each ``lazy_benchmarker`` block): the
-    first patches ``Autotuner.__init__`` where Triton resolves its benchmarker eagerly (3.3; 3.4+
-    use a ``cached_property``), the last restores it (importing nothing: it may run at exit)."""
+    """Count the lazy benchmarker's users: the first patches ``Autotuner.__init__`` where Triton 3.3
+    resolves its benchmarker eagerly, the last restores it (importing nothing: it may run at exit)."""
     global _init_original, _init_users
     with _lock:
         _init_users += change
@@ -428,15 +393,13 @@ def _use_lazy_init(change: int) -> None:
             _init_original = None
 
 
-def _lazy_do_bench(kernel_call: Any, quantiles: Any = None, **kwargs: Any) -> Any:
-    """Triton's default benchmarker, resolved at first use instead of at decoration."""
-    from triton.runtime.driver import driver
-
-    return driver.active.get_benchmarker()(kernel_call, quantiles=quantiles, **kwargs)
-
-
 def _make_init(original: Any) -> Any:
     signature = inspect.signature(original)
+
+    def _lazy_do_bench(kernel_call: Any, quantiles: Any = None, **kwargs: Any) -> Any:
+        from triton.runtime.driver import driver
+
+        return driver.active.get_benchmarker()(kernel_call, quantiles=quantiles, **kwargs)
 
     @functools.wraps(original)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:

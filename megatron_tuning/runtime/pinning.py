@@ -1,12 +1,9 @@
 """Decisions: which config an in-scope kernel launches for a key, in every mode, once per process.
 
-Holds the active ``Installation`` and each autotuner's ``AutotunerState``. Both adapters,
-``interception`` (eager) and ``inductor`` (compiled), decide here on the live (pruned) candidates.
-
-``auto`` mode (``auto_choice``): a table entry pins the key as in ``deterministic``; else a
-decision another rank of the job published is adopted; else this rank tunes once and publishes
-(first writer wins; a rank that lost launches the winner's config). A hit in this node's own
-``auto`` cache is proposed to the job the same way, so per-node caches never split ranks.
+Holds the active ``Installation`` and each autotuner's state; ``interception`` (eager) and ``inductor``
+(compiled) decide here. ``auto``: a table entry pins the key; else a decision another rank published is
+adopted; else this rank tunes and publishes (first writer wins). A hit in this node's own ``auto`` cache
+is proposed to the job the same way, so per-node caches never split ranks.
 """
 
 from __future__ import annotations
@@ -44,8 +41,7 @@ progress = logging.getLogger("megatron_tuning.tuning.tuner.progress")
 Measure = Callable[[Any, list[Any], tuple[Any, ...], dict[str, Any], str, str], tuple[Any, dict[str, Any]]]
 
 STATE_ATTR = "_megatron_tuning_state"
-PINNED_ATTR = "_megatron_tuning_pinned_config"
-"""Set on the one-config copies compiled code launches (``inductor``): the config, decided already."""
+PINNED_ATTR = "_megatron_tuning_pinned_config"  # on compiled code's one-config copies: their config
 SERVES_ATTR = "_megatron_tuning_serves"  # on every ``run`` the interception generates: its installation
 
 
@@ -83,13 +79,12 @@ class Installation:
     measure: Measure | None
     generation: int
     consensus: Consensus | None = None
-    chaos: ChaosCoordinator | None = None
-    """Chaos mode's job-wide coordinator (``distributed.store``); ``None``: the rank formula."""
+    chaos: ChaosCoordinator | None = None  # job-wide (``distributed.store``); ``None``: the rank formula
 
     @property
     def arch(self) -> str:
-        """The arch of the device current now, read per decision and never at install: a rank may
-        install before ``torch.cuda.set_device(local_rank)``, and reading then would touch GPU 0."""
+        """The current device's arch, read per decision, never at install: a rank may install before
+        ``torch.cuda.set_device(local_rank)``, and reading then would touch GPU 0."""
         return arch_tag()
 
 
@@ -100,25 +95,21 @@ class AutotunerState:
     generation: int
     in_scope: bool
     kernel: str
-    key_index: tuple[tuple[str, int], ...]
-    """(name, parameter position) of each ``key=`` argument."""
+    key_index: tuple[tuple[str, int], ...]  # (name, parameter position) of each ``key=`` argument
     arg_names: tuple[str, ...]
-    pins: dict[tuple[Any, ...], Any] = field(default_factory=dict)
-    """Decision key (``raw_key``) -> the decided config: one decision per key."""
+    pins: dict[tuple[Any, ...], Any] = field(default_factory=dict)  # ``raw_key`` -> its one config
     lock: threading.Lock = field(default_factory=threading.Lock)
     source_hash: str | None = None
 
 
-active: Installation | None = None
-"""The installation in force; read at every launch. Changed only through ``set_active``."""
+active: Installation | None = None  # read at every launch; changed only through ``set_active``
 _touched: weakref.WeakSet[Any] = weakref.WeakSet()  # autotuners given a state (under _active_lock)
+# At each new (kernel, key) decision, never on a hit; may return a replacement installation, which
+# becomes the active one (``session._LateAttach``, waiting for a process group).
 before_decision: list[Callable[[Installation], Installation]] = []
-"""Called at each new (kernel, key) decision, never on a launch of a decided key; may return a
-replacement installation, which becomes the active one. The session registers one while it waits
-for a process group created after it started (``session._LateAttach``)."""
+# At each new decision, before its first launch (the ``audit`` command): (autotuner, live candidates,
+# ``(args, kwargs)`` or ``None`` where nothing may launch, kernel, key, choice).
 after_decision: list[Callable[[Any, list[Any], Any, str, str, Choice], None]] = []
-"""At each new decision, before its first launch: (autotuner, live candidates, ``(args, kwargs)`` or
-``None`` where nothing may launch, kernel, key, choice). The ``audit`` command's hook."""
 _active_lock = threading.Lock()
 _ANY: Any = object()
 
@@ -151,18 +142,12 @@ def current_policy() -> TuningPolicy | None:
 def serving(run: Any) -> Installation | None:
     """The installation an instance ``run`` the interception generated serves; ``None`` for any other
     (read from the function's own ``__dict__``: a user's mock answers every attribute)."""
-    served: Installation | None = (
-        run.__dict__.get(SERVES_ATTR) if isinstance(run, types.FunctionType) else None
-    )
-    return served
+    return run.__dict__.get(SERVES_ATTR) if isinstance(run, types.FunctionType) else None
 
 
 def mark_pinned(autotuner: Any, config: Any) -> None:
-    """Make ``autotuner`` a compiled graph's one-config copy that launches ``config`` (decided already).
-
-    A ``copy.copy`` of an autotuner carries the original's state and instance ``run`` (which
-    launches the original's records): both go, so the copy launches its own pin.
-    """
+    """Make ``autotuner`` a compiled graph's one-config copy that launches ``config``. A ``copy.copy``
+    carries the original's state and instance ``run``: both go, so the copy launches its own pin."""
     autotuner.__dict__[PINNED_ATTR] = config
     autotuner.__dict__.pop(STATE_ATTR, None)
     if serving(autotuner.__dict__.get("run")) is not None:
@@ -170,11 +155,8 @@ def mark_pinned(autotuner: Any, config: Any) -> None:
 
 
 def state_for(autotuner: Any, installation: Installation) -> AutotunerState:
-    """``autotuner``'s state under ``installation``, made at its first launch under it.
-
-    Kept only while ``installation`` is the active one, so a launch that raced with ``install``
-    or ``uninstall`` never replaces the new installation's decisions or outlives the uninstall.
-    """
+    """``autotuner``'s state under ``installation``, made at its first launch under it; kept only while
+    ``installation`` is active, so a launch racing ``install``/``uninstall`` cannot outlive it."""
     state = autotuner.__dict__.get(STATE_ATTR)
     if state is not None and state.generation == installation.generation:
         return state
@@ -193,14 +175,7 @@ def state_for(autotuner: Any, installation: Installation) -> AutotunerState:
             _touched.add(autotuner)
     if not new.in_scope:
         decision_log().record(
-            Decision(
-                kernel=kernel,
-                key="*",
-                signature="",
-                source="out_of_scope",
-                arch=installation.arch,
-                rank=current_rank(),
-            )
+            Decision(kernel, "*", "", "out_of_scope", arch=installation.arch, rank=current_rank())
         )
     return new
 
@@ -228,13 +203,11 @@ def decide(
     defer: bool = False,
     measure: Measure | None = None,
 ) -> Any:
-    """The config of one (kernel, key): decided, logged and pinned at its first use in this process.
+    """The config of one (kernel, key): decided, logged, then pinned at its first use in this process.
 
-    ``candidates()`` gives the kernel's live configs after its own pruning (the adapter's). Logged
-    before pinned: a listener that raises (the agreement check) pins nothing. ``may_measure=False``
-    where no real arguments exist (tracing): the miss rule applies, or with ``defer`` ``auto``
-    raises ``Deferred`` where it would measure; ``measure`` replaces the installation's. A key first
-    launched during a CUDA graph capture is never measured and sends nothing to the job's store.
+    ``candidates()``: the live configs after the kernel's own pruning. ``may_measure=False`` where no
+    real arguments exist (tracing): the miss rule applies, or with ``defer`` ``auto`` raises
+    ``Deferred``. A key first launched during a CUDA graph capture is never measured.
     """
     with state.lock:
         config = state.pins.get(raw)
@@ -246,22 +219,49 @@ def decide(
                 set_active(new, replacing=installation)
                 installation = new
         capturing, live = is_capturing(), candidates()
-        key = tuning_key(autotuner, args, kwargs)
+        key, kernel, policy = tuning_key(autotuner, args, kwargs), state.kernel, installation.policy
         arch = installation.arch  # the launching device's, once per decision
         launchable, call = may_measure and not capturing, (args, kwargs)
-        choice, timings = _choose(
-            autotuner,
-            state,
-            installation,
-            key,
-            live,
-            call,
-            arch,
-            may_measure=launchable,
-            capturing=capturing,
-            defer=defer,
-            measure=measure or installation.measure,
-        )
+        measure, timings = measure or installation.measure, None
+        if policy.mode == "chaos":
+            rank, coordinator = current_rank(), installation.chaos
+            choice = choose_chaos(
+                kernel, key, live, rank=rank, arch=arch, coordinator=coordinator, offline=capturing
+            )
+        elif policy.mode == "tune" and len(live) > 1 and launchable:
+            assert measure is not None
+            config, timings = measure(autotuner, live, *call, kernel, key)
+            choice = Choice(config, "tuned")
+        elif policy.mode == "auto":
+            choice, timings = auto_choice(
+                autotuner,
+                live,
+                key,
+                call,
+                kernel=kernel,
+                arch=arch,
+                policy=policy,
+                table=installation.table,
+                measure=measure,
+                consensus=installation.consensus,
+                may_measure=launchable,
+                defer=defer,
+            )
+        else:
+            if policy.mode == "tune" and len(live) > 1:
+                warn_once(
+                    ("tune-cannot-measure", kernel, key),
+                    "kernel %s key %s is first seen where nothing can be measured (compiled code, or a "
+                    "CUDA graph capture); using the deterministic choice instead of tuning it. Launch "
+                    "this key once eagerly, outside graph capture, before compiling or capturing, so "
+                    "the tuner can time it",
+                    kernel,
+                    key,
+                )
+            table, on_miss, block_sizes = installation.table, policy.on_miss, policy.block_sizes
+            choice = choose_deterministically(
+                autotuner, live, key, table=table, on_miss=on_miss, block_sizes=block_sizes
+            )
         if state.source_hash is None:
             state.source_hash = kernel_source_hash(autotuner)
         log(state, key, choice, arch, timings)  # listeners (agreement) may raise: nothing is pinned
@@ -304,67 +304,6 @@ def log(state: AutotunerState, key: str, choice: Choice, arch: str, timings: dic
     decision_log().record(decision)
 
 
-def _choose(
-    autotuner: Any,
-    state: AutotunerState,
-    installation: Installation,
-    key: str,
-    candidates: list[Any],
-    call: tuple[tuple[Any, ...], dict[str, Any]],
-    arch: str,
-    *,
-    may_measure: bool,
-    capturing: bool,
-    defer: bool,
-    measure: Measure | None,
-) -> tuple[Choice, dict[str, Any] | None]:
-    """The policy mode's choice among ``candidates``, and the timings when this rank measured."""
-    policy, kernel = installation.policy, state.kernel
-    if policy.mode == "chaos":
-        rank, coordinator = current_rank(), installation.chaos
-        return choose_chaos(
-            kernel, key, candidates, rank=rank, arch=arch, coordinator=coordinator, offline=capturing
-        ), None
-    if policy.mode == "tune" and len(candidates) > 1 and may_measure:
-        assert measure is not None
-        config, timings = measure(autotuner, candidates, *call, kernel, key)
-        return Choice(config, "tuned"), timings
-    if policy.mode == "auto":
-        return auto_choice(
-            autotuner,
-            candidates,
-            key,
-            call,
-            kernel=kernel,
-            arch=arch,
-            policy=policy,
-            table=installation.table,
-            measure=measure,
-            consensus=installation.consensus,
-            may_measure=may_measure,
-            defer=defer,
-        )
-    if policy.mode == "tune" and len(candidates) > 1:
-        warn_once(
-            ("tune-cannot-measure", kernel, key),
-            "kernel %s key %s is first seen where nothing can be measured (compiled code, or a CUDA "
-            "graph capture); using the deterministic choice instead of tuning it. Launch this key "
-            "once eagerly, outside graph capture, before compiling or capturing, so the tuner can "
-            "time it",
-            kernel,
-            key,
-        )
-    choice = choose_deterministically(
-        autotuner,
-        candidates,
-        key,
-        table=installation.table,
-        on_miss=policy.on_miss,
-        block_sizes=policy.block_sizes,
-    )
-    return choice, None
-
-
 def auto_choice(
     autotuner: Any,
     candidates: list[Any],
@@ -380,8 +319,7 @@ def auto_choice(
     may_measure: bool = True,
     defer: bool = False,
 ) -> tuple[Choice, dict[str, Any] | None]:
-    """``auto``'s choice for (kernel, key), and the timings when this rank measured. ``consensus``
-    shares decisions across the job's ranks (``None``: this process alone)."""
+    """``auto``'s choice for (kernel, key), and the timings when this rank measured."""
     pinned = pin_without_fallback(autotuner, candidates, key, table=table, block_sizes=policy.block_sizes)
     numerics = getattr(pinned, "numerics", None)
     if policy.numerics == "deterministic-only" and numerics is not None and not numerics.deterministic:
@@ -430,21 +368,12 @@ def _adopt(
             progress.info("adopted %s from %s for %s [%s]", published.signature, origin, kernel, key)
             return Choice(candidate, "adopted", origin)
     live = "; ".join(config_signature(c) for c in candidates) or "(none)"
-    raise ConsensusError(
-        kernel,
-        key,
-        f"rank {published.rank} published {published.signature}, which is not among this rank's "
-        f"{len(candidates)} live configs ({live})",
-    )
+    message = f"rank {published.rank} published {published.signature}, which is not among this rank's "
+    raise ConsensusError(kernel, key, f"{message}{len(candidates)} live configs ({live})")
 
 
 def is_capturing() -> bool:
-    """Whether the current CUDA stream is capturing a graph (never imports torch itself).
-
-    Nothing may be measured then (timing would break the capture), and the agreement layer sends
-    no store or collective traffic.
-    """
+    """Whether the current CUDA stream captures a graph (never imports torch): nothing may be measured
+    then, and the agreement layer sends no store or collective traffic."""
     torch = sys.modules.get("torch")
-    if torch is None or not torch.cuda.is_available():
-        return False
-    return bool(torch.cuda.is_current_stream_capturing())
+    return torch is not None and torch.cuda.is_available() and bool(torch.cuda.is_current_stream_capturing())

@@ -1,10 +1,8 @@
 """The numerics audit: which live configs of a (kernel, key) give bit-identical outputs.
 
-Every candidate is launched ``runs`` times on the call's own arguments through the tuner's
-``make_launcher`` (so ``pre_hook``, ``reset_to_zero`` and ``restore_value`` act as when tuning),
-with every input restored before each launch, and each launch's written tensors are hashed.
-Candidates with equal digests form a numerics class; one whose own launches differ is not
-deterministic on its own. Empirical: equal on these inputs, this GPU and toolchain (docs/numerics.md).
+Each candidate launches ``runs`` times on the call's own (restored) inputs through the tuner's launcher
+(hooks act as when tuning) and the tensors it wrote are hashed: equal digests form a numerics class; one
+whose own launches differ is not deterministic on its own. Empirical: on these inputs, GPU, toolchain.
 """
 
 from __future__ import annotations
@@ -15,7 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from ..core.errors import NumericsError
-from ..core.identity import config_signature
+from ..core.identity import arch_tag, config_signature
 from ..core.policy import ENV_AUDIT_RUNS, read_knob
 from ..core.warn import printable
 from ..runtime.pinning import Measure
@@ -37,15 +35,12 @@ class Audit(NamedTuple):
         return len(set(self.outputs[i])) == 1
 
     def report(self, candidates: Sequence[Any], pinned: Any = None) -> dict[str, Any]:
-        """The JSON form: classes (by signature, in candidate order), self-non-deterministic
-        configs, and the class of ``pinned`` (a candidate) if given."""
+        """The JSON form: classes of signatures, self-non-deterministic configs, ``pinned``'s class."""
         sigs = [config_signature(c) for c in candidates]
         groups: dict[str, list[int]] = {}
         for i in (i for i, error in enumerate(self.errors) if error is None):
             groups.setdefault(self.class_id(i), []).append(i)
-        found = [
-            n for n, members in enumerate(groups.values()) if any(candidates[i] is pinned for i in members)
-        ]
+        found = [n for n, group in enumerate(groups.values()) if any(candidates[i] is pinned for i in group)]
         return {
             "classes": [[sigs[i] for i in members] for members in groups.values()],
             "class_ids": list(groups),
@@ -62,12 +57,9 @@ class Audit(NamedTuple):
 def audit_candidates(
     autotuner: Any, candidates: Sequence[Any], args: Sequence[Any], kwargs: Mapping[str, Any], runs: int
 ) -> Audit:
-    """Launch each candidate ``runs`` times on the call's arguments; digest what each launch wrote.
-
-    A tensor counts as written when any launch left its bits different from the snapshot taken
-    first; all inputs are restored before each launch and at the end, so the caller's own launch
-    sees its own inputs.
-    """
+    """Launch each candidate ``runs`` times on the call's arguments; digest what each launch wrote (a
+    tensor whose bits differ from the first snapshot). Inputs are restored before each launch and at
+    the end, so the caller's own launch sees its own inputs."""
     import torch
 
     named = {**dict(zip(autotuner.arg_names, args)), **kwargs}
@@ -117,10 +109,8 @@ def allowed(
     audit: Audit, candidates: Sequence[Any], numerics: str, hit: Any, kernel: str, key: str
 ) -> list[int]:
     """The candidates the ``numerics`` policy lets tuning pick; ``NumericsError`` when none does.
-
-    ``same-class``: bit-identical (on this call's inputs) to the config of ``hit``, the key's table
-    entry (no entry: no bits to keep, any config). ``deterministic-only``: own launches agreed.
-    """
+    ``same-class``: bit-identical to the config of ``hit``, the key's table entry (none: any config).
+    ``deterministic-only``: own launches agreed."""
     sigs = [config_signature(c) for c in candidates]
     launched = [i for i, error in enumerate(audit.errors) if error is None]
     reference = None if hit is None else config_signature(hit.config)
@@ -139,9 +129,8 @@ def allowed(
 
 
 def with_numerics(measure: Measure, numerics: str, table: Any) -> Measure:
-    """``measure`` (the tuner's) over only the candidates ``numerics`` allows; the winner's class
-    and determinism go into its timings (``numerics``), which ``tune`` records in the table."""
-    from ..core.identity import arch_tag
+    """``measure`` over only the candidates ``numerics`` allows; the winner's class and determinism go
+    into its timings (``numerics``), which ``tune`` records in the table."""
 
     def audited(autotuner: Any, candidates: list[Any], args: Any, kwargs: Any, kernel: str, key: str) -> Any:
         audit = audit_candidates(autotuner, candidates, args, kwargs, read_knob(ENV_AUDIT_RUNS))
@@ -171,11 +160,8 @@ def make_audit_hook(record: Callable[[dict[str, Any]], None], runs: int) -> Call
         if call is None:
             entry.update(pinned=config_signature(choice.config), not_audited="compiled code or graph capture")
         else:
-            entry.update(
-                audit_candidates(autotuner, candidates, call[0], call[1], runs).report(
-                    candidates, choice.config
-                )
-            )
+            audit = audit_candidates(autotuner, candidates, call[0], call[1], runs)
+            entry.update(audit.report(candidates, choice.config))
         entry["seconds"] = round(time.perf_counter() - started, 3)
         progress_logger.info(
             "audited %s [%s] in %.1fs: %d configs, %d classes, %d self-non-deterministic; pinned %s",

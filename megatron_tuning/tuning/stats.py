@@ -1,34 +1,23 @@
-"""The tuner's decision rules, pure: statistics of timing samples, the tie band, the tie-break.
+"""The tuner's decision rules, pure (no timing, no I/O: tested on CPU with fake samples).
 
-No timing, no I/O, no Triton internals: given per-candidate samples (milliseconds per launch)
-and the static cost order, ``analyze`` returns the same ``TuneResult`` every time, so the rules
-are tested on CPU with fake samples. ``tuner`` does the timing and calls into here.
-
-A candidate is *tied* with the fastest when its median is within ``tie_band`` of the best median,
-or when its p20-p80 range overlaps the best's and its median is within ``overlap_cap``. Among the
-tied, the first in ``selection.order_by_cost`` wins: the order the deterministic fallback uses,
-a total order (static cost, signature, position), so noise inside the band cannot move the choice.
+A candidate is *tied* with the fastest when its median is within ``tie_band`` of the best median, or
+when its p20-p80 range overlaps the best's and its median is within ``overlap_cap``. Among the tied,
+the first in ``order_by_cost`` (the deterministic fallback's total order) wins, so noise inside the
+band cannot move the choice.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from ..core.errors import PolicyError
 from ..core.policy import ENV_TUNE_ROUNDS, ENV_TUNE_TIE_BAND, read_knob
 
-TIMINGS_FORMAT = "megatron_tuning.tuner/1"
-"""Tag of the ``timings`` dict this tuner attaches to a ``tuned`` decision and a table entry."""
-
-
-MAX_ROUNDS = 10_000
-"""Each round times every candidate: more is a typo (``1e308`` was once accepted), not rigour."""
-
-# The quantiles that bound a candidate's spread: robust to the odd preempted sample, unlike min/max.
-_LOW_Q, _HIGH_Q = 0.2, 0.8
+TIMINGS_FORMAT = "megatron_tuning.tuner/1"  # tags the ``timings`` of a tuned decision or table entry
+MAX_ROUNDS = 10_000  # each round times every candidate: more is a typo (``1e308`` was once accepted)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -45,9 +34,8 @@ class TuneSettings:
     """Candidates whose median is within this fraction of the best median are tied with it."""
 
     overlap_cap: float | None = None
-    """A candidate whose p20-p80 range overlaps the best's is also tied, if its median is within
-    this fraction of the best (default 1.5 x ``tie_band``); the cap stops a noisy, clearly slower
-    config from being called a tie."""
+    """Overlapping p20-p80 ranges tie only within this fraction of the best median (default 1.5 x
+    ``tie_band``), so a noisy, clearly slower config is not called a tie."""
 
     sample_ms: float = 1.0
     """Target device time of one sample; short kernels are launched several times per sample."""
@@ -59,12 +47,9 @@ class TuneSettings:
     """Flush the L2 cache on a GPU: before each sample, and in cold timing before every launch."""
 
     cold_below_ms: float = 0.02
-    """Keys whose fastest candidate takes less than this per launch are timed *cold*, the way
-    ``triton.testing.do_bench`` (and so Triton's autotuner and an independent judge) times them:
-    the L2 flushed before every launch and each launch between its own pair of events. Back to
-    back, a short kernel's operands stay in L2 and its launch gap is hidden, which can rank
-    candidates differently (RESULTS section 5: 4.2 us back to back vs 7 us cold on 512^3).
-    ``0`` times every key back to back."""
+    """Keys whose fastest candidate takes less are timed *cold*, as ``triton.testing.do_bench`` does
+    (L2 flushed, events around each launch): back to back, operands stay in L2 and can rank short
+    kernels differently (RESULTS section 5). ``0`` times every key back to back."""
 
     cold_launches: int = 25
     """Launches per sample in cold timing; a sample is their median."""
@@ -105,16 +90,10 @@ class TuneSettings:
 
 
 def timing_method(estimates_ms: Sequence[float], settings: TuneSettings) -> str:
-    """``"cold"`` or ``"batched"`` for one key, from each live candidate's single-launch estimate.
-
-    One method for every candidate of a key (their samples are compared with each other): cold
-    when the fastest candidate is shorter than ``settings.cold_below_ms``.
-    """
+    """``"cold"`` or ``"batched"``, one method for all of a key's candidates (their samples are
+    compared): cold when the fastest single-launch estimate is below ``settings.cold_below_ms``."""
     finite = [e for e in estimates_ms if math.isfinite(e)]
     return "cold" if finite and min(finite) < settings.cold_below_ms else "batched"
-
-
-# --------------------------------------------------------------------------- statistics (pure)
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,10 +103,8 @@ class CandidateStats:
     signature: str
     samples: tuple[float, ...]
     median: float
-    low: float
-    """p20 of the samples."""
-    high: float
-    """p80 of the samples."""
+    low: float  # p20
+    high: float  # p80
     error: str | None = None
 
     @property
@@ -139,14 +116,10 @@ class CandidateStats:
 class TuneResult:
     """The outcome for one (kernel, key): per-candidate statistics, the tie set and the winner."""
 
-    stats: tuple[CandidateStats, ...]
-    """In candidate order."""
-    winner: int
-    """Index into ``stats`` of the chosen candidate."""
-    fastest: int
-    """Index of the lowest median (what one noise-free argmin would pick)."""
-    tied: tuple[int, ...]
-    """Indices tied with the fastest, in static cost order; the winner is the first."""
+    stats: tuple[CandidateStats, ...]  # in candidate order
+    winner: int  # index into ``stats`` of the chosen candidate
+    fastest: int  # index of the lowest median (what one noise-free argmin would pick)
+    tied: tuple[int, ...]  # indices tied with the fastest, in static cost order; the winner is the first
     reason: str
     tie_band: float
     overlap_cap: float
@@ -161,7 +134,7 @@ class TuneResult:
         def triple(s: CandidateStats) -> list[float | None]:
             return [None, None, None] if s.failed else [s.median, s.low, s.high]
 
-        timings: dict[str, Any] = {
+        return {
             "format": TIMINGS_FORMAT,
             "unit": "ms",
             "winner": self.winner_signature,
@@ -174,7 +147,6 @@ class TuneResult:
             "samples": {s.signature: list(s.samples) for s in self.stats},
             "errors": {s.signature: s.error for s in self.stats if s.error},
         }
-        return timings
 
 
 def _quantile(ordered: Sequence[float], q: float) -> float:
@@ -190,11 +162,10 @@ def summarize(signature: str, samples: Sequence[float], error: str | None = None
     kept = tuple(float(s) for s in samples)
     finite = sorted(s for s in kept if math.isfinite(s))
     if error is not None or not finite:
-        inf = float("inf")
-        return CandidateStats(signature, kept, inf, inf, inf, error or "no samples")
-    return CandidateStats(
-        signature, kept, _quantile(finite, 0.5), _quantile(finite, _LOW_Q), _quantile(finite, _HIGH_Q), None
-    )
+        return CandidateStats(signature, kept, math.inf, math.inf, math.inf, error or "no samples")
+    # p20/p80 bound the spread: robust to the odd preempted sample, unlike min/max
+    median, low, high = (_quantile(finite, q) for q in (0.5, 0.2, 0.8))
+    return CandidateStats(signature, kept, median, low, high, None)
 
 
 def analyze(
@@ -206,12 +177,8 @@ def analyze(
     overlap_cap: float = 0.03,
     errors: Sequence[str | None] | None = None,
 ) -> TuneResult:
-    """Decide among candidates from their samples. Pure: same inputs, same result.
-
-    ``cost_order`` lists candidate indices cheapest first (``selection.order_by_cost``), a total
-    order that does not depend on list position unless two candidates share a signature, so
-    the same samples in a different candidate order give the same winner.
-    """
+    """Decide among candidates from their samples. ``cost_order``: candidate indices cheapest first
+    (``order_by_cost``, independent of list position), so reordered candidates give the same winner."""
     n = len(signatures)
     if n == 0 or len(samples) != n or sorted(cost_order) != list(range(n)):
         raise ValueError("analyze needs one sample list per candidate and a cost order over all of them")
@@ -226,11 +193,9 @@ def analyze(
     else:
 
         def is_tied(s: CandidateStats) -> bool:
-            if s.failed:
-                return False
-            if s.median <= best.median * (1.0 + tie_band):
-                return True
-            return s.low <= best.high and s.median <= best.median * (1.0 + overlap_cap)
+            in_band = s.median <= best.median * (1.0 + tie_band)
+            overlaps = s.low <= best.high and s.median <= best.median * (1.0 + overlap_cap)
+            return not s.failed and (in_band or overlaps)
 
         tied = tuple(i for i in cost_order if is_tied(stats[i]))
         if len(tied) == 1:
@@ -252,10 +217,9 @@ def analyze_configs(
 ) -> TuneResult:
     """``analyze`` for ``triton.Config`` objects (or ``config_data`` dicts), using selection's order."""
     from ..core.fallback import order_by_cost
-    from ..core.identity import config_data, config_signature
+    from ..core.identity import config_signature
 
     settings = settings or TuneSettings()
-    datas = [dict(c) if isinstance(c, Mapping) else config_data(c) for c in configs]
     # order_by_cost returns the objects themselves; map them back to positions by identity,
     # since Config objects before Triton 3.4 hash by identity and dicts compare by value.
     remaining = list(range(len(configs)))
@@ -264,11 +228,5 @@ def analyze_configs(
         position = next(i for i in remaining if configs[i] is config)
         remaining.remove(position)
         order.append(position)
-    return analyze(
-        [config_signature(d) for d in datas],
-        samples,
-        order,
-        tie_band=settings.tie_band,
-        overlap_cap=settings.effective_overlap_cap,
-        errors=errors,
-    )
+    signatures, cap = [config_signature(c) for c in configs], settings.effective_overlap_cap
+    return analyze(signatures, samples, order, tie_band=settings.tie_band, overlap_cap=cap, errors=errors)
