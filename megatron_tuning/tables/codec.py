@@ -1,16 +1,9 @@
 """Table encodings: columnar canonical msgpack (on disk) and row-wise JSON (for review).
 
-msgpack, schema 1: ``[FORMAT, SCHEMA, header, body]``. The body is columnar because a load builds
-every entry: one list per field, repeated strings and configs stored once (``strings``,
-``configs``) and referenced by index, so column checks run at C speed and distinct values are
-validated once (a 100k-entry load stays well under a second). Canonical: ``strings`` sorted,
-``configs`` sorted by their packed bytes, rows by (arch, kernel, key), map keys sorted, optional
-columns (``source_hash``, ``triton_version``, ``note``, the ``Timing`` fields, ``numerics``, ``votes_for``,
-``votes_total``) omitted when all nil.
-
-Decoding is bounded (``files.budget``): msgpack's unpacker reads under its limits, and memory is
-charged before it is spent: a column once its length is read, lists and maps inside values by
-hooks as they are built. The JSON view is bounded by ``files.check_json_budget``.
+msgpack, schema 1: ``[FORMAT, SCHEMA, header, body]``, one list per field; strings and configs are
+stored once and referenced by index, so a 100k-entry load checks columns at C speed. Canonical:
+sorted strings, configs by packed bytes, rows by (arch, kernel, key), all-nil optional columns
+omitted. Decoding charges memory (``files.budget``) before it is spent, under msgpack's limits.
 """
 
 from __future__ import annotations
@@ -64,7 +57,6 @@ _COLUMN_TYPES: dict[str, frozenset[type]] = {
     "numerics": frozenset({dict, type(None)}),
 }
 _NO_TIMING = Timing()
-_EMPTY_BODY: dict[str, list[Any]] = {name: [] for name in sorted(_REQUIRED)}
 
 ENTRY_BYTES = 448  # an entry besides its column values (Entry, ident, index slot, timing): ~380 measured
 MAX_META_ITEMS = 4096
@@ -80,18 +72,14 @@ _ERRORS = {msgpack.OutOfData: "the file ends early", msgpack.StackError: "data n
 _ERRORS[msgpack.FormatError] = "an invalid type byte"
 
 
-# -- msgpack -----------------------------------------------------------------------
 def encode_msgpack(library_version: str, meta: dict[str, str], entries: Sequence[Entry]) -> bytes:
     """Canonical bytes for ``entries`` (already in (arch, kernel, key) order)."""
     header: dict[str, Any] = {"library_version": library_version}
     if meta:
         header["meta"] = dict(sorted(meta.items()))
-    if not entries:
-        return msgpack.packb([FORMAT, SCHEMA, header, _EMPTY_BODY], use_bin_type=True)
     # Entries are named tuples: zip(*entries) gives each field as a column at C speed.
-    arch, kernel, keys, configs, how, source_hash, triton_version, timing, votes, note, numerics = zip(
-        *entries
-    )
+    columns = list(zip(*entries)) or [()] * len(Entry._fields)
+    arch, kernel, keys, configs, how, source_hash, triton_version, timing, votes, note, numerics = columns
     strings = sorted(set(arch) | set(kernel) | set(how) | ({*source_hash, *triton_version, *note} - {None}))
     sidx = {s: i for i, s in enumerate(strings)}
     packed_by_id: dict[int, bytes] = {}  # configs are interned: pack each distinct dict once
@@ -274,14 +262,10 @@ def _decode_body(body: dict[str, list[Any]]) -> dict[_Ident, Entry]:
         raise Invalid(f"column how: {sorted(bad_how)} not among {HOW_VALUES}")
     source_hash, triton_version, note = (column(name) for name in _STRING_COLUMNS)
     for name in _FLOAT_COLUMNS + _COUNT_COLUMNS:
-        present = [v for v in body.get(name, ()) if v is not None]
-        if (
-            name in _FLOAT_COLUMNS
-            and present
-            and not (all(map(math.isfinite, present)) and min(present) >= 0)
-        ):
+        present = [v for v in body.get(name, ()) if v is not None] or [0]
+        if name in _FLOAT_COLUMNS and not (all(map(math.isfinite, present)) and min(present) >= 0):
             raise Invalid(f"column {name}: values must be finite and >= 0")
-        if name in _COUNT_COLUMNS and present and not (min(present) >= 0 and max(present) <= INT_MAX):
+        if name in _COUNT_COLUMNS and not (min(present) >= 0 and max(present) <= INT_MAX):
             raise Invalid(f"column {name}: values must be integers >= 0")
     timings: Iterable[Any] = repeat(None)
     if any(name in body for name in Timing._fields):
@@ -323,7 +307,6 @@ def check_header(version: Any, meta: Any) -> tuple[str, dict[str, str]]:
     return version, meta
 
 
-# -- JSON --------------------------------------------------------------------------
 def encode_json(library_version: str, meta: dict[str, str], entries: Sequence[Entry]) -> str:
     """Row-wise JSON view: one object per entry, sorted keys, so reviews diff per field."""
     doc: dict[str, Any] = {
