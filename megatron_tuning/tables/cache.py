@@ -1,18 +1,9 @@
-"""``auto`` mode's cache table: where it lives, what a persist keeps, adds and evicts, how it writes.
+"""``auto`` mode's cache: one table file per user and GPU arch (docs/cache.md).
 
-The cache is an ordinary table file, per user and GPU arch (``<user cache dir>/megatron_tuning/
-<arch>/auto.msgpack``, or ``MEGATRON_TUNING_CACHE`` / the policy's ``cache``). Reference: docs/cache.md.
-
-* **First persisted wins**: a fresh entry in the file (the running source hash and Triton version)
-  is never replaced, also by one of the same source under another module name, so overlapping jobs
-  converge on one config per key.
-* **Bounded**: a persist that writes evicts stale entries, then, past the entry cap or
-  ``max_cache_bytes()``, the entries persisted longest ago (row order is entry order: no clock).
-* **Cheap enough to call often**: nothing pending, no I/O; every pending key already in the file,
-  one read and no lock; else a merge under ``<file>.lock`` (again only if another writer changed
-  the file since the unlocked read) and an atomic replace. The file is decoded only when its bytes
-  differ from those this process last read or wrote.
-* **Never stops a job**: every problem is one warning naming the file and the fix.
+First persisted wins: a fresh entry is never replaced, so overlapping jobs converge on one config
+per key. A persist evicts stale entries, then the oldest past the entry cap or ``max_cache_bytes()``;
+with every key already there it writes nothing, else it merges under ``<file>.lock`` and replaces
+the file atomically. Never stops a job: each problem is one warning naming the file and the fix.
 """
 
 from __future__ import annotations
@@ -29,28 +20,28 @@ from pathlib import Path
 
 from ..core.decisions import Decision
 from ..core.errors import TableError
+from ..core.identity import config_signature
 from ..core.policy import CACHE_OFF, ENV_CACHE, ENV_CACHE_MAX_ENTRIES, TuningPolicy, read_knob
 from . import files
 from .entry import Entry, entry_with, same_config
 from .merge import content_ident, entry_from_decision
-from .search import installed_triton_version
+from .search import installed_triton_version, staleness
 from .table import Table, library_version, table_from_data
 
 logger = logging.getLogger(__name__)
 
 CACHE_FILE_NAME = "auto.msgpack"
+# Bump when what an entry means changes (e.g. how keys are written): an older cache is then
+# evicted whole at its next persist, and a newer one is never written.
 CACHE_FORMAT = 1
-"""Bump when what an entry means changes (e.g. how keys are written): a cache in an older format is
-then evicted whole at its next persist, and this version never writes a newer one."""
 CACHE_META = {"kind": "auto-cache", "cache_format": str(CACHE_FORMAT)}
 PERSISTED_SOURCES = ("tuned", "adopted")
+# 10 processes persisting 100 new entries each into a full 16 MiB cache at once on a loaded 2-core
+# machine: the slowest took 72 s (docs/cache.md).
 LOCK_TIMEOUT_S = 120.0
-"""How long a persist waits for other writers. Measured on a loaded 2-core machine (docs/cache.md):
-10 processes persisting 100 new entries each into a full 16 MiB cache at once, the slowest took 72 s."""
 
 _Ident = tuple[str, str, str]
 _Hashes = dict[tuple[str, str], str]  # (arch, kernel) -> the source hash this run used
-_Provenance = tuple[str, str, str | None, str | None]  # arch, kernel, source hash, Triton version
 _provenance = operator.attrgetter("arch", "kernel", "source_hash", "triton_version")
 
 
@@ -247,8 +238,8 @@ class AutoCache:
             old, ours = plan.kept[0]
             logger.info(
                 f"auto cache {self.path}: kept {_count(len(plan.kept), 'entry')} another run persisted "
-                f"first (e.g. {old.kernel} [{_shortened(old.key)}]: cache {_signature(old)}, this run "
-                f"{_signature(ours)}); later runs launch the cache's"
+                f"first (e.g. {old.kernel} [{_shortened(old.key)}]: cache {config_signature(old.config)}, "
+                f"this run {config_signature(ours.config)}); later runs launch the cache's"
             )
         if plan.stale:
             reasons = collections.Counter(reason for _, reason in plan.stale)
@@ -313,12 +304,10 @@ def _merge(base: Table, pending: list[Entry], hashes: _Hashes, version: str | No
     else:
         # Staleness depends only on an entry's provenance, and a cache holds few distinct ones:
         # judge those, and walk the entries only when one is stale.
-        kinds = set(map(_provenance, table.values()))
-        reasons = {kind: why for kind in kinds if (why := _staleness(kind, version, hashes))}
-        if reasons:
-            plan.stale = [
-                (e, reasons[_provenance(e)]) for e in table.entries_in_order() if _provenance(e) in reasons
-            ]
+        kinds = {_provenance(entry): entry for entry in table.values()}
+        reasons = {kind: staleness(entry, hashes.get(kind[:2]), version) for kind, entry in kinds.items()}
+        if any(reasons.values()):
+            plan.stale = [(e, why) for e in table.entries_in_order() if (why := reasons[_provenance(e)])]
     for entry, _ in plan.stale:
         table.remove(*entry.ident)
     # One kernel by content under another module name (an eval pipeline's loads) holds the key too.
@@ -336,17 +325,6 @@ def _merge(base: Table, pending: list[Entry], hashes: _Hashes, version: str | No
     table.meta = {**base.meta, **CACHE_META}
     table.library_version = library_version()
     return plan
-
-
-def _staleness(provenance: _Provenance, running: str | None, hashes: _Hashes) -> str | None:
-    """Why entries of this provenance can no longer be used by this run (the rule lookups apply)."""
-    arch, kernel, source_hash, triton_version = provenance
-    if running is not None and triton_version not in (None, running):
-        return f"tuned with Triton {triton_version}, running {running}"
-    known = hashes.get((arch, kernel))
-    if known is not None and source_hash not in (None, known):
-        return "tuned for other kernel source"
-    return None
 
 
 def _encode(plan: _Plan, max_bytes: int, *, as_json: bool) -> bytes:
@@ -399,13 +377,3 @@ def _shortened(text: str, limit: int = 160) -> str:
 
 def _count(count: int, noun: str) -> str:
     return f"{count} {noun if count == 1 else noun[:-1] + 'ies'}"  # the nouns here end in "entry"
-
-
-def _signature(entry: Entry) -> str:
-    config = entry.config
-    parts = [f"{k}={v}" for k, v in config.get("kwargs", {}).items()]
-    return ", ".join(parts + [f"{k}={config[k]}" for k in ("num_warps", "num_stages") if k in config])
-
-
-__all__ = ["CACHE_FILE_NAME", "CACHE_FORMAT", "LOCK_TIMEOUT_S", "PERSISTED_SOURCES", "AutoCache"]
-__all__ += ["cache_path", "default_cache_dir", "max_cache_bytes", "open_cache", "read_cache_file"]

@@ -66,6 +66,18 @@ def installed_triton_version() -> str | None:
         return None
 
 
+def staleness(entry: Entry, source_hash: str | None, triton_version: str | None) -> str | None:
+    """Why ``entry`` was not tuned for the running kernel source and Triton (unknown: not stale)."""
+    problems = []
+    if entry.source_hash not in (None, source_hash) and source_hash is not None:
+        problems.append(
+            f"kernel source hash {entry.source_hash[:12]} in the table, {source_hash[:12]} running"
+        )
+    if entry.triton_version not in (None, triton_version) and triton_version is not None:
+        problems.append(f"tuned with Triton {entry.triton_version}, running {triton_version}")
+    return "; ".join(problems) or None
+
+
 def expand_table_paths(
     paths: Iterable[str | os.PathLike[str]], *, allow_empty_folders: bool = False
 ) -> list[str]:
@@ -248,7 +260,7 @@ class TableSet:
     ) -> TableHit | None:
         arch, kernel, key = ident
         for entry, origin in candidates:
-            detail = self._staleness(entry, source_hash)
+            detail = staleness(entry, source_hash, self.triton_version)
             if detail is None:
                 return TableHit(MappingProxyType(entry.config), origin, numerics=entry.numerics)
             if origin == self._cache_file:  # a cache is ours: an entry tuned for other code is re-tuned
@@ -277,17 +289,6 @@ class TableSet:
             if use:
                 return TableHit(MappingProxyType(entry.config), origin, numerics=entry.numerics)
         return None
-
-    def _staleness(self, entry: Entry, source_hash: str | None) -> str | None:
-        problems = []
-        if entry.source_hash is not None and source_hash is not None and entry.source_hash != source_hash:
-            problems.append(
-                f"kernel source hash {entry.source_hash[:12]} in the table, {source_hash[:12]} running"
-            )
-        running = self.triton_version
-        if entry.triton_version is not None and running is not None and entry.triton_version != running:
-            problems.append(f"tuned with Triton {entry.triton_version}, running {running}")
-        return "; ".join(problems) or None
 
     def _all_for(self, ident: _Ident) -> list[tuple[Entry, str]]:
         with self._lock:
