@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import os
+import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -36,9 +37,6 @@ RECORDING_PREFIX = "recording-rank"
 _HOW = {"recorded": "recorded", "tuned": "tuned", "adopted": "tuned"}
 # What ``diff --ignore-provenance`` skips; ``kernel``: the module name of a content match.
 _PROVENANCE = ("kernel", "how", "source_hash", "triton_version", "timing", "votes", "note", "numerics")
-
-
-# --------------------------------------------------------------------------- decision logs
 
 
 def write_decisions(path: str | os.PathLike[str], decisions: Iterable[Decision] | None = None) -> None:
@@ -98,9 +96,6 @@ def _row_problem(row: Any) -> str | None:
     if row.get("timings") is not None and type(row["timings"]) is not dict:
         return f"timings must be an object or null, got {type(row['timings']).__name__}"
     return None
-
-
-# --------------------------------------------------------------------------- entries from decisions
 
 
 def content_ident(entry: Entry) -> tuple[str | None, ...]:
@@ -232,9 +227,6 @@ def write_recording(
     return path
 
 
-# --------------------------------------------------------------------------- the vote
-
-
 @dataclass(frozen=True, slots=True)
 class Vote:
     """The inputs that chose one config for an entry; ``median_ms``: the median of their medians."""
@@ -303,8 +295,6 @@ def merge_tables(inputs: Sequence[tuple[str, Table]]) -> MergeResult:
         ranked = sorted(_vote(sig, voters) for sig, voters in by_signature.items())
         votes = tuple(vote for _, vote in ranked)
         winner = by_signature[votes[0].signature]
-        # The entry whose provenance is kept: the fastest measurement, then a content order, never
-        # the input order (merging the same inputs in any order gives the same bytes).
         kept = min(winner, key=_provenance_order)[1]
         # An audit's finding is kept whichever input carried it; any input that saw the config's
         # own launches differ makes it non-deterministic.
@@ -328,25 +318,18 @@ def merge_tables(inputs: Sequence[tuple[str, Table]]) -> MergeResult:
 
 def _vote(signature: str, voters: list[tuple[str, Entry]]) -> tuple[tuple[Any, ...], Vote]:
     """The vote for ``signature`` and its rank key: most votes, lowest median, cost, signature."""
-    medians = sorted(e.timing.median_ms for _, e in voters if e.timing and e.timing.median_ms is not None)
-    median = None
-    if medians:
-        mid = len(medians) // 2
-        median = medians[mid] if len(medians) % 2 else (medians[mid - 1] + medians[mid]) / 2
+    medians = [e.timing.median_ms for _, e in voters if e.timing and e.timing.median_ms is not None]
+    median = statistics.median(medians) if medians else None
     cost = estimate_config_cost(voters[0][1].config)
-    rank = (-len(voters), _time_or_inf(median), cost, signature)
+    rank = (-len(voters), math.inf if median is None else median, cost, signature)
     return rank, Vote(signature, tuple(sorted(name for name, _ in voters)), median)
 
 
 def _provenance_order(voter: tuple[str, Entry]) -> tuple[float, bytes]:
     # The entry whose provenance is kept: the fastest measurement, then a content order, never
     # the input order (merging the same inputs in any order gives the same bytes).
-    timing = voter[1].timing
-    return (_time_or_inf(timing.median_ms if timing else None), msgpack.packb(voter[1].to_data()))
-
-
-def _time_or_inf(value: float | None) -> float:
-    return math.inf if value is None else value
+    median = voter[1].timing and voter[1].timing.median_ms
+    return (math.inf if median is None else median, msgpack.packb(voter[1].to_data()))
 
 
 def merge_files(
@@ -376,9 +359,6 @@ def merge_files(
             "%d of %d merged entries had disagreeing inputs", len(result.disagreements), len(result.table)
         )
     return result
-
-
-# --------------------------------------------------------------------------- comparing tables
 
 
 def diff_tables(a: Table, b: Table, *, ignore_provenance: bool = False) -> dict[str, list[dict[str, Any]]]:
