@@ -53,10 +53,8 @@ def default_cache_dir() -> Path:
 
 
 def cache_path(policy: TuningPolicy, arch: str | Callable[[], str]) -> str | None:
-    """The cache file for ``arch``: the policy's ``cache``, else ``MEGATRON_TUNING_CACHE`` (read now,
-    as ``MEGATRON_TUNING_TABLE`` is for a policy built in code), else the per-user default.
-    ``None`` when the cache is ``off``. A callable ``arch`` is called only for the default folder,
-    so a named cache file never reads the GPU."""
+    """The cache file for ``arch``: the policy's ``cache``, else ``MEGATRON_TUNING_CACHE``, else the
+    per-user default; ``None`` when ``off``. A callable ``arch`` is called only for the default."""
     chosen = policy.cache or read_knob(ENV_CACHE)  # by the knob rule: "OFF" and "0" are off, not files
     if chosen == CACHE_OFF:
         return None
@@ -71,12 +69,8 @@ def max_cache_bytes() -> int:
 
 
 def open_cache(policy: TuningPolicy, arch: str | Callable[[], str]) -> AutoCache | None:
-    """The cache ``policy`` names for ``arch``, read now (no file yet: empty).
-
-    ``None`` when the cache is off, or a folder or unreadable (one warning naming the file and the
-    fix; the file is left as it is). Reads ``MEGATRON_TUNING_CACHE_MAX_ENTRIES``: a bad value
-    raises ``PolicyError``.
-    """
+    """The cache ``policy`` names for ``arch``, read now (no file yet: empty). ``None`` when it is
+    off, a folder or unreadable (one warning naming the file and the fix; the file is left as is)."""
     path = cache_path(policy, arch)
     if path is None:
         return None
@@ -135,25 +129,19 @@ class AutoCache:
     """One run's cache: what lookups see, and the decisions still to persist into the file."""
 
     path: str
-    table: Table
-    """What lookups see: the file as read at start-up (persists do not change it)."""
+    table: Table  # what lookups see: the file as read at start-up (persists do not change it)
     writable: bool
     max_entries: int
     lock_timeout_s: float = LOCK_TIMEOUT_S
-    _seen: tuple[bytes, Table] | None = None
-    """The file's bytes and content as this process last read or wrote them: not decoded again."""
+    _seen: tuple[bytes, Table] | None = None  # the file as this process last read or wrote it
     _written: set[_Ident] = field(default_factory=set)
     _warned: set[str] = field(default_factory=set)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def persist(self, decisions: Iterable[Decision]) -> int:
         """Merge this run's ``tuned``/``adopted`` decisions not yet persisted into the file; return
-        how many entries that added (a key the file already holds is not added: first persisted wins).
-
-        Never raises: a failed write is one warning naming the file and the fix, and its entries
-        are kept for the next persist. Thread-safe, and cheap with nothing new: call it as often
-        as a crash should lose little.
-        """
+        how many entries that added (first persisted wins). Never raises: a failed write is one
+        warning, its entries kept for the next persist. Thread-safe, and cheap with nothing new."""
         if not self.writable:
             return 0
         decisions = list(decisions)
@@ -180,10 +168,8 @@ class AutoCache:
             return sum(plan.table.get(*entry.ident) is entry for entry in plan.added)
 
     def on_decision(self, decision: Decision) -> None:
-        """A decision-log listener (the session registers it): a decision this rank measured is
-        persisted at once, so a run killed (SIGKILL, SIGTERM, ``os._exit``) after a tune keeps it.
-        One persist per measured key costs well under the tuning; adopted keys wait for the next
-        persist (their winner's node persists them at once)."""
+        """Decision-log listener: a decision this rank measured is persisted at once, so a run killed
+        after a tune keeps it; adopted keys wait for the next persist (their winner's node has them)."""
         if decision.source in PERSISTED_SOURCES and decision.timings is not None:
             self.persist([decision])
 
@@ -278,14 +264,11 @@ class _Plan:
 
     table: Table
     added: list[Entry] = field(default_factory=list)
-    kept: list[tuple[Entry, Entry]] = field(default_factory=list)
-    """(the file's entry, this run's) for keys another run persisted first with another config."""
+    kept: list[tuple[Entry, Entry]] = field(default_factory=list)  # (the file's, ours): another config
     stale: list[tuple[Entry, str]] = field(default_factory=list)
-    evicted: list[Entry] = field(default_factory=list)
-    """Evicted past the entry cap or the byte bound (``by_bytes``), oldest first; may include ``added``."""
-    by_bytes: bool = False
-    size: int = 0
-    """Bytes written (0: nothing written)."""
+    evicted: list[Entry] = field(default_factory=list)  # oldest first past a bound; may include added
+    by_bytes: bool = False  # the byte bound evicted, not only the entry cap
+    size: int = 0  # bytes written (0: nothing written)
 
     @property
     def changed(self) -> bool:
@@ -293,9 +276,8 @@ class _Plan:
 
 
 def _merge(base: Table, pending: list[Entry], hashes: _Hashes, version: str | None, cap: int) -> _Plan:
-    """``pending`` merged into a copy of ``base`` (the file's content, not changed; this format or
-    an older one): stale entries evicted, new keys added (first persisted wins), the oldest evicted
-    past ``cap``. The byte bound is ``_encode``'s."""
+    """``pending`` merged into a copy of ``base``: stale entries evicted, new keys added (first
+    persisted wins), the oldest evicted past ``cap`` (the byte bound is ``_encode``'s)."""
     found, order = _format(base)
     plan = _Plan(base.copy())
     table = plan.table

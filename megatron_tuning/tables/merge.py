@@ -338,20 +338,16 @@ def merge_files(
     *,
     timeout_s: float = LOCK_TIMEOUT_S,
 ) -> MergeResult:
-    """Merge recordings/tables (folders: their ``*.msgpack``) into ``out``, written atomically.
-
-    ``out`` is replaced, not merged into: to keep what it holds, list it among ``inputs`` (it then
-    votes once, and the merge holds ``out``'s lock, so a concurrent writer loses nothing).
-    """
+    """Merge recordings/tables (folders: their ``*.msgpack``) into ``out``, replaced atomically. To
+    keep what ``out`` holds, list it among ``inputs``: it votes once, and the merge holds its lock."""
     target, inputs = os.fspath(out), list(inputs)
     listed = any(os.path.realpath(os.fspath(p)) == os.path.realpath(target) for p in inputs)
     with locked(target, timeout_s=timeout_s) if listed else contextlib.nullcontext():
         skip = set() if listed else {os.path.realpath(target)}
         loaded = [(n, load_table(n)) for n in expand_table_paths(inputs) if os.path.realpath(n) not in skip]
         if not loaded:  # e.g. a folder holding only an earlier output: never write an empty table
-            raise TableError(
-                ", ".join(os.fspath(p) for p in inputs), f"no input tables to merge besides {target}"
-            )
+            where = ", ".join(os.fspath(p) for p in inputs)
+            raise TableError(where, f"no input tables to merge besides {target}")
         result = merge_tables(loaded)
         save_table(result.table, target)
     if result.disagreements:
@@ -362,13 +358,9 @@ def merge_files(
 
 
 def diff_tables(a: Table, b: Table, *, ignore_provenance: bool = False) -> dict[str, list[dict[str, Any]]]:
-    """Entries only in ``a`` (removed), only in ``b`` (added), and in both but different (changed).
-
-    A changed entry lists each differing field as ``[old, new]``, ``config`` by signature (or by
-    data when the signatures match); a config change also says what it does to the output bits
-    (``numerics``: from the audits both entries record). Header fields are not compared. An entry
-    of the same source under another module name is the same kernel: its ``kernel`` changed.
-    """
+    """Entries only in ``a`` (removed), only in ``b`` (added), in both but different (changed: each
+    differing field as ``[old, new]``, and a config change's ``numerics`` verdict). An entry of the
+    same source under another module name is the same kernel with its ``kernel`` changed."""
 
     def brief(entry: Entry) -> dict[str, str]:
         return {"arch": entry.arch, "kernel": entry.kernel, "key": entry.key}
@@ -408,12 +400,8 @@ def _numerics_verdict(old: Entry, new: Entry) -> str:
 
 
 def review_view(table: Table) -> Table:
-    """The table without how, versions, timing, votes and note: configs and source hashes only.
-
-    What ``export --no-provenance`` writes for a pull request, where a re-tune would otherwise show
-    every timing and vote that moved. The source hash stays: a content match under another module
-    name needs it, and it changes only with the kernel's code.
-    """
+    """Configs and source hashes only (``export --no-provenance``), so a re-tune's pull request does
+    not show every timing and vote that moved; content matches need the source hash."""
     entries = [
         Entry(arch=e.arch, kernel=e.kernel, key=e.key, config=e.config, source_hash=e.source_hash)
         for e in table.entries()

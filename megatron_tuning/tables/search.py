@@ -241,9 +241,7 @@ class TableSet:
             if detail is None:
                 return TableHit(MappingProxyType(entry.config), origin, numerics=entry.numerics)
             if origin == self._cache_file:  # a cache is ours: an entry tuned for other code is re-tuned
-                logger.debug(
-                    "cache entry for %s [%s] in %s is stale (%s): a miss", kernel, key, origin, detail
-                )
+                logger.debug("stale cache entry %s [%s] in %s (%s): a miss", kernel, key, origin, detail)
                 continue
             if stale_entries == "error":
                 raise StaleEntryError(kernel, key, origin, detail)
