@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import math
 import re
+import sys
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -17,6 +18,7 @@ import msgpack
 HOW_VALUES = ("tuned", "recorded", "hand")
 INT_MIN = -(2**63)
 INT_MAX = 2**64 - 1  # msgpack's integer range
+_LARGEST = {int: INT_MAX, float: sys.float_info.max}
 _MAX_WARPS_OR_STAGES = 1024
 _MAX_DEPTH = 6  # nesting allowed inside config data (kwargs values are scalars in practice)
 
@@ -58,20 +60,15 @@ def check_numerics(value: Any) -> Numerics | None:
     """Validate ``Numerics`` data (its ``to_data`` form); ``None`` stays ``None``."""
     if value is None or isinstance(value, Numerics):
         return value
-    if type(value) is not dict or not {"class_id", "inputs", "deterministic"} <= value.keys() <= set(
-        Numerics._fields
-    ):
+    if type(value) is not dict or not set(Numerics._fields[:3]) <= value.keys() <= set(Numerics._fields):
         raise Invalid(f"numerics must be a map with fields {sorted(Numerics._fields)}")
     alternatives = value.get("alternatives", [])
     if not all(type(value[n]) is str and _HEX16.fullmatch(value[n]) for n in ("class_id", "inputs")):
         raise Invalid("numerics.class_id and numerics.inputs must be 16 lowercase hex digits")
     if type(value["deterministic"]) is not bool:
         raise Invalid("numerics.deterministic must be true or false")
-    if (
-        type(alternatives) not in (list, tuple)
-        or len(alternatives) > 16
-        or not all(type(a) is str for a in alternatives)
-    ):
+    listed = type(alternatives) in (list, tuple) and len(alternatives) <= 16
+    if not (listed and all(type(a) is str for a in alternatives)):
         raise Invalid("numerics.alternatives must be a list of at most 16 config signatures")
     for text in alternatives:
         check_text("numerics alternative", text)
@@ -93,11 +90,8 @@ class _EntryFields(NamedTuple):
 
 
 class Entry(_EntryFields):
-    """One table entry: immutable, validated and canonicalised when built.
-
-    A named tuple rather than a dataclass because the loader builds 100k of them per table:
-    ``tuple.__new__`` is several times cheaper than a frozen dataclass's setattrs.
-    """
+    """One table entry: immutable, validated and canonicalised when built. A named tuple because the
+    loader builds 100k per table: ``tuple.__new__`` is several times cheaper than a dataclass."""
 
     __slots__ = ()
 
@@ -285,13 +279,8 @@ def _check_timing(timing: Any) -> Timing | None:
         if name in ("samples", "candidates"):
             if type(value) is not int or not 0 <= value <= INT_MAX:
                 raise Invalid(f"timing.{name} must be a non-negative integer")
-        # Range-check ints before isfinite: a huge JSON integer would overflow a float.
-        elif (
-            (type(value) is int and not 0 <= value <= INT_MAX)
-            or type(value) not in (int, float)
-            or not math.isfinite(value)
-            or value < 0
-        ):
+        # Compared, never converted, first: a huge JSON integer would overflow a float; NaN fails.
+        elif type(value) not in _LARGEST or not 0 <= value <= _LARGEST[type(value)]:
             raise Invalid(f"timing.{name} must be a finite number >= 0")
         else:
             values[name] = float(value)  # canonical: ints written by hand become floats
@@ -301,17 +290,12 @@ def _check_timing(timing: Any) -> Timing | None:
 def _check_votes(votes: Any) -> tuple[int, int] | None:
     if votes is None:
         return None
-    if (
-        type(votes) not in (list, tuple)
-        or len(votes) != 2
-        or not all(type(v) is int for v in votes)
-        or not 0 < votes[0] <= votes[1] <= INT_MAX
-    ):
+    pair = type(votes) in (list, tuple) and len(votes) == 2 and all(type(v) is int for v in votes)
+    if not (pair and 0 < votes[0] <= votes[1] <= INT_MAX):
         raise Invalid("votes must be [winner_votes, total] with 0 < winner_votes <= total")
     return (votes[0], votes[1])
 
 
-# -- tuning keys ---------------------------------------------------------------------
 # ``core.identity.tuning_key`` writes ``M=32, N=32 | a_ptr:torch.float16, ...``: items joined by
 # ", ", parts by " | ", either part possibly empty. A hand-written ``M=32,N=32 | ...`` would never
 # match a launch, so JSON views are read through ``canonical_key``.
@@ -321,11 +305,8 @@ _ITEM = {sep: re.compile(rf"\s*([A-Za-z_]\w*)\s*{sep}\s*(.*?)\s*", re.DOTALL) fo
 
 
 def canonical_key(key: str) -> str | None:
-    """``key`` spelt as ``tuning_key`` spells it, or ``None`` when it is not in that form.
-
-    Only separators are respelt; a value's own text is kept, and a comma inside quotes or brackets
-    is part of its value, so every key ``tuning_key`` writes is returned unchanged.
-    """
+    """``key`` spelt as ``tuning_key`` spells it, or ``None`` when it is not in that form. Only
+    separators are respelt, so every key ``tuning_key`` writes is returned unchanged."""
     values, bar, dtypes = key.rpartition("|")  # dtype names never contain "|"
     if not bar:
         return None
