@@ -48,8 +48,7 @@ _FLOAT_COLUMNS = ("median_ms", "spread_ms", "runner_up_ms")
 _COUNT_COLUMNS = ("samples", "candidates", "votes_for", "votes_total")
 _REQUIRED = ("strings", "configs", "arch", "kernel", "key", "config", "how")
 _COLUMN_TYPES: dict[str, frozenset[type]] = {
-    "strings": frozenset({str}),
-    "key": frozenset({str}),
+    **dict.fromkeys(("strings", "key"), frozenset({str})),
     "configs": frozenset({dict}),
     **dict.fromkeys(("arch", "kernel", "how", "config"), frozenset({int})),
     **dict.fromkeys(_STRING_COLUMNS + _COUNT_COLUMNS, frozenset({int, type(None)})),
@@ -332,10 +331,9 @@ def decode_json(text: str | bytes) -> _Decoded:
     def no_constants(name: str) -> Any:
         raise Invalid(f"non-finite number {name} is not allowed")
 
+    hook = partial(unique_map, what="JSON field")
     try:
-        doc = json.loads(
-            text, object_pairs_hook=partial(unique_map, what="JSON field"), parse_constant=no_constants
-        )
+        doc = json.loads(text, object_pairs_hook=hook, parse_constant=no_constants)
     except Invalid:
         raise
     except (ValueError, RecursionError) as exc:

@@ -55,15 +55,13 @@ def installed_triton_version() -> str | None:
         return None
 
 
-def staleness(entry: Entry, source_hash: str | None, triton_version: str | None) -> str | None:
-    """Why ``entry`` was not tuned for the running kernel source and Triton (unknown: not stale)."""
+def staleness(entry: Entry, source: str | None, triton: str | None) -> str | None:
+    """Why ``entry`` is stale for the running ``source`` hash and ``triton`` version (unknown: not)."""
     problems = []
-    if entry.source_hash not in (None, source_hash) and source_hash is not None:
-        problems.append(
-            f"kernel source hash {entry.source_hash[:12]} in the table, {source_hash[:12]} running"
-        )
-    if entry.triton_version not in (None, triton_version) and triton_version is not None:
-        problems.append(f"tuned with Triton {entry.triton_version}, running {triton_version}")
+    if entry.source_hash not in (None, source) and source is not None:
+        problems.append(f"kernel source hash {entry.source_hash[:12]} in the table, {source[:12]} running")
+    if entry.triton_version not in (None, triton) and triton is not None:
+        problems.append(f"tuned with Triton {entry.triton_version}, running {triton}")
     return "; ".join(problems) or None
 
 
