@@ -42,10 +42,8 @@ _PROVENANCE = ("kernel", "how", "source_hash", "triton_version", "timing", "vote
 def write_decisions(path: str | os.PathLike[str], decisions: Iterable[Decision] | None = None) -> None:
     """Write decisions (default: this process's log) as JSON, atomically: what ``coverage`` reads."""
     rows = [d.to_json() for d in (get_decisions() if decisions is None else decisions)]
-    payload = json.dumps(
-        {"format": DECISIONS_FORMAT, "version": 1, "decisions": rows}, indent=1, sort_keys=True
-    )
-    write_atomic(path, payload.encode("utf-8"), error=_log_error)
+    doc = {"format": DECISIONS_FORMAT, "version": 1, "decisions": rows}
+    write_atomic(path, json.dumps(doc, indent=1, sort_keys=True).encode("utf-8"), error=_log_error)
 
 
 def read_decisions(path: str | os.PathLike[str]) -> list[Decision]:
@@ -139,12 +137,8 @@ def _numerics_from(found: Any) -> Numerics | None:
 
 
 def timing_from_decision(decision: Decision) -> Timing | None:
-    """The winner's timing statistics from what the measurement left; anything odd is ignored.
-
-    Understands ``{"candidates": {signature: [median, p20, p80] | median}, ...}`` (the tuner's
-    ``TuneResult.to_timings()`` and Triton's ``configs_timings`` as record mode keeps them), and
-    the flat ``{"median_ms", "spread_ms", "samples", "candidates", "runner_up_ms"}`` form.
-    """
+    """The winner's timing statistics from ``{"candidates": {signature: [median, p20, p80] | median}}``
+    (the tuner's and Triton's timings) or the flat ``Timing`` fields; anything odd is ignored."""
     raw = decision.timings
     if not isinstance(raw, Mapping):
         return None
@@ -206,12 +200,8 @@ def recording_path(directory: str | os.PathLike[str], rank: int) -> Path:
 def write_recording(
     decisions: Iterable[Decision] | None, directory: str | os.PathLike[str], rank: int | None = None
 ) -> Path:
-    """Write this rank's recorded winners to ``<directory>/recording-rankNNNNN.msgpack``.
-
-    ``decisions=None``: this process's log; ``rank=None``: ``current_rank()``. A recording from an
-    earlier run of the job is updated (new winners replace old ones; entries only it had stay).
-    Only this rank writes the file, so its lock is uncontended.
-    """
+    """Write this rank's recorded winners (default: this process's log) to ``recording_path``.
+    A recording from an earlier run is updated: new winners replace old ones, the others stay."""
     rank = current_rank() if rank is None else rank
     fresh = recording_table(get_decisions() if decisions is None else decisions, rank=rank)
     os.makedirs(directory, exist_ok=True)
