@@ -1,9 +1,9 @@
 """``auto`` mode's cache: one table file per user and GPU arch (docs/cache.md).
 
 First persisted wins: a fresh entry is never replaced, so overlapping jobs converge on one config
-per key. A persist evicts stale entries, then the oldest past the entry cap or ``max_cache_bytes()``;
-with every key already there it writes nothing, else it merges under ``<file>.lock`` and replaces
-the file atomically. Never stops a job: each problem is one warning naming the file and the fix.
+per key. A persist evicts stale entries, then the oldest past the entry cap or a byte bound; with
+every key already there it writes nothing, else it merges under ``<file>.lock`` and replaces the
+file atomically. Never stops a job: each problem is one warning naming the file and the fix.
 """
 
 from __future__ import annotations
@@ -61,11 +61,6 @@ def cache_path(policy: TuningPolicy, arch: str | Callable[[], str]) -> str | Non
     if chosen:
         return os.path.abspath(os.path.expanduser(chosen))
     return str(default_cache_dir() / (arch if isinstance(arch, str) else arch()) / CACHE_FILE_NAME)
-
-
-def max_cache_bytes() -> int:
-    """The cache file's byte bound: a quarter of the table read limit (readable, with room for its JSON)."""
-    return files.MAX_FILE_BYTES // 4
 
 
 def open_cache(policy: TuningPolicy, arch: str | Callable[[], str]) -> AutoCache | None:
@@ -200,7 +195,8 @@ class AutoCache:
                     return plan
             # Encoded under the lock: done outside, the work would be wasted whenever another
             # writer got in first, which is when CPU time is scarce.
-            payload = _encode(plan, max_cache_bytes(), as_json=self.path.endswith(".json"))
+            # A quarter of the read limit: the file stays readable, with room for its JSON view.
+            payload = _encode(plan, files.MAX_FILE_BYTES // 4, as_json=self.path.endswith(".json"))
             files.write_atomic(self.path, payload)
         self._seen = (payload, plan.table)
         return plan
@@ -214,9 +210,8 @@ class AutoCache:
             self._seen = (data, table_from_data(data, self.path))
         found, order = _format(self._seen[1])
         if order > 0:
-            raise TableError(
-                self.path, f"it is in cache format {found}, newer than this version's {CACHE_FORMAT}"
-            )
+            problem = f"it is in cache format {found}, newer than this version's {CACHE_FORMAT}"
+            raise TableError(self.path, problem)
         return self._seen[1]
 
     def _report(self, plan: _Plan) -> None:
@@ -228,12 +223,12 @@ class AutoCache:
                 f"this run {config_signature(ours.config)}); later runs launch the cache's"
             )
         if plan.stale:
-            reasons = collections.Counter(reason for _, reason in plan.stale)
-            why = ", ".join(f"{count} {reason}" for reason, count in sorted(reasons.items()))
+            reasons = sorted(collections.Counter(reason for _, reason in plan.stale).items())
+            why = ", ".join(f"{count} {reason}" for reason, count in reasons)
             logger.info(f"auto cache {self.path}: evicted {_count(len(plan.stale), 'stale entry')} ({why})")
         if plan.evicted:
             bound = f"cap of {self.max_entries} entries"
-            bound = f"bound of {max_cache_bytes()} bytes (and a {bound})" if plan.by_bytes else bound
+            bound = f"bound of {files.MAX_FILE_BYTES // 4} bytes (and a {bound})" if plan.by_bytes else bound
             first = plan.evicted[0]
             self._warn_once(
                 "cap",

@@ -185,9 +185,8 @@ def _unpack(data: bytes) -> tuple[dict[str, Any], dict[str, list[Any]]]:
         raise
     except (ValueError, TypeError, msgpack.UnpackException) as exc:
         detail = next((text for kind, text in _ERRORS.items() if isinstance(exc, kind)), str(exc))
-        raise Invalid(
-            f"{where}not valid msgpack (truncated or corrupt): {detail} at byte {up.tell()}"
-        ) from None
+        message = f"{where}not valid msgpack (truncated or corrupt): {detail} at byte {up.tell()}"
+        raise Invalid(message) from None
     return header, body
 
 

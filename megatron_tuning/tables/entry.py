@@ -24,8 +24,7 @@ _MAX_DEPTH = 6  # nesting allowed inside config data (kwargs values are scalars 
 
 
 class Invalid(ValueError):
-    """A validation problem: the loader turns it into a ``TableError`` naming the file, code that
-    builds an ``Entry`` sees a ``ValueError``."""
+    """A validation problem: a ``TableError`` naming the file when loading, else a ``ValueError``."""
 
 
 class Timing(NamedTuple):
@@ -135,12 +134,10 @@ class Entry(_EntryFields):
     def to_data(self) -> dict[str, Any]:
         """Plain dict form (the JSON view's entry), keys sorted, absent optional fields omitted."""
         data = {name: getattr(self, name) for name in sorted(self._fields) if getattr(self, name) is not None}
-        if self.timing is not None:
-            data["timing"] = self.timing.to_data()
+        for name in data.keys() & {"timing", "numerics"}:
+            data[name] = data[name].to_data()
         if self.votes is not None:
             data["votes"] = list(self.votes)
-        if self.numerics is not None:
-            data["numerics"] = self.numerics.to_data()
         return data
 
 
@@ -204,10 +201,8 @@ def check_text(name: str, text: str) -> None:
             raise Invalid(f"{name} {text!r} is not valid Unicode (lone surrogate)") from None
 
 
-# Canonical configs are interned: a table has few distinct configs and many entries, so
-# entries share one read-only dict per config (memory), equal configs are validated once
-# (speed), and the encoder packs each distinct dict once. Keyed by exact msgpack bytes
-# (strict_types, so bool/int, float/int and tuple/list never alias).
+# Canonical configs are interned: entries share one read-only dict per config, which is validated
+# and packed once. Keyed by exact msgpack bytes (strict_types: bool/int, tuple/list never alias).
 _INTERNED: dict[bytes, dict[str, Any]] = {}
 _INTERN_LIMIT = 65536
 

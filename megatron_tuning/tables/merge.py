@@ -193,7 +193,6 @@ def recording_table(
 
 
 def recording_path(directory: str | os.PathLike[str], rank: int) -> Path:
-    """Where ``rank`` writes its recording inside ``directory``."""
     return Path(directory) / f"{RECORDING_PREFIX}{int(rank):05d}.msgpack"
 
 
@@ -380,7 +379,6 @@ def diff_tables(a: Table, b: Table, *, ignore_provenance: bool = False) -> dict[
 
 
 def _numerics_verdict(old: Entry, new: Entry) -> str:
-    """A config change's effect on output bits, from the audits the two entries record."""
     a, b = old.numerics, new.numerics
     if a is None or b is None or a.inputs != b.inputs:
         return "numerics unknown (not audited on the same inputs)"

@@ -217,10 +217,8 @@ class TableSet:
         with self._lock:
             if self._content is None:
                 self._content = {}
-                for entry_arch, entry_kernel in self._keys:
-                    self._content.setdefault((entry_arch, content_name(entry_kernel)), []).append(
-                        entry_kernel
-                    )
+                for entry_arch, name in self._keys:
+                    self._content.setdefault((entry_arch, content_name(name)), []).append(name)
             return [other for other in self._content.get((arch, content_name(kernel)), ()) if other != kernel]
 
     def _resolve(self, ident: _Ident, source_hash: str | None, stale_entries: str) -> TableHit | None:
