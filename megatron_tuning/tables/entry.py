@@ -249,10 +249,9 @@ def _canonical(value: Any, depth: int) -> Any:
     elif depth >= _MAX_DEPTH:
         raise Invalid("config nests too deeply")
     elif kind is dict:
-        bad = next((k for k in value if type(k) is not str), None)
-        if bad is not None:
-            raise Invalid(f"config map keys must be strings, got {bad!r}")
         for k in value:
+            if type(k) is not str:
+                raise Invalid(f"config map keys must be strings, got {k!r}")
             check_text("config key", k)
         return {k: _canonical(value[k], depth + 1) for k in sorted(value)}
     elif kind is list or kind is tuple:  # tuples become lists: that is what a reload gives

@@ -1,9 +1,8 @@
 """What runs record, and how it becomes one table: decision logs, per-rank recordings, the vote, diffs.
 
 ``merge`` and ``tune`` pool recordings through one vote per input for each (arch, kernel, key): the
-majority wins, ties go to the lowest median time, then the lowest static cost, then the signature
-text, so the same inputs in any order give the same bytes. Every disagreement is reported: it
-measures how unstable autotuning was for that job.
+majority wins, ties go to the lowest median time, static cost, then signature text, so inputs in any
+order give the same bytes. Every disagreement is reported: it measures how unstable autotuning was.
 """
 
 from __future__ import annotations
@@ -114,6 +113,10 @@ def entry_from_decision(decision: Decision, *, triton_version: str | None = None
     note = None
     if isinstance(tied, list) and len(tied) > 1 and isinstance(band, (int, float)):
         note = f"tie-break by static cost among {len(tied)} candidates within {band:.1%}"
+    try:  # what a tuner that audited the candidates (``numerics`` policy) left, if usable
+        numerics = check_numerics({k: timings["numerics"][k] for k in Numerics._fields[:3]})
+    except (Invalid, TypeError, KeyError):
+        numerics = None
     return Entry(
         arch=decision.arch,
         kernel=decision.kernel,
@@ -124,16 +127,8 @@ def entry_from_decision(decision: Decision, *, triton_version: str | None = None
         triton_version=triton_version,
         timing=timing_from_decision(decision),
         note=note,
-        numerics=_numerics_from(timings.get("numerics")),
+        numerics=numerics,
     )
-
-
-def _numerics_from(found: Any) -> Numerics | None:
-    """The ``Numerics`` a tuner that audited the candidates (``numerics`` policy) left, if usable."""
-    try:
-        return check_numerics({k: found[k] for k in ("class_id", "inputs", "deterministic")})
-    except (Invalid, TypeError, KeyError):
-        return None
 
 
 def timing_from_decision(decision: Decision) -> Timing | None:

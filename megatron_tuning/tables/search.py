@@ -134,8 +134,7 @@ class TableSet:
         # ident are scanned for only when the first one is skipped as stale.
         self._index: dict[_Ident, tuple[Entry, str]] = {}
         self._keys: dict[tuple[str, str], list[str]] = {}  # (arch, kernel) -> keys, for nearest
-        # (arch, content name) -> kernel ids in search order; built on the first content query.
-        self._content: dict[tuple[str, str], list[str]] | None = None
+        self._content: dict[tuple[str, str], list[str]] | None = None  # (arch, content name) -> ids
         for name, table in self._tables:
             self._add_to_index(name, table)
         logger.info("Tuning tables: %s", ", ".join(self.files) or "(none)")
@@ -188,9 +187,8 @@ class TableSet:
     def neighbours(
         self, kernel: str, key: str, *, arch: str, source_hash: str | None = None
     ) -> list[TableHit]:
-        """Usable entries of ``kernel`` on ``arch`` for comparable keys, nearest first, then those of
-        the same code under other module names, twin by twin. Stale neighbours are used only under
-        ``stale_entries='use'`` and never raised: a neighbour is a fallback."""
+        """Usable entries for comparable keys, nearest first, then twin by twin those of the same code
+        under other module names. Stale ones are used only under ``'use'``, never raised."""
         self._load_shipped(arch)
         strictness = "use" if self.stale_entries == "use" else "miss"
         hits = []
