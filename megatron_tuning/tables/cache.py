@@ -111,8 +111,7 @@ def open_cache(policy: TuningPolicy, arch: str | Callable[[], str]) -> AutoCache
 
 
 def read_cache_file(path: str) -> tuple[bytes, Table]:
-    """A cache file's bytes and table, read as ``open_cache`` reads them: a file that is missing, not
-    a table file, or over the table read limit raises ``TableError``."""
+    """A cache file's bytes and table as ``open_cache`` reads them; a bad file raises ``TableError``."""
     data = _read(path)
     if data is None:
         raise TableError(path, "no such file")

@@ -98,14 +98,10 @@ def encode_msgpack(library_version: str, meta: dict[str, str], entries: Sequence
         "config": [cidx[packed_by_id[id(c)]] for c in configs],
         "how": [sidx[s] for s in how],
     }
-    optional: dict[str, Sequence[Any]] = {
-        name: [None if s is None else sidx[s] for s in col]
-        for name, col in (("source_hash", source_hash), ("triton_version", triton_version), ("note", note))
-    }
-    timing_cols = zip(*(t if t is not None else _NO_TIMING for t in timing))
-    optional.update(zip(Timing._fields, timing_cols))
-    optional["votes_for"] = [None if v is None else v[0] for v in votes]
-    optional["votes_total"] = [None if v is None else v[1] for v in votes]
+    texts = zip(_STRING_COLUMNS, (source_hash, triton_version, note))
+    optional: dict[str, Sequence[Any]] = {name: list(map(sidx.get, col)) for name, col in texts}
+    optional.update(zip(Timing._fields, zip(*(t or _NO_TIMING for t in timing))))
+    optional.update(zip(("votes_for", "votes_total"), zip(*(v or (None, None) for v in votes))))
     optional["numerics"] = [None if n is None else n.to_data() for n in numerics]
     body.update({name: list(col) for name, col in optional.items() if col.count(None) != len(col)})
     return msgpack.packb([FORMAT, SCHEMA, header, dict(sorted(body.items()))], use_bin_type=True)
@@ -116,10 +112,8 @@ def decode_msgpack(data: bytes) -> _Decoded:
     if not data:
         raise Invalid("empty file")
     if data.lstrip()[:1] == b"{":
-        raise Invalid(
-            "this is JSON, not msgpack: name JSON views *.json, or convert with "
-            "`megatron-tuning import FILE OUT.msgpack`"
-        )
+        hint = "name JSON views *.json, or convert with `megatron-tuning import FILE OUT.msgpack`"
+        raise Invalid(f"this is JSON, not msgpack: {hint}")
     header, body = _unpack(data)
     if not header.keys() <= _HEADER_FIELDS:
         raise Invalid(f"header must be a map with fields {sorted(_HEADER_FIELDS)}")
@@ -176,8 +170,7 @@ def _unpack(data: bytes) -> tuple[dict[str, Any], dict[str, list[Any]]]:
             body[name] = column = list(islice(up, n))
             if len(column) != n:
                 raise Invalid(f"column {name}: not valid msgpack (truncated or corrupt): the file ends early")
-            wrong = sorted(t.__name__ for t in set(map(type, column)) - types)
-            if wrong:
+            if wrong := sorted(t.__name__ for t in set(map(type, column)) - types):
                 raise Invalid(f"column {name}: values of type {', '.join(wrong)} are not allowed")
         if up.tell() != len(data):
             raise Invalid("trailing bytes after the table (corrupt or concatenated file)")
@@ -228,8 +221,7 @@ def unique_map(pairs: list[tuple[Any, Any]], what: str = "map key") -> dict[Any,
 
 def _decode_body(body: dict[str, list[Any]]) -> dict[_Ident, Entry]:
     # ``_unpack`` checked each column's value types and that entry columns have one length.
-    missing = [name for name in _REQUIRED if name not in body]
-    if missing:
+    if missing := [name for name in _REQUIRED if name not in body]:
         raise Invalid(f"table body: missing columns {missing}")
     strings, keys, configs = body["strings"], body["key"], []
     for index, config in enumerate(body["configs"]):
@@ -255,8 +247,7 @@ def _decode_body(body: dict[str, list[Any]]) -> dict[_Ident, Entry]:
     bad_kernel = next((k for k in set(kernel) if ":" not in k), None)
     if bad_kernel is not None:
         raise Invalid(f"column kernel: {bad_kernel!r} is not a 'module:qualname' kernel id")
-    bad_how = set(how) - set(HOW_VALUES)
-    if bad_how:
+    if bad_how := set(how) - set(HOW_VALUES):
         raise Invalid(f"column how: {sorted(bad_how)} not among {HOW_VALUES}")
     source_hash, triton_version, note = (column(name) for name in _STRING_COLUMNS)
     for name in _FLOAT_COLUMNS + _COUNT_COLUMNS:
@@ -339,8 +330,7 @@ def decode_json(text: str | bytes) -> _Decoded:
         raise Invalid(f"not valid JSON: {exc}") from None
     if type(doc) is not dict or doc.get("format") != FORMAT:
         raise Invalid(f'not a {FORMAT} JSON document (missing "format": "{FORMAT}")')
-    extra = doc.keys() - {"format", "schema", "library_version", "meta", "entries"}
-    if extra:
+    if extra := doc.keys() - {"format", "schema", "library_version", "meta", "entries"}:
         raise Invalid(f"unknown top-level fields {sorted(extra)}")
     check_schema(doc.get("schema"))
     # Optional in JSON, which people write by hand: without it, the table reads as this library's.

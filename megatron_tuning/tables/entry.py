@@ -159,8 +159,7 @@ def entry_from_data(row: Any) -> Entry:
     """Validate one entry's plain data and build it (the single validation path)."""
     if type(row) is not dict:
         raise Invalid(f"must be a map, got {type(row).__name__}")
-    unknown = row.keys() - _EntryFields._fields
-    if unknown:
+    if unknown := row.keys() - _EntryFields._fields:
         raise Invalid(f"unknown fields {sorted(map(str, unknown))}")
     arch, kernel, key, how = row.get("arch"), row.get("kernel"), row.get("key"), row.get("how", "hand")
     if type(arch) is not str or not arch:

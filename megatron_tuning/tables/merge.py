@@ -75,8 +75,7 @@ def _row_problem(row: Any) -> str | None:
     """Why a hand-edited or hostile row cannot be a ``Decision`` (every reader relies on the types)."""
     if type(row) is not dict:
         return f"must be an object, got {type(row).__name__}"
-    unknown = sorted(map(str, row.keys() - Decision.__dataclass_fields__.keys()))
-    if unknown:
+    if unknown := sorted(map(str, row.keys() - Decision.__dataclass_fields__.keys())):
         return f"unknown fields {unknown}"
     for name in _TEXT_FIELDS:
         if type(row.get(name)) is not str:

@@ -72,8 +72,7 @@ def expand_table_paths(
     path or an empty folder raises ``TableError``: a typo must not fall back to the cheapest config."""
     if isinstance(paths, (str, os.PathLike)):  # one path, not a sequence of characters
         paths = [paths]
-    files: list[str] = []
-    seen: set[str] = set()
+    files: dict[str, str] = {}  # real path -> the first name given for it
     for raw in paths:
         path = os.fspath(raw)
         if not path:
@@ -92,11 +91,8 @@ def expand_table_paths(
             where = "" if os.path.isabs(path) else f" (relative to {os.getcwd()})"
             raise TableError(path, f"no such file or folder{where}")
         for name in found:
-            real = os.path.realpath(name)
-            if real not in seen:
-                seen.add(real)
-                files.append(name)
-    return files
+            files.setdefault(os.path.realpath(name), name)
+    return list(files.values())
 
 
 class TableSet:
