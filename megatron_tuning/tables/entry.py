@@ -289,9 +289,8 @@ def _check_votes(votes: Any) -> tuple[int, int] | None:
     return (votes[0], votes[1])
 
 
-# ``core.identity.tuning_key`` writes ``M=32, N=32 | a_ptr:torch.float16, ...``: items joined by
-# ", ", parts by " | ", either part possibly empty. A hand-written ``M=32,N=32 | ...`` would never
-# match a launch, so JSON views are read through ``canonical_key``.
+# A hand-written ``M=32,N=32 | ...`` would never match a launch (``tuning_key`` joins items by ", "
+# and parts by " | "), so JSON views are read through ``canonical_key``.
 KEY_FORM = "'NAME=VALUE, NAME=VALUE | ARG:DTYPE, ARG:DTYPE' (e.g. 'M=32, N=32 | a_ptr:torch.float16')"
 _ITEM_START = {"=": re.compile(r"\s*[A-Za-z_]\w*\s*="), ":": re.compile(r"\s*[A-Za-z_]\w*\s*:")}
 _ITEM = {sep: re.compile(rf"\s*([A-Za-z_]\w*)\s*{sep}\s*(.*?)\s*", re.DOTALL) for sep in "=:"}

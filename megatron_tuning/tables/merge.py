@@ -175,8 +175,7 @@ def _quantiles(timing: Any) -> list[float]:
 def recording_table(
     decisions: Iterable[Decision], *, rank: int | None = None, triton_version: str | None = None
 ) -> Table:
-    """A table of the measured winners among ``decisions`` (the first per ident wins), stamped with
-    ``triton_version`` (default: the installed one)."""
+    """The measured winners in ``decisions`` (first per ident wins), stamped with ``triton_version``."""
     version = triton_version or installed_triton_version()
     table = Table(meta={"kind": "recording"} if rank is None else {"kind": "recording", "rank": str(rank)})
     for decision in decisions:
