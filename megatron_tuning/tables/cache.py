@@ -1,18 +1,9 @@
-"""``auto`` mode's cache table: where it lives, what a persist keeps, adds and evicts, how it writes.
+"""``auto`` mode's cache: one table file per user and GPU arch (docs/cache.md).
 
-The cache is an ordinary table file, per user and GPU arch (``<user cache dir>/megatron_tuning/
-<arch>/auto.msgpack``, or ``MEGATRON_TUNING_CACHE`` / the policy's ``cache``). Reference: docs/cache.md.
-
-* **First persisted wins**: a fresh entry in the file (the running source hash and Triton version)
-  is never replaced, also by one of the same source under another module name, so overlapping jobs
-  converge on one config per key.
-* **Bounded**: a persist that writes evicts stale entries, then, past the entry cap or
-  ``max_cache_bytes()``, the entries persisted longest ago (row order is entry order: no clock).
-* **Cheap enough to call often**: nothing pending, no I/O; every pending key already in the file,
-  one read and no lock; else a merge under ``<file>.lock`` (again only if another writer changed
-  the file since the unlocked read) and an atomic replace. The file is decoded only when its bytes
-  differ from those this process last read or wrote.
-* **Never stops a job**: every problem is one warning naming the file and the fix.
+First persisted wins: a fresh entry is never replaced, so overlapping jobs converge on one config
+per key. A persist evicts stale entries, then the oldest past the entry cap or a byte bound; with
+every key already there it writes nothing, else it merges under ``<file>.lock`` and replaces the
+file atomically. Never stops a job: each problem is one warning naming the file and the fix.
 """
 
 from __future__ import annotations
@@ -29,28 +20,28 @@ from pathlib import Path
 
 from ..core.decisions import Decision
 from ..core.errors import TableError
+from ..core.identity import config_signature
 from ..core.policy import CACHE_OFF, ENV_CACHE, ENV_CACHE_MAX_ENTRIES, TuningPolicy, read_knob
 from . import files
 from .entry import Entry, entry_with, same_config
 from .merge import content_ident, entry_from_decision
-from .search import installed_triton_version
+from .search import installed_triton_version, staleness
 from .table import Table, library_version, table_from_data
 
 logger = logging.getLogger(__name__)
 
 CACHE_FILE_NAME = "auto.msgpack"
+# Bump when what an entry means changes (e.g. how keys are written): an older cache is then
+# evicted whole at its next persist, and a newer one is never written.
 CACHE_FORMAT = 1
-"""Bump when what an entry means changes (e.g. how keys are written): a cache in an older format is
-then evicted whole at its next persist, and this version never writes a newer one."""
 CACHE_META = {"kind": "auto-cache", "cache_format": str(CACHE_FORMAT)}
 PERSISTED_SOURCES = ("tuned", "adopted")
+# 10 processes persisting 100 new entries each into a full 16 MiB cache at once on a loaded 2-core
+# machine: the slowest took 72 s (docs/cache.md).
 LOCK_TIMEOUT_S = 120.0
-"""How long a persist waits for other writers. Measured on a loaded 2-core machine (docs/cache.md):
-10 processes persisting 100 new entries each into a full 16 MiB cache at once, the slowest took 72 s."""
 
 _Ident = tuple[str, str, str]
 _Hashes = dict[tuple[str, str], str]  # (arch, kernel) -> the source hash this run used
-_Provenance = tuple[str, str, str | None, str | None]  # arch, kernel, source hash, Triton version
 _provenance = operator.attrgetter("arch", "kernel", "source_hash", "triton_version")
 
 
@@ -62,10 +53,8 @@ def default_cache_dir() -> Path:
 
 
 def cache_path(policy: TuningPolicy, arch: str | Callable[[], str]) -> str | None:
-    """The cache file for ``arch``: the policy's ``cache``, else ``MEGATRON_TUNING_CACHE`` (read now,
-    as ``MEGATRON_TUNING_TABLE`` is for a policy built in code), else the per-user default.
-    ``None`` when the cache is ``off``. A callable ``arch`` is called only for the default folder,
-    so a named cache file never reads the GPU."""
+    """The cache file for ``arch``: the policy's ``cache``, else ``MEGATRON_TUNING_CACHE``, else the
+    per-user default; ``None`` when ``off``. A callable ``arch`` is called only for the default."""
     chosen = policy.cache or read_knob(ENV_CACHE)  # by the knob rule: "OFF" and "0" are off, not files
     if chosen == CACHE_OFF:
         return None
@@ -74,18 +63,9 @@ def cache_path(policy: TuningPolicy, arch: str | Callable[[], str]) -> str | Non
     return str(default_cache_dir() / (arch if isinstance(arch, str) else arch()) / CACHE_FILE_NAME)
 
 
-def max_cache_bytes() -> int:
-    """The cache file's byte bound: a quarter of the table read limit (readable, with room for its JSON)."""
-    return files.MAX_FILE_BYTES // 4
-
-
 def open_cache(policy: TuningPolicy, arch: str | Callable[[], str]) -> AutoCache | None:
-    """The cache ``policy`` names for ``arch``, read now (no file yet: empty).
-
-    ``None`` when the cache is off, or a folder or unreadable (one warning naming the file and the
-    fix; the file is left as it is). Reads ``MEGATRON_TUNING_CACHE_MAX_ENTRIES``: a bad value
-    raises ``PolicyError``.
-    """
+    """The cache ``policy`` names for ``arch``, read now (no file yet: empty). ``None`` when it is
+    off, a folder or unreadable (one warning naming the file and the fix; the file is left as is)."""
     path = cache_path(policy, arch)
     if path is None:
         return None
@@ -131,8 +111,7 @@ def open_cache(policy: TuningPolicy, arch: str | Callable[[], str]) -> AutoCache
 
 
 def read_cache_file(path: str) -> tuple[bytes, Table]:
-    """A cache file's bytes and table, read as ``open_cache`` reads them: a file that is missing, not
-    a table file, or over the table read limit raises ``TableError``."""
+    """A cache file's bytes and table as ``open_cache`` reads them; a bad file raises ``TableError``."""
     data = _read(path)
     if data is None:
         raise TableError(path, "no such file")
@@ -144,25 +123,19 @@ class AutoCache:
     """One run's cache: what lookups see, and the decisions still to persist into the file."""
 
     path: str
-    table: Table
-    """What lookups see: the file as read at start-up (persists do not change it)."""
+    table: Table  # what lookups see: the file as read at start-up (persists do not change it)
     writable: bool
     max_entries: int
     lock_timeout_s: float = LOCK_TIMEOUT_S
-    _seen: tuple[bytes, Table] | None = None
-    """The file's bytes and content as this process last read or wrote them: not decoded again."""
+    _seen: tuple[bytes, Table] | None = None  # the file as this process last read or wrote it
     _written: set[_Ident] = field(default_factory=set)
     _warned: set[str] = field(default_factory=set)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def persist(self, decisions: Iterable[Decision]) -> int:
         """Merge this run's ``tuned``/``adopted`` decisions not yet persisted into the file; return
-        how many entries that added (a key the file already holds is not added: first persisted wins).
-
-        Never raises: a failed write is one warning naming the file and the fix, and its entries
-        are kept for the next persist. Thread-safe, and cheap with nothing new: call it as often
-        as a crash should lose little.
-        """
+        how many entries that added (first persisted wins). Never raises: a failed write is one
+        warning, its entries kept for the next persist. Thread-safe, and cheap with nothing new."""
         if not self.writable:
             return 0
         decisions = list(decisions)
@@ -189,10 +162,8 @@ class AutoCache:
             return sum(plan.table.get(*entry.ident) is entry for entry in plan.added)
 
     def on_decision(self, decision: Decision) -> None:
-        """A decision-log listener (the session registers it): a decision this rank measured is
-        persisted at once, so a run killed (SIGKILL, SIGTERM, ``os._exit``) after a tune keeps it.
-        One persist per measured key costs well under the tuning; adopted keys wait for the next
-        persist (their winner's node persists them at once)."""
+        """Decision-log listener: a decision this rank measured is persisted at once, so a run killed
+        after a tune keeps it; adopted keys wait for the next persist (their winner's node has them)."""
         if decision.source in PERSISTED_SOURCES and decision.timings is not None:
             self.persist([decision])
 
@@ -223,7 +194,8 @@ class AutoCache:
                     return plan
             # Encoded under the lock: done outside, the work would be wasted whenever another
             # writer got in first, which is when CPU time is scarce.
-            payload = _encode(plan, max_cache_bytes(), as_json=self.path.endswith(".json"))
+            # A quarter of the read limit: the file stays readable, with room for its JSON view.
+            payload = _encode(plan, files.MAX_FILE_BYTES // 4, as_json=self.path.endswith(".json"))
             files.write_atomic(self.path, payload)
         self._seen = (payload, plan.table)
         return plan
@@ -237,9 +209,8 @@ class AutoCache:
             self._seen = (data, table_from_data(data, self.path))
         found, order = _format(self._seen[1])
         if order > 0:
-            raise TableError(
-                self.path, f"it is in cache format {found}, newer than this version's {CACHE_FORMAT}"
-            )
+            problem = f"it is in cache format {found}, newer than this version's {CACHE_FORMAT}"
+            raise TableError(self.path, problem)
         return self._seen[1]
 
     def _report(self, plan: _Plan) -> None:
@@ -247,16 +218,16 @@ class AutoCache:
             old, ours = plan.kept[0]
             logger.info(
                 f"auto cache {self.path}: kept {_count(len(plan.kept), 'entry')} another run persisted "
-                f"first (e.g. {old.kernel} [{_shortened(old.key)}]: cache {_signature(old)}, this run "
-                f"{_signature(ours)}); later runs launch the cache's"
+                f"first (e.g. {old.kernel} [{_shortened(old.key)}]: cache {config_signature(old.config)}, "
+                f"this run {config_signature(ours.config)}); later runs launch the cache's"
             )
         if plan.stale:
-            reasons = collections.Counter(reason for _, reason in plan.stale)
-            why = ", ".join(f"{count} {reason}" for reason, count in sorted(reasons.items()))
+            reasons = sorted(collections.Counter(reason for _, reason in plan.stale).items())
+            why = ", ".join(f"{count} {reason}" for reason, count in reasons)
             logger.info(f"auto cache {self.path}: evicted {_count(len(plan.stale), 'stale entry')} ({why})")
         if plan.evicted:
             bound = f"cap of {self.max_entries} entries"
-            bound = f"bound of {max_cache_bytes()} bytes (and a {bound})" if plan.by_bytes else bound
+            bound = f"bound of {files.MAX_FILE_BYTES // 4} bytes (and a {bound})" if plan.by_bytes else bound
             first = plan.evicted[0]
             self._warn_once(
                 "cap",
@@ -287,14 +258,11 @@ class _Plan:
 
     table: Table
     added: list[Entry] = field(default_factory=list)
-    kept: list[tuple[Entry, Entry]] = field(default_factory=list)
-    """(the file's entry, this run's) for keys another run persisted first with another config."""
+    kept: list[tuple[Entry, Entry]] = field(default_factory=list)  # (the file's, ours): another config
     stale: list[tuple[Entry, str]] = field(default_factory=list)
-    evicted: list[Entry] = field(default_factory=list)
-    """Evicted past the entry cap or the byte bound (``by_bytes``), oldest first; may include ``added``."""
-    by_bytes: bool = False
-    size: int = 0
-    """Bytes written (0: nothing written)."""
+    evicted: list[Entry] = field(default_factory=list)  # oldest first past a bound; may include added
+    by_bytes: bool = False  # the byte bound evicted, not only the entry cap
+    size: int = 0  # bytes written (0: nothing written)
 
     @property
     def changed(self) -> bool:
@@ -302,9 +270,8 @@ class _Plan:
 
 
 def _merge(base: Table, pending: list[Entry], hashes: _Hashes, version: str | None, cap: int) -> _Plan:
-    """``pending`` merged into a copy of ``base`` (the file's content, not changed; this format or
-    an older one): stale entries evicted, new keys added (first persisted wins), the oldest evicted
-    past ``cap``. The byte bound is ``_encode``'s."""
+    """``pending`` merged into a copy of ``base``: stale entries evicted, new keys added (first
+    persisted wins), the oldest evicted past ``cap`` (the byte bound is ``_encode``'s)."""
     found, order = _format(base)
     plan = _Plan(base.copy())
     table = plan.table
@@ -313,12 +280,10 @@ def _merge(base: Table, pending: list[Entry], hashes: _Hashes, version: str | No
     else:
         # Staleness depends only on an entry's provenance, and a cache holds few distinct ones:
         # judge those, and walk the entries only when one is stale.
-        kinds = set(map(_provenance, table.values()))
-        reasons = {kind: why for kind in kinds if (why := _staleness(kind, version, hashes))}
-        if reasons:
-            plan.stale = [
-                (e, reasons[_provenance(e)]) for e in table.entries_in_order() if _provenance(e) in reasons
-            ]
+        kinds = {_provenance(entry): entry for entry in table.values()}
+        reasons = {kind: staleness(entry, hashes.get(kind[:2]), version) for kind, entry in kinds.items()}
+        if any(reasons.values()):
+            plan.stale = [(e, why) for e in table.entries_in_order() if (why := reasons[_provenance(e)])]
     for entry, _ in plan.stale:
         table.remove(*entry.ident)
     # One kernel by content under another module name (an eval pipeline's loads) holds the key too.
@@ -336,17 +301,6 @@ def _merge(base: Table, pending: list[Entry], hashes: _Hashes, version: str | No
     table.meta = {**base.meta, **CACHE_META}
     table.library_version = library_version()
     return plan
-
-
-def _staleness(provenance: _Provenance, running: str | None, hashes: _Hashes) -> str | None:
-    """Why entries of this provenance can no longer be used by this run (the rule lookups apply)."""
-    arch, kernel, source_hash, triton_version = provenance
-    if running is not None and triton_version not in (None, running):
-        return f"tuned with Triton {triton_version}, running {running}"
-    known = hashes.get((arch, kernel))
-    if known is not None and source_hash not in (None, known):
-        return "tuned for other kernel source"
-    return None
 
 
 def _encode(plan: _Plan, max_bytes: int, *, as_json: bool) -> bytes:
@@ -399,13 +353,3 @@ def _shortened(text: str, limit: int = 160) -> str:
 
 def _count(count: int, noun: str) -> str:
     return f"{count} {noun if count == 1 else noun[:-1] + 'ies'}"  # the nouns here end in "entry"
-
-
-def _signature(entry: Entry) -> str:
-    config = entry.config
-    parts = [f"{k}={v}" for k, v in config.get("kwargs", {}).items()]
-    return ", ".join(parts + [f"{k}={config[k]}" for k in ("num_warps", "num_stages") if k in config])
-
-
-__all__ = ["CACHE_FILE_NAME", "CACHE_FORMAT", "LOCK_TIMEOUT_S", "PERSISTED_SOURCES", "AutoCache"]
-__all__ += ["cache_path", "default_cache_dir", "max_cache_bytes", "open_cache", "read_cache_file"]

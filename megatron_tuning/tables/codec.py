@@ -1,16 +1,9 @@
 """Table encodings: columnar canonical msgpack (on disk) and row-wise JSON (for review).
 
-msgpack, schema 1: ``[FORMAT, SCHEMA, header, body]``. The body is columnar because a load builds
-every entry: one list per field, repeated strings and configs stored once (``strings``,
-``configs``) and referenced by index, so column checks run at C speed and distinct values are
-validated once (a 100k-entry load stays well under a second). Canonical: ``strings`` sorted,
-``configs`` sorted by their packed bytes, rows by (arch, kernel, key), map keys sorted, optional
-columns (``source_hash``, ``triton_version``, ``note``, the ``Timing`` fields, ``numerics``, ``votes_for``,
-``votes_total``) omitted when all nil.
-
-Decoding is bounded (``files.budget``): msgpack's unpacker reads under its limits, and memory is
-charged before it is spent: a column once its length is read, lists and maps inside values by
-hooks as they are built. The JSON view is bounded by ``files.check_json_budget``.
+msgpack, schema 1: ``[FORMAT, SCHEMA, header, body]``, one list per field; strings and configs are
+stored once and referenced by index, so a 100k-entry load checks columns at C speed. Canonical:
+sorted strings, configs by packed bytes, rows by (arch, kernel, key), all-nil optional columns
+omitted. Decoding charges memory (``files.budget``) before it is spent, under msgpack's limits.
 """
 
 from __future__ import annotations
@@ -55,8 +48,7 @@ _FLOAT_COLUMNS = ("median_ms", "spread_ms", "runner_up_ms")
 _COUNT_COLUMNS = ("samples", "candidates", "votes_for", "votes_total")
 _REQUIRED = ("strings", "configs", "arch", "kernel", "key", "config", "how")
 _COLUMN_TYPES: dict[str, frozenset[type]] = {
-    "strings": frozenset({str}),
-    "key": frozenset({str}),
+    **dict.fromkeys(("strings", "key"), frozenset({str})),
     "configs": frozenset({dict}),
     **dict.fromkeys(("arch", "kernel", "how", "config"), frozenset({int})),
     **dict.fromkeys(_STRING_COLUMNS + _COUNT_COLUMNS, frozenset({int, type(None)})),
@@ -64,7 +56,6 @@ _COLUMN_TYPES: dict[str, frozenset[type]] = {
     "numerics": frozenset({dict, type(None)}),
 }
 _NO_TIMING = Timing()
-_EMPTY_BODY: dict[str, list[Any]] = {name: [] for name in sorted(_REQUIRED)}
 
 ENTRY_BYTES = 448  # an entry besides its column values (Entry, ident, index slot, timing): ~380 measured
 MAX_META_ITEMS = 4096
@@ -80,18 +71,14 @@ _ERRORS = {msgpack.OutOfData: "the file ends early", msgpack.StackError: "data n
 _ERRORS[msgpack.FormatError] = "an invalid type byte"
 
 
-# -- msgpack -----------------------------------------------------------------------
 def encode_msgpack(library_version: str, meta: dict[str, str], entries: Sequence[Entry]) -> bytes:
     """Canonical bytes for ``entries`` (already in (arch, kernel, key) order)."""
     header: dict[str, Any] = {"library_version": library_version}
     if meta:
         header["meta"] = dict(sorted(meta.items()))
-    if not entries:
-        return msgpack.packb([FORMAT, SCHEMA, header, _EMPTY_BODY], use_bin_type=True)
     # Entries are named tuples: zip(*entries) gives each field as a column at C speed.
-    arch, kernel, keys, configs, how, source_hash, triton_version, timing, votes, note, numerics = zip(
-        *entries
-    )
+    columns = list(zip(*entries)) or [()] * len(Entry._fields)
+    arch, kernel, keys, configs, how, source_hash, triton_version, timing, votes, note, numerics = columns
     strings = sorted(set(arch) | set(kernel) | set(how) | ({*source_hash, *triton_version, *note} - {None}))
     sidx = {s: i for i, s in enumerate(strings)}
     packed_by_id: dict[int, bytes] = {}  # configs are interned: pack each distinct dict once
@@ -111,14 +98,10 @@ def encode_msgpack(library_version: str, meta: dict[str, str], entries: Sequence
         "config": [cidx[packed_by_id[id(c)]] for c in configs],
         "how": [sidx[s] for s in how],
     }
-    optional: dict[str, Sequence[Any]] = {
-        name: [None if s is None else sidx[s] for s in col]
-        for name, col in (("source_hash", source_hash), ("triton_version", triton_version), ("note", note))
-    }
-    timing_cols = zip(*(t if t is not None else _NO_TIMING for t in timing))
-    optional.update(zip(Timing._fields, timing_cols))
-    optional["votes_for"] = [None if v is None else v[0] for v in votes]
-    optional["votes_total"] = [None if v is None else v[1] for v in votes]
+    texts = zip(_STRING_COLUMNS, (source_hash, triton_version, note))
+    optional: dict[str, Sequence[Any]] = {name: list(map(sidx.get, col)) for name, col in texts}
+    optional.update(zip(Timing._fields, zip(*(t or _NO_TIMING for t in timing))))
+    optional.update(zip(("votes_for", "votes_total"), zip(*(v or (None, None) for v in votes))))
     optional["numerics"] = [None if n is None else n.to_data() for n in numerics]
     body.update({name: list(col) for name, col in optional.items() if col.count(None) != len(col)})
     return msgpack.packb([FORMAT, SCHEMA, header, dict(sorted(body.items()))], use_bin_type=True)
@@ -129,10 +112,8 @@ def decode_msgpack(data: bytes) -> _Decoded:
     if not data:
         raise Invalid("empty file")
     if data.lstrip()[:1] == b"{":
-        raise Invalid(
-            "this is JSON, not msgpack: name JSON views *.json, or convert with "
-            "`megatron-tuning import FILE OUT.msgpack`"
-        )
+        hint = "name JSON views *.json, or convert with `megatron-tuning import FILE OUT.msgpack`"
+        raise Invalid(f"this is JSON, not msgpack: {hint}")
     header, body = _unpack(data)
     if not header.keys() <= _HEADER_FIELDS:
         raise Invalid(f"header must be a map with fields {sorted(_HEADER_FIELDS)}")
@@ -189,8 +170,7 @@ def _unpack(data: bytes) -> tuple[dict[str, Any], dict[str, list[Any]]]:
             body[name] = column = list(islice(up, n))
             if len(column) != n:
                 raise Invalid(f"column {name}: not valid msgpack (truncated or corrupt): the file ends early")
-            wrong = sorted(t.__name__ for t in set(map(type, column)) - types)
-            if wrong:
+            if wrong := sorted(t.__name__ for t in set(map(type, column)) - types):
                 raise Invalid(f"column {name}: values of type {', '.join(wrong)} are not allowed")
         if up.tell() != len(data):
             raise Invalid("trailing bytes after the table (corrupt or concatenated file)")
@@ -198,9 +178,8 @@ def _unpack(data: bytes) -> tuple[dict[str, Any], dict[str, list[Any]]]:
         raise
     except (ValueError, TypeError, msgpack.UnpackException) as exc:
         detail = next((text for kind, text in _ERRORS.items() if isinstance(exc, kind)), str(exc))
-        raise Invalid(
-            f"{where}not valid msgpack (truncated or corrupt): {detail} at byte {up.tell()}"
-        ) from None
+        message = f"{where}not valid msgpack (truncated or corrupt): {detail} at byte {up.tell()}"
+        raise Invalid(message) from None
     return header, body
 
 
@@ -242,8 +221,7 @@ def unique_map(pairs: list[tuple[Any, Any]], what: str = "map key") -> dict[Any,
 
 def _decode_body(body: dict[str, list[Any]]) -> dict[_Ident, Entry]:
     # ``_unpack`` checked each column's value types and that entry columns have one length.
-    missing = [name for name in _REQUIRED if name not in body]
-    if missing:
+    if missing := [name for name in _REQUIRED if name not in body]:
         raise Invalid(f"table body: missing columns {missing}")
     strings, keys, configs = body["strings"], body["key"], []
     for index, config in enumerate(body["configs"]):
@@ -269,19 +247,14 @@ def _decode_body(body: dict[str, list[Any]]) -> dict[_Ident, Entry]:
     bad_kernel = next((k for k in set(kernel) if ":" not in k), None)
     if bad_kernel is not None:
         raise Invalid(f"column kernel: {bad_kernel!r} is not a 'module:qualname' kernel id")
-    bad_how = set(how) - set(HOW_VALUES)
-    if bad_how:
+    if bad_how := set(how) - set(HOW_VALUES):
         raise Invalid(f"column how: {sorted(bad_how)} not among {HOW_VALUES}")
     source_hash, triton_version, note = (column(name) for name in _STRING_COLUMNS)
     for name in _FLOAT_COLUMNS + _COUNT_COLUMNS:
-        present = [v for v in body.get(name, ()) if v is not None]
-        if (
-            name in _FLOAT_COLUMNS
-            and present
-            and not (all(map(math.isfinite, present)) and min(present) >= 0)
-        ):
+        present = [v for v in body.get(name, ()) if v is not None] or [0]
+        if name in _FLOAT_COLUMNS and not (all(map(math.isfinite, present)) and min(present) >= 0):
             raise Invalid(f"column {name}: values must be finite and >= 0")
-        if name in _COUNT_COLUMNS and present and not (min(present) >= 0 and max(present) <= INT_MAX):
+        if name in _COUNT_COLUMNS and not (min(present) >= 0 and max(present) <= INT_MAX):
             raise Invalid(f"column {name}: values must be integers >= 0")
     timings: Iterable[Any] = repeat(None)
     if any(name in body for name in Timing._fields):
@@ -323,7 +296,6 @@ def check_header(version: Any, meta: Any) -> tuple[str, dict[str, str]]:
     return version, meta
 
 
-# -- JSON --------------------------------------------------------------------------
 def encode_json(library_version: str, meta: dict[str, str], entries: Sequence[Entry]) -> str:
     """Row-wise JSON view: one object per entry, sorted keys, so reviews diff per field."""
     doc: dict[str, Any] = {
@@ -349,18 +321,16 @@ def decode_json(text: str | bytes) -> _Decoded:
     def no_constants(name: str) -> Any:
         raise Invalid(f"non-finite number {name} is not allowed")
 
+    hook = partial(unique_map, what="JSON field")
     try:
-        doc = json.loads(
-            text, object_pairs_hook=partial(unique_map, what="JSON field"), parse_constant=no_constants
-        )
+        doc = json.loads(text, object_pairs_hook=hook, parse_constant=no_constants)
     except Invalid:
         raise
     except (ValueError, RecursionError) as exc:
         raise Invalid(f"not valid JSON: {exc}") from None
     if type(doc) is not dict or doc.get("format") != FORMAT:
         raise Invalid(f'not a {FORMAT} JSON document (missing "format": "{FORMAT}")')
-    extra = doc.keys() - {"format", "schema", "library_version", "meta", "entries"}
-    if extra:
+    if extra := doc.keys() - {"format", "schema", "library_version", "meta", "entries"}:
         raise Invalid(f"unknown top-level fields {sorted(extra)}")
     check_schema(doc.get("schema"))
     # Optional in JSON, which people write by hand: without it, the table reads as this library's.

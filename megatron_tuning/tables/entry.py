@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import math
 import re
+import sys
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -17,13 +18,13 @@ import msgpack
 HOW_VALUES = ("tuned", "recorded", "hand")
 INT_MIN = -(2**63)
 INT_MAX = 2**64 - 1  # msgpack's integer range
+_LARGEST = {int: INT_MAX, float: sys.float_info.max}
 _MAX_WARPS_OR_STAGES = 1024
 _MAX_DEPTH = 6  # nesting allowed inside config data (kwargs values are scalars in practice)
 
 
 class Invalid(ValueError):
-    """A validation problem: the loader turns it into a ``TableError`` naming the file, code that
-    builds an ``Entry`` sees a ``ValueError``."""
+    """A validation problem: a ``TableError`` naming the file when loading, else a ``ValueError``."""
 
 
 class Timing(NamedTuple):
@@ -58,20 +59,15 @@ def check_numerics(value: Any) -> Numerics | None:
     """Validate ``Numerics`` data (its ``to_data`` form); ``None`` stays ``None``."""
     if value is None or isinstance(value, Numerics):
         return value
-    if type(value) is not dict or not {"class_id", "inputs", "deterministic"} <= value.keys() <= set(
-        Numerics._fields
-    ):
+    if type(value) is not dict or not set(Numerics._fields[:3]) <= value.keys() <= set(Numerics._fields):
         raise Invalid(f"numerics must be a map with fields {sorted(Numerics._fields)}")
     alternatives = value.get("alternatives", [])
     if not all(type(value[n]) is str and _HEX16.fullmatch(value[n]) for n in ("class_id", "inputs")):
         raise Invalid("numerics.class_id and numerics.inputs must be 16 lowercase hex digits")
     if type(value["deterministic"]) is not bool:
         raise Invalid("numerics.deterministic must be true or false")
-    if (
-        type(alternatives) not in (list, tuple)
-        or len(alternatives) > 16
-        or not all(type(a) is str for a in alternatives)
-    ):
+    listed = type(alternatives) in (list, tuple) and len(alternatives) <= 16
+    if not (listed and all(type(a) is str for a in alternatives)):
         raise Invalid("numerics.alternatives must be a list of at most 16 config signatures")
     for text in alternatives:
         check_text("numerics alternative", text)
@@ -93,11 +89,8 @@ class _EntryFields(NamedTuple):
 
 
 class Entry(_EntryFields):
-    """One table entry: immutable, validated and canonicalised when built.
-
-    A named tuple rather than a dataclass because the loader builds 100k of them per table:
-    ``tuple.__new__`` is several times cheaper than a frozen dataclass's setattrs.
-    """
+    """One table entry: immutable, validated and canonicalised when built. A named tuple because the
+    loader builds 100k per table: ``tuple.__new__`` is several times cheaper than a dataclass."""
 
     __slots__ = ()
 
@@ -141,12 +134,10 @@ class Entry(_EntryFields):
     def to_data(self) -> dict[str, Any]:
         """Plain dict form (the JSON view's entry), keys sorted, absent optional fields omitted."""
         data = {name: getattr(self, name) for name in sorted(self._fields) if getattr(self, name) is not None}
-        if self.timing is not None:
-            data["timing"] = self.timing.to_data()
+        for name in data.keys() & {"timing", "numerics"}:
+            data[name] = data[name].to_data()
         if self.votes is not None:
             data["votes"] = list(self.votes)
-        if self.numerics is not None:
-            data["numerics"] = self.numerics.to_data()
         return data
 
 
@@ -168,8 +159,7 @@ def entry_from_data(row: Any) -> Entry:
     """Validate one entry's plain data and build it (the single validation path)."""
     if type(row) is not dict:
         raise Invalid(f"must be a map, got {type(row).__name__}")
-    unknown = row.keys() - _EntryFields._fields
-    if unknown:
+    if unknown := row.keys() - _EntryFields._fields:
         raise Invalid(f"unknown fields {sorted(map(str, unknown))}")
     arch, kernel, key, how = row.get("arch"), row.get("kernel"), row.get("key"), row.get("how", "hand")
     if type(arch) is not str or not arch:
@@ -210,10 +200,8 @@ def check_text(name: str, text: str) -> None:
             raise Invalid(f"{name} {text!r} is not valid Unicode (lone surrogate)") from None
 
 
-# Canonical configs are interned: a table has few distinct configs and many entries, so
-# entries share one read-only dict per config (memory), equal configs are validated once
-# (speed), and the encoder packs each distinct dict once. Keyed by exact msgpack bytes
-# (strict_types, so bool/int, float/int and tuple/list never alias).
+# Canonical configs are interned: entries share one read-only dict per config, which is validated
+# and packed once. Keyed by exact msgpack bytes (strict_types: bool/int, tuple/list never alias).
 _INTERNED: dict[bytes, dict[str, Any]] = {}
 _INTERN_LIMIT = 65536
 
@@ -260,10 +248,9 @@ def _canonical(value: Any, depth: int) -> Any:
     elif depth >= _MAX_DEPTH:
         raise Invalid("config nests too deeply")
     elif kind is dict:
-        bad = next((k for k in value if type(k) is not str), None)
-        if bad is not None:
-            raise Invalid(f"config map keys must be strings, got {bad!r}")
         for k in value:
+            if type(k) is not str:
+                raise Invalid(f"config map keys must be strings, got {k!r}")
             check_text("config key", k)
         return {k: _canonical(value[k], depth + 1) for k in sorted(value)}
     elif kind is list or kind is tuple:  # tuples become lists: that is what a reload gives
@@ -285,13 +272,8 @@ def _check_timing(timing: Any) -> Timing | None:
         if name in ("samples", "candidates"):
             if type(value) is not int or not 0 <= value <= INT_MAX:
                 raise Invalid(f"timing.{name} must be a non-negative integer")
-        # Range-check ints before isfinite: a huge JSON integer would overflow a float.
-        elif (
-            (type(value) is int and not 0 <= value <= INT_MAX)
-            or type(value) not in (int, float)
-            or not math.isfinite(value)
-            or value < 0
-        ):
+        # Compared, never converted, first: a huge JSON integer would overflow a float; NaN fails.
+        elif type(value) not in _LARGEST or not 0 <= value <= _LARGEST[type(value)]:
             raise Invalid(f"timing.{name} must be a finite number >= 0")
         else:
             values[name] = float(value)  # canonical: ints written by hand become floats
@@ -301,31 +283,22 @@ def _check_timing(timing: Any) -> Timing | None:
 def _check_votes(votes: Any) -> tuple[int, int] | None:
     if votes is None:
         return None
-    if (
-        type(votes) not in (list, tuple)
-        or len(votes) != 2
-        or not all(type(v) is int for v in votes)
-        or not 0 < votes[0] <= votes[1] <= INT_MAX
-    ):
+    pair = type(votes) in (list, tuple) and len(votes) == 2 and all(type(v) is int for v in votes)
+    if not (pair and 0 < votes[0] <= votes[1] <= INT_MAX):
         raise Invalid("votes must be [winner_votes, total] with 0 < winner_votes <= total")
     return (votes[0], votes[1])
 
 
-# -- tuning keys ---------------------------------------------------------------------
-# ``core.identity.tuning_key`` writes ``M=32, N=32 | a_ptr:torch.float16, ...``: items joined by
-# ", ", parts by " | ", either part possibly empty. A hand-written ``M=32,N=32 | ...`` would never
-# match a launch, so JSON views are read through ``canonical_key``.
+# A hand-written ``M=32,N=32 | ...`` would never match a launch (``tuning_key`` joins items by ", "
+# and parts by " | "), so JSON views are read through ``canonical_key``.
 KEY_FORM = "'NAME=VALUE, NAME=VALUE | ARG:DTYPE, ARG:DTYPE' (e.g. 'M=32, N=32 | a_ptr:torch.float16')"
 _ITEM_START = {"=": re.compile(r"\s*[A-Za-z_]\w*\s*="), ":": re.compile(r"\s*[A-Za-z_]\w*\s*:")}
 _ITEM = {sep: re.compile(rf"\s*([A-Za-z_]\w*)\s*{sep}\s*(.*?)\s*", re.DOTALL) for sep in "=:"}
 
 
 def canonical_key(key: str) -> str | None:
-    """``key`` spelt as ``tuning_key`` spells it, or ``None`` when it is not in that form.
-
-    Only separators are respelt; a value's own text is kept, and a comma inside quotes or brackets
-    is part of its value, so every key ``tuning_key`` writes is returned unchanged.
-    """
+    """``key`` spelt as ``tuning_key`` spells it, or ``None`` when it is not in that form. Only
+    separators are respelt, so every key ``tuning_key`` writes is returned unchanged."""
     values, bar, dtypes = key.rpartition("|")  # dtype names never contain "|"
     if not bar:
         return None

@@ -1,9 +1,8 @@
 """What runs record, and how it becomes one table: decision logs, per-rank recordings, the vote, diffs.
 
 ``merge`` and ``tune`` pool recordings through one vote per input for each (arch, kernel, key): the
-majority wins, ties go to the lowest median time, then the lowest static cost, then the signature
-text, so the same inputs in any order give the same bytes. Every disagreement is reported: it
-measures how unstable autotuning was for that job.
+majority wins, ties go to the lowest median time, static cost, then signature text, so inputs in any
+order give the same bytes. Every disagreement is reported: it measures how unstable autotuning was.
 """
 
 from __future__ import annotations
@@ -13,6 +12,7 @@ import json
 import logging
 import math
 import os
+import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -38,16 +38,11 @@ _HOW = {"recorded": "recorded", "tuned": "tuned", "adopted": "tuned"}
 _PROVENANCE = ("kernel", "how", "source_hash", "triton_version", "timing", "votes", "note", "numerics")
 
 
-# --------------------------------------------------------------------------- decision logs
-
-
 def write_decisions(path: str | os.PathLike[str], decisions: Iterable[Decision] | None = None) -> None:
     """Write decisions (default: this process's log) as JSON, atomically: what ``coverage`` reads."""
     rows = [d.to_json() for d in (get_decisions() if decisions is None else decisions)]
-    payload = json.dumps(
-        {"format": DECISIONS_FORMAT, "version": 1, "decisions": rows}, indent=1, sort_keys=True
-    )
-    write_atomic(path, payload.encode("utf-8"), error=_log_error)
+    doc = {"format": DECISIONS_FORMAT, "version": 1, "decisions": rows}
+    write_atomic(path, json.dumps(doc, indent=1, sort_keys=True).encode("utf-8"), error=_log_error)
 
 
 def read_decisions(path: str | os.PathLike[str]) -> list[Decision]:
@@ -80,8 +75,7 @@ def _row_problem(row: Any) -> str | None:
     """Why a hand-edited or hostile row cannot be a ``Decision`` (every reader relies on the types)."""
     if type(row) is not dict:
         return f"must be an object, got {type(row).__name__}"
-    unknown = sorted(map(str, row.keys() - Decision.__dataclass_fields__.keys()))
-    if unknown:
+    if unknown := sorted(map(str, row.keys() - Decision.__dataclass_fields__.keys())):
         return f"unknown fields {unknown}"
     for name in _TEXT_FIELDS:
         if type(row.get(name)) is not str:
@@ -98,9 +92,6 @@ def _row_problem(row: Any) -> str | None:
     if row.get("timings") is not None and type(row["timings"]) is not dict:
         return f"timings must be an object or null, got {type(row['timings']).__name__}"
     return None
-
-
-# --------------------------------------------------------------------------- entries from decisions
 
 
 def content_ident(entry: Entry) -> tuple[str | None, ...]:
@@ -121,6 +112,10 @@ def entry_from_decision(decision: Decision, *, triton_version: str | None = None
     note = None
     if isinstance(tied, list) and len(tied) > 1 and isinstance(band, (int, float)):
         note = f"tie-break by static cost among {len(tied)} candidates within {band:.1%}"
+    try:  # what a tuner that audited the candidates (``numerics`` policy) left, if usable
+        numerics = check_numerics({k: timings["numerics"][k] for k in Numerics._fields[:3]})
+    except (Invalid, TypeError, KeyError):
+        numerics = None
     return Entry(
         arch=decision.arch,
         kernel=decision.kernel,
@@ -131,25 +126,13 @@ def entry_from_decision(decision: Decision, *, triton_version: str | None = None
         triton_version=triton_version,
         timing=timing_from_decision(decision),
         note=note,
-        numerics=_numerics_from(timings.get("numerics")),
+        numerics=numerics,
     )
 
 
-def _numerics_from(found: Any) -> Numerics | None:
-    """The ``Numerics`` a tuner that audited the candidates (``numerics`` policy) left, if usable."""
-    try:
-        return check_numerics({k: found[k] for k in ("class_id", "inputs", "deterministic")})
-    except (Invalid, TypeError, KeyError):
-        return None
-
-
 def timing_from_decision(decision: Decision) -> Timing | None:
-    """The winner's timing statistics from what the measurement left; anything odd is ignored.
-
-    Understands ``{"candidates": {signature: [median, p20, p80] | median}, ...}`` (the tuner's
-    ``TuneResult.to_timings()`` and Triton's ``configs_timings`` as record mode keeps them), and
-    the flat ``{"median_ms", "spread_ms", "samples", "candidates", "runner_up_ms"}`` form.
-    """
+    """The winner's timing statistics from ``{"candidates": {signature: [median, p20, p80] | median}}``
+    (the tuner's and Triton's timings) or the flat ``Timing`` fields; anything odd is ignored."""
     raw = decision.timings
     if not isinstance(raw, Mapping):
         return None
@@ -192,8 +175,7 @@ def _quantiles(timing: Any) -> list[float]:
 def recording_table(
     decisions: Iterable[Decision], *, rank: int | None = None, triton_version: str | None = None
 ) -> Table:
-    """A table of the measured winners among ``decisions`` (the first per ident wins), stamped with
-    ``triton_version`` (default: the installed one)."""
+    """The measured winners in ``decisions`` (first per ident wins), stamped with ``triton_version``."""
     version = triton_version or installed_triton_version()
     table = Table(meta={"kind": "recording"} if rank is None else {"kind": "recording", "rank": str(rank)})
     for decision in decisions:
@@ -204,19 +186,14 @@ def recording_table(
 
 
 def recording_path(directory: str | os.PathLike[str], rank: int) -> Path:
-    """Where ``rank`` writes its recording inside ``directory``."""
     return Path(directory) / f"{RECORDING_PREFIX}{int(rank):05d}.msgpack"
 
 
 def write_recording(
     decisions: Iterable[Decision] | None, directory: str | os.PathLike[str], rank: int | None = None
 ) -> Path:
-    """Write this rank's recorded winners to ``<directory>/recording-rankNNNNN.msgpack``.
-
-    ``decisions=None``: this process's log; ``rank=None``: ``current_rank()``. A recording from an
-    earlier run of the job is updated (new winners replace old ones; entries only it had stay).
-    Only this rank writes the file, so its lock is uncontended.
-    """
+    """Write this rank's recorded winners (default: this process's log) to ``recording_path``.
+    A recording from an earlier run is updated: new winners replace old ones, the others stay."""
     rank = current_rank() if rank is None else rank
     fresh = recording_table(get_decisions() if decisions is None else decisions, rank=rank)
     os.makedirs(directory, exist_ok=True)
@@ -230,9 +207,6 @@ def write_recording(
     update_table(path, mutate)
     logger.info("Recorded %d autotune winner(s) for rank %d to %s", len(fresh), rank, path)
     return path
-
-
-# --------------------------------------------------------------------------- the vote
 
 
 @dataclass(frozen=True, slots=True)
@@ -303,8 +277,6 @@ def merge_tables(inputs: Sequence[tuple[str, Table]]) -> MergeResult:
         ranked = sorted(_vote(sig, voters) for sig, voters in by_signature.items())
         votes = tuple(vote for _, vote in ranked)
         winner = by_signature[votes[0].signature]
-        # The entry whose provenance is kept: the fastest measurement, then a content order, never
-        # the input order (merging the same inputs in any order gives the same bytes).
         kept = min(winner, key=_provenance_order)[1]
         # An audit's finding is kept whichever input carried it; any input that saw the config's
         # own launches differ makes it non-deterministic.
@@ -328,25 +300,18 @@ def merge_tables(inputs: Sequence[tuple[str, Table]]) -> MergeResult:
 
 def _vote(signature: str, voters: list[tuple[str, Entry]]) -> tuple[tuple[Any, ...], Vote]:
     """The vote for ``signature`` and its rank key: most votes, lowest median, cost, signature."""
-    medians = sorted(e.timing.median_ms for _, e in voters if e.timing and e.timing.median_ms is not None)
-    median = None
-    if medians:
-        mid = len(medians) // 2
-        median = medians[mid] if len(medians) % 2 else (medians[mid - 1] + medians[mid]) / 2
+    medians = [e.timing.median_ms for _, e in voters if e.timing and e.timing.median_ms is not None]
+    median = statistics.median(medians) if medians else None
     cost = estimate_config_cost(voters[0][1].config)
-    rank = (-len(voters), _time_or_inf(median), cost, signature)
+    rank = (-len(voters), math.inf if median is None else median, cost, signature)
     return rank, Vote(signature, tuple(sorted(name for name, _ in voters)), median)
 
 
 def _provenance_order(voter: tuple[str, Entry]) -> tuple[float, bytes]:
     # The entry whose provenance is kept: the fastest measurement, then a content order, never
     # the input order (merging the same inputs in any order gives the same bytes).
-    timing = voter[1].timing
-    return (_time_or_inf(timing.median_ms if timing else None), msgpack.packb(voter[1].to_data()))
-
-
-def _time_or_inf(value: float | None) -> float:
-    return math.inf if value is None else value
+    median = voter[1].timing and voter[1].timing.median_ms
+    return (math.inf if median is None else median, msgpack.packb(voter[1].to_data()))
 
 
 def merge_files(
@@ -355,20 +320,16 @@ def merge_files(
     *,
     timeout_s: float = LOCK_TIMEOUT_S,
 ) -> MergeResult:
-    """Merge recordings/tables (folders: their ``*.msgpack``) into ``out``, written atomically.
-
-    ``out`` is replaced, not merged into: to keep what it holds, list it among ``inputs`` (it then
-    votes once, and the merge holds ``out``'s lock, so a concurrent writer loses nothing).
-    """
+    """Merge recordings/tables (folders: their ``*.msgpack``) into ``out``, replaced atomically. To
+    keep what ``out`` holds, list it among ``inputs``: it votes once, and the merge holds its lock."""
     target, inputs = os.fspath(out), list(inputs)
     listed = any(os.path.realpath(os.fspath(p)) == os.path.realpath(target) for p in inputs)
     with locked(target, timeout_s=timeout_s) if listed else contextlib.nullcontext():
         skip = set() if listed else {os.path.realpath(target)}
         loaded = [(n, load_table(n)) for n in expand_table_paths(inputs) if os.path.realpath(n) not in skip]
         if not loaded:  # e.g. a folder holding only an earlier output: never write an empty table
-            raise TableError(
-                ", ".join(os.fspath(p) for p in inputs), f"no input tables to merge besides {target}"
-            )
+            where = ", ".join(os.fspath(p) for p in inputs)
+            raise TableError(where, f"no input tables to merge besides {target}")
         result = merge_tables(loaded)
         save_table(result.table, target)
     if result.disagreements:
@@ -378,17 +339,10 @@ def merge_files(
     return result
 
 
-# --------------------------------------------------------------------------- comparing tables
-
-
 def diff_tables(a: Table, b: Table, *, ignore_provenance: bool = False) -> dict[str, list[dict[str, Any]]]:
-    """Entries only in ``a`` (removed), only in ``b`` (added), and in both but different (changed).
-
-    A changed entry lists each differing field as ``[old, new]``, ``config`` by signature (or by
-    data when the signatures match); a config change also says what it does to the output bits
-    (``numerics``: from the audits both entries record). Header fields are not compared. An entry
-    of the same source under another module name is the same kernel: its ``kernel`` changed.
-    """
+    """Entries only in ``a`` (removed), only in ``b`` (added), in both but different (changed: each
+    differing field as ``[old, new]``, and a config change's ``numerics`` verdict). An entry of the
+    same source under another module name is the same kernel with its ``kernel`` changed."""
 
     def brief(entry: Entry) -> dict[str, str]:
         return {"arch": entry.arch, "kernel": entry.kernel, "key": entry.key}
@@ -418,7 +372,6 @@ def diff_tables(a: Table, b: Table, *, ignore_provenance: bool = False) -> dict[
 
 
 def _numerics_verdict(old: Entry, new: Entry) -> str:
-    """A config change's effect on output bits, from the audits the two entries record."""
     a, b = old.numerics, new.numerics
     if a is None or b is None or a.inputs != b.inputs:
         return "numerics unknown (not audited on the same inputs)"
@@ -428,12 +381,8 @@ def _numerics_verdict(old: Entry, new: Entry) -> str:
 
 
 def review_view(table: Table) -> Table:
-    """The table without how, versions, timing, votes and note: configs and source hashes only.
-
-    What ``export --no-provenance`` writes for a pull request, where a re-tune would otherwise show
-    every timing and vote that moved. The source hash stays: a content match under another module
-    name needs it, and it changes only with the kernel's code.
-    """
+    """Configs and source hashes only (``export --no-provenance``), so a re-tune's pull request does
+    not show every timing and vote that moved; content matches need the source hash."""
     entries = [
         Entry(arch=e.arch, kernel=e.kernel, key=e.key, config=e.config, source_hash=e.source_hash)
         for e in table.entries()

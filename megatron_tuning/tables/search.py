@@ -1,16 +1,9 @@
 """The table search path: several table files behind one ``lookup`` (``core.choice.ConfigTable``).
 
-Order, earlier wins: the policy's ``tables`` → ``MEGATRON_TUNING_TABLE`` → ``auto``'s cache →
-the shipped ``configs/<arch>/*.msgpack`` (loaded lazily, per arch). A path may name a file or a
-folder (its ``*.msgpack``, in name order); explicit tables load when the set is built, so a bad or
-missing file fails at startup, not mid-training. ``neighbours`` serves the nearest-shape rule.
-
-Content matches: when no entry of the kernel id itself is fresh for the running source, an entry
-of another kernel id with the same content name (``core.identity.content_name``) and the *same*
-source hash answers, naming that id (``TableHit.kernel``), so code loaded under another module
-name finds its entries. Twins are tried in search order: the answer is a pure function of the
-tables. An entry whose source hash or Triton version differs from the running one is stale:
-warned about once per cause, then used, skipped or raised, per ``stale_entries``.
+Order, earlier wins: the policy's ``tables``, ``MEGATRON_TUNING_TABLE``, ``auto``'s cache, then the
+shipped ``configs/<arch>/`` (lazily, per arch). A kernel id without a fresh entry of its own is
+answered by an entry of the same code (same content name and source hash) under another module
+name. A stale entry is warned about once per cause, then used, skipped or raised (``stale_entries``).
 """
 
 from __future__ import annotations
@@ -45,12 +38,8 @@ _PACKAGE_DIR = Path(__file__).resolve().parent.parent  # megatron_tuning/
 
 
 def shipped_tables_dir() -> Path:
-    """The folder of per-arch table folders (``sm90/`` ...); it may not exist (no shipped tables).
-
-    A regular install copies the repository's ``configs/`` into the package as ``_configs``
-    (``setup.py``) and wins, so an installed wheel never picks up a stray ``configs/`` next to
-    ``site-packages``; a checkout's ``configs/`` counts only next to its ``setup.py``.
-    """
+    """The folder of per-arch table folders (``sm90/`` ...), maybe absent. An install's ``_configs``
+    (copied by ``setup.py``) wins; a checkout's ``configs/`` counts only next to its ``setup.py``."""
     installed = _PACKAGE_DIR / "_configs"
     checkout = _PACKAGE_DIR.parent / "configs"
     if not installed.is_dir() and checkout.is_dir() and (_PACKAGE_DIR.parent / "setup.py").is_file():
@@ -66,19 +55,24 @@ def installed_triton_version() -> str | None:
         return None
 
 
+def staleness(entry: Entry, source: str | None, triton: str | None) -> str | None:
+    """Why ``entry`` is stale for the running ``source`` hash and ``triton`` version (unknown: not)."""
+    problems = []
+    if entry.source_hash not in (None, source) and source is not None:
+        problems.append(f"kernel source hash {entry.source_hash[:12]} in the table, {source[:12]} running")
+    if entry.triton_version not in (None, triton) and triton is not None:
+        problems.append(f"tuned with Triton {entry.triton_version}, running {triton}")
+    return "; ".join(problems) or None
+
+
 def expand_table_paths(
     paths: Iterable[str | os.PathLike[str]], *, allow_empty_folders: bool = False
 ) -> list[str]:
-    """Files named by ``paths`` (folders expand to their ``*.msgpack`` in name order), deduplicated.
-
-    A path that does not exist, or a folder without any ``*.msgpack`` table (unless
-    ``allow_empty_folders``), raises ``TableError``: a typo in a table path must not
-    silently fall back to the cheapest config. A single ``str``/``PathLike`` is one path.
-    """
+    """Files named by ``paths`` (folders: their ``*.msgpack`` in name order), deduplicated. A missing
+    path or an empty folder raises ``TableError``: a typo must not fall back to the cheapest config."""
     if isinstance(paths, (str, os.PathLike)):  # one path, not a sequence of characters
         paths = [paths]
-    files: list[str] = []
-    seen: set[str] = set()
+    files: dict[str, str] = {}  # real path -> the first name given for it
     for raw in paths:
         path = os.fspath(raw)
         if not path:
@@ -86,14 +80,9 @@ def expand_table_paths(
         if os.path.isdir(path):
             found = sorted(str(p) for p in Path(path).glob("*.msgpack") if p.is_file())
             if not found and not allow_empty_folders:
-                views = any(Path(path).glob("*.json"))
-                raise TableError(
-                    path,
-                    "folder holds no *.msgpack tables"
-                    + (
-                        " (JSON views load only by file name, or convert them with `import`)" if views else ""
-                    ),
-                )
+                hint = " (JSON views load only by file name, or convert them with `import`)"
+                hint = hint if any(Path(path).glob("*.json")) else ""
+                raise TableError(path, f"folder holds no *.msgpack tables{hint}")
         elif os.path.exists(path):
             found = [path]
         elif os.path.islink(path):  # a loop or a dangling link: say so, not "no such file"
@@ -102,11 +91,8 @@ def expand_table_paths(
             where = "" if os.path.isabs(path) else f" (relative to {os.getcwd()})"
             raise TableError(path, f"no such file or folder{where}")
         for name in found:
-            real = os.path.realpath(name)
-            if real not in seen:
-                seen.add(real)
-                files.append(name)
-    return files
+            files.setdefault(os.path.realpath(name), name)
+    return list(files.values())
 
 
 class TableSet:
@@ -121,10 +107,8 @@ class TableSet:
         triton_version: str | None = None,
         cache: tuple[str, Table] | None = None,
     ) -> None:
-        """``paths``: files or folders, searched first. ``shipped_dir``: a folder of ``<arch>/``
-        folders searched last. ``triton_version``: what entries are checked against (default: the
-        installed one). ``cache``: ``auto``'s cache (path, content), searched between the two; a
-        stale cache entry is always a miss."""
+        """``shipped_dir``: a folder of ``<arch>/`` folders, searched last; ``cache``: ``auto``'s
+        (path, content), searched before them, where a stale entry is always a miss."""
         if stale_entries not in STALE_CHOICES:
             raise ValueError(f"stale_entries={stale_entries!r}: expected one of {STALE_CHOICES}")
         self.stale_entries = stale_entries
@@ -146,8 +130,7 @@ class TableSet:
         # ident are scanned for only when the first one is skipped as stale.
         self._index: dict[_Ident, tuple[Entry, str]] = {}
         self._keys: dict[tuple[str, str], list[str]] = {}  # (arch, kernel) -> keys, for nearest
-        # (arch, content name) -> kernel ids in search order; built on the first content query.
-        self._content: dict[tuple[str, str], list[str]] | None = None
+        self._content: dict[tuple[str, str], list[str]] | None = None  # (arch, content name) -> ids
         for name, table in self._tables:
             self._add_to_index(name, table)
         logger.info("Tuning tables: %s", ", ".join(self.files) or "(none)")
@@ -187,23 +170,21 @@ class TableSet:
         own entry, else, where that is missing or tuned for other source, a content match."""
         self._load_shipped(arch)
         ident = (arch, kernel, key)
-        if source_hash is not None and not self._has_own_entry(ident, source_hash):
+        # An entry of this very kernel id that may be for the running source wins over a twin.
+        if source_hash is not None and not any(
+            e.source_hash in (None, source_hash) for e, _ in self._all_for(ident)
+        ):
             for twin in self._twins(arch, kernel):
                 hit = self._twin_hit((arch, twin, key), source_hash, self.stale_entries)
                 if hit is not None:
                     return TableHit(hit.config, hit.origin, kernel=twin, numerics=hit.numerics)
         return self._resolve(ident, source_hash, self.stale_entries)
 
-    def _has_own_entry(self, ident: _Ident, source_hash: str) -> bool:
-        """Whether an entry of this very kernel id may be for the running source (then it wins)."""
-        return any(entry.source_hash in (None, source_hash) for entry, _ in self._all_for(ident))
-
     def neighbours(
         self, kernel: str, key: str, *, arch: str, source_hash: str | None = None
     ) -> list[TableHit]:
-        """Usable entries of ``kernel`` on ``arch`` for comparable keys, nearest first, then those of
-        the same code under other module names, twin by twin. Stale neighbours are used only under
-        ``stale_entries='use'`` and never raised: a neighbour is a fallback."""
+        """Usable entries for comparable keys, nearest first, then twin by twin those of the same code
+        under other module names. Stale ones are used only under ``'use'``, never raised."""
         self._load_shipped(arch)
         strictness = "use" if self.stale_entries == "use" else "miss"
         hits = []
@@ -230,10 +211,8 @@ class TableSet:
         with self._lock:
             if self._content is None:
                 self._content = {}
-                for entry_arch, entry_kernel in self._keys:
-                    self._content.setdefault((entry_arch, content_name(entry_kernel)), []).append(
-                        entry_kernel
-                    )
+                for entry_arch, name in self._keys:
+                    self._content.setdefault((entry_arch, content_name(name)), []).append(name)
             return [other for other in self._content.get((arch, content_name(kernel)), ()) if other != kernel]
 
     def _resolve(self, ident: _Ident, source_hash: str | None, stale_entries: str) -> TableHit | None:
@@ -248,46 +227,27 @@ class TableSet:
     ) -> TableHit | None:
         arch, kernel, key = ident
         for entry, origin in candidates:
-            detail = self._staleness(entry, source_hash)
+            detail = staleness(entry, source_hash, self.triton_version)
             if detail is None:
                 return TableHit(MappingProxyType(entry.config), origin, numerics=entry.numerics)
             if origin == self._cache_file:  # a cache is ours: an entry tuned for other code is re-tuned
-                logger.debug(
-                    "cache entry for %s [%s] in %s is stale (%s): a miss", kernel, key, origin, detail
-                )
+                logger.debug("stale cache entry %s [%s] in %s (%s): a miss", kernel, key, origin, detail)
                 continue
             if stale_entries == "error":
                 raise StaleEntryError(kernel, key, origin, detail)
             # One warning per cause: a kernel edit or a Triton upgrade makes every key of the
             # kernel stale at once, and one line per key would bury the log.
             use = stale_entries == "use"
-            warn_once(
-                ("stale-entry", arch, kernel, origin, detail),
-                "Table entry for kernel %s key %s in %s is stale (%s); %s (stale_entries=%r). %sOther keys "
-                "of this kernel stale for the same reason are %s without another warning.",
-                kernel,
-                key,
-                origin,
-                detail,
-                "using it anyway" if use else "ignoring it",
-                stale_entries,
-                "Re-tune to refresh it. " if use else "",
-                "used" if use else "ignored",
+            message = (
+                f"Table entry for kernel {kernel} key {key} in {origin} is stale ({detail}); "
+                f"{'using it anyway' if use else 'ignoring it'} (stale_entries={stale_entries!r}). "
+                f"{'Re-tune to refresh it. ' if use else ''}Other keys of this kernel stale for the same "
+                f"reason are {'used' if use else 'ignored'} without another warning."
             )
+            warn_once(("stale-entry", arch, kernel, origin, detail), message)
             if use:
                 return TableHit(MappingProxyType(entry.config), origin, numerics=entry.numerics)
         return None
-
-    def _staleness(self, entry: Entry, source_hash: str | None) -> str | None:
-        problems = []
-        if entry.source_hash is not None and source_hash is not None and entry.source_hash != source_hash:
-            problems.append(
-                f"kernel source hash {entry.source_hash[:12]} in the table, {source_hash[:12]} running"
-            )
-        running = self.triton_version
-        if entry.triton_version is not None and running is not None and entry.triton_version != running:
-            problems.append(f"tuned with Triton {entry.triton_version}, running {running}")
-        return "; ".join(problems) or None
 
     def _all_for(self, ident: _Ident) -> list[tuple[Entry, str]]:
         with self._lock:
