@@ -84,9 +84,7 @@ def add_tune(parser: argparse.ArgumentParser) -> None:
         help="keep per-process results in a new subfolder of this folder for each job (a new or empty "
         "folder, or one tune used before; default: a temp dir, removed)",
     )
-    add_job_argument(
-        parser, "the job to run after `--`: script.py [args], -m mod, python -m mod, torchrun ..."
-    )
+    add_job_argument(parser)
 
 
 def _knob_help(name: str) -> str:
