@@ -25,22 +25,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from ..core import policy as knobs
 from ..core.decisions import Decision, decision_log, get_decisions
 from ..core.errors import TableError
-from ..core.policy import (
-    ENV_AUDIT_DIR,
-    ENV_AUDIT_RUNS,
-    ENV_MODE,
-    ENV_NUMERICS,
-    ENV_RECORD_DIR,
-    ENV_TABLE,
-    ENV_TUNE_DIR,
-    ENV_TUNE_ROUNDS,
-    ENV_TUNE_TIE_BAND,
-    KNOBS,
-    NUMERICS,
-    read_knob,
-)
 from ..core.warn import printable
 from ..tables.files import output_file_problem, output_folder_problem, write_atomic
 from ..tables.merge import merge_tables, read_decisions, recording_table, write_decisions
@@ -66,11 +53,10 @@ def add_tune(parser: argparse.ArgumentParser) -> None:
         "--results", help="every process's decisions and statistics (default: <out stem>.tuning.json)"
     )
     parser.add_argument("--plot", metavar="DIR", help="also draw one PNG per (kernel, key) here")
-    parser.add_argument("--tie-band", type=float, help=_knob_help(ENV_TUNE_TIE_BAND))
-    parser.add_argument("--rounds", type=int, help=_knob_help(ENV_TUNE_ROUNDS))
-    parser.add_argument(
-        "--numerics", choices=NUMERICS, help=_knob_help(ENV_NUMERICS) + "; keeps --out's classes"
-    )
+    parser.add_argument("--tie-band", type=float, help=_knob_help(knobs.ENV_TUNE_TIE_BAND))
+    parser.add_argument("--rounds", type=int, help=_knob_help(knobs.ENV_TUNE_ROUNDS))
+    numerics = _knob_help(knobs.ENV_NUMERICS) + "; keeps --out's classes"
+    parser.add_argument("--numerics", choices=knobs.NUMERICS, help=numerics)
     parser.add_argument(
         "--work-dir",
         help="keep per-process results in a new subfolder of this folder for each job (a new or empty "
@@ -80,7 +66,7 @@ def add_tune(parser: argparse.ArgumentParser) -> None:
 
 
 def _knob_help(name: str) -> str:
-    return f"{KNOBS[name].doc} (default {KNOBS[name].default}; sets {name})"
+    return f"{knobs.KNOBS[name].doc} (default {knobs.KNOBS[name].default}; sets {name})"
 
 
 def run_tune(args: argparse.Namespace) -> int:
@@ -168,13 +154,13 @@ def _run_job(
     results = work / "results"
     results.mkdir()
     env = job_environment(write_bootstrap(work / "bootstrap", "tune"), "tune")
-    env.update({ENV_MODE: "tune", ENV_TUNE_DIR: str(results), ENV_RECORD_DIR: str(work / "recordings")})
-    env.update({ENV_TUNE_ROUNDS: str(settings.rounds), ENV_TUNE_TIE_BAND: repr(settings.tie_band)})
+    env.update({knobs.ENV_MODE: "tune", knobs.ENV_TUNE_DIR: str(results)})
+    env.update({knobs.ENV_RECORD_DIR: str(work / "recordings"), knobs.ENV_TUNE_ROUNDS: str(settings.rounds)})
+    env[knobs.ENV_TUNE_TIE_BAND] = repr(settings.tie_band)
     if args.numerics:  # --out's entries (if any) are the bits to keep: searched first
         keep = args.out if os.path.exists(args.out) else None
-        env.update(
-            {ENV_NUMERICS: args.numerics, ENV_TABLE: ":".join(filter(None, (keep, env.get(ENV_TABLE))))}
-        )
+        env[knobs.ENV_NUMERICS] = args.numerics
+        env[knobs.ENV_TABLE] = ":".join(filter(None, (keep, env.get(knobs.ENV_TABLE))))
     argv = job_argv(command)
     print(f"tune: running {' '.join(argv)} (per-process results in {results})", file=sys.stderr)
     returncode = run_job(argv, env, prog="tune")
@@ -201,7 +187,7 @@ def activate() -> None:
     end when nothing was measured."""
     from .. import session
 
-    directory, audits = read_knob(ENV_TUNE_DIR), read_knob(ENV_AUDIT_DIR)
+    directory, audits = knobs.read_knob(knobs.ENV_TUNE_DIR), knobs.read_knob(knobs.ENV_AUDIT_DIR)
     if not (directory or audits):
         return
     try:
@@ -221,7 +207,7 @@ def activate() -> None:
             entries.append({**entry, "arch": arch_tag(), "rank": current_rank()})
             write_atomic(Path(audits) / f"audited-{name}", json.dumps(entries).encode())
 
-        after_decision.append(make_audit_hook(record, read_knob(ENV_AUDIT_RUNS)))
+        after_decision.append(make_audit_hook(record, knobs.read_knob(knobs.ENV_AUDIT_RUNS)))
         return
     path = Path(directory) / f"{PROCESS_PREFIX}{name}"
 

@@ -18,15 +18,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from ..core import identity
 from ..core.decisions import Decision
-from ..core.identity import (
-    arch_tag,
-    config_signature,
-    kernel_id,
-    kernel_module,
-    kernel_source_hash,
-    split_kernel_id,
-)
 from ..core.policy import parse_int
 from ..core.warn import printable
 from ..tables.entry import KEY_FORM, Entry, canonical_key
@@ -99,10 +92,10 @@ def _import_kernels(modules: Sequence[str], report: ValidationReport) -> tuple[s
                 continue
             covered.add(module_name)
             for autotuner in find_autotuners(scanned):
-                home = kernel_module(autotuner)
+                home = identity.kernel_module(autotuner)
                 if home not in covered and sys.modules.get(home) is not None:
                     pending.append((home, sys.modules[home]))
-                kernels[kernel_id(autotuner)] = _describe(autotuner)
+                kernels[identity.kernel_id(autotuner)] = _describe(autotuner)
     return covered, kernels
 
 
@@ -120,21 +113,21 @@ def _import(name: str) -> Any:
 
 
 def _describe(autotuner: Any) -> _Kernel:
-    signatures = frozenset(config_signature(c) for c in autotuner.configs)
+    signatures = frozenset(identity.config_signature(c) for c in autotuner.configs)
     prunes = getattr(autotuner, "early_config_prune", None) is not None  # may create new configs
-    return _Kernel(kernel_source_hash(autotuner), signatures, prunes)
+    return _Kernel(identity.kernel_source_hash(autotuner), signatures, prunes)
 
 
 def _resolve_kernel(kernel: str, kernels: dict[str, _Kernel]) -> _Kernel | None:
     """A kernel that is no module global (e.g. a class attribute), found by its qualname."""
     from triton.runtime.autotuner import Autotuner
 
-    module_name, qualname, _ = split_kernel_id(kernel)
+    module_name, qualname, _ = identity.split_kernel_id(kernel)
     obj: Any = sys.modules.get(module_name)
     for part in qualname.split("."):
         obj = getattr(obj, part, None)
     found = next((o for o in _wrappers(obj) if isinstance(o, Autotuner)), None)
-    if found is None or kernel_id(found) != kernel:
+    if found is None or identity.kernel_id(found) != kernel:
         return None  # a ``@digest`` id names a module-level autotuner, found by the scan or nowhere
     kernels[kernel] = _describe(found)
     return kernels[kernel]
@@ -150,7 +143,7 @@ def validate_tables(
     """Check every entry of the tables at ``paths``; unreadable tables raise ``TableError``."""
     report = ValidationReport()
     if arch is None:
-        arch = arch_tag()
+        arch = identity.arch_tag()
         if arch == "unknown":
             report.notes.append("arch not checked: no GPU visible here (pass --arch to check against one)")
             arch = None
@@ -201,7 +194,7 @@ def _entry_problems(
     if entry.source_hash and kernel.source_hash and entry.source_hash != kernel.source_hash:
         hashes = f"table {entry.source_hash[:12]}, code {kernel.source_hash[:12]}"
         problems.append(f"kernel source changed since tuning ({hashes})")
-    signature, count = config_signature(entry.config), len(kernel.signatures)
+    signature, count = identity.config_signature(entry.config), len(kernel.signatures)
     if signature not in kernel.signatures and not kernel.prunes:
         problems.append(f"config {signature} is none of the kernel's {count} declared configs")
     return problems
