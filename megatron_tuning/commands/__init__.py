@@ -72,15 +72,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             stream.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]
         except (AttributeError, ValueError, OSError):
             pass
-    level = (logging.WARNING, logging.INFO)[min(args.verbose, 1)] if args.verbose < 2 else logging.DEBUG
+    level = (logging.WARNING, logging.INFO, logging.DEBUG)[min(args.verbose, 2)]
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:
         return int(args.handler(args))
     except MegatronTuningError as exc:
         # Messages quote file contents (kernel ids, keys): escaped like every human output.
-        print(
-            "\n".join(map(printable, f"megatron-tuning {args.command}: {exc}".split("\n"))), file=sys.stderr
-        )
+        message = f"megatron-tuning {args.command}: {exc}"
+        print("\n".join(map(printable, message.split("\n"))), file=sys.stderr)
         return EXIT_USAGE
     except BrokenPipeError:  # `megatron-tuning show ... | head`: not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -1,15 +1,15 @@
 """Arm megatron_tuning in every Python process of a job that was not edited for it.
 
-``run`` and ``tune`` write a ``sitecustomize.py`` into a fresh private folder put first on the job's
-``PYTHONPATH``; ``enable`` writes a one-line ``.pth`` into site-packages that arms a process only when
-a ``MEGATRON_TUNING_*`` variable is set. Both load *this file* by path (not the package: importing it costs
-about 0.2 s, which torchrun's launcher, pip or a ``python -c`` should never pay), so it imports only
-the standard library at its top. Nothing happens until the process imports Triton: a meta-path hook
-then runs ``megatron_tuning.commands.<launcher>.activate`` before any kernel is decorated.
+``run``, ``tune`` and ``audit`` put a ``sitecustomize.py`` in a fresh private folder first on the job's
+``PYTHONPATH``; ``enable`` writes a one-line ``.pth`` into site-packages, armed only when a
+``MEGATRON_TUNING_*`` variable is set. Both load *this file* by path (importing the package costs ~0.2 s,
+which torchrun's launcher, pip or ``python -c`` should never pay): it imports only the standard library.
+At the process's ``import triton`` a meta-path hook runs ``commands.<launcher>.activate``.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from collections.abc import Callable, Mapping
@@ -53,15 +53,9 @@ PTH_NAME = "megatron_tuning_enable.pth"
 PTH_MARKER = "# megatron_tuning environment switch"
 
 
-# --------------------------------------------------------------------------- launcher side
-
-
 def write_bootstrap(folder: Path, launcher: str) -> Path:
-    """Create ``folder`` (it must not exist) holding only our ``sitecustomize.py``; return it.
-
-    It goes first on the job's ``PYTHONPATH``, ahead of the standard library: so it is new and
-    private (mode 0700), and nothing else is ever written into it.
-    """
+    """Create ``folder`` holding only our ``sitecustomize.py``; return it. It goes first on the job's
+    ``PYTHONPATH``, ahead of the standard library: so it must be new and private (mode 0700)."""
     from megatron_tuning.tables.files import write_atomic
 
     if launcher not in LAUNCHERS:
@@ -120,9 +114,6 @@ def is_site_dir(path: str) -> bool:
     return os.path.realpath(path) in {os.path.realpath(c) for c in candidates if c}
 
 
-# --------------------------------------------------------------------------- inside the job
-
-
 def bootstrap_process(sitecustomize_file: str) -> None:
     """Run from a launcher's ``sitecustomize``: arm this process, then chain any other sitecustomize."""
     _chain_sitecustomize(os.path.dirname(os.path.abspath(sitecustomize_file)))
@@ -140,9 +131,7 @@ def arm_environment() -> None:
 def arm(launcher: str) -> None:
     """Activate ``launcher`` once Triton is imported (now, if it already is)."""
 
-    def activate() -> None:
-        _activate(launcher)
-
+    activate = functools.partial(_activate, launcher)
     if "triton" in sys.modules:
         activate()
     elif not any(isinstance(f, _AfterImport) and f.name == "triton" for f in sys.meta_path):

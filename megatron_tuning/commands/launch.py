@@ -1,9 +1,8 @@
-"""Pinning jobs you do not edit: ``run [policy options] -- <command>``, and ``enable``/``disable``.
+"""Pinning jobs you do not edit: ``run [policy options] -- <command>``, ``audit``, ``enable``/``disable``.
 
-``run`` starts the job with the policy in ``MEGATRON_TUNING_*`` variables (each option sets one,
-validated before the job starts) and the bootstrap (``bootstrap.py``) first on its ``PYTHONPATH``.
-``enable`` writes a ``.pth`` into an environment's site-packages instead, for processes you do not
-start yourself. Starting a job, its signals and its exit status (``run_job``) are shared with ``tune``.
+``run`` sets the policy as ``MEGATRON_TUNING_*`` variables (validated first) and puts the bootstrap
+(``bootstrap.py``) first on the job's ``PYTHONPATH``; ``enable`` writes a ``.pth`` instead. ``run_job``
+(signals, exit status) is shared with ``tune`` and ``selftest``.
 """
 
 from __future__ import annotations
@@ -31,15 +30,11 @@ from . import EXIT_USAGE
 from .bootstrap import PTH_MARKER, PTH_NAME, is_site_dir, job_environment, pth_text, write_bootstrap
 
 EXIT_CANNOT_EXECUTE, EXIT_NOT_FOUND = 126, 127  # as the shell and env(1) report them
-RUN_MODES = ("deterministic", "auto", "chaos", "record", "off")
-"""``tune`` is its own command: it needs a parent that pools every process's measurements."""
+RUN_MODES = ("deterministic", "auto", "chaos", "record", "off")  # `tune` pools in its own command
 
 # option -> (the knob it sets, add_argument keywords; the help is the knob's own doc unless given)
 _OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
-    "--mode": (
-        knobs.ENV_MODE,
-        {"choices": RUN_MODES, "help": "default deterministic"},
-    ),
+    "--mode": (knobs.ENV_MODE, {"choices": RUN_MODES, "help": "default deterministic"}),
     "--table": (knobs.ENV_TABLE, {"action": "append", "metavar": "PATH", "help": "a table file or folder"}),
     "--no-shipped-tables": (
         knobs.ENV_SHIPPED_TABLES,
@@ -79,9 +74,6 @@ MEGATRON_TUNING_MODE. See docs/launcher.md.
 """
 
 
-# --------------------------------------------------------------------------- run
-
-
 def add_run(parser: argparse.ArgumentParser) -> None:
     parser.description = (
         "Run a command with every autotuned Triton kernel of each of its Python processes\n"
@@ -93,7 +85,7 @@ def add_run(parser: argparse.ArgumentParser) -> None:
         help = options.get("help", knobs.KNOBS[variable].doc)
         more = "; repeatable" if options.get("action") == "append" else ""
         parser.add_argument(flag, dest=variable, **{**options, "help": f"{help} [{variable}{more}]"})
-    add_job_argument(parser, "the job, after `--`: script.py [args], -m pkg [args], python ..., torchrun ...")
+    add_job_argument(parser)
 
 
 def run_run(args: argparse.Namespace) -> int:
@@ -128,11 +120,8 @@ def run_armed(argv: Sequence[str], updates: Mapping[str, str], prog: str) -> int
         code = run_job(argv, environment, prog=prog)
         caught = len(list(folder.glob("divergence-*")))
         if caught:
-            print(
-                f"{prog}: {caught} process(es) of the job raised DivergenceError: ranks launched "
-                f"different configs (exit status {EXIT_DIVERGENCE})",
-                file=sys.stderr,
-            )
+            message = f"{caught} process(es) of the job raised DivergenceError: ranks launched different"
+            print(f"{prog}: {message} configs (exit status {EXIT_DIVERGENCE})", file=sys.stderr)
         return EXIT_DIVERGENCE if caught else code
     finally:
         shutil.rmtree(folder, ignore_errors=True)
@@ -148,26 +137,22 @@ def validated_policy(updates: dict[str, str]) -> knobs.TuningPolicy:
         warnings.simplefilter("ignore", TuningWarning)  # the job's rank 0 gives them, once per job
         policy = knobs.TuningPolicy.from_env(default_mode="deterministic", follow_torch_determinism=False)
         if policy.mode == "tune":
-            raise PolicyError(
-                knobs.ENV_MODE,
-                "tune",
-                "deterministic, auto, chaos, record or off under `run`; tune "
-                "with `python -m megatron_tuning tune --out TABLE -- <command>`, which pools every "
-                "process's measurements into a table",
-            )
+            tune = "`python -m megatron_tuning tune --out TABLE -- <command>`, which pools every process's"
+            allowed = f"deterministic, auto, chaos, record or off under `run`; tune with {tune} measurements"
+            raise PolicyError(knobs.ENV_MODE, "tune", f"{allowed} into a table")
         check_output_paths(policy)
         TableSet.from_policy(policy.replace(use_shipped_tables=False))  # loads them: a bad one fails now
     return policy
 
 
 def activate(launcher: str = "run") -> None:
-    """In a process of the job (``run``) or of an ``enable``d environment, at its ``import triton``:
-    start tuning with the job's policy.
+    """At ``import triton`` in a ``run`` job's or ``enable``d process: start tuning with the job's policy.
 
-    A failure stops the process out of its ``import triton``, in one line when it is a bad setting
-    (exit 2): the user asked for pinned kernels, so none may run unpinned without a word. When the
-    job imports Triton inside its own ``init_deterministic_tuning`` call, that call wins.
+    A failure stops the process (exit 2 for a bad setting): the user asked for pinned kernels, so none
+    may run unpinned without a word. The job's own ``init_deterministic_tuning`` call, if running, wins.
     """
+    from triton.backends import backends
+
     from ..session import init_deterministic_tuning, initializing
 
     if initializing():
@@ -178,32 +163,22 @@ def activate(launcher: str = "run") -> None:
             return
         init_deterministic_tuning()
     except Exception as exc:
-        print(
-            f"megatron_tuning {launcher}: cannot pin this process's kernels, stopping it: {exc}",
-            file=sys.stderr,
-        )
+        message = f"cannot pin this process's kernels, stopping it: {exc}"
+        print(f"megatron_tuning {launcher}: {message}", file=sys.stderr)
         if isinstance(exc, MegatronTuningError):
             raise SystemExit(EXIT_USAGE) from None
         raise
-    interpret = os.environ.get("TRITON_INTERPRET", "").strip().lower() in knobs.TRUE_WORDS
-    if not interpret and not _gpu_driver():
+    try:
+        interpret = os.environ.get("TRITON_INTERPRET", "").strip().lower() in knobs.TRUE_WORDS
+        driver = interpret or any(backend.driver.is_active() for backend in backends.values())
+    except Exception:  # noqa: BLE001 - a backend that cannot tell: let Triton say what is wrong
+        driver = True
+    if not driver:
         warn_once(
             ("no-gpu-driver",),
             "Triton finds no GPU driver here, so launching a kernel fails with '0 active drivers'. "
             "To run Triton kernels on the CPU, in Triton's interpreter, set TRITON_INTERPRET=1.",
         )
-
-
-def _gpu_driver() -> bool:
-    from triton.backends import backends
-
-    try:
-        return any(backend.driver.is_active() for backend in backends.values())
-    except Exception:  # noqa: BLE001 - a backend that cannot tell: let Triton say what is wrong
-        return True
-
-
-# --------------------------------------------------------------------------- enable / disable
 
 
 def add_enable(parser: argparse.ArgumentParser) -> None:
@@ -219,25 +194,33 @@ add_disable = add_enable
 
 
 def run_enable(args: argparse.Namespace) -> int:
-    return _switch(args, enable=True)
-
-
-def run_disable(args: argparse.Namespace) -> int:
-    return _switch(args, enable=False)
-
-
-def _switch(args: argparse.Namespace, enable: bool) -> int:
+    """``enable`` and ``disable`` (``args.command`` tells which)."""
+    enable = args.command == "enable"
     folder = Path(os.path.abspath(args.site_dir or sysconfig.get_path("purelib")))
     path = folder / PTH_NAME
-    current = _read(path)
+    try:
+        current: str | None = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        current = None
+    except (OSError, UnicodeDecodeError):
+        current = ""  # something of our name that we cannot read: not ours
     if current is None and not enable:
         print(f"megatron_tuning is not enabled in {folder}: no {PTH_NAME} (nothing to do)")
         return 0
-    problem = _folder_problem(folder)
-    if problem is None and current is not None and not current.startswith(PTH_MARKER):
+    problem = None
+    if not folder.is_dir():
+        problem = f"{folder} is not a folder (give an existing site-packages folder with --site-dir)"
+    elif reason := output_folder_problem(str(folder)):
+        problem = (
+            f"cannot write {folder} ({reason}). The switch lives in the environment's site-packages: "
+            "run this with write access to that environment (e.g. from a virtualenv you own), or give a "
+            "folder you can write with --site-dir; to arm single commands instead: "
+            "python -m megatron_tuning run -- <command>"
+        )
+    elif current is not None and not current.startswith(PTH_MARKER):
         problem = f"{path} {'exists and ' if enable else ''}was not written by megatron_tuning; left alone"
     if problem:
-        print(f"{'enable' if enable else 'disable'}: {problem}", file=sys.stderr)
+        print(f"{args.command}: {problem}", file=sys.stderr)
         return EXIT_USAGE
     if not enable:
         path.unlink()
@@ -257,41 +240,17 @@ def _switch(args: argparse.Namespace, enable: bool) -> int:
         f"rest of the policy). Undo: python -m megatron_tuning disable{flag}"
     )
     if not is_site_dir(str(folder)):
-        print(
-            f"note: {folder} is not one of this interpreter's site-packages folders; Python reads .pth files "
-            "only from those (and from folders passed to site.addsitedir)"
-        )
+        note = "is not one of this interpreter's site-packages folders; Python reads .pth files only from"
+        print(f"note: {folder} {note} those (and from folders passed to site.addsitedir)")
     return 0
 
 
-def _folder_problem(folder: Path) -> str | None:
-    if not folder.is_dir():
-        return f"{folder} is not a folder (give an existing site-packages folder with --site-dir)"
-    problem = output_folder_problem(str(folder))
-    if problem:
-        return (
-            f"cannot write {folder} ({problem}). The switch lives in the environment's site-packages: "
-            "run this with write access to that environment (e.g. from a virtualenv you own), or give a "
-            "folder you can write with --site-dir; to arm single commands instead: "
-            "python -m megatron_tuning run -- <command>"
-        )
-    return None
+run_disable = run_enable
 
 
-def _read(path: Path) -> str | None:
-    try:
-        return path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        return None
-    except (OSError, UnicodeDecodeError):
-        return ""  # something of our name that we cannot read: not ours
-
-
-# --------------------------------------------------------------------------- starting a job
-
-
-def add_job_argument(parser: argparse.ArgumentParser, help: str) -> None:
+def add_job_argument(parser: argparse.ArgumentParser, help: str = "") -> None:
     """The job, everything after ``--`` (dest "job": the top-level parser keeps the command's name)."""
+    help = help or "the job to run after `--`: script.py [args], -m mod, python -m mod, torchrun ..."
     parser.add_argument("job", metavar="COMMAND", nargs=argparse.REMAINDER, help=help)
 
 
@@ -300,11 +259,8 @@ def job_command(args: argparse.Namespace, prog: str, example: str) -> list[str] 
     command = list(args.job or [])
     command = command[1:] if command[:1] == ["--"] else command
     if not command:
-        print(
-            f"{prog}: give the command to run after `--`, e.g. `python -m megatron_tuning {example}` "
-            f"(see {prog} --help)",
-            file=sys.stderr,
-        )
+        hint = f"e.g. `python -m megatron_tuning {example}` (see {prog} --help)"
+        print(f"{prog}: give the command to run after `--`, {hint}", file=sys.stderr)
     return command or None
 
 
@@ -389,9 +345,6 @@ def _wait_passing_signals(process: subprocess.Popen[bytes]) -> int:
     return process.returncode
 
 
-# --------------------------------------------------------------------------- audit
-
-
 def add_audit(parser: argparse.ArgumentParser) -> None:
     parser.description = (
         "Run a job unedited, pinned as `run` pins it. At each (kernel, key) it reaches, launch every live "
@@ -403,9 +356,7 @@ def add_audit(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--out", default="audit.json", help="the JSON report (default audit.json)")
     parser.add_argument("--table", help="pin from this table first, and record the audit in its entries")
-    add_job_argument(
-        parser, "the job to run after `--`: script.py [args], -m mod, python -m mod, torchrun ..."
-    )
+    add_job_argument(parser)
 
 
 def run_audit(args: argparse.Namespace) -> int:
@@ -415,11 +366,7 @@ def run_audit(args: argparse.Namespace) -> int:
     if command is None:
         return EXIT_USAGE
     runs_knob = knobs.KNOBS[knobs.ENV_AUDIT_RUNS]
-    runs = (
-        knobs.read_knob(knobs.ENV_AUDIT_RUNS)
-        if args.runs is None
-        else runs_knob.parse("--runs", str(args.runs))
-    )
+    runs = knobs.read_knob(runs_knob.name) if args.runs is None else runs_knob.parse("--runs", str(args.runs))
     updates = {knobs.ENV_MODE: "deterministic", knobs.ENV_AUDIT_RUNS: str(runs)}
     if args.table:
         updates[knobs.ENV_TABLE] = ":".join(filter(None, (args.table, os.environ.get(knobs.ENV_TABLE))))

@@ -1,11 +1,9 @@
 """``selftest``: prove on this machine that pinning agrees across ranks and that the check is not blind.
 
-It runs a small torchrun job (gloo; the Triton interpreter without a GPU) twice: ``deterministic``
-must agree and match torch with no alarm; ``chaos`` must raise one ``DivergenceError`` on every
-rank. It exits 0 only when both behave: "no error" alone cannot tell a working detector from a
-blind one. Each rank writes a JSON result the parent reads (no log scraping); ``--show`` prints
-what each phase launched and where its config came from (the README's demo, ``scripts/demo.sh``).
-``selftest -- <command>`` does the same for the user's own job, run as ``run`` runs it (``_your_job``).
+A small torchrun job (gloo; the Triton interpreter without a GPU) runs twice: ``deterministic`` must
+agree and match torch with no alarm; ``chaos`` must raise one ``DivergenceError`` on every rank ("no
+error" alone cannot tell a working detector from a blind one). Each rank writes a JSON result the
+parent reads. ``selftest -- <command>`` does the same for the user's own job (``_your_job``).
 """
 
 from __future__ import annotations
@@ -27,6 +25,7 @@ from ..core.decisions import CHAOS_NO_OTHER_CONFIG
 from ..core.errors import EXIT_DIVERGENCE
 from ..core.policy import AGREEMENT_MODES, ENV_MODE, MAX_AGREEMENT_TIMEOUT_S
 from ..tables.files import write_atomic
+from .launch import add_job_argument, job_argv, run_armed
 
 KERNEL_MODULE = "megatron_tuning.kernels"
 CPU_SHAPES = ((37, 29, 45), (64, 48, 40))  # interpreted launches cost ~0.2 s: small, odd shapes
@@ -62,24 +61,13 @@ def add_selftest(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--timeout", type=_seconds, default=240.0, help="seconds allowed for each torchrun job (default 240)"
     )
+    help = "agreement mode under test (default store; 'off' shows chaos unnoticed: the selftest fails)"
+    parser.add_argument("--agreement", choices=AGREEMENT_MODES, default="store", help=help)
+    parser.add_argument("--interpret", action="store_true", help="use the Triton interpreter even with a GPU")
     parser.add_argument(
-        "--agreement",
-        choices=AGREEMENT_MODES,
-        default="store",
-        help="agreement mode under test (default store; 'off' shows chaos going unnoticed, so the "
-        "selftest fails)",
+        "--show", action="store_true", help="print each phase's launches, per kernel and shape"
     )
-    parser.add_argument(
-        "--interpret", action="store_true", help="use the Triton interpreter even when a GPU is present"
-    )
-    parser.add_argument(
-        "--show", action="store_true", help="print what each phase launched, per kernel and shape"
-    )
-    parser.add_argument(
-        "--keep", metavar="DIR", default=None, help="write per-rank results and torchrun output under DIR"
-    )
-    from .launch import add_job_argument
-
+    parser.add_argument("--keep", metavar="DIR", help="write per-rank results and torchrun output under DIR")
     add_job_argument(parser, "your own job after `--` (as for `run`): run deterministic, then chaos")
 
 
@@ -111,9 +99,8 @@ def run_selftest(args: argparse.Namespace) -> int:
                 for line in outcome["output"].splitlines()[-25:]:
                     print(f"      {line}")
         passed = all(verdicts)
-        print(
-            "selftest " + ("passed: deterministic runs agree and chaos is detected." if passed else "FAILED.")
-        )
+        verdict = "passed: deterministic runs agree and chaos is detected." if passed else "FAILED."
+        print(f"selftest {verdict}")
         if args.keep or not passed:
             print(f"results kept in {root}")
         return 0 if passed else 1
@@ -126,8 +113,6 @@ def run_selftest(args: argparse.Namespace) -> int:
 def _your_job(command: list[str]) -> int:
     """The user's job under ``run``'s launcher, deterministic then chaos: 0 only when the first exits
     0 and in the second some process raised a ``DivergenceError`` (run_armed counts them)."""
-    from .launch import job_argv, run_armed
-
     print(f"megatron_tuning selftest: your job, deterministic then chaos: {' '.join(command)}", flush=True)
     code = run_armed(job_argv(command), {ENV_MODE: "deterministic"}, "selftest")
     if code != 0:
@@ -196,32 +181,21 @@ def _judge(mode: str, outcome: dict[str, Any], nproc: int) -> tuple[bool, str]:
         if errors:
             rank, res = next(iter(sorted(errors.items())))
             return False, f"false alarm on ranks {sorted(errors)}: {res['message'].splitlines()[0]} {took}"
-        pinned = min(
-            sum(1 for d in res.get("decisions", []) if d[3] != "out_of_scope") for res in ranks.values()
-        )
+        pinned = min(sum(d[3] != "out_of_scope" for d in res.get("decisions", [])) for res in ranks.values())
         if pinned == 0:
             return False, f"no launch went through the interception, nothing was checked {took}"
         shared = min(res.get("shared", 0) for res in ranks.values())
-        return (
-            True,
-            f"all ranks agree on {pinned} (kernel, key) choices (verify_agreement compared {shared}), "
-            f"no alarm {took}",
-        )
+        compared = f"(verify_agreement compared {shared})"
+        return True, f"all ranks agree on {pinned} (kernel, key) choices {compared}, no alarm {took}"
     # A key with one distinct config cannot differ between ranks: it proves nothing either way.
     chaos = [d for res in ranks.values() for d in res.get("decisions", []) if d[3] == "chaos"]
     provable = {(d[0], d[1]) for d in chaos if len(d) < 5 or d[4] != CHAOS_NO_OTHER_CONFIG}
     if not errors:
         if not provable:
-            return (
-                False,
-                "inconclusive: no chaos key had two distinct configs, so the ranks could not differ "
-                f"and this run proves nothing about the check {took}",
-            )
-        return (
-            False,
-            "chaos ranks launched different configs and nothing noticed: the agreement check is "
-            f"blind {took}",
-        )
+            why = "no chaos key had two distinct configs, so the ranks could not differ"
+            return False, f"inconclusive: {why} and this run proves nothing about the check {took}"
+        blind = "chaos ranks launched different configs and nothing noticed: the agreement check is blind"
+        return False, f"{blind} {took}"
     if len({res["message"] for res in errors.values()}) != 1:
         return False, f"ranks raised different messages for the same divergence {took}"
     first = next(iter(sorted(errors.items())))[1]
@@ -248,9 +222,6 @@ def _show(mode: str, outcome: dict[str, Any]) -> None:
         print("    " + result["message"].replace("\n", "\n    "))
 
 
-# --------------------------------------------------------------------------- one rank of the job
-
-
 def _worker(argv: list[str]) -> int:  # argv: the parent's settings, one JSON object
     """One rank of the selftest job (started by torchrun); it always leaves a result file."""
     import logging
@@ -260,10 +231,8 @@ def _worker(argv: list[str]) -> int:  # argv: the parent's settings, one JSON ob
     import torch.distributed as dist
 
     args = argparse.Namespace(**json.loads(argv[0]))
-    logging.basicConfig(
-        level=logging.WARNING,
-        format=f"[rank{os.environ.get('RANK', '?')}] %(levelname)s %(name)s: %(message)s",
-    )
+    rank_tag = f"[rank{os.environ.get('RANK', '?')}]"
+    logging.basicConfig(level=logging.WARNING, format=f"{rank_tag} %(levelname)s %(name)s: %(message)s")
     dist.init_process_group("gloo", timeout=timedelta(seconds=max(args.timeout, 10.0)))
     rank = dist.get_rank()
     result: dict[str, Any] = {"rank": rank, "mode": args.mode, "error": None}
@@ -291,19 +260,15 @@ def _exercise(args: argparse.Namespace, result: dict[str, Any]) -> None:
     from ..distributed import verify
     from ..session import init_deterministic_tuning
 
+    timeout = max(args.timeout / 3, 5.0)
     policy = TuningPolicy(
-        mode=args.mode,
-        scope=(KERNEL_MODULE,),
-        agreement=args.agreement,
-        agreement_timeout_s=max(args.timeout / 3, 5.0),
+        mode=args.mode, scope=(KERNEL_MODULE,), agreement=args.agreement, agreement_timeout_s=timeout
     )
     handle = init_deterministic_tuning(policy)
     if args.agreement != "off" and verify.active_checker() is None:
         raise RuntimeError("init_deterministic_tuning started no agreement check")
     on_gpu = os.environ.get("TRITON_INTERPRET") != "1" and torch.cuda.is_available()
-    device = (
-        torch.device("cuda", dist.get_rank() % torch.cuda.device_count()) if on_gpu else torch.device("cpu")
-    )
+    device = torch.device("cuda", dist.get_rank() % torch.cuda.device_count()) if on_gpu else "cpu"
     try:
         try:
             failures = reference_workload(

@@ -11,16 +11,14 @@ import fnmatch
 import json
 import os
 import re
-import sys
 from collections.abc import Iterable
 from typing import Any
 
+from ..core.errors import MegatronTuningError
 from ..core.identity import config_signature
 from ..core.policy import parse_int
 from ..core.warn import printable
-from . import EXIT_FOUND, EXIT_OK, EXIT_USAGE, write_utf8
-
-# --------------------------------------------------------------------------- show, export, import
+from . import EXIT_FOUND, EXIT_OK, write_utf8
 
 
 def add_show(p: argparse.ArgumentParser) -> None:
@@ -38,26 +36,19 @@ def run_show(args: argparse.Namespace) -> int:
     from ..tables.table import Table, load_table
 
     if args.json and len(args.tables) > 1:  # several JSON documents back to back are not JSON
-        print("megatron-tuning show: --json takes one TABLE (run it once per table)", file=sys.stderr)
-        return EXIT_USAGE
+        raise MegatronTuningError("--json takes one TABLE (run it once per table)")
     for index, path in enumerate(args.tables):
         table = load_table(path, max_bytes=args.max_size)
-        chosen = [
-            e
-            for e in table.entries()
-            if args.arch in (None, e.arch) and kernel_matches(e.kernel, args.kernel)
-        ]
+        entries = table.entries()
+        chosen = [e for e in entries if args.arch in (None, e.arch) and kernel_matches(e.kernel, args.kernel)]
         if args.json:
             write_utf8(Table(chosen, library_version=table.library_version, meta=table.meta).to_json())
             continue
         if index:
             print()
         meta = "".join(f", {k}={v}" for k, v in sorted(table.meta.items()))
-        print(
-            printable(
-                f"# {path}: {len(chosen)} of {len(table)} entries (library {table.library_version}{meta})"
-            )
-        )
+        header = f"# {path}: {len(chosen)} of {len(table)} entries (library {table.library_version}{meta})"
+        print(printable(header))
         for line in entry_lines(chosen):
             print(line)
     return EXIT_OK
@@ -83,12 +74,8 @@ def run_export(args: argparse.Namespace) -> int:
     from ..tables.table import load_table
 
     if args.out.endswith(".msgpack"):  # load_table reads a .msgpack name as msgpack
-        print(
-            f"megatron-tuning export: {args.out} ends in .msgpack, but export writes the JSON view; name it "
-            ".json (import converts JSON back to msgpack)",
-            file=sys.stderr,
-        )
-        return EXIT_USAGE
+        fix = "name it .json (import converts JSON back to msgpack)"
+        raise MegatronTuningError(f"{args.out} ends in .msgpack, but export writes the JSON view; {fix}")
     table = load_table(args.table, max_bytes=args.max_size)
     text = (review_view(table) if args.no_provenance else table).to_json()
     if args.out == "-":
@@ -112,24 +99,15 @@ def run_import(args: argparse.Namespace) -> int:
     from ..tables.table import Table, save_table
 
     if args.out.endswith(".json"):  # save_table would write the JSON view again
-        print(
-            f"megatron-tuning import: {args.out} ends in .json, but import writes the msgpack table; name "
-            "it .msgpack (export writes JSON views)",
-            file=sys.stderr,
-        )
-        return EXIT_USAGE
+        fix = "name it .msgpack (export writes JSON views)"
+        raise MegatronTuningError(f"{args.out} ends in .json, but import writes the msgpack table; {fix}")
     save_table(Table.from_json(read_table_bytes(args.json_file), path=args.json_file), args.out)
     return EXIT_OK
 
 
 def _add_max_size(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--max-size",
-        type=_mebibytes,
-        default=None,
-        metavar="MIB",
-        help="read tables up to MIB MiB (default 64): for a genuine file over the limit",
-    )
+    help = "read tables up to MIB MiB (default 64): for a genuine file over the limit"
+    p.add_argument("--max-size", type=_mebibytes, metavar="MIB", help=help)
 
 
 def _mebibytes(text: str) -> int:
@@ -195,20 +173,14 @@ def entry_lines(entries: Iterable[Any]) -> list[str]:
     return lines
 
 
-# --------------------------------------------------------------------------- diff, merge, cache
-
-
 def add_diff(p: argparse.ArgumentParser) -> None:
     p.description = (
         "Compare the entries of two tables. Exit 0 when they hold the same entries, 1 when they differ."
     )
     p.add_argument("a", metavar="A")
     p.add_argument("b", metavar="B")
-    p.add_argument(
-        "--ignore-provenance",
-        action="store_true",
-        help="compare configs only, not timings, hashes, versions or notes",
-    )
+    help = "compare configs only, not timings, hashes, versions or notes"
+    p.add_argument("--ignore-provenance", action="store_true", help=help)
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
 
@@ -236,11 +208,8 @@ def run_diff(args: argparse.Namespace) -> int:
                 )
             )
     counts = {k: len(v) for k, v in changes.items()}
-    print(
-        f"{counts['added']} added, {counts['removed']} removed, {counts['changed']} changed"
-        if any(counts.values())
-        else "no differences"
-    )
+    summary = f"{counts['added']} added, {counts['removed']} removed, {counts['changed']} changed"
+    print(summary if any(counts.values()) else "no differences")
     return EXIT_FOUND if any(counts.values()) else EXIT_OK
 
 
@@ -263,28 +232,19 @@ def run_merge(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result.to_json(), indent=1, sort_keys=True))
     else:
-        print(
-            f"Merged {len(result.inputs)} input(s) into {len(result.table)} entries; "
-            f"{len(result.disagreements)} with disagreement."
-        )
+        merged = f"Merged {len(result.inputs)} input(s) into {len(result.table)} entries"
+        print(f"{merged}; {len(result.disagreements)} with disagreement.")
         for item in result.disagreements:
             print(printable(f"{item.arch}  {item.kernel}  [{item.key}]  ({item.rule})"))
             for index, vote in enumerate(item.votes):
                 timing = f", median {vote.median_ms:.4g} ms" if vote.median_ms is not None else ""
                 who = ", ".join(vote.inputs) if len(vote.inputs) <= 8 else "..."
-                print(
-                    printable(
-                        f"  {'->' if index == 0 else '  '} {len(vote.inputs)} vote(s){timing}: "
-                        f"{vote.signature}  [{who}]"
-                    )
-                )
+                arrow = "->" if index == 0 else "  "
+                print(printable(f"  {arrow} {len(vote.inputs)} vote(s){timing}: {vote.signature}  [{who}]"))
         for arch, kernel, key, hashes in result.mixed_source_hashes:
             sources = ", ".join(h[:12] for h in hashes)
-            print(
-                printable(
-                    f"warning: {arch} {kernel} [{key}] was recorded from different kernel sources: {sources}"
-                )
-            )
+            warning = f"{arch} {kernel} [{key}] was recorded from different kernel sources: {sources}"
+            print(printable(f"warning: {warning}"))
         print(f"Wrote {args.out}")
     return EXIT_FOUND if args.strict and result.disagreements else EXIT_OK
 

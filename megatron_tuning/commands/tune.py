@@ -1,12 +1,9 @@
-"""The measuring commands: ``tune`` (tune a job, write a table), ``audit`` (which configs change the
-output bits) and ``report`` (print and plot what a tune measured).
+"""``tune`` (tune a job, write a table), ``report`` (print and plot what it measured), and the
+in-process side of ``tune`` and ``audit`` (``activate``).
 
-``tune`` runs the command armed in tune mode (the bootstrap ``run`` uses), in a fresh folder per job
-so nothing another job left is pooled. Every process writes its ``tuned`` decisions, with their
-samples, as they happen; after the job each process's winners are one table and
-``tables.merge.merge_tables`` votes them into ``--out``. ``--results`` keeps every decision for
-``report``. ``audit`` runs the command armed as ``run`` pins it, audits each key before its first
-launch (``tuning.tuner.audit_candidates``) and pools every process's report (docs/numerics.md).
+``tune`` runs the job armed in tune mode, in a fresh folder per job so nothing another job left is
+pooled. Every process writes its ``tuned`` decisions as they happen; after the job each process's
+winners are one table, voted into ``--out`` (``tables.merge.merge_tables``).
 """
 
 from __future__ import annotations
@@ -28,22 +25,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from ..core import policy as knobs
 from ..core.decisions import Decision, decision_log, get_decisions
 from ..core.errors import TableError
-from ..core.policy import (
-    ENV_AUDIT_DIR,
-    ENV_AUDIT_RUNS,
-    ENV_MODE,
-    ENV_NUMERICS,
-    ENV_RECORD_DIR,
-    ENV_TABLE,
-    ENV_TUNE_DIR,
-    ENV_TUNE_ROUNDS,
-    ENV_TUNE_TIE_BAND,
-    KNOBS,
-    NUMERICS,
-    read_knob,
-)
 from ..core.warn import printable
 from ..tables.files import output_file_problem, output_folder_problem, write_atomic
 from ..tables.merge import merge_tables, read_decisions, recording_table, write_decisions
@@ -53,17 +37,12 @@ from . import EXIT_USAGE
 from .bootstrap import job_environment, write_bootstrap
 from .launch import add_job_argument, command_problem, job_argv, job_command, run_job
 
-PROCESS_PREFIX = "tuned-"
-"""Per-process results of a tune job are ``tuned-<host>-<pid>.json`` decision logs."""
-WORK_DIR_MARKER = ".megatron_tuning_tune"
-"""Written into a ``--work-dir`` tune created or adopted (empty): later jobs may use it too."""
+PROCESS_PREFIX = "tuned-"  # per-process decision logs: tuned-<host>-<pid>.json
+WORK_DIR_MARKER = ".megatron_tuning_tune"  # in a --work-dir tune made or adopted: later jobs may use it
 
 
 class _Refused(Exception):
     """A check before the job failed: the message says why (a usage error, exit 2)."""
-
-
-# --------------------------------------------------------------------------- tune
 
 
 def add_tune(parser: argparse.ArgumentParser) -> None:
@@ -74,23 +53,20 @@ def add_tune(parser: argparse.ArgumentParser) -> None:
         "--results", help="every process's decisions and statistics (default: <out stem>.tuning.json)"
     )
     parser.add_argument("--plot", metavar="DIR", help="also draw one PNG per (kernel, key) here")
-    parser.add_argument("--tie-band", type=float, help=_knob_help(ENV_TUNE_TIE_BAND))
-    parser.add_argument("--rounds", type=int, help=_knob_help(ENV_TUNE_ROUNDS))
-    parser.add_argument(
-        "--numerics", choices=NUMERICS, help=_knob_help(ENV_NUMERICS) + "; keeps --out's classes"
-    )
+    parser.add_argument("--tie-band", type=float, help=_knob_help(knobs.ENV_TUNE_TIE_BAND))
+    parser.add_argument("--rounds", type=int, help=_knob_help(knobs.ENV_TUNE_ROUNDS))
+    numerics = _knob_help(knobs.ENV_NUMERICS) + "; keeps --out's classes"
+    parser.add_argument("--numerics", choices=knobs.NUMERICS, help=numerics)
     parser.add_argument(
         "--work-dir",
         help="keep per-process results in a new subfolder of this folder for each job (a new or empty "
         "folder, or one tune used before; default: a temp dir, removed)",
     )
-    add_job_argument(
-        parser, "the job to run after `--`: script.py [args], -m mod, python -m mod, torchrun ..."
-    )
+    add_job_argument(parser)
 
 
 def _knob_help(name: str) -> str:
-    return f"{KNOBS[name].doc} (default {KNOBS[name].default}; sets {name})"
+    return f"{knobs.KNOBS[name].doc} (default {knobs.KNOBS[name].default}; sets {name})"
 
 
 def run_tune(args: argparse.Namespace) -> int:
@@ -123,10 +99,8 @@ def run_tune(args: argparse.Namespace) -> int:
     if decisions and args.plot:
         plot_into(decisions, args.plot, prog="tune")
     if decisions and returncode:
-        print(
-            f"tune: the job exited with status {returncode}; the table holds what it tuned before that",
-            file=sys.stderr,
-        )
+        message = f"the job exited with status {returncode}; the table holds what it tuned before that"
+        print(f"tune: {message}", file=sys.stderr)
     return returncode
 
 
@@ -153,30 +127,23 @@ def _check_outputs(args: argparse.Namespace) -> None:
 
 
 def _job_folder(work_dir: str | None) -> tuple[Path, bool]:
-    """A fresh folder for this job's files, and whether it is temporary (removed at the end).
-
-    Under ``--work-dir`` each job gets a new subfolder, so a second job pools only its own results;
-    a folder holding files tune did not write is refused, not mixed into.
-    """
+    """A fresh folder for this job's files, and whether it is temporary. Under ``--work-dir`` each job
+    gets a new subfolder (a job pools only its own results); foreign files are refused, not mixed into."""
     if not work_dir:
         return Path(tempfile.mkdtemp(prefix="megatron_tuning_tune_")), True
     root = Path(work_dir)
     if root.exists() and not root.is_dir():
         raise _Refused(f"--work-dir {root} is not a folder")
     if root.is_dir() and any(root.iterdir()) and not (root / WORK_DIR_MARKER).is_file():
-        raise _Refused(
-            f"--work-dir {root} already holds files tune did not write; name a new or empty folder "
-            "(each job gets a fresh subfolder of it)"
-        )
+        fix = "name a new or empty folder (each job gets a fresh subfolder of it)"
+        raise _Refused(f"--work-dir {root} already holds files tune did not write; {fix}")
     problem = output_folder_problem(str(root))
     if problem:
         raise _Refused(f"cannot use --work-dir {root}: {problem}")
     root.mkdir(parents=True, exist_ok=True)
     if not (root / WORK_DIR_MARKER).is_file():
-        write_atomic(
-            root / WORK_DIR_MARKER,
-            b"Per-job folders of `python -m megatron_tuning tune --work-dir`; safe to delete.\n",
-        )
+        marker = b"Per-job folders of `python -m megatron_tuning tune --work-dir`; safe to delete.\n"
+        write_atomic(root / WORK_DIR_MARKER, marker)
     return Path(tempfile.mkdtemp(prefix=time.strftime("job-%Y%m%d-%H%M%S-"), dir=root)), False
 
 
@@ -187,45 +154,40 @@ def _run_job(
     results = work / "results"
     results.mkdir()
     env = job_environment(write_bootstrap(work / "bootstrap", "tune"), "tune")
-    env.update({ENV_MODE: "tune", ENV_TUNE_DIR: str(results), ENV_RECORD_DIR: str(work / "recordings")})
-    env.update({ENV_TUNE_ROUNDS: str(settings.rounds), ENV_TUNE_TIE_BAND: repr(settings.tie_band)})
+    env.update({knobs.ENV_MODE: "tune", knobs.ENV_TUNE_DIR: str(results)})
+    env.update({knobs.ENV_RECORD_DIR: str(work / "recordings"), knobs.ENV_TUNE_ROUNDS: str(settings.rounds)})
+    env[knobs.ENV_TUNE_TIE_BAND] = repr(settings.tie_band)
     if args.numerics:  # --out's entries (if any) are the bits to keep: searched first
         keep = args.out if os.path.exists(args.out) else None
-        env.update(
-            {ENV_NUMERICS: args.numerics, ENV_TABLE: ":".join(filter(None, (keep, env.get(ENV_TABLE))))}
-        )
+        env[knobs.ENV_NUMERICS] = args.numerics
+        env[knobs.ENV_TABLE] = ":".join(filter(None, (keep, env.get(knobs.ENV_TABLE))))
     argv = job_argv(command)
     print(f"tune: running {' '.join(argv)} (per-process results in {results})", file=sys.stderr)
     returncode = run_job(argv, env, prog="tune")
     logs = [(str(f), read_decisions(f)) for f in sorted(results.glob(f"{PROCESS_PREFIX}*.json"))]
     decisions = [d for _, ds in logs for d in ds if d.source == "tuned"]
     if not decisions:
-        print(
-            "tune: the job recorded no tuned (kernel, key). Did it launch an in-scope autotuned kernel "
-            "with more than one live config? (MEGATRON_TUNING_SCOPE limits the scope.)",
-            file=sys.stderr,
-        )
+        why = "Did it launch an in-scope autotuned kernel with more than one live config?"
+        scope = "(MEGATRON_TUNING_SCOPE limits the scope.)"
+        print(f"tune: the job recorded no tuned (kernel, key). {why} {scope}", file=sys.stderr)
         return returncode or 1, []
     merged = merge_tables([(name, recording_table(ds)) for name, ds in logs])
     write_decisions(_results_path(args), decisions)
     merge_entries(args.out, merged.table.entries())
     print(summary(decisions))
     count = len(merged.table)
-    print(
-        f"tune: {count} entr{'y' if count == 1 else 'ies'} merged into {args.out}; "
-        f"statistics in {_results_path(args)}"
-    )
+    entries = f"{count} entr{'y' if count == 1 else 'ies'}"
+    print(f"tune: {entries} merged into {args.out}; statistics in {_results_path(args)}")
     return returncode, decisions
 
 
 def activate() -> None:
-    """In a process of a ``tune`` or ``audit`` job, at its ``import triton``: start the session and
-    write this process's results as they come (a crash loses nothing measured). A failure is
-    reported and the process goes on: the job's own work matters more, and the command says at
-    the end when nothing was measured."""
+    """At ``import triton`` in a ``tune`` or ``audit`` job: start the session, write results as they
+    come (a crash loses nothing). A failure is reported and the job goes on: the command says at the
+    end when nothing was measured."""
     from .. import session
 
-    directory, audits = read_knob(ENV_TUNE_DIR), read_knob(ENV_AUDIT_DIR)
+    directory, audits = knobs.read_knob(knobs.ENV_TUNE_DIR), knobs.read_knob(knobs.ENV_AUDIT_DIR)
     if not (directory or audits):
         return
     try:
@@ -245,7 +207,7 @@ def activate() -> None:
             entries.append({**entry, "arch": arch_tag(), "rank": current_rank()})
             write_atomic(Path(audits) / f"audited-{name}", json.dumps(entries).encode())
 
-        after_decision.append(make_audit_hook(record, read_knob(ENV_AUDIT_RUNS)))
+        after_decision.append(make_audit_hook(record, knobs.read_knob(knobs.ENV_AUDIT_RUNS)))
         return
     path = Path(directory) / f"{PROCESS_PREFIX}{name}"
 
@@ -257,16 +219,9 @@ def activate() -> None:
     decision_log().add_listener(write)
 
 
-# --------------------------------------------------------------------------- report
-
-
 def add_report(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "inputs", nargs="+", help="decision logs (a tune job's --results), or folders of them"
-    )
-    parser.add_argument(
-        "--plot", metavar="DIR", default=None, help="draw one PNG per (kernel, key, rank) here"
-    )
+    parser.add_argument("inputs", nargs="+", help="decision logs (tune's --results), or folders of them")
+    parser.add_argument("--plot", metavar="DIR", help="draw one PNG per (kernel, key, rank) here")
 
 
 def run_report(args: argparse.Namespace) -> int:
@@ -326,16 +281,10 @@ def summary(decisions: Sequence[Decision]) -> str:
         win_ms = f"{win[0]:.4f}" if isinstance(win, list) and win[0] is not None else "-"
         best = f"{min(medians):.4f}" if medians else "-"
         tied = len(timings.get("tied", [d.signature]))
-        lines.append(
-            printable(
-                f"{d.kernel.rsplit(':', 1)[-1][:28]:<28} {d.key[:36]:<36} {d.rank:>4} {win_ms:>10} "
-                f"{tied:>4} {best:>9}  {d.signature}"
-            )
-        )
+        name = d.kernel.rsplit(":", 1)[-1][:28]
+        row = f"{name:<28} {d.key[:36]:<36} {d.rank:>4} {win_ms:>10} {tied:>4} {best:>9}  {d.signature}"
+        lines.append(printable(row))
     return "\n".join(lines)
-
-
-# --------------------------------------------------------------------------- plots
 
 
 def _require_matplotlib() -> None:
@@ -343,18 +292,15 @@ def _require_matplotlib() -> None:
         import matplotlib.backends.backend_agg  # noqa: F401
         import matplotlib.figure  # noqa: F401
     except ImportError as exc:
-        raise ImportError(
-            "Plotting needs matplotlib: pip install matplotlib (or install megatron_tuning with the "
-            "[plot] extra)."
-        ) from exc
+        how = "pip install matplotlib (or install megatron_tuning with the [plot] extra)"
+        raise ImportError(f"Plotting needs matplotlib: {how}.") from exc
 
 
 def plot_into(decisions: Sequence[Decision], directory: str, *, prog: str) -> list[Path]:
     """One PNG per decision (candidate medians, p20-p80 bars, the tie band, the winner) under ``directory``.
 
-    File names keep only ``[A-Za-z0-9_]`` of the kernel and key (a log may be hand-made: no ``/`` or
-    ``..`` can place a plot elsewhere), plus a digest so they stay unique.
-    """
+    File names keep only ``[A-Za-z0-9_]`` of kernel and key (a hand-made log's ``/`` or ``..`` cannot
+    place a plot elsewhere), plus a digest so they stay unique."""
     paths = []
     for d in decisions:
         slug = "__".join(

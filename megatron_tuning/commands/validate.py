@@ -2,9 +2,7 @@
 run launch, per kernel, key and rank?).
 
 The runtime validators act per lookup; ``validate`` checks a whole table ahead of time, e.g. after a
-Triton upgrade or a kernel edit: each entry's arch and Triton version and, for kernels of the
-modules given with ``--import``, that the kernel exists, its source hash matches and the config is
-one it declares (unless the kernel prunes configs itself, which can create new ones).
+Triton upgrade or a kernel edit (``add_validate`` says what it checks).
 """
 
 from __future__ import annotations
@@ -20,23 +18,14 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from ..core import identity
 from ..core.decisions import Decision
-from ..core.identity import (
-    arch_tag,
-    config_signature,
-    kernel_id,
-    kernel_module,
-    kernel_source_hash,
-    split_kernel_id,
-)
 from ..core.policy import parse_int
 from ..core.warn import printable
 from ..tables.entry import KEY_FORM, Entry, canonical_key
 from ..tables.search import installed_triton_version
 from ..tables.table import load_table
 from . import EXIT_FOUND, EXIT_OK
-
-_MAX_WRAPPERS = 8  # heuristics/autotune decorators stacked on one kernel, far above real use
 
 
 class Problem(NamedTuple):
@@ -62,7 +51,7 @@ class _Kernel(NamedTuple):
 
 def _wrappers(obj: Any) -> Iterator[Any]:
     """``obj``, then what it wraps (``.fn``), down a bounded chain."""
-    for _ in range(_MAX_WRAPPERS):
+    for _ in range(8):  # heuristics/autotune decorators stacked on one kernel: far above real use
         if obj is None:
             return
         yield obj
@@ -103,10 +92,10 @@ def _import_kernels(modules: Sequence[str], report: ValidationReport) -> tuple[s
                 continue
             covered.add(module_name)
             for autotuner in find_autotuners(scanned):
-                home = kernel_module(autotuner)
+                home = identity.kernel_module(autotuner)
                 if home not in covered and sys.modules.get(home) is not None:
                     pending.append((home, sys.modules[home]))
-                kernels[kernel_id(autotuner)] = _describe(autotuner)
+                kernels[identity.kernel_id(autotuner)] = _describe(autotuner)
     return covered, kernels
 
 
@@ -124,23 +113,21 @@ def _import(name: str) -> Any:
 
 
 def _describe(autotuner: Any) -> _Kernel:
-    return _Kernel(
-        kernel_source_hash(autotuner),
-        frozenset(config_signature(c) for c in autotuner.configs),
-        getattr(autotuner, "early_config_prune", None) is not None,
-    )
+    signatures = frozenset(identity.config_signature(c) for c in autotuner.configs)
+    prunes = getattr(autotuner, "early_config_prune", None) is not None  # may create new configs
+    return _Kernel(identity.kernel_source_hash(autotuner), signatures, prunes)
 
 
 def _resolve_kernel(kernel: str, kernels: dict[str, _Kernel]) -> _Kernel | None:
     """A kernel that is no module global (e.g. a class attribute), found by its qualname."""
     from triton.runtime.autotuner import Autotuner
 
-    module_name, qualname, _ = split_kernel_id(kernel)
+    module_name, qualname, _ = identity.split_kernel_id(kernel)
     obj: Any = sys.modules.get(module_name)
     for part in qualname.split("."):
         obj = getattr(obj, part, None)
     found = next((o for o in _wrappers(obj) if isinstance(o, Autotuner)), None)
-    if found is None or kernel_id(found) != kernel:
+    if found is None or identity.kernel_id(found) != kernel:
         return None  # a ``@digest`` id names a module-level autotuner, found by the scan or nowhere
     kernels[kernel] = _describe(found)
     return kernels[kernel]
@@ -156,7 +143,7 @@ def validate_tables(
     """Check every entry of the tables at ``paths``; unreadable tables raise ``TableError``."""
     report = ValidationReport()
     if arch is None:
-        arch = arch_tag()
+        arch = identity.arch_tag()
         if arch == "unknown":
             report.notes.append("arch not checked: no GPU visible here (pass --arch to check against one)")
             arch = None
@@ -174,11 +161,7 @@ def validate_tables(
 
 
 def _entry_problems(
-    entry: Entry,
-    arch: str | None,
-    version: str | None,
-    covered: set[str],
-    kernels: dict[str, _Kernel],
+    entry: Entry, arch: str | None, version: str | None, covered: set[str], kernels: dict[str, _Kernel]
 ) -> list[str]:
     problems = []
     canonical = canonical_key(entry.key)
@@ -209,15 +192,11 @@ def _entry_problems(
             problems.append(f"no autotuned kernel {entry.kernel} in module {module} (renamed or removed?)")
         return problems
     if entry.source_hash and kernel.source_hash and entry.source_hash != kernel.source_hash:
-        problems.append(
-            "kernel source changed since tuning "
-            f"(table {entry.source_hash[:12]}, code {kernel.source_hash[:12]})"
-        )
-    signature = config_signature(entry.config)
+        hashes = f"table {entry.source_hash[:12]}, code {kernel.source_hash[:12]}"
+        problems.append(f"kernel source changed since tuning ({hashes})")
+    signature, count = identity.config_signature(entry.config), len(kernel.signatures)
     if signature not in kernel.signatures and not kernel.prunes:
-        problems.append(
-            f"config {signature} is none of the kernel's {len(kernel.signatures)} declared configs"
-        )
+        problems.append(f"config {signature} is none of the kernel's {count} declared configs")
     return problems
 
 
@@ -230,15 +209,9 @@ def add_validate(p: argparse.ArgumentParser) -> None:
     p.add_argument("tables", nargs="+", metavar="TABLE")
     p.add_argument("--arch", help="the arch to check against (default: this machine's; skipped when unknown)")
     p.add_argument("--triton-version", help="the Triton version to check against (default: installed)")
-    p.add_argument(
-        "--import",
-        dest="modules",
-        action="append",
-        default=[],
-        metavar="MODULE",
-        help="import MODULE (a module name, or a .py file: loaded under its file name's stem) and check "
-        "its autotuned kernels' source hashes (repeatable)",
-    )
+    module = "a module name, or a .py file: loaded under its file name's stem"
+    help = f"import MODULE ({module}) and check its autotuned kernels' source hashes (repeatable)"
+    p.add_argument("--import", dest="modules", action="append", default=[], metavar="MODULE", help=help)
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
 
@@ -258,24 +231,10 @@ def run_validate(args: argparse.Namespace) -> int:
     return 1 if report.problems else 0
 
 
-# --------------------------------------------------------------------------- coverage
-
 STATUS = {"table": "hit", "cheapest": "fallback"}  # other sources keep their own name
-STATUS_ORDER = (
-    "hit",
-    "override",
-    "single",
-    "tuned",
-    "adopted",
-    "recorded",
-    "nearest",
-    "fallback",
-    "chaos",
-    "out_of_scope",
-    "other",
-)
-PINNED_WITHOUT_TABLE = ("override", "single")
-"""What ``--require-table`` accepts besides a hit: an explicit override, or a single live config."""
+_IN_SCOPE = ("hit", "override", "single", "tuned", "adopted", "recorded", "nearest", "fallback", "chaos")
+STATUS_ORDER = (*_IN_SCOPE, "out_of_scope", "other")  # the summary's order
+PINNED_WITHOUT_TABLE = ("override", "single")  # --require-table accepts them besides a hit
 
 
 class Cell(NamedTuple):
@@ -284,8 +243,7 @@ class Cell(NamedTuple):
     status: str
     signature: str
     origin: str | None
-    entry_kernel: str | None = None
-    """Set when the table entry was matched by content: the kernel id it was tuned under."""
+    entry_kernel: str | None = None  # the entry matched by content: the kernel id it was tuned under
     nearest_key: str | None = None
 
     def to_json(self) -> dict[str, Any]:
@@ -337,11 +295,8 @@ def add_coverage(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("logs", nargs="+", metavar="DECISION_FILE")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument(
-        "--fail-on-fallback",
-        action="store_true",
-        help="also exit 1 when any launch fell back to the cheapest config",
-    )
+    fallback = "also exit 1 when any launch fell back to the cheapest config"
+    p.add_argument("--fail-on-fallback", action="store_true", help=fallback)
     p.add_argument(
         "--require-table",
         action="store_true",
