@@ -39,9 +39,6 @@ _OPTIONAL_FIELDS: tuple[tuple[str, Any], ...] = (
 )
 
 
-# --------------------------------------------------------------------------- hardware
-
-
 def _cuda_usable() -> bool:
     """Whether kernels run on a CUDA/HIP device here (not the interpreter, torch with a GPU)."""
     if os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on"):
@@ -83,9 +80,6 @@ def _arch_for_device(index: int) -> str:
     return f"sm{major}{minor}"
 
 
-# --------------------------------------------------------------------------- kernel identity
-
-
 def _user_function(autotuner: Any) -> Any:
     """Unwrap Autotuner -> Heuristics -> JITFunction/InterpretedFunction -> the Python function."""
     fn = getattr(autotuner, "base_fn", None)
@@ -119,8 +113,7 @@ def base_kernel_id(autotuner: Any) -> str:
 
 
 _MAX_WRAPPERS = 8  # heuristics/autotune decorators stacked on one kernel, far above real use
-DIGEST_CHARS = 12
-"""Hex digits of the config-list digest in a ``module:qualname@<digest>`` kernel id."""
+DIGEST_CHARS = 12  # hex digits of the config-list digest in a ``module:qualname@<digest>`` kernel id
 _DIGEST_SEP = "@"
 _ids: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
 _ids_lock = threading.Lock()
@@ -243,9 +236,6 @@ def _source_hash_of(fn: Any) -> str | None:
 def kernel_source_hash(autotuner: Any) -> str | None:
     """sha256 of the kernel function's source; ``None`` when the source is unavailable."""
     return _source_hash_of(_user_function(autotuner))
-
-
-# --------------------------------------------------------------------------- keys and signatures
 
 
 def _render(value: Any) -> str:

@@ -31,7 +31,7 @@ FALSE_WORDS = ("0", "false", "no", "off")
 CACHE_OFF = "off"
 MAX_AGREEMENT_TIMEOUT_S = 7 * 24 * 3600.0  # a week: longer is a typo (and overflows a timedelta)
 _A_PATH = "a file system path: a non-empty str or os.PathLike without NUL characters"
-_REMOVED = {
+_REMOVED: dict[tuple[tuple[str, ...], str], str] = {
     (AGREEMENT_MODES, "digest"): "store, allgather, verify or off: 'digest' was removed; jobs above 64 ranks "
     "now use 'verify' (the inputs check at init, verify_agreement() at step boundaries, a bounded "
     "check at close; docs/agreement.md)",
