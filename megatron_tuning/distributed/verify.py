@@ -1,13 +1,10 @@
 """``verify_agreement``: compare every rank's whole decision log at a step boundary (collective).
 
-After a store barrier with a deadline (so a missing rank is named), every rank all-gathers a
-32-byte header: a digest of its sorted (identity, signature) rows, its row count and session
-number. Equal digests mean identical logs, and then the call ends there. Otherwise the lowest
-rank of each distinct log sends each row to the rank that owns its identity (one
-``all_to_all_single``), owners all-gather a fixed-size summary, and the holders of the named
-entries broadcast their texts, so every rank raises the same ``DivergenceError``. Per rank that
-is O(ranks) header bytes plus its own rows, never O(ranks x keys); only byte tensors, no pickle.
-This module also keeps which agreement checker is active.
+After a store barrier with a deadline (a missing rank is named), ranks all-gather a 32-byte header
+(log digest, row count, session number); equal digests end the call. Otherwise one rank per distinct
+log sends each row to the rank owning its identity (``all_to_all_single``), owners all-gather a
+summary and the named entries' holders broadcast their texts: every rank raises the same error.
+O(ranks) header bytes plus its own rows per rank; byte tensors only. Also: the active checker.
 """
 
 from __future__ import annotations
@@ -30,8 +27,7 @@ from . import store as kv
 
 logger = logging.getLogger(__name__)
 
-CLOSE_TIMEOUT_S = 60.0
-"""The final check at close waits at most this long for the other ranks (or the policy's timeout)."""
+CLOSE_TIMEOUT_S = 60.0  # the final check at close waits at most this long (or the policy's timeout)
 DEFAULT_TIMEOUT_S = 300.0
 FIELD_BYTES = (256, 768, 512)  # kernel, key, signature text in a fixed-size naming row
 TEXT_BYTES = sum(FIELD_BYTES)
@@ -119,8 +115,7 @@ def verify_agreement(group: Any = None, *, timeout_s: float | None = None) -> in
         return _agreed(shared, ranks, late_error)
     weight = {members[0]: len(members) for members in groups.values()}  # representative -> ranks
     me = ranks.index(dist.get_rank())
-    found = _compare_sharded(table, idents, me in weight, weight, len(ranks), group)
-    shared, differing, named = found
+    shared, differing, named = _compare_sharded(table, idents, me in weight, weight, len(ranks), group)
     if differing:
         planted = policy is not None and policy.mode == "chaos"
         raise _divergence(named, differing, shared, table, weight, groups, ranks, group, planted)
@@ -193,25 +188,15 @@ def _divergence(
     planted: bool,
 ) -> DivergenceError:
     """Every rank builds the same error from texts the representatives broadcast."""
-    short = {ident[:16]: ident for ident in table}
+    short = {ident[:16]: decision for ident, decision in table.items()}
+    me = ranks.index(dist.get_rank())
     texts: dict[int, list[tuple[str, str, str] | None]] = {}
     for index in sorted(weight):  # one broadcast per distinct log: few on an error path
-        if index == ranks.index(dist.get_rank()):
-            block = b"".join(
-                pack_text(table[short[i]].kernel, table[short[i]].key, table[short[i]].signature)
-                if i in short
-                else bytes(TEXT_BYTES)
-                for i, _, _ in named
-            )
-        else:
-            block = b""
+        mine = [short.get(ident) for ident, _, _ in named] if index == me else []
+        block = b"".join(pack_text(d.kernel, d.key, d.signature) if d else bytes(TEXT_BYTES) for d in mine)
         data = broadcast_bytes(block, TEXT_BYTES * len(named), ranks[index], group)
-        texts[index] = [
-            unpack_text(data[n * TEXT_BYTES : (n + 1) * TEXT_BYTES])
-            if any(data[n * TEXT_BYTES : (n + 1) * TEXT_BYTES])
-            else None
-            for n in range(len(named))
-        ]
+        rows = [data[n * TEXT_BYTES : (n + 1) * TEXT_BYTES] for n in range(len(named))]
+        texts[index] = [unpack_text(row) if any(row) else None for row in rows]
     members = {members[0]: members for members in groups.values()}
     entries = []
     for n in range(len(named)):
@@ -219,8 +204,7 @@ def _divergence(
         seen = [(index, row) for index, rows in texts.items() if (row := rows[n]) is not None]
         for index, row in seen:
             by_signature.setdefault(row[2], []).extend(ranks[m] for m in members[index])
-        kernel, key = seen[0][1][0], seen[0][1][1]
-        entries.append((kernel, key, by_signature))
+        entries.append((seen[0][1][0], seen[0][1][1], by_signature))
     kernel, key, first = entries[0]
     signatures = {}
     for signature, holders in list(first.items())[:MAX_SIGNATURES_NAMED]:
@@ -271,9 +255,6 @@ def verify_at_close(group: Any, timeout_s: float) -> None:
         warn_once(
             ("close-check", type(exc).__name__), "the final agreement check at close did not run: %s", exc
         )
-
-
-# --------------------------------------------------------------------------- byte collectives
 
 
 def pack_text(kernel: str, key: str, signature: str) -> bytes:
