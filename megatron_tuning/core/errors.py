@@ -141,8 +141,24 @@ class DivergenceError(MegatronTuningError, RuntimeError):
         self.kernel, self.key, self.detail, self.planted = kernel, key, detail, bool(planted)
         self.signatures = {int(r): s for r, s in signatures.items()}
         DivergenceError.raised += 1
-        message = _divergence_message(kernel, key, self.signatures, detail, self.planted)
-        super().__init__(message)
+        groups: dict[str, list[int]] = {}
+        for rank in sorted(self.signatures):
+            groups.setdefault(self.signatures[rank], []).append(rank)
+        ordered = sorted(groups.items(), key=lambda item: item[1][0])
+        lines = [f"Ranks launched different configs for kernel {kernel} with key {key}:"]
+        lines += [f"  Rank(s) {ranks} ran {signature}" for signature, ranks in ordered]
+        if len(ordered) >= 2:
+            lines.append("  diff: " + _signature_diff(ordered[0][0], ordered[1][0]))
+        if detail:
+            lines.append(f"  {detail}")
+        lines.append(
+            "  Planted by chaos mode (ranks pick different configs on purpose): the check works and "
+            "nothing needs fixing."
+            if planted
+            else "  Pin this kernel with a tuning table (MEGATRON_TUNING_TABLE) or make every rank use the "
+            "same policy and table."
+        )
+        super().__init__("\n".join(lines))
 
 
 class ConsensusError(MegatronTuningError, RuntimeError):
@@ -201,29 +217,6 @@ class StoreError(MegatronTuningError, RuntimeError):
             "torchrun): if it died or hung, restart the job; if a record is foreign, run every rank "
             "with the same megatron_tuning install."
         )
-
-
-def _divergence_message(
-    kernel: str, key: str, signatures: Mapping[int, str], detail: str, planted: bool
-) -> str:
-    groups: dict[str, list[int]] = {}
-    for rank in sorted(signatures):
-        groups.setdefault(signatures[rank], []).append(rank)
-    ordered = sorted(groups.items(), key=lambda item: item[1][0])
-    lines = [f"Ranks launched different configs for kernel {kernel} with key {key}:"]
-    lines += [f"  Rank(s) {ranks} ran {signature}" for signature, ranks in ordered]
-    if len(ordered) >= 2:
-        lines.append("  diff: " + _signature_diff(ordered[0][0], ordered[1][0]))
-    if detail:
-        lines.append(f"  {detail}")
-    lines.append(
-        "  Planted by chaos mode (ranks pick different configs on purpose): the check works and "
-        "nothing needs fixing."
-        if planted
-        else "  Pin this kernel with a tuning table (MEGATRON_TUNING_TABLE) or make every rank use the "
-        "same policy and table."
-    )
-    return "\n".join(lines)
 
 
 def _signature_diff(first: str, second: str) -> str:

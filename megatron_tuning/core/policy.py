@@ -48,8 +48,7 @@ class Knob(NamedTuple):
     parse: Callable[[str, str], Any]
     default: Any
     doc: str
-    field: str | None
-    """The ``TuningPolicy`` field it sets, if any."""
+    field: str | None  # the TuningPolicy field it sets, if any
 
     def read(self) -> Any:
         """The value set now, parsed; ``None`` when unset or empty (then ``default`` applies)."""
@@ -144,16 +143,9 @@ def _modules(name: str, raw: str) -> tuple[str, ...]:
 
 def _assignments(name: str, raw: str) -> tuple[tuple[str, int], ...]:
     """``NAME=INT,NAME=INT``, each name once (a repeat would silently keep its last value)."""
-    parsed: dict[str, int] = {}
-    for item in (p.strip() for p in raw.split(",") if p.strip()):
-        key, sep, value = item.partition("=")
-        number = parse_int(value)
-        if not sep or not key.strip().isidentifier() or number is None:
-            raise PolicyError(name, raw, "comma-separated NAME=INT pairs, e.g. BLOCK_SIZE_M=64")
-        if key.strip() in parsed:
-            raise PolicyError(name, raw, f"each name once ({key.strip()} is given twice)")
-        parsed[key.strip()] = number
-    return tuple(sorted(parsed.items()))
+    items = [item.partition("=") for item in (p.strip() for p in raw.split(",") if p.strip())]
+    pairs = [(key.strip(), parse_int(value) if sep else None) for key, sep, value in items]
+    return _pairs(name, raw, pairs, "comma-separated NAME=INT pairs, e.g. BLOCK_SIZE_M=64")
 
 
 def _cache(name: str, raw: str) -> str | None:
@@ -392,13 +384,17 @@ def _block_sizes(value: object) -> tuple[tuple[str, int], ...]:
     items: Any = list(value.items()) if isinstance(value, Mapping) else value
     if isinstance(items, (str, bytes)) or not isinstance(items, Sequence):
         raise PolicyError("block_sizes", value, allowed)
+    return _pairs("block_sizes", value, items, allowed)
+
+
+def _pairs(name: str, value: object, items: Sequence[Any], allowed: str) -> tuple[tuple[str, int], ...]:
     seen: dict[str, int] = {}
     for item in items:
         ok = isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], str)
         if not ok or not item[0].isidentifier() or type(item[1]) is not int:
-            raise PolicyError("block_sizes", value, allowed)
+            raise PolicyError(name, value, allowed)
         if item[0] in seen:
-            raise PolicyError("block_sizes", value, f"each name once ({item[0]} is given twice)")
+            raise PolicyError(name, value, f"each name once ({item[0]} is given twice)")
         seen[item[0]] = item[1]
     return tuple(sorted(seen.items()))
 

@@ -1,11 +1,9 @@
 """Noise-aware tuning: time the candidates robustly, call near-ties ties, break ties statically.
 
-Tuning makes a re-tune reproducible: each candidate is compiled and warmed up, then timed in
-interleaved rounds (the starting candidate rotating, so drift hits all alike); every candidate
-whose median is within ``tie_band`` of the best (or whose p20-p80 spread overlaps it) is tied, and
-the tie is broken by static cost (``stats``, pure). Short kernels are timed cold, one launch after
-an L2 flush, as ``triton.testing.do_bench`` times them. ``make_measure`` builds the callable that
-``interception.install(policy, measure=...)`` calls in ``tune`` and ``auto``.
+Candidates are compiled, warmed up, then timed in interleaved rounds (the first one rotating, so drift
+hits all alike); medians within ``tie_band`` of the best (or overlapping p20-p80 spreads) tie, and
+static cost (``stats``) breaks the tie, so a re-tune is reproducible. Short kernels are timed cold,
+one launch after an L2 flush, as ``do_bench`` does. ``make_measure`` builds ``install``'s ``measure``.
 """
 
 from __future__ import annotations
@@ -25,21 +23,15 @@ if TYPE_CHECKING:
     from ..core.policy import TuningPolicy
 
 logger = logging.getLogger(__name__)
+# The per-key "tuned ..." and "audited ..." lines: INFO by default, so batch logs show them (docs/policy.md).
 progress_logger = logging.getLogger(__name__ + ".progress")
-"""The per-key "tuned ..." and "audited ..." lines: at INFO by default so batch logs show them (see
-docs/policy.md to silence them)."""
 progress_logger.setLevel(logging.INFO)
-
-
-# --------------------------------------------------------------------------- clocks
 
 
 class Timer(Protocol):
     """Times launches: ``sample`` returns ms per launch over ``launches`` back-to-back launches.
-
-    Optional: ``sample_cold(launch, launches)`` (median ms of single launches, each after an L2
-    flush: what ``do_bench`` measures; default: single-launch ``sample`` calls) and ``warm_up(ms)``.
-    """
+    Optional: ``sample_cold(launch, launches)`` (median ms of single launches, each after an L2 flush,
+    as ``do_bench``; default: single-launch ``sample`` calls) and ``warm_up(ms)``."""
 
     def synchronize(self) -> None: ...
 
@@ -71,12 +63,9 @@ class ClockTimer:
 
 
 class CudaEventTimer:
-    """CUDA events around launches on the current stream.
-
-    Each sample first enqueues a GPU spin (``torch.cuda._sleep``) long enough for the host to
-    queue every launch behind it, so the events time the kernels, not the host. An L2 flush (a
-    256 MiB memset, as in ``do_bench``) keeps one candidate from inheriting another's cached data.
-    """
+    """CUDA events around launches on the current stream. A GPU spin (``torch.cuda._sleep``) first
+    lets the host queue every launch, so the events time the kernels, not the host; an L2 flush (a
+    256 MiB memset, as in ``do_bench``) keeps one candidate from inheriting another's cached data."""
 
     _FLUSH_BYTES = 256 * 1024 * 1024
 
@@ -165,9 +154,6 @@ def default_timer(settings: TuneSettings) -> Timer:
     return ClockTimer()
 
 
-# --------------------------------------------------------------------------- launching candidates
-
-
 def benchmark_failures() -> tuple[type[BaseException], ...]:
     """Errors that score a candidate as infinitely slow, as in ``Autotuner._bench``."""
     found: list[type[BaseException]] = []
@@ -190,12 +176,9 @@ def make_launcher(
     kwargs: Mapping[str, Any],
     observe: Callable[[], None] | None = None,
 ) -> Callable[[], None]:
-    """One benchmark launch of ``config``, with exactly the hooks ``Autotuner._bench`` runs.
-
-    ``Config.pre_hook``, then the autotuner's ``pre_hook`` (zeroes ``reset_to_zero``, snapshots
-    ``restore_value``), the kernel, ``observe`` (the audit's digest: before anything is restored),
-    then the autotuner's ``post_hook`` (restores), also when the kernel raises.
-    """
+    """One benchmark launch of ``config`` with exactly ``Autotuner._bench``'s hooks: ``Config.pre_hook``,
+    the autotuner's ``pre_hook`` (zeroes ``reset_to_zero``, snapshots ``restore_value``), the kernel,
+    ``observe`` (the audit's digest, before any restore), then ``post_hook``, also when the kernel raises."""
     conflicts = kwargs.keys() & config.kwargs.keys()
     if conflicts:
         raise ValueError(
@@ -226,11 +209,9 @@ def make_launcher(
 class Timed(NamedTuple):
     """What ``time_candidates`` measured for one key."""
 
-    samples: list[list[float]]
-    """Per candidate, ms per launch of each timed round; empty for a failed candidate."""
+    samples: list[list[float]]  # per candidate, ms per launch of each timed round; [] if it failed
     errors: list[str | None]
-    method: str
-    """``"cold"`` (each launch alone after an L2 flush) or ``"batched"``: ``stats.timing_method``."""
+    method: str  # "cold" (each launch alone after an L2 flush) or "batched": stats.timing_method
 
 
 def time_candidates(
@@ -241,12 +222,9 @@ def time_candidates(
     on_step: Callable[[], None] | None = None,
     failures: tuple[type[BaseException], ...] | None = None,
 ) -> Timed:
-    """Compile and warm up each candidate, then sample them in interleaved, rotating rounds.
-
-    Cold (``Timer.sample_cold``) when the fastest candidate is under ``settings.cold_below_ms``,
-    else back to back, ``sample_ms`` of launches a sample. A candidate that raised one of
-    ``failures`` (compile/resource errors) gets no samples and an error text; other errors propagate.
-    """
+    """Compile and warm up each candidate, then sample them in interleaved, rotating rounds: cold
+    when the fastest is under ``settings.cold_below_ms``, else ``sample_ms`` of launches a sample. One
+    that raised one of ``failures`` gets no samples and an error text; other errors propagate."""
     failures = benchmark_failures() if failures is None else failures
     step = on_step or (lambda: None)
     n = len(launchers)
@@ -263,7 +241,9 @@ def time_candidates(
             logger.info("candidate %d failed to compile or launch: %s", i, errors[i])
         step()
     method = timing_method([e for e, err in zip(estimates, errors) if err is None], settings)
-    sample = _sampler(timer, method)
+    sample = timer.sample if method == "batched" else getattr(timer, "sample_cold", None)
+    if sample is None:  # a timer without sample_cold: single back-to-back launches
+        sample = lambda launch, launches: statistics.median(timer.sample(launch, 1) for _ in range(launches))
     if method == "cold":
         launches = [min(settings.cold_launches, settings.max_launches)] * n
     else:  # a NaN estimate (a timer that failed to time) gets single launches, not a crash
@@ -295,29 +275,16 @@ def time_candidates(
     return Timed(samples, errors, method)
 
 
-def _sampler(timer: Timer, method: str) -> Callable[[Callable[[], None], int], float]:
-    if method == "batched":
-        return timer.sample
-    cold = getattr(timer, "sample_cold", None)
-    if cold is not None:
-        return cold  # type: ignore[no-any-return]
-    return lambda launch, launches: statistics.median(timer.sample(launch, 1) for _ in range(launches))
-
-
 def make_measure(
     settings: TuneSettings | TuningPolicy | None = None,
     *,
     timer: Timer | Callable[[], Timer] | None = None,
     progress: bool = True,
 ) -> Measure:
-    """The ``measure`` callable for ``interception.install(policy, measure=...)`` in ``tune``/``auto``.
-
-    ``measure(autotuner, candidates, args, kwargs, kernel, key) -> (config, timings)`` times the
-    live candidates with the real call arguments and returns the chosen live ``Config`` and
-    ``TuneResult.to_timings()``. ``timer`` is a ``Timer`` or a factory for one (default: CUDA
-    events on a GPU). With ``progress``, a tqdm bar shows on a terminal and each key logs one line on
-    ``progress_logger`` (stderr by default), so batch logs show progress too.
-    """
+    """The ``measure`` callable for ``interception.install(policy, measure=...)`` in ``tune``/``auto``:
+    ``measure(autotuner, candidates, args, kwargs, kernel, key) -> (live config, timings)`` times the
+    candidates on the real arguments. ``timer``: a ``Timer`` or a factory (default: CUDA events on a
+    GPU). With ``progress``, a tqdm bar on a terminal and one ``progress_logger`` line per key."""
     # A policy (what ``session`` passes) carries no tuner settings: those come from the environment.
     settings = settings if isinstance(settings, TuneSettings) else TuneSettings.from_env()
     timers: list[Timer] = []
@@ -362,16 +329,10 @@ def make_measure(
         # What Triton exposes after its own tuning: [median, p20, p80], inf for a failed candidate.
         autotuner.configs_timings = {c: [s.median, s.low, s.high] for c, s in zip(candidates, result.stats)}
         autotuner.bench_time = elapsed
-        best = result.stats[result.winner]
+        best, fastest = result.stats[result.winner], result.stats[result.fastest].signature
+        line = "tuned %s [%s] in %.1fs: %s (median %.4f ms; %d tied; fastest %s)"
         (progress_logger if progress else logger).info(
-            "tuned %s [%s] in %.1fs: %s (median %.4f ms; %d tied; fastest %s)",
-            kernel,
-            key,
-            elapsed,
-            best.signature,
-            best.median,
-            len(result.tied),
-            result.stats[result.fastest].signature,
+            line, kernel, key, elapsed, best.signature, best.median, len(result.tied), fastest
         )
         timings.update(method=timed.method, rounds=settings.rounds, tune_seconds=round(elapsed, 3))
         return chosen, timings
