@@ -39,12 +39,9 @@ class TableHit:
 
     config: Mapping[str, Any]
     origin: str
-    key: str | None = None
-    """The entry's own key, for a nearest-shape neighbour."""
-    kernel: str | None = None
-    """The entry's own kernel id when found by content (same code under another module name)."""
-    numerics: Any = None
-    """The entry's ``tables.entry.Numerics`` (what the numerics audit found), if recorded."""
+    key: str | None = None  # the entry's own key, for a nearest-shape neighbour
+    kernel: str | None = None  # the entry's own kernel id when found by content (same code, other module)
+    numerics: Any = None  # the entry's tables.entry.Numerics (what the numerics audit found), if recorded
 
 
 @runtime_checkable

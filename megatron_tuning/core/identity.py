@@ -39,33 +39,29 @@ _OPTIONAL_FIELDS: tuple[tuple[str, Any], ...] = (
 )
 
 
-def _cuda_usable() -> bool:
-    """Whether kernels run on a CUDA/HIP device here (not the interpreter, torch with a GPU)."""
+def _cuda_torch() -> Any:
+    """torch when kernels run on a CUDA/HIP device here (not under the interpreter), else ``None``."""
     if os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on"):
-        return False
+        return None
     try:
         import torch
     except ImportError:
-        return False
-    return bool(torch.cuda.is_available())
+        return None
+    return torch if torch.cuda.is_available() else None
 
 
 def arch_tag() -> str:
     """``sm<major><minor>`` of the current CUDA device; ``unknown`` off-GPU or under the interpreter."""
-    if not _cuda_usable():
-        return "unknown"
-    import torch
-
-    return _arch_for_device(torch.cuda.current_device())
+    torch = _cuda_torch()
+    return "unknown" if torch is None else _arch_for_device(torch.cuda.current_device())
 
 
 def node_arch() -> str | None:
     """The arch every visible device shares; ``None`` when they differ. For use before a rank has
     picked its device (``current_device()`` would still be device 0)."""
-    if not _cuda_usable():
+    torch = _cuda_torch()
+    if torch is None:
         return "unknown"
-    import torch
-
     archs = {_arch_for_device(index) for index in range(torch.cuda.device_count())}
     return archs.pop() if len(archs) == 1 else None
 
@@ -82,17 +78,12 @@ def _arch_for_device(index: int) -> str:
 
 def _user_function(autotuner: Any) -> Any:
     """Unwrap Autotuner -> Heuristics -> JITFunction/InterpretedFunction -> the Python function."""
-    fn = getattr(autotuner, "base_fn", None)
-    if inspect.isfunction(fn):
-        return fn
-    fn = autotuner
+    base = getattr(autotuner, "base_fn", None)
+    fn = base if inspect.isfunction(base) else autotuner
     for _ in range(16):  # wrappers nest a few levels at most; bound the walk against cycles
         if inspect.isfunction(fn):
             return fn
-        inner = getattr(fn, "fn", None)
-        if inner is None:
-            break
-        fn = inner
+        fn = getattr(fn, "fn", None)
     raise TypeError(f"cannot find the Python function behind {autotuner!r}")
 
 
@@ -135,10 +126,9 @@ def _closure_text(value: Any) -> str:
     if isinstance(value, types.ModuleType):
         return value.__name__
     try:
-        fn = _user_function(value)  # a function, or a jit function or autotuner over one
+        return base_kernel_id(value)  # a function, or a jit function or autotuner over one
     except TypeError:
         return _render(value)
-    return f"{fn.__module__}:{fn.__qualname__}"
 
 
 def kernel_id(autotuner: Any) -> str:
