@@ -67,11 +67,9 @@ class BenchmarkForbiddenError(MegatronTuningError, RuntimeError):
 
     def __init__(self, kernel: str, mode: str) -> None:
         self.kernel, self.mode = kernel, mode
-        what = (
-            "mode 'auto' measures only through megatron_tuning's tuner, once per key"
-            if mode == "auto"
-            else f"policy mode {mode!r} never measures"
-        )
+        what = f"policy mode {mode!r} never measures"
+        if mode == "auto":
+            what = "mode 'auto' measures only through megatron_tuning's tuner, once per key"
         super().__init__(
             f"Refusing to benchmark kernel {kernel} with Triton's autotuner: {what}. A launch bypassed "
             "the deterministic choice (please report it), or code called the autotuner's benchmark "

@@ -211,15 +211,10 @@ def warn_unknown_variables() -> None:
     known = sorted(name[len(PREFIX) :] for name in KNOBS)
     for name in sorted(n for n in os.environ if n.startswith(PREFIX) and n not in KNOBS):
         close = difflib.get_close_matches(name[len(PREFIX) :], known, n=1, cutoff=0.6)
-        hint = (
-            f"Did you mean {PREFIX}{close[0]}?" if close else "Known variables: " + ", ".join(sorted(KNOBS))
-        )
-        warn_once(
-            ("unknown-env", name),
-            "%s is set but is not a megatron_tuning setting, so it is ignored. %s (docs/policy.md)",
-            name,
-            hint,
-        )
+        known = ", ".join(sorted(KNOBS))
+        hint = f"Did you mean {PREFIX}{close[0]}?" if close else f"Known variables: {known}"
+        text = f"{name} is set but is not a megatron_tuning setting, so it is ignored."
+        warn_once(("unknown-env", name), f"{text} {hint} (docs/policy.md)")
 
 
 @contextlib.contextmanager
@@ -257,8 +252,8 @@ class TuningPolicy:
     """Search the tables shipped in the package's ``configs/<arch>/`` last."""
 
     agreement: str | None = None
-    """Cross-rank check: ``store``, ``allgather``, ``verify`` or ``off`` (docs/agreement.md).
-    ``None``: ``store`` up to 64 ranks, ``verify`` above."""
+    """Cross-rank check (docs/agreement.md): store, allgather, verify or off; None: store up to 64
+    ranks, verify above."""
 
     agreement_timeout_s: float = 300.0
     """How long a cross-rank check waits for missing ranks before naming them."""
@@ -283,8 +278,7 @@ class TuningPolicy:
     """If set, the decision log is written here at close (``{rank}`` and ``{pid}`` are replaced)."""
 
     cache: str | None = None
-    """``auto``'s cache table: ``None`` for the user cache folder's, ``"off"`` (or a false word)
-    for none, else a path."""
+    """auto's cache table: None for the user cache folder's, "off" (or a false word) for none, or a path."""
 
     def __post_init__(self) -> None:
         # Normalised values are written back (object.__setattr__: the dataclass is frozen).
