@@ -211,8 +211,8 @@ def warn_unknown_variables() -> None:
     known = sorted(name[len(PREFIX) :] for name in KNOBS)
     for name in sorted(n for n in os.environ if n.startswith(PREFIX) and n not in KNOBS):
         close = difflib.get_close_matches(name[len(PREFIX) :], known, n=1, cutoff=0.6)
-        known = ", ".join(sorted(KNOBS))
-        hint = f"Did you mean {PREFIX}{close[0]}?" if close else f"Known variables: {known}"
+        listing = ", ".join(sorted(KNOBS))
+        hint = f"Did you mean {PREFIX}{close[0]}?" if close else f"Known variables: {listing}"
         text = f"{name} is set but is not a megatron_tuning setting, so it is ignored."
         warn_once(("unknown-env", name), f"{text} {hint} (docs/policy.md)")
 

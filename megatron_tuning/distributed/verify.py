@@ -97,7 +97,10 @@ def verify_agreement(group: Any = None, *, timeout_s: float | None = None) -> in
     kv.arrive(store, str(seq), dist.get_rank(), ranks, f"verify_agreement call #{seq}", timeout)
 
     policy = current_policy()
-    table = _log_table(unchecked_sources(policy.mode if policy is not None else None))
+    unchecked = unchecked_sources(policy.mode if policy is not None else None)
+    checked = [d for d in decision_log().decisions() if d.source not in unchecked]
+    # By identity in first-use order; after a re-install the latest decision of a key (what launches now).
+    table = {kv.identity_digest(d.kernel, d.key, d.arch): d for d in checked}
     idents = list(table)  # launch order, so the first divergence named is the earliest one
     rows = sorted(i[:16] + kv.signature_digest(table[i].signature)[:16] for i in idents)
     digest = hashlib.sha256(b"".join(rows)).digest()[:16]
@@ -110,19 +113,14 @@ def verify_agreement(group: Any = None, *, timeout_s: float | None = None) -> in
     groups: dict[bytes, list[int]] = {}
     for index, (log_digest, _, _) in enumerate(parsed):
         groups.setdefault(log_digest, []).append(index)
-    if len(groups) == 1:
-        shared = parsed[0][1] if len(ranks) >= 2 else 0
-        return _agreed(shared, ranks, late_error)
-    weight = {members[0]: len(members) for members in groups.values()}  # representative -> ranks
-    me = ranks.index(dist.get_rank())
-    shared, differing, named = _compare_sharded(table, idents, me in weight, weight, len(ranks), group)
-    if differing:
-        planted = policy is not None and policy.mode == "chaos"
-        raise _divergence(named, differing, shared, table, weight, groups, ranks, group, planted)
-    return _agreed(shared, ranks, late_error)
-
-
-def _agreed(shared: int, ranks: list[int], late_error: Exception | None) -> int:
+    shared = parsed[0][1] if len(ranks) >= 2 else 0
+    if len(groups) > 1:
+        weight = {members[0]: len(members) for members in groups.values()}  # representative -> ranks
+        me = ranks.index(dist.get_rank())
+        shared, differing, named = _compare_sharded(table, idents, me in weight, weight, len(ranks), group)
+        if differing:
+            planted = policy is not None and policy.mode == "chaos"
+            raise _divergence(named, differing, shared, table, weight, groups, ranks, group, planted)
     if late_error is not None:
         raise late_error
     logger.info("verify_agreement: %d shared (kernel, key) entries agree across ranks %s", shared, ranks)
@@ -226,16 +224,6 @@ def _ranks_text(ranks: list[int]) -> str:
     shown = ranks[:MAX_SIGNATURES_NAMED]
     more = f" and {len(ranks) - len(shown)} more" if len(ranks) > len(shown) else ""
     return f"{shown}{more}"
-
-
-def _log_table(unchecked: frozenset[str]) -> dict[bytes, Decision]:
-    """This process's checked decisions by identity digest, in first-use order; after a re-install
-    the latest decision of a key wins (it is what launches now)."""
-    return {
-        kv.identity_digest(d.kernel, d.key, d.arch): d
-        for d in decision_log().decisions()
-        if d.source not in unchecked
-    }
 
 
 def verify_at_close(group: Any, timeout_s: float) -> None:
