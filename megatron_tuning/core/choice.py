@@ -179,10 +179,8 @@ def _warn_if_ambiguous_entry(lookup: ConfigTable, autotuner: Any, kernel: str, k
     base = base_kernel_id(autotuner)
     if base == kernel:
         return
-    find = getattr(lookup, "find", None)  # TableSet: no validators, no stale warnings
-    found = (
-        find(base, key, arch=arch_tag()) if find is not None else lookup.lookup(base, key, arch=arch_tag())
-    )
+    find = getattr(lookup, "find", lookup.lookup)  # TableSet.find: no validators, no stale warnings
+    found = find(base, key, arch=arch_tag())
     if found is not None:
         origin = found[1] if isinstance(found, tuple) else found.origin
         message = (

@@ -120,7 +120,7 @@ def verify_agreement(group: Any = None, *, timeout_s: float | None = None) -> in
         shared, differing, named = _compare_sharded(table, idents, me in weight, weight, len(ranks), group)
         if differing:
             planted = policy is not None and policy.mode == "chaos"
-            raise _divergence(named, differing, shared, table, weight, groups, ranks, group, planted)
+            raise _divergence(named, differing, shared, table, groups, ranks, group, planted)
     if late_error is not None:
         raise late_error
     logger.info("verify_agreement: %d shared (kernel, key) entries agree across ranks %s", shared, ranks)
@@ -179,7 +179,6 @@ def _divergence(
     total: int,
     shared: int,
     table: dict[bytes, Decision],
-    weight: dict[int, int],
     groups: dict[bytes, list[int]],
     ranks: list[int],
     group: Any,
@@ -188,14 +187,14 @@ def _divergence(
     """Every rank builds the same error from texts the representatives broadcast."""
     short = {ident[:16]: decision for ident, decision in table.items()}
     me = ranks.index(dist.get_rank())
+    members = {members[0]: members for members in groups.values()}  # representative -> its log's ranks
     texts: dict[int, list[tuple[str, str, str] | None]] = {}
-    for index in sorted(weight):  # one broadcast per distinct log: few on an error path
+    for index in sorted(members):  # one broadcast per distinct log: few on an error path
         mine = [short.get(ident) for ident, _, _ in named] if index == me else []
         block = b"".join(pack_text(d.kernel, d.key, d.signature) if d else bytes(TEXT_BYTES) for d in mine)
         data = broadcast_bytes(block, TEXT_BYTES * len(named), ranks[index], group)
         rows = [data[n * TEXT_BYTES : (n + 1) * TEXT_BYTES] for n in range(len(named))]
         texts[index] = [unpack_text(row) if any(row) else None for row in rows]
-    members = {members[0]: members for members in groups.values()}
     entries = []
     for n in range(len(named)):
         by_signature: dict[str, list[int]] = {}

@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from ..core.identity import arch_tag
+from ..core.warn import warn_once
 from ..runtime.pinning import Measure
 from .stats import TuneSettings, analyze_configs, timing_method
 
@@ -143,8 +144,6 @@ def default_timer(settings: TuneSettings) -> Timer:
     """CUDA events on a GPU, else the host clock (timings then only mean something for smoke tests)."""
     if arch_tag() != "unknown":
         return CudaEventTimer(flush_l2=settings.flush_l2)
-    from ..core.warn import warn_once
-
     warn_once(
         ("host-clock",),
         "no GPU (or the Triton interpreter is active): tuning times candidates with the host clock, "
@@ -247,12 +246,8 @@ def time_candidates(
     if method == "cold":
         launches = [min(settings.cold_launches, settings.max_launches)] * n
     else:  # a NaN estimate (a timer that failed to time) gets single launches, not a crash
-        launches = [
-            1
-            if math.isnan(e)
-            else max(1, min(settings.max_launches, math.ceil(settings.sample_ms / max(e, 1e-6))))
-            for e in estimates
-        ]
+        per_sample = [1 if math.isnan(e) else math.ceil(settings.sample_ms / max(e, 1e-6)) for e in estimates]
+        launches = [max(1, min(settings.max_launches, k)) for k in per_sample]
     warm_up = getattr(timer, "warm_up", None)
     if warm_up is not None and settings.warmup_ms > 0 and any(err is None for err in errors):
         warm_up(settings.warmup_ms)
