@@ -1,7 +1,5 @@
 """Choosing a config without measuring: table entry, then block-size override, then the miss rule.
-
-Every rule is a pure function of the candidates and the call, so each rank computes the same answer.
-"""
+Every rule is a pure function of the candidates and the call, so each rank computes the same answer."""
 
 from __future__ import annotations
 

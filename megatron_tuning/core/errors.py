@@ -130,8 +130,7 @@ class DivergenceError(MegatronTuningError, RuntimeError):
     """Ranks launched different configs for the same (kernel, key); ``signatures``: rank -> config.
     ``planted``: chaos mode made them differ on purpose."""
 
-    raised: ClassVar[int] = 0
-    """How many this process built (each one is raised): what tells a launcher the check fired."""
+    raised: ClassVar[int] = 0  # how many this process built (each is raised): tells a launcher it fired
 
     def __init__(
         self, kernel: str, key: str, signatures: Mapping[int, str], detail: str = "", planted: bool = False

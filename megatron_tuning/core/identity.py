@@ -1,8 +1,7 @@
 """Names that cross processes: GPU arch, kernel identity, tuning keys, config signatures.
 
-Pure functions of the autotuner, the call and the config. Nothing relies on Python's salted
-``hash()`` or on set/dict order of ``Config`` objects (before Triton 3.4 they hash by identity),
-so every process and every rank derives the same text.
+Pure functions of the autotuner, the call and the config, never of Python's salted ``hash()`` or of
+set/dict order of ``Config`` objects (identity-hashed before Triton 3.4): every rank derives the same text.
 """
 
 from __future__ import annotations

@@ -345,9 +345,8 @@ class TuningPolicy:
         mode unset: ``deterministic`` under torch's deterministic algorithms, else ``default_mode``."""
         fields = {k.field: v for k in KNOBS.values() if k.field and (v := k.read()) is not None}
         if "mode" not in fields:
-            fields["mode"] = (
-                "deterministic" if follow_torch_determinism and _torch_deterministic() else default_mode
-            )
+            torch_asks = follow_torch_determinism and _torch_deterministic()
+            fields["mode"] = "deterministic" if torch_asks else default_mode
         warn_unknown_variables()  # a misspelt name (..._TABLES) would otherwise be ignored silently
         fields.update(overrides)
         return cls(**fields)

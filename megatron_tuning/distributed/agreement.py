@@ -56,8 +56,7 @@ def start_agreement(
 ) -> Any:
     """Start cross-rank checks for ``policy``; returns a handle whose ``stop()`` ends them (a no-op
     one without a process group, with agreement ``off``, or in a measuring mode). ``inputs`` that
-    differ from the first rank's raise ``InputMismatchError`` here, and on that rank at its next check.
-    """
+    differ from the first rank's raise ``InputMismatchError`` here, and on that rank at its next check."""
     mode = resolve_mode(policy, group)
     checked = mode != "off" and policy.mode in ("deterministic", "chaos", "auto")
     if not (checked and dist.is_available() and dist.is_initialized()):
@@ -213,9 +212,8 @@ class AgreementChecker:
         rows = all_gather_bytes(row, self.group)
         if all(r == rows[0] for r in rows):
             return
-        texts = [
-            unpack_text(t) for t in all_gather_bytes(pack_text(d.kernel, d.key, d.signature), self.group)
-        ]
+        packed = pack_text(d.kernel, d.key, d.signature)
+        texts = [unpack_text(t) for t in all_gather_bytes(packed, self.group)]
         same = [i for i, r in enumerate(rows) if r[:32] == rows[0][:32]]
         detail = f"Found by allgather check #{self._seq} over ranks {self.ranks}."
         elsewhere = [

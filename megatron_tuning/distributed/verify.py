@@ -117,7 +117,8 @@ def verify_agreement(group: Any = None, *, timeout_s: float | None = None) -> in
     if len(groups) > 1:
         weight = {members[0]: len(members) for members in groups.values()}  # representative -> ranks
         me = ranks.index(dist.get_rank())
-        shared, differing, named = _compare_sharded(table, idents, me in weight, weight, len(ranks), group)
+        rows_to_send = idents if me in weight else []  # only one rank per distinct log sends its rows
+        shared, differing, named = _compare_sharded(table, rows_to_send, weight, len(ranks), group)
         if differing:
             planted = policy is not None and policy.mode == "chaos"
             raise _divergence(named, differing, shared, table, groups, ranks, group, planted)
@@ -130,17 +131,16 @@ def verify_agreement(group: Any = None, *, timeout_s: float | None = None) -> in
 def _compare_sharded(
     table: dict[bytes, Decision],
     idents: list[bytes],
-    representative: bool,
     weight: dict[int, int],
     world: int,
     group: Any,
 ) -> tuple[int, int, list[tuple[bytes, int, int]]]:
     """Owners compare the representatives' rows; every rank gets the same (shared, differing, named)."""
     chunks: list[list[bytes]] = [[] for _ in range(world)]
-    if representative:
-        for position, ident in enumerate(idents):
-            signature = kv.signature_digest(table[ident].signature)[:16]
-            chunks[_owner(ident, world)].append(_ROW.pack(ident[:16], signature, position))
+    for position, ident in enumerate(idents):
+        owner = int.from_bytes(ident[:8], "little") % world
+        signature = kv.signature_digest(table[ident].signature)[:16]
+        chunks[owner].append(_ROW.pack(ident[:16], signature, position))
     received = all_to_all_bytes([b"".join(c) for c in chunks], group)
     holders: dict[bytes, dict[bytes, tuple[int, int]]] = {}  # ident -> signature -> (index, position)
     count: dict[bytes, int] = {}
@@ -164,14 +164,9 @@ def _compare_sharded(
         total_shared += owner_shared
         total_differing += owner_differing
         for n in range(min(owner_differing, MAX_NAMED)):
-            ident, index, position = _NAMED.unpack_from(blob, _SUMMARY.size + n * _NAMED.size)
-            named.append((ident, index, position))
+            named.append(_NAMED.unpack_from(blob, _SUMMARY.size + n * _NAMED.size))
     named.sort(key=lambda item: (item[1], item[2], item[0]))
     return total_shared, total_differing, named[:MAX_NAMED]
-
-
-def _owner(ident: bytes, world: int) -> int:
-    return int.from_bytes(ident[:8], "little") % world
 
 
 def _divergence(

@@ -68,17 +68,14 @@ class CudaEventTimer:
     lets the host queue every launch, so the events time the kernels, not the host; an L2 flush (a
     256 MiB memset, as in ``do_bench``) keeps one candidate from inheriting another's cached data."""
 
-    _FLUSH_BYTES = 256 * 1024 * 1024
-
     def __init__(self, *, flush_l2: bool = True, torch_module: Any = None) -> None:
         if torch_module is None:
             import torch as torch_module
         torch = self._torch = torch_module  # injectable: CPU tests drive this class with a fake
         self._start = torch.cuda.Event(enable_timing=True)
         self._end = torch.cuda.Event(enable_timing=True)
-        self._flush = (
-            torch.empty(self._FLUSH_BYTES // 4, dtype=torch.int32, device="cuda") if flush_l2 else None
-        )
+        words = 64 * 1024 * 1024  # int32s: a 256 MiB flush buffer, as do_bench's
+        self._flush = torch.empty(words, dtype=torch.int32, device="cuda") if flush_l2 else None
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
         # _sleep counts SM clock cycles; assume ~2 GHz where torch does not report the clock.
         self._cycles_per_s = float(getattr(props, "clock_rate", 0) or 2.0e6) * 1e3
