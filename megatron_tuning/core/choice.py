@@ -1,7 +1,5 @@
 """Choosing a config without measuring: table entry, then block-size override, then the miss rule.
-
-Every rule is a pure function of the candidates and the call, so each rank computes the same answer.
-"""
+Every rule is a pure function of the candidates and the call, so each rank computes the same answer."""
 
 from __future__ import annotations
 
@@ -39,12 +37,9 @@ class TableHit:
 
     config: Mapping[str, Any]
     origin: str
-    key: str | None = None
-    """The entry's own key, for a nearest-shape neighbour."""
-    kernel: str | None = None
-    """The entry's own kernel id when found by content (same code under another module name)."""
-    numerics: Any = None
-    """The entry's ``tables.entry.Numerics`` (what the numerics audit found), if recorded."""
+    key: str | None = None  # the entry's own key, for a nearest-shape neighbour
+    kernel: str | None = None  # the entry's own kernel id when found by content (same code, other module)
+    numerics: Any = None  # the entry's tables.entry.Numerics (what the numerics audit found), if recorded
 
 
 @runtime_checkable
@@ -101,15 +96,7 @@ class Choice:
 
 def _from_hit(config: Any, source: str, hit: TableHit, nearest_key: str | None = None) -> Choice:
     content = "content" if hit.kernel is not None else None
-    return Choice(
-        config,
-        source,
-        hit.origin,
-        nearest_key=nearest_key,
-        matched_by=content,
-        entry_kernel=hit.kernel,
-        numerics=hit.numerics,
-    )
+    return Choice(config, source, hit.origin, nearest_key, content, hit.kernel, numerics=hit.numerics)
 
 
 def warn_if_nondeterministic(kernel: str, key: str, choice: Choice) -> None:
@@ -117,18 +104,14 @@ def warn_if_nondeterministic(kernel: str, key: str, choice: Choice) -> None:
     if choice.numerics is None or choice.numerics.deterministic:
         return
     others = "; ".join(choice.numerics.alternatives) or "none among the live configs"
-    warn_once(
-        ("nondeterministic", kernel),
-        "kernel %s key %s launches %s, which the numerics audit in %s found non-deterministic on its "
-        "own (its launches on the same inputs gave different bits): pinning the config cannot make "
-        "this kernel bitwise reproducible. Deterministic alternatives the audit found: %s. Re-tune "
-        "with MEGATRON_TUNING_NUMERICS=deterministic-only to pin one (docs/numerics.md).",
-        kernel,
-        key,
-        config_signature(choice.config),
-        choice.origin,
-        others,
+    message = (
+        f"kernel {kernel} key {key} launches {config_signature(choice.config)}, which the numerics audit "
+        f"in {choice.origin} found non-deterministic on its own (its launches on the same inputs gave "
+        "different bits): pinning the config cannot make this kernel bitwise reproducible. Deterministic "
+        f"alternatives the audit found: {others}. Re-tune with MEGATRON_TUNING_NUMERICS=deterministic-only "
+        "to pin one (docs/numerics.md)."
     )
+    warn_once(("nondeterministic", kernel), message)
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,21 +149,14 @@ def pin_without_fallback(
             if live is not None:
                 return _from_hit(live, "table", hit)
             reason = "the table entry matches no live config"
-            offered = "; ".join(config_signature(c) for c in candidates[:8]) + (
-                "; ..." if len(candidates) > 8 else ""
-            )
-            warn_once(
-                ("entry-no-match", kernel, key, hit.origin),
-                "table entry for kernel %s key %s in %s (%s) matches none of the %d live configs after "
+            offered = "; ".join(config_signature(c) for c in candidates[:8]) + "; ..." * (len(candidates) > 8)
+            message = (
+                f"table entry for kernel {hit.kernel or kernel} key {key} in {hit.origin} "
+                f"({config_signature(hit.config)}) matches none of the {len(candidates)} live configs after "
                 "pruning, so it is a miss (the miss rule applies). Re-tune the kernel, or fix the entry's "
-                "config to one the kernel offers: %s",
-                hit.kernel or kernel,
-                key,
-                hit.origin,
-                config_signature(hit.config),
-                len(candidates),
-                offered,
+                f"config to one the kernel offers: {offered}"
             )
+            warn_once(("entry-no-match", kernel, key, hit.origin), message)
     override = as_block_sizes(block_sizes)
     if override:
         names = {name for c in candidates for name in getattr(c, "kwargs", {})}
@@ -201,23 +177,18 @@ def _warn_if_ambiguous_entry(lookup: ConfigTable, autotuner: Any, kernel: str, k
     base = base_kernel_id(autotuner)
     if base == kernel:
         return
-    find = getattr(lookup, "find", None)  # TableSet: no validators, no stale warnings
-    found = (
-        find(base, key, arch=arch_tag()) if find is not None else lookup.lookup(base, key, arch=arch_tag())
-    )
+    find = getattr(lookup, "find", lookup.lookup)  # TableSet.find: no validators, no stale warnings
+    found = find(base, key, arch=arch_tag())
     if found is not None:
         origin = found[1] if isinstance(found, tuple) else found.origin
-        warn_once(
-            ("ambiguous-entry", base, origin),
-            "Table %s has an entry for kernel %s (key %s) but several autotuners with different config lists "
-            "wrap that function, so it is now told apart as %s and the others; the entry cannot say which "
-            "autotuner it was tuned for and is not used. Re-tune (tune or auto mode) to get entries under "
-            "the new ids. Other keys of this kernel are skipped without another warning.",
-            origin,
-            base,
-            key,
-            kernel,
+        message = (
+            f"Table {origin} has an entry for kernel {base} (key {key}) but several autotuners with "
+            f"different config lists wrap that function, so it is now told apart as {kernel} and the others; "
+            "the entry cannot say which autotuner it was tuned for and is not used. Re-tune (tune or auto "
+            "mode) to get entries under the new ids. Other keys of this kernel are skipped without another "
+            "warning."
         )
+        warn_once(("ambiguous-entry", base, origin), message)
 
 
 def _check_on_miss(on_miss: str) -> None:
@@ -253,34 +224,24 @@ def choose_on_miss(
             chosen = pick_neighbour(key, {k: config_signature(live) for k, (_, live) in usable.items()})
             hit, live = usable[chosen or next(iter(usable))]
             tally(("nearest", kernel), key)
-            warn_once(
-                ("nearest", kernel),
-                "kernel %s has no table entry for key %s; it launches the entry tuned for the nearest shape "
-                "[%s] from %s (on_miss='nearest'), and so will every other key of this kernel without an "
-                "entry (counted when the policy ends). To pin each shape's own best config, %s.",
-                kernel,
-                key,
-                hit.key,
-                hit.origin,
-                FIX_A_MISS,
+            message = (
+                f"kernel {kernel} has no table entry for key {key}; it launches the entry tuned for the "
+                f"nearest shape [{hit.key}] from {hit.origin} (on_miss='nearest'), and so will every other "
+                "key of this kernel without an entry (counted when the policy ends). To pin each shape's own "
+                f"best config, {FIX_A_MISS}."
             )
+            warn_once(("nearest", kernel), message)
             return _from_hit(live, "nearest", hit, nearest_key=hit.key)
     config = cheapest(candidates)
     tally(("cheapest", kernel), key)
-    warn_once(
-        ("cheapest", kernel),
-        "kernel %s has no tuned config for key %s (%s; %s), so it launches the cheapest of its %d configs by "
-        "static cost (%s), and so will every other key of this kernel without an entry (counted when the "
-        "policy ends). That is pinned but can be slow: %s. To be pinned and fast, %s.",
-        kernel,
-        key,
-        miss.reason,
-        "on_miss='min_cost'" if on_miss == "min_cost" else "no nearest-shape entry either",
-        len(candidates),
-        config_signature(config),
-        CHEAPEST_COST,
-        FIX_A_MISS,
+    rule = "on_miss='min_cost'" if on_miss == "min_cost" else "no nearest-shape entry either"
+    message = (
+        f"kernel {kernel} has no tuned config for key {key} ({miss.reason}; {rule}), so it launches the "
+        f"cheapest of its {len(candidates)} configs by static cost ({config_signature(config)}), and so will "
+        "every other key of this kernel without an entry (counted when the policy ends). That is pinned but "
+        f"can be slow: {CHEAPEST_COST}. To be pinned and fast, {FIX_A_MISS}."
     )
+    warn_once(("cheapest", kernel), message)
     return Choice(config, "cheapest")
 
 
@@ -290,16 +251,11 @@ def report_policy_end(policy: TuningPolicy | None) -> None:
         by_kernel = {group[1]: len(keys) for group, keys in tallies(kind).items()}
         if sum(by_kernel.values()) > len(by_kernel):  # one key per kernel was said by its own notice
             listing = ", ".join(f"{k} ({n} key{'s' * (n > 1)})" for k, n in sorted(by_kernel.items()))
-            warn_once(
-                ("policy-end", kind),
-                "%d keys of %d kernel(s) launched %s for lack of a table entry under this policy: %s. To pin "
-                "them to their best configs, %s.",
-                sum(by_kernel.values()),
-                len(by_kernel),
-                what,
-                listing,
-                FIX_A_MISS,
+            message = (
+                f"{sum(by_kernel.values())} keys of {len(by_kernel)} kernel(s) launched {what} for lack of a "
+                f"table entry under this policy: {listing}. To pin them to their best configs, {FIX_A_MISS}."
             )
+            warn_once(("policy-end", kind), message)
     kernels = {group[1]: sorted(map(str, names)) for group, names in tallies("kernel-config-names").items()}
     if policy is None or not policy.block_sizes or not kernels:
         return  # no in-scope kernel launched with the override: nothing to compare it with
@@ -308,17 +264,14 @@ def report_policy_end(policy: TuningPolicy | None) -> None:
     for name, value in policy.block_sizes:
         if name not in used:
             close = difflib.get_close_matches(name, everything, n=1)
-            warn_once(
-                ("override-name-unused", name),
-                "block-size override %s=%d (MEGATRON_TUNING_BLOCK_SIZES / block_sizes) names a parameter "
-                "that none of the %d kernel(s) launched under this policy has, so it changed nothing.%s The "
-                "kernels' config names: %s.",
-                name,
-                value,
-                len(kernels),
-                f" Did you mean {close[0]}?" if close else "",
-                "; ".join(f"{k}: {', '.join(v)}" for k, v in sorted(kernels.items())),
+            message = (
+                f"block-size override {name}={value} (MEGATRON_TUNING_BLOCK_SIZES / block_sizes) names a "
+                f"parameter that none of the {len(kernels)} kernel(s) launched under this policy has, so it "
+                f"changed nothing.{f' Did you mean {close[0]}?' if close else ''} The kernels' config names: "
+                + "; ".join(f"{k}: {', '.join(v)}" for k, v in sorted(kernels.items()))
+                + "."
             )
+            warn_once(("override-name-unused", name), message)
 
 
 def choose_deterministically(
@@ -357,10 +310,9 @@ def deterministic_choice(
     ``'error'`` raises ``TableMissError`` naming kernel and key.
     """
     key = tuning_key(autotuner, args, kwargs)
-    choice = choose_deterministically(
+    return choose_deterministically(
         autotuner, candidates, key, table=table, on_miss=on_miss, block_sizes=block_sizes
-    )
-    return choice.config
+    ).config
 
 
 def autotune_configs(configs: Sequence[Any], *, policy: TuningPolicy | None = None) -> list[Any]:
@@ -381,16 +333,13 @@ def autotune_configs(configs: Sequence[Any], *, policy: TuningPolicy | None = No
         )
     chosen = cheapest(matching)
     # Decoration has no kernel name: the notice names the configs and is issued at the caller's line.
-    warn_once(
-        ("autotune_configs", tuple(config_signature(c) for c in configs)),
-        "autotune_configs shrank %d configs to the cheapest by static cost (%s) under deterministic mode (at "
-        "decoration, where no table is read): every key of this kernel launches it. That is pinned but "
-        "can be slow: %s. To be pinned and fast, pass the whole list to @triton.autotune and %s.",
-        len(configs),
-        config_signature(chosen),
-        CHEAPEST_COST,
-        FIX_A_MISS,
+    message = (
+        f"autotune_configs shrank {len(configs)} configs to the cheapest by static cost "
+        f"({config_signature(chosen)}) under deterministic mode (at decoration, where no table is read): "
+        f"every key of this kernel launches it. That is pinned but can be slow: {CHEAPEST_COST}. To be "
+        f"pinned and fast, pass the whole list to @triton.autotune and {FIX_A_MISS}."
     )
+    warn_once(("autotune_configs", tuple(config_signature(c) for c in configs)), message)
     return [chosen]
 
 
@@ -411,12 +360,10 @@ def warn_if_mamba_env_ignored(policy: TuningPolicy | None = None) -> bool:
     policy = policy if policy is not None else TuningPolicy.from_env()
     if policy.mode in ("deterministic", "auto"):
         return False
-    return warn_once(
-        ("mamba-env", policy.mode),
-        "MAMBA_DETERMINISTIC=%s is set but megatron_tuning's mode is %r: %s, so the choice of config can "
-        "differ between runs. Set MEGATRON_TUNING_MODE=deterministic (tables, never measures) or "
-        "MEGATRON_TUNING_MODE=auto (tunes each new key once and reuses it).",
-        raw,
-        policy.mode,
-        _UNPINNED_BECAUSE.get(policy.mode, "configs are not pinned"),
+    message = (
+        f"MAMBA_DETERMINISTIC={raw} is set but megatron_tuning's mode is {policy.mode!r}: "
+        f"{_UNPINNED_BECAUSE.get(policy.mode, 'configs are not pinned')}, so the choice of config can differ "
+        "between runs. Set MEGATRON_TUNING_MODE=deterministic (tables, never measures) or "
+        "MEGATRON_TUNING_MODE=auto (tunes each new key once and reuses it)."
     )
+    return warn_once(("mamba-env", policy.mode), message)

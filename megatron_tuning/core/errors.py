@@ -3,6 +3,7 @@ them from their fields, so they survive multiprocessing and elastic error files.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -12,16 +13,14 @@ job any of whose processes raised one; Python itself uses 1 and 2 (docs/agreemen
 
 
 class MegatronTuningError(Exception):
-    """Root of every error raised on purpose by megatron_tuning."""
-
-    _fields: tuple[Any, ...] = ()
-
-    def _init(self, message: str, *fields: Any) -> None:
-        self._fields = fields
-        super().__init__(message)
+    """Root of every error raised on purpose by megatron_tuning. A subclass with its own ``__init__``
+    keeps each argument as the attribute of that name: ``__reduce__`` rebuilds it from them."""
 
     def __reduce__(self) -> Any:
-        return (type(self), self._fields) if self._fields else super().__reduce__()
+        init = type(self).__init__
+        if not inspect.isfunction(init):  # Exception's own: its args are the message
+            return super().__reduce__()
+        return type(self), tuple(getattr(self, name) for name in list(inspect.signature(init).parameters)[1:])
 
 
 class PolicyError(MegatronTuningError, ValueError):
@@ -29,7 +28,7 @@ class PolicyError(MegatronTuningError, ValueError):
 
     def __init__(self, name: str, value: object, allowed: str) -> None:
         self.name, self.value, self.allowed = name, value, allowed
-        self._init(f"Unable to use {name}={value!r}: expected {allowed}", name, value, allowed)
+        super().__init__(f"Unable to use {name}={value!r}: expected {allowed}")
 
 
 class UnsupportedTritonError(MegatronTuningError, RuntimeError):
@@ -41,15 +40,12 @@ class TableMissError(MegatronTuningError, LookupError):
 
     def __init__(self, kernel: str, key: str, reason: str = "no table entry") -> None:
         self.kernel, self.key, self.reason = kernel, key, reason
-        self._init(
+        super().__init__(
             f"No tuned config for kernel {kernel} with key {key} ({reason}), and on_miss='error'. "
             "To pin it: build a table entry with `python -m megatron_tuning tune -- <your command>`, or "
             "set MEGATRON_TUNING_MODE=auto (tunes a missing key once per job and caches it); to launch "
             "something anyway, set MEGATRON_TUNING_ON_MISS=nearest (the nearest shape's entry, else the "
-            "cheapest config) or min_cost (the cheapest config by static cost).",
-            kernel,
-            key,
-            reason,
+            "cheapest config) or min_cost (the cheapest config by static cost)."
         )
 
 
@@ -59,13 +55,10 @@ class BlockSizeOverrideError(MegatronTuningError, ValueError):
     def __init__(self, kernel: str, override: Mapping[str, object], available: Sequence[str]) -> None:
         self.kernel, self.override, self.available = kernel, dict(override), list(available)
         wanted = ", ".join(f"{k}={v!r}" for k, v in sorted(self.override.items()))
-        self._init(
+        super().__init__(
             f"Block-size override {wanted} matches no live config of kernel {kernel}. Live configs: "
             f"{'; '.join(self.available) or '(none)'}. Change MEGATRON_TUNING_BLOCK_SIZES (or the "
-            "policy's block_sizes) to values one of these configs has.",
-            kernel,
-            self.override,
-            self.available,
+            "policy's block_sizes) to values one of these configs has."
         )
 
 
@@ -74,17 +67,13 @@ class BenchmarkForbiddenError(MegatronTuningError, RuntimeError):
 
     def __init__(self, kernel: str, mode: str) -> None:
         self.kernel, self.mode = kernel, mode
-        what = (
-            "mode 'auto' measures only through megatron_tuning's tuner, once per key"
-            if mode == "auto"
-            else f"policy mode {mode!r} never measures"
-        )
-        self._init(
+        what = f"policy mode {mode!r} never measures"
+        if mode == "auto":
+            what = "mode 'auto' measures only through megatron_tuning's tuner, once per key"
+        super().__init__(
             f"Refusing to benchmark kernel {kernel} with Triton's autotuner: {what}. A launch bypassed "
             "the deterministic choice (please report it), or code called the autotuner's benchmark "
-            "directly. Use mode 'record' or 'tune' to measure.",
-            kernel,
-            mode,
+            "directly. Use mode 'record' or 'tune' to measure."
         )
 
 
@@ -93,15 +82,11 @@ class CompiledLaunchNotPinnedError(MegatronTuningError, RuntimeError):
 
     def __init__(self, kernel: str, key: str, candidates: int, reason: str) -> None:
         self.kernel, self.key, self.candidates, self.reason = kernel, key, int(candidates), reason
-        self._init(
+        super().__init__(
             f"Compiled code is about to benchmark {self.candidates} configs of kernel {kernel} with key "
             f"{key}: the launch bypassed the pinned config ({reason}). Call torch._dynamo.reset() after "
             "init_deterministic_tuning so graphs are traced again, use a supported torch release, or "
-            "unset MEGATRON_TUNING_STRICT to only warn.",
-            kernel,
-            key,
-            candidates,
-            reason,
+            "unset MEGATRON_TUNING_STRICT to only warn."
         )
 
 
@@ -110,7 +95,7 @@ class TableError(MegatronTuningError, ValueError):
 
     def __init__(self, path: str, problem: str, what: str = "Tuning table") -> None:
         self.path, self.problem, self.what = str(path), problem, what
-        self._init(f"{what} {self.path}: {problem}", self.path, problem, what)
+        super().__init__(f"{what} {self.path}: {problem}")
 
 
 class StaleEntryError(MegatronTuningError, RuntimeError):
@@ -118,13 +103,9 @@ class StaleEntryError(MegatronTuningError, RuntimeError):
 
     def __init__(self, kernel: str, key: str, path: str, detail: str) -> None:
         self.kernel, self.key, self.path, self.detail = kernel, key, path, detail
-        self._init(
+        super().__init__(
             f"Table entry for kernel {kernel} key {key} in {path} is stale: {detail}. "
-            "Re-tune this kernel, or unset MEGATRON_TUNING_STRICT to use the entry anyway.",
-            kernel,
-            key,
-            path,
-            detail,
+            "Re-tune this kernel, or unset MEGATRON_TUNING_STRICT to use the entry anyway."
         )
 
 
@@ -135,13 +116,13 @@ class NumericsError(MegatronTuningError, RuntimeError):
     def __init__(
         self, kernel: str, key: str, numerics: str, reason: str, classes: Sequence[Sequence[str]]
     ) -> None:
-        self.kernel, self.key, self.numerics, self.classes = kernel, key, numerics, [list(c) for c in classes]
+        self.kernel, self.key, self.numerics, self.reason = kernel, key, numerics, reason
+        self.classes = [list(c) for c in classes]
         listing = "".join(f"\n  class {n}: " + "; ".join(c) for n, c in enumerate(self.classes, 1))
-        self._init(
+        super().__init__(
             f"No live config of kernel {kernel} key {key} qualifies under numerics={numerics!r}: {reason}. "
             f"Numerics classes on this call's inputs:{listing or ' (none launched)'}\nSet "
-            "MEGATRON_TUNING_NUMERICS=any to allow a change of output bits (docs/numerics.md).",
-            *(kernel, key, numerics, reason, self.classes),
+            "MEGATRON_TUNING_NUMERICS=any to allow a change of output bits (docs/numerics.md)."
         )
 
 
@@ -149,8 +130,7 @@ class DivergenceError(MegatronTuningError, RuntimeError):
     """Ranks launched different configs for the same (kernel, key); ``signatures``: rank -> config.
     ``planted``: chaos mode made them differ on purpose."""
 
-    raised: ClassVar[int] = 0
-    """How many this process built (each one is raised): what tells a launcher the check fired."""
+    raised: ClassVar[int] = 0  # how many this process built (each is raised): tells a launcher it fired
 
     def __init__(
         self, kernel: str, key: str, signatures: Mapping[int, str], detail: str = "", planted: bool = False
@@ -158,8 +138,24 @@ class DivergenceError(MegatronTuningError, RuntimeError):
         self.kernel, self.key, self.detail, self.planted = kernel, key, detail, bool(planted)
         self.signatures = {int(r): s for r, s in signatures.items()}
         DivergenceError.raised += 1
-        message = _divergence_message(kernel, key, self.signatures, detail, self.planted)
-        self._init(message, kernel, key, self.signatures, detail, self.planted)
+        groups: dict[str, list[int]] = {}
+        for rank in sorted(self.signatures):
+            groups.setdefault(self.signatures[rank], []).append(rank)
+        ordered = sorted(groups.items(), key=lambda item: item[1][0])
+        lines = [f"Ranks launched different configs for kernel {kernel} with key {key}:"]
+        lines += [f"  Rank(s) {ranks} ran {signature}" for signature, ranks in ordered]
+        if len(ordered) >= 2:
+            lines.append("  diff: " + _signature_diff(ordered[0][0], ordered[1][0]))
+        if detail:
+            lines.append(f"  {detail}")
+        lines.append(
+            "  Planted by chaos mode (ranks pick different configs on purpose): the check works and "
+            "nothing needs fixing."
+            if planted
+            else "  Pin this kernel with a tuning table (MEGATRON_TUNING_TABLE) or make every rank use the "
+            "same policy and table."
+        )
+        super().__init__("\n".join(lines))
 
 
 class ConsensusError(MegatronTuningError, RuntimeError):
@@ -167,13 +163,10 @@ class ConsensusError(MegatronTuningError, RuntimeError):
 
     def __init__(self, kernel: str, key: str, detail: str) -> None:
         self.kernel, self.key, self.detail = kernel, key, detail
-        self._init(
+        super().__init__(
             f"auto mode cannot launch the job's decision for kernel {kernel} with key {key}: {detail}. "
             "Every rank must offer the same candidate configs for a key; pin this kernel with a tuning "
-            "table (MEGATRON_TUNING_TABLE) or make the ranks' pruning agree.",
-            kernel,
-            key,
-            detail,
+            "table (MEGATRON_TUNING_TABLE) or make the ranks' pruning agree."
         )
 
 
@@ -183,14 +176,11 @@ class AgreementTimeoutError(MegatronTuningError, TimeoutError):
     def __init__(self, what: str, missing_ranks: Sequence[int], timeout_s: float) -> None:
         self.what, self.missing_ranks = what, sorted(int(r) for r in missing_ranks)
         self.timeout_s = float(timeout_s)
-        self._init(
+        super().__init__(
             f"Agreement check for {what} timed out after {self.timeout_s:g}s waiting for rank(s) "
             f"{self.missing_ranks}. Those ranks did not reach it: every rank of the group must call "
             "verify_agreement() (or, with agreement 'allgather', launch the same kernels in the same "
-            "order); use agreement 'store' when ranks launch different kernels.",
-            what,
-            self.missing_ranks,
-            timeout_s,
+            "order); use agreement 'store' when ranks launch different kernels."
         )
 
 
@@ -211,7 +201,7 @@ class InputMismatchError(MegatronTuningError, RuntimeError):
             "init_deterministic_tuning the same number of times on each (compare tables with "
             "`python -m megatron_tuning show TABLE`)."
         )
-        self._init("\n".join(lines), where, self.ranks, self.differences)
+        super().__init__("\n".join(lines))
 
 
 class StoreError(MegatronTuningError, RuntimeError):
@@ -219,36 +209,11 @@ class StoreError(MegatronTuningError, RuntimeError):
 
     def __init__(self, what: str, problem: str) -> None:
         self.what, self.problem = what, problem
-        self._init(
+        super().__init__(
             f"{what}: {problem}. The store lives in the rendezvous host's process (rank 0's agent under "
             "torchrun): if it died or hung, restart the job; if a record is foreign, run every rank "
-            "with the same megatron_tuning install.",
-            what,
-            problem,
+            "with the same megatron_tuning install."
         )
-
-
-def _divergence_message(
-    kernel: str, key: str, signatures: Mapping[int, str], detail: str, planted: bool
-) -> str:
-    groups: dict[str, list[int]] = {}
-    for rank in sorted(signatures):
-        groups.setdefault(signatures[rank], []).append(rank)
-    ordered = sorted(groups.items(), key=lambda item: item[1][0])
-    lines = [f"Ranks launched different configs for kernel {kernel} with key {key}:"]
-    lines += [f"  Rank(s) {ranks} ran {signature}" for signature, ranks in ordered]
-    if len(ordered) >= 2:
-        lines.append("  diff: " + _signature_diff(ordered[0][0], ordered[1][0]))
-    if detail:
-        lines.append(f"  {detail}")
-    lines.append(
-        "  Planted by chaos mode (ranks pick different configs on purpose): the check works and "
-        "nothing needs fixing."
-        if planted
-        else "  Pin this kernel with a tuning table (MEGATRON_TUNING_TABLE) or make every rank use the "
-        "same policy and table."
-    )
-    return "\n".join(lines)
 
 
 def _signature_diff(first: str, second: str) -> str:

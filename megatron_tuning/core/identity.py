@@ -1,8 +1,7 @@
 """Names that cross processes: GPU arch, kernel identity, tuning keys, config signatures.
 
-Pure functions of the autotuner, the call and the config. Nothing relies on Python's salted
-``hash()`` or on set/dict order of ``Config`` objects (before Triton 3.4 they hash by identity),
-so every process and every rank derives the same text.
+Pure functions of the autotuner, the call and the config, never of Python's salted ``hash()`` or of
+set/dict order of ``Config`` objects (identity-hashed before Triton 3.4): every rank derives the same text.
 """
 
 from __future__ import annotations
@@ -39,36 +38,29 @@ _OPTIONAL_FIELDS: tuple[tuple[str, Any], ...] = (
 )
 
 
-# --------------------------------------------------------------------------- hardware
-
-
-def _cuda_usable() -> bool:
-    """Whether kernels run on a CUDA/HIP device here (not the interpreter, torch with a GPU)."""
+def _cuda_torch() -> Any:
+    """torch when kernels run on a CUDA/HIP device here (not under the interpreter), else ``None``."""
     if os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on"):
-        return False
+        return None
     try:
         import torch
     except ImportError:
-        return False
-    return bool(torch.cuda.is_available())
+        return None
+    return torch if torch.cuda.is_available() else None
 
 
 def arch_tag() -> str:
     """``sm<major><minor>`` of the current CUDA device; ``unknown`` off-GPU or under the interpreter."""
-    if not _cuda_usable():
-        return "unknown"
-    import torch
-
-    return _arch_for_device(torch.cuda.current_device())
+    torch = _cuda_torch()
+    return "unknown" if torch is None else _arch_for_device(torch.cuda.current_device())
 
 
 def node_arch() -> str | None:
     """The arch every visible device shares; ``None`` when they differ. For use before a rank has
     picked its device (``current_device()`` would still be device 0)."""
-    if not _cuda_usable():
+    torch = _cuda_torch()
+    if torch is None:
         return "unknown"
-    import torch
-
     archs = {_arch_for_device(index) for index in range(torch.cuda.device_count())}
     return archs.pop() if len(archs) == 1 else None
 
@@ -83,22 +75,14 @@ def _arch_for_device(index: int) -> str:
     return f"sm{major}{minor}"
 
 
-# --------------------------------------------------------------------------- kernel identity
-
-
 def _user_function(autotuner: Any) -> Any:
     """Unwrap Autotuner -> Heuristics -> JITFunction/InterpretedFunction -> the Python function."""
-    fn = getattr(autotuner, "base_fn", None)
-    if inspect.isfunction(fn):
-        return fn
-    fn = autotuner
+    base = getattr(autotuner, "base_fn", None)
+    fn = base if inspect.isfunction(base) else autotuner
     for _ in range(16):  # wrappers nest a few levels at most; bound the walk against cycles
         if inspect.isfunction(fn):
             return fn
-        inner = getattr(fn, "fn", None)
-        if inner is None:
-            break
-        fn = inner
+        fn = getattr(fn, "fn", None)
     raise TypeError(f"cannot find the Python function behind {autotuner!r}")
 
 
@@ -119,8 +103,7 @@ def base_kernel_id(autotuner: Any) -> str:
 
 
 _MAX_WRAPPERS = 8  # heuristics/autotune decorators stacked on one kernel, far above real use
-DIGEST_CHARS = 12
-"""Hex digits of the config-list digest in a ``module:qualname@<digest>`` kernel id."""
+DIGEST_CHARS = 12  # hex digits of the config-list digest in a ``module:qualname@<digest>`` kernel id
 _DIGEST_SEP = "@"
 _ids: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
 _ids_lock = threading.Lock()
@@ -142,10 +125,9 @@ def _closure_text(value: Any) -> str:
     if isinstance(value, types.ModuleType):
         return value.__name__
     try:
-        fn = _user_function(value)  # a function, or a jit function or autotuner over one
+        return base_kernel_id(value)  # a function, or a jit function or autotuner over one
     except TypeError:
         return _render(value)
-    return f"{fn.__module__}:{fn.__qualname__}"
 
 
 def kernel_id(autotuner: Any) -> str:
@@ -243,9 +225,6 @@ def _source_hash_of(fn: Any) -> str | None:
 def kernel_source_hash(autotuner: Any) -> str | None:
     """sha256 of the kernel function's source; ``None`` when the source is unavailable."""
     return _source_hash_of(_user_function(autotuner))
-
-
-# --------------------------------------------------------------------------- keys and signatures
 
 
 def _render(value: Any) -> str:

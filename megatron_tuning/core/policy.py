@@ -1,9 +1,8 @@
 """Every ``MEGATRON_TUNING_*`` knob, declared once (as Triton's ``knobs.py``), and ``TuningPolicy``.
 
-Nothing else reads ``os.environ`` for a setting of its own; ``docs/policy.md`` lists exactly
-``KNOBS`` (a test checks). Read when asked, never at import. In code and environment alike:
-whitespace is ignored, empty means unset, words in any case, numbers finite ASCII decimals, and
-a bad value raises ``PolicyError`` naming the variable, the value and what is allowed.
+Read when asked, never at import; ``docs/policy.md`` lists exactly ``KNOBS`` (a test checks).
+Whitespace is ignored, empty means unset, words in any case, numbers finite ASCII decimals; a bad
+value raises ``PolicyError`` naming the variable, the value and what is allowed.
 """
 
 from __future__ import annotations
@@ -27,13 +26,13 @@ ON_MISS = ("nearest", "min_cost", "error")
 AGREEMENT_MODES = ("store", "allgather", "verify", "off")
 STALE_ENTRIES = ("use", "miss", "error")
 NUMERICS = ("any", "same-class", "deterministic-only")
-NON_MEASURING_MODES = ("deterministic", "chaos")  # the interception's _bench guard refuses to time
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off")
 CACHE_OFF = "off"
 MAX_AGREEMENT_TIMEOUT_S = 7 * 24 * 3600.0  # a week: longer is a typo (and overflows a timedelta)
-_REMOVED = {
-    ("agreement", "digest"): "store, allgather, verify or off: 'digest' was removed; jobs above 64 ranks "
+_A_PATH = "a file system path: a non-empty str or os.PathLike without NUL characters"
+_REMOVED: dict[tuple[tuple[str, ...], str], str] = {
+    (AGREEMENT_MODES, "digest"): "store, allgather, verify or off: 'digest' was removed; jobs above 64 ranks "
     "now use 'verify' (the inputs check at init, verify_agreement() at step boundaries, a bounded "
     "check at close; docs/agreement.md)",
 }
@@ -49,8 +48,7 @@ class Knob(NamedTuple):
     parse: Callable[[str, str], Any]
     default: Any
     doc: str
-    field: str | None
-    """The ``TuningPolicy`` field it sets, if any."""
+    field: str | None  # the TuningPolicy field it sets, if any
 
     def read(self) -> Any:
         """The value set now, parsed; ``None`` when unset or empty (then ``default`` applies)."""
@@ -77,16 +75,16 @@ def parse_int(text: str) -> int | None:
     return int(stripped) if _INT.fullmatch(stripped) else None
 
 
-def _words(choices: tuple[str, ...], field: str) -> Callable[[str, str], str]:
-    return lambda name, raw: _word(name, raw, choices, field)
+def _words(choices: tuple[str, ...]) -> Callable[[str, str], str]:
+    return lambda name, raw: _word(name, raw, choices)
 
 
-def _word(name: str, value: object, allowed: tuple[str, ...], field: str | None = None) -> str:
+def _word(name: str, value: object, allowed: tuple[str, ...]) -> str:
     text = value.strip().lower() if isinstance(value, str) else ""
     if text in allowed:
         return text
     raise PolicyError(
-        name, value, _REMOVED.get((field or name, text), "one of " + "|".join(allowed) + " (any case)")
+        name, value, _REMOVED.get((allowed, text), "one of " + "|".join(allowed) + " (any case)")
     )
 
 
@@ -107,19 +105,15 @@ def _int(low: int, high: int) -> Callable[[str, str], int]:
     return parse
 
 
-def _finite(raw: str) -> float:
-    return float(raw) if _FLOAT.fullmatch(raw) else math.nan
-
-
 def _seconds(name: str, raw: str) -> float:
-    value = _finite(raw)
+    value = float(raw) if _FLOAT.fullmatch(raw) else math.nan
     if not (math.isfinite(value) and 0 < value <= MAX_AGREEMENT_TIMEOUT_S):
         raise PolicyError(name, raw, f"a positive finite decimal number up to {MAX_AGREEMENT_TIMEOUT_S:g}")
     return value
 
 
 def _fraction(name: str, raw: str) -> float:
-    value = _finite(raw)
+    value = float(raw) if _FLOAT.fullmatch(raw) else math.nan
     if not (math.isfinite(value) and 0 <= value < 1):
         raise PolicyError(name, raw, "a finite decimal number, a fraction in [0, 1)")
     return value
@@ -142,27 +136,16 @@ def _modules(name: str, raw: str) -> tuple[str, ...]:
     items = tuple(p.strip() for p in raw.split(",") if p.strip())
     bad = [item for item in items if not is_module_prefix(item)]
     if bad:
-        raise PolicyError(
-            name,
-            raw,
-            f"comma-separated module names such as my_pkg.kernels ({', '.join(map(repr, bad))} "
-            "cannot name a module, so it would pin nothing)",
-        )
+        allowed = f"comma-separated module names such as my_pkg.kernels ({', '.join(map(repr, bad))} cannot"
+        raise PolicyError(name, raw, allowed + " name a module, so it would pin nothing)")
     return items
 
 
 def _assignments(name: str, raw: str) -> tuple[tuple[str, int], ...]:
     """``NAME=INT,NAME=INT``, each name once (a repeat would silently keep its last value)."""
-    parsed: dict[str, int] = {}
-    for item in (p.strip() for p in raw.split(",") if p.strip()):
-        key, sep, value = item.partition("=")
-        number = parse_int(value)
-        if not sep or not key.strip().isidentifier() or number is None:
-            raise PolicyError(name, raw, "comma-separated NAME=INT pairs, e.g. BLOCK_SIZE_M=64")
-        if key.strip() in parsed:
-            raise PolicyError(name, raw, f"each name once ({key.strip()} is given twice)")
-        parsed[key.strip()] = number
-    return tuple(sorted(parsed.items()))
+    items = [item.partition("=") for item in (p.strip() for p in raw.split(",") if p.strip())]
+    pairs = [(key.strip(), parse_int(value) if sep else None) for key, sep, value in items]
+    return _pairs(name, raw, pairs, "comma-separated NAME=INT pairs, e.g. BLOCK_SIZE_M=64")
 
 
 def _cache(name: str, raw: str) -> str | None:
@@ -171,20 +154,16 @@ def _cache(name: str, raw: str) -> str | None:
     return CACHE_OFF if word in FALSE_WORDS else None if word in TRUE_WORDS else raw
 
 
-# -- the registry: policy fields first, then settings of the tuner, the cache and the launchers ----
-ENV_MODE = _knob("MODE", _words(MODES, "mode"), "off", "what the library does (TuningPolicy.mode)", "mode")
+# Policy fields first, then settings of the tuner, the cache and the launchers.
+ENV_MODE = _knob("MODE", _words(MODES), "off", "what the library does (TuningPolicy.mode)", "mode")
 ENV_SCOPE = _knob("SCOPE", _modules, (), "module prefixes of the kernels to pin; empty: all", "scope")
-ENV_ON_MISS = _knob("ON_MISS", _words(ON_MISS, "on_miss"), "nearest", "what a miss launches", "on_miss")
+ENV_ON_MISS = _knob("ON_MISS", _words(ON_MISS), "nearest", "what a miss launches", "on_miss")
 ENV_TABLE = _knob("TABLE", _paths, (), "colon-separated table files or folders, searched first", "tables")
 ENV_SHIPPED_TABLES = _knob(
     "SHIPPED_TABLES", _bool, True, "search the tables shipped in configs/<arch>/", "use_shipped_tables"
 )
 ENV_AGREEMENT = _knob(
-    "AGREEMENT",
-    _words(AGREEMENT_MODES, "agreement"),
-    None,
-    "cross-rank check; unset: by world size",
-    "agreement",
+    "AGREEMENT", _words(AGREEMENT_MODES), None, "cross-rank check; unset: by world size", "agreement"
 )
 ENV_AGREEMENT_TIMEOUT = _knob(
     "AGREEMENT_TIMEOUT",
@@ -195,14 +174,10 @@ ENV_AGREEMENT_TIMEOUT = _knob(
 )
 ENV_STRICT = _knob("STRICT", _bool, False, "raise on stale entries and unpinned compiled launches", "strict")
 ENV_STALE_ENTRIES = _knob(
-    "STALE_ENTRIES", _words(STALE_ENTRIES, "stale_entries"), "use", "what a stale entry does", "stale_entries"
+    "STALE_ENTRIES", _words(STALE_ENTRIES), "use", "what a stale entry does", "stale_entries"
 )
 ENV_NUMERICS = _knob(
-    "NUMERICS",
-    _words(NUMERICS, "numerics"),
-    "any",
-    "which configs tune and auto may pick (docs/numerics.md)",
-    "numerics",
+    "NUMERICS", _words(NUMERICS), "any", "which configs tune and auto may pick (docs/numerics.md)", "numerics"
 )
 ENV_BLOCK_SIZES = _knob("BLOCK_SIZES", _assignments, (), "explicit block-size override", "block_sizes")
 ENV_RECORD_DIR = _knob("RECORD_DIR", _text, None, "where record mode writes one file per rank", "record_dir")
@@ -219,9 +194,7 @@ ENV_AUDIT_RUNS = _knob("AUDIT_RUNS", _int(2, 100), 3, "launches per config when 
 ENV_AUDIT_DIR = _knob(
     "AUDIT_DIR", _text, None, "internal: where an `audit` job's processes write their reports"
 )
-ENV_LAUNCHER = _knob(
-    "LAUNCHER", _words(("run", "tune", "audit"), "launcher"), None, "internal: the launcher of this job"
-)
+ENV_LAUNCHER = _knob("LAUNCHER", _words(("run", "tune", "audit")), None, "internal: the launcher of this job")
 ENV_RESULT_DIR = _knob("RESULT_DIR", _text, None, "internal: where `run`'s processes report a divergence")
 
 
@@ -238,15 +211,10 @@ def warn_unknown_variables() -> None:
     known = sorted(name[len(PREFIX) :] for name in KNOBS)
     for name in sorted(n for n in os.environ if n.startswith(PREFIX) and n not in KNOBS):
         close = difflib.get_close_matches(name[len(PREFIX) :], known, n=1, cutoff=0.6)
-        hint = (
-            f"Did you mean {PREFIX}{close[0]}?" if close else "Known variables: " + ", ".join(sorted(KNOBS))
-        )
-        warn_once(
-            ("unknown-env", name),
-            "%s is set but is not a megatron_tuning setting, so it is ignored. %s (docs/policy.md)",
-            name,
-            hint,
-        )
+        listing = ", ".join(sorted(KNOBS))
+        hint = f"Did you mean {PREFIX}{close[0]}?" if close else f"Known variables: {listing}"
+        text = f"{name} is set but is not a megatron_tuning setting, so it is ignored."
+        warn_once(("unknown-env", name), f"{text} {hint} (docs/policy.md)")
 
 
 @contextlib.contextmanager
@@ -284,8 +252,8 @@ class TuningPolicy:
     """Search the tables shipped in the package's ``configs/<arch>/`` last."""
 
     agreement: str | None = None
-    """Cross-rank check: ``store``, ``allgather``, ``verify`` or ``off`` (docs/agreement.md).
-    ``None``: ``store`` up to 64 ranks, ``verify`` above."""
+    """Cross-rank check (docs/agreement.md): store, allgather, verify or off; None: store up to 64
+    ranks, verify above."""
 
     agreement_timeout_s: float = 300.0
     """How long a cross-rank check waits for missing ranks before naming them."""
@@ -310,17 +278,12 @@ class TuningPolicy:
     """If set, the decision log is written here at close (``{rank}`` and ``{pid}`` are replaced)."""
 
     cache: str | None = None
-    """``auto``'s cache table: ``None`` for the user cache folder's, ``"off"`` (or a false word)
-    for none, else a path."""
+    """auto's cache table: None for the user cache folder's, "off" (or a false word) for none, or a path."""
 
     def __post_init__(self) -> None:
         # Normalised values are written back (object.__setattr__: the dataclass is frozen).
-        for name, allowed in (
-            ("mode", MODES),
-            ("on_miss", ON_MISS),
-            ("stale_entries", STALE_ENTRIES),
-            ("numerics", NUMERICS),
-        ):
+        words = {"mode": MODES, "on_miss": ON_MISS, "stale_entries": STALE_ENTRIES, "numerics": NUMERICS}
+        for name, allowed in words.items():
             _set(self, name, _word(name, getattr(self, name), allowed))
         if self.agreement is not None:
             _set(self, "agreement", _word("agreement", self.agreement, AGREEMENT_MODES))
@@ -336,9 +299,8 @@ class TuningPolicy:
             if not isinstance(getattr(self, name), bool):
                 raise PolicyError(name, getattr(self, name), "True or False (a bool)")
         timeout = self.agreement_timeout_s
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout):
-            timeout = -1.0
-        if not 0 < timeout <= MAX_AGREEMENT_TIMEOUT_S:
+        number = isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
+        if not (number and 0 < timeout <= MAX_AGREEMENT_TIMEOUT_S):  # also refuses nan and inf
             seconds = f"a positive number of seconds up to {MAX_AGREEMENT_TIMEOUT_S:g} (not a bool)"
             raise PolicyError("agreement_timeout_s", self.agreement_timeout_s, seconds)
         _set(self, "agreement_timeout_s", float(timeout))
@@ -348,19 +310,11 @@ class TuningPolicy:
         if isinstance(self.cache, str) and self.cache.strip():
             _set(self, "cache", _cache("cache", self.cache.strip()))
         elif self.cache is not None:
-            try:
-                _set(self, "cache", _path("cache", self.cache))
-            except PolicyError:
-                raise PolicyError("cache", self.cache, "a file path, 'off' (no cache), or None") from None
+            _set(self, "cache", _path("cache", self.cache, "a file path, 'off' (no cache), or None"))
 
     @property
     def effective_stale_entries(self) -> str:
         return "error" if self.strict else self.stale_entries
-
-    @property
-    def measures(self) -> bool:
-        """Whether this policy may benchmark in-scope kernels."""
-        return self.mode not in NON_MEASURING_MODES
 
     def in_scope(self, module: str) -> bool:
         """Whether kernels defined in ``module`` are pinned by this policy."""
@@ -391,9 +345,8 @@ class TuningPolicy:
         mode unset: ``deterministic`` under torch's deterministic algorithms, else ``default_mode``."""
         fields = {k.field: v for k in KNOBS.values() if k.field and (v := k.read()) is not None}
         if "mode" not in fields:
-            fields["mode"] = (
-                "deterministic" if follow_torch_determinism and _torch_deterministic() else default_mode
-            )
+            torch_asks = follow_torch_determinism and _torch_deterministic()
+            fields["mode"] = "deterministic" if torch_asks else default_mode
         warn_unknown_variables()  # a misspelt name (..._TABLES) would otherwise be ignored silently
         fields.update(overrides)
         return cls(**fields)
@@ -410,12 +363,10 @@ def _sequence(name: str, value: object, allowed: str) -> tuple[Any, ...]:
     return tuple(value)
 
 
-def _path(name: str, value: object) -> str:
+def _path(name: str, value: object, allowed: str = _A_PATH) -> str:
     text = os.fspath(value) if isinstance(value, os.PathLike) else value
     if not isinstance(text, str) or not text or "\0" in text:
-        raise PolicyError(
-            name, value, "a file system path: a non-empty str or os.PathLike without NUL characters"
-        )
+        raise PolicyError(name, value, allowed)
     return text
 
 
@@ -426,13 +377,17 @@ def _block_sizes(value: object) -> tuple[tuple[str, int], ...]:
     items: Any = list(value.items()) if isinstance(value, Mapping) else value
     if isinstance(items, (str, bytes)) or not isinstance(items, Sequence):
         raise PolicyError("block_sizes", value, allowed)
+    return _pairs("block_sizes", value, items, allowed)
+
+
+def _pairs(name: str, value: object, items: Sequence[Any], allowed: str) -> tuple[tuple[str, int], ...]:
     seen: dict[str, int] = {}
     for item in items:
         ok = isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], str)
         if not ok or not item[0].isidentifier() or type(item[1]) is not int:
-            raise PolicyError("block_sizes", value, allowed)
+            raise PolicyError(name, value, allowed)
         if item[0] in seen:
-            raise PolicyError("block_sizes", value, f"each name once ({item[0]} is given twice)")
+            raise PolicyError(name, value, f"each name once ({item[0]} is given twice)")
         seen[item[0]] = item[1]
     return tuple(sorted(seen.items()))
 

@@ -1,20 +1,16 @@
 """Cross-rank agreement: every rank launches the same config for each (kernel, key), provably.
 
-At start, every rank compares its *inputs* (policy, table contents, versions, session number)
-with the session's first rank through one ``claim``: every choice is a pure function of them, so
-a difference is named at init (``InputMismatchError``). Then, by ``policy.agreement``
-(docs/agreement.md): ``store`` claims each new key's signature before its launch (no collective,
-so ranks that reach kernels at different times cannot deadlock; a divergence is flagged for every
-rank), ``allgather`` compares digests at first use in strictly SPMD groups, ``verify`` leaves it
-to ``verify_agreement()`` at step boundaries and a bounded check at close, ``off`` checks nothing.
-No store or collective traffic happens during a CUDA graph capture: such checks wait for the next.
+At start every rank claims its *inputs* (policy, table contents, versions, session number), of which
+every choice is a pure function: a difference raises ``InputMismatchError`` at init. Then, by
+``policy.agreement`` (docs/agreement.md): ``store`` claims each new key's signature before its launch
+(no collective, so no deadlock), ``allgather`` compares digests at first use in SPMD groups, ``verify``
+leaves it to ``verify_agreement()`` and a bounded check at close. Nothing runs inside a CUDA graph capture.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -33,11 +29,8 @@ from . import store as kv
 from . import verify
 from .verify import all_gather_bytes, pack_text, unchecked_sources, unpack_text
 
-logger = logging.getLogger(__name__)
-
 STORE_UP_TO_RANKS = 64
 """Worlds up to this size check each key at first use (``store``); larger ones use ``verify``."""
-CHECKED_MODES = ("deterministic", "chaos", "auto")
 
 
 def resolve_mode(policy: TuningPolicy, group: Any = None) -> str:
@@ -63,12 +56,10 @@ def start_agreement(
 ) -> Any:
     """Start cross-rank checks for ``policy``; returns a handle whose ``stop()`` ends them (a no-op
     one without a process group, with agreement ``off``, or in a measuring mode). ``inputs`` that
-    differ from the first rank's raise ``InputMismatchError`` here, and on that rank at its next check.
-    """
+    differ from the first rank's raise ``InputMismatchError`` here, and on that rank at its next check."""
     mode = resolve_mode(policy, group)
-    if mode == "off" or policy.mode not in CHECKED_MODES:
-        return _NoAgreement()
-    if not (dist.is_available() and dist.is_initialized()):
+    checked = mode != "off" and policy.mode in ("deterministic", "chaos", "auto")
+    if not (checked and dist.is_available() and dist.is_initialized()):
         return _NoAgreement()
     previous = verify.active_checker()
     if previous is not None:
@@ -196,10 +187,8 @@ class AgreementChecker:
         what = f"the store check of kernel {d.kernel} with key {d.key}"
         name = "k/" + kv.identity_digest(d.kernel, d.key, d.arch).hex()
         first = kv.claim(self._store, name, {"rank": self.rank, "signature": d.signature}, what)
-        first_rank, first_signature = (
-            kv.rank_of(first, what, self.world),
-            kv.field(first, "signature", str, what),
-        )
+        first_rank = kv.rank_of(first, what, self.world)
+        first_signature = kv.field(first, "signature", str, what)
         if first_signature != d.signature:
             signatures = {first_rank: first_signature, self.rank: d.signature}
             raise self._divergence(d, signatures, "Found by the store check at first use.")
@@ -223,9 +212,8 @@ class AgreementChecker:
         rows = all_gather_bytes(row, self.group)
         if all(r == rows[0] for r in rows):
             return
-        texts = [
-            unpack_text(t) for t in all_gather_bytes(pack_text(d.kernel, d.key, d.signature), self.group)
-        ]
+        packed = pack_text(d.kernel, d.key, d.signature)
+        texts = [unpack_text(t) for t in all_gather_bytes(packed, self.group)]
         same = [i for i, r in enumerate(rows) if r[:32] == rows[0][:32]]
         detail = f"Found by allgather check #{self._seq} over ranks {self.ranks}."
         elsewhere = [
@@ -265,9 +253,6 @@ def _error_from_flag(record: Mapping[str, Any]) -> Exception:
     )
 
 
-# --------------------------------------------------------------------------- the inputs
-
-
 def describe_inputs(policy: TuningPolicy, table: Any = None) -> dict[str, str]:
     """What this rank's choices depend on, as short comparable text per input. Table files are
     compared by content, so the same tables at different paths on different nodes agree."""
@@ -280,8 +265,7 @@ def describe_inputs(policy: TuningPolicy, table: Any = None) -> dict[str, str]:
     if table is not None and not hasattr(table, "files"):
         inputs["tables"] = _mapping_digest(table)
     else:
-        explicit = policy.tables + tuple(read_knob(ENV_TABLE))
-        inputs["tables"] = _files_digest(explicit)
+        inputs["tables"] = _files_digest(policy.tables + tuple(read_knob(ENV_TABLE)))
     if policy.use_shipped_tables:
         folder = shipped_tables_dir()
         files = sorted(p for p in folder.rglob("*.msgpack") if p.is_file()) if folder.is_dir() else []

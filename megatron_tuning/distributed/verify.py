@@ -1,13 +1,10 @@
 """``verify_agreement``: compare every rank's whole decision log at a step boundary (collective).
 
-After a store barrier with a deadline (so a missing rank is named), every rank all-gathers a
-32-byte header: a digest of its sorted (identity, signature) rows, its row count and session
-number. Equal digests mean identical logs, and then the call ends there. Otherwise the lowest
-rank of each distinct log sends each row to the rank that owns its identity (one
-``all_to_all_single``), owners all-gather a fixed-size summary, and the holders of the named
-entries broadcast their texts, so every rank raises the same ``DivergenceError``. Per rank that
-is O(ranks) header bytes plus its own rows, never O(ranks x keys); only byte tensors, no pickle.
-This module also keeps which agreement checker is active.
+After a store barrier with a deadline (a missing rank is named), ranks all-gather a 32-byte header
+(log digest, row count, session number); equal digests end the call. Otherwise one rank per distinct
+log sends each row to the rank owning its identity (``all_to_all_single``), owners all-gather a
+summary and the named entries' holders broadcast their texts: every rank raises the same error.
+O(ranks) header bytes plus its own rows per rank; byte tensors only. Also: the active checker.
 """
 
 from __future__ import annotations
@@ -30,8 +27,7 @@ from . import store as kv
 
 logger = logging.getLogger(__name__)
 
-CLOSE_TIMEOUT_S = 60.0
-"""The final check at close waits at most this long for the other ranks (or the policy's timeout)."""
+CLOSE_TIMEOUT_S = 60.0  # the final check at close waits at most this long (or the policy's timeout)
 DEFAULT_TIMEOUT_S = 300.0
 FIELD_BYTES = (256, 768, 512)  # kernel, key, signature text in a fixed-size naming row
 TEXT_BYTES = sum(FIELD_BYTES)
@@ -101,7 +97,10 @@ def verify_agreement(group: Any = None, *, timeout_s: float | None = None) -> in
     kv.arrive(store, str(seq), dist.get_rank(), ranks, f"verify_agreement call #{seq}", timeout)
 
     policy = current_policy()
-    table = _log_table(unchecked_sources(policy.mode if policy is not None else None))
+    unchecked = unchecked_sources(policy.mode if policy is not None else None)
+    checked = [d for d in decision_log().decisions() if d.source not in unchecked]
+    # By identity in first-use order; after a re-install the latest decision of a key (what launches now).
+    table = {kv.identity_digest(d.kernel, d.key, d.arch): d for d in checked}
     idents = list(table)  # launch order, so the first divergence named is the earliest one
     rows = sorted(i[:16] + kv.signature_digest(table[i].signature)[:16] for i in idents)
     digest = hashlib.sha256(b"".join(rows)).digest()[:16]
@@ -114,20 +113,15 @@ def verify_agreement(group: Any = None, *, timeout_s: float | None = None) -> in
     groups: dict[bytes, list[int]] = {}
     for index, (log_digest, _, _) in enumerate(parsed):
         groups.setdefault(log_digest, []).append(index)
-    if len(groups) == 1:
-        shared = parsed[0][1] if len(ranks) >= 2 else 0
-        return _agreed(shared, ranks, late_error)
-    weight = {members[0]: len(members) for members in groups.values()}  # representative -> ranks
-    me = ranks.index(dist.get_rank())
-    found = _compare_sharded(table, idents, me in weight, weight, len(ranks), group)
-    shared, differing, named = found
-    if differing:
-        planted = policy is not None and policy.mode == "chaos"
-        raise _divergence(named, differing, shared, table, weight, groups, ranks, group, planted)
-    return _agreed(shared, ranks, late_error)
-
-
-def _agreed(shared: int, ranks: list[int], late_error: Exception | None) -> int:
+    shared = parsed[0][1] if len(ranks) >= 2 else 0
+    if len(groups) > 1:
+        weight = {members[0]: len(members) for members in groups.values()}  # representative -> ranks
+        me = ranks.index(dist.get_rank())
+        rows_to_send = idents if me in weight else []  # only one rank per distinct log sends its rows
+        shared, differing, named = _compare_sharded(table, rows_to_send, weight, len(ranks), group)
+        if differing:
+            planted = policy is not None and policy.mode == "chaos"
+            raise _divergence(named, differing, shared, table, groups, ranks, group, planted)
     if late_error is not None:
         raise late_error
     logger.info("verify_agreement: %d shared (kernel, key) entries agree across ranks %s", shared, ranks)
@@ -137,17 +131,16 @@ def _agreed(shared: int, ranks: list[int], late_error: Exception | None) -> int:
 def _compare_sharded(
     table: dict[bytes, Decision],
     idents: list[bytes],
-    representative: bool,
     weight: dict[int, int],
     world: int,
     group: Any,
 ) -> tuple[int, int, list[tuple[bytes, int, int]]]:
     """Owners compare the representatives' rows; every rank gets the same (shared, differing, named)."""
     chunks: list[list[bytes]] = [[] for _ in range(world)]
-    if representative:
-        for position, ident in enumerate(idents):
-            signature = kv.signature_digest(table[ident].signature)[:16]
-            chunks[_owner(ident, world)].append(_ROW.pack(ident[:16], signature, position))
+    for position, ident in enumerate(idents):
+        owner = int.from_bytes(ident[:8], "little") % world
+        signature = kv.signature_digest(table[ident].signature)[:16]
+        chunks[owner].append(_ROW.pack(ident[:16], signature, position))
     received = all_to_all_bytes([b"".join(c) for c in chunks], group)
     holders: dict[bytes, dict[bytes, tuple[int, int]]] = {}  # ident -> signature -> (index, position)
     count: dict[bytes, int] = {}
@@ -171,14 +164,9 @@ def _compare_sharded(
         total_shared += owner_shared
         total_differing += owner_differing
         for n in range(min(owner_differing, MAX_NAMED)):
-            ident, index, position = _NAMED.unpack_from(blob, _SUMMARY.size + n * _NAMED.size)
-            named.append((ident, index, position))
+            named.append(_NAMED.unpack_from(blob, _SUMMARY.size + n * _NAMED.size))
     named.sort(key=lambda item: (item[1], item[2], item[0]))
     return total_shared, total_differing, named[:MAX_NAMED]
-
-
-def _owner(ident: bytes, world: int) -> int:
-    return int.from_bytes(ident[:8], "little") % world
 
 
 def _divergence(
@@ -186,41 +174,29 @@ def _divergence(
     total: int,
     shared: int,
     table: dict[bytes, Decision],
-    weight: dict[int, int],
     groups: dict[bytes, list[int]],
     ranks: list[int],
     group: Any,
     planted: bool,
 ) -> DivergenceError:
     """Every rank builds the same error from texts the representatives broadcast."""
-    short = {ident[:16]: ident for ident in table}
+    short = {ident[:16]: decision for ident, decision in table.items()}
+    me = ranks.index(dist.get_rank())
+    members = {members[0]: members for members in groups.values()}  # representative -> its log's ranks
     texts: dict[int, list[tuple[str, str, str] | None]] = {}
-    for index in sorted(weight):  # one broadcast per distinct log: few on an error path
-        if index == ranks.index(dist.get_rank()):
-            block = b"".join(
-                pack_text(table[short[i]].kernel, table[short[i]].key, table[short[i]].signature)
-                if i in short
-                else bytes(TEXT_BYTES)
-                for i, _, _ in named
-            )
-        else:
-            block = b""
+    for index in sorted(members):  # one broadcast per distinct log: few on an error path
+        mine = [short.get(ident) for ident, _, _ in named] if index == me else []
+        block = b"".join(pack_text(d.kernel, d.key, d.signature) if d else bytes(TEXT_BYTES) for d in mine)
         data = broadcast_bytes(block, TEXT_BYTES * len(named), ranks[index], group)
-        texts[index] = [
-            unpack_text(data[n * TEXT_BYTES : (n + 1) * TEXT_BYTES])
-            if any(data[n * TEXT_BYTES : (n + 1) * TEXT_BYTES])
-            else None
-            for n in range(len(named))
-        ]
-    members = {members[0]: members for members in groups.values()}
+        rows = [data[n * TEXT_BYTES : (n + 1) * TEXT_BYTES] for n in range(len(named))]
+        texts[index] = [unpack_text(row) if any(row) else None for row in rows]
     entries = []
     for n in range(len(named)):
         by_signature: dict[str, list[int]] = {}
         seen = [(index, row) for index, rows in texts.items() if (row := rows[n]) is not None]
         for index, row in seen:
             by_signature.setdefault(row[2], []).extend(ranks[m] for m in members[index])
-        kernel, key = seen[0][1][0], seen[0][1][1]
-        entries.append((kernel, key, by_signature))
+        entries.append((seen[0][1][0], seen[0][1][1], by_signature))
     kernel, key, first = entries[0]
     signatures = {}
     for signature, holders in list(first.items())[:MAX_SIGNATURES_NAMED]:
@@ -244,16 +220,6 @@ def _ranks_text(ranks: list[int]) -> str:
     return f"{shown}{more}"
 
 
-def _log_table(unchecked: frozenset[str]) -> dict[bytes, Decision]:
-    """This process's checked decisions by identity digest, in first-use order; after a re-install
-    the latest decision of a key wins (it is what launches now)."""
-    return {
-        kv.identity_digest(d.kernel, d.key, d.arch): d
-        for d in decision_log().decisions()
-        if d.source not in unchecked
-    }
-
-
 def verify_at_close(group: Any, timeout_s: float) -> None:
     """The final check of a ``verify`` session: bounded (``CLOSE_TIMEOUT_S``), so a rank that died
     or never closes cannot hang it; then it says so, naming the ranks. A divergence raises."""
@@ -271,9 +237,6 @@ def verify_at_close(group: Any, timeout_s: float) -> None:
         warn_once(
             ("close-check", type(exc).__name__), "the final agreement check at close did not run: %s", exc
         )
-
-
-# --------------------------------------------------------------------------- byte collectives
 
 
 def pack_text(kernel: str, key: str, signature: str) -> bytes:

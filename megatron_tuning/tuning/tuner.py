@@ -1,11 +1,9 @@
 """Noise-aware tuning: time the candidates robustly, call near-ties ties, break ties statically.
 
-Tuning makes a re-tune reproducible: each candidate is compiled and warmed up, then timed in
-interleaved rounds (the starting candidate rotating, so drift hits all alike); every candidate
-whose median is within ``tie_band`` of the best (or whose p20-p80 spread overlaps it) is tied, and
-the tie is broken by static cost (``stats``, pure). Short kernels are timed cold, one launch after
-an L2 flush, as ``triton.testing.do_bench`` times them. ``make_measure`` builds the callable that
-``interception.install(policy, measure=...)`` calls in ``tune`` and ``auto``.
+Candidates are compiled, warmed up, then timed in interleaved rounds (the first one rotating, so drift
+hits all alike); medians within ``tie_band`` of the best (or overlapping p20-p80 spreads) tie, and
+static cost (``stats``) breaks the tie, so a re-tune is reproducible. Short kernels are timed cold,
+one launch after an L2 flush, as ``do_bench`` does. ``make_measure`` builds ``install``'s ``measure``.
 """
 
 from __future__ import annotations
@@ -18,6 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from ..core.identity import arch_tag
+from ..core.warn import warn_once
 from ..runtime.pinning import Measure
 from .stats import TuneSettings, analyze_configs, timing_method
 
@@ -25,21 +24,15 @@ if TYPE_CHECKING:
     from ..core.policy import TuningPolicy
 
 logger = logging.getLogger(__name__)
+# The per-key "tuned ..." and "audited ..." lines: INFO by default, so batch logs show them (docs/policy.md).
 progress_logger = logging.getLogger(__name__ + ".progress")
-"""The per-key "tuned ..." and "audited ..." lines: at INFO by default so batch logs show them (see
-docs/policy.md to silence them)."""
 progress_logger.setLevel(logging.INFO)
-
-
-# --------------------------------------------------------------------------- clocks
 
 
 class Timer(Protocol):
     """Times launches: ``sample`` returns ms per launch over ``launches`` back-to-back launches.
-
-    Optional: ``sample_cold(launch, launches)`` (median ms of single launches, each after an L2
-    flush: what ``do_bench`` measures; default: single-launch ``sample`` calls) and ``warm_up(ms)``.
-    """
+    Optional: ``sample_cold(launch, launches)`` (median ms of single launches, each after an L2 flush,
+    as ``do_bench``; default: single-launch ``sample`` calls) and ``warm_up(ms)``."""
 
     def synchronize(self) -> None: ...
 
@@ -71,14 +64,9 @@ class ClockTimer:
 
 
 class CudaEventTimer:
-    """CUDA events around launches on the current stream.
-
-    Each sample first enqueues a GPU spin (``torch.cuda._sleep``) long enough for the host to
-    queue every launch behind it, so the events time the kernels, not the host. An L2 flush (a
-    256 MiB memset, as in ``do_bench``) keeps one candidate from inheriting another's cached data.
-    """
-
-    _FLUSH_BYTES = 256 * 1024 * 1024
+    """CUDA events around launches on the current stream. A GPU spin (``torch.cuda._sleep``) first
+    lets the host queue every launch, so the events time the kernels, not the host; an L2 flush (a
+    256 MiB memset, as in ``do_bench``) keeps one candidate from inheriting another's cached data."""
 
     def __init__(self, *, flush_l2: bool = True, torch_module: Any = None) -> None:
         if torch_module is None:
@@ -86,9 +74,8 @@ class CudaEventTimer:
         torch = self._torch = torch_module  # injectable: CPU tests drive this class with a fake
         self._start = torch.cuda.Event(enable_timing=True)
         self._end = torch.cuda.Event(enable_timing=True)
-        self._flush = (
-            torch.empty(self._FLUSH_BYTES // 4, dtype=torch.int32, device="cuda") if flush_l2 else None
-        )
+        words = 64 * 1024 * 1024  # int32s: a 256 MiB flush buffer, as do_bench's
+        self._flush = torch.empty(words, dtype=torch.int32, device="cuda") if flush_l2 else None
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
         # _sleep counts SM clock cycles; assume ~2 GHz where torch does not report the clock.
         self._cycles_per_s = float(getattr(props, "clock_rate", 0) or 2.0e6) * 1e3
@@ -154,8 +141,6 @@ def default_timer(settings: TuneSettings) -> Timer:
     """CUDA events on a GPU, else the host clock (timings then only mean something for smoke tests)."""
     if arch_tag() != "unknown":
         return CudaEventTimer(flush_l2=settings.flush_l2)
-    from ..core.warn import warn_once
-
     warn_once(
         ("host-clock",),
         "no GPU (or the Triton interpreter is active): tuning times candidates with the host clock, "
@@ -163,9 +148,6 @@ def default_timer(settings: TuneSettings) -> Timer:
         "use MEGATRON_TUNING_MODE=deterministic with a table tuned there.",
     )
     return ClockTimer()
-
-
-# --------------------------------------------------------------------------- launching candidates
 
 
 def benchmark_failures() -> tuple[type[BaseException], ...]:
@@ -190,12 +172,9 @@ def make_launcher(
     kwargs: Mapping[str, Any],
     observe: Callable[[], None] | None = None,
 ) -> Callable[[], None]:
-    """One benchmark launch of ``config``, with exactly the hooks ``Autotuner._bench`` runs.
-
-    ``Config.pre_hook``, then the autotuner's ``pre_hook`` (zeroes ``reset_to_zero``, snapshots
-    ``restore_value``), the kernel, ``observe`` (the audit's digest: before anything is restored),
-    then the autotuner's ``post_hook`` (restores), also when the kernel raises.
-    """
+    """One benchmark launch of ``config`` with exactly ``Autotuner._bench``'s hooks: ``Config.pre_hook``,
+    the autotuner's ``pre_hook`` (zeroes ``reset_to_zero``, snapshots ``restore_value``), the kernel,
+    ``observe`` (the audit's digest, before any restore), then ``post_hook``, also when the kernel raises."""
     conflicts = kwargs.keys() & config.kwargs.keys()
     if conflicts:
         raise ValueError(
@@ -226,11 +205,9 @@ def make_launcher(
 class Timed(NamedTuple):
     """What ``time_candidates`` measured for one key."""
 
-    samples: list[list[float]]
-    """Per candidate, ms per launch of each timed round; empty for a failed candidate."""
+    samples: list[list[float]]  # per candidate, ms per launch of each timed round; [] if it failed
     errors: list[str | None]
-    method: str
-    """``"cold"`` (each launch alone after an L2 flush) or ``"batched"``: ``stats.timing_method``."""
+    method: str  # "cold" (each launch alone after an L2 flush) or "batched": stats.timing_method
 
 
 def time_candidates(
@@ -241,12 +218,9 @@ def time_candidates(
     on_step: Callable[[], None] | None = None,
     failures: tuple[type[BaseException], ...] | None = None,
 ) -> Timed:
-    """Compile and warm up each candidate, then sample them in interleaved, rotating rounds.
-
-    Cold (``Timer.sample_cold``) when the fastest candidate is under ``settings.cold_below_ms``,
-    else back to back, ``sample_ms`` of launches a sample. A candidate that raised one of
-    ``failures`` (compile/resource errors) gets no samples and an error text; other errors propagate.
-    """
+    """Compile and warm up each candidate, then sample them in interleaved, rotating rounds: cold
+    when the fastest is under ``settings.cold_below_ms``, else ``sample_ms`` of launches a sample. One
+    that raised one of ``failures`` gets no samples and an error text; other errors propagate."""
     failures = benchmark_failures() if failures is None else failures
     step = on_step or (lambda: None)
     n = len(launchers)
@@ -263,16 +237,14 @@ def time_candidates(
             logger.info("candidate %d failed to compile or launch: %s", i, errors[i])
         step()
     method = timing_method([e for e, err in zip(estimates, errors) if err is None], settings)
-    sample = _sampler(timer, method)
+    sample = timer.sample if method == "batched" else getattr(timer, "sample_cold", None)
+    if sample is None:  # a timer without sample_cold: single back-to-back launches
+        sample = lambda launch, launches: statistics.median(timer.sample(launch, 1) for _ in range(launches))
     if method == "cold":
         launches = [min(settings.cold_launches, settings.max_launches)] * n
     else:  # a NaN estimate (a timer that failed to time) gets single launches, not a crash
-        launches = [
-            1
-            if math.isnan(e)
-            else max(1, min(settings.max_launches, math.ceil(settings.sample_ms / max(e, 1e-6))))
-            for e in estimates
-        ]
+        per_sample = [1 if math.isnan(e) else math.ceil(settings.sample_ms / max(e, 1e-6)) for e in estimates]
+        launches = [max(1, min(settings.max_launches, k)) for k in per_sample]
     warm_up = getattr(timer, "warm_up", None)
     if warm_up is not None and settings.warmup_ms > 0 and any(err is None for err in errors):
         warm_up(settings.warmup_ms)
@@ -295,29 +267,16 @@ def time_candidates(
     return Timed(samples, errors, method)
 
 
-def _sampler(timer: Timer, method: str) -> Callable[[Callable[[], None], int], float]:
-    if method == "batched":
-        return timer.sample
-    cold = getattr(timer, "sample_cold", None)
-    if cold is not None:
-        return cold  # type: ignore[no-any-return]
-    return lambda launch, launches: statistics.median(timer.sample(launch, 1) for _ in range(launches))
-
-
 def make_measure(
     settings: TuneSettings | TuningPolicy | None = None,
     *,
     timer: Timer | Callable[[], Timer] | None = None,
     progress: bool = True,
 ) -> Measure:
-    """The ``measure`` callable for ``interception.install(policy, measure=...)`` in ``tune``/``auto``.
-
-    ``measure(autotuner, candidates, args, kwargs, kernel, key) -> (config, timings)`` times the
-    live candidates with the real call arguments and returns the chosen live ``Config`` and
-    ``TuneResult.to_timings()``. ``timer`` is a ``Timer`` or a factory for one (default: CUDA
-    events on a GPU). With ``progress``, a tqdm bar shows on a terminal and each key logs one line on
-    ``progress_logger`` (stderr by default), so batch logs show progress too.
-    """
+    """The ``measure`` callable for ``interception.install(policy, measure=...)`` in ``tune``/``auto``:
+    ``measure(autotuner, candidates, args, kwargs, kernel, key) -> (live config, timings)`` times the
+    candidates on the real arguments. ``timer``: a ``Timer`` or a factory (default: CUDA events on a
+    GPU). With ``progress``, a tqdm bar on a terminal and one ``progress_logger`` line per key."""
     # A policy (what ``session`` passes) carries no tuner settings: those come from the environment.
     settings = settings if isinstance(settings, TuneSettings) else TuneSettings.from_env()
     timers: list[Timer] = []
@@ -362,16 +321,10 @@ def make_measure(
         # What Triton exposes after its own tuning: [median, p20, p80], inf for a failed candidate.
         autotuner.configs_timings = {c: [s.median, s.low, s.high] for c, s in zip(candidates, result.stats)}
         autotuner.bench_time = elapsed
-        best = result.stats[result.winner]
+        best, fastest = result.stats[result.winner], result.stats[result.fastest].signature
+        line = "tuned %s [%s] in %.1fs: %s (median %.4f ms; %d tied; fastest %s)"
         (progress_logger if progress else logger).info(
-            "tuned %s [%s] in %.1fs: %s (median %.4f ms; %d tied; fastest %s)",
-            kernel,
-            key,
-            elapsed,
-            best.signature,
-            best.median,
-            len(result.tied),
-            result.stats[result.fastest].signature,
+            line, kernel, key, elapsed, best.signature, best.median, len(result.tied), fastest
         )
         timings.update(method=timed.method, rounds=settings.rounds, tune_seconds=round(elapsed, 3))
         return chosen, timings
