@@ -29,10 +29,11 @@ from .core.errors import (
     StoreError,
     TableError,
     TableMissError,
+    TuningWarning,
     UnsupportedTritonError,
+    install_default_handler,
 )
 from .core.policy import TuningPolicy
-from .core.warn import TuningWarning, install_default_handler
 from .runtime.interception import lazy_benchmarker
 from .selection import (
     arch_tag,
@@ -61,7 +62,7 @@ def verify_agreement(group: Any = None, *, timeout_s: float | None = None) -> in
     return _verify(group, timeout_s=timeout_s)
 
 
-# Not a NullHandler: records reach stderr until the application configures logging (core.warn).
+# Not a NullHandler: records reach stderr until the application configures logging (core.errors).
 install_default_handler(logging.getLogger(__name__))
 
 __all__ = [

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from .core.chaos import chaos_choice
 from .core.choice import autotune_configs, deterministic_choice, warn_if_mamba_env_ignored
+from .core.errors import reset_warnings
 from .core.fallback import cheapest, estimate_config_cost, filter_configs_by_block_sizes
 from .core.identity import arch_tag, config_data, config_signature, kernel_module, kernel_name, tuning_key
-from .core.warn import reset_warnings
 
 __all__ = [
     "arch_tag",

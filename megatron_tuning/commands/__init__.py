@@ -16,8 +16,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from ..core.errors import MegatronTuningError
-from ..core.warn import printable
+from ..core.errors import MegatronTuningError, printable
 
 EXIT_OK, EXIT_FOUND, EXIT_USAGE = 0, 1, 2
 

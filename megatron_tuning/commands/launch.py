@@ -23,8 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core import policy as knobs
-from ..core.errors import EXIT_DIVERGENCE, MegatronTuningError, PolicyError
-from ..core.warn import TuningWarning, warn_once
+from ..core.errors import EXIT_DIVERGENCE, MegatronTuningError, PolicyError, TuningWarning, warn_once
 from ..tables.files import output_file_problem, output_folder_problem, write_atomic
 from . import EXIT_USAGE
 from .bootstrap import PTH_MARKER, PTH_NAME, is_site_dir, job_environment, pth_text, write_bootstrap

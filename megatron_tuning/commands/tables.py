@@ -1,7 +1,7 @@
 """The table commands: ``show``, ``export``, ``import``, ``diff``, ``merge``, ``cache``.
 
 They need msgpack only (never torch). Human output escapes every field read from a file
-(``core.warn.printable``); ``--json`` output is exact.
+(``core.errors.printable``); ``--json`` output is exact.
 """
 
 from __future__ import annotations
@@ -14,10 +14,9 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-from ..core.errors import MegatronTuningError
+from ..core.errors import MegatronTuningError, printable
 from ..core.identity import config_signature
 from ..core.policy import parse_int
-from ..core.warn import printable
 from . import EXIT_FOUND, EXIT_OK, write_utf8
 
 

@@ -27,8 +27,7 @@ from typing import Any
 
 from ..core import policy as knobs
 from ..core.decisions import Decision, decision_log, get_decisions
-from ..core.errors import TableError
-from ..core.warn import printable
+from ..core.errors import TableError, printable
 from ..tables.files import output_file_problem, output_folder_problem, write_atomic
 from ..tables.merge import merge_tables, read_decisions, recording_table, write_decisions
 from ..tables.table import merge_entries

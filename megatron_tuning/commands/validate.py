@@ -20,8 +20,8 @@ from typing import Any, NamedTuple
 
 from ..core import identity
 from ..core.decisions import Decision
+from ..core.errors import printable
 from ..core.policy import parse_int
-from ..core.warn import printable
 from ..tables.entry import KEY_FORM, Entry, canonical_key
 from ..tables.search import installed_triton_version
 from ..tables.table import load_table

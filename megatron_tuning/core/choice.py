@@ -9,7 +9,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from .errors import BlockSizeOverrideError, PolicyError, TableMissError
+from .errors import BlockSizeOverrideError, PolicyError, TableMissError, tallies, tally, warn_once
 from .fallback import as_block_sizes, cheapest, filter_configs_by_block_sizes, nearest_keys, pick_neighbour
 from .identity import (
     arch_tag,
@@ -21,7 +21,6 @@ from .identity import (
     tuning_key,
 )
 from .policy import ON_MISS, TuningPolicy
-from .warn import tallies, tally, warn_once
 
 # What the cheapest-config rule costs, measured (benchmarks/RESULTS.md): quoted where it is used.
 CHEAPEST_COST = "on an H200 the cheapest-config rule ran large GEMMs at 12-14% of the best config's speed"

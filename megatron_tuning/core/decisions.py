@@ -11,8 +11,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .errors import printable
 from .policy import ENV_PRINT_DECISIONS, read_knob
-from .warn import printable
 
 # Where a decision's config came from.
 SOURCES = (

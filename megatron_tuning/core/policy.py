@@ -17,8 +17,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from .errors import PolicyError
-from .warn import warn_once
+from .errors import PolicyError, warn_once
 
 PREFIX = "MEGATRON_TUNING_"
 MODES = ("off", "deterministic", "chaos", "record", "tune", "auto")

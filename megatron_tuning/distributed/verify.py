@@ -20,8 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..core.decisions import Decision, decision_log
-from ..core.errors import AgreementTimeoutError, DivergenceError, InputMismatchError, StoreError
-from ..core.warn import warn_once
+from ..core.errors import AgreementTimeoutError, DivergenceError, InputMismatchError, StoreError, warn_once
 from ..runtime.interception import current_policy
 from . import store as kv
 

@@ -20,10 +20,9 @@ import threading
 import weakref
 from typing import Any
 
-from ..core.errors import CompiledLaunchNotPinnedError, MegatronTuningError
+from ..core.errors import CompiledLaunchNotPinnedError, MegatronTuningError, warn_once
 from ..core.identity import config_signature, tuning_key
 from ..core.policy import TuningPolicy
-from ..core.warn import warn_once
 from . import pinning
 
 # Modes whose compiled launches keep Inductor's own behaviour (nothing is pinned in them).

@@ -21,7 +21,7 @@ from ..core import choice as rules
 from ..core.chaos import ChaosCoordinator, choose_chaos
 from ..core.choice import Choice, ConfigTable, choose_deterministically, choose_on_miss, pin_without_fallback
 from ..core.decisions import Decision, decision_log
-from ..core.errors import ConsensusError
+from ..core.errors import ConsensusError, warn_once
 from ..core.identity import (
     arch_tag,
     config_data,
@@ -33,7 +33,6 @@ from ..core.identity import (
     tuning_key,
 )
 from ..core.policy import TuningPolicy
-from ..core.warn import warn_once
 
 logger = logging.getLogger("megatron_tuning.runtime.interception")
 progress = logging.getLogger("megatron_tuning.tuning.tuner.progress")

@@ -18,11 +18,10 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from ..core.choice import TableHit
-from ..core.errors import StaleEntryError, TableError
+from ..core.errors import StaleEntryError, TableError, warn_once
 from ..core.fallback import nearest_keys
 from ..core.identity import content_name
 from ..core.policy import ENV_TABLE, read_knob
-from ..core.warn import warn_once
 from .files import broken_link_problem
 from .table import Entry, Table, load_table
 

@@ -12,10 +12,9 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
-from ..core.errors import NumericsError
+from ..core.errors import NumericsError, printable
 from ..core.identity import arch_tag, config_signature
 from ..core.policy import ENV_AUDIT_RUNS, read_knob
-from ..core.warn import printable
 from ..runtime.pinning import Measure
 from .tuner import benchmark_failures, make_launcher, progress_logger
 

@@ -15,8 +15,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
+from ..core.errors import warn_once
 from ..core.identity import arch_tag
-from ..core.warn import warn_once
 from ..runtime.pinning import Measure
 from .stats import TuneSettings, analyze_configs, timing_method
 

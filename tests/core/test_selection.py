@@ -20,7 +20,7 @@ from megatron_tuning.core.choice import (
     deterministic_choice,
     warn_if_mamba_env_ignored,
 )
-from megatron_tuning.core.errors import BlockSizeOverrideError, PolicyError, TableMissError
+from megatron_tuning.core.errors import BlockSizeOverrideError, PolicyError, TableMissError, reset_warnings
 from megatron_tuning.core.fallback import (
     cheapest,
     estimate_config_cost,
@@ -38,7 +38,6 @@ from megatron_tuning.core.identity import (
     tuning_key,
 )
 from megatron_tuning.core.policy import TuningPolicy
-from megatron_tuning.core.warn import reset_warnings
 
 from .. import support_kernels as sk
 

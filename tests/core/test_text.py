@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from megatron_tuning.core.warn import printable
+from megatron_tuning.core.errors import printable
 
 
 def test_printable_text_is_unchanged():

@@ -5,10 +5,9 @@ from __future__ import annotations
 import pytest
 
 from megatron_tuning.core.choice import ConfigTable, TableHit
-from megatron_tuning.core.errors import StaleEntryError, TableError
+from megatron_tuning.core.errors import StaleEntryError, TableError, reset_warnings
 from megatron_tuning.core.identity import config_signature
 from megatron_tuning.core.policy import TuningPolicy
-from megatron_tuning.core.warn import reset_warnings
 from megatron_tuning.tables.entry import Entry
 from megatron_tuning.tables.search import TableSet, expand_table_paths
 from megatron_tuning.tables.table import Table, save_table

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_tuning.core import warn
-from megatron_tuning.core.warn import TuningWarning, reset_warnings, tallies, tally, warn_once
+from megatron_tuning.core import errors as warn
+from megatron_tuning.core.errors import TuningWarning, reset_warnings, tallies, tally, warn_once
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -30,7 +30,7 @@ def _python(code: str, *flags: str) -> subprocess.CompletedProcess[str]:
 
 
 NOTICE_TWICE = """
-    from megatron_tuning.core.warn import warn_once
+    from megatron_tuning.core.errors import warn_once
     for _ in range(2):
         warn_once(("cause",), "kernel k:f key %s is not pinned; fix: run tune", "n=1 | x:f")
     print("done")
@@ -43,7 +43,7 @@ def test_a_notice_reaches_stderr_once_with_no_setup_at_all():
     assert result.stderr.count("TuningWarning: megatron_tuning: kernel k:f key n=1 | x:f is not pinned") == 1
     assert "fix: run tune" in result.stderr
     # Attributed to the caller's line (here the -c script), not to megatron_tuning's own code.
-    assert "<string>:4" in result.stderr and "megatron_tuning/core/warn.py" not in result.stderr
+    assert "<string>:4" in result.stderr and "megatron_tuning/core/errors.py" not in result.stderr
 
 
 def test_notices_are_filtered_with_the_standard_tools():
@@ -54,7 +54,7 @@ def test_notices_are_filtered_with_the_standard_tools():
         """
         import warnings, megatron_tuning
         warnings.filterwarnings("ignore", category=megatron_tuning.TuningWarning)
-        from megatron_tuning.core.warn import warn_once
+        from megatron_tuning.core.errors import warn_once
         warn_once(("cause",), "kernel k:f is not pinned")
         """
     )
