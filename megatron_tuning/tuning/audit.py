@@ -132,6 +132,10 @@ def with_numerics(measure: Measure, numerics: str, table: Any) -> Measure:
     into its timings (``numerics``), which ``tune`` records in the table."""
 
     def audited(autotuner: Any, candidates: list[Any], args: Any, kwargs: Any, kernel: str, key: str) -> Any:
+        if not autotuner.arg_names:  # inductor._Launchers: the audit cannot see what they write
+            why = "a key first reached under torch.compile is tuned over Inductor's launchers, which "
+            why += "the audit cannot read; reach it once in eager code (or run `tune`) first"
+            raise NumericsError(kernel, key, numerics, why, [])
         audit = audit_candidates(autotuner, candidates, args, kwargs, read_knob(ENV_AUDIT_RUNS))
         hit = table.lookup(kernel, key, arch=arch_tag()) if table is not None else None
         keep = allowed(audit, candidates, numerics, hit, kernel, key)

@@ -204,3 +204,18 @@ def test_audit_table_records_the_pinned_configs_numerics(tmp_path):
     assert record_numerics(str(table), [found]) == 1
     numerics = load_table(table).get("sm90", "m:k", "n=1").numerics
     assert numerics == Numerics("2" * 16, "1" * 16, False, (sigs[0], *sigs[2:]))
+
+
+def test_numerics_refuses_what_it_cannot_audit_instead_of_picking_unrestricted():
+    """Inductor's launchers (a key first reached under torch.compile) expose no arguments to hash:
+    ``same-class`` must fail loudly there, not see one class and let any config through."""
+    from megatron_tuning.runtime.inductor import _Launchers
+    from megatron_tuning.tuning.audit import with_numerics
+
+    def unrestricted(autotuner, candidates, args, kwargs, kernel, key):
+        raise AssertionError("measured without the numerics restriction")
+
+    audited = with_numerics(unrestricted, "same-class", None)
+    launchers = object.__new__(_Launchers)  # what inductor._measure_launchers hands the measure
+    with pytest.raises(NumericsError, match="torch.compile"):
+        audited(launchers, list(kernels.ADD_ONE_CONFIGS), (), {}, "k:add_one", "n=8")
