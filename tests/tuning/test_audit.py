@@ -14,13 +14,14 @@ import triton
 import triton.language as tl
 
 import megatron_tuning
-from megatron_tuning import kernels, session
+from megatron_tuning import session
 from megatron_tuning.commands import main
 from megatron_tuning.commands.launch import add_audit, run_audit
 from megatron_tuning.core.decisions import decision_log
 from megatron_tuning.core.errors import NumericsError
 from megatron_tuning.core.identity import config_data, config_signature, tuning_key
 from megatron_tuning.core.policy import TuningPolicy
+from megatron_tuning.runtime.interception import lazy_benchmarker
 from megatron_tuning.tables.entry import Numerics
 from megatron_tuning.tables.merge import diff_tables, merge_tables, write_decisions
 from megatron_tuning.tables.table import Entry, Table, load_table, save_table
@@ -45,13 +46,16 @@ def _perturb(nargs):  # noqa: ANN001, ANN202
     nargs["x_ptr"][0] += len(PERTURBED)  # a different input at every launch: different output bits
 
 
-@triton.autotune(
-    configs=[triton.Config({"BLOCK": 32}), triton.Config({"BLOCK": 64}, pre_hook=_perturb)], key=["n"]
-)
-@triton.jit
-def _copy(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=offs < n), mask=offs < n)
+with lazy_benchmarker():  # Triton 3.3 without a GPU resolves its benchmarker at decoration
+    from megatron_tuning import kernels
+
+    @triton.autotune(
+        configs=[triton.Config({"BLOCK": 32}), triton.Config({"BLOCK": 64}, pre_hook=_perturb)], key=["n"]
+    )
+    @triton.jit
+    def _copy(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=offs < n), mask=offs < n)
 
 
 def _audit_job(tmp_path: Path, *extra: str) -> dict:
