@@ -47,6 +47,16 @@ def test_chaos_raises_divergence_on_every_rank_in_a_strided_layout(job: tuple[in
         assert len(signatures) == len(outcomes)  # 2 ranks per stage, 4 configs: both differ
 
 
+def test_a_rank_already_in_verify_raises_the_same_error_as_those_the_store_check_caught(
+    job: tuple[int, int, Results],
+) -> None:
+    """Rank 0 reaches ``verify_agreement`` before the others launch: the store check fires on them,
+    and rank 0's verify must raise that same recorded divergence, not a message of its own."""
+    rows = _rows(job, "late_chaos")
+    assert [row["error"] for row in rows] == ["DivergenceError"] * len(rows), rows
+    assert len({row["message"] for row in rows}) == 1, [row["message"] for row in rows]
+
+
 def test_the_same_layout_under_deterministic_stays_quiet(job: tuple[int, int, Results]) -> None:
     rows = _rows(job, "stage_deterministic")
     assert [row["error"] for row in rows] == [None] * len(rows), rows[0].get("message")

@@ -119,6 +119,13 @@ def verify_agreement(group: Any = None, *, timeout_s: float | None = None) -> in
         rows_to_send = idents if me in weight else []  # only one rank per distinct log sends its rows
         shared, differing, named = _compare_sharded(table, rows_to_send, weight, len(ranks), group)
         if differing:
+            if late_error is None and checker is not None:
+                try:  # a rank the store check caught first recorded it before joining us: raise that
+                    checker.poll()
+                except (DivergenceError, InputMismatchError) as error:
+                    late_error = error
+            if late_error is not None:
+                raise late_error
             planted = policy is not None and policy.mode == "chaos"
             raise _divergence(named, differing, shared, table, groups, ranks, group, planted)
     if late_error is not None:

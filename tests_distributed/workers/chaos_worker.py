@@ -6,6 +6,8 @@ with ``verify_agreement`` on every rank; one JSON result file per rank.
 
 * ``stage_chaos`` / ``stage_deterministic``: rank r is in pipeline stage ``r % S``, and each stage
   launches its own shape (its own key), so only the ranks of one stage meet at a key.
+* ``late_chaos``: one key on every rank, but rank 0 launches and goes straight to
+  ``verify_agreement`` while the others start a second later (the store check fires on them first).
 * ``twins_deterministic``: two autotuners over one ``@triton.jit`` function with different config
   lists, launched in opposite orders on even and odd ranks.
 """
@@ -38,7 +40,7 @@ def _keep(result: dict[str, Any], error: MegatronTuningError) -> None:
         result["key"] = getattr(error, "key", "")
 
 
-def _session(mode: str, result: dict[str, Any], plan: list[tuple[str, int]]) -> None:
+def _session(mode: str, result: dict[str, Any], plan: list[tuple[str, int]], late: bool = False) -> None:
     import megatron_tuning
 
     policy = TuningPolicy(
@@ -48,18 +50,21 @@ def _session(mode: str, result: dict[str, Any], plan: list[tuple[str, int]]) -> 
     import _kernels
 
     try:
+        if late and dist.get_rank() != 0:
+            time.sleep(1.0)
         for name, n in plan:
             try:
                 _kernels.run(name, n)
             except MegatronTuningError as error:
                 _keep(result, error)
-        dist.barrier()
-        checker = verify.active_checker()
-        try:
-            if checker is not None:
-                checker.poll()
-        except MegatronTuningError as error:
-            _keep(result, error)
+        if not late:
+            dist.barrier()
+            checker = verify.active_checker()
+            try:
+                if checker is not None:
+                    checker.poll()
+            except MegatronTuningError as error:
+                _keep(result, error)
         try:  # every rank calls it (a collective), errors or not
             result["shared"] = verify.verify_agreement()
         except MegatronTuningError as error:
@@ -86,6 +91,7 @@ def main() -> int:
     scenarios = {
         "stage_chaos": ("chaos", stage_plan),
         "stage_deterministic": ("deterministic", stage_plan),
+        "late_chaos": ("chaos", [("add", 64)]),
         "twins_deterministic": ("deterministic", twins if rank % 2 == 0 else twins[::-1]),
     }
     results: dict[str, Any] = {}
@@ -93,7 +99,7 @@ def main() -> int:
         decision_log().clear()
         result: dict[str, Any] = {"error": None, "stage": stage}
         start = time.monotonic()
-        _session(mode, result, plan)
+        _session(mode, result, plan, late=name == "late_chaos")
         result["wall_s"] = round(time.monotonic() - start, 3)
         results[name] = result
         dist.barrier()
