@@ -29,10 +29,11 @@ def add_key(n: int) -> str:
 
 
 def full_cache(path: Path) -> Path:
-    """A cache at the default cap: 50,000 entries of the add kernel (n = 1,000,000 and on)."""
-    config = {"kwargs": {"BLOCK": 64}, "num_warps": 2, "num_stages": 3, "num_ctas": 1, "maxnreg": None}
+    """A cache at the default cap: 50,000 entries of the add kernel (n = 1 to 50,000; small launches,
+    since the interpreter runs every program of them)."""
+    config = {"kwargs": {"BLOCK": 128}, "num_warps": 4, "num_stages": 3, "num_ctas": 1, "maxnreg": None}
     entries = [
-        Entry(arch="unknown", kernel=KERNEL, key=add_key(1_000_000 + i), config=config, how="tuned")
+        Entry(arch="unknown", kernel=KERNEL, key=add_key(1 + i), config=config, how="tuned")
         for i in range(50_000)
     ]
     save_table(Table(entries, meta={"kind": "auto-cache", "cache_format": "1"}), path)

@@ -87,7 +87,7 @@ def fake_measure(policy: Any) -> Any:
 
 def sizes(scenario: str) -> list[int]:
     if scenario == "full_cache":
-        return [1_000_000, 1_049_999]  # the first and the last entry of the test's 50,000
+        return [1, 50_000]  # the first and the last entry of the test's 50,000
     base = 100 * (SCENARIOS.index(scenario) + 1)
     return [base + 1, base + 2, base + 3]
 
