@@ -36,7 +36,11 @@ class TuningHandle:
         self.cache = cache  # auto mode's tables.cache.AutoCache
         self._agreement = agreement
         self._late: _LateAttach | None = None
-        self.closed = False
+        self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def persist(self) -> int:
         """Write the decisions ``auto`` tuned or adopted so far to the cache table; return how many.
@@ -46,9 +50,9 @@ class TuningHandle:
     def close(self) -> None:
         """Stop agreement checks, write requested outputs, and uninstall the interception."""
         global _active
-        if self.closed:
+        if self._closed:
             return
-        self.closed = True
+        self._closed = True
         try:
             if self._late is not None:
                 self._late.cancel()

@@ -253,3 +253,14 @@ def test_auto_init_with_a_named_cache_file_reads_no_gpu(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: pytest.fail("read a GPU"))
     with megatron_tuning.init_deterministic_tuning(megatron_tuning.TuningPolicy(mode="auto")) as handle:
         assert handle.cache.path == str(tmp_path / "mine.msgpack")
+
+
+def test_the_handle_says_whether_it_is_closed_and_cannot_be_told_otherwise():
+    handle = megatron_tuning.init_deterministic_tuning(
+        megatron_tuning.TuningPolicy(mode="deterministic", use_shipped_tables=False)
+    )
+    assert not handle.closed
+    with pytest.raises(AttributeError):
+        handle.closed = True  # a settable flag would skip close()'s restore of Triton
+    handle.close()
+    assert handle.closed
