@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
@@ -460,19 +461,23 @@ _TUNE_THEN_DIE = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM", "exit"])
-def test_a_run_killed_a_second_after_tuning_keeps_the_key(tmp_path, how):
-    from pathlib import Path
-
-    path, marker = tmp_path / "auto.msgpack", tmp_path / "tuned"
+def _auto_child_env(cache) -> dict[str, str]:  # noqa: ANN001
+    """A child process's environment: this checkout importable, interpreter, ``auto`` on ``cache``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRON_TUNING_")}
     env.update(
         PYTHONPATH=str(Path(__file__).resolve().parents[2]),
         TRITON_INTERPRET="1",
         MEGATRON_TUNING_MODE="auto",
-        MEGATRON_TUNING_CACHE=str(path),
+        MEGATRON_TUNING_CACHE=str(cache),
         MEGATRON_TUNING_TUNE_ROUNDS="1",
     )
+    return env
+
+
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM", "exit"])
+def test_a_run_killed_a_second_after_tuning_keeps_the_key(tmp_path, how):
+    path, marker = tmp_path / "auto.msgpack", tmp_path / "tuned"
+    env = _auto_child_env(path)
     child = subprocess.Popen(
         [sys.executable, "-c", _TUNE_THEN_DIE, str(marker), how],
         cwd=tmp_path,
@@ -538,18 +543,9 @@ def add_one(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
 
 
 def test_concurrent_cold_runs_of_one_file_under_two_module_names_keep_one_entry_per_key(tmp_path):
-    from pathlib import Path
-
     path, source, marker = tmp_path / "auto.msgpack", tmp_path / "kernel_file.py", str(tmp_path / "ready")
     source.write_text(_ADD_ONE_FILE)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRON_TUNING_")}
-    env.update(
-        PYTHONPATH=str(Path(__file__).resolve().parents[2]),
-        TRITON_INTERPRET="1",
-        MEGATRON_TUNING_MODE="auto",
-        MEGATRON_TUNING_CACHE=str(path),
-        MEGATRON_TUNING_TUNE_ROUNDS="1",
-    )
+    env = _auto_child_env(path)
     runs = [
         subprocess.Popen(
             [sys.executable, "-c", _COLD_RUN, str(source), name, marker],
