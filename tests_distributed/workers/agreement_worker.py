@@ -397,8 +397,8 @@ def _kernel_run(result: dict[str, Any], mode: str, agreement_mode: str) -> None:
         _guarded(result, handle.close)
 
 
-def kernels_asymmetric(result: dict[str, Any]) -> None:
-    """Real launches, rank-dependent kernels and shapes, store checks plus a final verify."""
+def _kernels_session() -> Any:
+    """A deterministic session over the ``_kernels`` test kernels, store checks on."""
     import megatron_tuning
 
     policy = TuningPolicy(
@@ -408,7 +408,12 @@ def kernels_asymmetric(result: dict[str, Any]) -> None:
         agreement_timeout_s=30.0,
         use_shipped_tables=False,
     )
-    handle = megatron_tuning.init_deterministic_tuning(policy)
+    return megatron_tuning.init_deterministic_tuning(policy)
+
+
+def kernels_asymmetric(result: dict[str, Any]) -> None:
+    """Real launches, rank-dependent kernels and shapes, store checks plus a final verify."""
+    handle = _kernels_session()
     assert verify.active_checker() is not None
     import _kernels
 
@@ -429,16 +434,7 @@ def kernels_asymmetric(result: dict[str, Any]) -> None:
 
 def kernels_factory(result: dict[str, Any]) -> None:
     """Factory-made kernels and autotuners built over one jit function, in opposite orders per rank."""
-    import megatron_tuning
-
-    policy = TuningPolicy(
-        mode="deterministic",
-        scope=("_kernels",),
-        agreement="store",
-        agreement_timeout_s=30.0,
-        use_shipped_tables=False,
-    )
-    handle = megatron_tuning.init_deterministic_tuning(policy)
+    handle = _kernels_session()
     import _kernels
 
     try:
