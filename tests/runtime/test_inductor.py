@@ -47,6 +47,21 @@ def _sig(block: int, stages: int) -> str:
     return SIG[block].format(stages)
 
 
+def _run_scenarios(env: dict[str, str], *names: str) -> dict[str, Any]:
+    """Run ``tests.runtime.compile_scenarios`` in a fresh process; its last ``RESULT`` line, parsed."""
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.runtime.compile_scenarios", *names],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, done.stdout[-3000:] + done.stderr[-5000:]
+    return json.loads(lines[-1][len("RESULT ") :])  # type: ignore[no-any-return]
+
+
 @pytest.fixture(scope="module")
 def scenarios(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Every scenario of ``compile_scenarios``, run once in a child without the Triton interpreter."""
@@ -58,17 +73,7 @@ def scenarios(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
     env["TRITON_CACHE_DIR"] = str(tmp_path_factory.mktemp("compile_triton_cache"))
     env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path_factory.mktemp("compile_inductor_cache"))
-    done = subprocess.run(
-        [sys.executable, "-m", "tests.runtime.compile_scenarios"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    assert done.returncode == 0 and lines, done.stdout[-3000:] + done.stderr[-5000:]
-    return json.loads(lines[-1][len("RESULT ") :])  # type: ignore[no-any-return]
+    return _run_scenarios(env)
 
 
 def _result(scenarios: dict[str, Any], name: str) -> dict[str, Any]:
@@ -336,17 +341,7 @@ def _run_auto_first_run(cache: Path, tmp_path: Path) -> dict[str, Any]:
         TRITON_CACHE_DIR=str(tmp_path / "triton"),
         TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"),
     )
-    done = subprocess.run(
-        [sys.executable, "-m", "tests.runtime.compile_scenarios", "auto_first_run"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    assert done.returncode == 0 and lines, done.stdout[-3000:] + done.stderr[-5000:]
-    return _result(json.loads(lines[-1][len("RESULT ") :]), "auto_first_run")
+    return _result(_run_scenarios(env, "auto_first_run"), "auto_first_run")
 
 
 def test_auto_tunes_a_key_first_reached_in_compiled_code_once_and_later_runs_launch_it(tmp_path):
