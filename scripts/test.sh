@@ -31,15 +31,16 @@ fi
 # Without explicit paths pytest runs its configured testpaths (tests/ and tests_distributed/).
 
 # pytest-xdist: one worker per core (at most 4), whole files per worker (--dist loadfile), so a
-# module's expensive fixture (a torchrun job shared by its tests) runs once. Many tests wait on
-# subprocesses (torchrun jobs, the CLI), so two workers on two cores roughly halve the wall time.
+# module's expensive fixture (a torchrun job shared by its tests) runs once. Files are handed out in
+# collection order (--no-loadscope-reorder), where tests/conftest.py puts the files that start jobs
+# first: long files first and short ones last lets the workers finish together.
 workers="${MT_TEST_WORKERS:-$(python3 -c 'import os; print(min(4, len(os.sched_getaffinity(0))))' 2>/dev/null || echo 2)}"
 if ! [[ "$workers" =~ ^[0-9]+$ ]]; then
   mt_log "error: MT_TEST_WORKERS must be a whole number (0 = no worker processes), not '$workers'"
   exit 2
 fi
 parallel=()
-((workers > 0)) && parallel=(-n "$workers" --dist loadfile)
+((workers > 0)) && parallel=(-n "$workers" --dist loadfile --no-loadscope-reorder)
 
 export TRITON_INTERPRET=1
 # Keep the interpreter single-threaded per process: CI machines are small and tests use subprocesses.

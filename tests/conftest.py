@@ -18,6 +18,18 @@ import pytest
 os.environ["TRITON_INTERPRET"] = "1"
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Files whose tests start jobs of their own (``slow``, ``distributed``) come first.
+
+    scripts/test.sh hands whole files to the xdist workers in this order (``--no-loadscope-reorder``;
+    xdist would otherwise start with the files that hold the most tests). Long files first, short
+    ones filling in at the end, lets both workers finish together: 35-50 s less on 2 cores.
+    """
+    starts_jobs = ("slow", "distributed")
+    items.sort(key=lambda item: not any(item.get_closest_marker(name) for name in starts_jobs))
+
+
 @pytest.fixture(autouse=True)
 def _restore_environ() -> Iterator[None]:
     """Undo any change a test makes to ``os.environ`` (including ones made without monkeypatch).

@@ -14,8 +14,9 @@ import pytest
 
 from tests.test_benchmarks_smoke import REPO, _smoke
 
+pytestmark = pytest.mark.slow
 
-@pytest.mark.slow
+
 def test_workloads_smoke_agrees_catches_chaos_and_tunes_once(tmp_path: Path) -> None:
     """bench_workloads.py --smoke: 4 torchrun jobs of 2 gloo ranks (~30-45 s on 2 cores)."""
     result = _smoke("bench_workloads.py", tmp_path)

@@ -17,6 +17,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
+pytestmark = pytest.mark.slow  # every test starts a benchmark process
+
 
 def _smoke(script: str, tmp_path: Path, *args: str) -> dict:
     out = tmp_path / "result.json"

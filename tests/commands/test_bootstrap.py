@@ -107,6 +107,7 @@ def test_the_pth_stands_down_for_mode_off_and_under_a_launcher(tmp_path: Path, e
     assert "bootstrap loaded: True waiting: False" in done.stdout
 
 
+@pytest.mark.slow
 def test_the_pth_arms_at_triton_import_when_the_mode_is_set(tmp_path: Path) -> None:
     done = _with_pth(
         tmp_path, bootstrap.pth_text("p"), "--import-triton", MEGATRON_TUNING_MODE="deterministic"

@@ -84,6 +84,7 @@ def _table_for_double(path: Path) -> None:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", ["script", "python -m"])
 def test_run_pins_an_unedited_script(tmp_path: Path, form: str) -> None:
     (tmp_path / "evaljob.py").write_text(EVAL)

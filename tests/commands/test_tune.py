@@ -77,6 +77,7 @@ def _tiny_records(signatures_fast: int = 0, n: int = 100, tie_band: float = 0.02
     return decisions
 
 
+@pytest.mark.slow
 def test_tune_runs_the_job_and_writes_table_results_and_plots(tmp_path: Path) -> None:
     pytest.importorskip("msgpack")
     script = tmp_path / "job.py"
@@ -104,6 +105,7 @@ def test_tune_runs_the_job_and_writes_table_results_and_plots(tmp_path: Path) ->
         assert png.read_bytes()[:8] == PNG_MAGIC and png.stat().st_size > 5000
 
 
+@pytest.mark.slow
 def test_tune_keeps_partial_results_and_returns_the_job_status(tmp_path: Path) -> None:
     pytest.importorskip("msgpack")
     script = tmp_path / "job.py"

@@ -90,6 +90,7 @@ def _stages(result: dict[str, Any]) -> int:
 # --------------------------------------------------------------------------- the compiled path
 
 
+@pytest.mark.slow
 def test_without_the_hook_every_config_reaches_the_compiler(scenarios):
     # The control: what Inductor would compile and benchmark when nothing pins the kernel.
     assert _result(scenarios, "not_installed")["graphs"] == ALL_CONFIGS
@@ -344,6 +345,7 @@ def _run_auto_first_run(cache: Path, tmp_path: Path) -> dict[str, Any]:
     return _result(_run_scenarios(env, "auto_first_run"), "auto_first_run")
 
 
+@pytest.mark.slow
 def test_auto_tunes_a_key_first_reached_in_compiled_code_once_and_later_runs_launch_it(tmp_path):
     """Three fresh processes sharing one cache; the key is first reached under torch.compile."""
     cache = tmp_path / "auto.msgpack"

@@ -474,6 +474,7 @@ def _auto_child_env(cache) -> dict[str, str]:  # noqa: ANN001
     return env
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM", "exit"])
 def test_a_run_killed_a_second_after_tuning_keeps_the_key(tmp_path, how):
     path, marker = tmp_path / "auto.msgpack", tmp_path / "tuned"
@@ -542,6 +543,7 @@ def add_one(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
 """
 
 
+@pytest.mark.slow
 def test_concurrent_cold_runs_of_one_file_under_two_module_names_keep_one_entry_per_key(tmp_path):
     path, source, marker = tmp_path / "auto.msgpack", tmp_path / "kernel_file.py", str(tmp_path / "ready")
     source.write_text(_ADD_ONE_FILE)
