@@ -22,8 +22,9 @@ Measured per (design, workload): requests (per store method), store-server CPU s
 growth. A 10,000-rank line extrapolates requests linearly per rank (the designs' request count per
 rank does not depend on the world size) at the measured server cost per request.
 
-**verify** (``--verify N ...``): real gloo ranks under torchrun record the workload's decisions and
-call ``verify_agreement()``; each reports the bytes its collectives sent and the call's time.
+**verify** (``--verify N ...``): real gloo ranks under torchrun (one job per world size) record
+each workload's decisions in turn and call ``verify_agreement()``; each reports the bytes its
+collectives sent and the call's time.
 ``--out`` writes JSON.
 """
 
@@ -379,10 +380,7 @@ sys.path.insert(0, sys.argv[1])
 import bench_scale
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
-keys, own, workload = int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
-for key in bench_scale.plan(workload, rank, keys, own):
-    decision_log().record(Decision(kernel=bench_scale.KERNEL, key=key, signature=bench_scale.SIGNATURE,
-                                   source="table", arch=bench_scale.ARCH))
+keys, own = int(sys.argv[3]), int(sys.argv[4])
 sent = [0]
 gather, to_all = verify.all_gather_bytes, verify.all_to_all_bytes
 def counted_gather(data, group):
@@ -392,18 +390,27 @@ def counted_to_all(chunks, group):
     sent[0] += sum(len(c) for c in chunks)
     return to_all(chunks, group)
 verify.all_gather_bytes, verify.all_to_all_bytes = counted_gather, counted_to_all
-dist.barrier()
-t0 = time.perf_counter()
-shared = verify.verify_agreement(timeout_s=120)
-elapsed = time.perf_counter() - t0
+results = {}
+for workload in sys.argv[5:]:
+    decision_log().clear()
+    for key in bench_scale.plan(workload, rank, keys, own):
+        decision_log().record(Decision(kernel=bench_scale.KERNEL, key=key, signature=bench_scale.SIGNATURE,
+                                       source="table", arch=bench_scale.ARCH))
+    sent[0] = 0
+    dist.barrier()
+    t0 = time.perf_counter()
+    shared = verify.verify_agreement(timeout_s=120)
+    elapsed = time.perf_counter() - t0
+    results[workload] = {"sent_bytes": sent[0], "seconds": elapsed, "shared": shared}
 with open(os.path.join(sys.argv[2], f"rank{rank}.json"), "w") as f:
-    json.dump({"sent_bytes": sent[0], "seconds": elapsed, "shared": shared}, f)
+    json.dump(results, f)
 dist.destroy_process_group()
 """
 
 
-def measure_verify(world: int, workload: str, args: argparse.Namespace) -> dict[str, Any]:
-    """``verify_agreement`` across ``world`` real gloo ranks (torchrun): bytes sent per rank, time."""
+def measure_verify(world: int, workloads: list[str], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """``verify_agreement`` across ``world`` real gloo ranks (one torchrun job for every workload):
+    bytes sent per rank, and the call's time."""
     import tempfile
 
     with tempfile.TemporaryDirectory() as folder:
@@ -420,14 +427,8 @@ def measure_verify(world: int, workload: str, args: argparse.Namespace) -> dict[
         ]
         env = dict(os.environ, OMP_NUM_THREADS="1")
         done = subprocess.run(
-            [
-                *command,
-                os.path.dirname(os.path.abspath(__file__)),
-                folder,
-                str(args.keys),
-                str(args.own),
-                workload,
-            ],
+            [*command, os.path.dirname(os.path.abspath(__file__)), folder, str(args.keys), str(args.own)]
+            + workloads,
             env=env,
             capture_output=True,
             text=True,
@@ -439,18 +440,23 @@ def measure_verify(world: int, workload: str, args: argparse.Namespace) -> dict[
         for r in range(world):
             with open(os.path.join(folder, f"rank{r}.json")) as f:
                 ranks.append(json.load(f))
-    sent = [r["sent_bytes"] for r in ranks]
-    return {
-        "design": "verify",
-        "workload": workload,
-        "ranks": world,
-        "keys": args.keys,
-        "sent_bytes_per_rank_max": max(sent),
-        "sent_bytes_per_rank_mean": statistics.mean(sent),
-        "received_header_bytes_per_rank": 32 * world,
-        "seconds_max": max(r["seconds"] for r in ranks),
-        "shared": ranks[0]["shared"],
-    }
+    rows = []
+    for workload in workloads:
+        sent = [r[workload]["sent_bytes"] for r in ranks]
+        rows.append(
+            {
+                "design": "verify",
+                "workload": workload,
+                "ranks": world,
+                "keys": args.keys,
+                "sent_bytes_per_rank_max": max(sent),
+                "sent_bytes_per_rank_mean": statistics.mean(sent),
+                "received_header_bytes_per_rank": 32 * world,
+                "seconds_max": max(r[workload]["seconds"] for r in ranks),
+                "shared": ranks[0][workload]["shared"],
+            }
+        )
+    return rows
 
 
 def main() -> int:
@@ -537,8 +543,7 @@ def main() -> int:
     common.print_table(headers, table)
     verify_rows = []
     for world in args.verify or []:
-        for workload in args.workloads:
-            row = measure_verify(world, workload, args)
+        for row in measure_verify(world, args.workloads, args):
             verify_rows.append(row)
             print(json.dumps(row), flush=True)
     if verify_rows:
