@@ -18,10 +18,13 @@ source "$MT_ROOT/scripts/_venv.sh"
 cd "$MT_ROOT"
 
 # Supported releases, newest first, space or comma separated. The first runs everything (tests/
-# and tests_distributed/). The others run tests/ (everything that touches Triton's autotuner,
-# interpreter kernels, the CLI) but not the torchrun jobs of tests_distributed/ nor the benchmark
-# smoke runs, which drive the same interception code again through subprocesses and would double
-# CI's time; MT_FULL_MATRIX=1 runs everything on every release. Explicit paths or pytest
+# and tests_distributed/). The others run what depends on Triton's release: the tests of the
+# modules that import Triton (core/, runtime/ with the contract and Inductor tests, tuning/, the
+# kernels, the session, and the commands that reach Triton: validate, tune, the launcher's arming at
+# `import triton`). They skip what never touches Triton (tables/, the launcher's process handling,
+# `enable`, the CLI's argument handling, the layer contracts, the docs), the torchrun jobs of
+# tests_distributed/ and the benchmark smoke runs, which drive the same interception again through
+# subprocesses; MT_FULL_MATRIX=1 runs everything on every release. Explicit paths or pytest
 # arguments apply to every release as given.
 IFS=', ' read -r -a versions <<<"${MT_TRITON_VERSIONS:-3.9.0 3.3.1}"
 if ((${#versions[@]} == 0)); then
@@ -66,8 +69,12 @@ for index in "${!versions[@]}"; do
   log="$MT_ROOT/.venv/pytest-$(mt_venv_name "$triton").log"
   scope=("$@")
   if ((${#scope[@]} == 0 && index > 0)) && [[ "${MT_FULL_MATRIX:-0}" != 1 ]]; then
-    scope=(tests --ignore=tests/test_benchmarks_smoke.py --ignore=tests/test_benchmark_jobs_smoke.py
-      --ignore=tests/test_docs.py)  # see "Supported releases" above
+    scope=(tests)  # see "Supported releases" above
+    for unaffected in tables commands/test_run.py commands/test_enable.py commands/test_selftest_args.py \
+      commands/test_launcher_docs.py test_cli.py test_architecture.py test_docs.py \
+      test_benchmark_harness.py test_benchmarks_smoke.py test_benchmark_jobs_smoke.py; do
+      scope+=("--ignore=tests/$unaffected")
+    done
   fi
   mt_log "triton $triton: python -m pytest ${parallel[*]} ${scope[*]}"
   start=$SECONDS
