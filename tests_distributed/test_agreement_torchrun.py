@@ -286,22 +286,3 @@ def test_the_check_at_close_catches_chaos_when_the_job_never_verifies(job: tuple
     assert [row["error"] for row in rows] == ["DivergenceError"] * len(rows)
     assert all("Found by verify_agreement" in row["message"] and "key M=3" in row["message"] for row in rows)
     assert all(row["close_s"] < 30 for row in rows)
-
-
-VERIFY_SCENARIOS = [name for name in SCENARIOS if name.startswith("verify_")]
-
-
-def test_verify_mode_at_8_ranks(tmp_path: Any) -> None:
-    """The synthetic verify scenarios (no kernel launches) at 8 gloo ranks, stage = rank % 2."""
-    if not gloo_available():
-        pytest.skip("torch.distributed with gloo is not available")
-    args = ["--out", str(tmp_path), "--scenarios", ",".join(VERIFY_SCENARIOS)]
-    done = run_torchrun(8, WORKERS / "agreement_worker.py", args, tmp_path, timeout_s=240)
-    results = read_results(tmp_path, 8)
-    assert done.returncode == 0 and len(results) == 8, done.stdout[-3000:] + done.stderr[-3000:]
-    rows = {name: [results[r][name] for r in range(8)] for name in VERIFY_SCENARIOS}
-    for name in ("verify_tp", "verify_pp", "verify_varlen"):
-        assert [_raised(row) for row in rows[name]] == [None] * 8, rows[name]
-    for name in ("verify_chaos_tp", "verify_chaos_strided", "verify_chaos_pair", "verify_close_chaos"):
-        assert [_raised(row) for row in rows[name]] == ["DivergenceError"] * 8, rows[name]
-    assert all(row["verify_bytes"] == 32 for row in rows["verify_tp"])

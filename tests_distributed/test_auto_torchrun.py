@@ -1,11 +1,11 @@
 """auto mode across real torchrun ranks (gloo, CPU, Triton interpreter).
 
 Ranks race to tune the same keys with a fake measurement that picks a different config on every
-rank, arriving in rank order, in reverse, all at once, and with one rank 8 s late. Every rank must
-launch one config per key (the first publisher's), no rank may wait for another's tuning, and a
-second job reading the cache the first one wrote measures nothing. Ranks whose caches differ (one
-holds the keys; the others' is empty, corrupt, a folder or off) still launch one config per key,
-and a default-size cache (50,000 entries) starts a multi-rank job.
+rank, arriving in rank order, in reverse, all at once, and with one rank 5 s late, at 2 and 4 ranks.
+Every rank must launch one config per key (the first publisher's), no rank may wait for another's
+tuning, and a second job reading the cache the first one wrote measures nothing. At 2 ranks, ranks
+whose caches differ (one holds the keys; the other's is empty, corrupt, a folder or off) still
+launch one config per key, and a default-size cache (50,000 entries) starts the job.
 """
 
 from __future__ import annotations
@@ -40,36 +40,25 @@ def full_cache(path: Path) -> Path:
     return path
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"{n}ranks")
-def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """Two jobs: run 1 tunes (and runs the split-cache scenarios), run 2 reads the cache."""
+def _jobs(nproc: int, tmp: Path, plan: list[tuple[str, list[str]]]) -> dict[str, Any]:
+    """Run each (run name, scenarios) of ``plan`` as a torchrun job of ``nproc`` ranks sharing one cache."""
     if not gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
-    nproc = request.param
-    tmp = tmp_path_factory.mktemp(f"auto_{nproc}")
     cache = tmp / "cache" / "auto.msgpack"
     table = tmp / "rank0_table.msgpack"
     config = {"kwargs": {"BLOCK": 128}, "num_warps": 4, "num_stages": 3, "num_ctas": 1, "maxnreg": None}
     save_table(
         Table([Entry(arch="unknown", kernel=KERNEL, key=add_key(501), how="hand", config=config)]), table
     )
-    out = {}
-    big = full_cache(tmp / "full.msgpack")
-    for run, scenarios in (("run1", RACES + ["table_vs_published", *SPLITS, "full_cache"]), ("run2", RACES)):
+    out: dict[str, Any] = {}
+    big = (
+        full_cache(tmp / "full.msgpack") if any("full_cache" in scenarios for _, scenarios in plan) else None
+    )
+    for run, scenarios in plan:
         folder = tmp / run
         folder.mkdir()
-        args = [
-            "--out",
-            str(folder),
-            "--cache",
-            str(cache),
-            "--scenarios",
-            ",".join(scenarios),
-            "--table",
-            str(table),
-            "--full-cache",
-            str(big),
-        ]
+        args = ["--out", str(folder), "--cache", str(cache), "--scenarios", ",".join(scenarios)]
+        args += ["--table", str(table)] + (["--full-cache", str(big)] if big else [])
         if run == "run2":  # run 2 only reads the cache: a late rank proves nothing there
             args += ["--slow-s", "0"]
         done = run_torchrun(nproc, WORKERS / "auto_worker.py", args, tmp, timeout_s=240)
@@ -80,13 +69,31 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     return out
 
 
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """2 ranks, two jobs: run 1 races, and runs the split-cache and table scenarios; run 2 reads the cache."""
+    plan = [("run1", RACES + ["table_vs_published", *SPLITS, "full_cache"]), ("run2", RACES)]
+    return _jobs(2, tmp_path_factory.mktemp("auto_2"), plan)
+
+
+@pytest.fixture(scope="module")
+def races_at_4(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """4 ranks, the races alone: three ranks adopt what one published."""
+    return _jobs(4, tmp_path_factory.mktemp("auto_4"), [("run1", RACES)])
+
+
+@pytest.fixture(params=["runs", "races_at_4"], ids=["2ranks", "4ranks"])
+def races(request: pytest.FixtureRequest) -> dict[str, Any]:
+    return request.getfixturevalue(request.param)  # type: ignore[no-any-return]
+
+
 def rows(runs: dict[str, Any], run: str, scenario: str) -> list[dict[str, Any]]:
     return [runs[run][rank][scenario] for rank in range(runs["nproc"])]
 
 
 @pytest.mark.parametrize("scenario", RACES)
-def test_every_rank_launches_the_first_publishers_config(runs, scenario):
-    results = rows(runs, "run1", scenario)
+def test_every_rank_launches_the_first_publishers_config(races, scenario):
+    results = rows(races, "run1", scenario)
     assert all(r["error"] is None for r in results), [r.get("message") for r in results]
     by_key: dict[str, set[str]] = {}
     for r in results:
@@ -97,29 +104,29 @@ def test_every_rank_launches_the_first_publishers_config(runs, scenario):
     # One rank tuned-and-published each key; every other rank adopted it (after measuring or not).
     for key in by_key:
         sources = sorted(d["source"] for r in results for d in r["decisions"] if d["key"] == key)
-        assert sources == ["adopted"] * (runs["nproc"] - 1) + ["tuned"], (key, sources)
+        assert sources == ["adopted"] * (races["nproc"] - 1) + ["tuned"], (key, sources)
     assert all(r["shared"] == 3 for r in results)  # verify_agreement compared all three keys
 
 
-def test_adoptions_name_the_publishing_rank(runs):
+def test_adoptions_name_the_publishing_rank(races):
     for scenario in RACES:
-        for r in rows(runs, "run1", scenario):
+        for r in rows(races, "run1", scenario):
             for d in r["decisions"]:
                 if d["source"] == "adopted":
                     assert d["origin"].startswith("rank ")
 
 
-def test_ranks_arriving_later_adopt_what_is_already_published(runs):
+def test_ranks_arriving_later_adopt_what_is_already_published(races):
     # Rank r starts 0.3 s after rank r-1 and a fake tuning takes 0.2 s: rank 0 finds nothing
     # published and tunes every key; by the time the last rank arrives, at least the first key
     # is published, so it measures less (how much less depends on the machine's speed).
-    results = rows(runs, "run1", "forward")
+    results = rows(races, "run1", "forward")
     assert results[0]["measured"] == 3
     assert results[-1]["measured"] < 3
 
 
-def test_no_rank_waits_for_a_late_ranks_tuning(runs):
-    results = rows(runs, "run1", "slow_rank")
+def test_no_rank_waits_for_a_late_ranks_tuning(races):
+    results = rows(races, "run1", "slow_rank")
     late = results[-1]
     assert late["measured"] == 0  # it arrived 5 s late and adopted everything
     assert all(r["kernel_s"] < 4.0 for r in results[:-1]), [r["kernel_s"] for r in results]

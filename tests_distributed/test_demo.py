@@ -1,4 +1,5 @@
-"""The README's main job (``scripts/demo.sh``): the 2-rank demo must pass deterministic and catch chaos."""
+"""The README's main job (``scripts/demo.sh``, that is ``selftest --show``): the 2-rank demo must pass
+deterministic and catch chaos. (How selftest judges and reports a failing run: tests/commands.)"""
 
 from __future__ import annotations
 
@@ -13,7 +14,18 @@ pytestmark = pytest.mark.distributed
 
 @pytest.mark.skipif(not gloo_available(), reason="torch.distributed with gloo is not available")
 def test_demo_shows_pinned_choices_then_chaos_caught(tmp_path: Path) -> None:
-    command = [sys.executable, "-m", "megatron_tuning", "selftest", "--nproc", "2", "--show"]
+    kept = tmp_path / "kept"
+    command = [
+        sys.executable,
+        "-m",
+        "megatron_tuning",
+        "selftest",
+        "--nproc",
+        "2",
+        "--show",
+        "--keep",
+        str(kept),
+    ]
     done = run_bounded(command, tmp_path, 400, "the 2-rank demo", merge_stderr=True)
     out = done.stdout
     assert done.returncode == 0, out[-4000:]
@@ -26,7 +38,10 @@ def test_demo_shows_pinned_choices_then_chaos_caught(tmp_path: Path) -> None:
         "deterministic PASS  all ranks agree on 6 (kernel, key) choices (verify_agreement compared 6)" in out
     )
     # Chaos: caught on both ranks, one message naming kernel, key and each rank's config.
-    assert "chaos         PASS  DivergenceError on ranks [0, 1]" in out
+    assert "chaos         PASS  DivergenceError on ranks [0, 1] for megatron_tuning.kernels:" in out
+    assert (kept / "chaos" / "rank1.json").exists() and (kept / "deterministic" / "torchrun.log").exists()
     assert "Ranks launched different configs for kernel megatron_tuning.kernels:" in chaos
     assert "Rank(s) [0] ran" in chaos and "Rank(s) [1] ran" in chaos and "diff:" in chaos
-    assert out.rstrip().endswith("selftest passed: deterministic runs agree and chaos is detected.")
+    assert out.rstrip().endswith(
+        f"selftest passed: deterministic runs agree and chaos is detected.\nresults kept in {kept}"
+    )

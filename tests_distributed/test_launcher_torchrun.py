@@ -87,18 +87,6 @@ def test_run_pins_every_rank_of_an_unedited_torchrun_job_with_one_notice_per_job
     ], notices
 
 
-def test_the_agreement_check_is_on_in_an_unedited_torchrun_job(tmp_path: Path) -> None:
-    done, results = _run_unedited(tmp_path, "--mode", "chaos")
-    # The job caught it and exited 0; `run` still reports it, with its own status.
-    assert done.returncode == EXIT_DIVERGENCE, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "2 process(es) of the job raised DivergenceError" in done.stderr
-    errors = {results[r]["error"] for r in range(NPROC)}
-    assert "DivergenceError" in errors, results
-    message = next(results[r]["message"] for r in range(NPROC) if results[r]["error"])
-    assert "_kernels:add_kernel" in message and "Rank(s) [0]" in message and "Rank(s) [1]" in message
-    assert "Planted by chaos mode" in message
-
-
 def test_a_divergence_the_check_at_close_finds_fails_the_job(tmp_path: Path) -> None:
     """verify checks at close (atexit here): before, the divergence was only logged and run exited 0."""
     done, results = _run_unedited(
@@ -110,10 +98,16 @@ def test_a_divergence_the_check_at_close_finds_fails_the_job(tmp_path: Path) -> 
 
 
 def test_selftest_of_a_job_chaos_can_catch_passes(tmp_path: Path) -> None:
+    """Its chaos run is ``run --mode chaos``: the agreement check is on in an unedited job."""
     done, results = _run_unedited(tmp_path, command_name="selftest")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "selftest passed" in done.stdout
-    assert "Planted by chaos mode" in results[0]["message"]  # the chaos run wrote last
+    assert "selftest: 2 process(es) of the job raised DivergenceError" in done.stderr
+    # The chaos run wrote last: one message, naming the kernel and each rank's config.
+    assert [results[r]["error"] for r in range(NPROC)] == ["DivergenceError"] * NPROC, results
+    message = results[0]["message"]
+    assert "_kernels:add_kernel" in message and "Rank(s) [0]" in message and "Rank(s) [1]" in message
+    assert "Planted by chaos mode" in message
 
 
 def test_selftest_of_a_job_chaos_cannot_reach_fails_and_says_why(tmp_path: Path) -> None:
