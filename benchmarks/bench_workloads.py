@@ -340,7 +340,7 @@ def main() -> int:
     parser.add_argument(
         "--smoke",
         action="store_true",
-        help="2 ranks, the tp workload, chaos and auto only, 2 steps, 0.5 s straggler: a CPU check",
+        help="2 ranks, the tp workload, the chaos and auto1 jobs, 2 steps, 0.5 s straggler: a CPU check",
     )
     parser.add_argument("--gpu", action="store_true", help="one GPU per rank, real launches (no interpreter)")
     parser.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
@@ -367,9 +367,10 @@ def main() -> int:
     if args._worker:
         return _worker(args)
     if args.smoke:
-        # deterministic is chaos's job without the planted difference, so the smoke leaves it out.
+        # The plumbing of every job: deterministic is chaos's without the planted difference, and auto2
+        # is auto1's with the cache auto1 wrote (tests_distributed/test_auto_torchrun.py runs that).
         args.nproc, args.workloads, args.steps, args.straggler_s = [2], ["tp"], 2, 0.5
-        args.runs = [run for run in args.runs if run != "deterministic"]
+        args.runs = [run for run in args.runs if run in ("chaos", "auto1")]
     if args.log_dir:
         Path(args.log_dir).mkdir(parents=True, exist_ok=True)
     print(

@@ -17,16 +17,19 @@ from tests.test_benchmarks_smoke import REPO, _smoke
 pytestmark = pytest.mark.slow
 
 
-def test_workloads_smoke_agrees_catches_chaos_and_tunes_once(tmp_path: Path) -> None:
-    """bench_workloads.py --smoke: 3 torchrun jobs of 2 gloo ranks (chaos, auto1, auto2)."""
+def test_workloads_smoke_catches_chaos_and_shares_auto_decisions(tmp_path: Path) -> None:
+    """bench_workloads.py --smoke: 2 torchrun jobs of 2 gloo ranks (chaos, auto1)."""
     result = _smoke("bench_workloads.py", tmp_path)
     jobs = {job["run"]: job["summary"] for job in result["jobs"]}
-    assert set(jobs) == {"chaos", "auto1", "auto2"}
+    assert set(jobs) == {"chaos", "auto1"}
     assert all(s["verdict"] == "ok" for s in jobs.values()), {r: s["verdict"] for r, s in jobs.items()}
     assert jobs["chaos"]["errors"] == {"DivergenceError": 2} and jobs["chaos"]["keys_with_several_configs"]
     assert jobs["auto1"]["errors"] == {} and jobs["auto1"]["keys_with_several_configs"] == 0
-    assert sum(jobs["auto1"]["measured_per_rank"]) > 0 and jobs["auto2"]["measured_per_rank"] == [0, 0]
-    assert set(jobs["auto2"]["sources"]) == {"table"}
+    # Each key tuned by one rank and adopted by the other: one config per key on both.
+    assert sum(jobs["auto1"]["measured_per_rank"]) > 0 and set(jobs["auto1"]["sources"]) == {
+        "tuned",
+        "adopted",
+    }
 
 
 def test_run_gpu_stages_in_one_call(tmp_path: Path) -> None:
