@@ -3,7 +3,6 @@ an autotuned kernel, and the host-clock benchmarker that lets stock autotuning r
 
 from __future__ import annotations
 
-import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -12,14 +11,11 @@ from typing import Any
 
 def time_ms(fn: Callable[[], Any], smoke: bool, *, warmup: int = 25, rep: int = 100) -> float:
     """Median milliseconds of ``fn``: ``triton.testing.do_bench`` on a GPU, the host clock in smoke."""
-    if smoke:
+    if smoke:  # one warm-up and one timed call: interpreted launches are slow, and the number means nothing
         fn()
-        samples = []
-        for _ in range(3):
-            start = time.perf_counter()
-            fn()
-            samples.append((time.perf_counter() - start) * 1e3)
-        return statistics.median(samples)
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
     import triton.testing
 
     # Three quantiles: do_bench returns a list for several (a bare float for exactly one).
