@@ -155,7 +155,7 @@ def _big_table(count: int) -> Table:
 
 
 def test_genuine_tables_stay_well_inside_the_budget():
-    table = _big_table(20_000)
+    table = _big_table(5_000)
     for data, load in ((table.to_bytes(), Table.from_bytes), (table.to_json().encode(), Table.from_json)):
         tracemalloc.start()
         try:
