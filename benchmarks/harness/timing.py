@@ -10,8 +10,9 @@ from typing import Any
 
 
 def time_ms(fn: Callable[[], Any], smoke: bool, *, warmup: int = 25, rep: int = 100) -> float:
-    """Median milliseconds of ``fn``: ``triton.testing.do_bench`` on a GPU, the host clock in smoke."""
-    if smoke:  # one warm-up and one timed call: interpreted launches are slow, and the number means nothing
+    """Milliseconds of ``fn``: the median of ``triton.testing.do_bench`` on a GPU; in smoke, one host-clock
+    call after one warm-up (interpreted launches are slow, and the number means nothing)."""
+    if smoke:
         fn()
         start = time.perf_counter()
         fn()
