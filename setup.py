@@ -13,7 +13,16 @@ from setuptools import find_packages, setup
 HERE = Path(__file__).resolve().parent
 README = HERE / "README.md"
 
-TEST_REQUIRES = ["pytest>=7", "hypothesis", "pytest-timeout", "pytest-xdist>=3.5", "import-linter>=2.1"]
+# The linters are pinned: a new release may reformat or flag code that passed, failing CI unprompted.
+TEST_REQUIRES = [
+    "pytest>=7",
+    "hypothesis",
+    "pytest-timeout",
+    "pytest-xdist>=3.5",
+    "import-linter>=2.1",
+    "ruff==0.17.6",
+    "mypy==2.4.1",
+]
 
 packages = find_packages(include=["megatron_tuning", "megatron_tuning.*"])
 package_dir: dict[str, str] = {}
@@ -40,7 +49,6 @@ setup(
     install_requires=["torch", "triton", "msgpack", "numpy", "filelock>=3.20.1", "platformdirs"],
     extras_require={
         "test": TEST_REQUIRES,
-        "dev": ["ruff", "mypy", *TEST_REQUIRES],
         "plot": ["matplotlib"],
         "progress": ["tqdm"],
     },

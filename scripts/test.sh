@@ -70,15 +70,24 @@ for index in "${!versions[@]}"; do
   fi
   python="$(cat "$MT_ROOT/.venv/python-$(mt_venv_name "$triton").path")"
   if ((linted == 0)); then
-    # The layer contracts in pyproject.toml (import-linter): an upward import fails the run.
+    # Linters, once, in the newest release's venv (settings in pyproject.toml): the layer contracts
+    # (import-linter: an upward import fails the run), ruff's lint and format check, and mypy.
     linted=1
-    if "$(dirname "$python")/lint-imports" --config "$MT_ROOT/pyproject.toml" >"$MT_ROOT/.venv/lint-imports.log" 2>&1; then
-      summaries+=("import contracts: OK    $(grep -E 'kept' "$MT_ROOT/.venv/lint-imports.log" | tail -n 1)")
-    else
-      cat "$MT_ROOT/.venv/lint-imports.log"
-      summaries+=("import contracts: FAILED (see above or .venv/lint-imports.log)")
-      status=1
-    fi
+    bin="$(dirname "$python")"
+    for check in "import contracts:$bin/lint-imports --config $MT_ROOT/pyproject.toml" \
+      "ruff check:$bin/ruff check --quiet $MT_ROOT" "ruff format:$bin/ruff format --check --quiet $MT_ROOT" \
+      "mypy:$bin/mypy --config-file $MT_ROOT/pyproject.toml"; do
+      name="${check%%:*}"
+      lint_log="$MT_ROOT/.venv/lint-${name// /-}.log"
+      # shellcheck disable=SC2086  # the command line is split on purpose
+      if (cd "$MT_ROOT" && ${check#*:}) >"$lint_log" 2>&1; then
+        summaries+=("$name: OK    $(grep -E 'kept|Success' "$lint_log" | tail -n 1 || true)")
+      else
+        cat "$lint_log"
+        summaries+=("$name: FAILED (see above or $lint_log)")
+        status=1
+      fi
+    done
   fi
   log="$MT_ROOT/.venv/pytest-$(mt_venv_name "$triton").log"
   scope=("$@")
