@@ -751,6 +751,25 @@ def test_export_no_provenance_makes_a_retune_invisible_and_a_config_change_a_few
     assert '"timing"' not in "\n".join(review(before)) and '"votes"' not in "\n".join(review(before))
 
 
+def test_a_review_view_of_the_auto_cache_imports_as_a_table_of_tuned_entries(capsys, tmp_path):
+    from megatron_tuning.core.policy import TuningPolicy
+    from megatron_tuning.tables.cache import open_cache
+
+    cache = open_cache(TuningPolicy(mode="auto", cache=str(tmp_path / "auto.msgpack")), "sm90")
+    assert cache is not None
+    config = {"kwargs": {"BLOCK": 64}, "num_warps": 4, "num_stages": 3, "num_ctas": 1, "maxnreg": None}
+    key, hashed = "M=1 | a:torch.float16", "ab" * 32
+    tuned = Decision(KERNEL, key, "BLOCK=64", "tuned", config=config, arch="sm90", source_hash=hashed)
+    assert cache.persist([tuned]) == 1
+    view, committed = tmp_path / "review.json", tmp_path / "committed.msgpack"
+    assert run(capsys, "export", cache.path, view, "--no-provenance")[0] == 0
+    assert run(capsys, "import", view, committed)[0] == 0
+    table = load_table(committed)
+    assert [(e.how, e.source_hash) for e in table] == [("tuned", hashed)]  # was: how "hand"
+    assert table.meta == {}  # was: kind=auto-cache, cache_format=1, on a table committed for review
+    assert "auto-cache" not in run(capsys, "show", committed)[1]
+
+
 def test_coverage_require_table_fails_on_a_nearest_entry_and_names_the_neighbour(capsys, tmp_path):
     hit = Decision(kernel="a:k", key="n=1 | x:f", signature="S1", source="table", origin="t.msgpack")
     near = Decision(

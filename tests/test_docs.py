@@ -112,6 +112,17 @@ def _is_command(name: str) -> bool:
     return exc.value.code == 0
 
 
+# A sentence that has the auto cache written at close(): docs/cache.md is the reference (issue 33).
+_AT_CLOSE = re.compile(r"(?:merged|written|persist\w*)[^.]*?\bat\s+`(?:handle\.)?close\(\)`")
+
+
+def cache_written_only_at_close(text: str) -> list[str]:
+    """Paragraphs and table rows that have the ``auto`` cache written at ``close()`` without saying
+    that a key this rank measured is written at once (kill-safe, DESIGN decision 16)."""
+    parts = re.split(r"\n\s*\n|\n(?=\|)", _prose(text))
+    return [part for part in parts if "cache" in part and _AT_CLOSE.search(part) and "at once" not in part]
+
+
 # -- the checks themselves: they fire, and stay quiet --------------------------------------------
 
 
@@ -130,6 +141,16 @@ def test_a_broken_link_or_anchor_is_named(tmp_path):
     assert (
         "link 'other.md#keys'" in problems[1] and "no heading of other.md has the anchor #keys" in problems[1]
     )
+
+
+def test_a_page_that_has_the_cache_written_only_at_close_is_named():
+    only_at_close = "| `cache` | the cache: what it tuned is merged in at `close()` and at exit |\n"
+    assert cache_written_only_at_close(only_at_close) == [only_at_close]
+    apart = "The cache is merged into at `handle.close()`.\n\nA tuned key is written at once.\n"
+    assert len(cache_written_only_at_close(apart)) == 1  # said in another paragraph: not next to it
+    both = "The cache: a key this rank measured is written at once; adopted keys at `close()`.\n"
+    assert cache_written_only_at_close(both) == []
+    assert cache_written_only_at_close("A table is written at `close()`.\n") == []  # not the cache
 
 
 def test_heading_anchors_follow_github():
@@ -170,6 +191,11 @@ def test_a_renamed_option_or_command_would_fail():
 def test_every_relative_link_resolves(page: Path) -> None:
     problems = broken_links(page)
     assert not problems, "\n".join(problems)
+
+
+def test_no_page_has_the_auto_cache_written_only_at_close() -> None:
+    pages = {str(page.relative_to(REPO)): page.read_text(encoding="utf-8") for page in PAGES}
+    assert {name: found for name, text in pages.items() if (found := cache_written_only_at_close(text))} == {}
 
 
 def test_the_readme_links_every_docs_page() -> None:

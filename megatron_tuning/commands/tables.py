@@ -60,9 +60,10 @@ def add_export(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--no-provenance",
         action="store_true",
-        help="a review view for pull requests: configs and source hashes (what content matching needs), "
-        "without how/versions/timing/votes/notes, so one config change is a few-line diff; not lossless, "
-        "keep the table itself as the source",
+        help="a review view for pull requests: configs, how each was chosen, and the source hash and config "
+        "list digest (what content matching needs), without versions/timing/votes/notes or the file's meta "
+        "(e.g. kind=auto-cache), so one config change is a few-line diff; not lossless, keep the table "
+        "itself as the source",
     )
     _add_max_size(p)
 

@@ -4,6 +4,7 @@ Every rule is a pure function of the candidates and the call, so each rank compu
 from __future__ import annotations
 
 import difflib
+import inspect
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from .identity import (
     arch_tag,
     base_kernel_id,
     config_data,
+    config_list_digest,
     config_signature,
     kernel_id,
     kernel_source_hash,
@@ -43,11 +45,18 @@ class TableHit:
 
 @runtime_checkable
 class ConfigTable(Protocol):
-    """What choosing needs from a table (``tables.search.TableSet``). With ``neighbours(kernel, key,
-    *, arch, source_hash)`` (comparable entries, nearest first) ``on_miss='nearest'`` can use them."""
+    """What choosing needs from a table (``tables.search.TableSet``). With ``neighbours`` (same arguments:
+    comparable entries, nearest first) ``on_miss='nearest'`` can use them. ``source_hash`` and
+    ``config_list_digest`` name the running code, for matches under another module name."""
 
     def lookup(
-        self, kernel: str, key: str, *, arch: str, source_hash: str | None = None
+        self,
+        kernel: str,
+        key: str,
+        *,
+        arch: str,
+        source_hash: str | None = None,
+        config_list_digest: str | None = None,
     ) -> TableHit | None: ...
 
 
@@ -58,13 +67,11 @@ class InMemoryTable:
         self._entries = {k: (v if isinstance(v, Mapping) else config_data(v)) for k, v in entries.items()}
         self._origin = origin
 
-    def lookup(self, kernel: str, key: str, *, arch: str, source_hash: str | None = None) -> TableHit | None:
+    def lookup(self, kernel: str, key: str, *, arch: str, **code: str | None) -> TableHit | None:
         data = self._entries.get((kernel, key))
         return None if data is None else TableHit(data, self._origin)
 
-    def neighbours(
-        self, kernel: str, key: str, *, arch: str, source_hash: str | None = None
-    ) -> list[TableHit]:
+    def neighbours(self, kernel: str, key: str, *, arch: str, **code: str | None) -> list[TableHit]:
         keys = [k for (name, k) in self._entries if name == kernel]
         return [TableHit(self._entries[(kernel, k)], self._origin, k) for k in nearest_keys(key, keys)]
 
@@ -75,7 +82,8 @@ def as_config_table(table: ConfigTable | Mapping[tuple[str, str], Any] | None) -
     if isinstance(table, Mapping):
         return InMemoryTable(table)
     raise TypeError(
-        f"table must provide lookup(kernel, key, *, arch, source_hash) or be a mapping, not {table!r}"
+        f"table must provide lookup(kernel, key, *, arch, source_hash, config_list_digest) or be a mapping, "
+        f"not {table!r}"
     )
 
 
@@ -140,7 +148,7 @@ def pin_without_fallback(
     kernel, lookup = kernel_id(autotuner), as_config_table(table)
     reason = "no table configured" if lookup is None else "no table entry"
     if lookup is not None:
-        hit = lookup.lookup(kernel, key, arch=arch_tag(), source_hash=kernel_source_hash(autotuner))
+        hit = lookup.lookup(kernel, key, arch=arch_tag(), **_running_code(lookup.lookup, autotuner))
         if hit is None:
             _warn_if_ambiguous_entry(lookup, autotuner, kernel, key)
         else:
@@ -152,8 +160,9 @@ def pin_without_fallback(
             message = (
                 f"table entry for kernel {hit.kernel or kernel} key {key} in {hit.origin} "
                 f"({config_signature(hit.config)}) matches none of the {len(candidates)} live configs after "
-                "pruning, so it is a miss (the miss rule applies). Re-tune the kernel, or fix the entry's "
-                f"config to one the kernel offers: {offered}"
+                "pruning, so it is a miss (auto mode re-tunes it and replaces such an entry in its cache; "
+                "other modes apply the miss rule). Re-tune the kernel, or fix the entry's config to one "
+                f"the kernel offers: {offered}"
             )
             warn_once(("entry-no-match", kernel, key, hit.origin), message)
     override = as_block_sizes(block_sizes)
@@ -169,6 +178,16 @@ def pin_without_fallback(
         if len(matching) < len(candidates):
             return Choice(cheapest(matching), "override")
     return Choice(candidates[0], "single") if len(candidates) == 1 else Miss(reason)
+
+
+def _running_code(method: Any, autotuner: Any) -> dict[str, str | None]:
+    """What a content match compares with an entry: the kernel's source hash and, where the table's
+    ``method`` takes it (ours do; a user's table written before it may not), its config list."""
+    code = {"source_hash": kernel_source_hash(autotuner)}
+    parameters = inspect.signature(method).parameters.values()
+    if any(p.name == "config_list_digest" or p.kind is p.VAR_KEYWORD for p in parameters):
+        code["config_list_digest"] = config_list_digest(autotuner)
+    return code
 
 
 def _warn_if_ambiguous_entry(lookup: ConfigTable, autotuner: Any, kernel: str, key: str) -> None:
@@ -212,7 +231,7 @@ def choose_on_miss(
         raise TableMissError(kernel, key, miss.reason)
     neighbours = getattr(as_config_table(table), "neighbours", None)
     if on_miss == "nearest" and neighbours is not None:
-        hits = neighbours(kernel, key, arch=arch_tag(), source_hash=kernel_source_hash(autotuner))
+        hits = neighbours(kernel, key, arch=arch_tag(), **_running_code(neighbours, autotuner))
         # A neighbour tuned with other live configs cannot be launched: only matched ones count.
         usable: dict[str, tuple[TableHit, Any]] = {}
         for hit in hits:

@@ -258,9 +258,11 @@ def reset_warnings() -> None:
         _tallies.clear()
 
 
-def warn_once(cause: tuple[Any, ...], message: str, *args: Any) -> bool:
+def warn_once(cause: tuple[Any, ...], message: str, *args: Any, rank_local: bool = False) -> bool:
     """Issue ``message % args`` as a ``TuningWarning`` the first time ``cause`` is seen; return
-    whether it was. Under an ``error`` filter it raises, and the next occurrence raises too."""
+    whether it was. Under an ``error`` filter it raises, and the next occurrence raises too.
+    ``rank_local``: a cause only the ranks that meet it know of (timing on the host clock: rank 0 may
+    have adopted every key), so each of them says it, not rank 0 alone."""
     with _warned_lock:
         if cause in _warned:
             return False
@@ -268,7 +270,7 @@ def warn_once(cause: tuple[Any, ...], message: str, *args: Any) -> bool:
     text = message % args if args else message
     if not text.startswith(PREFIX):
         text = PREFIX + text
-    if _other_rank():  # once per job, not per rank: ranks of one job meet the same causes
+    if not rank_local and _other_rank():  # once per job, not per rank: ranks meet the same causes
         logging.getLogger(__name__).info("%s", text)
         return True
     try:

@@ -25,6 +25,7 @@ from ..core.errors import ConsensusError, warn_once
 from ..core.identity import (
     arch_tag,
     config_data,
+    config_list_digest,
     config_signature,
     current_rank,
     kernel_id,
@@ -99,6 +100,7 @@ class AutotunerState:
     pins: dict[tuple[Any, ...], Any] = field(default_factory=dict)  # ``raw_key`` -> its one config
     lock: threading.Lock = field(default_factory=threading.Lock)
     source_hash: str | None = None
+    config_list_digest: str | None = None
 
 
 active: Installation | None = None  # read at every launch; changed only through ``set_active``
@@ -167,6 +169,7 @@ def state_for(autotuner: Any, installation: Installation) -> AutotunerState:
         kernel=kernel,
         key_index=tuple((name, arg_names.index(name)) for name in autotuner.keys if name in arg_names),
         arg_names=tuple(arg_names),
+        config_list_digest=config_list_digest(autotuner),
     )
     with _active_lock:  # ordered with set_active, and a WeakSet is not iterated while it grows
         if installation is active:
@@ -282,6 +285,7 @@ def log(state: AutotunerState, key: str, choice: Choice, arch: str, timings: dic
         rank=current_rank(),
         origin=choice.origin,
         source_hash=state.source_hash,
+        config_list_digest=state.config_list_digest,
         timings=timings,
         nearest_key=choice.nearest_key,
         matched_by=choice.matched_by,

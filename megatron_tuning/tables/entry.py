@@ -86,6 +86,9 @@ class _EntryFields(NamedTuple):
     votes: tuple[int, int] | None  # after a merge: (votes for this config, inputs that had this entry)
     note: str | None  # free text for reviewers, e.g. why a hand entry was chosen
     numerics: Numerics | None  # what the numerics audit found for this config
+    # ``core.identity.config_list_digest`` of the autotuner it was tuned for: with the source hash,
+    # what a match under another module name compares (``None``: unknown, from before it was kept).
+    config_list_digest: str | None
 
 
 class Entry(_EntryFields):
@@ -108,10 +111,12 @@ class Entry(_EntryFields):
         votes: tuple[int, int] | list[int] | None = None,
         note: str | None = None,
         numerics: Numerics | Mapping[str, Any] | None = None,
+        config_list_digest: str | None = None,
     ) -> Entry:
         data: dict[str, Any] = {"arch": arch, "kernel": kernel, "key": key, "how": how, "note": note}
         data.update(config=dict(config) if isinstance(config, Mapping) else config, votes=votes)
         data.update(source_hash=source_hash, triton_version=triton_version, timing=timing, numerics=numerics)
+        data.update(config_list_digest=config_list_digest)
         return entry_from_data(data)  # the loader's path: built in code, encoded as if read back
 
     # Tuple equality would say a config with True equals one with 1 (True == 1 in Python);
@@ -174,7 +179,9 @@ def entry_from_data(row: Any) -> Entry:
         raise Invalid(f"how must be one of {HOW_VALUES}, got {how!r}")
     try:
         config = check_config(row.get("config"))
-        texts = {name: row.get(name) for name in ("source_hash", "triton_version", "note")}
+        texts = {
+            name: row.get(name) for name in ("source_hash", "triton_version", "note", "config_list_digest")
+        }
         for name, value in texts.items():
             if value is not None:
                 if type(value) is not str:
@@ -184,9 +191,9 @@ def entry_from_data(row: Any) -> Entry:
         numerics = check_numerics(row.get("numerics"))
     except Invalid as exc:
         raise Invalid(f"{exc} (arch={arch!r} kernel={kernel!r} key={key!r})") from None
-    source_hash, triton_version, note = texts.values()
+    source_hash, triton_version, note, digest = texts.values()
     return make_entry(
-        (arch, kernel, key, config, how, source_hash, triton_version, timing, votes, note, numerics)
+        (arch, kernel, key, config, how, source_hash, triton_version, timing, votes, note, numerics, digest)
     )
 
 
