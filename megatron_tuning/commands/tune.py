@@ -9,6 +9,7 @@ winners are one table, voted into ``--out`` (``tables.merge.merge_tables``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import io
 import json
@@ -197,8 +198,13 @@ def activate() -> None:
     name = f"{socket.gethostname()}-{os.getpid()}.json"
     if audits:
         from ..core.identity import arch_tag, current_rank
-        from ..runtime.pinning import after_decision
+        from ..runtime import pinning
         from ..tuning.audit import make_audit_hook
+
+        installation = pinning.active
+        if installation is not None and installation.measure is not None:
+            # An audit never tunes: an ``auto`` miss takes the miss rule, as where nothing can be measured.
+            pinning.set_active(dataclasses.replace(installation, measure=None), replacing=installation)
 
         entries: list[dict[str, Any]] = []
 
@@ -206,7 +212,7 @@ def activate() -> None:
             entries.append({**entry, "arch": arch_tag(), "rank": current_rank()})
             write_atomic(Path(audits) / f"audited-{name}", json.dumps(entries).encode())
 
-        after_decision.append(make_audit_hook(record, knobs.read_knob(knobs.ENV_AUDIT_RUNS)))
+        pinning.after_decision.append(make_audit_hook(record, knobs.read_knob(knobs.ENV_AUDIT_RUNS)))
         return
     path = Path(directory) / f"{PROCESS_PREFIX}{name}"
 

@@ -29,7 +29,7 @@ _MAX_DEPTH = 6  # nesting allowed inside config data (kwargs values are scalars 
 _NUMBER = re.compile(r"(?:(?<=[=\[(,\s])|^)(-?\d+(?:\.\d+)?)")
 
 
-def natural_key(text: str) -> tuple[Any, ...]:
+def _natural_key(text: str) -> tuple[Any, ...]:
     """Sort key ordering the numbers in ``text`` as numbers (``M=32`` before ``M=100``)."""
     parts: list[Any] = _NUMBER.split(text)
     for i in range(1, len(parts), 2):
@@ -40,7 +40,7 @@ def natural_key(text: str) -> tuple[Any, ...]:
 def entry_order(arch: str, kernel: str, key: str) -> tuple[Any, ...]:
     """The one order of entries and keys people read (``show``, the JSON view, ``coverage``):
     arch, kernel, then the key's numbers as numbers."""
-    return (arch, kernel, natural_key(key), key)
+    return (arch, kernel, _natural_key(key), key)
 
 
 class Invalid(ValueError):
