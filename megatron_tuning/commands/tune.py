@@ -201,10 +201,13 @@ def activate() -> None:
         from ..runtime import pinning
         from ..tuning.audit import make_audit_hook
 
-        installation = pinning.active
-        if installation is not None and installation.measure is not None:
-            # An audit never tunes: an ``auto`` miss takes the miss rule, as where nothing can be measured.
-            pinning.set_active(dataclasses.replace(installation, measure=None), replacing=installation)
+        def never_tune(installation: pinning.Installation) -> pinning.Installation:
+            # An audit never tunes, also after the job's own init: an ``auto`` miss takes the miss rule.
+            if installation.policy.mode != "auto" or installation.measure is None:
+                return installation
+            return dataclasses.replace(installation, measure=None)
+
+        pinning.before_decision.append(never_tune)
 
         entries: list[dict[str, Any]] = []
 
