@@ -202,14 +202,9 @@ def make_audit_hook(record: Callable[[dict[str, Any]], None], runs: int) -> Call
         entry.update(entry_kernel=choice.entry_kernel or kernel, pinned=config_signature(choice.config))
         try:
             if call is None:
-                raise UnseenArgument(
-                    "first launched in compiled code or graph capture, where nothing may launch"
-                )
-            entry.update(
-                audit_candidates(autotuner, candidates, call[0], call[1], runs).report(
-                    candidates, choice.config
-                )
-            )
+                raise UnseenArgument("reached in compiled code or graph capture, where nothing may launch")
+            audit = audit_candidates(autotuner, candidates, call[0], call[1], runs)
+            entry.update(audit.report(candidates, choice.config))
         except UnseenArgument as exc:
             entry["not_audited"] = str(exc)
         entry["seconds"] = round(time.perf_counter() - started, 3)
