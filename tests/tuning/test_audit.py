@@ -252,13 +252,18 @@ def _descriptor_call() -> tuple[torch.Tensor, tuple, dict]:
 
 def test_the_audit_sees_what_a_launch_writes_through_a_tensor_descriptor():
     """A descriptor argument's ``.base`` is written: it is restored and hashed like a tensor argument,
-    so 4 configs with 4 output bit patterns are 4 classes and the inputs come back unchanged."""
+    so 4 configs with 4 output bit patterns are 4 classes, ``same-class`` keeps only the entry's own
+    config, and the inputs come back unchanged."""
+    from megatron_tuning.core.choice import TableHit
+    from megatron_tuning.tuning.audit import allowed
+
     x, call, grid = _descriptor_call()
-    before = x.clone()
-    report = audit_candidates(_add_block_sum, _add_block_sum.configs, call, grid, 2).report(
-        _add_block_sum.configs
-    )
+    before, configs = x.clone(), _add_block_sum.configs
+    audit = audit_candidates(_add_block_sum, configs, call, grid, 2)
+    report = audit.report(configs)
     assert len(report["classes"]) == 4 and report["self_nondeterministic"] == [] and not report["failed"]
+    hit = TableHit(config_data(configs[1]), "t.msgpack")
+    assert allowed(audit, configs, "same-class", hit, "m:_add_block_sum", "n=64") == [1]
     assert torch.equal(x, before)
 
 
