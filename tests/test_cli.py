@@ -692,7 +692,7 @@ def test_validate_refuses_an_impossible_num_warps(capsys, tmp_path):
 
 
 # -- review and CI (issue 17 item 6) ----------------------------------------------
-def test_show_sorts_the_numbers_in_keys_as_numbers(capsys, tmp_path):
+def test_show_the_review_json_and_coverage_list_keys_in_one_order_numbers_as_numbers(capsys, tmp_path):
     path = tmp_path / "t.msgpack"
     keys = [
         "M=100 | a:torch.float16",
@@ -700,16 +700,33 @@ def test_show_sorts_the_numbers_in_keys_as_numbers(capsys, tmp_path):
         "M=4096 | a:torch.float16",
         "M=8 | a:torch.float16",
     ]
+    ordered = [keys[3], keys[1], keys[0], keys[2]]
     save_table(Table([entry(64, key=k) for k in keys]), path)
     code, out, _ = run(capsys, "show", path)
     assert code == 0
     shown = [line.split("]")[0].strip(" [") for line in out.splitlines() if line.startswith("    [")]
-    assert shown == [
-        "M=8 | a:torch.float16",
-        "M=32 | a:torch.float16",
-        "M=100 | a:torch.float16",
-        "M=4096 | a:torch.float16",
-    ]
+    assert shown == ordered
+    for view in ([], ["--no-provenance"]):
+        assert run(capsys, "export", path, tmp_path / "view.json", *view)[0] == 0
+        assert [e["key"] for e in json.loads((tmp_path / "view.json").read_text())["entries"]] == ordered
+    log = _log(tmp_path / "d0.json", 0, [(KERNEL, k, "S", "table") for k in keys])
+    code, out, _ = run(capsys, "coverage", log, "--json")
+    assert [e["key"] for e in json.loads(out)["entries"]] == ordered
+    out = run(capsys, "coverage", log)[1]
+    assert [
+        line.split("[")[1].split("]")[0] for line in out.splitlines() if line.startswith(KERNEL)
+    ] == ordered
+
+
+@pytest.mark.parametrize("command", ["show", "validate"])
+def test_an_unknown_config_field_is_an_error_naming_it_never_hidden(capsys, tmp_path, command):
+    view = json.loads(Table([entry(64)]).to_json())
+    view["entries"][0]["config"]["num_warp"] = 8  # a typo of num_warps
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(view))
+    code, out, err = run(capsys, command, path)
+    assert code == 2 and "BLOCK=64" not in out
+    assert "unknown field(s) ['num_warp']" in err and "num_warps" in err and "config.kwargs" in err
 
 
 def test_export_no_provenance_makes_a_retune_invisible_and_a_config_change_a_few_lines(capsys, tmp_path):

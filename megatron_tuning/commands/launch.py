@@ -30,6 +30,7 @@ from .bootstrap import PTH_MARKER, PTH_NAME, is_site_dir, job_environment, pth_t
 
 EXIT_CANNOT_EXECUTE, EXIT_NOT_FOUND = 126, 127  # as the shell and env(1) report them
 RUN_MODES = ("deterministic", "auto", "chaos", "record", "off")  # `tune` pools in its own command
+AUDIT_MODES = ("deterministic", "auto")
 
 # option -> (the knob it sets, add_argument keywords; the help is the knob's own doc unless given)
 _OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -353,20 +354,30 @@ def add_audit(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--runs", type=int, help=f"launches per config (default {knobs.read_knob(knobs.ENV_AUDIT_RUNS)})"
     )
+    mode = f"pin as this mode would (auto: from its cache and tables, never tuning); default {knobs.ENV_MODE}"
+    parser.add_argument("--mode", choices=AUDIT_MODES, help=f"{mode} if set, else deterministic")
     parser.add_argument("--out", default="audit.json", help="the JSON report (default audit.json)")
     parser.add_argument("--table", help="pin from this table first, and record the audit in its entries")
     add_job_argument(parser)
 
 
 def run_audit(args: argparse.Namespace) -> int:
-    from ..tuning.audit import audit_table, record_numerics
+    from ..tuning.audit import audit_table, record_numerics, save_report
 
     command = job_command(args, "audit", "audit --out audit.json -- train.py --steps 3")
     if command is None:
         return EXIT_USAGE
     runs_knob = knobs.KNOBS[knobs.ENV_AUDIT_RUNS]
     runs = knobs.read_knob(runs_knob.name) if args.runs is None else runs_knob.parse("--runs", str(args.runs))
-    updates = {knobs.ENV_MODE: "deterministic", knobs.ENV_AUDIT_RUNS: str(runs)}
+    exported = knobs.KNOBS[knobs.ENV_MODE].read()
+    mode = args.mode or exported or "deterministic"
+    if mode not in AUDIT_MODES:
+        why = f"{knobs.ENV_MODE}={exported} is set; audit pins as deterministic or auto: pass --mode"
+        print(f"audit: {why}", file=sys.stderr)
+        return EXIT_USAGE
+    if exported not in (None, mode):
+        print(f"audit: --mode {mode} overrides {knobs.ENV_MODE}={exported}", file=sys.stderr)
+    updates = {knobs.ENV_MODE: mode, knobs.ENV_AUDIT_RUNS: str(runs)}
     if args.table:
         updates[knobs.ENV_TABLE] = ":".join(filter(None, (args.table, os.environ.get(knobs.ENV_TABLE))))
     validated_policy(updates)  # a bad value or table fails now, not in every process of the job
@@ -380,12 +391,22 @@ def run_audit(args: argparse.Namespace) -> int:
         env.update(updates, **{knobs.ENV_AUDIT_DIR: str(work)})
         returncode = run_job(job_argv(command), env, prog="audit")
         entries = [e for f in sorted(work.glob("audited-*.json")) for e in json.loads(f.read_text())]
-    finally:
+        report = {"format": "megatron_tuning.audit/2", "mode": mode, "runs": runs, "command": command}
+        report.update(exit_status=returncode, entries=entries)
+        written, unwritable = save_report(args.out, report, work)  # where --out fails: into work, kept
+    except BaseException:
+        print(f"audit: stopped; the job's per-process reports are kept in {work}", file=sys.stderr)
+        raise
+    if unwritable is None:
         shutil.rmtree(work, ignore_errors=True)
-    report = {"format": "megatron_tuning.audit/1", "runs": runs, "command": command, "entries": entries}
-    write_atomic(args.out, json.dumps(report, indent=1, sort_keys=True).encode())
-    print(audit_table(entries))
+    print(audit_table(entries, mode))
     if args.table and entries:
         print(f"audit: numerics recorded in {record_numerics(args.table, entries)} entries of {args.table}")
-    print(f"audit: {len(entries)} (kernel, key) audited; report in {args.out}")
-    return returncode or (0 if entries else 1)
+    if unwritable:
+        print(f"audit: cannot write --out {args.out} ({unwritable}); report in {written}", file=sys.stderr)
+    if returncode:
+        print(
+            f"audit: the job exited with status {returncode}; the report has what it audited", file=sys.stderr
+        )
+    print(f"audit: {len(entries)} (kernel, key) audited; report in {written}")
+    return returncode or (1 if unwritable or not entries else 0)

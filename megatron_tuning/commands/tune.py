@@ -9,6 +9,7 @@ winners are one table, voted into ``--out`` (``tables.merge.merge_tables``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import io
 import json
@@ -197,8 +198,16 @@ def activate() -> None:
     name = f"{socket.gethostname()}-{os.getpid()}.json"
     if audits:
         from ..core.identity import arch_tag, current_rank
-        from ..runtime.pinning import after_decision
+        from ..runtime import pinning
         from ..tuning.audit import make_audit_hook
+
+        def never_tune(installation: pinning.Installation) -> pinning.Installation:
+            # An audit never tunes, also after the job's own init: an ``auto`` miss takes the miss rule.
+            if installation.policy.mode != "auto" or installation.measure is None:
+                return installation
+            return dataclasses.replace(installation, measure=None)
+
+        pinning.before_decision.append(never_tune)
 
         entries: list[dict[str, Any]] = []
 
@@ -206,7 +215,7 @@ def activate() -> None:
             entries.append({**entry, "arch": arch_tag(), "rank": current_rank()})
             write_atomic(Path(audits) / f"audited-{name}", json.dumps(entries).encode())
 
-        after_decision.append(make_audit_hook(record, knobs.read_knob(knobs.ENV_AUDIT_RUNS)))
+        pinning.after_decision.append(make_audit_hook(record, knobs.read_knob(knobs.ENV_AUDIT_RUNS)))
         return
     path = Path(directory) / f"{PROCESS_PREFIX}{name}"
 

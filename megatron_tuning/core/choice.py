@@ -10,7 +10,15 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from .errors import BlockSizeOverrideError, PolicyError, TableMissError, tallies, tally, warn_once
+from .errors import (
+    BlockSizeOverrideError,
+    NumericsError,
+    PolicyError,
+    TableMissError,
+    tallies,
+    tally,
+    warn_once,
+)
 from .fallback import as_block_sizes, cheapest, filter_configs_by_block_sizes, nearest_keys, pick_neighbour
 from .identity import (
     arch_tag,
@@ -29,6 +37,11 @@ CHEAPEST_COST = "on an H200 the cheapest-config rule ran large GEMMs at 12-14% o
 FIX_A_MISS = (
     "use MEGATRON_TUNING_MODE=auto (tunes each new key once per job and caches it), a tuning table "
     "(MEGATRON_TUNING_TABLE=...), or build one with `python -m megatron_tuning tune -- <your command>`"
+)
+# The same advice where ``auto`` already runs but could not measure this key.
+FIX_AN_AUTO_MISS = (
+    "let auto tune it: launch the key once in eager code, outside CUDA graph capture and not under `audit` "
+    "(which never tunes), or build a table with `python -m megatron_tuning tune -- <your command>`"
 )
 
 
@@ -106,17 +119,28 @@ def _from_hit(config: Any, source: str, hit: TableHit, nearest_key: str | None =
     return Choice(config, source, hit.origin, nearest_key, content, hit.kernel, numerics=hit.numerics)
 
 
-def warn_if_nondeterministic(kernel: str, key: str, choice: Choice) -> None:
-    """One notice per kernel when the table marks the pinned config non-deterministic on its own."""
+def check_numerics(numerics: str, kernel: str, key: str, choice: Choice) -> None:
+    """Where the table marks the pinned config non-deterministic on its own: under ``numerics=
+    'deterministic-only'`` a ``NumericsError`` naming the entry (``auto`` re-tunes such an entry
+    before this; other modes cannot), else one notice per kernel."""
     if choice.numerics is None or choice.numerics.deterministic:
         return
     others = "; ".join(choice.numerics.alternatives) or "none among the live configs"
+    found = (
+        f"the numerics audit in {choice.origin} found {config_signature(choice.config)} non-deterministic "
+        "on its own (its launches on the same inputs gave different bits)"
+    )
+    if numerics == "deterministic-only":
+        why = (
+            f"the table entry pins its config, and {found}. Re-tune the key (`tune --numerics "
+            "deterministic-only`, or MEGATRON_TUNING_MODE=auto, which re-tunes such an entry), or set the "
+            f"entry's config to a deterministic alternative the audit found: {others}"
+        )
+        raise NumericsError(kernel, key, numerics, why, {})
     message = (
-        f"kernel {kernel} key {key} launches {config_signature(choice.config)}, which the numerics audit "
-        f"in {choice.origin} found non-deterministic on its own (its launches on the same inputs gave "
-        "different bits): pinning the config cannot make this kernel bitwise reproducible. Deterministic "
-        f"alternatives the audit found: {others}. Re-tune with MEGATRON_TUNING_NUMERICS=deterministic-only "
-        "to pin one (docs/numerics.md)."
+        f"kernel {kernel} key {key}: {found}: pinning the config cannot make this kernel bitwise "
+        f"reproducible. Deterministic alternatives the audit found: {others}. Re-tune with "
+        "MEGATRON_TUNING_NUMERICS=deterministic-only to pin one (docs/numerics.md)."
     )
     warn_once(("nondeterministic", kernel), message)
 
@@ -222,9 +246,11 @@ def choose_on_miss(
     *,
     table: ConfigTable | Mapping[tuple[str, str], Any] | None = None,
     on_miss: str = "nearest",
+    fix: str = FIX_A_MISS,
 ) -> Choice:
     """What a miss launches, without measuring: the nearest shape's entry (``core.fallback``: the
-    nearest usable entry, or the lower of two bracketing ones that disagree), the cheapest, or an error."""
+    nearest usable entry, or the lower of two bracketing ones that disagree), the cheapest, or an error.
+    ``fix``: how to pin the key instead, quoted in the notice."""
     _check_on_miss(on_miss)
     kernel = kernel_id(autotuner)
     if on_miss == "error":
@@ -246,7 +272,7 @@ def choose_on_miss(
                 f"kernel {kernel} has no table entry for key {key}; it launches the entry tuned for the "
                 f"nearest shape [{hit.key}] from {hit.origin} (on_miss='nearest'), and so will every other "
                 "key of this kernel without an entry (counted when the policy ends). To pin each shape's own "
-                f"best config, {FIX_A_MISS}."
+                f"best config, {fix}."
             )
             warn_once(("nearest", kernel), message)
             return _from_hit(live, "nearest", hit, nearest_key=hit.key)
@@ -257,7 +283,7 @@ def choose_on_miss(
         f"kernel {kernel} has no tuned config for key {key} ({miss.reason}; {rule}), so it launches the "
         f"cheapest of its {len(candidates)} configs by static cost ({config_signature(config)}), and so will "
         "every other key of this kernel without an entry (counted when the policy ends). That is pinned but "
-        f"can be slow: {CHEAPEST_COST}. To be pinned and fast, {FIX_A_MISS}."
+        f"can be slow: {CHEAPEST_COST}. To be pinned and fast, {fix}."
     )
     warn_once(("cheapest", kernel), message)
     return Choice(config, "cheapest")
@@ -265,13 +291,14 @@ def choose_on_miss(
 
 def report_policy_end(policy: TuningPolicy | None) -> None:
     """At the end of a policy: how many keys fell back, and override names no launched kernel has."""
+    fix = FIX_AN_AUTO_MISS if policy is not None and policy.mode == "auto" else FIX_A_MISS
     for kind, what in (("cheapest", "the cheapest config"), ("nearest", "a nearest-shape entry")):
         by_kernel = {group[1]: len(keys) for group, keys in tallies(kind).items()}
         if sum(by_kernel.values()) > len(by_kernel):  # one key per kernel was said by its own notice
             listing = ", ".join(f"{k} ({n} key{'s' * (n > 1)})" for k, n in sorted(by_kernel.items()))
             message = (
                 f"{sum(by_kernel.values())} keys of {len(by_kernel)} kernel(s) launched {what} for lack of a "
-                f"table entry under this policy: {listing}. To pin them to their best configs, {FIX_A_MISS}."
+                f"table entry under this policy: {listing}. To pin them to their best configs, {fix}."
             )
             warn_once(("policy-end", kind), message)
     kernels = {group[1]: sorted(map(str, names)) for group, names in tallies("kernel-config-names").items()}

@@ -119,15 +119,15 @@ class StaleEntryError(MegatronTuningError, RuntimeError):
 
 
 class NumericsError(MegatronTuningError, RuntimeError):
-    """``numerics`` policy: no live config of (kernel, key) qualifies; ``classes``: signatures
-    grouped by bit-identical outputs on the call's inputs."""
+    """``numerics`` policy: no live config of (kernel, key) qualifies; ``classes``: class id ->
+    signatures, grouped by bit-identical outputs on the call's inputs."""
 
     def __init__(
-        self, kernel: str, key: str, numerics: str, reason: str, classes: Sequence[Sequence[str]]
+        self, kernel: str, key: str, numerics: str, reason: str, classes: Mapping[str, Sequence[str]]
     ) -> None:
         self.kernel, self.key, self.numerics, self.reason = kernel, key, numerics, reason
-        self.classes = [list(c) for c in classes]
-        listing = "".join(f"\n  class {n}: " + "; ".join(c) for n, c in enumerate(self.classes, 1))
+        self.classes = {name: list(members) for name, members in classes.items()}
+        listing = "".join(f"\n  class {name}: " + "; ".join(c) for name, c in self.classes.items())
         super().__init__(
             f"No live config of kernel {kernel} key {key} qualifies under numerics={numerics!r}: {reason}. "
             f"Numerics classes on this call's inputs:{listing or ' (none launched)'}\nSet "

@@ -266,6 +266,7 @@ def decide(
             )
         if state.source_hash is None:
             state.source_hash = kernel_source_hash(autotuner)
+        rules.check_numerics(policy.numerics, kernel, key, choice)  # may raise: nothing is pinned
         log(state, key, choice, arch, timings)  # listeners (agreement) may raise: nothing is pinned
         for after in tuple(after_decision):
             after(autotuner, live, call if launchable else None, state.kernel, key, choice)
@@ -293,7 +294,6 @@ def log(state: AutotunerState, key: str, choice: Choice, arch: str, timings: dic
         chaos=choice.chaos,
         deterministic=None if choice.numerics is None else choice.numerics.deterministic,
     )
-    rules.warn_if_nondeterministic(state.kernel, key, choice)
     logger.info(
         "kernel %s key %s -> %s (%s%s%s%s)",
         state.kernel,
@@ -336,7 +336,8 @@ def auto_choice(
     if not may_measure or measure is None:
         if defer and measure is not None:
             raise Deferred
-        fallback = choose_on_miss(autotuner, candidates, key, pinned, table=table, on_miss=policy.on_miss)
+        fix, on_miss = rules.FIX_AN_AUTO_MISS, policy.on_miss
+        fallback = choose_on_miss(autotuner, candidates, key, pinned, table=table, on_miss=on_miss, fix=fix)
         return _proposed(fallback, candidates, kernel, key, arch, consensus), None
     config, timings = measure(autotuner, candidates, *call, kernel, key)
     if consensus is None:

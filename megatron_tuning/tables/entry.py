@@ -15,12 +15,32 @@ from typing import Any, NamedTuple
 
 import msgpack
 
+from ..core.identity import CONFIG_FIELDS
+
 HOW_VALUES = ("tuned", "recorded", "hand")
 INT_MIN = -(2**63)
 INT_MAX = 2**64 - 1  # msgpack's integer range
 _LARGEST = {int: INT_MAX, float: sys.float_info.max}
 _MAX_WARPS_OR_STAGES = 1024
 _MAX_DEPTH = 6  # nesting allowed inside config data (kwargs values are scalars in practice)
+
+
+# A number in key text: after "=", a bracket, a space, a comma or at the start (not "float16").
+_NUMBER = re.compile(r"(?:(?<=[=\[(,\s])|^)(-?\d+(?:\.\d+)?)")
+
+
+def _natural_key(text: str) -> tuple[Any, ...]:
+    """Sort key ordering the numbers in ``text`` as numbers (``M=32`` before ``M=100``)."""
+    parts: list[Any] = _NUMBER.split(text)
+    for i in range(1, len(parts), 2):
+        parts[i] = float(parts[i]) if "." in parts[i] else int(parts[i])
+    return tuple(parts)
+
+
+def entry_order(arch: str, kernel: str, key: str) -> tuple[Any, ...]:
+    """The one order of entries and keys people read (``show``, the JSON view, ``coverage``):
+    arch, kernel, then the key's numbers as numbers."""
+    return (arch, kernel, _natural_key(key), key)
 
 
 class Invalid(ValueError):
@@ -225,6 +245,11 @@ def check_config(config: Any) -> dict[str, Any]:
         raise Invalid("config must be a map (config_data form)")
     if type(config.get("kwargs")) is not dict:
         raise Invalid("config.kwargs must be a map")
+    if unknown := sorted(map(str, config.keys() - CONFIG_FIELDS)):
+        raise Invalid(
+            f"config has unknown field(s) {unknown}: a config holds {', '.join(CONFIG_FIELDS)}; put a "
+            f"meta-parameter such as BLOCK_M under config.kwargs, or fix the spelling"
+        )
     for name, low in (("num_warps", 1), ("num_stages", 0)):
         value = config.get(name)
         if type(value) is not int:
