@@ -186,7 +186,8 @@ def test_a_harness_that_kills_run_stops_every_rank_and_every_cache_write(tmp_pat
     command += ["--", *_torchrun(), "--standalone", f"--nproc_per_node={NPROC}"]
     command += [str(WORKERS / "unedited_job.py"), str(out), "--until-killed"]
     with open(tmp_path / "log", "wb") as log:
-        launcher = subprocess.Popen(command, env=job_env(tmp_path), cwd=tmp_path, stdout=log, stderr=log)
+        env = {**job_env(tmp_path), "TMPDIR": str(tmp_path)}  # a killed `run` leaves its folder there
+        launcher = subprocess.Popen(command, env=env, cwd=tmp_path, stdout=log, stderr=log)
     pids: set[int] = set()
     try:
         deadline = time.monotonic() + 120

@@ -125,7 +125,8 @@ def _your_job(command: list[str], timeout: float, keep: str | None) -> int:
         ok, summary = _judge_your_job(mode, code, caught)
         print(f"  {mode:<13} {'PASS' if ok else 'FAIL'}  {summary} ({time.monotonic() - start:.1f}s)")
         if not ok:
-            _print_tail(f"{mode} run's output", log.read_text(encoding="utf-8", errors="replace"))
+            if said := log.read_text(encoding="utf-8", errors="replace"):
+                _print_tail(f"{mode} run's output", said)
             print(f"selftest FAILED. Each run's full output: {logs}")
             return 1
     print("selftest passed: the deterministic run agreed and chaos was detected in your job.")

@@ -417,6 +417,7 @@ def _wait_for(path: Path, process: subprocess.Popen[bytes], timeout_s: float = 6
     return path.read_text()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal and /proc: Linux")
 def test_a_harness_that_kills_run_on_timeout_kills_the_whole_job(tmp_path: Path) -> None:
     """``subprocess.run(..., timeout=)`` SIGKILLs only the launcher's pid. The job's first process
@@ -438,9 +439,8 @@ def test_a_harness_that_kills_run_on_timeout_kills_the_whole_job(tmp_path: Path)
         os.execv({shutil.which("sleep")!r}, ["sleep", "600"])
         """,
     )
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "megatron_tuning", "run", "--", job], env=_env(tmp_path)
-    )
+    env = {**_env(tmp_path), "TMPDIR": str(tmp_path)}  # a killed `run` leaves its folder there
+    launcher = subprocess.Popen([sys.executable, "-m", "megatron_tuning", "run", "--", job], env=env)
     job_pids = [int(p) for p in _wait_for(pids, launcher).split()]
     try:
         time.sleep(0.5)  # the grandchild is up, its bootstrap has run

@@ -172,6 +172,7 @@ def test_a_failing_run_of_your_job_shows_the_tail_of_its_output(
     assert f"selftest FAILED. Each run's full output: {tmp_path}" in out
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc: Linux")
 def test_the_timeout_stops_a_hung_job_and_its_armed_processes(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
