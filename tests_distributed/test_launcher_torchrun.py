@@ -9,12 +9,16 @@ late attach for a job that calls ``init_deterministic_tuning`` before ``init_pro
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from _launch import WORKERS, gloo_available, read_results, run_bounded
+from _launch import WORKERS, alive, gloo_available, job_env, read_results, run_bounded
 
 from megatron_tuning.core.errors import EXIT_DIVERGENCE
 
@@ -99,10 +103,14 @@ def test_a_divergence_the_check_at_close_finds_fails_the_job(tmp_path: Path) -> 
 
 def test_selftest_of_a_job_chaos_can_catch_passes(tmp_path: Path) -> None:
     """Its chaos run is ``run --mode chaos``: the agreement check is on in an unedited job."""
-    done, results = _run_unedited(tmp_path, command_name="selftest")
+    logs = tmp_path / "logs"
+    done, results = _run_unedited(tmp_path, "--keep", str(logs), command_name="selftest")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "selftest passed" in done.stdout
-    assert "selftest: 2 process(es) of the job raised DivergenceError" in done.stderr
+    assert "selftest passed" in done.stdout and f"Each run's full output: {logs}" in done.stdout
+    assert "chaos         PASS  2 process(es) raised DivergenceError" in done.stdout
+    # A summary, not the ranks' tracebacks (a passing CI log looked failed): those are in the log.
+    assert "Traceback" not in done.stdout + done.stderr and len(done.stdout.splitlines()) <= 5, done.stdout
+    assert {path.name for path in logs.iterdir()} == {"deterministic.log", "chaos.log"}
     # The chaos run wrote last: one message, naming the kernel and each rank's config.
     assert [results[r]["error"] for r in range(NPROC)] == ["DivergenceError"] * NPROC, results
     message = results[0]["message"]
@@ -113,7 +121,7 @@ def test_selftest_of_a_job_chaos_can_catch_passes(tmp_path: Path) -> None:
 def test_selftest_of_a_job_chaos_cannot_reach_fails_and_says_why(tmp_path: Path) -> None:
     done, _ = _run_unedited(tmp_path, command_name="selftest", job_args=("--own-sizes",))  # no shared key
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "selftest FAILED: chaos could not fire" in done.stderr
+    assert "chaos         FAIL  chaos could not fire" in done.stdout and "selftest FAILED" in done.stdout
 
 
 def test_auto_shares_one_decision_per_key_in_an_unedited_torchrun_job(tmp_path: Path) -> None:
@@ -165,6 +173,45 @@ def test_auto_in_a_pipeline_never_waits_for_a_rank_that_waits_for_it(tmp_path: P
         assert len({d["signature"] for d in rows}) == 1, rows
         # The last rank tuned alone; rank 0 found its answer published when it could launch.
         assert sorted(d["source"] for d in rows) == ["adopted", "tuned"], rows
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal and /proc: Linux")
+def test_a_harness_that_kills_run_stops_every_rank_and_every_cache_write(tmp_path: Path) -> None:
+    """An eval pipeline's ``subprocess.run(..., timeout=)`` SIGKILLs only the launcher. torchrun and
+    its workers (in sessions of their own) must be gone 2 s later, and nothing may reach the ``auto``
+    cache after the kill. Before, the orphaned ranks kept tuning and writing the cache."""
+    out, cache = tmp_path / "out", tmp_path / "cache.msgpack"
+    out.mkdir()
+    command = [sys.executable, "-m", "megatron_tuning", "run", "--mode", "auto", "--cache", str(cache)]
+    command += ["--", *_torchrun(), "--standalone", f"--nproc_per_node={NPROC}"]
+    command += [str(WORKERS / "unedited_job.py"), str(out), "--until-killed"]
+    with open(tmp_path / "log", "wb") as log:
+        env = {**job_env(tmp_path), "TMPDIR": str(tmp_path)}  # a killed `run` leaves its folder there
+        launcher = subprocess.Popen(command, env=env, cwd=tmp_path, stdout=log, stderr=log)
+    pids: set[int] = set()
+    try:
+        deadline = time.monotonic() + 120
+        ready = [out / f"pids{rank}" for rank in range(NPROC)]
+        while not (cache.exists() and all(p.exists() for p in ready)) and launcher.poll() is None:
+            assert time.monotonic() < deadline, "the job never started tuning"
+            time.sleep(0.1)
+        assert launcher.poll() is None, (tmp_path / "log").read_text()[-3000:]
+        pids = {int(pid) for path in ready for pid in path.read_text().split()}  # the ranks and torchrun
+        assert len(pids) == NPROC + 1 and all(map(alive, pids))
+        launcher.kill()  # what subprocess.run does at its timeout
+        launcher.wait()
+        written = cache.stat()
+        deadline = time.monotonic() + 2.0
+        while any(map(alive, pids)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sorted(filter(alive, pids)) == [], "processes of the job outlived the launcher"
+        time.sleep(0.5)
+        assert (cache.stat().st_mtime_ns, cache.stat().st_ino) == (written.st_mtime_ns, written.st_ino)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        for pid in filter(alive, pids):
+            os.kill(pid, signal.SIGKILL)
 
 
 # -- init_deterministic_tuning before init_process_group ---------------------------------------

@@ -4,14 +4,19 @@
 ``PYTHONPATH``; ``enable`` writes a one-line ``.pth`` into site-packages, armed only when a
 ``MEGATRON_TUNING_*`` variable is set. Both load *this file* by path (importing the package costs ~0.2 s,
 which torchrun's launcher, pip or ``python -c`` should never pay): it imports only the standard library.
-At the process's ``import triton`` a meta-path hook runs ``commands.<launcher>.activate``.
+At the process's ``import triton`` a meta-path hook runs ``commands.<launcher>.activate``. A launcher's
+job lives only as long as the launcher holds its lifeline (``hold_lifeline``, ``_stop_with_launcher``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import os
+import signal
 import sys
+import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -114,9 +119,35 @@ def is_site_dir(path: str) -> bool:
     return os.path.realpath(path) in {os.path.realpath(c) for c in candidates if c}
 
 
+def hold_lifeline(bootstrap: Path) -> int:
+    """Lock ``bootstrap``'s ``sitecustomize.py`` exclusively and return the fd: every armed process of
+    the job dies once it is closed, by the launcher or by the kernel when the launcher dies (SIGKILL
+    included). A lock, not a pid: torchrun's workers live in sessions of their own, and a killed
+    launcher runs no code."""
+    fd = os.open(bootstrap / "sitecustomize.py", os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return fd
+
+
+def _stop_with_launcher(lifeline: str) -> None:
+    """Kill this process once its launcher lets go of ``lifeline`` (a shared lock is granted only
+    then). SIGKILL, so no exit handler runs: nothing reaches a cache after the launcher is gone."""
+
+    def watch() -> None:
+        with contextlib.suppress(OSError):  # no file: the launcher has ended and removed it
+            fcntl.flock(os.open(lifeline, os.O_RDONLY), fcntl.LOCK_SH)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="megatron_tuning launcher watch", daemon=True).start()
+
+
 def bootstrap_process(sitecustomize_file: str) -> None:
-    """Run from a launcher's ``sitecustomize``: arm this process, then chain any other sitecustomize."""
-    _chain_sitecustomize(os.path.dirname(os.path.abspath(sitecustomize_file)))
+    """Run from a launcher's ``sitecustomize``: tie this process (and its forks) to the launcher, arm
+    it, then chain any other sitecustomize."""
+    lifeline = os.path.abspath(sitecustomize_file)
+    _stop_with_launcher(lifeline)
+    os.register_at_fork(after_in_child=functools.partial(_stop_with_launcher, lifeline))
+    _chain_sitecustomize(os.path.dirname(lifeline))
     launcher = os.environ.get(ENV_LAUNCHER, "run")
     arm(launcher if launcher in LAUNCHERS else "run")
 
