@@ -11,10 +11,10 @@ import sys
 import threading
 from typing import Any
 
-from .core.choice import warn_if_mamba_env_ignored
 from .core.decisions import decision_log, get_decisions
 from .core.errors import EXIT_DIVERGENCE, DivergenceError, PolicyError, warn_once
 from .core.identity import arch_tag, current_rank, node_arch
+from .core.notices import warn_if_mamba_env_ignored
 from .core.policy import ENV_DECISION_LOG, ENV_RECORD_DIR, ENV_RESULT_DIR, TuningPolicy, read_knob
 from .runtime import interception, pinning
 from .tables.files import output_file_problem, output_folder_problem, write_atomic

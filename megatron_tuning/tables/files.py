@@ -28,9 +28,10 @@ logger = logging.getLogger(__name__)
 # Far above any real table (100k entries with full provenance: 18 MB of msgpack, 61 MB as a
 # JSON view), small enough that a corrupt or hostile file cannot make a loader allocate much.
 MAX_FILE_BYTES = 64 * 1024 * 1024
-# What decoding a file may cost: a genuine 100k-entry table needs ~7x its size, hostile files
-# built to amplify (an array of empty arrays: 64 bytes per byte) are refused at this.
-BUDGET_FACTOR = 16
+# What decoding a file may cost: a genuine 100k-entry table needs ~11x its size (its keys' text
+# is built, not read), hostile files built to amplify (an array of empty arrays: 64 bytes per
+# byte) are refused at this.
+BUDGET_FACTOR = 24
 BUDGET_SLACK = 128 * 1024 * 1024
 LOCK_TIMEOUT_S = 300.0  # how long a read-modify-write waits for another writer of the same table
 

@@ -24,8 +24,9 @@ from ..core.decisions import Decision, get_decisions
 from ..core.errors import TableError
 from ..core.fallback import estimate_config_cost
 from ..core.identity import config_signature, content_name, current_rank
-from .entry import Invalid, Numerics, check_numerics, same_config
+from .entry import Invalid, Numerics, check_numerics, key_from_data, same_config
 from .files import LOCK_TIMEOUT_S, locked, read_json_file, write_atomic
+from .keys import key_from_text
 from .search import expand_table_paths, installed_triton_version
 from .table import Entry, Table, Timing, entry_with, load_table, save_table, update_table
 
@@ -41,8 +42,8 @@ _PROVENANCE = ("kernel", "how", "source_hash", "triton_version", "timing", "vote
 def write_decisions(path: str | os.PathLike[str], decisions: Iterable[Decision] | None = None) -> None:
     """Write decisions (default: this process's log) as JSON, atomically: what ``coverage`` reads."""
     rows = [d.to_json() for d in (get_decisions() if decisions is None else decisions)]
-    doc = {"format": DECISIONS_FORMAT, "version": 1, "decisions": rows}
-    write_atomic(path, json.dumps(doc, indent=1, sort_keys=True).encode("utf-8"), error=_log_error)
+    doc = {"format": DECISIONS_FORMAT, "version": 2, "decisions": rows}  # not sort_keys: keys keep order
+    write_atomic(path, json.dumps(doc, indent=1).encode("utf-8"), error=_log_error)
 
 
 def read_decisions(path: str | os.PathLike[str]) -> list[Decision]:
@@ -51,15 +52,21 @@ def read_decisions(path: str | os.PathLike[str]) -> list[Decision]:
     data = read_json_file(name, error=_log_error, what="decision log")
     if not isinstance(data, dict) or data.get("format") != DECISIONS_FORMAT:
         raise _log_error(name, "not a megatron_tuning decision log (wrong or missing 'format')")
-    rows = data.get("decisions")
-    if type(rows) is not list:
-        raise _log_error(name, "not a readable decision log ('decisions' must be a list)")
+    rows, version = data.get("decisions"), data.get("version", 1)
+    if type(rows) is not list or type(version) is not int or version not in (1, 2):
+        raise _log_error(name, "not a readable decision log ('decisions' must be a list, 'version' 1 or 2)")
     decisions = []
     for index, row in enumerate(rows):
         problem = _row_problem(row)
+        try:
+            if problem is None and (key := row.get("key")) != "*":  # version 1 holds keys as text
+                key = key_from_text(key) if version == 1 else key_from_data(key, row["kernel"])
+                row = {**row, "key": key}
+        except Invalid as exc:
+            problem = str(exc)
         if problem:
             raise _log_error(name, f"decision {index}: {problem}")
-        decisions.append(Decision.from_json(row))
+        decisions.append(Decision(**row))
     return decisions
 
 
@@ -67,11 +74,9 @@ def _log_error(path: str, problem: str) -> TableError:
     return TableError(path, problem, "Decision log")
 
 
-_TEXT_FIELDS = ("kernel", "key", "signature", "source")
-_OPTIONAL_TEXT = (
-    *("arch", "origin", "source_hash", "config_list_digest"),
-    *("nearest_key", "matched_by", "entry_kernel", "chaos"),
-)
+_TEXT_FIELDS = ("kernel", "signature", "source")
+_OPTIONAL_TEXT: tuple[str, ...] = ("arch", "origin", "source_hash", "config_list_digest", "nearest_key")
+_OPTIONAL_TEXT += ("matched_by", "entry_kernel", "chaos")
 
 
 def _row_problem(row: Any) -> str | None:
@@ -273,7 +278,7 @@ def merge_tables(inputs: Sequence[tuple[str, Table]]) -> MergeResult:
     ballots: dict[tuple[str, str, str], dict[str, list[tuple[str, Entry]]]] = {}
     for name, table in inputs:
         for entry in table.values():
-            ident = (entry.arch, names[content_ident(entry)], entry.key)
+            ident: tuple[str, str, str] = (entry.arch, names[content_ident(entry)], entry.key)
             ballots.setdefault(ident, {}).setdefault(config_signature(entry.config), []).append((name, entry))
     result = MergeResult(table=Table(meta={"kind": "merged"}), inputs=[name for name, _ in inputs])
     for ident in sorted(ballots):

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +15,7 @@ import torch
 from megatron_tuning.core.decisions import Decision, decision_log, get_decisions
 from megatron_tuning.core.errors import TableError
 from megatron_tuning.core.identity import config_signature, kernel_id
+from megatron_tuning.core.key import Key
 from megatron_tuning.core.policy import TuningPolicy
 from megatron_tuning.runtime import interception
 from megatron_tuning.tables import files as table_files
@@ -22,17 +25,21 @@ from megatron_tuning.tables.merge import (
     entry_from_decision,
     merge_files,
     merge_tables,
+    read_decisions,
     recording_path,
     recording_table,
     timing_from_decision,
+    write_decisions,
     write_recording,
 )
 from megatron_tuning.tables.search import TableSet
 from megatron_tuning.tables.table import Table, load_table
 
 from .. import support_kernels as sk
+from ..keys import tag
 from ..support_kernels import grid
 
+M1, M2 = Key({"M": 1}), Key({"M": 2})
 KERNEL = "pkg.kernels:matmul"
 
 
@@ -43,7 +50,7 @@ def config(block: int, warps: int = 4) -> dict[str, object]:
 def decision(
     block: int,
     *,
-    key: str = "M=1",
+    key: Key = M1,
     rank: int = 0,
     source: str = "recorded",
     timings: dict[str, object] | None = None,
@@ -66,7 +73,7 @@ def decision(
 def entry(
     block: int,
     *,
-    key: str = "M=1",
+    key: Key = M1,
     median: float | None = None,
     warps: int = 4,
     source_hash: str | None = None,
@@ -108,18 +115,43 @@ def test_timing_from_tuner_form_and_garbage():
         assert timing is None or timing.median_ms is None
 
 
+def test_a_decision_log_keeps_each_keys_order_and_types_and_an_older_log_reads_as_written(tmp_path):
+    key = Key({"n": 40, "flag": True}, {"x_ptr": "torch.float32"})  # its order is not sorted order
+    path = tmp_path / "d.json"
+    write_decisions(
+        path, [decision(64, key=key), Decision(kernel="pkg:o", key="*", signature="", source="out_of_scope")]
+    )
+    back, out_of_scope = read_decisions(path)
+    assert (back.key, back.key.names, type(back.key.values[1]), out_of_scope.key) == (
+        key,
+        ("n", "flag"),
+        bool,
+        "*",
+    )
+    fixtures = Path(__file__).parent / "fixtures" / "schema1"
+    old = read_decisions(fixtures / "decisions.json")
+    expected = json.loads((fixtures / "expected.json").read_text(encoding="utf-8"))["decisions.json"]
+    assert [[d.arch, d.kernel, d.key, d.signature] for d in old] == expected
+    assert entry_from_decision(old[0]).key.values == (40,)  # an entry of it keeps its parts
+    doc = json.loads(path.read_text())
+    doc["decisions"][0]["key"] = "n=40, flag=True | x_ptr:torch.float32"  # text in a version-2 log
+    path.write_text(json.dumps(doc))
+    with pytest.raises(TableError, match="decision 0: key of kernel 'pkg.kernels:matmul': key must be a map"):
+        read_decisions(path)
+
+
 def test_recording_table_keeps_measured_winners_only():
     decisions = [
-        decision(64, key="a", timings={"median_ms": 1.0}),
-        decision(128, key="a"),  # a later duplicate: the first (launched) one stays
-        decision(32, key="b", source="tuned"),
-        decision(16, key="c", source="cheapest"),
+        decision(64, key=tag("a"), timings={"median_ms": 1.0}),
+        decision(128, key=tag("a")),  # a later duplicate: the first (launched) one stays
+        decision(32, key=tag("b"), source="tuned"),
+        decision(16, key=tag("c"), source="cheapest"),
         Decision(kernel="pkg:other", key="*", signature="", source="out_of_scope"),
     ]
     table = recording_table(decisions, rank=3, triton_version="3.6.0")
     assert [(e.key, e.how, e.config["kwargs"]["BLOCK"]) for e in table.entries()] == [
-        ("a", "recorded", 64),
-        ("b", "tuned", 32),
+        (tag("a"), "recorded", 64),
+        (tag("b"), "tuned", 32),
     ]
     assert table.meta == {"kind": "recording", "rank": "3"}
     assert all(e.triton_version == "3.6.0" and e.source_hash == "aa" * 32 for e in table.entries())
@@ -127,13 +159,13 @@ def test_recording_table_keeps_measured_winners_only():
 
 
 def test_write_recording_one_file_per_rank_and_accumulates(tmp_path):
-    path0 = write_recording([decision(64, key="a")], tmp_path, rank=0)
-    path1 = write_recording([decision(128, key="a", rank=1)], tmp_path, rank=1)
+    path0 = write_recording([decision(64, key=tag("a"))], tmp_path, rank=0)
+    path1 = write_recording([decision(128, key=tag("a"), rank=1)], tmp_path, rank=1)
     assert (path0, path1) == (recording_path(tmp_path, 0), recording_path(tmp_path, 1))
     assert path0.name == "recording-rank00000.msgpack"
-    write_recording([decision(32, key="b")], tmp_path, rank=0)  # a second run of the job
-    assert sorted(e.key for e in load_table(path0).entries()) == ["a", "b"]
-    assert load_table(path1).get("sm90", KERNEL, "a").config["kwargs"] == {"BLOCK": 128}
+    write_recording([decision(32, key=tag("b"))], tmp_path, rank=0)  # a second run of the job
+    assert sorted(e.key for e in load_table(path0).entries()) == [tag("a"), tag("b")]
+    assert load_table(path1).get("sm90", KERNEL, tag("a")).config["kwargs"] == {"BLOCK": 128}
 
 
 # -- merging -----------------------------------------------------------------------
@@ -141,17 +173,17 @@ def inputs(*tables: list[Entry]) -> list[tuple[str, Table]]:
     return [(f"rank{i}", Table(entries)) for i, entries in enumerate(tables)]
 
 
-def chosen(result, key: str = "M=1") -> int:
+def chosen(result, key: Key = M1) -> int:
     return result.table.get("sm90", KERNEL, key).config["kwargs"]["BLOCK"]
 
 
 def test_majority_wins_and_disagreement_is_reported():
-    result = merge_tables(inputs([entry(64)], [entry(128)], [entry(64)], [entry(64, key="M=2")]))
+    result = merge_tables(inputs([entry(64)], [entry(128)], [entry(64)], [entry(64, key=M2)]))
     assert chosen(result) == 64
-    assert result.table.get("sm90", KERNEL, "M=1").votes == (2, 3)
-    assert result.table.get("sm90", KERNEL, "M=2").votes == (1, 1)
+    assert result.table.get("sm90", KERNEL, M1).votes == (2, 3)
+    assert result.table.get("sm90", KERNEL, M2).votes == (1, 1)
     (item,) = result.disagreements
-    assert (item.kernel, item.key, item.rule) == (KERNEL, "M=1", "majority")
+    assert (item.kernel, item.key, item.rule) == (KERNEL, M1, "majority")
     assert [(v.signature, v.inputs) for v in item.votes] == [
         (config_signature(config(64)), ("rank0", "rank2")),
         (config_signature(config(128)), ("rank1",)),
@@ -173,23 +205,23 @@ def test_tie_without_timings_goes_to_static_cost_then_signature():
         Entry(
             arch="sm90",
             kernel=KERNEL,
-            key="M=1",
+            key=M1,
             how="recorded",
             config={"kwargs": {"BLOCK": 64, "GROUP": g}, "num_warps": 4, "num_stages": 3},
         )
         for g in (8, 4)
     )
     result = merge_tables(inputs([group8], [group4]))
-    assert result.table.get("sm90", KERNEL, "M=1").config["kwargs"]["GROUP"] == 4
+    assert result.table.get("sm90", KERNEL, M1).config["kwargs"]["GROUP"] == 4
     assert result.disagreements[0].rule == "tie: signature order"
 
 
 def test_merge_is_independent_of_input_order():
     tables = [
-        [entry(64, median=1.0), entry(16, key="k")],
+        [entry(64, median=1.0), entry(16, key=tag("k"))],
         [entry(128, median=1.0)],
-        [entry(32, median=3.0, key="k", source_hash="bb" * 32)],
-        [entry(16, key="k", median=0.5)],
+        [entry(32, median=3.0, key=tag("k"), source_hash="bb" * 32)],
+        [entry(16, key=tag("k"), median=0.5)],
     ]
     outputs = set()
     for order in itertools.permutations(range(len(tables))):
@@ -220,7 +252,7 @@ def test_one_source_under_two_module_names_votes_as_one_kernel_only_with_one_con
 def test_mixed_source_hashes_are_reported():
     result = merge_tables(inputs([entry(64, source_hash="aa" * 32)], [entry(64, source_hash="bb" * 32)]))
     assert result.disagreements == []
-    assert result.mixed_source_hashes == [("sm90", KERNEL, "M=1", ("aa" * 32, "bb" * 32))]
+    assert result.mixed_source_hashes == [("sm90", KERNEL, M1, ("aa" * 32, "bb" * 32))]
     assert result.to_json()["mixed_source_hashes"][0]["source_hashes"] == ["aa" * 32, "bb" * 32]
 
 
@@ -231,7 +263,7 @@ def test_merge_files_reads_folders_and_skips_the_output(tmp_path):
     merge_files(out, [tmp_path])
     again = merge_files(out, [tmp_path])  # the earlier output in the same folder is not a vote
     assert again.inputs == [str(recording_path(tmp_path, r)) for r in range(3)]
-    assert load_table(out).get("sm90", KERNEL, "M=1").votes == (2, 3)
+    assert load_table(out).get("sm90", KERNEL, M1).votes == (2, 3)
 
 
 def test_merge_files_refuses_to_write_an_empty_table(tmp_path):
