@@ -51,28 +51,14 @@ def render(value: Any) -> str:
 
 
 def key_value(value: Any) -> Value:
-    """How a launch's argument value is kept in a key: a scalar as itself, anything else ``Shown``."""
-    kind = type(value)
-    if kind is str and not value.isascii():
-        try:
-            _utf8(value)
-        except ValueError:
-            return Shown(render(value))  # a lone surrogate: no table can store it as a string
-    if kind in (type(None), bool, str) or (kind is int and INT_MIN <= value <= INT_MAX):
-        return value  # type: ignore[no-any-return]
-    if kind is float and math.isfinite(value):
-        return value  # type: ignore[no-any-return]
-    if (
-        isinstance(value, numbers.Integral)
-        and not isinstance(value, bool)
-        and INT_MIN <= int(value) <= INT_MAX
-    ):
-        return int(value)  # e.g. a numpy integer
-    if isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral):
-        as_float = float(value)
-        if math.isfinite(as_float):
-            return as_float
-    return Shown(render(value))
+    """How a launch's argument value is kept in a key: a scalar a table can store as itself (a
+    numpy integer as an ``int``), anything else ``Shown``."""
+    if type(value) is not bool and isinstance(value, numbers.Real):
+        value = int(value) if isinstance(value, numbers.Integral) else float(value)
+    try:
+        return Key.of(("v",), (value,), ()).values[0]
+    except ValueError:  # not a scalar, a number beyond 64 bits or not finite, a lone surrogate
+        return Shown(render(value))
 
 
 class Key(str):
@@ -111,7 +97,10 @@ class Key(str):
             if kind not in _KINDS:
                 raise ValueError(f"key value {value!r}: expected None, bool, int, float or str")
             if kind is str and not value.isascii():
-                _utf8(value)
+                try:
+                    value.encode("utf-8")
+                except UnicodeEncodeError:  # what a JSON "\\ud800" escape gives: no UTF-8 form
+                    raise ValueError(f"key value {value!r} is not valid Unicode (lone surrogate)") from None
         names, dtypes_text = _shared(names), _shared(dtypes, dtypes=True)  # checked once per kernel
         text = ", ".join([f"{n}={render(v)}" for n, v in zip(names, values)]) + dtypes_text
         key = super().__new__(cls, text)
@@ -178,20 +167,11 @@ def _shared(parts: tuple[Any, ...], dtypes: bool = False) -> Any:
             raise ValueError(f"key names {parts!r}: expected distinct strings")
         if dtypes and not all(type(p) is tuple and len(p) == 2 and type(p[1]) is str for p in parts):
             raise ValueError(f"key dtypes {parts!r}: expected (name, dtype text) pairs")
-        for text in [*names, *(p[1] for p in parts if dtypes)]:
-            _utf8(text)
         if len(_SHARED) > 4096:
             _SHARED.clear()
         known = " | " + ", ".join(f"{n}:{d}" for n, d in parts) if dtypes else parts
         _SHARED[(dtypes, parts)] = known
     return known
-
-
-def _utf8(text: str) -> None:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:  # what a JSON "\\ud800" escape gives: it has no UTF-8 form to store
-        raise ValueError(f"key text {text!r} is not valid Unicode (lone surrogate)") from None
 
 
 def call_key(

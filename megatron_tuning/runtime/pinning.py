@@ -343,13 +343,11 @@ def _proposed(
         return choice
     mine = config_signature(choice.config)
     winner = consensus.publish(kernel, key, arch, config_data(choice.config), mine)
-    if winner.signature == mine:
-        return choice
-    return _adopt(winner, candidates, kernel, key, consensus.rank, timings=None)
+    return choice if winner.signature == mine else _adopt(winner, candidates, kernel, key, consensus.rank)
 
 
 def _adopt(
-    published: PublishedDecision, candidates: Sequence[Any], kernel: str, key: str, rank: int, **timings: Any
+    published: PublishedDecision, candidates: Sequence[Any], kernel: str, key: str, rank: int
 ) -> Choice:
     """The live candidate of ``published``'s signature (so its ``Config.pre_hook`` survives)."""
     for candidate in candidates:  # position order: the first live duplicate wins
@@ -357,7 +355,7 @@ def _adopt(
             # A record naming this rank that it did not publish (it adopts) came from elsewhere.
             origin = f"rank {published.rank}" if published.rank != rank else "the store (names this rank)"
             progress.info("adopted %s from %s for %s [%s]", published.signature, origin, kernel, key)
-            return Choice(candidate, "adopted", origin, timings=timings.get("timings", published.timings))
+            return Choice(candidate, "adopted", origin, timings=published.timings)
     live = "; ".join(config_signature(c) for c in candidates) or "(none)"
     message = f"rank {published.rank} published {published.signature}, which is not among this rank's "
     raise ConsensusError(kernel, key, f"{message}{len(candidates)} live configs ({live})")
