@@ -39,6 +39,7 @@ def _run_unedited(
     env: tuple[str, ...] = (),
     job_args: tuple[str, ...] = (),
     command_name: str = "run",
+    nproc: int = NPROC,
 ) -> tuple[Any, dict[int, dict[str, Any]]]:
     out = tmp / "out"
     out.mkdir()
@@ -52,13 +53,13 @@ def _run_unedited(
         "--",
         *_torchrun(),
         "--standalone",
-        f"--nproc_per_node={NPROC}",
+        f"--nproc_per_node={nproc}",
         str(WORKERS / "unedited_job.py"),
         str(out),
         *job_args,
     ]
     done = run_bounded(command, tmp, 240, "run -- torchrun unedited_job.py")
-    return done, read_results(out, NPROC)
+    return done, read_results(out, nproc)
 
 
 def _decisions(path: Path) -> list[dict[str, Any]]:
@@ -88,12 +89,23 @@ def test_run_pins_every_rank_of_an_unedited_torchrun_job_with_one_notice_per_job
 
 
 def test_a_divergence_the_check_at_close_finds_fails_the_job(tmp_path: Path) -> None:
-    """verify checks at close (atexit here): before, the divergence was only logged and run exited 0."""
+    """verify checks at close (atexit here): before, the divergence was only logged and run exited 0.
+    The last of 3 ranks never imports Triton: it joins the check with an empty log (before, it never
+    did, so the others' check timed out, said it did not run, and the job exited 0)."""
     done, results = _run_unedited(
-        tmp_path, "--mode", "chaos", "--agreement", "verify", job_args=("--keep-group",)
+        tmp_path,
+        "--mode",
+        "chaos",
+        "--agreement",
+        "verify",
+        "--agreement-timeout",
+        "10",  # what the check at close would wait for the missing rank
+        job_args=("--keep-group", "--last-rank-without-triton"),
+        nproc=3,
     )
-    assert [results[r]["error"] for r in range(NPROC)] == [None] * NPROC  # nothing seen while it ran
+    assert [results[r]["error"] for r in range(3)] == [None] * 3  # nothing seen while it ran
     assert done.returncode == EXIT_DIVERGENCE, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "did not run" not in done.stderr
     assert "exitcode  : 3" in done.stderr  # each rank's own status, as torchrun reports it
 
 
@@ -170,7 +182,7 @@ def test_auto_in_a_pipeline_never_waits_for_a_rank_that_waits_for_it(tmp_path: P
 # -- init_deterministic_tuning before init_process_group ---------------------------------------
 
 
-def _late(tmp: Path, mode: str) -> dict[int, dict[str, Any]]:
+def _late(tmp: Path, mode: str, timeout_s: float = 240) -> dict[int, dict[str, Any]]:
     out = tmp / mode
     out.mkdir()
     command = [
@@ -183,7 +195,7 @@ def _late(tmp: Path, mode: str) -> dict[int, dict[str, Any]]:
         "--mode",
         mode,
     ]
-    done = run_bounded(command, tmp, 240, f"late_attach_worker.py {mode}")
+    done = run_bounded(command, tmp, timeout_s, f"late_attach_worker.py {mode}")
     results = read_results(out, NPROC)
     assert done.returncode == 0 and len(results) == NPROC, done.stdout[-3000:] + done.stderr[-3000:]
     return results
@@ -201,3 +213,31 @@ def test_init_before_the_group_still_shares_auto_decisions(tmp_path: Path) -> No
         rows = [d for r in range(NPROC) for d in results[r]["decisions"] if d["key"].startswith(f"n={n} ")]
         assert sorted(d["source"] for d in rows) == ["adopted", "tuned"], rows  # before: tuned, tuned
         assert len({d["signature"] for d in rows}) == 1
+
+
+# A failed attach: its rank's later keys and checks raise the same error, within the worker's
+# agreement timeout (5 s); before, the attach was marked done first, so the rank ran on unchecked.
+FAILED_ATTACH_S = 5.0
+
+
+def test_a_failed_late_attach_fails_that_ranks_later_keys_and_checks_and_hangs_no_rank(
+    tmp_path: Path,
+) -> None:
+    results = _late(tmp_path, "mismatch", timeout_s=90)
+    failed = results[1]["attach"]  # rank 1's policy differs: its attach compares the inputs second
+    assert results[0]["attach"] is None
+    assert failed["error"] == "InputMismatchError" and "block_sizes=BLOCK=64" in failed["message"], failed
+    assert results[1]["next_key"] == failed and results[1]["verify"] == failed, results[1]
+    assert results[0]["next_key"] == failed and results[0]["verify"] == failed, results[0]  # the store flag
+    assert all(results[r]["verify_s"] < FAILED_ATTACH_S for r in range(NPROC)), results
+
+
+def test_auto_past_its_rank_cap_is_refused_at_init_and_at_the_attach_for_good(tmp_path: Path) -> None:
+    results = _late(tmp_path, "cap", timeout_s=90)
+    for row in results.values():
+        # WORLD_SIZE known: refused at init (before: only at the attach, after a caught one auto ran on).
+        assert row["init"]["error"] == "PolicyError" and "in a job of 2 ranks" in row["init"]["message"], row
+        failed = row["attach"]  # the job's size known only once the group exists
+        assert failed["error"] == "PolicyError" and "up to 1 ranks" in failed["message"], row
+        assert row["next_key"] == failed and row["verify"] == failed, row
+        assert row["verify_s"] < FAILED_ATTACH_S and row["close"] is None, row

@@ -208,8 +208,8 @@ class InputMismatchError(MegatronTuningError, RuntimeError):
             lines.append(f"  {name}: " + "; ".join(f"rank {r}: {v}" for r, v in sorted(by_rank.items())))
         lines.append(
             "  Give every rank the same MEGATRON_TUNING_* settings, table files and installs, and call "
-            "init_deterministic_tuning the same number of times on each (compare tables with "
-            "`python -m megatron_tuning show TABLE`)."
+            "init_deterministic_tuning and verify_agreement the same number of times on each (compare "
+            "tables with `python -m megatron_tuning show TABLE`)."
         )
         super().__init__("\n".join(lines))
 

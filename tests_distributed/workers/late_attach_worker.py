@@ -4,6 +4,12 @@ The session must attach to the group at the first new key launched after it exis
 agreement check must fire, in auto the ranks must share one decision per key (one tuned, the rest
 adopted). The measurement is a fake that picks a different config on each rank, so ranks agree
 only through the job's consensus. Results go to ``<out>/rank<r>.json``.
+
+``--mode mismatch`` and ``--mode cap``: an attach that fails (rank 1's policy pins another block
+size; ``auto`` past its rank cap, lowered to 1 here). The failing rank's later keys and checks must
+raise the same error within ``TIMEOUT_S``, and no rank may hang. In ``mismatch`` the ranks' logs
+differ (a key launched before the group), so verify_agreement compares them. ``cap`` first tries
+``auto`` while ``WORLD_SIZE`` is known, which must be refused at init.
 """
 
 from __future__ import annotations
@@ -23,9 +29,11 @@ import torch.distributed as dist
 import megatron_tuning
 from megatron_tuning import session
 from megatron_tuning.core.errors import MegatronTuningError
+from megatron_tuning.distributed import store
 
 RANK = int(os.environ.get("RANK", "0"))
 SIZES = (101, 102, 103)
+TIMEOUT_S = 5.0  # the failed-attach modes' agreement timeout: a hang is bounded by it
 
 
 def fake_measure(policy: Any) -> Any:
@@ -39,10 +47,12 @@ def fake_measure(policy: Any) -> Any:
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    parser.add_argument("--mode", choices=("chaos", "auto"), required=True)
+    parser.add_argument("--mode", choices=("chaos", "auto", "mismatch", "cap"), required=True)
     parser.add_argument("--cache", default="off")
     args = parser.parse_args()
     session._make_measure = fake_measure
+    if args.mode in ("mismatch", "cap"):
+        return failed_attach(args.mode, args.out)
     policy = megatron_tuning.TuningPolicy(mode=args.mode, cache=args.cache, use_shipped_tables=False)
     handle = megatron_tuning.init_deterministic_tuning(policy)  # no process group yet
     from _kernels import run
@@ -64,6 +74,51 @@ def main() -> int:
     handle.close()
     with open(os.path.join(args.out, f"rank{dist.get_rank()}.json"), "w") as out:
         json.dump(result, out, indent=1)
+    dist.destroy_process_group()
+    return 0
+
+
+def _attempt(action: Any) -> dict[str, str] | None:
+    """Run ``action``; the error it raised, if any."""
+    try:
+        action()
+    except Exception as error:
+        return {"error": type(error).__name__, "message": str(error)}
+    return None
+
+
+def failed_attach(mode: str, out: str) -> int:
+    world = int(os.environ["WORLD_SIZE"])
+    result: dict[str, Any] = {}
+    policy = megatron_tuning.TuningPolicy(
+        mode="auto" if mode == "cap" else "deterministic",
+        cache="off",
+        agreement_timeout_s=TIMEOUT_S,
+        block_sizes=(("BLOCK", 64),) if mode == "mismatch" and RANK == 1 else (),
+        use_shipped_tables=False,
+    )
+    if mode == "cap":
+        store.AUTO_MAX_RANKS = 1
+        result["init"] = _attempt(lambda: megatron_tuning.init_deterministic_tuning(policy))
+        del os.environ["WORLD_SIZE"]  # now the job's size is known only once its group exists
+    handle = megatron_tuning.init_deterministic_tuning(policy)  # no process group yet
+    from _kernels import run
+
+    if mode == "mismatch":
+        run("add", 100)  # before the group: BLOCK=16 on rank 0, 64 on rank 1
+    dist.init_process_group("gloo", rank=RANK, world_size=world, timeout=timedelta(seconds=20))
+    for turn in range(world):  # rank 0 attaches first: rank 1's attach is the one that fails
+        if turn == RANK:
+            result["attach"] = _attempt(lambda: run("add", 101))
+        dist.barrier()
+    result["next_key"] = _attempt(lambda: run("add", 102))
+    start = time.monotonic()
+    result["verify"] = _attempt(lambda: megatron_tuning.verify_agreement(timeout_s=TIMEOUT_S))
+    result["verify_s"] = time.monotonic() - start
+    result["close"] = _attempt(handle.close)
+    with open(os.path.join(out, f"rank{RANK}.json"), "w") as file:
+        json.dump(result, file, indent=1)
+    dist.barrier()
     dist.destroy_process_group()
     return 0
 
