@@ -134,7 +134,7 @@ def _init(policy: TuningPolicy | None, table: Any, group: Any) -> TuningHandle:
     policy = policy if policy is not None else TuningPolicy.from_env(default_mode="deterministic")
     warn_if_mamba_env_ignored(policy)
     check_output_paths(policy)  # outputs are written at close: a bad path must fail now, not then
-    if policy.mode == "auto" and not _group_exists():  # with a group, starting its consensus checks
+    if policy.mode == "auto" and not _group_exists() and _launcher_world_size() > 1:  # else: at the attach
         from .distributed.store import check_auto_world
 
         check_auto_world(_launcher_world_size())

@@ -122,6 +122,26 @@ def test_auto_past_its_rank_cap_is_refused_at_init_where_the_launcher_gives_the_
     assert pinning.active is None and pinning.before_decision == []  # nothing was started
 
 
+def test_auto_past_its_rank_cap_at_the_attach_fails_every_later_key_and_check(
+    monkeypatch: pytest.MonkeyPatch, one_rank_group: Any
+) -> None:
+    """The job's size is known only once the group exists. Before, the attach was marked done before
+    the cap raised: after a caught cap error, auto ran on with no consensus and no checks."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(store, "AUTO_MAX_RANKS", 0)
+    monkeypatch.setattr(session, "_make_measure", lambda policy: _first_config)
+    policy = megatron_tuning.TuningPolicy(mode="auto", cache="off", use_shipped_tables=False)
+    with megatron_tuning.init_deterministic_tuning(policy):
+        one_rank_group()
+        raised = []
+        for check in (lambda: _launch(40), lambda: _launch(41), megatron_tuning.verify_agreement):
+            with pytest.raises(megatron_tuning.PolicyError, match="in a job of 1 ranks") as caught:
+                check()
+            raised.append(caught.value)
+        assert raised[0] is raised[1] is raised[2]
+        assert megatron_tuning.get_decisions() == []  # nothing launched unshared
+
+
 def _first_config(autotuner: Any, candidates: list[Any], *rest: Any) -> tuple[Any, dict[str, Any]]:
     return candidates[0], {"format": "fake"}
 

@@ -5,11 +5,10 @@ agreement check must fire, in auto the ranks must share one decision per key (on
 adopted). The measurement is a fake that picks a different config on each rank, so ranks agree
 only through the job's consensus. Results go to ``<out>/rank<r>.json``.
 
-``--mode mismatch`` and ``--mode cap``: an attach that fails (rank 1's policy pins another block
-size; ``auto`` past its rank cap, lowered to 1 here). The failing rank's later keys and checks must
-raise the same error within ``TIMEOUT_S``, and no rank may hang. In ``mismatch`` the ranks' logs
-differ (a key launched before the group), so verify_agreement compares them. ``cap`` first tries
-``auto`` while ``WORLD_SIZE`` is known, which must be refused at init.
+``--mode failed``: first ``auto`` past its rank cap (lowered to 1 here) must be refused at init, as
+torchrun's ``WORLD_SIZE`` gives the job's size. Then rank 1's attach fails (its policy pins another
+block size): its later keys and checks must raise the same error within ``TIMEOUT_S``, and no rank
+may hang. The ranks' logs differ (a key launched before the group), so verify_agreement compares them.
 """
 
 from __future__ import annotations
@@ -47,12 +46,12 @@ def fake_measure(policy: Any) -> Any:
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    parser.add_argument("--mode", choices=("chaos", "auto", "mismatch", "cap"), required=True)
+    parser.add_argument("--mode", choices=("chaos", "auto", "failed"), required=True)
     parser.add_argument("--cache", default="off")
     args = parser.parse_args()
     session._make_measure = fake_measure
-    if args.mode in ("mismatch", "cap"):
-        return failed_attach(args.mode, args.out)
+    if args.mode == "failed":
+        return failed_attach(args.out)
     policy = megatron_tuning.TuningPolicy(mode=args.mode, cache=args.cache, use_shipped_tables=False)
     handle = megatron_tuning.init_deterministic_tuning(policy)  # no process group yet
     from _kernels import run
@@ -87,26 +86,23 @@ def _attempt(action: Any) -> dict[str, str] | None:
     return None
 
 
-def failed_attach(mode: str, out: str) -> int:
-    world = int(os.environ["WORLD_SIZE"])
+def failed_attach(out: str) -> int:
     result: dict[str, Any] = {}
     policy = megatron_tuning.TuningPolicy(
-        mode="auto" if mode == "cap" else "deterministic",
-        cache="off",
-        agreement_timeout_s=TIMEOUT_S,
-        block_sizes=(("BLOCK", 64),) if mode == "mismatch" and RANK == 1 else (),
-        use_shipped_tables=False,
+        mode="auto", cache="off", agreement_timeout_s=TIMEOUT_S, use_shipped_tables=False
     )
-    if mode == "cap":
-        store.AUTO_MAX_RANKS = 1
-        result["init"] = _attempt(lambda: megatron_tuning.init_deterministic_tuning(policy))
-        del os.environ["WORLD_SIZE"]  # now the job's size is known only once its group exists
-    handle = megatron_tuning.init_deterministic_tuning(policy)  # no process group yet
+    cap, store.AUTO_MAX_RANKS = store.AUTO_MAX_RANKS, 1
+    result["auto_init"] = _attempt(lambda: megatron_tuning.init_deterministic_tuning(policy))
+    store.AUTO_MAX_RANKS = cap
+    blocks = (("BLOCK", 64),) if RANK == 1 else ()
+    handle = megatron_tuning.init_deterministic_tuning(
+        policy.replace(mode="deterministic", block_sizes=blocks)
+    )
     from _kernels import run
 
-    if mode == "mismatch":
-        run("add", 100)  # before the group: BLOCK=16 on rank 0, 64 on rank 1
-    dist.init_process_group("gloo", rank=RANK, world_size=world, timeout=timedelta(seconds=20))
+    run("add", 100)  # no process group yet: BLOCK=16 on rank 0, 64 on rank 1
+    dist.init_process_group("gloo", timeout=timedelta(seconds=20))
+    world = dist.get_world_size()
     for turn in range(world):  # rank 0 attaches first: rank 1's attach is the one that fails
         if turn == RANK:
             result["attach"] = _attempt(lambda: run("add", 101))
