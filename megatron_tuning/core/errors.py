@@ -7,6 +7,7 @@ Diagnostics go to stderr (``install_default_handler``) only while the applicatio
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import os
@@ -207,8 +208,8 @@ class InputMismatchError(MegatronTuningError, RuntimeError):
             lines.append(f"  {name}: " + "; ".join(f"rank {r}: {v}" for r, v in sorted(by_rank.items())))
         lines.append(
             "  Give every rank the same MEGATRON_TUNING_* settings, table files and installs, and call "
-            "init_deterministic_tuning the same number of times on each (compare tables with "
-            "`python -m megatron_tuning show TABLE`)."
+            "init_deterministic_tuning and verify_agreement the same number of times on each (compare "
+            "tables with `python -m megatron_tuning show TABLE`)."
         )
         super().__init__("\n".join(lines))
 
@@ -308,10 +309,21 @@ def _warn_at_caller(text: str) -> None:
         frame = frame.f_back
     where, line, module = frame.f_code.co_filename, frame.f_lineno, frame.f_globals.get("__name__")
     if where.startswith(internal):  # no frame of the user's runs (at exit): name their program
-        where, line, module = getattr(sys.modules.get("__main__"), "__file__", None) or where, 0, "__main__"
+        where, line, module = _main_program(), 0, "__main__"
     # No ``module_globals``: asking a module's loader for its source raises ImportError for a
     # script run with ``python -m`` (``__main__``); the source line is read from the file instead.
     warnings.warn_explicit(text, TuningWarning, where, line, module=str(module), registry={})
+
+
+def _main_program() -> str:
+    """The file of the program the interpreter ran. Its ``__file__`` is gone at exit (CPython removes
+    it once a script returns, before exit handlers run); the module's loader still knows it."""
+    main = sys.modules.get("__main__")
+    where = getattr(main, "__file__", None)
+    if where is None:
+        with contextlib.suppress(AttributeError, ImportError, TypeError):
+            where = main.__loader__.get_filename()  # type: ignore[union-attr]
+    return os.path.abspath(where) if where else "<string>"  # no file: `python -c`
 
 
 def _other_rank() -> bool:
