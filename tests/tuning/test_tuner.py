@@ -500,5 +500,8 @@ def test_interleave_runs_each_live_arm_in_the_given_order_and_drops_a_failing_on
     rounds = list(interleave(sample, errors, range(3), order=abba, failures=(RuntimeError,)))
     assert calls[:6] == [0, 1, 2, 2, 1, 0]  # round 0 whole; round 1 loses arm 2 at its first block
     assert rounds[0] == (0, [(0, 0.0), (1, 1.0), (2, 2.0), (2, 2.0), (1, 1.0), (0, 0.0)])
-    assert rounds[1][1] == [(0, 0.0), (1, 1.0), (1, 1.0), (0, 0.0)] and errors[2] == "RuntimeError: out of resources"
+    assert (
+        rounds[1][1] == [(0, 0.0), (1, 1.0), (1, 1.0), (0, 0.0)]
+        and errors[2] == "RuntimeError: out of resources"
+    )
     assert rotating(1, [0, 1, 2]) == [1, 2, 0]
