@@ -84,6 +84,13 @@ def add_run(parser: argparse.ArgumentParser) -> None:
         help = options.get("help", knobs.KNOBS[variable].doc)
         more = "; repeatable" if options.get("action") == "append" else ""
         parser.add_argument(flag, dest=variable, **{**options, "help": f"{help} [{variable}{more}]"})
+    parser.add_argument(
+        "--score-do-bench",
+        nargs="?",
+        const="score.json",
+        metavar="OUT",
+        help="score each triton.testing.do_bench call of the job with measure; records in OUT (score.json)",
+    )
     add_job_argument(parser)
 
 
@@ -106,6 +113,10 @@ def run_run(args: argparse.Namespace) -> int:
         print(f"run: {flag + ': ' if flag else ''}{exc}", file=sys.stderr)
         return EXIT_USAGE
     updates[knobs.ENV_MODE] = policy.mode  # the default mode, spelled out for every process
+    if args.score_do_bench:
+        from .score import run_scored
+
+        return run_scored(job_argv(command), updates, {"do_bench": True}, args.score_do_bench)
     return run_armed(job_argv(command), updates, "run")
 
 
@@ -161,6 +172,10 @@ def activate(launcher: str = "run") -> None:
             knobs.warn_unknown_variables()  # a typo of the mode name would arm nothing
             return
         init_deterministic_tuning()
+        if knobs.KNOBS[knobs.ENV_SCORE].read() is not None:  # a `score` job, or run --score-do-bench
+            from .score import activate_score
+
+            activate_score()
     except Exception as exc:
         message = f"cannot pin this process's kernels, stopping it: {exc}"
         print(f"megatron_tuning {launcher}: {message}", file=sys.stderr)

@@ -120,9 +120,8 @@ def _pool_one(group: list[dict[str, Any]]) -> dict[str, Any]:
         }
         delta = max(r["verdict"]["delta"] for r in group)
         pooled["verdict"] = _decide(found.low, found.high, delta, first["verdict"]["margin"], flags)
-    status = [r["status"] for r in group]
-    worst = "incorrect" if "incorrect" in status else "demoted" if "demoted" in status else "ok"
-    pooled["status"] = "incorrect" if "fail" in pooled["correctness"].values() else worst
+    demoted = "demoted" if any(f["demotes"] for f in flags) else "ok"
+    pooled["status"] = "incorrect" if "fail" in pooled["correctness"].values() else demoted
     return pooled
 
 

@@ -9,8 +9,8 @@ import json
 import os
 import platform
 import socket
-import sys
 from collections.abc import Sequence
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -296,9 +296,12 @@ def _clocks(analysis: dict[str, Any], samples: dict[str, Any], nvml: Any) -> dic
 
 
 def environment(device: dict[str, Any], nvml: Any) -> dict[str, Any]:
-    versions = {}
+    versions: dict[str, str | None] = {}
     for module in ("torch", "triton", "numpy"):
-        versions[module] = getattr(sys.modules.get(module), "__version__", None)
+        try:
+            versions[module] = metadata.version(module)
+        except metadata.PackageNotFoundError:
+            versions[module] = None
     nv = nvml.device() if nvml is not None else {}
     return {
         "gpu": device,
@@ -316,10 +319,8 @@ def pinning(decisions: Sequence[Decision], first_new: int) -> dict[str, Any]:
     from ..runtime.pinning import current_policy
 
     policy = current_policy()
-    tables: dict[str, str | None] = {}
-    for d in decisions:
-        if d.origin and d.origin not in tables and os.path.isfile(d.origin):
-            tables[d.origin] = hashlib.sha256(Path(d.origin).read_bytes()).hexdigest()
+    origins = dict.fromkeys(d.origin for d in decisions if d.origin and os.path.isfile(d.origin))
+    tables = [{"path": o, "sha256": hashlib.sha256(Path(o).read_bytes()).hexdigest()} for o in origins]
     return {
         "policy": None
         if policy is None
