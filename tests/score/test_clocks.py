@@ -57,7 +57,10 @@ def _fake_pynvml(*, power_supported: bool = True, app_clock: int = 1980) -> type
     nv.nvmlDeviceGetCurrentClocksThrottleReasons = lambda h: 0x4
     nv.nvmlDeviceGetTemperature = lambda h, kind: 61
     nv.nvmlDeviceGetPowerUsage = power
-    nv.nvmlDeviceGetComputeRunningProcesses = lambda h: [types.SimpleNamespace(pid=1), types.SimpleNamespace(pid=2)]
+    nv.nvmlDeviceGetComputeRunningProcesses = lambda h: [
+        types.SimpleNamespace(pid=1),
+        types.SimpleNamespace(pid=2),
+    ]
     nv.nvmlDeviceGetApplicationsClock = lambda h, kind: app_clock
     nv.nvmlDeviceGetDefaultApplicationsClock = lambda h, kind: 1980
     nv.nvmlDeviceGetName = lambda h: b"NVIDIA H100 80GB HBM3"
@@ -69,7 +72,13 @@ def test_nvml_reads_what_the_driver_reports(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setitem(sys.modules, "pynvml", _fake_pynvml())
     nv = clocks.Nvml.open("1234")
     assert nv is not None
-    assert nv.sample() == {"sm_mhz": 1755, "mem_mhz": 2619, "throttle": 0x4, "temperature_c": 61, "power_w": 651.0}
+    assert nv.sample() == {
+        "sm_mhz": 1755,
+        "mem_mhz": 2619,
+        "throttle": 0x4,
+        "temperature_c": 61,
+        "power_w": 651.0,
+    }
     assert nv.processes() == {"on_gpu": 2, "others": 1}
     assert nv.locked() is None  # applications clocks at their default: NVML cannot tell about a lock
     assert nv.device() == {"name": "NVIDIA H100 80GB HBM3", "driver": "570.86.15"}
@@ -90,5 +99,9 @@ def test_no_nvml_means_no_nvml_evidence(monkeypatch: pytest.MonkeyPatch) -> None
 
 
 def test_summary_of_readings() -> None:
-    assert clocks.summary([1755.0, None, 1745.0, float("nan")]) == {"median": 1750.0, "min": 1745.0, "max": 1755.0}
+    assert clocks.summary([1755.0, None, 1745.0, float("nan")]) == {
+        "median": 1750.0,
+        "min": 1745.0,
+        "max": 1755.0,
+    }
     assert clocks.summary([None]) is None

@@ -44,7 +44,9 @@ def _full_record(tmp_path: Path) -> dict[str, Any]:
         return x * 2
 
     tampered = seams(dev, tamper="torch.cuda.Event.elapsed_time is not torch's")
-    score = measure(double, reference=double, make_inputs=lambda: torch.ones(4), flops=1e9, bytes=1e6, **tampered)
+    score = measure(
+        double, reference=double, make_inputs=lambda: torch.ones(4), flops=1e9, bytes=1e6, **tampered
+    )
     return score.record
 
 
@@ -104,7 +106,9 @@ def test_compare_reads_files_and_refuses_ambiguous_ones(tmp_path: Path) -> None:
     (tmp_path / "b.json").write_text(json.dumps({"format": pooling.RUN_FORMAT, "results": [two]}))
     assert compare(tmp_path / "a.json", tmp_path / "b.json")["outcome"] in ("same", "inconclusive")
     (tmp_path / "both.json").write_text(json.dumps([one, {**two, "name": "other"}]))
-    with pytest.raises(ValueError, match="holds 2 results \\(k, other\\): compare files with `score compare`"):
+    with pytest.raises(
+        ValueError, match="holds 2 results \\(k, other\\): compare files with `score compare`"
+    ):
         compare(tmp_path / "both.json", tmp_path / "a.json")
     (tmp_path / "table.json").write_text(json.dumps({"format": "megatron_tuning.table/1"}))
     with pytest.raises(ValueError, match="not a score result"):
@@ -122,7 +126,9 @@ def test_each_process_record_is_appended_to_its_own_file(tmp_path: Path) -> None
 @pytest.mark.parametrize("raw", ["{", '{"budget_s": "10"}', '{"dirs": "x"}', "[1]"])
 def test_a_bad_score_setting_names_the_variable(raw: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MEGATRON_TUNING_SCORE", raw)
-    with pytest.raises(ValueError, match="Unable to use MEGATRON_TUNING_SCORE=.*: expected a JSON object with dir"):
+    with pytest.raises(
+        ValueError, match="Unable to use MEGATRON_TUNING_SCORE=.*: expected a JSON object with dir"
+    ):
         pooling.job_settings()
 
 
@@ -130,5 +136,7 @@ if __name__ == "__main__":  # rewrite the golden file after a deliberate format 
     import tempfile
 
     with tempfile.TemporaryDirectory() as folder:
-        GOLDEN.write_text(json.dumps(skeleton(json.loads(json.dumps(_full_record(Path(folder))))), indent=1) + "\n")
+        GOLDEN.write_text(
+            json.dumps(skeleton(json.loads(json.dumps(_full_record(Path(folder))))), indent=1) + "\n"
+        )
     print(f"wrote {GOLDEN}")
