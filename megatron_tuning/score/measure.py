@@ -27,7 +27,7 @@ from . import integrity, pooling, report
 from .stats import FIRST_LOOK, look_level, planned_looks
 from .timers import Backend, default_backend
 
-BLOCK_MS = 1.0  # device time of one block; an arm runs two per round
+BLOCK_MS = 2.0  # device time of one block; an arm runs two per round
 MAX_LAUNCHES = 4096  # per block: bounds host time for tiny kernels
 SETTLE_MIN_S, SETTLE_CAP_S, SETTLE_SHARE = 0.3, 2.0, 0.25  # settle at least / at most / at most of budget
 SETTLE_WINDOW_S = 0.1  # the clock must hold steady over this much of the settle phase

@@ -37,7 +37,7 @@ def _full_record(tmp_path: Path) -> dict[str, Any]:
     table = tmp_path / "t.msgpack"
     table.write_bytes(b"\x80")
     decision_log().record(Decision(kernel="m:k", key="8", signature="w4", source="table", origin=str(table)))
-    dev = FakeDevice()
+    dev = FakeDevice(noise=0.002)  # an A/A decided "same" at the first look, then demoted by the flag
 
     def double(x: torch.Tensor) -> torch.Tensor:
         dev.kernel(0.4)()
