@@ -71,7 +71,11 @@ class Nvml:
 
             pynvml.nvmlInit()
             name = uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}"
-            return cls(pynvml, pynvml.nvmlDeviceGetHandleByUUID(name.encode()))
+            try:
+                handle = pynvml.nvmlDeviceGetHandleByUUID(name.encode())
+            except (TypeError, AttributeError):  # releases that take (and encode) a str
+                handle = pynvml.nvmlDeviceGetHandleByUUID(name)
+            return cls(pynvml, handle)
         except Exception as exc:  # noqa: BLE001 - absent or unusable NVML: no NVML evidence, said so
             logger.info("no NVML clock evidence: %s", exc)
             return None

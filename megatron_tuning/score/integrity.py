@@ -113,3 +113,68 @@ def host_clock_flag(kind: str) -> Flag | None:
     return flag(
         "host_clock", "timed with the host clock (no GPU, or the Triton interpreter): not a GPU score"
     )
+
+
+def bind(fn: Callable[..., Any], inputs: Any) -> Callable[[], Any]:
+    """``fn`` called on ``inputs``: a tuple or list as arguments, a dict as keywords, else one argument."""
+    if inputs is None:
+        return fn
+    if isinstance(inputs, dict):
+        return lambda: fn(**inputs)
+    if isinstance(inputs, (tuple, list)):
+        return lambda: fn(*inputs)
+    return lambda: fn(inputs)
+
+
+def _flat(inputs: Any) -> list[Any]:
+    if isinstance(inputs, dict):
+        return list(inputs.values())
+    return list(inputs) if isinstance(inputs, (tuple, list)) else [inputs]
+
+
+def _snapshot(value: Any) -> Any:
+    """A copy of an output that later launches cannot overwrite (tensors cloned)."""
+    if isinstance(value, (tuple, list)):
+        return type(value)(_snapshot(v) for v in value)
+    return value.detach().clone() if hasattr(value, "detach") else value
+
+
+def check_before(fn: Any, reference: Any, inputs: Any, check: Any) -> dict[str, Any]:
+    """Run candidate and reference once on the same inputs (this compiles them) and compare."""
+    output = _snapshot(bind(fn, inputs)())
+    expected = _snapshot(bind(reference, inputs)()) if reference is not None else None
+    if check is None:
+        unchecked: str | None = "check=None"
+    elif callable(check):
+        unchecked = None
+    elif reference is None:
+        unchecked = "no reference to compare with"
+    else:
+        unchecked = "no outputs (both returned None)" if output is None and expected is None else None
+    if unchecked:
+        return {"checked": False, "before": None, "after": None, "message": unchecked}
+    problem = outputs_problem(output, expected, check)
+    return {"checked": True, "before": "fail" if problem else "pass", "after": None, "message": problem}
+
+
+def check_after(
+    fn: Any,
+    reference: Any,
+    make_inputs: Any,
+    inputs: Any,
+    check: Any,
+    before: dict[str, Any],
+    flags: list[Any],
+) -> dict[str, Any]:
+    """After timing: fresh values written into the same tensors, checked again (a candidate that
+    cached its result by address now returns the old one)."""
+    if not before["checked"] or make_inputs is None or not refill(_flat(inputs), _flat(make_inputs())):
+        return {}
+    output = _snapshot(bind(fn, inputs)())
+    expected = _snapshot(bind(reference, inputs)()) if reference is not None else None
+    problem = outputs_problem(output, expected, check)
+    if problem and before["before"] == "pass":
+        why = "correct before timing, wrong on fresh values at the same addresses after it (cached by pointer?)"
+        flags.append(flag("stale_output", f"{why}: {problem}"))
+    message = before["message"] or (f"after timing, on fresh values: {problem}" if problem else None)
+    return {"after": "fail" if problem else "pass", "message": message}

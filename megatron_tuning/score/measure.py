@@ -99,62 +99,49 @@ def measure(
     fns = [fn] if reference is None else [fn, reference]
     # Each arm its own inputs: a reference is an independent instance (its own buffers), never fn's.
     arm_inputs = [inputs] + [make_inputs() if make_inputs is not None else None for _ in fns[1:]]
-    calls = [_bind(f, i) for f, i in zip(fns, arm_inputs)]
-    correctness = _check(fn, reference, inputs, check)  # the first calls: compile, checked
+    calls = [integrity.bind(f, i) for f, i in zip(fns, arm_inputs)]
+    correctness = integrity.check_before(fn, reference, inputs, check)  # the first calls: compile, checked
     backend.synchronize()
 
+    if ib is not None:
+        ib.mhz(ib.stamp(), ib.stamp())  # compiles the in-band clock's kernel outside the budget
     cold = l2 == "cold"
     arms = [_arm(backend, call, launch, cold, clock) for call in calls]
     started = clock()  # the budget: the settle phase and the rounds
     settle_cap = min(SETTLE_CAP_S, SETTLE_SHARE * budget_s)
     settle = _settle(lambda: _block(backend, ib, arms[0], cold), clock, settle_cap, nv, ib)
-    samples: dict[str, list[Any]] = {"values": [[] for _ in arms], "mhz": [[] for _ in arms], "nvml": []}
     delta = max(margin, report.aa_p95(noise_floor) or 0.0)
-    looks: list[int] = []
-    planned, analysis, stopped_by = 1, None, "budget"
-    errors: list[str | None] = [None] * len(arms)
-    last, longest = clock(), 0.0
-    if last - started + settle["block_s"] * 2 * len(arms) > budget_s:
+    if clock() - started + settle["block_s"] * 2 * len(arms) > budget_s:
         round_s = settle["block_s"] * 2 * len(arms)
         raise ValueError(
             f"budget_s={budget_s:g} holds no round: one takes about {round_s:.3g} s after "
             f"{settle['seconds']:.3g} s of settling the clock; raise budget_s"
         )
-    rounds = interleave(lambda i: _block(backend, ib, arms[i], cold), errors, itertools.count(), order=abba)
-    for index, taken in rounds:
-        _add_round(samples, taken, len(arms), nv, abba(index, list(range(len(arms))))[-1])
-        now = clock()
-        longest, last = max(longest, now - last), now
-        count = len(samples["nvml"])
-        if count == 1:  # how many rounds the budget holds fixes the looks, and alpha's split
-            planned = planned_looks(count + int((budget_s - (now - started)) / max(longest, 1e-9)))
-        if count == FIRST_LOOK << max(0, len(looks)):
-            looks.append(count)
-            analysis = report.analyse(samples, delta=delta, level=look_level(planned), ib=ib is not None)
-            stop = _stop(analysis, target_ci, correctness)
-            _progress(name or _name(fn), count, analysis, final=False)
-            if stop:
-                stopped_by = stop
-                break
-        if count >= MAX_ROUNDS:
-            stopped_by = "max_rounds"
-            break
-        if now - started + 1.5 * longest > budget_s:
-            break
-    seconds = clock() - started
-    count = len(samples["nvml"])
-    if count and (not looks or looks[-1] != count):
-        looks.append(count)
-        analysis = report.analyse(samples, delta=delta, level=look_level(planned), ib=ib is not None)
-
+    run = _rounds(
+        lambda i: _block(backend, ib, arms[i], cold),
+        len(arms),
+        nv,
+        clock,
+        started,
+        budget_s,
+        lambda analysis: _stop(analysis, target_ci, correctness),
+        lambda samples, level: report.analyse(samples, delta=delta, level=level, ib=ib is not None),
+        name or _name(fn),
+    )
+    samples, analysis = run.samples, run.analysis
     flags = _integrity(backend, calls[0], arms, samples, analysis, aa)
-    correctness.update(_after_check(fn, reference, make_inputs, inputs, check, correctness, flags))
+    correctness.update(integrity.check_after(fn, reference, make_inputs, inputs, check, correctness, flags))
     record = report.build(
         name=name or _name(fn),
         analysis=analysis,
         samples=samples,
         settings={"l2": l2, "launch": launch, "target_ci": target_ci, "budget_s": budget_s, "margin": margin},
-        rounds={"looks": looks, "planned_looks": planned, "stopped_by": stopped_by, "seconds": seconds},
+        rounds={
+            "looks": run.looks,
+            "planned_looks": run.planned,
+            "stopped_by": run.stopped_by,
+            "seconds": run.seconds,
+        },
         timing={
             "timer": backend.kind,
             "flush_bytes": backend.flush_bytes if cold else None,
@@ -176,7 +163,7 @@ def measure(
         new_decisions=decisions_before,
     )
     score = report.Score(record)
-    _progress(record["name"], count, analysis, final=True, score=score)
+    _progress(record["name"], len(run.looks), analysis, final=True, score=score)
     pooling.publish(record, job)
     return score
 
@@ -208,81 +195,6 @@ def _validate(**values: Any) -> None:
 
 def _name(fn: Any) -> str:
     return str(getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__)
-
-
-def _bind(fn: Callable[..., Any], inputs: Any) -> Callable[[], Any]:
-    if inputs is None:
-        return fn
-    if isinstance(inputs, dict):
-        return lambda: fn(**inputs)
-    if isinstance(inputs, (tuple, list)):
-        return lambda: fn(*inputs)
-    return lambda: fn(inputs)
-
-
-def _flat(inputs: Any) -> list[Any]:
-    if isinstance(inputs, dict):
-        return list(inputs.values())
-    return list(inputs) if isinstance(inputs, (tuple, list)) else [inputs]
-
-
-def _snapshot(value: Any) -> Any:
-    """A copy of an output that later launches cannot overwrite (tensors cloned)."""
-    if isinstance(value, (tuple, list)):
-        return type(value)(_snapshot(v) for v in value)
-    return value.detach().clone() if hasattr(value, "detach") else value
-
-
-def _check(fn: Any, reference: Any, inputs: Any, check: Any) -> dict[str, Any]:
-    """Run candidate and reference once on the same inputs (this compiles them) and compare."""
-    output = _snapshot(_bind(fn, inputs)())
-    expected = _snapshot(_bind(reference, inputs)()) if reference is not None else None
-    unchecked = "check=None" if check is None else None
-    if not callable(check) and check is not None:
-        both_none = output is None and expected is None
-        unchecked = (
-            "no reference to compare with"
-            if reference is None
-            else "no outputs (both returned None)"
-            if both_none
-            else None
-        )
-    if unchecked:
-        return {"checked": False, "before": None, "after": None, "message": unchecked}
-    problem = integrity.outputs_problem(output, expected, check)
-    return {"checked": True, "before": "fail" if problem else "pass", "after": None, "message": problem}
-
-
-def _after_check(
-    fn: Any,
-    reference: Any,
-    make_inputs: Any,
-    inputs: Any,
-    check: Any,
-    before: dict[str, Any],
-    flags: list[Any],
-) -> dict[str, Any]:
-    """After timing: fresh values written into the same tensors, checked again (a candidate that
-    cached its result by address now returns the old one)."""
-    if (
-        not before["checked"]
-        or make_inputs is None
-        or not integrity.refill(_flat(inputs), _flat(make_inputs()))
-    ):
-        return {}
-    output = _snapshot(_bind(fn, inputs)())
-    expected = _snapshot(_bind(reference, inputs)()) if reference is not None else None
-    problem = integrity.outputs_problem(output, expected, check)
-    if problem and before["before"] == "pass":
-        flags.append(
-            integrity.flag(
-                "stale_output",
-                f"correct before timing, wrong on fresh values at the "
-                f"same addresses after it (cached by pointer?): {problem}",
-            )
-        )
-    message = before["message"] or (f"after timing, on fresh values: {problem}" if problem else None)
-    return {"after": "fail" if problem else "pass", "message": message}
 
 
 def _arm(
@@ -341,6 +253,66 @@ def _add_round(samples: dict[str, Any], taken: list[Any], arms: int, nv: Any, la
         samples["mhz"][i].append(float(np.mean(clocks)) if clocks else None)
     reading = dict(nv.sample()) if nv is not None else {}
     samples["nvml"].append({**reading, "arm": last_arm})  # an instant reading: the last block's arm
+
+
+class _Run(NamedTuple):
+    samples: dict[str, Any]
+    analysis: dict[str, Any]
+    looks: list[int]
+    planned: int
+    stopped_by: str
+    seconds: float
+
+
+def _rounds(
+    block: Callable[[int], Any],
+    arms: int,
+    nv: Any,
+    clock: Callable[[], float],
+    started: float,
+    budget_s: float,
+    stop: Callable[[dict[str, Any]], str | None],
+    analyse: Callable[[dict[str, Any], float], dict[str, Any]],
+    name: str,
+) -> _Run:
+    """Interleaved rounds until a look says stop or the next round would pass the budget. The looks
+    come at 8, 16, 32, ... rounds; how many the budget holds (known after the first round) splits alpha."""
+    samples: dict[str, Any] = {
+        "values": [[] for _ in range(arms)],
+        "mhz": [[] for _ in range(arms)],
+        "nvml": [],
+    }
+    looks: list[int] = []
+    planned, analysis, stopped_by = 1, None, "budget"
+    last, longest = clock(), 0.0
+    errors: list[str | None] = [None] * arms
+    for index, taken in interleave(block, errors, itertools.count(), order=abba):
+        _add_round(samples, taken, arms, nv, abba(index, list(range(arms)))[-1])
+        now = clock()
+        longest, last = max(longest, now - last), now
+        count = len(samples["nvml"])
+        if count == 1:
+            planned = planned_looks(count + int((budget_s - (now - started)) / max(longest, 1e-9)))
+        if count == FIRST_LOOK << len(looks):
+            looks.append(count)
+            analysis = analyse(samples, look_level(planned))
+            _progress(name, count, analysis, final=False)
+            reason = stop(analysis)
+            if reason:
+                stopped_by = reason
+                break
+        if count >= MAX_ROUNDS:
+            stopped_by = "max_rounds"
+            break
+        if now - started + 1.5 * longest > budget_s:
+            break
+    seconds = clock() - started
+    count = len(samples["nvml"])
+    if not looks or looks[-1] != count:  # a last look at whatever the budget left
+        looks.append(count)
+        analysis = analyse(samples, look_level(planned))
+    assert analysis is not None
+    return _Run(samples, analysis, looks, planned, stopped_by, seconds)
 
 
 def _stop(analysis: dict[str, Any], target_ci: float, correctness: dict[str, Any]) -> str | None:
