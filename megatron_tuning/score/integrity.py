@@ -174,7 +174,7 @@ def check_after(
     expected = _snapshot(bind(reference, inputs)()) if reference is not None else None
     problem = outputs_problem(output, expected, check)
     if problem and before["before"] == "pass":
-        why = "correct before timing, wrong on fresh values at the same addresses after it (cached by pointer?)"
+        why = "right before timing, wrong on fresh values at the same addresses after it (cached by pointer?)"
         flags.append(flag("stale_output", f"{why}: {problem}"))
     message = before["message"] or (f"after timing, on fresh values: {problem}" if problem else None)
     return {"after": "fail" if problem else "pass", "message": message}
