@@ -67,7 +67,7 @@ class Nvml:
         """The device with this UUID (``torch.cuda.get_device_properties(i).uuid``), or ``None`` when
         nvidia-ml-py is not installed or NVML cannot find it (then NVML fields stay ``null``)."""
         try:
-            import pynvml  # type: ignore[import-not-found]
+            import pynvml
 
             pynvml.nvmlInit()
             name = uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}"
