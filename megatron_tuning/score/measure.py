@@ -33,6 +33,7 @@ SETTLE_MIN_S, SETTLE_CAP_S, SETTLE_SHARE = 0.3, 2.0, 0.25  # settle at least / a
 SETTLE_WINDOW_S = 0.1  # the clock must hold steady over this much of the settle phase
 MAX_ROUNDS = 1 << 16
 ESCAPE_PROBE_MS = 5.0
+NVML_SHARE = 0.02  # NVML is read every round, or every few when a read costs more than this of one
 
 progress = logging.getLogger(__name__ + ".progress")  # one line per result; per look on a terminal
 progress.setLevel(logging.INFO)
@@ -245,13 +246,14 @@ def _settle(
     }
 
 
-def _add_round(samples: dict[str, Any], taken: list[Any], arms: int, nv: Any, last_arm: int) -> None:
+def _add_round(
+    samples: dict[str, Any], taken: list[Any], arms: int, reading: dict[str, Any], last_arm: int
+) -> None:
     for i in range(arms):
         blocks = [value for arm, value in taken if arm == i]
         samples["values"][i].append(float(np.median([t for times, _ in blocks for t in times])))
         clocks = [mhz for _, mhz in blocks if mhz is not None]
         samples["mhz"][i].append(float(np.mean(clocks)) if clocks else None)
-    reading = dict(nv.sample()) if nv is not None else {}
     samples["nvml"].append({**reading, "arm": last_arm})  # an instant reading: the last block's arm
 
 
@@ -284,11 +286,15 @@ def _rounds(
     }
     looks: list[int] = []
     planned, analysis, stopped_by = 1, None, "budget"
-    last, longest = clock(), 0.0
+    last, longest, stride = clock(), 0.0, 1
     errors: list[str | None] = [None] * arms
     for index, taken in interleave(block, errors, itertools.count(), order=abba):
-        _add_round(samples, taken, arms, nv, abba(index, list(range(arms)))[-1])
+        asked = clock()
+        reading = dict(nv.sample()) if nv is not None and index % stride == 0 else {}
+        _add_round(samples, taken, arms, reading, abba(index, list(range(arms)))[-1])
         now = clock()
+        if index == 0 and nv is not None:  # NVML reads cost at most 2% of the rounds' time
+            stride = max(1, math.ceil((now - asked) / (NVML_SHARE * max(asked - last, 1e-9))))
         longest, last = max(longest, now - last), now
         count = len(samples["nvml"])
         if count == 1:

@@ -170,15 +170,15 @@ class HostBackend:
 
 
 def elapsed_time_problem(event_class: Any) -> str | None:
-    """Whether ``event_class.elapsed_time`` is still the method torch defines (torch/cuda/streams.py)."""
+    """Whether ``event_class.elapsed_time`` is still the method torch defines (a function of torch's
+    own package named ``Event.elapsed_time``)."""
+    import torch
+
     method = getattr(event_class, "elapsed_time", None)
     code = getattr(method, "__code__", None)
-    origin = os.path.join("torch", "cuda", "streams.py")
-    if (
-        code is not None
-        and code.co_filename.endswith(origin)
-        and getattr(method, "__qualname__", None) == "Event.elapsed_time"
-    ):
+    home = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+    named = getattr(method, "__qualname__", None) == "Event.elapsed_time"
+    if code is not None and named and os.path.abspath(code.co_filename).startswith(home):
         return None
     where = getattr(code, "co_filename", None) or getattr(method, "__module__", None) or repr(method)
     return f"torch.cuda.Event.elapsed_time is not torch's (it comes from {where})"

@@ -11,7 +11,7 @@ import torch
 from megatron_tuning.core.policy import ENV_SCORE
 from megatron_tuning.score import measure, noise_floor
 from megatron_tuning.score.timers import HostBackend, elapsed_time_problem
-from tests.score.fakes import MAX_MHZ, FakeDevice, seams
+from tests.score.fakes import MAX_MHZ, FakeDevice, FakeNvml, seams
 
 
 def _names(score) -> list[str]:
@@ -210,3 +210,17 @@ def test_a_score_job_gets_each_record_written_and_its_options(tmp_path, monkeypa
     assert score.record["timing"]["budget_s"] == 0.5 and score.record["rounds"]["stopped_by"] == "budget"
     (written,) = tmp_path.glob("score-*.json")
     assert [r["name"] for r in json.loads(written.read_text())] == ["k"]
+
+
+def test_costly_nvml_reads_are_spread_over_rounds() -> None:
+    dev = FakeDevice()
+
+    class SlowNvml(FakeNvml):
+        def sample(self) -> dict:
+            dev.advance(0.002)  # a 2 ms read: more than 2% of a round
+            return super().sample()
+
+    score = measure(dev.kernel(0.5), target_ci=1e-6, budget_s=1.0, **{**seams(dev), "nvml": SlowNvml(dev)})
+    read = [v for v in score.record["samples"]["nvml_sm_mhz"] if v is not None]
+    assert 0 < len(read) < len(score.record["samples"]["kept"]) / 5
+    assert score.record["clocks"]["nvml"]["candidate"]["sm_mhz"]["median"] == MAX_MHZ
