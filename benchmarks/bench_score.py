@@ -113,41 +113,35 @@ def per_round_cv(record: dict[str, Any]) -> float:
     return float(1.4826 * np.median(np.abs(logs - np.median(logs))))
 
 
-def _check(checks: list[list[Any]], name: str, value: Any, limit: str, ok: bool | None) -> None:
-    checks.append([name, value, limit, "-" if ok is None else "yes" if ok else "NO"])
+def row(name: str, value: Any, limit: str = "report", ok: bool | None = None) -> list[Any]:
+    """One line of the table: a check, its value, its limit, and whether it passed (``-``: a report)."""
+    return [name, value, limit, "-" if ok is None else "yes" if ok else "NO"]
 
 
 def stage_gemm(args: argparse.Namespace, deadline: float) -> dict[str, Any]:
     from megatron_tuning.score import measure, noise_floor
 
     gemm, make, flops = _operands(args.shape, args.smoke)
-    gemm(*make())  # compile outside the timed wall
-    checks: list[list[Any]] = []
-    started = time.perf_counter()
+    walls = [time.perf_counter()]  # the warm-up compiles the GEMM and the in-band clock: outside the walls
+    warm = measure(gemm, make_inputs=make, budget_s=min(args.budget_s, 1.0), name="warm-up").record
+    walls.append(time.perf_counter())
     latency = measure(gemm, make_inputs=make, flops=flops, budget_s=args.budget_s, name="gemm").record
-    latency_wall = time.perf_counter() - started
-    started = time.perf_counter()
-    aa = noise_floor(gemm, make_inputs=make, budget_s=args.budget_s, target_ci=0.005, name="gemm A/A").record
-    aa_wall = time.perf_counter() - started
-    _check(
-        checks,
-        "latency CI95 half-width",
-        latency["latency"]["half_width"],
-        "<= 1.0%",
-        latency["latency"]["half_width"] <= 0.01,
-    )
-    _check(checks, "latency wall s", latency_wall, "<= 10", latency_wall <= 10)
-    _check(
-        checks,
-        "A/A ratio CI95 half-width",
-        aa["ratio"]["half_width"],
-        "<= 0.5%",
-        aa["ratio"]["half_width"] <= 0.005,
-    )
-    _check(checks, "A/A wall s", aa_wall, "<= 10", aa_wall <= 10)
-    _check(checks, "per-round CV", per_round_cv(latency), "report", None)
-    _check(checks, "TFLOP/s", latency["throughput"]["tflops"], "report", None)
-    return {"checks": checks, "records": [latency, aa], "walls_s": [latency_wall, aa_wall]}
+    walls.append(time.perf_counter())
+    # margin 0: no "same" to stop at, so the A/A run goes on until its interval is 0.5% (or the budget ends)
+    aa = noise_floor(gemm, make_inputs=make, budget_s=args.budget_s, target_ci=0.005, margin=0.0, name="A/A")
+    walls.append(time.perf_counter())
+    compile_s, latency_s, aa_s = np.diff(walls).tolist()
+    half, ratio_half = latency["latency"]["half_width"], aa.record["ratio"]["half_width"]
+    checks = [
+        row("latency CI95 half-width", half, "<= 1.0%", half <= 0.01),
+        row("latency wall s", latency_s, "<= 10", latency_s <= 10),
+        row("A/A ratio CI95 half-width", ratio_half, "<= 0.5%", ratio_half <= 0.005),
+        row("A/A wall s", aa_s, "<= 10", aa_s <= 10),
+        row("per-round CV", per_round_cv(latency)),
+        row("TFLOP/s", latency["throughput"]["tflops"]),
+        row("compile and warm-up s", compile_s),
+    ]
+    return {"checks": checks, "records": [latency, aa.record, warm], "walls_s": [latency_s, aa_s]}
 
 
 def stage_aa(args: argparse.Namespace, deadline: float) -> dict[str, Any]:
@@ -161,64 +155,45 @@ def stage_aa(args: argparse.Namespace, deadline: float) -> dict[str, Any]:
             noise_floor(gemm, make_inputs=make, budget_s=args.budget_s, name=f"A/A {len(runs)}").record
         )
     false = sum(r["verdict"]["outcome"] in ("faster", "slower") for r in runs)
-    checks: list[list[Any]] = []
-    _check(
-        checks,
-        f"A/A faster|slower of {len(runs)}",
-        false,
-        f"<= 2 of {args.aa_runs}",
-        false <= 2 and len(runs) == args.aa_runs,
-    )
-    _check(
-        checks,
-        "A/A median s per run",
-        float(np.median([r["rounds"]["seconds"] for r in runs])),
-        "report",
-        None,
-    )
-    cvs = [per_round_cv(r) for r in runs]
-    _check(checks, "per-round CV (median)", float(np.median(cvs)), "report", None)
+    checks = [
+        row(
+            f"A/A faster|slower of {len(runs)}",
+            false,
+            f"<= 2 of {args.aa_runs}",
+            false <= 2 and len(runs) == args.aa_runs,
+        ),
+        row("A/A median s per run", float(np.median([r["rounds"]["seconds"] for r in runs]))),
+        row("per-round CV (median)", float(np.median([per_round_cv(r) for r in runs]))),
+    ]
     return {"checks": checks, "runs": [_short(r) for r in runs], "first": runs[0] if runs else None}
 
 
 def stage_slower(args: argparse.Namespace, deadline: float) -> dict[str, Any]:
-    from megatron_tuning.score import measure
+    """The reference is the same GEMM with K 4.7% larger; its true ratio is all the runs pooled."""
+    from megatron_tuning.score import measure, pool
 
     m, n, k = args.shape
-    longer = (m, n, k + (192 if not args.smoke else 8))  # 4096 -> 4288: 4.7% more work
+    longer = (m, n, k + (192 if not args.smoke else 8))  # 4096 -> 4288
     candidate, reference = _bound(args.shape, args.smoke), _bound(longer, args.smoke)
     candidate(), reference()
-    truth = measure(
-        candidate,
-        reference=reference,
-        check=None,
-        target_ci=0.002,
-        budget_s=2 * args.budget_s,
-        name="true ratio",
-    ).record
     runs = []
     while len(runs) < args.slower_runs and time.monotonic() < deadline:
-        record = measure(
-            candidate, reference=reference, check=None, budget_s=args.budget_s, name=f"slower {len(runs)}"
+        runs.append(
+            measure(candidate, reference=reference, check=None, budget_s=args.budget_s, name="slower").record
         )
-        runs.append(record.record)
+    (truth,) = pool([[r] for r in runs])
     right = sum(r["verdict"]["outcome"] == "faster" for r in runs)
-    checks: list[list[Any]] = []
-    _check(
-        checks,
-        "true ratio (candidate/reference)",
-        truth["ratio"]["estimate"],
-        "<= 1/1.03",
-        truth["ratio"]["ci95"][1] <= 1 / 1.03,
-    )
-    _check(
-        checks,
-        f"right verdict of {len(runs)}",
-        right,
-        f">= 18 of {args.slower_runs}",
-        right >= 18 and len(runs) == args.slower_runs,
-    )
-    _check(checks, "max s per run", max((r["rounds"]["seconds"] for r in runs), default=None), "<= 10", None)
+    (low, high), done = truth["ratio"]["ci95"], len(runs) == args.slower_runs
+    checks = [
+        row(
+            "true ratio, runs pooled",
+            f"{truth['ratio']['estimate']:.4f} [{low:.4f}, {high:.4f}]",
+            "<= 1/1.03",
+            high <= 1 / 1.03,
+        ),
+        row(f"right verdict of {len(runs)}", right, f">= 18 of {args.slower_runs}", right >= 18 and done),
+        row("max s per run", max(r["rounds"]["seconds"] for r in runs), "<= 10"),
+    ]
     return {"reference_shape": longer, "truth": truth, "checks": checks, "runs": [_short(r) for r in runs]}
 
 
@@ -228,31 +203,23 @@ def stage_graph(args: argparse.Namespace, deadline: float) -> dict[str, Any]:
     from megatron_tuning.kernels import add_one
     from megatron_tuning.score import measure
 
-    device = "cpu" if args.smoke else "cuda"
-    x = torch.randn(3072 if args.smoke else 1 << 20, device=device)  # smoke: the interpreter table's n
+    x = (
+        torch.randn(3072, device="cpu") if args.smoke else torch.randn(1 << 20, device="cuda")
+    )  # smoke: the table's n
     y = torch.empty_like(x)
     add_one(x, out=y)
-    launch = "eager" if args.smoke else "graph"  # the host clock has no graphs
     started = time.perf_counter()
     record = measure(
         lambda: add_one(x, out=y),
-        launch=launch,
+        launch="eager" if args.smoke else "graph",
         l2="warm",
         target_ci=0.02,
         budget_s=args.budget_s,
         bytes=8.0 * x.numel(),
         name="add 1M graph",
     ).record
-    wall = time.perf_counter() - started
-    checks: list[list[Any]] = []
-    _check(
-        checks,
-        "CI95 half-width",
-        record["latency"]["half_width"],
-        "<= 2%",
-        record["latency"]["half_width"] <= 0.02,
-    )
-    _check(checks, "wall s", wall, "<= 10", wall <= 10)
+    wall, half = time.perf_counter() - started, record["latency"]["half_width"]
+    checks = [row("CI95 half-width", half, "<= 2%", half <= 0.02), row("wall s", wall, "<= 10", wall <= 10)]
     return {"checks": checks, "records": [record]}
 
 
@@ -265,6 +232,7 @@ def stage_integrity(args: argparse.Namespace, deadline: float) -> dict[str, Any]
     gemm(*make())
     budget = min(args.budget_s, 3.0)
     side = torch.cuda.Stream() if not args.smoke else None
+    cache: dict[int, Any] = {}
 
     def on_side_stream(*xs: Any) -> Any:  # launches on another stream and never joins it
         if side is None:
@@ -272,45 +240,37 @@ def stage_integrity(args: argparse.Namespace, deadline: float) -> dict[str, Any]
         with torch.cuda.stream(side):
             return gemm(*xs)
 
-    cache: dict[int, Any] = {}
-
     def cached(*xs: Any) -> Any:  # the first answer for these addresses, whatever they now hold
         if xs[0].data_ptr() not in cache:
             cache[xs[0].data_ptr()] = gemm(*xs).clone()
         return cache[xs[0].data_ptr()]
 
     records = {
-        "side_stream": measure(
+        "work_escapes_stream": measure(
             on_side_stream, make_inputs=make, check=None, budget_s=budget, name="side stream"
         ),
-        "pointer_cache": measure(
+        "stale_output": measure(
             cached, reference=gemm, make_inputs=make, budget_s=budget, name="pointer cache"
         ),
     }
     original = torch.cuda.Event.elapsed_time
     torch.cuda.Event.elapsed_time = lambda self, end: 0.001  # a harness that cheats its timer
     try:
-        records["patched_elapsed_time"] = measure(
-            gemm, make_inputs=make, budget_s=budget, name="patched timer"
-        )
+        records["timer_patched"] = measure(gemm, make_inputs=make, budget_s=budget, name="patched timer")
     finally:
         torch.cuda.Event.elapsed_time = original
-    expected = {
-        "side_stream": "work_escapes_stream",
-        "pointer_cache": "stale_output",
-        "patched_elapsed_time": "timer_patched",
-    }
-    checks: list[list[Any]] = []
-    for fixture, flag in expected.items():
-        names = [f["name"] for f in records[fixture].record["flags"]]
-        _check(
-            checks, f"{fixture} flagged {flag}", flag in names, "True", None if args.smoke else flag in names
+    checks = []
+    for flag, score in records.items():
+        found = flag in [f["name"] for f in score.record["flags"]]
+        checks.append(
+            row(f"{score.record['name']}: flagged {flag}", found, "True", None if args.smoke else found)
         )
-    _check(checks, "patched timer median ms", records["patched_elapsed_time"].median_ms, "the real one", None)
+    checks.append(row("patched timer median ms (the real time)", records["timer_patched"].median_ms))
     return {"checks": checks, "records": [r.record for r in records.values()]}
 
 
 def stage_overhead(args: argparse.Namespace, deadline: float) -> dict[str, Any]:
+    """Wall time per timed launch of measure's rounds (the settle phase left out) against do_bench's."""
     from megatron_tuning.score import measure
 
     gemm, make, _ = _operands(args.shape, args.smoke)
@@ -321,32 +281,28 @@ def stage_overhead(args: argparse.Namespace, deadline: float) -> dict[str, Any]:
     ).record
     rounds = record["rounds"]
     launches = (rounds["used"] + rounds["discarded"]) * 2 * record["timing"]["launches_per_block"][0]
-    ours = (rounds["seconds"] - record["timing"]["settle"]["seconds"]) / launches
-    checks: list[list[Any]] = []
-    theirs = None
+    ours, theirs = (rounds["seconds"] - record["timing"]["settle"]["seconds"]) / launches, None
     if not args.smoke:  # do_bench needs a GPU driver
         import triton.testing
 
         started = time.perf_counter()
-        times = triton.testing.do_bench(
-            lambda: gemm(*inputs), warmup=25, rep=launches * record["latency"]["median"], return_mode="all"
-        )
+        rep_ms = launches * record["latency"]["median"]
+        times = triton.testing.do_bench(lambda: gemm(*inputs), warmup=25, rep=rep_ms, return_mode="all")
         theirs = (time.perf_counter() - started) / len(times)
     ratio = None if theirs is None else ours / theirs
-    _check(
-        checks,
-        "wall per timed launch vs do_bench",
-        ratio,
-        "<= 1.15",
-        None if ratio is None else ratio <= 1.15,
-    )
+    checks = [
+        row("wall per timed launch vs do_bench", ratio, "<= 1.15", None if ratio is None else ratio <= 1.15)
+    ]
     return {"checks": checks, "launches": launches, "ours_s": ours, "do_bench_s": theirs, "record": record}
 
 
 def _score_cli(
     args: argparse.Namespace, processes: int, budget_s: float, out: Path, *extra: str
 ) -> dict[str, Any]:
+    """``python -m megatron_tuning score`` on this script's ``--child score``: its JSON, and the
+    ``do_bench`` times its processes printed."""
     table = [] if args.smoke else ["--table", str(TABLE)]
+    child = [str(Path(__file__).resolve()), "--child", "score", *(["--smoke"] if args.smoke else []), *extra]
     command = [
         sys.executable,
         "-m",
@@ -360,11 +316,7 @@ def _score_cli(
         str(out),
         *table,
         "--",
-        str(Path(__file__).resolve()),
-        "--child",
-        "score",
-        *(["--smoke"] if args.smoke else []),
-        *extra,
+        *child,
     ]
     done = subprocess.run(
         command, env=common.child_env(args.smoke), capture_output=True, text=True, timeout=900
@@ -373,102 +325,75 @@ def _score_cli(
         raise RuntimeError(
             f"score exited {done.returncode} without {out}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
         )
-    report = json.loads(out.read_text())
-    report["do_bench_ms"] = [
-        json.loads(x[len(common.RESULT_MARK) :])["do_bench_ms"]
-        for x in done.stdout.splitlines()
-        if x.startswith(common.RESULT_MARK)
+    marked = [
+        line[len(common.RESULT_MARK) :]
+        for line in done.stdout.splitlines()
+        if line.startswith(common.RESULT_MARK)
     ]
-    report["exit"] = done.returncode
-    return report
+    return {**json.loads(out.read_text()), "do_bench_ms": [json.loads(m)["do_bench_ms"] for m in marked]}
 
 
 def stage_processes(args: argparse.Namespace, deadline: float) -> dict[str, Any]:
-    count = args.processes
+    count, budget = args.processes, min(args.budget_s, 3.0)
     with tempfile.TemporaryDirectory() as folder:
-        pinned = _score_cli(args, count, min(args.budget_s, 3.0), Path(folder) / "pinned.json")
+        pinned = _score_cli(args, count, budget, Path(folder) / "pinned.json")
     (pooled,) = pinned["results"]
-    medians = [p[0]["latency"]["median"] for p in pinned["per_process"]]
-    covered = sum(
-        p[0]["latency"]["ci95"][0] <= pooled["latency"]["median"] <= p[0]["latency"]["ci95"][1]
-        for p in pinned["per_process"]
-    )
+    per = [p[0]["latency"] for p in pinned["per_process"]]
+    medians = [p["median"] for p in per]
+    covered = sum(p["ci95"][0] <= pooled["latency"]["median"] <= p["ci95"][1] for p in per)
     stock = []
-    for _ in range(count):
-        if time.monotonic() > deadline:
-            break
-        argv = [
-            "--child",
-            "stock",
-            "--budget-s",
-            str(min(args.budget_s, 3.0)),
-            *(["--smoke"] if args.smoke else []),
-        ]
+    while len(stock) < count and time.monotonic() < deadline:
+        argv = ["--child", "stock", "--budget-s", str(budget), *(["--smoke"] if args.smoke else [])]
         stock.append(common.run_child("bench_score.py", argv, common.child_env(args.smoke)))
-    checks: list[list[Any]] = []
     spread = max(medians) / min(medians)
-    _check(
-        checks,
-        f"pinned max/min of {len(medians)} medians",
-        spread,
-        "<= 1.02",
-        spread <= 1.02 and len(medians) == count,
-    )
-    _check(checks, "process CI95 covers pooled median", covered, f">= 8 of {count}", covered >= 0.8 * count)
-    _check(checks, "pinned between-process CV", pooled["processes"]["between_cv"], "report", None)
+    checks = [
+        row(
+            f"pinned max/min of {len(medians)} medians",
+            spread,
+            "<= 1.02",
+            spread <= 1.02 and len(medians) == count,
+        ),
+        row("process CI95 covers pooled median", covered, f">= 8 of {count}", covered >= 0.8 * count),
+        row("pinned between-process CV", pooled["processes"]["between_cv"]),
+    ]
     if stock:
         stock_medians = [s["median_ms"] for s in stock]
-        _check(
-            checks,
-            f"stock max/min of {len(stock)} medians",
-            max(stock_medians) / min(stock_medians),
-            "report",
-            None,
-        )
-        _check(checks, "stock distinct configs", len({s["config"] for s in stock}), "report", None)
+        checks.append(row(f"stock max/min of {len(stock)} medians", max(stock_medians) / min(stock_medians)))
+        checks.append(row("stock distinct configs", len({s["config"] for s in stock})))
+    pinned_summary = {k: v for k, v in pinned.items() if k != "per_process"}
     return {
         "checks": checks,
-        "pinned": {k: v for k, v in pinned.items() if k != "per_process"},
+        "pinned": pinned_summary,
         "pinned_processes": [_short(p[0]) for p in pinned["per_process"]],
         "stock": stock,
     }
 
 
 def stage_soak(args: argparse.Namespace, deadline: float) -> dict[str, Any]:
-    budget = min(args.budget_s, 5.0)
+    """A process on a GPU idle for 20 s, then one right after a 30 s GEMM soak (the next process's
+    start, a few seconds, lies between)."""
+    budget, smoke = min(args.budget_s, 5.0), ["--smoke"] if args.smoke else []
     with tempfile.TemporaryDirectory() as folder:
-        time.sleep(0 if args.smoke else 20)  # let the GPU idle and cool
+        time.sleep(0 if args.smoke else 20)
         cold = _score_cli(args, 1, budget, Path(folder) / "cold.json", "--do-bench-first")
-        soak_s = 0.5 if args.smoke else 30.0
-        common.run_child(
-            "bench_score.py",
-            ["--child", "soak", "--soak-s", str(soak_s), *(["--smoke"] if args.smoke else [])],
-            common.child_env(args.smoke),
-        )
+        soak = ["--child", "soak", "--soak-s", str(0.5 if args.smoke else 30.0), *smoke]
+        common.run_child("bench_score.py", soak, common.child_env(args.smoke))
         hot = _score_cli(args, 1, budget, Path(folder) / "hot.json", "--do-bench-first")
     a, b = cold["results"][0], hot["results"][0]
     inside = lambda x, r: r["latency"]["ci95"][0] <= x["latency"]["median"] <= r["latency"]["ci95"][1]
-    checks: list[list[Any]] = []
-    _check(
-        checks,
-        "hot/cold median",
-        b["latency"]["median"] / a["latency"]["median"],
-        "each in the other's CI95",
-        inside(a, b) and inside(b, a),
-    )
+    ratio = b["latency"]["median"] / a["latency"]["median"]
+    checks = [row("hot/cold median", ratio, "each in the other's CI95", inside(a, b) and inside(b, a))]
     if cold["do_bench_ms"] and hot["do_bench_ms"]:
-        _check(
-            checks,
-            "do_bench(10, 100) hot/cold",
-            hot["do_bench_ms"][0] / cold["do_bench_ms"][0],
-            "report",
-            None,
-        )
+        checks.append(row("do_bench(10, 100) hot/cold", hot["do_bench_ms"][0] / cold["do_bench_ms"][0]))
     for name, result in (("cold", a), ("hot", b)):
         settle = result["timing"]["settle"]
         unit = "ms" if settle["signal"] == "time" else "MHz"
-        change = f"{settle['seconds']:.2f} ({settle['before']:.4g} -> {settle['after']:.4g} {unit})"
-        _check(checks, f"{name} settle s (before -> after)", change, "report", None)
+        checks.append(
+            row(
+                f"{name} settle s (before -> after)",
+                f"{settle['seconds']:.2f} ({settle['before']:.4g} -> {settle['after']:.4g} {unit})",
+            )
+        )
     return {
         "checks": checks,
         "cold": a,
