@@ -183,7 +183,7 @@ def _compare(words: list[str]) -> int:
     demoted = False
     for a, b in pairs:
         verdict = pooling.compare(a, b, margin=args.margin)
-        demoted |= verdict["demoted_from"] is not None
+        demoted |= any(f["demotes"] for r in (a, b) for f in r["flags"])
         low, high = verdict["ci95"]
         text = f"{a['name']}: {verdict['ratio']:.4f} [{low:.4f}, {high:.4f}] of {b['name']}"
         print(printable(f"{text} -> {verdict['outcome']} ({verdict['reason']})"))

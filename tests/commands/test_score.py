@@ -130,3 +130,14 @@ def test_bad_options_are_usage_errors(
 ) -> None:
     assert cli.main(["score", *words]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_score_compare_exits_4_when_a_side_is_flagged(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    new, old = _write(tmp_path, "new.json", 0.50, 1), _write(tmp_path, "old.json", 0.53, 2)
+    report = json.loads(new.read_text())
+    report["results"][0]["flags"] = [{"name": "host_clock", "message": "host", "demotes": True}]
+    new.write_text(json.dumps(report))
+    assert cli.main(["score", "compare", str(new), str(old)]) == 4
+    assert "-> inconclusive" in capsys.readouterr().out
