@@ -1,12 +1,10 @@
 """``score [options] -- <command>``: the command in N fresh pinned processes, their ``measure``
-records pooled into one JSON; ``score compare A B``; ``score noise-floor -- <command>``; and the
-in-process side of ``run --score-do-bench`` (``triton.testing.do_bench`` routed through ``measure``).
+records pooled into one JSON; ``score compare A B``; ``score noise-floor -- <command>``.
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import os
 import shutil
@@ -97,7 +95,7 @@ def run_score(args: argparse.Namespace) -> int:
         "noise_floor": noise,
         "do_bench": args.do_bench,
     }
-    return run_scored(
+    return _score_job(
         job_argv(command), updates, {k: v for k, v in job.items() if v}, args.out, args.processes
     )
 
@@ -112,11 +110,11 @@ def _options_problem(args: argparse.Namespace) -> str | None:
     return None
 
 
-def run_scored(
+def _score_job(
     argv: Sequence[str], updates: dict[str, str], job: dict[str, Any], out: str, processes: int = 1
 ) -> int:
     """Run ``argv`` armed ``processes`` times in a row, each writing its records to one folder; pool
-    them into ``out``. ``run --score-do-bench`` calls this with one run of the job."""
+    them into ``out``."""
     problem = output_file_problem(out)
     if problem:
         print(f"score: cannot write {out}: {problem}", file=sys.stderr)
@@ -188,60 +186,3 @@ def _compare(words: list[str]) -> int:
         text = f"{a['name']}: {verdict['ratio']:.4f} [{low:.4f}, {high:.4f}] of {b['name']}"
         print(printable(f"{text} -> {verdict['outcome']} ({verdict['reason']})"))
     return EXIT_DEMOTED if demoted else 0
-
-
-def activate_score() -> None:
-    """In a process of a ``score`` job (or ``run --score-do-bench``): route ``do_bench`` if asked."""
-    if pooling.job_settings().get("do_bench"):
-        route_do_bench()
-
-
-def route_do_bench() -> None:
-    """Make ``triton.testing.do_bench`` score through ``measure`` (Triton's own callers keep the
-    original): the caller gets the median (or its quantiles, min, max, every round) in ms, the record
-    lands in the job's score file, named by call site and call count."""
-    import triton.testing as testing
-
-    from ..score import measure
-
-    original = testing.do_bench
-    if getattr(original, "_megatron_tuning_routed", False):
-        return
-    calls: collections.Counter[str] = collections.Counter()
-
-    def do_bench(
-        fn: Any,
-        warmup: Any = 25,
-        rep: Any = 100,
-        grad_to_none: Any = None,
-        quantiles: Any = None,
-        return_mode: str = "mean",
-        **extra: Any,
-    ) -> Any:
-        caller = sys._getframe(1)
-        if str(caller.f_globals.get("__name__", "")).startswith("triton."):  # the autotuner's own timing
-            return original(fn, warmup, rep, grad_to_none, quantiles, return_mode, **extra)
-        site = f"{os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno}"
-        calls[site] += 1
-
-        def call() -> Any:
-            for tensor in grad_to_none or ():
-                tensor.grad = None
-            return fn()
-
-        score = measure(call, name=f"do_bench@{site}#{calls[site]}", check=None)
-        kept = [
-            v for v, k in zip(score.record["samples"]["candidate_ms"], score.record["samples"]["kept"]) if k
-        ]
-        if quantiles is not None:
-            import numpy as np
-
-            return [float(q) for q in np.quantile(kept, list(quantiles))]
-        summary = {"mean": score.median_ms, "median": score.median_ms, "min": min(kept), "max": max(kept)}
-        return kept if return_mode == "all" else summary[return_mode]
-
-    do_bench._megatron_tuning_routed = True  # type: ignore[attr-defined]
-    testing.do_bench = do_bench
-    print(
-        "megatron_tuning: triton.testing.do_bench is scored by megatron_tuning.score.measure", file=sys.stderr
-    )

@@ -8,6 +8,7 @@ import json
 import math
 import os
 import socket
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ import numpy as np
 
 from ..core.errors import PolicyError
 from ..core.policy import ENV_SCORE, read_knob
-from ..tables.files import write_atomic
+from ..tables.files import locked, write_atomic
 from . import stats
 from .integrity import flag
 from .report import FORMAT, Score
@@ -28,6 +29,8 @@ _JOB_KEYS: dict[str, type | tuple[type, ...]] = {
     "target_ci": (int, float),
     "noise_floor": bool,
     "do_bench": bool,
+    "out": str,
+    "run": str,
 }
 
 
@@ -50,13 +53,33 @@ def job_settings() -> dict[str, Any]:
 
 
 def publish(record: dict[str, Any], job: dict[str, Any]) -> None:
-    """Append ``record`` to this process's file in the job's folder, at once (a killed process keeps
-    what it measured)."""
-    if not job.get("dir"):
-        return
-    path = Path(job["dir"]) / f"{PREFIX}{socket.gethostname()}-{os.getpid()}.json"
-    records = json.loads(path.read_text()) if path.exists() else []
-    write_atomic(path, json.dumps([*records, record]).encode())
+    """Write ``record`` at once (a killed process keeps what it measured): appended to this process's
+    file in the ``score`` job's folder (``dir``), or, under ``run --score-do-bench``, to the run's
+    file (``out``), which every process of the job shares, re-pooled on each write."""
+    me = f"{socket.gethostname()}-{os.getpid()}"
+    if job.get("dir"):
+        path = Path(job["dir"]) / f"{PREFIX}{me}.json"
+        records = json.loads(path.read_text()) if path.exists() else []
+        write_atomic(path, json.dumps([*records, record]).encode())
+    if job.get("out"):
+        with locked(job["out"]):
+            report = json.loads(Path(job["out"]).read_text()) if os.path.exists(job["out"]) else {}
+            if report.get("format") != RUN_FORMAT or report.get("run") != job.get("run"):
+                report = {
+                    "format": RUN_FORMAT,
+                    "run": job.get("run"),
+                    "command": sys.argv,
+                    "exit_codes": [],
+                    "noise_floor": False,
+                    "process_ids": [],
+                    "per_process": [],
+                }
+            if me not in report["process_ids"]:
+                report["process_ids"].append(me)
+                report["per_process"].append([])
+            report["per_process"][report["process_ids"].index(me)].append(record)
+            report.update(processes=len(report["per_process"]), results=pool(report["per_process"]))
+            write_atomic(job["out"], json.dumps(report, indent=1).encode())
 
 
 def read_job(folder: Path) -> list[list[dict[str, Any]]]:

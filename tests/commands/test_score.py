@@ -78,12 +78,21 @@ def test_an_unedited_harness_is_scored_through_do_bench_and_a_demoting_flag_exit
     assert "do_bench is scored by megatron_tuning.score.measure" in done.stderr
 
 
-def test_run_score_do_bench_pools_into_its_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    out = tmp_path / "bench.json"
-    code = cli.main(["run", "--score-do-bench", str(out), "--", str(tmp_path / "missing.py")])
-    assert code == 2 and "no such script" in capsys.readouterr().err
-    report = json.loads(out.read_text())
-    assert report["format"] == RUN_FORMAT and report["exit_codes"] == [2] and report["results"] == []
+@pytest.mark.slow
+def test_run_score_do_bench_asks_every_process_for_its_do_bench_records(tmp_path: Path) -> None:
+    script = tmp_path / "show.py"
+    script.write_text("import os\nprint(os.environ['MEGATRON_TUNING_SCORE'])\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRON_TUNING_")}
+    env["PYTHONPATH"] = str(REPO)
+    done = subprocess.run(
+        [sys.executable, "-m", "megatron_tuning", "run", "--score-do-bench", "bench.json", "--", str(script)],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    asked = json.loads(done.stdout.strip().splitlines()[-1])
+    assert (
+        asked["do_bench"] is True and asked["out"] == str(tmp_path / "bench.json") and len(asked["run"]) == 32
+    )
 
 
 def _write(tmp_path: Path, name: str, ms: float, seed: int) -> Path:
