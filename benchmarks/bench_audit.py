@@ -87,16 +87,16 @@ def compare(first: dict, second: dict) -> list[dict]:
     rows = []
     for e in first["entries"]:
         f = again.get((e["kernel"], e["key"]), {})
-        same = sorted(map(sorted, e.get("classes", []))) == sorted(map(sorted, f.get("classes", [])))
+        members = [sorted(map(sorted, x.get("classes", {}).values())) for x in (e, f)]  # class id -> configs
         rows.append(
             {
                 "kernel": e["kernel"],
                 "key": e["key"],
-                "configs": sum(map(len, e.get("classes", []))),
+                "configs": sum(map(len, e.get("classes", {}).values())),
                 "classes": [e.get("classes"), f.get("classes")],
                 "self_nondeterministic": [e.get("self_nondeterministic"), f.get("self_nondeterministic")],
                 "pinned": e.get("pinned"),
-                "classes_agree": same,
+                "classes_agree": members[0] == members[1],
                 "nondeterministic_agree": set(e.get("self_nondeterministic", []))
                 == set(f.get("self_nondeterministic", [])),
                 "seconds": [e.get("seconds"), f.get("seconds")],

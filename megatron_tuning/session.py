@@ -13,7 +13,14 @@ from typing import Any
 
 from .core.choice import warn_if_mamba_env_ignored
 from .core.decisions import decision_log, get_decisions
-from .core.errors import EXIT_DIVERGENCE, DivergenceError, PolicyError, warn_once
+from .core.errors import (
+    EXIT_DIVERGENCE,
+    DivergenceError,
+    InputMismatchError,
+    MegatronTuningError,
+    PolicyError,
+    warn_once,
+)
 from .core.identity import arch_tag, current_rank, node_arch
 from .core.policy import ENV_DECISION_LOG, ENV_RECORD_DIR, ENV_RESULT_DIR, TuningPolicy, read_knob
 from .runtime import interception, pinning
@@ -49,6 +56,9 @@ class TuningHandle:
 
     def close(self) -> None:
         """Stop agreement checks, write requested outputs, and uninstall the interception."""
+        self._close(final_check=True)
+
+    def _close(self, *, final_check: bool) -> None:
         global _active
         if self._closed:
             return
@@ -57,7 +67,7 @@ class TuningHandle:
             if self._late is not None:
                 self._late.cancel()
             if self._agreement is not None:
-                self._agreement.stop()
+                self._agreement.stop(final_check=final_check)
             self.persist()
             if self.cache is not None:
                 decision_log().remove_listener(self.cache.on_decision)
@@ -124,10 +134,18 @@ def _init(policy: TuningPolicy | None, table: Any, group: Any) -> TuningHandle:
     policy = policy if policy is not None else TuningPolicy.from_env(default_mode="deterministic")
     warn_if_mamba_env_ignored(policy)
     check_output_paths(policy)  # outputs are written at close: a bad path must fail now, not then
+    if policy.mode == "auto" and not _group_exists() and _launcher_world_size() > 1:  # else: at the attach
+        from .distributed.store import check_auto_world
+
+        check_auto_world(_launcher_world_size())
     with _active_lock:
         previous = _active
     if previous is not None:
-        previous.close()
+        from .distributed.agreement import checks_at_close
+
+        # A re-init runs no check of its own where the new session's check at close covers the log:
+        # a rank that re-inits more often than the others must not pair that check with their calls.
+        previous._close(final_check=not checks_at_close(policy, group))
     cache = None
     if policy.mode == "auto":
         from .tables.cache import open_cache
@@ -243,10 +261,17 @@ def _group_exists() -> bool:
     return bool(dist.is_available() and dist.is_initialized())
 
 
+def _launcher_world_size() -> int:
+    """The job's size before its process group exists, as torchrun tells it (``WORLD_SIZE``), else 1."""
+    raw = os.environ.get("WORLD_SIZE", "").strip()
+    return int(raw) if raw.isdigit() else 1
+
+
 class _LateAttach:
     """Attach a session started before ``init_process_group`` to the group, at the first new (kernel,
     key) decision once it exists (``pinning.before_decision``): start what crosses ranks, check the
-    earlier decisions, and leave."""
+    earlier decisions, and leave. If that fails, each later new key raises the same error, and so
+    do the rank's checks (``FailedAgreement``): the rank never runs on unchecked or unshared."""
 
     def __init__(self, handle: TuningHandle, group: Any, local_cache: str | None) -> None:
         self.handle = handle
@@ -254,9 +279,9 @@ class _LateAttach:
         self.local_cache = local_cache
         self.first_decision = len(get_decisions())  # the log is per process: ours start here
         self.attached = False
+        self.error: Exception | None = None
         self._lock = threading.Lock()
-        raw = os.environ.get("WORLD_SIZE", "").strip()
-        self.world_size = int(raw) if raw.isdigit() else 1
+        self.world_size = _launcher_world_size()
         if self.world_size > 1:
             logger.info(
                 "megatron_tuning: no process group yet (WORLD_SIZE=%d): the %s start at the first new "
@@ -270,14 +295,24 @@ class _LateAttach:
         if self.attached or not _group_exists():
             return installation
         with self._lock:
+            if self.error is not None:
+                raise self.error
             if self.attached:
                 return installation
+            policy, attached = self.handle.policy, installation
+            try:
+                if policy.mode == "auto" and installation.consensus is None:
+                    attached = dataclasses.replace(installation, consensus=_start_consensus(self.local_cache))
+                self.handle._agreement = agreement = _start_agreement(policy, self.group, self.handle.table)
+            except Exception as error:
+                from .distributed.agreement import FailedAgreement
+
+                self.error = error
+                self.handle._agreement = FailedAgreement(error, policy, self.group)
+                raise
             self.attached = True
             self.cancel()
-            policy = self.handle.policy
-            if policy.mode == "auto" and installation.consensus is None:
-                installation = dataclasses.replace(installation, consensus=_start_consensus(self.local_cache))
-            self.handle._agreement = agreement = _start_agreement(policy, self.group, self.handle.table)
+            pinning.set_active(attached, replacing=installation)  # before a check below can raise
             earlier = get_decisions()[self.first_decision :]
             logger.info(
                 "megatron_tuning: attached to the process group (rank %d); checking %d earlier decision(s)",
@@ -288,14 +323,14 @@ class _LateAttach:
             if check is not None:
                 for decision in earlier:
                     check(decision)
-        return installation
+        return attached
 
     def cancel(self) -> None:
         """Stop waiting for a group; at close, say which checks never ran."""
         with contextlib.suppress(ValueError):
             pinning.before_decision.remove(self)
-        if self.attached or self.world_size <= 1:
-            return
+        if self.attached or self.error is not None or self.world_size <= 1:
+            return  # a failed attach raised already, and its checks raise it again
         unchecked = [d for d in get_decisions()[self.first_decision :] if d.source != "out_of_scope"]
         if unchecked:
             warn_once(
@@ -318,25 +353,37 @@ def _what_attaches(policy: TuningPolicy) -> str:
 
 
 @atexit.register
-def _close_at_exit() -> None:
-    """Close the session; a divergence the process died of, or that the check at close found,
-    makes it exit ``EXIT_DIVERGENCE`` (skipping later exit handlers: Python's status is fixed)."""
+def close_at_exit(*, join: bool = False) -> None:
+    """Close the session. A divergence or input mismatch the process died of, or that the check at
+    close found, makes it exit ``EXIT_DIVERGENCE``; any other error closing it, 1. Either skips later
+    exit handlers (Python's status is fixed by then). ``join``: the bootstrap's call for an armed
+    process that never imported Triton (so started no session): where its session would run verify's
+    check at close, it joins the other ranks' one with an empty log, so theirs does not time out."""
     error = getattr(sys, "last_value", None)  # what the process died of, if anything
+    failed = False
     handle = _active
-    if handle is not None and not handle.closed:
-        try:
+    try:
+        if join:
+            from .distributed.agreement import checks_at_close
+            from .distributed.verify import verify_at_close
+
+            policy = TuningPolicy.from_env(default_mode="off", follow_torch_determinism=False)
+            if checks_at_close(policy):
+                verify_at_close(None, policy.agreement_timeout_s)
+        elif handle is not None and not handle.closed:
             handle.close()
-        except DivergenceError as exc:
-            error = exc
-            logger.error("megatron_tuning: the agreement check at exit failed: %s", exc)
-        except Exception:  # never turn a clean interpreter exit into a traceback storm
-            logger.exception("megatron_tuning: error while closing at exit")
+    except MegatronTuningError as exc:
+        error, failed = exc, True
+        logger.error("megatron_tuning: the tuning session's checks at exit failed: %s", exc)
+    except Exception:  # never turn a clean interpreter exit into a traceback storm
+        logger.exception("megatron_tuning: error while closing at exit")
     folder = read_knob(ENV_RESULT_DIR)
     if DivergenceError.raised and folder:  # `run` (and `selftest`) make it the job's status
         with contextlib.suppress(Exception):  # a vanished folder: the exit status still says it
             write_atomic(os.path.join(folder, f"divergence-{os.getpid()}"), b"%d" % DivergenceError.raised)
-    if isinstance(error, DivergenceError):
+    agreement_error = isinstance(error, (DivergenceError, InputMismatchError))
+    if agreement_error or failed:
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(EXIT_DIVERGENCE)
+        os._exit(EXIT_DIVERGENCE if agreement_error else 1)

@@ -692,7 +692,7 @@ def test_validate_refuses_an_impossible_num_warps(capsys, tmp_path):
 
 
 # -- review and CI (issue 17 item 6) ----------------------------------------------
-def test_show_sorts_the_numbers_in_keys_as_numbers(capsys, tmp_path):
+def test_show_the_review_json_and_coverage_list_keys_in_one_order_numbers_as_numbers(capsys, tmp_path):
     path = tmp_path / "t.msgpack"
     keys = [
         "M=100 | a:torch.float16",
@@ -700,16 +700,33 @@ def test_show_sorts_the_numbers_in_keys_as_numbers(capsys, tmp_path):
         "M=4096 | a:torch.float16",
         "M=8 | a:torch.float16",
     ]
+    ordered = [keys[3], keys[1], keys[0], keys[2]]
     save_table(Table([entry(64, key=k) for k in keys]), path)
     code, out, _ = run(capsys, "show", path)
     assert code == 0
     shown = [line.split("]")[0].strip(" [") for line in out.splitlines() if line.startswith("    [")]
-    assert shown == [
-        "M=8 | a:torch.float16",
-        "M=32 | a:torch.float16",
-        "M=100 | a:torch.float16",
-        "M=4096 | a:torch.float16",
-    ]
+    assert shown == ordered
+    for view in ([], ["--no-provenance"]):
+        assert run(capsys, "export", path, tmp_path / "view.json", *view)[0] == 0
+        assert [e["key"] for e in json.loads((tmp_path / "view.json").read_text())["entries"]] == ordered
+    log = _log(tmp_path / "d0.json", 0, [(KERNEL, k, "S", "table") for k in keys])
+    code, out, _ = run(capsys, "coverage", log, "--json")
+    assert [e["key"] for e in json.loads(out)["entries"]] == ordered
+    out = run(capsys, "coverage", log)[1]
+    assert [
+        line.split("[")[1].split("]")[0] for line in out.splitlines() if line.startswith(KERNEL)
+    ] == ordered
+
+
+@pytest.mark.parametrize("command", ["show", "validate"])
+def test_an_unknown_config_field_is_an_error_naming_it_never_hidden(capsys, tmp_path, command):
+    view = json.loads(Table([entry(64)]).to_json())
+    view["entries"][0]["config"]["num_warp"] = 8  # a typo of num_warps
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(view))
+    code, out, err = run(capsys, command, path)
+    assert code == 2 and "BLOCK=64" not in out
+    assert "unknown field(s) ['num_warp']" in err and "num_warps" in err and "config.kwargs" in err
 
 
 def test_export_no_provenance_makes_a_retune_invisible_and_a_config_change_a_few_lines(capsys, tmp_path):
@@ -749,6 +766,25 @@ def test_export_no_provenance_makes_a_retune_invisible_and_a_config_change_a_few
     ]
     assert diff == ['-     "BLOCK": 64', '+     "BLOCK": 128'] and len(full) > 4 * len(diff)
     assert '"timing"' not in "\n".join(review(before)) and '"votes"' not in "\n".join(review(before))
+
+
+def test_a_review_view_of_the_auto_cache_imports_as_a_table_of_tuned_entries(capsys, tmp_path):
+    from megatron_tuning.core.policy import TuningPolicy
+    from megatron_tuning.tables.cache import open_cache
+
+    cache = open_cache(TuningPolicy(mode="auto", cache=str(tmp_path / "auto.msgpack")), "sm90")
+    assert cache is not None
+    config = {"kwargs": {"BLOCK": 64}, "num_warps": 4, "num_stages": 3, "num_ctas": 1, "maxnreg": None}
+    key, hashed = "M=1 | a:torch.float16", "ab" * 32
+    tuned = Decision(KERNEL, key, "BLOCK=64", "tuned", config=config, arch="sm90", source_hash=hashed)
+    assert cache.persist([tuned]) == 1
+    view, committed = tmp_path / "review.json", tmp_path / "committed.msgpack"
+    assert run(capsys, "export", cache.path, view, "--no-provenance")[0] == 0
+    assert run(capsys, "import", view, committed)[0] == 0
+    table = load_table(committed)
+    assert [(e.how, e.source_hash) for e in table] == [("tuned", hashed)]  # was: how "hand"
+    assert table.meta == {}  # was: kind=auto-cache, cache_format=1, on a table committed for review
+    assert "auto-cache" not in run(capsys, "show", committed)[1]
 
 
 def test_coverage_require_table_fails_on_a_nearest_entry_and_names_the_neighbour(capsys, tmp_path):

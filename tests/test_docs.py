@@ -6,6 +6,7 @@ renamed breaks a link, and an option renamed in code breaks a documented command
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import io
 import re
@@ -21,6 +22,7 @@ DOCS = sorted((REPO / "docs").glob("*.md"))
 PAGES = [REPO / "README.md", REPO / "configs" / "README.md", *DOCS]
 
 _FENCE = re.compile(r"^[ \t]*```[^\n]*\n(.*?)^[ \t]*```", re.S | re.M)
+_PYTHON = re.compile(r"^[ \t]*```python\n(.*?)^[ \t]*```", re.S | re.M)
 _INLINE_CODE = re.compile(r"`([^`]+)`")
 _LINK = re.compile(r"\]\(([^)\s]+)\)")
 _URL_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:")
@@ -112,6 +114,17 @@ def _is_command(name: str) -> bool:
     return exc.value.code == 0
 
 
+# A sentence that has the auto cache written at close(): docs/cache.md is the reference (issue 33).
+_AT_CLOSE = re.compile(r"(?:merged|written|persist\w*)[^.]*?\bat\s+`(?:handle\.)?close\(\)`")
+
+
+def cache_written_only_at_close(text: str) -> list[str]:
+    """Paragraphs and table rows that have the ``auto`` cache written at ``close()`` without saying
+    that a key this rank measured is written at once (kill-safe, DESIGN decision 16)."""
+    parts = re.split(r"\n\s*\n|\n(?=\|)", _prose(text))
+    return [part for part in parts if "cache" in part and _AT_CLOSE.search(part) and "at once" not in part]
+
+
 # -- the checks themselves: they fire, and stay quiet --------------------------------------------
 
 
@@ -130,6 +143,16 @@ def test_a_broken_link_or_anchor_is_named(tmp_path):
     assert (
         "link 'other.md#keys'" in problems[1] and "no heading of other.md has the anchor #keys" in problems[1]
     )
+
+
+def test_a_page_that_has_the_cache_written_only_at_close_is_named():
+    only_at_close = "| `cache` | the cache: what it tuned is merged in at `close()` and at exit |\n"
+    assert cache_written_only_at_close(only_at_close) == [only_at_close]
+    apart = "The cache is merged into at `handle.close()`.\n\nA tuned key is written at once.\n"
+    assert len(cache_written_only_at_close(apart)) == 1  # said in another paragraph: not next to it
+    both = "The cache: a key this rank measured is written at once; adopted keys at `close()`.\n"
+    assert cache_written_only_at_close(both) == []
+    assert cache_written_only_at_close("A table is written at `close()`.\n") == []  # not the cache
 
 
 def test_heading_anchors_follow_github():
@@ -170,6 +193,11 @@ def test_a_renamed_option_or_command_would_fail():
 def test_every_relative_link_resolves(page: Path) -> None:
     problems = broken_links(page)
     assert not problems, "\n".join(problems)
+
+
+def test_no_page_has_the_auto_cache_written_only_at_close() -> None:
+    pages = {str(page.relative_to(REPO)): page.read_text(encoding="utf-8") for page in PAGES}
+    assert {name: found for name, text in pages.items() if (found := cache_written_only_at_close(text))} == {}
 
 
 def test_the_readme_links_every_docs_page() -> None:
@@ -217,3 +245,53 @@ def test_the_design_page_names_each_concept_with_a_module_that_exists() -> None:
     assert 15 <= len(concepts) <= 28
     assert [owner for _, owner in concepts if not (REPO / "megatron_tuning" / owner).is_file()] == []
     assert len({owner for _, owner in concepts}) == len(concepts)  # one module per concept
+
+
+def python_commands(tree: ast.AST) -> list[list[str]]:
+    """The argv of each ``[..., "-m", "megatron_tuning", COMMAND, ...]`` list of a Python example
+    (its string constants after the module's name)."""
+    commands = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.List):
+            words = [e.value for e in node.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)]
+            if "megatron_tuning" in words and words[words.index("megatron_tuning") - 1] == "-m":
+                commands.append(words[words.index("megatron_tuning") + 1 :])
+    return commands
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(REPO)))
+def test_every_python_example_compiles_and_its_commands_parse(page: Path) -> None:
+    for block in _PYTHON.findall(page.read_text(encoding="utf-8")):
+        for argv in python_commands(ast.parse(block)):
+            args = cli.build_parser(argv).parse_args(argv)
+            assert args.command == argv[0] and args.handler is not None, f"{page.name}: {argv}"
+
+
+def test_the_launcher_page_shows_a_harness_that_kills_on_timeout() -> None:
+    """An eval pipeline kills each candidate with subprocess.run(timeout=): the page shows that harness."""
+    blocks = [ast.parse(b) for b in _PYTHON.findall((REPO / "docs" / "launcher.md").read_text())]
+    harnesses = [
+        tree
+        for tree in blocks
+        for call in ast.walk(tree)
+        if isinstance(call, ast.Call)
+        and ast.unparse(call.func) == "subprocess.run"
+        and any(k.arg == "timeout" for k in call.keywords)
+    ]
+    assert len(harnesses) == 1 and [argv[0] for argv in python_commands(harnesses[0])] == ["run"]
+
+
+def test_the_readme_says_what_each_of_the_two_commands_does_and_leaves_internals_to_development() -> None:
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## The two commands", 1)[1].split("\n## ", 1)[0]
+    assert "scripts/demo.sh" in section and "scripts/test.sh" in section and "min" in section
+    assert "docs/development.md" in section and len(section.strip().splitlines()) <= 25
+    internals = ("MT_TRITON_VERSIONS", "MT_TEST_WORKERS", "MT_FULL_MATRIX", "xdist", "lint-imports")
+    development = (REPO / "docs" / "development.md").read_text(encoding="utf-8")
+    assert [word for word in internals if word in section or word not in development] == []
+
+
+def test_the_compile_page_says_first_that_torch_compile_needs_a_gpu() -> None:
+    """On CPU Dynamo fails on Triton's interpreter, with the library or without: say so up front."""
+    opening = (REPO / "docs" / "compile.md").read_text(encoding="utf-8").split("\n\n")[1]
+    assert "needs a GPU" in opening and "TRITON_INTERPRET=1" in opening

@@ -264,3 +264,37 @@ def test_the_handle_says_whether_it_is_closed_and_cannot_be_told_otherwise():
         handle.closed = True  # a settable flag would skip close()'s restore of Triton
     handle.close()
     assert handle.closed
+
+
+_CLOSE_FAILS_AT_EXIT = """
+from megatron_tuning import session
+from megatron_tuning.core.errors import InputMismatchError, StoreError
+
+class Handle:  # a session whose close at exit raises what the check at close found
+    closed = False
+
+    def close(self):
+        if {error!r} == "InputMismatchError":
+            differences = {{"tuning sessions started": {{0: 2, 1: 1}}}}
+            raise InputMismatchError("verify_agreement call #2", [0, 1], differences)
+        if {error!r} == "StoreError":
+            raise StoreError("the final check", "the job's store failed")
+
+session._active = Handle()
+"""
+
+
+@pytest.mark.parametrize(
+    "error, status, said",
+    [
+        ("InputMismatchError", 3, "tuning sessions started: rank 0: 2; rank 1: 1"),
+        ("StoreError", 1, "the final check: the job's store failed"),
+        ("", 0, ""),
+    ],
+)
+def test_an_error_the_close_at_exit_finds_sets_the_exit_status(tmp_path, error, status, said):
+    """Before, only a DivergenceError did (3); the others were logged and the process exited 0."""
+    result = _fresh_process(_CLOSE_FAILS_AT_EXIT.format(error=error), tmp_path)
+    assert result.returncode == status, result.stderr[-3000:]
+    assert ("the tuning session's checks at exit failed" in result.stderr) == bool(error)
+    assert said in result.stderr and "Traceback" not in result.stderr

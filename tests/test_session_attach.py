@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 import megatron_tuning
 from megatron_tuning import session
-from megatron_tuning.distributed import verify
+from megatron_tuning.distributed import store, verify
 from megatron_tuning.runtime import pinning
 
 from . import support_kernels as sk
@@ -106,6 +106,40 @@ def test_auto_gets_the_jobs_consensus_at_the_attach(
         assert pinning.active is not None and pinning.active.consensus is not None
         (decision,) = [d for d in megatron_tuning.get_decisions() if d.key.startswith("n=40")]
         assert decision.source == "tuned"  # published to the job's store: this rank was first
+
+
+@pytest.mark.parametrize("world", [store.AUTO_MAX_RANKS, store.AUTO_MAX_RANKS + 1])
+def test_auto_past_its_rank_cap_is_refused_at_init_where_the_launcher_gives_the_size(
+    monkeypatch: pytest.MonkeyPatch, world: int
+) -> None:
+    monkeypatch.setenv("WORLD_SIZE", str(world))  # no group yet: the attach would be too late
+    policy = megatron_tuning.TuningPolicy(mode="auto", cache="off", use_shipped_tables=False)
+    if world <= store.AUTO_MAX_RANKS:
+        megatron_tuning.init_deterministic_tuning(policy).close()
+        return
+    with pytest.raises(megatron_tuning.PolicyError, match=f"deterministic in a job of {world} ranks"):
+        megatron_tuning.init_deterministic_tuning(policy)
+    assert pinning.active is None and pinning.before_decision == []  # nothing was started
+
+
+def test_auto_past_its_rank_cap_at_the_attach_fails_every_later_key_and_check(
+    monkeypatch: pytest.MonkeyPatch, one_rank_group: Any
+) -> None:
+    """The job's size is known only once the group exists. Before, the attach was marked done before
+    the cap raised: after a caught cap error, auto ran on with no consensus and no checks."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(store, "AUTO_MAX_RANKS", 0)
+    monkeypatch.setattr(session, "_make_measure", lambda policy: _first_config)
+    policy = megatron_tuning.TuningPolicy(mode="auto", cache="off", use_shipped_tables=False)
+    with megatron_tuning.init_deterministic_tuning(policy):
+        one_rank_group()
+        raised = []
+        for check in (lambda: _launch(40), lambda: _launch(41), megatron_tuning.verify_agreement):
+            with pytest.raises(megatron_tuning.PolicyError, match="in a job of 1 ranks") as caught:
+                check()
+            raised.append(caught.value)
+        assert raised[0] is raised[1] is raised[2]
+        assert megatron_tuning.get_decisions() == []  # nothing launched unshared
 
 
 def _first_config(autotuner: Any, candidates: list[Any], *rest: Any) -> tuple[Any, dict[str, Any]]:

@@ -107,6 +107,15 @@ def run_bounded(
     return subprocess.CompletedProcess(list(command), process.returncode, stdout, stderr or "")
 
 
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (Linux; a zombie nobody reaped yet does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
 def read_results(folder: Path, nproc: int) -> dict[int, dict[str, Any]]:
     """Per-rank result files written by a worker."""
     results = {}

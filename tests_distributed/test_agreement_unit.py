@@ -291,13 +291,13 @@ def test_start_attaches_and_stop_detaches(one_rank_group: None) -> None:
 
 
 def test_a_verify_session_checks_once_more_at_close(one_rank_group: None, monkeypatch: Any) -> None:
-    calls: list[float | None] = []
+    calls: list[tuple[float | None, bool]] = []
     monkeypatch.setattr(
-        verify, "verify_agreement", lambda group=None, *, timeout_s=None: calls.append(timeout_s)
+        verify, "_check", lambda group, timeout_s, *, at_close: calls.append((timeout_s, at_close))
     )
     handle = agreement.start_agreement(TuningPolicy(agreement="verify", agreement_timeout_s=500))
     handle.stop()
-    assert calls == [verify.CLOSE_TIMEOUT_S]  # bounded even when the policy allows longer
+    assert calls == [(verify.CLOSE_TIMEOUT_S, True)]  # bounded even when the policy allows longer
 
 
 def test_the_close_check_says_so_when_the_group_is_gone() -> None:

@@ -4,14 +4,21 @@
 ``PYTHONPATH``; ``enable`` writes a one-line ``.pth`` into site-packages, armed only when a
 ``MEGATRON_TUNING_*`` variable is set. Both load *this file* by path (importing the package costs ~0.2 s,
 which torchrun's launcher, pip or ``python -c`` should never pay): it imports only the standard library.
-At the process's ``import triton`` a meta-path hook runs ``commands.<launcher>.activate``.
+At the process's ``import triton`` a meta-path hook runs ``commands.<launcher>.activate``; a rank that
+never imports it still joins the job's check at close, at its exit (``session.close_at_exit``). A
+launcher's job lives only as long as the launcher holds its lifeline (``hold_lifeline``).
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import fcntl
 import functools
 import os
+import signal
 import sys
+import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -114,9 +121,35 @@ def is_site_dir(path: str) -> bool:
     return os.path.realpath(path) in {os.path.realpath(c) for c in candidates if c}
 
 
+def hold_lifeline(bootstrap: Path) -> int:
+    """Lock ``bootstrap``'s ``sitecustomize.py`` exclusively and return the fd: every armed process of
+    the job dies once it is closed, by the launcher or by the kernel when the launcher dies (SIGKILL
+    included). A lock, not a pid: torchrun's workers live in sessions of their own, and a killed
+    launcher runs no code."""
+    fd = os.open(bootstrap / "sitecustomize.py", os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return fd
+
+
+def _stop_with_launcher(lifeline: str) -> None:
+    """Kill this process once its launcher lets go of ``lifeline`` (a shared lock is granted only
+    then). SIGKILL, so no exit handler runs: nothing reaches a cache after the launcher is gone."""
+
+    def watch() -> None:
+        with contextlib.suppress(OSError):  # no file: the launcher has ended and removed it
+            fcntl.flock(os.open(lifeline, os.O_RDONLY), fcntl.LOCK_SH)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="megatron_tuning launcher watch", daemon=True).start()
+
+
 def bootstrap_process(sitecustomize_file: str) -> None:
-    """Run from a launcher's ``sitecustomize``: arm this process, then chain any other sitecustomize."""
-    _chain_sitecustomize(os.path.dirname(os.path.abspath(sitecustomize_file)))
+    """Run from a launcher's ``sitecustomize``: tie this process (and its forks) to the launcher, arm
+    it, then chain any other sitecustomize."""
+    lifeline = os.path.abspath(sitecustomize_file)
+    _stop_with_launcher(lifeline)
+    os.register_at_fork(after_in_child=functools.partial(_stop_with_launcher, lifeline))
+    _chain_sitecustomize(os.path.dirname(lifeline))
     launcher = os.environ.get(ENV_LAUNCHER, "run")
     arm(launcher if launcher in LAUNCHERS else "run")
 
@@ -137,23 +170,38 @@ def arm(launcher: str) -> None:
     elif not any(isinstance(f, _AfterImport) and f.name == "triton" for f in sys.meta_path):
         # Importing Triton (and torch) in every Python process of the job, the torchrun launcher
         # included, would be slow and pointless: wait until the process imports Triton itself.
-        sys.meta_path.insert(0, _AfterImport("triton", activate))
+        finder = _AfterImport("triton", activate)
+        sys.meta_path.insert(0, finder)
+        if launcher in ("run", "enable"):
+            atexit.register(_join_at_exit, finder)
+
+
+def _join_at_exit(finder: _AfterImport) -> None:
+    """At the exit of a rank that never imported Triton: the job's check at close (``verify`` mode)
+    needs every rank of the group, so this one joins it, with an empty log (``session.close_at_exit``)."""
+    dist = sys.modules.get("torch.distributed")
+    if finder in sys.meta_path and dist is not None and dist.is_available() and dist.is_initialized():
+        _package_module("session").close_at_exit(join=True)
 
 
 def _activate(launcher: str) -> None:
+    module = _package_module(f"commands.{LAUNCHERS.get(launcher, 'launch')}")
+    module.activate(launcher) if module.__name__.endswith(".launch") else module.activate()
+
+
+def _package_module(name: str) -> Any:
+    """``megatron_tuning.<name>``, imported from the copy this file belongs to where the process
+    cannot import the package by name (an uninstalled checkout, armed through the .pth)."""
     import importlib
     import importlib.util
 
     if "megatron_tuning" not in sys.modules and importlib.util.find_spec("megatron_tuning") is None:
-        # Armed from a copy the process cannot import by name (an uninstalled checkout, through
-        # the .pth): import that copy, the one this file belongs to.
         sys.path.insert(0, _PACKAGE_PARENT)
         try:
             importlib.import_module("megatron_tuning")
         finally:
             sys.path.remove(_PACKAGE_PARENT)
-    module = importlib.import_module(f"megatron_tuning.commands.{LAUNCHERS.get(launcher, 'launch')}")
-    module.activate(launcher) if module.__name__.endswith(".launch") else module.activate()
+    return importlib.import_module(f"megatron_tuning.{name}")
 
 
 class _AfterImport:

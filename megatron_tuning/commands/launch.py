@@ -1,8 +1,8 @@
 """Pinning jobs you do not edit: ``run [policy options] -- <command>``, ``audit``, ``enable``/``disable``.
 
 ``run`` sets the policy as ``MEGATRON_TUNING_*`` variables (validated first) and puts the bootstrap
-(``bootstrap.py``) first on the job's ``PYTHONPATH``; ``enable`` writes a ``.pth`` instead. ``run_job``
-(signals, exit status) is shared with ``tune`` and ``selftest``.
+(``bootstrap.py``) first on the job's ``PYTHONPATH``; ``enable`` writes a ``.pth`` instead. The job's
+process (signals, exit status, its death with the launcher) is ``job.py``'s, shared with ``tune``.
 """
 
 from __future__ import annotations
@@ -11,12 +11,9 @@ import argparse
 import json
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import sysconfig
 import tempfile
-import threading
 import uuid
 import warnings
 from collections.abc import Mapping, Sequence
@@ -28,13 +25,18 @@ from ..core.errors import EXIT_DIVERGENCE, MegatronTuningError, PolicyError, Tun
 from ..tables.files import output_file_problem, output_folder_problem, write_atomic
 from . import EXIT_USAGE
 from .bootstrap import PTH_MARKER, PTH_NAME, is_site_dir, job_environment, pth_text, write_bootstrap
+from .job import add_job_argument, command_problem, job_argv, job_command, run_job
 
-EXIT_CANNOT_EXECUTE, EXIT_NOT_FOUND = 126, 127  # as the shell and env(1) report them
 RUN_MODES = ("deterministic", "auto", "chaos", "record", "off")  # `tune` pools in its own command
+RUN_DEFAULT_MODE = RUN_MODES[0]  # when neither --mode nor MEGATRON_TUNING_MODE says
+AUDIT_MODES = ("deterministic", "auto")
 
 # option -> (the knob it sets, add_argument keywords; the help is the knob's own doc unless given)
 _OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
-    "--mode": (knobs.ENV_MODE, {"choices": RUN_MODES, "help": "default deterministic"}),
+    "--mode": (
+        knobs.ENV_MODE,
+        {"choices": RUN_MODES, "help": f"default {RUN_DEFAULT_MODE} unless the variable is set"},
+    ),
     "--table": (knobs.ENV_TABLE, {"action": "append", "metavar": "PATH", "help": "a table file or folder"}),
     "--no-shipped-tables": (
         knobs.ENV_SHIPPED_TABLES,
@@ -84,6 +86,8 @@ def add_run(parser: argparse.ArgumentParser) -> None:
     for flag, (variable, options) in _OPTIONS.items():
         help = options.get("help", knobs.KNOBS[variable].doc)
         more = "; repeatable" if options.get("action") == "append" else ""
+        if variable in os.environ:  # what the job gets without the option: help tells the truth here
+            more += f"; your environment sets {os.environ[variable]!r}".replace("%", "%%")
         parser.add_argument(flag, dest=variable, **{**options, "help": f"{help} [{variable}{more}]"})
     parser.add_argument(
         "--score-do-bench",
@@ -117,22 +121,23 @@ def run_run(args: argparse.Namespace) -> int:
     if args.score_do_bench:  # every process scores its do_bench calls into this one file (docs/score.md)
         out = {"do_bench": True, "out": os.path.abspath(args.score_do_bench), "run": uuid.uuid4().hex}
         updates[knobs.ENV_SCORE] = json.dumps(out)
-    return run_armed(job_argv(command), updates, "run")
+    code, caught = run_armed(job_argv(command), updates, "run")
+    if caught:
+        message = f"{caught} process(es) of the job raised DivergenceError: ranks launched different"
+        print(f"run: {message} configs (exit status {EXIT_DIVERGENCE})", file=sys.stderr)
+    return EXIT_DIVERGENCE if caught else code
 
 
-def run_armed(argv: Sequence[str], updates: Mapping[str, str], prog: str) -> int:
-    """Run the job with every Python process armed, ``updates`` set; return its exit status, or
-    ``EXIT_DIVERGENCE`` when any of its processes raised a ``DivergenceError`` (handled or not)."""
+def run_armed(argv: Sequence[str], updates: Mapping[str, str], prog: str, **job: Any) -> tuple[int, int]:
+    """Run the job with every Python process armed, ``updates`` set (``job``: ``run_job``'s keywords);
+    return its exit status and how many of its processes raised a ``DivergenceError`` (handled or not)."""
     folder = Path(tempfile.mkdtemp(prefix="megatron_tuning_run_"))
     try:
-        environment = job_environment(write_bootstrap(folder / "bootstrap", "run"), "run")
+        bootstrap = write_bootstrap(folder / "bootstrap", "run")
+        environment = job_environment(bootstrap, "run")
         environment.update({**updates, knobs.ENV_RESULT_DIR: str(folder)})
-        code = run_job(argv, environment, prog=prog)
-        caught = len(list(folder.glob("divergence-*")))
-        if caught:
-            message = f"{caught} process(es) of the job raised DivergenceError: ranks launched different"
-            print(f"{prog}: {message} configs (exit status {EXIT_DIVERGENCE})", file=sys.stderr)
-        return EXIT_DIVERGENCE if caught else code
+        code = run_job(argv, environment, prog, bootstrap, **job)
+        return code, len(list(folder.glob("divergence-*")))
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
@@ -145,7 +150,7 @@ def validated_policy(updates: dict[str, str]) -> knobs.TuningPolicy:
 
     with knobs.scoped_environ(updates), warnings.catch_warnings():
         warnings.simplefilter("ignore", TuningWarning)  # the job's rank 0 gives them, once per job
-        policy = knobs.TuningPolicy.from_env(default_mode="deterministic", follow_torch_determinism=False)
+        policy = knobs.TuningPolicy.from_env(default_mode=RUN_DEFAULT_MODE, follow_torch_determinism=False)
         if policy.mode == "tune":
             tune = "`python -m megatron_tuning tune --out TABLE -- <command>`, which pools every process's"
             allowed = f"deterministic, auto, chaos, record or off under `run`; tune with {tune} measurements"
@@ -262,103 +267,6 @@ def run_enable(args: argparse.Namespace) -> int:
 run_disable = run_enable
 
 
-def add_job_argument(parser: argparse.ArgumentParser, help: str = "") -> None:
-    """The job, everything after ``--`` (dest "job": the top-level parser keeps the command's name)."""
-    help = help or "the job to run after `--`: script.py [args], -m mod, python -m mod, torchrun ..."
-    parser.add_argument("job", metavar="COMMAND", nargs=argparse.REMAINDER, help=help)
-
-
-def job_command(args: argparse.Namespace, prog: str, example: str) -> list[str] | None:
-    """The job's words after ``--``; ``None``, having said what to type, when none were given."""
-    command = list(args.job or [])
-    command = command[1:] if command[:1] == ["--"] else command
-    if not command:
-        hint = f"e.g. `python -m megatron_tuning {example}` (see {prog} --help)"
-        print(f"{prog}: give the command to run after `--`, {hint}", file=sys.stderr)
-    return command or None
-
-
-def job_argv(command: Sequence[str]) -> list[str]:
-    """The argv to start for ``command``: scripts and ``-m`` get this interpreter; ``python`` and
-    ``torchrun`` are those next to it when it has them (its virtualenv's), else PATH's."""
-    if command[0].endswith(".py") or command[0] == "-m":
-        return [sys.executable, *command]
-    beside = os.path.join(os.path.dirname(sys.executable), command[0])
-    mine = command[0] in ("python", "python3", "torchrun") and os.access(beside, os.X_OK)
-    return [beside if mine else command[0], *command[1:]]
-
-
-def command_problem(argv: Sequence[str], env: Mapping[str, str]) -> tuple[int, str] | None:
-    """``(exit status, message)`` when ``argv`` cannot start, else ``None``; checked up front."""
-    program = argv[0]
-    if program == sys.executable and len(argv) > 1 and argv[1].endswith(".py"):
-        if not os.path.isfile(argv[1]):
-            return EXIT_USAGE, f"no such script: {argv[1]}"
-        return None if os.access(argv[1], os.R_OK) else (EXIT_USAGE, f"cannot read the script {argv[1]}")
-    if os.sep in program:
-        if not os.path.exists(program):
-            return EXIT_NOT_FOUND, f"no such program: {program}"
-        if os.path.isdir(program) or not os.access(program, os.X_OK):
-            return EXIT_CANNOT_EXECUTE, f"{program} is not an executable program"
-        return None
-    if shutil.which(program, path=env.get("PATH", os.defpath)) is None:
-        hint = " (a Python script? give its path, e.g. ./job.py)" if "." not in program else ""
-        return EXIT_NOT_FOUND, f"command not found on PATH: {program}{hint}"
-    return None
-
-
-def run_job(argv: Sequence[str], env: Mapping[str, str], prog: str) -> int:
-    """Run the job to its end; return the status a shell would report (messages prefixed ``prog``)."""
-    problem = command_problem(argv, env)
-    if problem is not None:
-        print(f"{prog}: {problem[1]}", file=sys.stderr)
-        return problem[0]
-    try:
-        process = subprocess.Popen(list(argv), env=dict(env))
-    except OSError as exc:  # vanished since the check, or a bad #! interpreter
-        print(f"{prog}: cannot run {argv[0]!r}: {exc.strerror or exc}", file=sys.stderr)
-        return EXIT_NOT_FOUND if isinstance(exc, FileNotFoundError) else EXIT_CANNOT_EXECUTE
-    code = _wait_passing_signals(process)
-    if code >= 0:
-        return code
-    try:
-        name = signal.Signals(-code).name
-    except ValueError:
-        name = f"signal {-code}"
-    print(f"{prog}: the job was killed by {name} (exit status {128 - code})", file=sys.stderr)
-    return 128 - code
-
-
-def _wait_passing_signals(process: subprocess.Popen[bytes]) -> int:
-    """Wait for the job, passing on each signal a program sends the launcher (``kill``: SIGINT from
-    a scheduler or a notebook, SIGTERM...). What the terminal sends (Ctrl-C, Ctrl-\\, hang-up) has
-    reached the job's process group already: ``si_code`` tells them apart, so none arrives twice."""
-    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "sigtimedwait"):
-        return process.wait()  # signals can only be taken from the main thread
-    names = ("SIGINT", "SIGQUIT", "SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2")
-    passed = {getattr(signal, name) for name in names}
-
-    def forward(number: int, frame: object) -> None:  # delivered to another thread: sender unknown
-        if process.poll() is None:
-            process.send_signal(number)
-
-    saved = {number: signal.signal(number, forward) for number in passed}
-    mask = signal.pthread_sigmask(signal.SIG_BLOCK, passed | {signal.SIGCHLD})
-    try:
-        while process.poll() is None:
-            info = signal.sigtimedwait(passed | {signal.SIGCHLD}, 0.5)
-            # si_code <= 0: sent by a process (SI_USER, SI_QUEUE, SI_TKILL); > 0: by the kernel (a tty)
-            if info is not None and info.si_signo in passed and info.si_code <= 0 and process.poll() is None:
-                process.send_signal(info.si_signo)
-        while signal.sigtimedwait(passed, 0) is not None:
-            pass  # arrived as the job ended: nobody left to pass them to
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-        for number, handler in saved.items():
-            signal.signal(number, handler)
-    return process.returncode
-
-
 def add_audit(parser: argparse.ArgumentParser) -> None:
     parser.description = (
         "Run a job unedited, pinned as `run` pins it. At each (kernel, key) it reaches, launch every live "
@@ -368,20 +276,30 @@ def add_audit(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--runs", type=int, help=f"launches per config (default {knobs.read_knob(knobs.ENV_AUDIT_RUNS)})"
     )
+    mode = f"pin as this mode would (auto: from its cache and tables, never tuning); default {knobs.ENV_MODE}"
+    parser.add_argument("--mode", choices=AUDIT_MODES, help=f"{mode} if set, else deterministic")
     parser.add_argument("--out", default="audit.json", help="the JSON report (default audit.json)")
     parser.add_argument("--table", help="pin from this table first, and record the audit in its entries")
     add_job_argument(parser)
 
 
 def run_audit(args: argparse.Namespace) -> int:
-    from ..tuning.audit import audit_table, record_numerics
+    from ..tuning.audit import audit_table, record_numerics, save_report
 
     command = job_command(args, "audit", "audit --out audit.json -- train.py --steps 3")
     if command is None:
         return EXIT_USAGE
     runs_knob = knobs.KNOBS[knobs.ENV_AUDIT_RUNS]
     runs = knobs.read_knob(runs_knob.name) if args.runs is None else runs_knob.parse("--runs", str(args.runs))
-    updates = {knobs.ENV_MODE: "deterministic", knobs.ENV_AUDIT_RUNS: str(runs)}
+    exported = knobs.KNOBS[knobs.ENV_MODE].read()
+    mode = args.mode or exported or "deterministic"
+    if mode not in AUDIT_MODES:
+        why = f"{knobs.ENV_MODE}={exported} is set; audit pins as deterministic or auto: pass --mode"
+        print(f"audit: {why}", file=sys.stderr)
+        return EXIT_USAGE
+    if exported not in (None, mode):
+        print(f"audit: --mode {mode} overrides {knobs.ENV_MODE}={exported}", file=sys.stderr)
+    updates = {knobs.ENV_MODE: mode, knobs.ENV_AUDIT_RUNS: str(runs)}
     if args.table:
         updates[knobs.ENV_TABLE] = ":".join(filter(None, (args.table, os.environ.get(knobs.ENV_TABLE))))
     validated_policy(updates)  # a bad value or table fails now, not in every process of the job
@@ -393,14 +311,24 @@ def run_audit(args: argparse.Namespace) -> int:
     try:
         env = job_environment(write_bootstrap(work / "bootstrap", "audit"), "audit")
         env.update(updates, **{knobs.ENV_AUDIT_DIR: str(work)})
-        returncode = run_job(job_argv(command), env, prog="audit")
+        returncode = run_job(job_argv(command), env, "audit", work / "bootstrap")
         entries = [e for f in sorted(work.glob("audited-*.json")) for e in json.loads(f.read_text())]
-    finally:
+        report = {"format": "megatron_tuning.audit/2", "mode": mode, "runs": runs, "command": command}
+        report.update(exit_status=returncode, entries=entries)
+        written, unwritable = save_report(args.out, report, work)  # where --out fails: into work, kept
+    except BaseException:
+        print(f"audit: stopped; the job's per-process reports are kept in {work}", file=sys.stderr)
+        raise
+    if unwritable is None:
         shutil.rmtree(work, ignore_errors=True)
-    report = {"format": "megatron_tuning.audit/1", "runs": runs, "command": command, "entries": entries}
-    write_atomic(args.out, json.dumps(report, indent=1, sort_keys=True).encode())
-    print(audit_table(entries))
+    print(audit_table(entries, mode))
     if args.table and entries:
         print(f"audit: numerics recorded in {record_numerics(args.table, entries)} entries of {args.table}")
-    print(f"audit: {len(entries)} (kernel, key) audited; report in {args.out}")
-    return returncode or (0 if entries else 1)
+    if unwritable:
+        print(f"audit: cannot write --out {args.out} ({unwritable}); report in {written}", file=sys.stderr)
+    if returncode:
+        print(
+            f"audit: the job exited with status {returncode}; the report has what it audited", file=sys.stderr
+        )
+    print(f"audit: {len(entries)} (kernel, key) audited; report in {written}")
+    return returncode or (1 if unwritable or not entries else 0)

@@ -20,7 +20,8 @@ from ..score import pooling
 from ..score.report import line
 from ..tables.files import output_file_problem, write_atomic
 from . import EXIT_USAGE
-from .launch import add_job_argument, command_problem, job_argv, job_command, run_armed, validated_policy
+from .job import add_job_argument, command_problem, job_argv, job_command
+from .launch import run_armed, validated_policy
 
 EXIT_INCORRECT, EXIT_DEMOTED = 3, 4
 EXAMPLES = """\
@@ -126,7 +127,10 @@ def _score_job(
             if processes > 1:
                 print(f"score: process {index + 1} of {processes}: {' '.join(argv)}", file=sys.stderr)
             environment = {**updates, knobs.ENV_SCORE: json.dumps({**job, "dir": str(work)})}
-            codes.append(run_armed(argv, environment, "score"))
+            code, diverged = run_armed(argv, environment, "score")
+            codes.append(code)
+            if diverged:
+                print(f"score: {diverged} process(es) raised DivergenceError", file=sys.stderr)
             if codes[-1]:
                 print(f"score: process {index + 1} exited with status {codes[-1]}; stopping", file=sys.stderr)
                 break

@@ -10,13 +10,13 @@ import argparse
 import fnmatch
 import json
 import os
-import re
 from collections.abc import Iterable
 from typing import Any
 
 from ..core.errors import MegatronTuningError, printable
 from ..core.identity import config_signature
 from ..core.policy import parse_int
+from ..tables.entry import entry_order
 from . import EXIT_FOUND, EXIT_OK, write_utf8
 
 
@@ -60,9 +60,10 @@ def add_export(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--no-provenance",
         action="store_true",
-        help="a review view for pull requests: configs and source hashes (what content matching needs), "
-        "without how/versions/timing/votes/notes, so one config change is a few-line diff; not lossless, "
-        "keep the table itself as the source",
+        help="a review view for pull requests: configs, how each was chosen, and the source hash and config "
+        "list digest (what content matching needs), without versions/timing/votes/notes or the file's meta "
+        "(e.g. kind=auto-cache), so one config change is a few-line diff; not lossless, keep the table "
+        "itself as the source",
     )
     _add_max_size(p)
 
@@ -123,18 +124,6 @@ def kernel_matches(kernel: str, pattern: str | None) -> bool:
     return fnmatch.fnmatchcase(kernel, pattern) if any(ch in pattern for ch in "*?[") else pattern in kernel
 
 
-# A number in key text: after "=", a bracket, a space, a comma or at the start (not "float16").
-_NUMBER = re.compile(r"(?:(?<=[=\[(,\s])|^)(-?\d+(?:\.\d+)?)")
-
-
-def natural_key(text: str) -> tuple[Any, ...]:
-    """Sort key ordering the numbers in ``text`` as numbers (``M=32`` before ``M=100``)."""
-    parts: list[Any] = _NUMBER.split(text)
-    for i in range(1, len(parts), 2):
-        parts[i] = float(parts[i]) if "." in parts[i] else int(parts[i])
-    return tuple(parts)
-
-
 def describe_entry(entry: Any) -> str:
     """The config signature, then provenance in parentheses."""
     facts, timing = [entry.how], entry.timing
@@ -164,7 +153,7 @@ def entry_lines(entries: Iterable[Any]) -> list[str]:
     """Entries under an ``arch  kernel`` heading, one indented line per key, numbers in order."""
     lines: list[str] = []
     heading = None
-    for entry in sorted(entries, key=lambda e: (e.arch, e.kernel, natural_key(e.key), e.key)):
+    for entry in sorted(entries, key=lambda e: entry_order(*e.ident)):
         if (entry.arch, entry.kernel) != heading:
             heading = (entry.arch, entry.kernel)
             lines.append(printable(f"{entry.arch}  {entry.kernel}"))

@@ -9,6 +9,7 @@ winners are one table, voted into ``--out`` (``tables.merge.merge_tables``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import io
 import json
@@ -34,7 +35,7 @@ from ..tables.table import merge_entries
 from ..tuning.stats import TuneSettings
 from . import EXIT_USAGE
 from .bootstrap import job_environment, write_bootstrap
-from .launch import add_job_argument, command_problem, job_argv, job_command, run_job
+from .job import add_job_argument, command_problem, job_argv, job_command, run_job
 
 PROCESS_PREFIX = "tuned-"  # per-process decision logs: tuned-<host>-<pid>.json
 WORK_DIR_MARKER = ".megatron_tuning_tune"  # in a --work-dir tune made or adopted: later jobs may use it
@@ -152,7 +153,8 @@ def _run_job(
     """Run the job, pool its per-process results, write ``--results`` and merge into ``--out``."""
     results = work / "results"
     results.mkdir()
-    env = job_environment(write_bootstrap(work / "bootstrap", "tune"), "tune")
+    bootstrap = write_bootstrap(work / "bootstrap", "tune")
+    env = job_environment(bootstrap, "tune")
     env.update({knobs.ENV_MODE: "tune", knobs.ENV_TUNE_DIR: str(results)})
     env.update({knobs.ENV_RECORD_DIR: str(work / "recordings"), knobs.ENV_TUNE_ROUNDS: str(settings.rounds)})
     env[knobs.ENV_TUNE_TIE_BAND] = repr(settings.tie_band)
@@ -162,7 +164,7 @@ def _run_job(
         env[knobs.ENV_TABLE] = ":".join(filter(None, (keep, env.get(knobs.ENV_TABLE))))
     argv = job_argv(command)
     print(f"tune: running {' '.join(argv)} (per-process results in {results})", file=sys.stderr)
-    returncode = run_job(argv, env, prog="tune")
+    returncode = run_job(argv, env, "tune", bootstrap)
     logs = [(str(f), read_decisions(f)) for f in sorted(results.glob(f"{PROCESS_PREFIX}*.json"))]
     decisions = [d for _, ds in logs for d in ds if d.source == "tuned"]
     if not decisions:
@@ -197,8 +199,16 @@ def activate() -> None:
     name = f"{socket.gethostname()}-{os.getpid()}.json"
     if audits:
         from ..core.identity import arch_tag, current_rank
-        from ..runtime.pinning import after_decision
+        from ..runtime import pinning
         from ..tuning.audit import make_audit_hook
+
+        def never_tune(installation: pinning.Installation) -> pinning.Installation:
+            # An audit never tunes, also after the job's own init: an ``auto`` miss takes the miss rule.
+            if installation.policy.mode != "auto" or installation.measure is None:
+                return installation
+            return dataclasses.replace(installation, measure=None)
+
+        pinning.before_decision.append(never_tune)
 
         entries: list[dict[str, Any]] = []
 
@@ -206,7 +216,7 @@ def activate() -> None:
             entries.append({**entry, "arch": arch_tag(), "rank": current_rank()})
             write_atomic(Path(audits) / f"audited-{name}", json.dumps(entries).encode())
 
-        after_decision.append(make_audit_hook(record, knobs.read_knob(knobs.ENV_AUDIT_RUNS)))
+        pinning.after_decision.append(make_audit_hook(record, knobs.read_knob(knobs.ENV_AUDIT_RUNS)))
         return
     path = Path(directory) / f"{PROCESS_PREFIX}{name}"
 

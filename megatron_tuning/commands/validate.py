@@ -22,7 +22,7 @@ from ..core import identity
 from ..core.decisions import Decision
 from ..core.errors import printable
 from ..core.policy import parse_int
-from ..tables.entry import KEY_FORM, Entry, canonical_key
+from ..tables.entry import KEY_FORM, Entry, canonical_key, entry_order
 from ..tables.search import installed_triton_version
 from ..tables.table import load_table
 from . import EXIT_FOUND, EXIT_OK
@@ -285,7 +285,7 @@ def coverage_of(logs: list[tuple[str, list[Decision]]]) -> tuple[list[str], list
     labels.sort(key=lambda label: (parse_int(label.split("@", 1)[0]) or 0, label))
     for row in rows.values():
         row.cells = {label: row.cells[label] for label in labels if label in row.cells}
-    return labels, [rows[k] for k in sorted(rows)]
+    return labels, [rows[k] for k in sorted(rows, key=lambda k: entry_order("", *k))]
 
 
 def add_coverage(p: argparse.ArgumentParser) -> None:

@@ -4,17 +4,27 @@ Every rule is a pure function of the candidates and the call, so each rank compu
 from __future__ import annotations
 
 import difflib
+import inspect
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from .errors import BlockSizeOverrideError, PolicyError, TableMissError, tallies, tally, warn_once
+from .errors import (
+    BlockSizeOverrideError,
+    NumericsError,
+    PolicyError,
+    TableMissError,
+    tallies,
+    tally,
+    warn_once,
+)
 from .fallback import as_block_sizes, cheapest, filter_configs_by_block_sizes, nearest_keys, pick_neighbour
 from .identity import (
     arch_tag,
     base_kernel_id,
     config_data,
+    config_list_digest,
     config_signature,
     kernel_id,
     kernel_source_hash,
@@ -27,6 +37,11 @@ CHEAPEST_COST = "on an H200 the cheapest-config rule ran large GEMMs at 12-14% o
 FIX_A_MISS = (
     "use MEGATRON_TUNING_MODE=auto (tunes each new key once per job and caches it), a tuning table "
     "(MEGATRON_TUNING_TABLE=...), or build one with `python -m megatron_tuning tune -- <your command>`"
+)
+# The same advice where ``auto`` already runs but could not measure this key.
+FIX_AN_AUTO_MISS = (
+    "let auto tune it: launch the key once in eager code, outside CUDA graph capture and not under `audit` "
+    "(which never tunes), or build a table with `python -m megatron_tuning tune -- <your command>`"
 )
 
 
@@ -43,11 +58,18 @@ class TableHit:
 
 @runtime_checkable
 class ConfigTable(Protocol):
-    """What choosing needs from a table (``tables.search.TableSet``). With ``neighbours(kernel, key,
-    *, arch, source_hash)`` (comparable entries, nearest first) ``on_miss='nearest'`` can use them."""
+    """What choosing needs from a table (``tables.search.TableSet``). With ``neighbours`` (same arguments:
+    comparable entries, nearest first) ``on_miss='nearest'`` can use them. ``source_hash`` and
+    ``config_list_digest`` name the running code, for matches under another module name."""
 
     def lookup(
-        self, kernel: str, key: str, *, arch: str, source_hash: str | None = None
+        self,
+        kernel: str,
+        key: str,
+        *,
+        arch: str,
+        source_hash: str | None = None,
+        config_list_digest: str | None = None,
     ) -> TableHit | None: ...
 
 
@@ -58,13 +80,11 @@ class InMemoryTable:
         self._entries = {k: (v if isinstance(v, Mapping) else config_data(v)) for k, v in entries.items()}
         self._origin = origin
 
-    def lookup(self, kernel: str, key: str, *, arch: str, source_hash: str | None = None) -> TableHit | None:
+    def lookup(self, kernel: str, key: str, *, arch: str, **code: str | None) -> TableHit | None:
         data = self._entries.get((kernel, key))
         return None if data is None else TableHit(data, self._origin)
 
-    def neighbours(
-        self, kernel: str, key: str, *, arch: str, source_hash: str | None = None
-    ) -> list[TableHit]:
+    def neighbours(self, kernel: str, key: str, *, arch: str, **code: str | None) -> list[TableHit]:
         keys = [k for (name, k) in self._entries if name == kernel]
         return [TableHit(self._entries[(kernel, k)], self._origin, k) for k in nearest_keys(key, keys)]
 
@@ -75,7 +95,8 @@ def as_config_table(table: ConfigTable | Mapping[tuple[str, str], Any] | None) -
     if isinstance(table, Mapping):
         return InMemoryTable(table)
     raise TypeError(
-        f"table must provide lookup(kernel, key, *, arch, source_hash) or be a mapping, not {table!r}"
+        f"table must provide lookup(kernel, key, *, arch, source_hash, config_list_digest) or be a mapping, "
+        f"not {table!r}"
     )
 
 
@@ -98,17 +119,28 @@ def _from_hit(config: Any, source: str, hit: TableHit, nearest_key: str | None =
     return Choice(config, source, hit.origin, nearest_key, content, hit.kernel, numerics=hit.numerics)
 
 
-def warn_if_nondeterministic(kernel: str, key: str, choice: Choice) -> None:
-    """One notice per kernel when the table marks the pinned config non-deterministic on its own."""
+def check_numerics(numerics: str, kernel: str, key: str, choice: Choice) -> None:
+    """Where the table marks the pinned config non-deterministic on its own: under ``numerics=
+    'deterministic-only'`` a ``NumericsError`` naming the entry (``auto`` re-tunes such an entry
+    before this; other modes cannot), else one notice per kernel."""
     if choice.numerics is None or choice.numerics.deterministic:
         return
     others = "; ".join(choice.numerics.alternatives) or "none among the live configs"
+    found = (
+        f"the numerics audit in {choice.origin} found {config_signature(choice.config)} non-deterministic "
+        "on its own (its launches on the same inputs gave different bits)"
+    )
+    if numerics == "deterministic-only":
+        why = (
+            f"the table entry pins its config, and {found}. Re-tune the key (`tune --numerics "
+            "deterministic-only`, or MEGATRON_TUNING_MODE=auto, which re-tunes such an entry), or set the "
+            f"entry's config to a deterministic alternative the audit found: {others}"
+        )
+        raise NumericsError(kernel, key, numerics, why, {})
     message = (
-        f"kernel {kernel} key {key} launches {config_signature(choice.config)}, which the numerics audit "
-        f"in {choice.origin} found non-deterministic on its own (its launches on the same inputs gave "
-        "different bits): pinning the config cannot make this kernel bitwise reproducible. Deterministic "
-        f"alternatives the audit found: {others}. Re-tune with MEGATRON_TUNING_NUMERICS=deterministic-only "
-        "to pin one (docs/numerics.md)."
+        f"kernel {kernel} key {key}: {found}: pinning the config cannot make this kernel bitwise "
+        f"reproducible. Deterministic alternatives the audit found: {others}. Re-tune with "
+        "MEGATRON_TUNING_NUMERICS=deterministic-only to pin one (docs/numerics.md)."
     )
     warn_once(("nondeterministic", kernel), message)
 
@@ -140,7 +172,7 @@ def pin_without_fallback(
     kernel, lookup = kernel_id(autotuner), as_config_table(table)
     reason = "no table configured" if lookup is None else "no table entry"
     if lookup is not None:
-        hit = lookup.lookup(kernel, key, arch=arch_tag(), source_hash=kernel_source_hash(autotuner))
+        hit = lookup.lookup(kernel, key, arch=arch_tag(), **_running_code(lookup.lookup, autotuner))
         if hit is None:
             _warn_if_ambiguous_entry(lookup, autotuner, kernel, key)
         else:
@@ -152,8 +184,9 @@ def pin_without_fallback(
             message = (
                 f"table entry for kernel {hit.kernel or kernel} key {key} in {hit.origin} "
                 f"({config_signature(hit.config)}) matches none of the {len(candidates)} live configs after "
-                "pruning, so it is a miss (the miss rule applies). Re-tune the kernel, or fix the entry's "
-                f"config to one the kernel offers: {offered}"
+                "pruning, so it is a miss (auto mode re-tunes it and replaces such an entry in its cache; "
+                "other modes apply the miss rule). Re-tune the kernel, or fix the entry's config to one "
+                f"the kernel offers: {offered}"
             )
             warn_once(("entry-no-match", kernel, key, hit.origin), message)
     override = as_block_sizes(block_sizes)
@@ -169,6 +202,16 @@ def pin_without_fallback(
         if len(matching) < len(candidates):
             return Choice(cheapest(matching), "override")
     return Choice(candidates[0], "single") if len(candidates) == 1 else Miss(reason)
+
+
+def _running_code(method: Any, autotuner: Any) -> dict[str, str | None]:
+    """What a content match compares with an entry: the kernel's source hash and, where the table's
+    ``method`` takes it (ours do; a user's table written before it may not), its config list."""
+    code = {"source_hash": kernel_source_hash(autotuner)}
+    parameters = inspect.signature(method).parameters.values()
+    if any(p.name == "config_list_digest" or p.kind is p.VAR_KEYWORD for p in parameters):
+        code["config_list_digest"] = config_list_digest(autotuner)
+    return code
 
 
 def _warn_if_ambiguous_entry(lookup: ConfigTable, autotuner: Any, kernel: str, key: str) -> None:
@@ -203,16 +246,18 @@ def choose_on_miss(
     *,
     table: ConfigTable | Mapping[tuple[str, str], Any] | None = None,
     on_miss: str = "nearest",
+    fix: str = FIX_A_MISS,
 ) -> Choice:
     """What a miss launches, without measuring: the nearest shape's entry (``core.fallback``: the
-    nearest usable entry, or the lower of two bracketing ones that disagree), the cheapest, or an error."""
+    nearest usable entry, or the lower of two bracketing ones that disagree), the cheapest, or an error.
+    ``fix``: how to pin the key instead, quoted in the notice."""
     _check_on_miss(on_miss)
     kernel = kernel_id(autotuner)
     if on_miss == "error":
         raise TableMissError(kernel, key, miss.reason)
     neighbours = getattr(as_config_table(table), "neighbours", None)
     if on_miss == "nearest" and neighbours is not None:
-        hits = neighbours(kernel, key, arch=arch_tag(), source_hash=kernel_source_hash(autotuner))
+        hits = neighbours(kernel, key, arch=arch_tag(), **_running_code(neighbours, autotuner))
         # A neighbour tuned with other live configs cannot be launched: only matched ones count.
         usable: dict[str, tuple[TableHit, Any]] = {}
         for hit in hits:
@@ -227,7 +272,7 @@ def choose_on_miss(
                 f"kernel {kernel} has no table entry for key {key}; it launches the entry tuned for the "
                 f"nearest shape [{hit.key}] from {hit.origin} (on_miss='nearest'), and so will every other "
                 "key of this kernel without an entry (counted when the policy ends). To pin each shape's own "
-                f"best config, {FIX_A_MISS}."
+                f"best config, {fix}."
             )
             warn_once(("nearest", kernel), message)
             return _from_hit(live, "nearest", hit, nearest_key=hit.key)
@@ -238,7 +283,7 @@ def choose_on_miss(
         f"kernel {kernel} has no tuned config for key {key} ({miss.reason}; {rule}), so it launches the "
         f"cheapest of its {len(candidates)} configs by static cost ({config_signature(config)}), and so will "
         "every other key of this kernel without an entry (counted when the policy ends). That is pinned but "
-        f"can be slow: {CHEAPEST_COST}. To be pinned and fast, {FIX_A_MISS}."
+        f"can be slow: {CHEAPEST_COST}. To be pinned and fast, {fix}."
     )
     warn_once(("cheapest", kernel), message)
     return Choice(config, "cheapest")
@@ -246,13 +291,14 @@ def choose_on_miss(
 
 def report_policy_end(policy: TuningPolicy | None) -> None:
     """At the end of a policy: how many keys fell back, and override names no launched kernel has."""
+    fix = FIX_AN_AUTO_MISS if policy is not None and policy.mode == "auto" else FIX_A_MISS
     for kind, what in (("cheapest", "the cheapest config"), ("nearest", "a nearest-shape entry")):
         by_kernel = {group[1]: len(keys) for group, keys in tallies(kind).items()}
         if sum(by_kernel.values()) > len(by_kernel):  # one key per kernel was said by its own notice
             listing = ", ".join(f"{k} ({n} key{'s' * (n > 1)})" for k, n in sorted(by_kernel.items()))
             message = (
                 f"{sum(by_kernel.values())} keys of {len(by_kernel)} kernel(s) launched {what} for lack of a "
-                f"table entry under this policy: {listing}. To pin them to their best configs, {FIX_A_MISS}."
+                f"table entry under this policy: {listing}. To pin them to their best configs, {fix}."
             )
             warn_once(("policy-end", kind), message)
     kernels = {group[1]: sorted(map(str, names)) for group, names in tallies("kernel-config-names").items()}

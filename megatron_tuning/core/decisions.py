@@ -59,6 +59,9 @@ class Decision:
     # The table entry's numerics audit of the launched config: ``False`` when its own launches gave
     # different bits (docs/numerics.md); ``None``: not audited.
     deterministic: bool | None = None
+    # ``core.identity.config_list_digest``: the declared configs the candidates came from. Entries
+    # carry it, so one source under two module names with two config lists is two kernels.
+    config_list_digest: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -7,6 +7,7 @@ Diagnostics go to stderr (``install_default_handler``) only while the applicatio
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import os
@@ -119,15 +120,15 @@ class StaleEntryError(MegatronTuningError, RuntimeError):
 
 
 class NumericsError(MegatronTuningError, RuntimeError):
-    """``numerics`` policy: no live config of (kernel, key) qualifies; ``classes``: signatures
-    grouped by bit-identical outputs on the call's inputs."""
+    """``numerics`` policy: no live config of (kernel, key) qualifies; ``classes``: class id ->
+    signatures, grouped by bit-identical outputs on the call's inputs."""
 
     def __init__(
-        self, kernel: str, key: str, numerics: str, reason: str, classes: Sequence[Sequence[str]]
+        self, kernel: str, key: str, numerics: str, reason: str, classes: Mapping[str, Sequence[str]]
     ) -> None:
         self.kernel, self.key, self.numerics, self.reason = kernel, key, numerics, reason
-        self.classes = [list(c) for c in classes]
-        listing = "".join(f"\n  class {n}: " + "; ".join(c) for n, c in enumerate(self.classes, 1))
+        self.classes = {name: list(members) for name, members in classes.items()}
+        listing = "".join(f"\n  class {name}: " + "; ".join(c) for name, c in self.classes.items())
         super().__init__(
             f"No live config of kernel {kernel} key {key} qualifies under numerics={numerics!r}: {reason}. "
             f"Numerics classes on this call's inputs:{listing or ' (none launched)'}\nSet "
@@ -207,8 +208,8 @@ class InputMismatchError(MegatronTuningError, RuntimeError):
             lines.append(f"  {name}: " + "; ".join(f"rank {r}: {v}" for r, v in sorted(by_rank.items())))
         lines.append(
             "  Give every rank the same MEGATRON_TUNING_* settings, table files and installs, and call "
-            "init_deterministic_tuning the same number of times on each (compare tables with "
-            "`python -m megatron_tuning show TABLE`)."
+            "init_deterministic_tuning and verify_agreement the same number of times on each (compare "
+            "tables with `python -m megatron_tuning show TABLE`)."
         )
         super().__init__("\n".join(lines))
 
@@ -258,9 +259,11 @@ def reset_warnings() -> None:
         _tallies.clear()
 
 
-def warn_once(cause: tuple[Any, ...], message: str, *args: Any) -> bool:
+def warn_once(cause: tuple[Any, ...], message: str, *args: Any, rank_local: bool = False) -> bool:
     """Issue ``message % args`` as a ``TuningWarning`` the first time ``cause`` is seen; return
-    whether it was. Under an ``error`` filter it raises, and the next occurrence raises too."""
+    whether it was. Under an ``error`` filter it raises, and the next occurrence raises too.
+    ``rank_local``: a cause only the ranks that meet it know of (timing on the host clock: rank 0 may
+    have adopted every key), so each of them says it, not rank 0 alone."""
     with _warned_lock:
         if cause in _warned:
             return False
@@ -268,7 +271,7 @@ def warn_once(cause: tuple[Any, ...], message: str, *args: Any) -> bool:
     text = message % args if args else message
     if not text.startswith(PREFIX):
         text = PREFIX + text
-    if _other_rank():  # once per job, not per rank: ranks of one job meet the same causes
+    if not rank_local and _other_rank():  # once per job, not per rank: ranks meet the same causes
         logging.getLogger(__name__).info("%s", text)
         return True
     try:
@@ -306,10 +309,21 @@ def _warn_at_caller(text: str) -> None:
         frame = frame.f_back
     where, line, module = frame.f_code.co_filename, frame.f_lineno, frame.f_globals.get("__name__")
     if where.startswith(internal):  # no frame of the user's runs (at exit): name their program
-        where, line, module = getattr(sys.modules.get("__main__"), "__file__", None) or where, 0, "__main__"
+        where, line, module = _main_program(), 0, "__main__"
     # No ``module_globals``: asking a module's loader for its source raises ImportError for a
     # script run with ``python -m`` (``__main__``); the source line is read from the file instead.
     warnings.warn_explicit(text, TuningWarning, where, line, module=str(module), registry={})
+
+
+def _main_program() -> str:
+    """The file of the program the interpreter ran. Its ``__file__`` is gone at exit (CPython removes
+    it once a script returns, before exit handlers run); the module's loader still knows it."""
+    main = sys.modules.get("__main__")
+    where = getattr(main, "__file__", None)
+    if where is None:
+        with contextlib.suppress(AttributeError, ImportError, TypeError):
+            where = main.__loader__.get_filename()  # type: ignore[union-attr]
+    return os.path.abspath(where) if where else "<string>"  # no file: `python -c`
 
 
 def _other_rank() -> bool:

@@ -36,6 +36,8 @@ _OPTIONAL_FIELDS: tuple[tuple[str, Any], ...] = (
     ("reg_dec_producer", 0),
     ("reg_inc_consumer", 0),
 )
+# Every field of ``config_data`` (and so of a table entry's config): a table may hold no other.
+CONFIG_FIELDS = ("kwargs", "num_warps", "num_stages", *(name for name, _ in _OPTIONAL_FIELDS))
 
 
 def _cuda_torch() -> Any:

@@ -31,6 +31,7 @@ from .verify import all_gather_bytes, pack_text, unchecked_sources, unpack_text
 
 STORE_UP_TO_RANKS = 64
 """Worlds up to this size check each key at first use (``store``); larger ones use ``verify``."""
+CHECKED_MODES = ("deterministic", "chaos", "auto")  # the policy modes whose ranks must agree
 
 
 def resolve_mode(policy: TuningPolicy, group: Any = None) -> str:
@@ -42,13 +43,40 @@ def resolve_mode(policy: TuningPolicy, group: Any = None) -> str:
     return "verify" if len(kv.group_ranks(group)) > STORE_UP_TO_RANKS else "store"
 
 
+def checks_at_close(policy: TuningPolicy, group: Any = None) -> bool:
+    """Whether a session of ``policy`` started now runs verify's check at close, which compares
+    every decision of the process (so a session it replaces need not run its own)."""
+    grouped = dist.is_available() and dist.is_initialized()
+    return grouped and policy.mode in CHECKED_MODES and resolve_mode(policy, group) == "verify"
+
+
 class _NoAgreement:
     """Handle for a process that checks nothing."""
 
     mode = "off"
 
-    def stop(self) -> None:
+    def stop(self, *, final_check: bool = True) -> None:
         return None
+
+
+class FailedAgreement:
+    """Stands in for the checks of a rank whose late attach failed (its inputs differ, ``auto``'s rank
+    cap...): each later check raises that error; ``verify_agreement`` joins the collective first."""
+
+    def __init__(self, error: Exception, policy: TuningPolicy, group: Any = None) -> None:
+        self.error, self.group, self.mode = error, group, resolve_mode(policy, group)
+        self.timeout_s = policy.agreement_timeout_s
+        verify.set_active_checker(self)
+
+    def flush(self) -> None:
+        raise self.error
+
+    poll = flush
+
+    def stop(self, *, final_check: bool = True) -> None:
+        verify.set_active_checker(None, replacing=self)
+        if final_check and self.mode == "verify":  # the others' check at close meets this rank's
+            verify.verify_at_close(self.group, self.timeout_s)
 
 
 def start_agreement(
@@ -58,7 +86,7 @@ def start_agreement(
     one without a process group, with agreement ``off``, or in a measuring mode). ``inputs`` that
     differ from the first rank's raise ``InputMismatchError`` here, and on that rank at its next check."""
     mode = resolve_mode(policy, group)
-    checked = mode != "off" and policy.mode in ("deterministic", "chaos", "auto")
+    checked = mode != "off" and policy.mode in CHECKED_MODES
     if not (checked and dist.is_available() and dist.is_initialized()):
         return _NoAgreement()
     previous = verify.active_checker()

@@ -25,6 +25,7 @@ from ..core.errors import ConsensusError, warn_once
 from ..core.identity import (
     arch_tag,
     config_data,
+    config_list_digest,
     config_signature,
     current_rank,
     kernel_id,
@@ -99,6 +100,7 @@ class AutotunerState:
     pins: dict[tuple[Any, ...], Any] = field(default_factory=dict)  # ``raw_key`` -> its one config
     lock: threading.Lock = field(default_factory=threading.Lock)
     source_hash: str | None = None
+    config_list_digest: str | None = None
 
 
 active: Installation | None = None  # read at every launch; changed only through ``set_active``
@@ -167,6 +169,7 @@ def state_for(autotuner: Any, installation: Installation) -> AutotunerState:
         kernel=kernel,
         key_index=tuple((name, arg_names.index(name)) for name in autotuner.keys if name in arg_names),
         arg_names=tuple(arg_names),
+        config_list_digest=config_list_digest(autotuner),
     )
     with _active_lock:  # ordered with set_active, and a WeakSet is not iterated while it grows
         if installation is active:
@@ -263,6 +266,7 @@ def decide(
             )
         if state.source_hash is None:
             state.source_hash = kernel_source_hash(autotuner)
+        rules.check_numerics(policy.numerics, kernel, key, choice)  # may raise: nothing is pinned
         log(state, key, choice, arch, timings)  # listeners (agreement) may raise: nothing is pinned
         for after in tuple(after_decision):
             after(autotuner, live, call if launchable else None, state.kernel, key, choice)
@@ -282,6 +286,7 @@ def log(state: AutotunerState, key: str, choice: Choice, arch: str, timings: dic
         rank=current_rank(),
         origin=choice.origin,
         source_hash=state.source_hash,
+        config_list_digest=state.config_list_digest,
         timings=timings,
         nearest_key=choice.nearest_key,
         matched_by=choice.matched_by,
@@ -289,7 +294,6 @@ def log(state: AutotunerState, key: str, choice: Choice, arch: str, timings: dic
         chaos=choice.chaos,
         deterministic=None if choice.numerics is None else choice.numerics.deterministic,
     )
-    rules.warn_if_nondeterministic(state.kernel, key, choice)
     logger.info(
         "kernel %s key %s -> %s (%s%s%s%s)",
         state.kernel,
@@ -332,7 +336,8 @@ def auto_choice(
     if not may_measure or measure is None:
         if defer and measure is not None:
             raise Deferred
-        fallback = choose_on_miss(autotuner, candidates, key, pinned, table=table, on_miss=policy.on_miss)
+        fix, on_miss = rules.FIX_AN_AUTO_MISS, policy.on_miss
+        fallback = choose_on_miss(autotuner, candidates, key, pinned, table=table, on_miss=on_miss, fix=fix)
         return _proposed(fallback, candidates, kernel, key, arch, consensus), None
     config, timings = measure(autotuner, candidates, *call, kernel, key)
     if consensus is None:

@@ -42,6 +42,7 @@ LOCK_TIMEOUT_S = 120.0
 
 _Ident = tuple[str, str, str]
 _Hashes = dict[tuple[str, str], str]  # (arch, kernel) -> the source hash this run used
+_Offered = dict[_Ident, frozenset[str]]  # (arch, kernel, key) -> the signatures its tuning timed
 _provenance = operator.attrgetter("arch", "kernel", "source_hash", "triton_version")
 
 
@@ -146,7 +147,7 @@ class AutoCache:
                 return 0
             hashes = {(d.arch, d.kernel): d.source_hash for d in decisions if d.source_hash}
             try:
-                plan = self._write(pending, hashes, version)
+                plan = self._write(pending, hashes, _offered(decisions), version)
             except (OSError, TableError) as exc:
                 problem = exc.problem if isinstance(exc, TableError) else exc.strerror or str(exc)
                 self._warn_once(
@@ -179,17 +180,17 @@ class AutoCache:
                 pending[ident] = entry_with(entry, note=note) if decision.source == "adopted" else entry
         return list(pending.values())
 
-    def _write(self, pending: list[Entry], hashes: _Hashes, version: str | None) -> _Plan:
+    def _write(self, pending: list[Entry], hashes: _Hashes, offered: _Offered, version: str | None) -> _Plan:
         # Without the lock first: when every key is already there (the common case at close, where
         # the ranks of a node persist the same adopted keys), nothing is locked or written.
         data = _read(self.path)
-        plan = _merge(self._base(data), pending, hashes, version, self.max_entries)
+        plan = _merge(self._base(data), pending, hashes, offered, version, self.max_entries)
         if not plan.changed:
             return plan
         with files.locked(self.path, timeout_s=self.lock_timeout_s, wait_level=logging.INFO):
             current = _read(self.path)
             if current != data:  # another writer got in first: merge into what it wrote
-                plan = _merge(self._base(current), pending, hashes, version, self.max_entries)
+                plan = _merge(self._base(current), pending, hashes, offered, version, self.max_entries)
                 if not plan.changed:
                     return plan
             # Encoded under the lock: done outside, the work would be wasted whenever another
@@ -214,6 +215,13 @@ class AutoCache:
         return self._seen[1]
 
     def _report(self, plan: _Plan) -> None:
+        if plan.replaced:
+            old, ours = plan.replaced[0]
+            logger.info(
+                f"auto cache {self.path}: replaced {_count(len(plan.replaced), 'entry')} whose config the "
+                f"kernel no longer offers (e.g. {old.kernel} [{_shortened(old.key)}]: cache "
+                f"{config_signature(old.config)}, re-tuned {config_signature(ours.config)})"
+            )
         if plan.kept:
             old, ours = plan.kept[0]
             logger.info(
@@ -260,6 +268,7 @@ class _Plan:
     added: list[Entry] = field(default_factory=list)
     kept: list[tuple[Entry, Entry]] = field(default_factory=list)  # (the file's, ours): another config
     stale: list[tuple[Entry, str]] = field(default_factory=list)
+    replaced: list[tuple[Entry, Entry]] = field(default_factory=list)  # (the file's, ours): not launchable
     evicted: list[Entry] = field(default_factory=list)  # oldest first past a bound; may include added
     by_bytes: bool = False  # the byte bound evicted, not only the entry cap
     size: int = 0  # bytes written (0: nothing written)
@@ -269,9 +278,12 @@ class _Plan:
         return bool(self.added or self.stale or self.evicted)
 
 
-def _merge(base: Table, pending: list[Entry], hashes: _Hashes, version: str | None, cap: int) -> _Plan:
+def _merge(
+    base: Table, pending: list[Entry], hashes: _Hashes, offered: _Offered, version: str | None, cap: int
+) -> _Plan:
     """``pending`` merged into a copy of ``base``: stale entries evicted, new keys added (first
-    persisted wins), the oldest evicted past ``cap`` (the byte bound is ``_encode``'s)."""
+    persisted wins, unless the kernel no longer offers its config), the oldest evicted past ``cap``
+    (the byte bound is ``_encode``'s)."""
     found, order = _format(base)
     plan = _Plan(base.copy())
     table = plan.table
@@ -290,6 +302,11 @@ def _merge(base: Table, pending: list[Entry], hashes: _Hashes, version: str | No
     twins = {content_ident(entry): entry for entry in table.values()}
     for entry in pending:
         old = table.get(*entry.ident) or twins.get(content_ident(entry))
+        live = offered.get(entry.ident)
+        if old is not None and live is not None and config_signature(old.config) not in live:
+            table.remove(*old.ident)  # no run of this kernel can launch it: every run would re-tune
+            plan.replaced.append((old, entry))
+            old = None
         if old is None:
             table.add(entry)
             twins[content_ident(entry)] = entry
@@ -301,6 +318,17 @@ def _merge(base: Table, pending: list[Entry], hashes: _Hashes, version: str | No
     table.meta = {**base.meta, **CACHE_META}
     table.library_version = library_version()
     return plan
+
+
+def _offered(decisions: list[Decision]) -> _Offered:
+    """The configs each measured decision chose among (the tuner's ``timings["candidates"]``: the
+    live configs after pruning); a decision without them offers no evidence, so replaces nothing."""
+    offered = {}
+    for d in decisions:
+        candidates = d.timings.get("candidates") if isinstance(d.timings, dict) else None
+        if isinstance(candidates, dict):
+            offered[(d.arch, d.kernel, d.key)] = frozenset(candidates)
+    return offered
 
 
 def _encode(plan: _Plan, max_bytes: int, *, as_json: bool) -> bytes:

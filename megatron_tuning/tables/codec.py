@@ -43,7 +43,7 @@ _Ident = tuple[str, str, str]
 _Decoded = tuple[str, dict[str, str], dict[_Ident, Entry]]
 
 _HEADER_FIELDS = frozenset({"library_version", "meta"})
-_STRING_COLUMNS = ("source_hash", "triton_version", "note")
+_STRING_COLUMNS = ("source_hash", "triton_version", "note", "config_list_digest")
 _FLOAT_COLUMNS = ("median_ms", "spread_ms", "runner_up_ms")
 _COUNT_COLUMNS = ("samples", "candidates", "votes_for", "votes_total")
 _REQUIRED = ("strings", "configs", "arch", "kernel", "key", "config", "how")
@@ -78,8 +78,9 @@ def encode_msgpack(library_version: str, meta: dict[str, str], entries: Sequence
         header["meta"] = dict(sorted(meta.items()))
     # Entries are named tuples: zip(*entries) gives each field as a column at C speed.
     columns = list(zip(*entries)) or [()] * len(Entry._fields)
-    arch, kernel, keys, configs, how, source_hash, triton_version, timing, votes, note, numerics = columns
-    strings = sorted(set(arch) | set(kernel) | set(how) | ({*source_hash, *triton_version, *note} - {None}))
+    arch, kernel, keys, configs, how, _, _, timing, votes, _, numerics, _ = columns
+    texts = [columns[Entry._fields.index(name)] for name in _STRING_COLUMNS]
+    strings = sorted(set(arch) | set(kernel) | set(how) | (set().union(*texts) - {None}))
     sidx = {s: i for i, s in enumerate(strings)}
     packed_by_id: dict[int, bytes] = {}  # configs are interned: pack each distinct dict once
     config_of: dict[bytes, dict[str, Any]] = {}
@@ -98,8 +99,9 @@ def encode_msgpack(library_version: str, meta: dict[str, str], entries: Sequence
         "config": [cidx[packed_by_id[id(c)]] for c in configs],
         "how": [sidx[s] for s in how],
     }
-    texts = zip(_STRING_COLUMNS, (source_hash, triton_version, note))
-    optional: dict[str, Sequence[Any]] = {name: list(map(sidx.get, col)) for name, col in texts}
+    optional: dict[str, Sequence[Any]] = {
+        name: list(map(sidx.get, col)) for name, col in zip(_STRING_COLUMNS, texts)
+    }
     optional.update(zip(Timing._fields, zip(*(t or _NO_TIMING for t in timing))))
     optional.update(zip(("votes_for", "votes_total"), zip(*(v or (None, None) for v in votes))))
     optional["numerics"] = [None if n is None else n.to_data() for n in numerics]
@@ -249,7 +251,7 @@ def _decode_body(body: dict[str, list[Any]]) -> dict[_Ident, Entry]:
         raise Invalid(f"column kernel: {bad_kernel!r} is not a 'module:qualname' kernel id")
     if bad_how := set(how) - set(HOW_VALUES):
         raise Invalid(f"column how: {sorted(bad_how)} not among {HOW_VALUES}")
-    source_hash, triton_version, note = (column(name) for name in _STRING_COLUMNS)
+    source_hash, triton_version, note, digest = (column(name) for name in _STRING_COLUMNS)
     for name in _FLOAT_COLUMNS + _COUNT_COLUMNS:
         present = [v for v in body.get(name, ()) if v is not None] or [0]
         if name in _FLOAT_COLUMNS and not (all(map(math.isfinite, present)) and min(present) >= 0):
@@ -268,7 +270,9 @@ def _decode_body(body: dict[str, list[Any]]) -> dict[_Ident, Entry]:
         if any(v is not None and (None in v or not 0 < v[0] <= v[1]) for v in votes):
             raise Invalid("votes must satisfy 0 < votes_for <= votes_total")
     numerics = map(check_numerics, body.get("numerics", repeat(None, len(keys))))
-    rows = zip(arch, kernel, keys, config, how, source_hash, triton_version, timings, votes, note, numerics)
+    rows = zip(
+        arch, kernel, keys, config, how, source_hash, triton_version, timings, votes, note, numerics, digest
+    )
     entries = {(row[0], row[1], row[2]): make_entry(row) for row in rows}
     if len(entries) != len(keys):
         ident = next(ident for ident, n in Counter(zip(arch, kernel, keys)).items() if n > 1)

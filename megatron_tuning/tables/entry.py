@@ -15,12 +15,32 @@ from typing import Any, NamedTuple
 
 import msgpack
 
+from ..core.identity import CONFIG_FIELDS
+
 HOW_VALUES = ("tuned", "recorded", "hand")
 INT_MIN = -(2**63)
 INT_MAX = 2**64 - 1  # msgpack's integer range
 _LARGEST = {int: INT_MAX, float: sys.float_info.max}
 _MAX_WARPS_OR_STAGES = 1024
 _MAX_DEPTH = 6  # nesting allowed inside config data (kwargs values are scalars in practice)
+
+
+# A number in key text: after "=", a bracket, a space, a comma or at the start (not "float16").
+_NUMBER = re.compile(r"(?:(?<=[=\[(,\s])|^)(-?\d+(?:\.\d+)?)")
+
+
+def _natural_key(text: str) -> tuple[Any, ...]:
+    """Sort key ordering the numbers in ``text`` as numbers (``M=32`` before ``M=100``)."""
+    parts: list[Any] = _NUMBER.split(text)
+    for i in range(1, len(parts), 2):
+        parts[i] = float(parts[i]) if "." in parts[i] else int(parts[i])
+    return tuple(parts)
+
+
+def entry_order(arch: str, kernel: str, key: str) -> tuple[Any, ...]:
+    """The one order of entries and keys people read (``show``, the JSON view, ``coverage``):
+    arch, kernel, then the key's numbers as numbers."""
+    return (arch, kernel, _natural_key(key), key)
 
 
 class Invalid(ValueError):
@@ -86,6 +106,9 @@ class _EntryFields(NamedTuple):
     votes: tuple[int, int] | None  # after a merge: (votes for this config, inputs that had this entry)
     note: str | None  # free text for reviewers, e.g. why a hand entry was chosen
     numerics: Numerics | None  # what the numerics audit found for this config
+    # ``core.identity.config_list_digest`` of the autotuner it was tuned for: with the source hash,
+    # what a match under another module name compares (``None``: unknown, from before it was kept).
+    config_list_digest: str | None
 
 
 class Entry(_EntryFields):
@@ -108,10 +131,12 @@ class Entry(_EntryFields):
         votes: tuple[int, int] | list[int] | None = None,
         note: str | None = None,
         numerics: Numerics | Mapping[str, Any] | None = None,
+        config_list_digest: str | None = None,
     ) -> Entry:
         data: dict[str, Any] = {"arch": arch, "kernel": kernel, "key": key, "how": how, "note": note}
         data.update(config=dict(config) if isinstance(config, Mapping) else config, votes=votes)
         data.update(source_hash=source_hash, triton_version=triton_version, timing=timing, numerics=numerics)
+        data.update(config_list_digest=config_list_digest)
         return entry_from_data(data)  # the loader's path: built in code, encoded as if read back
 
     # Tuple equality would say a config with True equals one with 1 (True == 1 in Python);
@@ -174,7 +199,9 @@ def entry_from_data(row: Any) -> Entry:
         raise Invalid(f"how must be one of {HOW_VALUES}, got {how!r}")
     try:
         config = check_config(row.get("config"))
-        texts = {name: row.get(name) for name in ("source_hash", "triton_version", "note")}
+        texts = {
+            name: row.get(name) for name in ("source_hash", "triton_version", "note", "config_list_digest")
+        }
         for name, value in texts.items():
             if value is not None:
                 if type(value) is not str:
@@ -184,9 +211,9 @@ def entry_from_data(row: Any) -> Entry:
         numerics = check_numerics(row.get("numerics"))
     except Invalid as exc:
         raise Invalid(f"{exc} (arch={arch!r} kernel={kernel!r} key={key!r})") from None
-    source_hash, triton_version, note = texts.values()
+    source_hash, triton_version, note, digest = texts.values()
     return make_entry(
-        (arch, kernel, key, config, how, source_hash, triton_version, timing, votes, note, numerics)
+        (arch, kernel, key, config, how, source_hash, triton_version, timing, votes, note, numerics, digest)
     )
 
 
@@ -218,6 +245,11 @@ def check_config(config: Any) -> dict[str, Any]:
         raise Invalid("config must be a map (config_data form)")
     if type(config.get("kwargs")) is not dict:
         raise Invalid("config.kwargs must be a map")
+    if unknown := sorted(map(str, config.keys() - CONFIG_FIELDS)):
+        raise Invalid(
+            f"config has unknown field(s) {unknown}: a config holds {', '.join(CONFIG_FIELDS)}; put a "
+            f"meta-parameter such as BLOCK_M under config.kwargs, or fix the spelling"
+        )
     for name, low in (("num_warps", 1), ("num_stages", 0)):
         value = config.get(name)
         if type(value) is not int:

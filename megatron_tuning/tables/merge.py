@@ -68,7 +68,10 @@ def _log_error(path: str, problem: str) -> TableError:
 
 
 _TEXT_FIELDS = ("kernel", "key", "signature", "source")
-_OPTIONAL_TEXT = ("arch", "origin", "source_hash", "nearest_key", "matched_by", "entry_kernel", "chaos")
+_OPTIONAL_TEXT = (
+    *("arch", "origin", "source_hash", "config_list_digest"),
+    *("nearest_key", "matched_by", "entry_kernel", "chaos"),
+)
 
 
 def _row_problem(row: Any) -> str | None:
@@ -95,11 +98,11 @@ def _row_problem(row: Any) -> str | None:
 
 
 def content_ident(entry: Entry) -> tuple[str | None, ...]:
-    """What makes entries under different module names one (kernel, key): the id without its module
-    and the same source hash. An entry without a source hash is only its own ident."""
+    """What makes entries under different module names one (kernel, key): the id without its module,
+    the same source hash and config list. An entry without a source hash is only its own ident."""
     if entry.source_hash is None:
         return entry.ident
-    return (entry.arch, content_name(entry.kernel), entry.key, entry.source_hash)
+    return (entry.arch, content_name(entry.kernel), entry.key, entry.source_hash, entry.config_list_digest)
 
 
 def entry_from_decision(decision: Decision, *, triton_version: str | None = None) -> Entry | None:
@@ -127,6 +130,7 @@ def entry_from_decision(decision: Decision, *, triton_version: str | None = None
         timing=timing_from_decision(decision),
         note=note,
         numerics=numerics,
+        config_list_digest=decision.config_list_digest,
     )
 
 
@@ -381,10 +385,11 @@ def _numerics_verdict(old: Entry, new: Entry) -> str:
 
 
 def review_view(table: Table) -> Table:
-    """Configs and source hashes only (``export --no-provenance``), so a re-tune's pull request does
-    not show every timing and vote that moved; content matches need the source hash."""
-    entries = [
-        Entry(arch=e.arch, kernel=e.kernel, key=e.key, config=e.config, source_hash=e.source_hash)
-        for e in table.entries()
-    ]
-    return Table(entries, library_version=table.library_version, meta=table.meta)
+    """Configs, how each was chosen, and what content matches need (source hash, config list) only
+    (``export --no-provenance``), so a re-tune's pull request does not show every timing and vote
+    that moved. No header meta: a view is no cache or recording, whatever file it was made from."""
+    keep = ("arch", "kernel", "key", "config", "how", "source_hash", "config_list_digest")
+    return Table(
+        [Entry(**{n: getattr(e, n) for n in keep}) for e in table.entries()],
+        library_version=table.library_version,
+    )

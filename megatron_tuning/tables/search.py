@@ -164,9 +164,18 @@ class TableSet:
         self._load_shipped(arch)
         return self._index.get((arch, kernel, key))
 
-    def lookup(self, kernel: str, key: str, *, arch: str, source_hash: str | None = None) -> TableHit | None:
+    def lookup(
+        self,
+        kernel: str,
+        key: str,
+        *,
+        arch: str,
+        source_hash: str | None = None,
+        config_list_digest: str | None = None,
+    ) -> TableHit | None:
         """The config to launch for (kernel, key) on ``arch``, or ``None`` (a miss): the kernel id's
-        own entry, else, where that is missing or tuned for other source, a content match."""
+        own entry, else, where that is missing or tuned for other source, a content match (same
+        source and, where both are known, the same ``config_list_digest``)."""
         self._load_shipped(arch)
         ident = (arch, kernel, key)
         # An entry of this very kernel id that may be for the running source wins over a twin.
@@ -174,13 +183,19 @@ class TableSet:
             e.source_hash in (None, source_hash) for e, _ in self._all_for(ident)
         ):
             for twin in self._twins(arch, kernel):
-                hit = self._twin_hit((arch, twin, key), source_hash, self.stale_entries)
+                hit = self._twin_hit((arch, twin, key), source_hash, config_list_digest, self.stale_entries)
                 if hit is not None:
                     return TableHit(hit.config, hit.origin, kernel=twin, numerics=hit.numerics)
         return self._resolve(ident, source_hash, self.stale_entries)
 
     def neighbours(
-        self, kernel: str, key: str, *, arch: str, source_hash: str | None = None
+        self,
+        kernel: str,
+        key: str,
+        *,
+        arch: str,
+        source_hash: str | None = None,
+        config_list_digest: str | None = None,
     ) -> list[TableHit]:
         """Usable entries for comparable keys, nearest first, then twin by twin those of the same code
         under other module names. Stale ones are used only under ``'use'``, never raised."""
@@ -195,14 +210,21 @@ class TableSet:
                 if other_kernel == kernel:
                     hit = self._resolve(ident, source_hash, strictness)
                 else:  # a twin: only listed when source_hash is known
-                    hit = self._twin_hit(ident, source_hash or "", strictness)
+                    hit = self._twin_hit(ident, source_hash or "", config_list_digest, strictness)
                 if hit is not None:
                     twin = None if other_kernel == kernel else other_kernel
                     hits.append(TableHit(hit.config, hit.origin, other, kernel=twin))
         return hits
 
-    def _twin_hit(self, ident: _Ident, source_hash: str, stale_entries: str) -> TableHit | None:
-        same_code = [(e, origin) for e, origin in self._all_for(ident) if e.source_hash == source_hash]
+    def _twin_hit(
+        self, ident: _Ident, source_hash: str, digest: str | None, stale_entries: str
+    ) -> TableHit | None:
+        # Same source, and the same config list where both are known: another list is another kernel.
+        same_code = [
+            (e, origin)
+            for e, origin in self._all_for(ident)
+            if e.source_hash == source_hash and (digest is None or e.config_list_digest in (None, digest))
+        ]
         return self._pick(ident, same_code, source_hash, stale_entries)
 
     def _twins(self, arch: str, kernel: str) -> list[str]:

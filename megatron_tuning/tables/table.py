@@ -16,7 +16,7 @@ from ..core import __version__
 from ..core.errors import TableError
 from . import files
 from .codec import check_header, decode_json, decode_msgpack, encode_json, encode_msgpack
-from .entry import Entry, Invalid, Timing, entry_with
+from .entry import Entry, Invalid, Timing, entry_order, entry_with
 from .files import LOCK_TIMEOUT_S, locked, read_regular_file, write_atomic
 
 _Ident = tuple[str, str, str]
@@ -66,8 +66,8 @@ class Table:
         return self._entries.values()
 
     def entries(self) -> list[Entry]:
-        """Entries in canonical order (arch, kernel, key)."""
-        return [self._entries[ident] for ident in sorted(self._entries)]
+        """Entries in the order people read them (``entry.entry_order``: numbers in keys as numbers)."""
+        return sorted(self._entries.values(), key=lambda e: entry_order(*e.ident))
 
     def entries_in_order(self) -> list[Entry]:
         """Entries in the order they were added (a loaded table: its file's row order)."""
@@ -102,7 +102,7 @@ class Table:
     def to_bytes(self, *, keep_order: bool = False) -> bytes:
         """Canonical msgpack bytes: same content, same bytes. ``keep_order`` (``auto``'s cache:
         its eviction order) writes rows as added: readable, but not canonical, so not for commits."""
-        rows = self.entries_in_order() if keep_order else self.entries()
+        rows = self.entries_in_order() if keep_order else [self._entries[i] for i in sorted(self._entries)]
         with _no_gc():
             return encode_msgpack(self.library_version, self.meta, rows)
 

@@ -8,15 +8,21 @@ whose own launches differ is not deterministic on its own. Empirical: on these i
 from __future__ import annotations
 
 import hashlib
+import json
 import time
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any, NamedTuple
 
-from ..core.errors import NumericsError, printable
+from ..core.errors import MegatronTuningError, NumericsError, printable
 from ..core.identity import arch_tag, config_signature
 from ..core.policy import ENV_AUDIT_RUNS, read_knob
 from ..runtime.pinning import Measure
 from .tuner import benchmark_failures, make_launcher, progress_logger
+
+
+class UnseenArgument(Exception):
+    """An argument points at memory the audit cannot snapshot, restore or hash: its key is refused."""
 
 
 class Audit(NamedTuple):
@@ -27,30 +33,59 @@ class Audit(NamedTuple):
     inputs: str  # 16 hex of the tensors no launch wrote: class ids compare only on equal inputs
 
     def class_id(self, i: int) -> str:
-        """16 hex of the distinct outputs candidate ``i``'s launches gave."""
+        """16 hex of the distinct outputs candidate ``i``'s launches gave: a class's one name."""
         return hashlib.sha256("\n".join(sorted(set(self.outputs[i]))).encode()).hexdigest()[:16]
 
     def deterministic(self, i: int) -> bool:
         return len(set(self.outputs[i])) == 1
 
     def report(self, candidates: Sequence[Any], pinned: Any = None) -> dict[str, Any]:
-        """The JSON form: classes of signatures, self-non-deterministic configs, ``pinned``'s class."""
+        """The JSON form: ``classes`` (class id -> signatures), self-non-deterministic configs, and
+        ``pinned_class``, the class id of ``pinned``."""
         sigs = [config_signature(c) for c in candidates]
-        groups: dict[str, list[int]] = {}
-        for i in (i for i, error in enumerate(self.errors) if error is None):
-            groups.setdefault(self.class_id(i), []).append(i)
-        found = [n for n, group in enumerate(groups.values()) if any(candidates[i] is pinned for i in group)]
+        launched = [i for i, error in enumerate(self.errors) if error is None]
+        classes: dict[str, list[str]] = {}
+        for i in launched:
+            classes.setdefault(self.class_id(i), []).append(sigs[i])
+        pinned_class = next((self.class_id(i) for i in launched if candidates[i] is pinned), None)
         return {
-            "classes": [[sigs[i] for i in members] for members in groups.values()],
-            "class_ids": list(groups),
-            "self_nondeterministic": [
-                sigs[i] for c in groups.values() for i in c if not self.deterministic(i)
-            ],
+            "classes": classes,
+            "self_nondeterministic": [sigs[i] for i in launched if not self.deterministic(i)],
             "failed": {sigs[i]: error for i, error in enumerate(self.errors) if error},
             "inputs": self.inputs,
             "pinned": None if pinned is None else config_signature(pinned),
-            "pinned_class": found[0] if found else None,
+            "pinned_class": pinned_class,
         }
+
+
+def writable_tensors(names: Sequence[str], named: Mapping[str, Any]) -> dict[str, Any]:
+    """Every tensor a launch can write, by argument path: tensor arguments, the ``.base`` of a
+    descriptor (``TensorDescriptor``, ``triton.reinterpret``'s wrapper), and those inside tuples.
+    ``UnseenArgument`` names one that points at memory through anything else (a ``.data_ptr()``)."""
+    import torch
+
+    found: dict[str, Any] = {}
+
+    def walk(path: str, value: Any) -> None:
+        base = getattr(value, "base", None)
+        if isinstance(value, torch.Tensor):
+            found[path] = value
+        elif isinstance(value, (tuple, list)):
+            for i, item in enumerate(value):
+                walk(f"{path}[{i}]", item)
+        elif isinstance(base, torch.Tensor):
+            found[f"{path}.base"] = base
+        elif hasattr(value, "data_ptr") or base is not None:
+            raise UnseenArgument(
+                f"argument {path} is a {type(value).__qualname__}, which points at memory the audit cannot "
+                "snapshot, restore or hash (it sees torch tensors, descriptors with a tensor .base, and "
+                "tuples of them); pass a torch tensor or a descriptor over one"
+            )
+
+    for name in names:
+        if name in named:
+            walk(name, named[name])
+    return found
 
 
 def audit_candidates(
@@ -58,11 +93,11 @@ def audit_candidates(
 ) -> Audit:
     """Launch each candidate ``runs`` times on the call's arguments; digest what each launch wrote (a
     tensor whose bits differ from the first snapshot). Inputs are restored before each launch and at
-    the end, so the caller's own launch sees its own inputs."""
+    the end, so the caller's own launch sees its own inputs. Raises ``UnseenArgument`` (nothing
+    launched) when an argument reaches memory it cannot restore."""
     import torch
 
-    named = {**dict(zip(autotuner.arg_names, args)), **kwargs}
-    tensors = {name: value for name, value in named.items() if isinstance(value, torch.Tensor)}
+    tensors = writable_tensors(autotuner.arg_names, {**dict(zip(autotuner.arg_names, args)), **kwargs})
     saved = {name: value.clone() for name, value in tensors.items()}
 
     def bits(t: Any) -> Any:
@@ -135,8 +170,11 @@ def with_numerics(measure: Measure, numerics: str, table: Any) -> Measure:
         if not autotuner.arg_names:  # inductor._Launchers: the audit cannot see what they write
             why = "a key first reached under torch.compile is tuned over Inductor's launchers, which "
             why += "the audit cannot read; reach it once in eager code (or run `tune`) first"
-            raise NumericsError(kernel, key, numerics, why, [])
-        audit = audit_candidates(autotuner, candidates, args, kwargs, read_knob(ENV_AUDIT_RUNS))
+            raise NumericsError(kernel, key, numerics, why, {})
+        try:
+            audit = audit_candidates(autotuner, candidates, args, kwargs, read_knob(ENV_AUDIT_RUNS))
+        except UnseenArgument as exc:
+            raise NumericsError(kernel, key, numerics, str(exc), {}) from None
         hit = table.lookup(kernel, key, arch=arch_tag()) if table is not None else None
         keep = allowed(audit, candidates, numerics, hit, kernel, key)
         chosen, timings = measure(autotuner, [candidates[i] for i in keep], args, kwargs, kernel, key)
@@ -154,17 +192,21 @@ def with_numerics(measure: Measure, numerics: str, table: Any) -> Measure:
 
 def make_audit_hook(record: Callable[[dict[str, Any]], None], runs: int) -> Callable[..., None]:
     """A ``pinning.after_decision`` hook for ``audit`` jobs: audit each new key before its first
-    launch (inputs restored, so the job's results are its pinned config's) and ``record`` it. A key
-    first met where nothing may launch (compiled code, graph capture) is recorded as not audited."""
+    launch (inputs restored, so the job's results are its pinned config's) and ``record`` it, with the
+    table entry it pinned from (``entry_kernel``: a content match's). A key first met where nothing may
+    launch (compiled code, graph capture), or whose arguments it cannot see, is recorded as not audited."""
 
     def hook(autotuner: Any, candidates: list[Any], call: Any, kernel: str, key: str, choice: Any) -> None:
         started = time.perf_counter()
         entry: dict[str, Any] = {"kernel": kernel, "key": key, "source": choice.source, "runs": runs}
-        if call is None:
-            entry.update(pinned=config_signature(choice.config), not_audited="compiled code or graph capture")
-        else:
+        entry.update(entry_kernel=choice.entry_kernel or kernel, pinned=config_signature(choice.config))
+        try:
+            if call is None:
+                raise UnseenArgument("reached in compiled code or graph capture, where nothing may launch")
             audit = audit_candidates(autotuner, candidates, call[0], call[1], runs)
             entry.update(audit.report(candidates, choice.config))
+        except UnseenArgument as exc:
+            entry["not_audited"] = str(exc)
         entry["seconds"] = round(time.perf_counter() - started, 3)
         progress_logger.info(
             "audited %s [%s] in %.1fs: %d configs, %d classes, %d self-non-deterministic; pinned %s",
@@ -176,24 +218,36 @@ def make_audit_hook(record: Callable[[dict[str, Any]], None], runs: int) -> Call
     return hook
 
 
-def audit_table(entries: Sequence[Mapping[str, Any]]) -> str:
-    """One row per audited key: configs, classes, self-non-deterministic, the pinned config's class."""
+def audit_table(entries: Sequence[Mapping[str, Any]], mode: str = "deterministic") -> str:
+    """One row per audited key: configs, classes, self-non-deterministic, the pinned config's class id
+    (and how it was pinned when by a miss rule); then why any key was not audited."""
     lines = [f"{'kernel':<28} {'key':<36} {'rank':>4} {'configs':>7} {'classes':>7} {'nondet':>6}  pinned"]
+    unseen, missed = [], 0
     for e in entries:
-        classes, nondet = e.get("classes", []), e.get("self_nondeterministic", [])
-        mark = "not audited" if "not_audited" in e else f"class {(e.get('pinned_class') or 0) + 1}"
+        classes, nondet = e.get("classes", {}), e.get("self_nondeterministic", [])
+        mark = "not audited" if "not_audited" in e else f"class {e.get('pinned_class')}"
         mark += ", NOT DETERMINISTIC ON ITS OWN" if e.get("pinned") in nondet else ""
+        if e.get("source") in ("cheapest", "nearest"):
+            mark, missed = f"{mark}, a miss: {e['source']}", missed + 1
         lines.append(
             f"{e['kernel'].rsplit(':', 1)[-1][:28]:<28} {e['key'][:36]:<36} {e.get('rank', 0):>4} "
-            f"{sum(map(len, classes)) + len(e.get('failed', {})):>7} {len(classes):>7} {len(nondet):>6}  "
-            f"{e.get('pinned')} ({mark})"
+            f"{sum(map(len, classes.values())) + len(e.get('failed', {})):>7} {len(classes):>7} "
+            f"{len(nondet):>6}  {e.get('pinned')} ({mark})"
         )
-    return "\n".join(map(printable, lines))
+        if "not_audited" in e:
+            unseen.append(f"not audited: {e['kernel']} [{e['key']}]: {e['not_audited']}")
+    if mode == "auto" and missed:
+        unseen.append(
+            f"{missed} key(s) are in neither the auto cache nor a table: an auto job tunes them, and audit "
+            "never tunes, so their pinned config is the miss rule's. Run the job in auto mode, then audit."
+        )
+    return "\n".join(map(printable, lines + unseen))
 
 
 def record_numerics(path: str, entries: Sequence[Mapping[str, Any]]) -> int:
-    """Write each audited key's finding into ``path``'s entry whose config is the one the audit
-    pinned; several processes' findings combine (not deterministic if any saw it). Returns the count."""
+    """Write each audited key's finding into ``path``'s entry it pinned from (a content match's too),
+    when its config is the one the audit pinned; several processes' findings combine (not
+    deterministic if any saw it). Returns the count."""
     from ..tables.entry import Numerics, entry_with
     from ..tables.table import update_table
 
@@ -202,10 +256,10 @@ def record_numerics(path: str, entries: Sequence[Mapping[str, Any]]) -> int:
         if e.get("pinned_class") is None:
             continue
         nondet = e["self_nondeterministic"]
-        others = tuple(s for c in e["classes"] for s in c if s not in nondet)[:16]
+        others = tuple(s for c in e["classes"].values() for s in c if s not in nondet)[:16]
         own = e["pinned"] not in nondet
-        numerics = Numerics(e["class_ids"][e["pinned_class"]], e["inputs"], own, () if own else others)
-        ident = (e["arch"], e["kernel"], e["key"])
+        numerics = Numerics(e["pinned_class"], e["inputs"], own, () if own else others)
+        ident = (e["arch"], e.get("entry_kernel") or e["kernel"], e["key"])
         before = found.setdefault(ident, (e["pinned"], numerics))[1]
         if before.deterministic and not own:
             found[ident] = (e["pinned"], numerics)
@@ -220,3 +274,18 @@ def record_numerics(path: str, entries: Sequence[Mapping[str, Any]]) -> int:
 
     update_table(path, mutate)
     return len(updated)
+
+
+def save_report(out: str, report: Mapping[str, Any], folder: Path) -> tuple[Path, str | None]:
+    """Write ``report`` to ``out`` atomically; where that fails (its folder went away since the check
+    before the job, a full disk), to ``folder/audit.json`` instead. Returns the path written and, if
+    ``out`` could not be, why."""
+    from ..tables.files import write_atomic
+
+    text = json.dumps(report, indent=1, sort_keys=True).encode()
+    try:
+        write_atomic(out, text)
+        return Path(out), None
+    except (OSError, MegatronTuningError) as exc:
+        write_atomic(folder / "audit.json", text)
+        return folder / "audit.json", str(exc)

@@ -156,6 +156,7 @@ def default_timer(settings: TuneSettings) -> Timer:
         "no GPU (or the Triton interpreter is active): tuning times candidates with the host clock, "
         "so what it picks is only meaningful for smoke tests. Tune on the GPU the job runs on, or "
         "use MEGATRON_TUNING_MODE=deterministic with a table tuned there.",
+        rank_local=True,
     )
     return ClockTimer()
 

@@ -153,6 +153,31 @@ def test_run_help_shows_examples(capsys: pytest.CaptureFixture[str]) -> None:
     assert "examples:" in out and "run --mode auto -- torchrun" in out and "--decision-log" in out
 
 
+def _help(capsys: pytest.CaptureFixture[str]) -> str:
+    with pytest.raises(SystemExit):
+        cli.main(["run", "--help"])
+    return " ".join(capsys.readouterr().out.split())  # argparse wraps lines where it likes
+
+
+def test_run_help_tells_what_the_job_gets_without_an_option(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It said "default deterministic" while an exported MEGATRON_TUNING_MODE=auto won."""
+    from megatron_tuning.commands.launch import validated_policy
+
+    monkeypatch.delenv("MEGATRON_TUNING_MODE", raising=False)
+    default = validated_policy({}).mode
+    shown = _help(capsys)
+    assert f"default {default} unless the variable is set [MEGATRON_TUNING_MODE]" in shown
+    assert "your environment sets" not in shown
+    monkeypatch.setenv("MEGATRON_TUNING_MODE", "auto")
+    monkeypatch.setenv("MEGATRON_TUNING_ON_MISS", "error")
+    assert validated_policy({}).mode == "auto"
+    shown = _help(capsys)
+    assert "[MEGATRON_TUNING_MODE; your environment sets 'auto']" in shown
+    assert "[MEGATRON_TUNING_ON_MISS; your environment sets 'error']" in shown
+
+
 def test_run_without_a_command_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     assert _main(capsys)[0] == 2
     code, _, err = _main(capsys, "--mode", "auto", "--")
@@ -368,3 +393,64 @@ def test_a_file_that_is_not_executable_exits_126(tmp_path: Path, capsys: pytest.
     plain.chmod(0o644)
     got, _, err = _main(capsys, "--", str(plain))
     assert got == 126 and "is not an executable program" in err
+
+
+# -- the job dies with its launcher ---------------------------------------------------------------
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie nobody reaped yet does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+def _wait_for(path: Path, process: subprocess.Popen[bytes], timeout_s: float = 60.0) -> str:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not path.exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert path.exists(), f"the job never wrote {path.name} (launcher status {process.poll()})"
+    return path.read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal and /proc: Linux")
+def test_a_harness_that_kills_run_on_timeout_kills_the_whole_job(tmp_path: Path) -> None:
+    """``subprocess.run(..., timeout=)`` SIGKILLs only the launcher's pid. The job's first process
+    (here exec'd into ``sleep``, which Python cannot watch over) and an armed grandchild in a session
+    of its own (as torchrun starts its workers) must be gone 2 s later. Before, both ran on."""
+    import shutil
+    import time
+
+    pids = tmp_path / "pids"
+    job = _script(
+        tmp_path,
+        f"""
+        import os, subprocess, sys
+        sleeper = [sys.executable, "-c", "import time; time.sleep(600)"]
+        child = subprocess.Popen(sleeper, start_new_session=True)
+        with open({str(pids)!r} + ".tmp", "w") as f:
+            f.write(f"{{os.getpid()}} {{child.pid}}")
+        os.rename({str(pids)!r} + ".tmp", {str(pids)!r})
+        os.execv({shutil.which("sleep")!r}, ["sleep", "600"])
+        """,
+    )
+    env = {**_env(tmp_path), "TMPDIR": str(tmp_path)}  # a killed `run` leaves its folder there
+    launcher = subprocess.Popen([sys.executable, "-m", "megatron_tuning", "run", "--", job], env=env)
+    job_pids = [int(p) for p in _wait_for(pids, launcher).split()]
+    try:
+        time.sleep(0.5)  # the grandchild is up, its bootstrap has run
+        assert all(map(_alive, job_pids))
+        launcher.kill()  # what subprocess.run does at its timeout
+        launcher.wait()
+        deadline = time.monotonic() + 2.0
+        while any(map(_alive, job_pids)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [pid for pid in job_pids if _alive(pid)] == [], "the job outlived its launcher"
+    finally:
+        for pid in filter(_alive, job_pids):
+            os.kill(pid, signal.SIGKILL)

@@ -195,7 +195,7 @@ def _fake_job(monkeypatch: MonkeyPatch, returncode: int = 0, n: int = 100) -> li
 
     calls: list[list[str]] = []
 
-    def fake_run_job(argv: list[str], env: dict[str, str], prog: str) -> int:
+    def fake_run_job(argv: list[str], env: dict[str, str], prog: str, lifeline: Path) -> int:
         calls.append(argv)
         directory = Path(env["MEGATRON_TUNING_TUNE_DIR"])
         # One file name per process (the real names carry the pid), so jobs do not overwrite each other.

@@ -98,6 +98,35 @@ def test_the_default_handler_steps_aside_for_the_applications_logging():
     assert silenced.returncode == 0 and silenced.stderr == ""
 
 
+def test_a_notice_at_exit_names_the_script_that_ran(tmp_path: Path):
+    """No frame of the user's runs at exit, and CPython has removed ``__main__.__file__`` by then
+    (once a script returns): the notice named megatron_tuning's own file, line 0, before."""
+    script = tmp_path / "job.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import atexit, functools
+            from megatron_tuning.core.choice import report_policy_end
+            from megatron_tuning.core.errors import tally
+            for n in (1, 2):
+                tally(("cheapest", "k:f"), f"n={n}")
+            atexit.register(functools.partial(report_policy_end, None))  # a close at exit does this
+            """
+        )
+    )
+    ran = subprocess.run(
+        [sys.executable, str(script)],
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert f"{script}:0: TuningWarning: megatron_tuning: 2 keys of 1 kernel(s)" in ran.stderr, ran.stderr
+    assert "megatron_tuning/core" not in ran.stderr
+    ran = _python(f"import runpy; runpy.run_path({str(script)!r}, run_name='__main__')")  # no file: -c
+    assert "<string>:0: TuningWarning: megatron_tuning: 2 keys of 1 kernel(s)" in ran.stderr, ran.stderr
+
+
 def test_importing_twice_does_not_stack_default_handlers():
     import importlib
 

@@ -47,7 +47,7 @@ from megatron_tuning.runtime import interception, pinning
 from megatron_tuning.runtime.interception import lazy_benchmarker
 from megatron_tuning.runtime.pinning import auto_choice
 from megatron_tuning.tables.entry import Entry
-from megatron_tuning.tables.merge import recording_table
+from megatron_tuning.tables.merge import merge_tables, recording_table
 from megatron_tuning.tables.search import TableSet, installed_triton_version
 from megatron_tuning.tables.table import Table, load_table, save_table
 
@@ -490,6 +490,80 @@ def test_a_new_key_during_cuda_graph_capture_is_never_measured(monkeypatch):
     launch(100)
     assert measure.calls == []
     assert [d.source for d in ours()] == ["cheapest"]
+
+
+# ----------------------------------------------- auto: a config list that changed (issue 33 item 4)
+
+
+class Largest:
+    """Tunes to the largest BLOCK, reporting every candidate it timed as the tuner does."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def __call__(self, autotuner, candidates, args, kwargs, kernel, key):
+        self.calls.append(kernel)
+        timed = {config_signature(c): [float(c.kwargs["BLOCK"])] * 3 for c in candidates}
+        return max(candidates, key=lambda c: c.kwargs["BLOCK"]), {"candidates": timed}
+
+
+def _auto_run(monkeypatch, tmp_path: Path, name: str, blocks: tuple[int, ...], measure: Largest):
+    """One run of a job that loads the kernel file as ``name`` offering BLOCK in ``blocks``:
+    (source, matched_by, BLOCK) of its decision for n=40."""
+    source = tmp_path / f"{name}_{'_'.join(map(str, blocks))}.py"
+    configs = ", ".join(f"({b}, 4)" for b in blocks)
+    source.write_text(
+        textwrap.dedent(_KERNEL_FILE.replace("AMOUNT", "2.0")).replace(_BLOCKS, f"({configs},)")
+    )
+    module = _load(source, name)
+    monkeypatch.setenv("MEGATRON_TUNING_MODE", "auto")
+    monkeypatch.setenv("MEGATRON_TUNING_CACHE", str(tmp_path / "auto.msgpack"))
+    monkeypatch.setattr(session, "_make_measure", lambda policy: measure)
+    decision_log().clear()
+    with megatron_tuning.init_deterministic_tuning():
+        block = _run_add_two(module, 40)
+    (decision,) = [d for d in get_decisions() if d.kernel == f"{name}:add_two"]
+    return decision.source, decision.matched_by, block
+
+
+_BLOCKS = "((8, 1), (16, 2), (32, 4), (64, 4))"
+
+
+def test_a_cache_entry_whose_config_an_edited_list_dropped_is_replaced_and_persisted(
+    tmp_path, monkeypatch, caplog
+):
+    measure = Largest()
+    assert _auto_run(monkeypatch, tmp_path, "mykernels", (8, 16, 32), measure) == ("tuned", None, 32)
+    # The decorator's list is edited (the source hash starts at `def`: unchanged). Before the fix the
+    # entry for 32 stayed forever: every run re-tuned and persisted nothing.
+    with caplog.at_level(logging.INFO, logger="megatron_tuning.tables.cache"):
+        assert _auto_run(monkeypatch, tmp_path, "mykernels", (64, 128), measure) == ("tuned", None, 128)
+    (entry,) = load_table(tmp_path / "auto.msgpack")
+    assert entry.kernel == "mykernels:add_two" and entry.config["kwargs"] == {"BLOCK": 128}
+    (replaced,) = [r.getMessage() for r in caplog.records if "no longer offers" in r.getMessage()]
+    assert (
+        "replaced 1 entry" in replaced and "cache BLOCK=32" in replaced and "re-tuned BLOCK=128" in replaced
+    )
+    assert _auto_run(monkeypatch, tmp_path, "mykernels", (64, 128), measure) == ("table", None, 128)
+    assert len(measure.calls) == 2  # the third run measured nothing
+
+
+def test_one_source_with_two_config_lists_under_two_module_names_is_two_kernels(tmp_path, monkeypatch):
+    measure = Largest()
+    a, b = ("cand_a", (8, 16, 32)), ("cand_b", (16, 32, 64))
+    assert _auto_run(monkeypatch, tmp_path, *a, measure) == ("tuned", None, 32)
+    recordings = [("a", recording_table(get_decisions()))]
+    # Before the fix cand_b launched cand_a's entry by content (32 is among its configs too).
+    assert _auto_run(monkeypatch, tmp_path, *b, measure) == ("tuned", None, 64)
+    recordings.append(("b", recording_table(get_decisions())))
+    assert _auto_run(monkeypatch, tmp_path, *b, measure) == ("table", None, 64)
+    assert _auto_run(monkeypatch, tmp_path, *a, measure) == ("table", None, 32)
+    cached = {e.kernel: e.config["kwargs"]["BLOCK"] for e in load_table(tmp_path / "auto.msgpack")}
+    assert cached == {"cand_a:add_two": 32, "cand_b:add_two": 64}
+    # Merge keeps them apart too: one entry each, no disagreement to vote away.
+    merged = merge_tables(recordings)
+    assert {e.kernel: e.config["kwargs"]["BLOCK"] for e in merged.table} == cached
+    assert merged.disagreements == []
 
 
 # ------------------------------------------------------------- auto: the consensus as one rank sees it

@@ -193,6 +193,31 @@ def test_a_stale_entry_is_replaced_by_a_new_result(tmp_path):
     assert table.get("sm90", "pkg.k:kern", "n=1 | x:f").source_hash == "cd" * 32
 
 
+def offering(*blocks: int) -> dict:
+    """A tuned decision's timings as the tuner writes them: every live candidate it timed."""
+    return {"candidates": {f"BLOCK={b}, num_warps=4, num_stages=3": [1.0, 0.9, 1.1] for b in blocks}}
+
+
+def test_an_entry_whose_config_the_kernel_no_longer_offers_is_replaced_one_it_offers_is_kept(
+    tmp_path, caplog
+):
+    path = tmp_path / "auto.msgpack"
+    auto(path).persist([decision("n=1 | x:f", config=config(32)), decision("n=2 | x:f", config=config(32))])
+    with caplog.at_level(logging.INFO, logger="megatron_tuning"):
+        # n=1: the list no longer has 32, so no run could launch the entry. n=2: it still has 32.
+        new = [
+            decision(f"n={n} | x:f", config=config(128), timings=offering(64, 128, *extra))
+            for n, extra in ((1, ()), (2, (32,)))
+        ]
+        assert auto(path).persist(new) == 1
+    assert blocks(path) == {"n=1 | x:f": 128, "n=2 | x:f": 32}
+    (replaced,) = [r.getMessage() for r in caplog.records if "no longer offers" in r.getMessage()]
+    assert f"{path}: replaced 1 entry" in replaced and "pkg.k:kern [n=1 | x:f]" in replaced
+    assert "cache BLOCK=32" in replaced and "re-tuned BLOCK=128" in replaced
+    (kept,) = [r.getMessage() for r in caplog.records if "persisted first" in r.getMessage()]
+    assert "1 entry" in kept and "BLOCK=32" in kept
+
+
 _RACER = textwrap.dedent(
     """
     import os, sys, time

@@ -16,8 +16,9 @@ from megatron_tuning.core.identity import config_signature, kernel_id
 from megatron_tuning.core.policy import TuningPolicy
 from megatron_tuning.runtime import interception
 from megatron_tuning.tables import files as table_files
-from megatron_tuning.tables.entry import Entry, Timing
+from megatron_tuning.tables.entry import Entry, Timing, entry_with
 from megatron_tuning.tables.merge import (
+    diff_tables,
     entry_from_decision,
     merge_files,
     merge_tables,
@@ -195,6 +196,25 @@ def test_merge_is_independent_of_input_order():
         named = [(f"in{i}", Table(tables[i])) for i in order]
         outputs.add(merge_tables(named).table.to_bytes())
     assert len(outputs) == 1
+
+
+def test_one_source_under_two_module_names_votes_as_one_kernel_only_with_one_config_list():
+    def under(name: str, block: int, digest: str | None) -> Entry:
+        return entry_with(
+            entry(block, source_hash="aa" * 32), kernel=f"{name}:matmul", config_list_digest=digest
+        )
+
+    lists = {"a": "aaaaaaaaaaaa", "b": "bbbbbbbbbbbb"}
+    apart = merge_tables(inputs([under("cand_a", 32, lists["a"])], [under("cand_b", 64, lists["b"])]))
+    assert {(e.kernel, e.config["kwargs"]["BLOCK"], e.votes) for e in apart.table} == {
+        ("cand_a:matmul", 32, (1, 1)),
+        ("cand_b:matmul", 64, (1, 1)),
+    }
+    assert apart.disagreements == []
+    one = merge_tables(inputs([under("cand_a", 32, lists["a"])], [under("cand_c", 64, lists["a"])]))
+    assert [(e.kernel, e.votes) for e in one.table] == [("cand_a:matmul", (1, 2))] and one.disagreements
+    changes = diff_tables(apart.table, Table([under("cand_b", 64, lists["b"])]), ignore_provenance=True)
+    assert changes["removed"] and not changes["changed"]  # cand_a is not cand_b renamed
 
 
 def test_mixed_source_hashes_are_reported():

@@ -312,6 +312,31 @@ def test_the_config_list_digest_is_part_of_a_content_match(tmp_path):
     assert tables.lookup(TWIN, KEY, arch="sm90", source_hash=HASH) is None
 
 
+def test_one_source_with_another_config_list_is_another_kernel_and_an_unknown_list_still_matches(tmp_path):
+    lists = {"aaaaaaaaaaaa": 64, "bbbbbbbbbbbb": 32}
+    path = write(
+        tmp_path / "a.msgpack",
+        *(entry(block, kernel=f"cand_{block}:matmul", config_list_digest=d) for d, block in lists.items()),
+        entry(16, key="k2"),  # written before entries kept their config list (shipped tables, old caches)
+    )
+    tables = TableSet([path], triton_version="3.6.0")
+    for digest, block in lists.items():
+        hit = tables.lookup(TWIN, KEY, arch="sm90", source_hash=HASH, config_list_digest=digest)
+        assert hit is not None and (hit.kernel, hit.config["kwargs"]) == (
+            f"cand_{block}:matmul",
+            {"BLOCK": block},
+        )
+        near = tables.neighbours(
+            TWIN, "M=128 | a:torch.float16", arch="sm90", source_hash=HASH, config_list_digest=digest
+        )
+        assert [h.config["kwargs"]["BLOCK"] for h in near] == [block]
+    assert tables.lookup(TWIN, KEY, arch="sm90", source_hash=HASH, config_list_digest="cccccccccccc") is None
+    assert (
+        tables.lookup(TWIN, "k2", arch="sm90", source_hash=HASH, config_list_digest="cccccccccccc")
+        is not None
+    )
+
+
 def test_an_own_fresh_entry_beats_a_twin_and_a_fresh_twin_beats_an_own_stale_entry(tmp_path, notices):
     own = write(tmp_path / "own.msgpack", entry(16, kernel=TWIN))
     twin = write(tmp_path / "twin.msgpack", entry(64))

@@ -54,7 +54,9 @@ def sample_table(count: int = 6) -> Table:
     entries.append(
         make_entry(99, how="hand", source_hash=None, triton_version=None, timing=None, note="why: ok")
     )
-    entries.append(make_entry(98, arch="sm80", how="recorded", votes=(2, 3)))
+    entries.append(
+        make_entry(98, arch="sm80", how="recorded", votes=(2, 3), config_list_digest="0123456789ab")
+    )
     return Table(entries, library_version="0.1.0", meta={"gpu": "H200"})
 
 
@@ -66,6 +68,7 @@ def test_msgpack_json_msgpack_round_trip_is_byte_identical():
     assert Table.from_json(text).to_bytes() == data
     assert Table.from_json(text) == original
     assert Table.from_bytes(data).to_json() == text
+    assert [e.config_list_digest for e in Table.from_bytes(data)].count("0123456789ab") == 1
 
 
 def test_insertion_order_does_not_change_bytes():

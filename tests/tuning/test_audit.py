@@ -46,6 +46,10 @@ def _perturb(nargs):  # noqa: ANN001, ANN202
     nargs["x_ptr"][0] += len(PERTURBED)  # a different input at every launch: different output bits
 
 
+def _descriptor_block(nargs):  # noqa: ANN001, ANN202
+    nargs["desc"].block_shape = [nargs["BLOCK"]]
+
+
 with lazy_benchmarker():  # Triton 3.3 without a GPU resolves its benchmarker at decoration
     from megatron_tuning import kernels
 
@@ -56,6 +60,17 @@ with lazy_benchmarker():  # Triton 3.3 without a GPU resolves its benchmarker at
     def _copy(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=offs < n), mask=offs < n)
+
+    # In place through a host TensorDescriptor (TMA on a GPU), each config setting its block shape as
+    # Triton's persistent-matmul tutorial does: every BLOCK gives other output bits.
+    @triton.autotune(
+        configs=[triton.Config({"BLOCK": b}, pre_hook=_descriptor_block) for b in (8, 16, 32, 64)], key=["n"]
+    )
+    @triton.jit
+    def _add_block_sum(desc, n, BLOCK: tl.constexpr):
+        offset = tl.program_id(0) * BLOCK
+        x = desc.load([offset])
+        desc.store([offset], x + tl.sum(x))
 
 
 def _audit_job(tmp_path: Path, *extra: str) -> dict:
@@ -71,18 +86,19 @@ def _audit_job(tmp_path: Path, *extra: str) -> dict:
 def test_audit_report_splitk_has_several_classes_and_add_one_one(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("MEGATRON_TUNING_SCOPE", "megatron_tuning.kernels")
     report = _audit_job(tmp_path, "--runs", "2")
-    assert report["runs"] == 2 and report["format"] == "megatron_tuning.audit/1"
+    assert report["runs"] == 2 and report["format"] == "megatron_tuning.audit/2"
     entries = {e["kernel"].rsplit(":", 1)[1]: e for e in report["entries"]}
     assert set(entries) == {"splitk_matmul_kernel", "add_one_kernel"}
     for e in entries.values():
         assert {"kernel", "key", "classes", "self_nondeterministic", "pinned", "pinned_class"} <= e.keys()
-        assert e["pinned"] in e["classes"][e["pinned_class"]]
+        assert e["pinned"] in e["classes"][e["pinned_class"]]  # classes are named by their hex id
     splitk = entries["splitk_matmul_kernel"]
-    audited = [s for c in splitk["classes"] for s in c]
+    audited = [s for c in splitk["classes"].values() for s in c]
     assert len({s.split("SPLIT_K=")[1].split(",")[0] for s in audited}) >= 2  # pruning left several
     assert len(splitk["classes"]) >= 2
     assert (
-        len(entries["add_one_kernel"]["classes"]) == 1 and len(entries["add_one_kernel"]["classes"][0]) == 5
+        len(entries["add_one_kernel"]["classes"]) == 1
+        and len(next(iter(entries["add_one_kernel"]["classes"].values()))) == 5
     )
     out = capsys.readouterr().out
     assert "splitk_matmul_kernel" in out and "2 (kernel, key) audited" in out
@@ -137,7 +153,7 @@ def test_same_class_tuning_keeps_the_output_bits_across_a_retune(tmp_path, monke
     assert decision.signature == config_signature(live[0])  # the only member of its class here
     assert decision.timings["numerics"]["class_id"] == first
     assert not torch.equal(free, kept)
-    with pytest.raises(NumericsError, match="(?s)splitk_matmul_kernel.*same-class.*class 1"):
+    with pytest.raises(NumericsError, match=f"(?s)splitk_matmul_kernel.*same-class.*class {first}"):
         save_table(
             Table(
                 [
@@ -201,7 +217,7 @@ def test_audit_table_records_the_pinned_configs_numerics(tmp_path):
     _, _, live = _splitk_setup()
     sigs = [config_signature(c) for c in live]
     found = {"arch": "sm90", "kernel": "m:k", "key": "n=1", "inputs": "1" * 16, "pinned": sigs[1]}
-    found.update(classes=[sigs[:2], sigs[2:]], class_ids=["2" * 16, "3" * 16], pinned_class=0)
+    found.update(classes={"2" * 16: sigs[:2], "3" * 16: sigs[2:]}, pinned_class="2" * 16)
     found.update(self_nondeterministic=[sigs[1]])
     table = tmp_path / "t.msgpack"
     save_table(Table([Entry(arch="sm90", kernel="m:k", key="n=1", config=config_data(live[1]))]), table)
@@ -223,3 +239,134 @@ def test_numerics_refuses_what_it_cannot_audit_instead_of_picking_unrestricted()
     launchers = object.__new__(_Launchers)  # what inductor._measure_launchers hands the measure
     with pytest.raises(NumericsError, match="torch.compile"):
         audited(launchers, list(kernels.ADD_ONE_CONFIGS), (), {}, "k:add_one", "n=8")
+
+
+def _descriptor_call() -> tuple[torch.Tensor, tuple, dict]:
+    tensor_descriptor = pytest.importorskip(
+        "triton.tools.tensor_descriptor", reason="this Triton has no host TensorDescriptor (added after 3.3)"
+    )
+    x = torch.arange(64, dtype=torch.float32) / 64
+    grid = {"grid": lambda meta: (triton.cdiv(64, meta["BLOCK"]),), "warmup": False}
+    return x, (tensor_descriptor.TensorDescriptor.from_tensor(x, [8]), 64), grid
+
+
+def test_the_audit_sees_what_a_launch_writes_through_a_tensor_descriptor():
+    """A descriptor argument's ``.base`` is written: it is restored and hashed like a tensor argument,
+    so 4 configs with 4 output bit patterns are 4 classes, ``same-class`` keeps only the entry's own
+    config, and the inputs come back unchanged."""
+    from megatron_tuning.core.choice import TableHit
+    from megatron_tuning.tuning.audit import allowed
+
+    x, call, grid = _descriptor_call()
+    before, configs = x.clone(), _add_block_sum.configs
+    audit = audit_candidates(_add_block_sum, configs, call, grid, 2)
+    report = audit.report(configs)
+    assert len(report["classes"]) == 4 and report["self_nondeterministic"] == [] and not report["failed"]
+    hit = TableHit(config_data(configs[1]), "t.msgpack")
+    assert allowed(audit, configs, "same-class", hit, "m:_add_block_sum", "n=64") == [1]
+    assert torch.equal(x, before)
+
+
+def test_an_in_place_descriptor_kernel_keeps_its_result_under_the_audit_hook(monkeypatch):
+    from megatron_tuning.runtime import interception, pinning
+    from megatron_tuning.tuning.audit import make_audit_hook
+
+    def launch(audited: bool) -> tuple[torch.Tensor, list[dict]]:
+        x, call, grid = _descriptor_call()
+        found: list[dict] = []
+        monkeypatch.setattr(pinning, "after_decision", [make_audit_hook(found.append, 2)] if audited else [])
+        interception.install(TuningPolicy(mode="deterministic", use_shipped_tables=False))
+        try:
+            _add_block_sum[grid["grid"]](*call)
+        finally:
+            interception.uninstall()
+        return x, found
+
+    direct, _ = launch(audited=False)
+    audited, (entry,) = launch(audited=True)
+    assert torch.equal(audited, direct)  # the audit's 8 launches left no trace in the job's result
+    assert len(entry["classes"]) == 4 and entry["pinned_class"] in entry["classes"]
+
+
+class _RawPointer:
+    """Memory Triton would take as a pointer (it has ``data_ptr``) that is no torch tensor."""
+
+    dtype = torch.float32
+
+    def data_ptr(self) -> int:
+        return 0
+
+
+def test_an_argument_the_audit_cannot_restore_is_refused_by_name_never_one_class():
+    from megatron_tuning.core.choice import Choice
+    from megatron_tuning.tuning.audit import make_audit_hook, with_numerics
+
+    y = torch.zeros(100)
+    call = (
+        (_RawPointer(), y, 100),
+        {"grid": lambda meta: (triton.cdiv(100, meta["BLOCK"]),), "warmup": False},
+    )
+    found: list[dict] = []
+    make_audit_hook(found.append, 2)(
+        _copy, _copy.configs, call, "m:_copy", "n=100", Choice(_copy.configs[0], "cheapest")
+    )
+    (entry,) = found
+    assert "classes" not in entry and "argument x_ptr is a _RawPointer" in entry["not_audited"]
+
+    def unrestricted(*args):  # noqa: ANN002, ANN202
+        raise AssertionError("measured without the numerics restriction")
+
+    with pytest.raises(NumericsError, match="(?s)m:_copy.*argument x_ptr is a _RawPointer"):
+        with_numerics(unrestricted, "same-class", None)(_copy, list(_copy.configs), *call, "m:_copy", "n=100")
+    assert torch.equal(y, torch.zeros(100))  # nothing launched
+
+
+def _nondeterministic_table(tmp_path: Path, deterministic: bool = False) -> Path:
+    entry = _entry(
+        config_data(kernels.ADD_ONE_CONFIGS[0]), "c" * 16, deterministic, ("BLOCK=128, num_warps=2",)
+    )
+    key = tuning_key(kernels.add_one_kernel, (torch.zeros(100), torch.zeros(100), 100), {})
+    entry = entry._replace(arch="unknown", kernel="megatron_tuning.kernels:add_one_kernel", key=key)
+    save_table(Table([entry]), tmp_path / "t.msgpack")
+    return tmp_path / "t.msgpack"
+
+
+def test_deterministic_only_refuses_to_pin_an_entry_the_audit_found_nondeterministic(tmp_path):
+    table = _nondeterministic_table(tmp_path)
+    policy = TuningPolicy(mode="deterministic", numerics="deterministic-only", tables=(str(table),))
+    with megatron_tuning.init_deterministic_tuning(policy), pytest.raises(NumericsError) as caught:
+        kernels.add_one(torch.zeros(100))
+    message = str(caught.value)
+    assert "add_one_kernel" in message and "n=100" in message and str(table) in message
+    assert config_signature(kernels.ADD_ONE_CONFIGS[0]) in message and "BLOCK=128, num_warps=2" in message
+    assert "deterministic-only" in message and decision_log().decisions() == []  # nothing was pinned
+
+
+def test_deterministic_only_pins_an_entry_the_audit_found_deterministic(tmp_path):
+    table = _nondeterministic_table(tmp_path, deterministic=True)
+    policy = TuningPolicy(mode="deterministic", numerics="deterministic-only", tables=(str(table),))
+    with warnings.catch_warnings(), megatron_tuning.init_deterministic_tuning(policy):
+        warnings.simplefilter("error")
+        assert torch.equal(kernels.add_one(torch.zeros(100)), torch.ones(100))
+    assert decision_log().decisions()[-1].source == "table"
+
+
+def test_one_name_for_a_class_the_hex_id_in_the_report_the_audit_table_and_show(tmp_path, capsys):
+    from megatron_tuning.tuning.audit import audit_table
+
+    x, y = torch.arange(100, dtype=torch.float32), torch.zeros(100)
+    grid = {"grid": lambda meta: (triton.cdiv(100, meta["BLOCK"]),), "warmup": False}
+    pinned = _copy.configs[0]
+    report = audit_candidates(_copy, _copy.configs, (x, y, 100), grid, 3).report(_copy.configs, pinned)
+    name = report["pinned_class"]
+    assert len(name) == 16 and report["classes"][name] == [config_signature(pinned)]
+    found = {**report, "kernel": "m:k", "key": "n=1", "arch": "sm90"}
+    row = audit_table([found]).splitlines()[1]
+    assert f"(class {name})" in row and "class 1" not in row
+    save_table(
+        Table([Entry(arch="sm90", kernel="m:k", key="n=1", config=config_data(pinned))]),
+        tmp_path / "t.msgpack",
+    )
+    assert record_numerics(str(tmp_path / "t.msgpack"), [found]) == 1
+    assert main(["show", str(tmp_path / "t.msgpack")]) == 0
+    assert f"numerics class {name}, deterministic" in capsys.readouterr().out

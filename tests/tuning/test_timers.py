@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_tuning.tuning.tuner import ClockTimer, CudaEventTimer
+from megatron_tuning.core.errors import warn_once
+from megatron_tuning.tuning.stats import TuneSettings
+from megatron_tuning.tuning.tuner import ClockTimer, CudaEventTimer, default_timer
 
 
 class _FakeCuda:
@@ -120,3 +122,13 @@ def test_clock_timer_cold_samples_are_the_median_of_single_launches() -> None:
 
     timer = ClockTimer(clock=lambda: now[0])
     assert timer.sample_cold(launch, 3) == pytest.approx(2.0)
+
+
+def test_whichever_rank_times_on_the_host_clock_says_so_once(monkeypatch, notices):
+    monkeypatch.setenv("RANK", "3")  # e.g. rank 0 adopted every key: only rank 3 ever timed one
+    assert isinstance(default_timer(TuneSettings()), ClockTimer)
+    assert isinstance(default_timer(TuneSettings()), ClockTimer)
+    (notice,) = notices.matching("with the host clock")
+    assert "only meaningful for smoke tests" in notice and "MEGATRON_TUNING_MODE=deterministic" in notice
+    warn_once(("job-wide",), "every rank meets this cause")  # rank 0 says those, once per job
+    assert notices.matching("every rank meets") == []

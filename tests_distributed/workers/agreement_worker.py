@@ -294,6 +294,7 @@ def _fresh_sessions(name: str) -> None:
     """Each session scenario starts at session 0 in its own store namespace, as after a restart."""
     os.environ["TORCHELASTIC_RESTART_COUNT"] = f"sessions-{name}"
     verify._sessions = 0
+    verify._verify_calls.clear()  # and every rank's checks are paired afresh
 
 
 def _verify_into(result: dict[str, Any]) -> None:
@@ -367,6 +368,48 @@ def session_equal_store(result: dict[str, Any]) -> None:
         _guarded(result, lambda: _record(MATMUL, KEY, SIG))
         dist.barrier()
     _verify_into(result)
+
+
+def session_reinit_verify(result: dict[str, Any]) -> None:
+    """Rank 0 calls init_deterministic_tuning once more (verify mode, chaos): its re-init must not
+    run a check that pairs with rank 1's verify_agreement. Every rank raises; none says "ok"."""
+    _fresh_sessions("reinit_verify")
+    import _kernels
+
+    import megatron_tuning
+
+    policy = TuningPolicy(
+        mode="chaos",
+        scope=("_kernels",),
+        agreement="verify",
+        agreement_timeout_s=SESSION_TIMEOUT_S,
+        use_shipped_tables=False,
+    )
+    handle = megatron_tuning.init_deterministic_tuning(policy)
+    if RANK == 0:
+        handle = megatron_tuning.init_deterministic_tuning(policy)
+    _kernels.run("add", 64, DEVICE)  # chaos: ranks launch different BLOCKs
+    _verify_into(result)
+    start = time.monotonic()
+    try:
+        _guarded(result, handle.close)  # the check at close
+    finally:
+        result["close_s"] = time.monotonic() - start
+
+
+def verify_extra_call(result: dict[str, Any]) -> None:
+    """Rank 0 calls verify_agreement once more than rank 1: its extra call meets rank 1's check at
+    close, and both must raise instead of passing (the header says which call each rank is at)."""
+    _fresh_sessions("extra_call")
+    handle = agreement.start_agreement(_policy("verify", timeout_s=SESSION_TIMEOUT_S))
+    _record(MATMUL, KEY, SIG)
+    for _ in range(2 if RANK == 0 else 1):
+        _verify_into(result)
+    start = time.monotonic()
+    try:
+        _guarded(result, handle.stop)  # the check at close
+    finally:
+        result["close_s"] = time.monotonic() - start
 
 
 # --- real kernel launches through init_deterministic_tuning --------------------------------------
@@ -507,6 +550,8 @@ SCENARIOS: dict[str, Callable[[dict[str, Any]], None]] = {
     "session_extra_allgather": session_extra_allgather,
     "session_lagging_allgather": session_lagging_allgather,
     "session_equal_store": session_equal_store,
+    "session_reinit_verify": session_reinit_verify,
+    "verify_extra_call": verify_extra_call,
     "verify_tp": verify_tp,
     "verify_pp": verify_pp,
     "verify_varlen": verify_varlen,

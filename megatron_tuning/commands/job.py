@@ -1,0 +1,174 @@
+"""The job a launcher (``run``, ``tune``, ``audit``, ``selftest --``) runs: its words after ``--``, the
+argv, the checks before it starts, and its process: signals passed on, the exit status a shell would
+report, a timeout, and its death with the launcher.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import IO
+
+from . import EXIT_USAGE
+from .bootstrap import hold_lifeline
+
+EXIT_TIMEOUT, EXIT_CANNOT_EXECUTE, EXIT_NOT_FOUND = 124, 126, 127  # as timeout(1), the shell, env(1)
+
+
+def add_job_argument(parser: argparse.ArgumentParser, help: str = "") -> None:
+    """The job, everything after ``--`` (dest "job": the top-level parser keeps the command's name)."""
+    help = help or "the job to run after `--`: script.py [args], -m mod, python -m mod, torchrun ..."
+    parser.add_argument("job", metavar="COMMAND", nargs=argparse.REMAINDER, help=help)
+
+
+def job_command(args: argparse.Namespace, prog: str, example: str) -> list[str] | None:
+    """The job's words after ``--``; ``None``, having said what to type, when none were given."""
+    command = list(args.job or [])
+    command = command[1:] if command[:1] == ["--"] else command
+    if not command:
+        hint = f"e.g. `python -m megatron_tuning {example}` (see {prog} --help)"
+        print(f"{prog}: give the command to run after `--`, {hint}", file=sys.stderr)
+    return command or None
+
+
+def job_argv(command: Sequence[str]) -> list[str]:
+    """The argv to start for ``command``: scripts and ``-m`` get this interpreter; ``python`` and
+    ``torchrun`` are those next to it when it has them (its virtualenv's), else PATH's."""
+    if command[0].endswith(".py") or command[0] == "-m":
+        return [sys.executable, *command]
+    beside = os.path.join(os.path.dirname(sys.executable), command[0])
+    mine = command[0] in ("python", "python3", "torchrun") and os.access(beside, os.X_OK)
+    return [beside if mine else command[0], *command[1:]]
+
+
+def command_problem(argv: Sequence[str], env: Mapping[str, str]) -> tuple[int, str] | None:
+    """``(exit status, message)`` when ``argv`` cannot start, else ``None``; checked up front."""
+    program = argv[0]
+    if program == sys.executable and len(argv) > 1 and argv[1].endswith(".py"):
+        if not os.path.isfile(argv[1]):
+            return EXIT_USAGE, f"no such script: {argv[1]}"
+        return None if os.access(argv[1], os.R_OK) else (EXIT_USAGE, f"cannot read the script {argv[1]}")
+    if os.sep in program:
+        if not os.path.exists(program):
+            return EXIT_NOT_FOUND, f"no such program: {program}"
+        if os.path.isdir(program) or not os.access(program, os.X_OK):
+            return EXIT_CANNOT_EXECUTE, f"{program} is not an executable program"
+        return None
+    if shutil.which(program, path=env.get("PATH", os.defpath)) is None:
+        hint = " (a Python script? give its path, e.g. ./job.py)" if "." not in program else ""
+        return EXIT_NOT_FOUND, f"command not found on PATH: {program}{hint}"
+    return None
+
+
+def run_job(
+    argv: Sequence[str],
+    env: Mapping[str, str],
+    prog: str,
+    lifeline: Path,
+    *,
+    timeout: float | None = None,
+    output: IO[bytes] | None = None,
+) -> int:
+    """Run the job to its end; return the status a shell would report (messages prefixed ``prog``).
+
+    The job dies with this process, even by SIGKILL (a harness's timeout): its first process by a
+    parent-death signal, each armed process below it (torchrun's workers) once ``lifeline``, the job's
+    bootstrap folder, is let go (``bootstrap.hold_lifeline``). Past ``timeout`` seconds both are done
+    on purpose: exit status 124, as timeout(1). ``output`` gets the job's stdout and stderr.
+    """
+    problem = command_problem(argv, env)
+    if problem is not None:
+        print(f"{prog}: {problem[1]}", file=sys.stderr)
+        return problem[0]
+    held = hold_lifeline(lifeline)
+    try:
+        try:
+            process = subprocess.Popen(
+                list(argv),
+                env=dict(env),
+                stdout=output,
+                stderr=None if output is None else subprocess.STDOUT,
+                preexec_fn=_die_with_launcher(),
+            )
+        except OSError as exc:  # vanished since the check, or a bad #! interpreter
+            print(f"{prog}: cannot run {argv[0]!r}: {exc.strerror or exc}", file=sys.stderr)
+            return EXIT_NOT_FOUND if isinstance(exc, FileNotFoundError) else EXIT_CANNOT_EXECUTE
+        code = _wait_passing_signals(process, timeout)
+    finally:
+        os.close(held)  # armed processes of the job still running die now
+    if code is None:  # past the timeout; a first process that is not armed is stopped here
+        process.kill()
+        process.wait()
+        print(f"{prog}: the job ran past {timeout:g} s: stopped it (exit status 124)", file=sys.stderr)
+        return EXIT_TIMEOUT
+    if code >= 0:
+        return code
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    print(f"{prog}: the job was killed by {name} (exit status {128 - code})", file=sys.stderr)
+    return 128 - code
+
+
+def _die_with_launcher() -> Callable[[], None] | None:
+    """Popen's ``preexec_fn`` on Linux: the job's first process gets SIGKILL when the launcher dies."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    prctl, launcher = ctypes.CDLL(None, use_errno=True).prctl, os.getpid()
+
+    def arm() -> None:  # in the child, between fork and exec
+        prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG; kept across exec
+        if os.getppid() != launcher:  # it died before that line
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return arm
+
+
+def _wait_passing_signals(process: subprocess.Popen[bytes], timeout: float | None = None) -> int | None:
+    """Wait for the job (``None`` when ``timeout`` seconds pass first), passing on each signal a program
+    sends the launcher (``kill``: SIGINT from a scheduler or a notebook, SIGTERM...). What the terminal
+    sends (Ctrl-C, Ctrl-\\, hang-up) has reached the job's process group already: ``si_code`` tells
+    them apart, so none arrives twice."""
+    deadline = math.inf if timeout is None else time.monotonic() + timeout
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "sigtimedwait"):
+        try:  # signals can only be taken from the main thread
+            return process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+    names = ("SIGINT", "SIGQUIT", "SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2")
+    passed = {getattr(signal, name) for name in names}
+
+    def forward(number: int, frame: object) -> None:  # delivered to another thread: sender unknown
+        if process.poll() is None:
+            process.send_signal(number)
+
+    saved = {number: signal.signal(number, forward) for number in passed}
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, passed | {signal.SIGCHLD})
+    try:
+        while process.poll() is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            info = signal.sigtimedwait(passed | {signal.SIGCHLD}, min(left, 0.5))
+            # si_code <= 0: sent by a process (SI_USER, SI_QUEUE, SI_TKILL); > 0: by the kernel (a tty)
+            if info is not None and info.si_signo in passed and info.si_code <= 0 and process.poll() is None:
+                process.send_signal(info.si_signo)
+        while signal.sigtimedwait(passed, 0) is not None:
+            pass  # arrived as the job ended: nobody left to pass them to
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        for number, handler in saved.items():
+            signal.signal(number, handler)
+    return process.returncode
