@@ -224,3 +224,10 @@ def test_costly_nvml_reads_are_spread_over_rounds() -> None:
     read = [v for v in score.record["samples"]["nvml_sm_mhz"] if v is not None]
     assert 0 < len(read) < len(score.record["samples"]["kept"]) / 5
     assert score.record["clocks"]["nvml"]["candidate"]["sm_mhz"]["median"] == MAX_MHZ
+
+
+def test_a_noise_floor_job_makes_every_measure_an_aa_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ENV_SCORE, json.dumps({"noise_floor": True}))  # what `score noise-floor` sets
+    dev = FakeDevice()
+    score = measure(dev.kernel(0.5), reference=dev.kernel(0.6), **seams(dev))
+    assert score.ratio == pytest.approx(1.0, abs=0.01) and score.record["noise_floor"]["aa_p95"] is not None
