@@ -67,6 +67,15 @@ def test_a_failed_correctness_check_exits_3(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_a_demoting_flag_exits_4(tmp_path: Path) -> None:
+    done, report = _score(tmp_path, "--processes", "1", "--", CHILD, "demoted")
+    assert done.returncode == 4, done.stderr[-3000:]
+    (result,) = report["results"]
+    assert result["status"] == "demoted" and result["verdict"]["demoted_from"] == "faster"
+    assert result["flags"][0]["name"] == "timer_patched"
+
+
+@pytest.mark.slow
 def test_an_unedited_harness_is_scored_through_do_bench_and_a_demoting_flag_exits_4(tmp_path: Path) -> None:
     done, report = _score(
         tmp_path, "--do-bench", "--budget-s", "0.5", "--processes", "1", "--", CHILD, "dobench"
