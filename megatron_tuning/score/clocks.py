@@ -146,7 +146,8 @@ class InbandClock:
         return slot
 
     def mhz(self, start: int, end: int) -> float | None:
-        return clock_mhz(self._buffer[start].cpu().numpy(), self._buffer[end].cpu().numpy())
+        both = self._buffer[[start, end]].cpu().numpy()  # one copy: each is a wait for the GPU
+        return clock_mhz(both[0], both[1])
 
 
 def clock_mhz(start: np.ndarray, end: np.ndarray) -> float | None:

@@ -81,7 +81,9 @@ class CudaBackend(CudaEventTimer):
             call()
         self._end.record()
         self._end.synchronize()
-        return [self._elapsed(self._start, self._end) / launches]
+        per_launch = self._elapsed(self._start, self._end) / launches
+        self._gpu_s_per_launch = per_launch * 1e-3
+        return [per_launch]
 
     def prepare(self, call: Call, launch: str, launches: int) -> tuple[Call, int]:
         if launch == "eager":

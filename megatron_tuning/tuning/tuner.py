@@ -83,13 +83,18 @@ class CudaEventTimer:
         # _sleep counts SM clock cycles; assume ~2 GHz where torch does not report the clock.
         self._cycles_per_s = float(getattr(props, "clock_rate", 0) or 2.0e6) * 1e3
         self._host_s_per_launch = 50e-6
+        self._gpu_s_per_launch = 0.0  # unknown until a block is timed: the first spin covers it all
         self._pairs: list[tuple[Any, Any]] = []  # event pairs of cold samples, reused
 
     def synchronize(self) -> None:
         self._torch.cuda.synchronize()
 
     def _spin(self, launches: int) -> None:
-        spin_s = min(0.05, 20e-6 + 1.5 * launches * self._host_s_per_launch)
+        """Hold the GPU while the host queues: the first launch, then the host's deficit (where
+        queueing a launch takes longer than running it). More would idle a GPU-bound block: a 4096^3
+        GEMM's 7-launch block lost 0.6 ms of 1.6 to a spin sized by host time alone."""
+        deficit = max(0.0, self._host_s_per_launch - self._gpu_s_per_launch)
+        spin_s = min(0.05, 20e-6 + 2 * self._host_s_per_launch + 1.5 * launches * deficit)
         self._torch.cuda._sleep(int(spin_s * self._cycles_per_s))
 
     def sample(self, launch: Callable[[], None], launches: int) -> float:
@@ -103,7 +108,9 @@ class CudaEventTimer:
         self._host_s_per_launch = max(1e-6, (time.perf_counter() - host_start) / launches)
         self._end.record()
         self._end.synchronize()
-        return self._elapsed(self._start, self._end) / launches
+        per_launch = self._elapsed(self._start, self._end) / launches
+        self._gpu_s_per_launch = per_launch * 1e-3
+        return per_launch
 
     def _elapsed(self, start: Any, end: Any) -> float:
         return float(start.elapsed_time(end))
@@ -129,7 +136,9 @@ class CudaEventTimer:
             end.record()
         self._host_s_per_launch = max(1e-6, (time.perf_counter() - host_start) / launches)
         pairs[-1][1].synchronize()
-        return [self._elapsed(start, end) for start, end in pairs]
+        times = [self._elapsed(start, end) for start, end in pairs]
+        self._gpu_s_per_launch = statistics.median(times) * 1e-3
+        return times
 
     def warm_up(self, ms: float) -> None:
         """Keep the GPU busy for about ``ms`` (memsets of the flush buffer, else a spin) and wait."""

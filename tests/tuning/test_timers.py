@@ -11,6 +11,7 @@ from megatron_tuning.tuning.tuner import ClockTimer, CudaEventTimer, default_tim
 
 class _FakeCuda:
     def __init__(self, log: list) -> None:
+        self.spins: list = []
         self.log = log
         test = self
 
@@ -34,6 +35,7 @@ class _FakeCuda:
     def _sleep(self, cycles: int) -> None:
         assert cycles > 0
         self.log.append("spin")
+        self.spins.append(cycles)
 
     def get_device_properties(self, index: int) -> object:
         return object()  # no clock_rate: the timer assumes ~2 GHz
@@ -72,6 +74,17 @@ def test_cuda_event_timer_flushes_spins_then_times_back_to_back_launches() -> No
     fake.log.clear()
     CudaEventTimer(flush_l2=False, torch_module=fake).sample(lambda: fake.log.append("launch"), 1)
     assert fake.log[0] == "spin"
+
+
+def test_the_spin_covers_the_host_s_deficit_not_a_gpu_bound_block() -> None:
+    fake = _FakeTorch()
+    timer = CudaEventTimer(torch_module=fake)
+    timer.sample_cold(lambda: fake.log.append("launch"), 1000)  # 2 ms per launch: GPU-bound
+    timer.sample_cold(lambda: fake.log.append("launch"), 1000)
+    first, second = fake.cuda.spins
+    # Nothing timed yet, the first spin covers queueing all 1,000 launches; then the GPU is known
+    # to outrun the host, and the spin covers the first launch only.
+    assert second * 10 < first
 
 
 def _launcher(fake: _FakeTorch, widths: list[int]):  # noqa: ANN202
