@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from megatron_tuning.core.errors import warn_once
@@ -79,12 +81,16 @@ def test_cuda_event_timer_flushes_spins_then_times_back_to_back_launches() -> No
 def test_the_spin_covers_the_host_s_deficit_not_a_gpu_bound_block() -> None:
     fake = _FakeTorch()
     timer = CudaEventTimer(torch_module=fake)
-    timer.sample_cold(lambda: fake.log.append("launch"), 1000)  # 2 ms per launch: GPU-bound
-    timer.sample_cold(lambda: fake.log.append("launch"), 1000)
-    first, second = fake.cuda.spins
-    # Nothing timed yet, the first spin covers queueing all 1,000 launches; then the GPU is known
-    # to outrun the host, and the spin covers the first launch only.
-    assert second * 10 < first
+
+    def launch() -> None:  # 1 ms to queue on the host; the fake GPU takes 2 ms to run it
+        time.sleep(0.001)
+        fake.log.append("launch")
+
+    timer.sample_cold(launch, 20)
+    timer.sample_cold(launch, 20)
+    # Once the GPU is known to outrun the host, the spin covers queueing the first launch only
+    # (a few ms at most), not all 20 (30 ms or more).
+    assert fake.cuda.spins[1] <= 0.004 * 2e9
 
 
 def _launcher(fake: _FakeTorch, widths: list[int]):  # noqa: ANN202
