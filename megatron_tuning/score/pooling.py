@@ -18,6 +18,7 @@ from ..core.errors import PolicyError
 from ..core.policy import ENV_SCORE, read_knob
 from ..tables.files import locked, write_atomic
 from . import stats
+from .clocks import ARM_OFFSET
 from .integrity import flag
 from .report import FORMAT, Score
 
@@ -198,7 +199,8 @@ def load(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
 def compare(a: Any, b: Any, margin: float = 0.01) -> dict[str, Any]:
     """The verdict on ``a``'s latency against ``b``'s, from two results (``Score``, record or a file
     holding one): unpaired, so the interval of the log ratio adds both intervals' variances (read
-    off their 95% half-widths); the margin is widened to either's A/A noise floor."""
+    off their 95% half-widths); the margin is widened to either's A/A noise floor. Results taken at
+    SM clocks more than ``ARM_OFFSET`` apart (a cold GPU against a hot one) are demoted."""
     ra, rb = _one(a), _one(b)
     z = stats.normal_quantile(0.975)
     errors = [math.log(r["latency"]["ci95"][1] / r["latency"]["ci95"][0]) / (2 * z) for r in (ra, rb)]
@@ -207,6 +209,10 @@ def compare(a: Any, b: Any, margin: float = 0.01) -> dict[str, Any]:
     floors = [r["noise_floor"]["aa_p95"] for r in (ra, rb) if r["noise_floor"]["aa_p95"] is not None]
     delta = max([margin, *floors])
     flags = [flag(f["name"], f"{r['name']}: {f['message']}") for r in (ra, rb) for f in r["flags"]]
+    mhz_a, mhz_b = _candidate_mhz(ra), _candidate_mhz(rb)
+    if mhz_a and mhz_b and abs(mhz_a / mhz_b - 1) > ARM_OFFSET:  # e.g. a cold GPU and a hot one
+        message = f"{ra['name']} ran at {mhz_a:.0f} MHz, {rb['name']} at {mhz_b:.0f} MHz (SM clock)"
+        flags.append(flag("clock_offset", message))
     verdict = _decide(math.exp(centre - half), math.exp(centre + half), delta, margin, flags, "latency ratio")
     return {
         **verdict,
@@ -215,6 +221,13 @@ def compare(a: Any, b: Any, margin: float = 0.01) -> dict[str, Any]:
         "ratio": math.exp(centre),
         "ci95": [math.exp(centre - half), math.exp(centre + half)],
     }
+
+
+def _candidate_mhz(record: dict[str, Any]) -> float | None:
+    """The SM clock the candidate ran at: in-band if measured, else NVML's, else ``None``."""
+    inband = (record["clocks"].get("inband") or {}).get("candidate") or {}
+    nvml = ((record["clocks"].get("nvml") or {}).get("candidate") or {}).get("sm_mhz") or {}
+    return inband.get("median") or nvml.get("median")
 
 
 def _one(value: Any) -> dict[str, Any]:

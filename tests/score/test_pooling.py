@@ -100,6 +100,17 @@ def test_compare_gives_faster_slower_same() -> None:
     assert "demoted by host_clock" in demoted["reason"]
 
 
+def test_compare_demotes_results_taken_at_different_clocks() -> None:
+    def score(mhz: float, seed: int) -> Any:  # the same kernel time, measured at another clock
+        dev = FakeDevice(seed=seed, noise=0.002, mhz_at=lambda t: mhz)
+        return measure(dev.kernel(0.50), name=f"at {mhz:g}", **seams(dev))
+
+    cold, hot, hot_again = score(1980, 1), score(1890, 2), score(1890, 3)
+    demoted = compare(cold, hot)
+    assert demoted["outcome"] == "inconclusive" and "demoted by clock_offset" in demoted["reason"]
+    assert compare(hot, hot_again)["outcome"] == "same"
+
+
 def test_compare_reads_files_and_refuses_ambiguous_ones(tmp_path: Path) -> None:
     one, two = _records(2)
     (tmp_path / "a.json").write_text(json.dumps(one))
