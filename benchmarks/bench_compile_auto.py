@@ -56,7 +56,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     compile_ = (lambda fn: fn) if args.smoke else (lambda fn: torch.compile(fn, fullgraph=True))
     if not args.smoke:
         torch._inductor.config.force_disable_caches = True
-    policy = megatron_tuning.TuningPolicy(mode="auto", cache=args.cache, use_shipped_tables=False)
+    policy = megatron_tuning.TuningPolicy.from_env(mode="auto", cache=args.cache, use_shipped_tables=False)
     handle = megatron_tuning.init_deterministic_tuning(policy)
 
     def wb_auto(x: torch.Tensor) -> torch.Tensor:

@@ -148,7 +148,7 @@ def child(args: argparse.Namespace) -> None:
             from megatron_tuning.runtime import inductor
 
             inductor._hopifier_class = lambda: (None, "simulated by bench_compile: hook not installed")
-            policy = TuningPolicy.from_env(default_mode="deterministic", strict=True)
+            policy = TuningPolicy.from_env(strict=True)
         megatron_tuning.init_deterministic_tuning(policy)
 
     device = "cpu" if args.smoke else "cuda"

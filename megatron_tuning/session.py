@@ -9,22 +9,23 @@ import logging
 import os
 import sys
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from .core.choice import warn_if_mamba_env_ignored
-from .core.decisions import decision_log, get_decisions
+from .core.decisions import decision_log, get_decisions, print_decision
 from .core.errors import (
     EXIT_DIVERGENCE,
     DivergenceError,
     InputMismatchError,
     MegatronTuningError,
     PolicyError,
-    warn_once,
 )
 from .core.identity import arch_tag, current_rank, node_arch
-from .core.policy import ENV_DECISION_LOG, ENV_RECORD_DIR, ENV_RESULT_DIR, TuningPolicy, read_knob
+from .core.notices import warn_once
+from .core.policy import ENV_DECISION_LOG, ENV_RECORD_DIR, TuningPolicy
 from .runtime import interception, pinning
-from .tables.files import output_file_problem, output_folder_problem, write_atomic
+from .tables.files import output_file_problem, output_folder_problem
 from .tables.merge import write_decisions, write_recording
 
 logger = logging.getLogger(__name__)
@@ -32,6 +33,8 @@ logger = logging.getLogger(__name__)
 _active_lock = threading.Lock()
 _active: TuningHandle | None = None
 _initializing = threading.local()
+exit_hooks: list[Callable[[], None]] = []
+"""Run by ``close_at_exit`` after the close, before the exit status is fixed: a launcher's report."""
 
 
 class TuningHandle:
@@ -44,6 +47,8 @@ class TuningHandle:
         self._agreement = agreement
         self._late: _LateAttach | None = None
         self._closed = False
+        if cache is not None:  # kill-safe: each key this rank measures reaches the file at once
+            decision_log().add_listener(cache.on_decision)
 
     @property
     def closed(self) -> bool:
@@ -71,6 +76,7 @@ class TuningHandle:
             self.persist()
             if self.cache is not None:
                 decision_log().remove_listener(self.cache.on_decision)
+            decision_log().remove_listener(print_decision)
             _write_outputs(self.policy)
         finally:
             with _active_lock:
@@ -89,11 +95,8 @@ def _write_outputs(policy: TuningPolicy) -> None:
     if policy.mode in ("record", "tune") and policy.record_dir:
         write_recording(None, policy.record_dir, current_rank())
     elif policy.mode in ("record", "tune"):
-        logger.warning(
-            "megatron_tuning: mode %s without a record_dir (MEGATRON_TUNING_RECORD_DIR): "
-            "measured winners are only in the decision log",
-            policy.mode,
-        )
+        message = "mode %s without a record_dir (%s): measured winners are only in the decision log"
+        warn_once(("no-record-dir", policy.mode), message, policy.mode, ENV_RECORD_DIR)
     if policy.decision_log:
         path = decision_log_path(policy.decision_log)
         write_decisions(path)
@@ -112,7 +115,7 @@ def init_deterministic_tuning(
 
     Call it after ``init_process_group`` when you can; called before, it attaches to the default group
     at the first new (kernel, key) launched once the group exists, and checks the earlier decisions.
-    ``policy`` defaults to ``TuningPolicy.from_env(default_mode="deterministic")``. ``table`` overrides
+    ``policy`` defaults to ``TuningPolicy.from_env()``. ``table`` overrides
     the policy's tables (a ``ConfigTable`` or ``{(kernel, key): config}``; ``auto`` then still writes
     its cache). ``group``: the process group for ``allgather`` agreement and chaos (default: world).
     """
@@ -131,9 +134,9 @@ def initializing() -> bool:
 
 def _init(policy: TuningPolicy | None, table: Any, group: Any) -> TuningHandle:
     global _active
-    policy = policy if policy is not None else TuningPolicy.from_env(default_mode="deterministic")
-    warn_if_mamba_env_ignored(policy)
+    policy = policy if policy is not None else TuningPolicy.from_env()
     check_output_paths(policy)  # outputs are written at close: a bad path must fail now, not then
+    warn_if_mamba_env_ignored(policy)
     if policy.mode == "auto" and not _group_exists() and _launcher_world_size() > 1:  # else: at the attach
         from .distributed.store import check_auto_world
 
@@ -146,33 +149,40 @@ def _init(policy: TuningPolicy | None, table: Any, group: Any) -> TuningHandle:
         # A re-init runs no check of its own where the new session's check at close covers the log:
         # a rank that re-inits more often than the others must not pair that check with their calls.
         previous._close(final_check=not checks_at_close(policy, group))
-    cache = None
+    cache = chaos = None
+    consensus: Any = None  # a distributed.store.StoreConsensus: pinning's Consensus
     if policy.mode == "auto":
         from .tables.cache import open_cache
 
         cache = open_cache(policy, _cache_arch)
-    resolved_table = table if table is not None else _load_tables(policy, cache)
+    local_cache = cache.path if cache is not None and table is None else None
+    # record and tune measure (tune same-class keeps its table's bits); off passes through
+    resolved_table = table
+    pins = policy.mode in ("deterministic", "chaos", "auto")
+    if table is None and (pins or (policy.mode, policy.numerics) == ("tune", "same-class")):
+        from .tables.search import TableSet
+
+        resolved_table = TableSet.from_policy(policy, cache=(cache.path, cache.table) if cache else None)
     measure = _make_measure(policy) if policy.mode in ("tune", "auto") else None
     if measure is not None and policy.numerics != "any":  # audit first, time only the allowed configs
         from .tuning.audit import with_numerics
 
-        measure = with_numerics(measure, policy.numerics, resolved_table)
-    local_cache = cache.path if cache is not None and table is None else None
-    consensus = _start_consensus(local_cache) if policy.mode == "auto" else None
-    chaos = None
-    if policy.mode == "chaos":
-        from .distributed.store import StoreChaos
+        measure = with_numerics(measure, policy.numerics, resolved_table, policy.audit_runs)
+    if policy.mode in ("auto", "chaos"):
+        from .distributed import store
 
-        chaos = StoreChaos(group)
+        consensus = store.start_consensus(local_cache) if policy.mode == "auto" else None
+        chaos = store.StoreChaos(group) if policy.mode == "chaos" else None
     interception.install(policy, table=resolved_table, measure=measure, consensus=consensus, chaos=chaos)
     try:
+        if policy.print_decisions:  # before the check's listener: the line comes before its error
+            decision_log().add_listener(print_decision)
         agreement = _start_agreement(policy, group, resolved_table)
     except BaseException:
+        decision_log().remove_listener(print_decision)
         interception.uninstall()
         raise
     handle = TuningHandle(policy, resolved_table, agreement, cache)
-    if cache is not None:  # kill-safe: each key this rank measures reaches the file at once
-        decision_log().add_listener(cache.on_decision)
     if _needs_group(policy) and not _group_exists():
         handle._late = _LateAttach(handle, group, local_cache)
     with _active_lock:
@@ -183,32 +193,16 @@ def _init(policy: TuningPolicy | None, table: Any, group: Any) -> TuningHandle:
     return handle
 
 
-def _load_tables(policy: TuningPolicy, cache: Any) -> Any:
-    if policy.mode in ("off", "record") or (policy.mode == "tune" and policy.numerics != "same-class"):
-        return None  # record and tune measure (tune same-class keeps its table's bits); off passes through
-    from .tables.search import TableSet
-
-    return TableSet.from_policy(policy, cache=(cache.path, cache.table) if cache is not None else None)
-
-
 def check_output_paths(policy: TuningPolicy) -> None:
     """Raise ``PolicyError`` when an output the policy names could not be written at close."""
-    if policy.decision_log:
-        path = decision_log_path(policy.decision_log)
-        if problem := output_file_problem(path):
-            raise PolicyError(
-                f"decision_log ({ENV_DECISION_LOG})",
-                policy.decision_log,
-                f"a writable file ({path} {problem})",
-            )
-    if policy.mode in ("record", "tune") and policy.record_dir:
-        problem = output_folder_problem(policy.record_dir)
-        if problem:
-            raise PolicyError(
-                f"record_dir ({ENV_RECORD_DIR})",
-                policy.record_dir,
-                f"a folder files can be written to ({problem})",
-            )
+    path = decision_log_path(policy.decision_log) if policy.decision_log else ""
+    if path and (problem := output_file_problem(path)):
+        name, allowed = f"decision_log ({ENV_DECISION_LOG})", f"a writable file ({path} {problem})"
+        raise PolicyError(name, policy.decision_log, allowed)
+    measuring = policy.mode in ("record", "tune") and policy.record_dir
+    if measuring and (problem := output_folder_problem(policy.record_dir or "")):
+        name, allowed = f"record_dir ({ENV_RECORD_DIR})", f"a folder files can be written to ({problem})"
+        raise PolicyError(name, policy.record_dir, allowed)
 
 
 def _cache_arch() -> str:
@@ -228,13 +222,6 @@ def _cache_arch() -> str:
         current,
     )
     return current
-
-
-def _start_consensus(local_cache: str | None) -> Any:
-    """``auto``'s consensus once a group is up; hits in ``local_cache`` are proposed to the job."""
-    from .distributed.store import start_consensus
-
-    return start_consensus(local_cache)
 
 
 def _make_measure(policy: TuningPolicy) -> Any:  # a seam: tests and benchmarks put a fake tuner here
@@ -302,7 +289,10 @@ class _LateAttach:
             policy, attached = self.handle.policy, installation
             try:
                 if policy.mode == "auto" and installation.consensus is None:
-                    attached = dataclasses.replace(installation, consensus=_start_consensus(self.local_cache))
+                    from .distributed.store import start_consensus
+
+                    consensus: Any = start_consensus(self.local_cache)  # hits in it are proposed to the job
+                    attached = dataclasses.replace(installation, consensus=consensus)
                 self.handle._agreement = agreement = _start_agreement(policy, self.group, self.handle.table)
             except Exception as error:
                 from .distributed.agreement import FailedAgreement
@@ -367,20 +357,21 @@ def close_at_exit(*, join: bool = False) -> None:
             from .distributed.agreement import checks_at_close
             from .distributed.verify import verify_at_close
 
-            policy = TuningPolicy.from_env(default_mode="off", follow_torch_determinism=False)
+            policy = TuningPolicy.from_env_if_asked()
             if checks_at_close(policy):
                 verify_at_close(None, policy.agreement_timeout_s)
         elif handle is not None and not handle.closed:
             handle.close()
-    except MegatronTuningError as exc:
-        error, failed = exc, True
-        logger.error("megatron_tuning: the tuning session's checks at exit failed: %s", exc)
-    except Exception:  # never turn a clean interpreter exit into a traceback storm
-        logger.exception("megatron_tuning: error while closing at exit")
-    folder = read_knob(ENV_RESULT_DIR)
-    if DivergenceError.raised and folder:  # `run` (and `selftest`) make it the job's status
-        with contextlib.suppress(Exception):  # a vanished folder: the exit status still says it
-            write_atomic(os.path.join(folder, f"divergence-{os.getpid()}"), b"%d" % DivergenceError.raised)
+    except Exception as exc:  # told once: never a traceback storm at a clean interpreter exit
+        failed = isinstance(exc, MegatronTuningError)
+        error = exc if failed else error
+        logger.debug("megatron_tuning: closing at exit failed", exc_info=True)
+        what = "the tuning session's checks at exit" if failed else "closing the tuning session at exit"
+        with contextlib.suppress(Warning):  # an error filter: the exit status below still tells
+            warn_once(("exit",), f"{what} failed: %s", exc, rank_local=True)
+    for hook in exit_hooks:
+        with contextlib.suppress(Exception):  # the exit status still says what went wrong
+            hook()
     agreement_error = isinstance(error, (DivergenceError, InputMismatchError))
     if agreement_error or failed:
         logging.shutdown()

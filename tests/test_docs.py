@@ -295,3 +295,13 @@ def test_the_compile_page_says_first_that_torch_compile_needs_a_gpu() -> None:
     """On CPU Dynamo fails on Triton's interpreter, with the library or without: say so up front."""
     opening = (REPO / "docs" / "compile.md").read_text(encoding="utf-8").split("\n\n")[1]
     assert "needs a GPU" in opening and "TRITON_INTERPRET=1" in opening
+
+
+def test_every_variable_a_page_names_is_a_knob() -> None:
+    """docs/policy.md lists exactly the knobs (tests/core/test_policy.py); no other page names a
+    variable that does not exist, or the launchers' plumbing, which is no knob."""
+    from megatron_tuning.core.policy import KNOBS
+
+    variable = re.compile(r"(?<![\w])MEGATRON_TUNING_[A-Z0-9_]*[A-Z0-9]")
+    named = {name for page in PAGES for name in variable.findall(page.read_text(encoding="utf-8"))}
+    assert named - set(KNOBS) == {"MEGATRON_TUNING_MOD"}  # launcher.md's example of a misspelt name

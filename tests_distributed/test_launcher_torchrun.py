@@ -151,13 +151,11 @@ def test_auto_shares_one_decision_per_key_in_an_unedited_torchrun_job(tmp_path: 
         )
         assert [d["source"] for d in rows] == ["adopted", "tuned"], rows
         assert len({d["signature"] for d in rows}) == 1
-        # The adopting rank caches the publisher's timings, and says whose config it launches.
+        # The adopting rank caches the publisher's timings, and its decision names the publisher
+        # (its "adopted ..." progress line is logging's: the job configures none, so none is shown).
         assert rows[0]["timings"] == rows[1]["timings"] and rows[1]["timings"]["candidates"]
-        publisher = f"rank {rows[1]['rank']}"
-        assert rows[0]["origin"] == publisher
-        assert (
-            f"adopted {rows[0]['signature']} from {publisher} for _kernels:add_kernel [{key}]" in done.stderr
-        )
+        assert rows[0]["origin"] == f"rank {rows[1]['rank']}"
+        assert "adopted " not in done.stderr
 
 
 def test_auto_in_a_pipeline_never_waits_for_a_rank_that_waits_for_it(tmp_path: Path) -> None:

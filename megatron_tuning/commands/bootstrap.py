@@ -23,9 +23,16 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-# core.policy's names, repeated: this file imports no package module. ENV_LAUNCHER is set by
-# run/tune/audit for their job (which activation to run); the .pth then stands down.
-PREFIX, ENV_LAUNCHER, ENV_MODE = "MEGATRON_TUNING_", "MEGATRON_TUNING_LAUNCHER", "MEGATRON_TUNING_MODE"
+# core.policy's names, repeated: this file imports no package module.
+PREFIX, ENV_MODE = "MEGATRON_TUNING_", "MEGATRON_TUNING_MODE"
+# The launchers' plumbing, set for their job's processes and read by commands/ alone: no knobs, so
+# outside the knobs' prefix. ENV_LAUNCHER names the activation to run (the .pth then stands down).
+PLUMBING = "_MEGATRON_TUNING_"
+ENV_LAUNCHER = PLUMBING + "LAUNCHER"  # run, tune or audit
+ENV_TUNE_DIR = PLUMBING + "TUNE_DIR"  # where a `tune` job's processes write their results
+ENV_AUDIT_DIR = PLUMBING + "AUDIT_DIR"  # where an `audit` job's processes write their reports
+ENV_RESULT_DIR = PLUMBING + "RESULT_DIR"  # where `run`'s processes mark a DivergenceError
+ENV_SCORE = PLUMBING + "SCORE"  # what `score` (or `run --score-do-bench`) asks of each process: JSON
 MODULE_NAME = "_megatron_tuning_bootstrap"
 LAUNCHERS = {"run": "launch", "tune": "tune", "audit": "tune"}  # launcher -> its commands module
 
@@ -150,8 +157,16 @@ def bootstrap_process(sitecustomize_file: str) -> None:
     _stop_with_launcher(lifeline)
     os.register_at_fork(after_in_child=functools.partial(_stop_with_launcher, lifeline))
     _chain_sitecustomize(os.path.dirname(lifeline))
+    if os.environ.get(ENV_RESULT_DIR):
+        report_divergences(os.environ[ENV_RESULT_DIR])
     launcher = os.environ.get(ENV_LAUNCHER, "run")
     arm(launcher if launcher in LAUNCHERS else "run")
+    if os.environ.get(ENV_SCORE):  # a `score` job: measure() joins it where the job imports the kit
+        sys.meta_path.insert(0, _AfterImport("megatron_tuning.score", _join_score))
+
+
+def _join_score() -> None:
+    sys.modules["megatron_tuning.score.pooling"].join_job(os.environ[ENV_SCORE], ENV_SCORE)
 
 
 def arm_environment() -> None:
@@ -182,6 +197,24 @@ def _join_at_exit(finder: _AfterImport) -> None:
     dist = sys.modules.get("torch.distributed")
     if finder in sys.meta_path and dist is not None and dist.is_available() and dist.is_initialized():
         _package_module("session").close_at_exit(join=True)
+
+
+def report_divergences(folder: str) -> None:
+    """In a `run` job's process: once it imports the package, its session marks in ``folder``, at
+    exit, the DivergenceErrors the process raised, handled ones too (`run` makes them the job's status)."""
+
+    def register() -> None:
+        hook = functools.partial(_mark_divergences, folder)
+        sys.modules["megatron_tuning.session"].exit_hooks.append(hook)
+
+    sys.meta_path.insert(0, _AfterImport("megatron_tuning.session", register))
+
+
+def _mark_divergences(folder: str) -> None:
+    raised = _package_module("core.errors").DivergenceError.raised
+    if raised:  # a vanished folder raises: close_at_exit goes on, and the exit status still tells
+        write = _package_module("tables.files").write_atomic
+        write(os.path.join(folder, f"divergence-{os.getpid()}"), b"%d" % raised)
 
 
 def _activate(launcher: str) -> None:

@@ -20,6 +20,7 @@ from ..score import pooling
 from ..score.report import line
 from ..tables.files import output_file_problem, write_atomic
 from . import EXIT_USAGE
+from .bootstrap import ENV_SCORE
 from .job import add_job_argument, command_problem, job_argv, job_command
 from .launch import run_armed, validated_policy
 
@@ -126,7 +127,7 @@ def _score_job(
         for index in range(processes):
             if processes > 1:
                 print(f"score: process {index + 1} of {processes}: {' '.join(argv)}", file=sys.stderr)
-            environment = {**updates, knobs.ENV_SCORE: json.dumps({**job, "dir": str(work)})}
+            environment = {**updates, ENV_SCORE: json.dumps({**job, "dir": str(work)})}
             code, diverged = run_armed(argv, environment, "score")
             codes.append(code)
             if diverged:

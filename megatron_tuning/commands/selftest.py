@@ -23,8 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from ..core.decisions import CHAOS_NO_OTHER_CONFIG
-from ..core.policy import AGREEMENT_MODES, ENV_MODE, MAX_AGREEMENT_TIMEOUT_S
+from ..core.policy import AGREEMENT_MODES, ENV_MODE, MAX_AGREEMENT_TIMEOUT_S, PREFIX
 from ..tables.files import write_atomic
+from .bootstrap import PLUMBING
 from .job import EXIT_TIMEOUT, add_job_argument, job_argv
 from .launch import run_armed
 
@@ -161,7 +162,7 @@ def _print_tail(title: str, text: str, lines: int = 25) -> None:
 
 def _launch(args: argparse.Namespace, mode: str, folder: str, interpret: bool) -> dict[str, Any]:
     os.makedirs(folder, exist_ok=True)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRON_TUNING_")}  # not the user's
+    env = {k: v for k, v in os.environ.items() if not k.startswith((PREFIX, PLUMBING))}  # not the user's
     env["TRITON_INTERPRET"] = "1" if interpret else env.get("TRITON_INTERPRET", "0")
     env.setdefault("OMP_NUM_THREADS", "1")
     # The job must import this very copy of the package, installed or not.

@@ -248,11 +248,12 @@ def add_cache(p: argparse.ArgumentParser) -> None:
 
 def run_cache(args: argparse.Namespace) -> int:
     from ..core.identity import arch_tag
-    from ..core.policy import TuningPolicy
+    from ..core.policy import ENV_CACHE, TuningPolicy
     from ..tables.cache import cache_path, read_cache_file
 
     # Only the cache setting: an unrelated bad MEGATRON_TUNING_* value is no reason to fail here.
-    path = cache_path(TuningPolicy(mode="auto"), args.arch or arch_tag())
+    policy = TuningPolicy.from_env({ENV_CACHE: os.environ.get(ENV_CACHE, "")}, mode="auto")
+    path = cache_path(policy, args.arch or arch_tag())
     if path is None:
         print("auto cache: off (MEGATRON_TUNING_CACHE=off)")
     elif os.path.isfile(path):

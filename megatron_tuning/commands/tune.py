@@ -13,6 +13,7 @@ import dataclasses
 import hashlib
 import io
 import json
+import logging
 import math
 import os
 import re
@@ -22,6 +23,7 @@ import sys
 import tempfile
 import textwrap
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -29,12 +31,12 @@ from typing import Any
 from ..core import policy as knobs
 from ..core.decisions import Decision, decision_log, get_decisions
 from ..core.errors import TableError, printable
+from ..core.notices import TuningWarning
 from ..tables.files import output_file_problem, output_folder_problem, write_atomic
 from ..tables.merge import merge_tables, read_decisions, recording_table, write_decisions
 from ..tables.table import merge_entries
-from ..tuning.stats import TuneSettings
 from . import EXIT_USAGE
-from .bootstrap import job_environment, write_bootstrap
+from .bootstrap import ENV_AUDIT_DIR, ENV_TUNE_DIR, job_environment, write_bootstrap
 from .job import add_job_argument, command_problem, job_argv, job_command, run_job
 
 PROCESS_PREFIX = "tuned-"  # per-process decision logs: tuned-<host>-<pid>.json
@@ -66,15 +68,17 @@ def add_tune(parser: argparse.ArgumentParser) -> None:
 
 
 def _knob_help(name: str) -> str:
-    return f"{knobs.KNOBS[name].doc} (default {knobs.KNOBS[name].default}; sets {name})"
+    return f"{knobs.KNOBS[name].doc} (default {knobs.default(name)}; sets {name})"
 
 
 def run_tune(args: argparse.Namespace) -> int:
     command = job_command(args, "tune", "tune --out t.msgpack -- train.py --steps 3")
     if command is None:
         return EXIT_USAGE
-    overrides = {k: v for k, v in (("rounds", args.rounds), ("tie_band", args.tie_band)) if v is not None}
-    settings = TuneSettings.from_env(**overrides)  # validated before the long run
+    options = (("tune_rounds", args.rounds), ("tune_tie_band", args.tie_band))
+    with warnings.catch_warnings():  # checked now, before the long run; the job's rank 0 gives notices
+        warnings.simplefilter("ignore", TuningWarning)
+        policy = knobs.TuningPolicy.from_env(**{k: v for k, v in options if v is not None})
     problem = command_problem(job_argv(command), os.environ)
     if problem is not None:
         print(f"tune: {problem[1]}", file=sys.stderr)
@@ -86,7 +90,7 @@ def run_tune(args: argparse.Namespace) -> int:
         print(f"tune: {exc}", file=sys.stderr)
         return EXIT_USAGE
     try:
-        returncode, decisions = _run_job(command, work, settings, args)
+        returncode, decisions = _run_job(command, work, policy, args)
     except BaseException:
         # Writing the table failed, or the run was interrupted: what was measured stays on disk.
         if temporary and any((work / "results").glob(f"{PROCESS_PREFIX}*.json")):
@@ -148,16 +152,18 @@ def _job_folder(work_dir: str | None) -> tuple[Path, bool]:
 
 
 def _run_job(
-    command: list[str], work: Path, settings: TuneSettings, args: argparse.Namespace
+    command: list[str], work: Path, policy: knobs.TuningPolicy, args: argparse.Namespace
 ) -> tuple[int, list[Decision]]:
     """Run the job, pool its per-process results, write ``--results`` and merge into ``--out``."""
     results = work / "results"
     results.mkdir()
     bootstrap = write_bootstrap(work / "bootstrap", "tune")
     env = job_environment(bootstrap, "tune")
-    env.update({knobs.ENV_MODE: "tune", knobs.ENV_TUNE_DIR: str(results)})
-    env.update({knobs.ENV_RECORD_DIR: str(work / "recordings"), knobs.ENV_TUNE_ROUNDS: str(settings.rounds)})
-    env[knobs.ENV_TUNE_TIE_BAND] = repr(settings.tie_band)
+    env.update({knobs.ENV_MODE: "tune", ENV_TUNE_DIR: str(results)})
+    env.update(
+        {knobs.ENV_RECORD_DIR: str(work / "recordings"), knobs.ENV_TUNE_ROUNDS: str(policy.tune_rounds)}
+    )
+    env[knobs.ENV_TUNE_TIE_BAND] = repr(policy.tune_tie_band)
     if args.numerics:  # --out's entries (if any) are the bits to keep: searched first
         keep = args.out if os.path.exists(args.out) else None
         env[knobs.ENV_NUMERICS] = args.numerics
@@ -188,11 +194,16 @@ def activate() -> None:
     end when nothing was measured."""
     from .. import session
 
-    directory, audits = knobs.read_knob(knobs.ENV_TUNE_DIR), knobs.read_knob(knobs.ENV_AUDIT_DIR)
+    directory, audits = os.environ.get(ENV_TUNE_DIR, ""), os.environ.get(ENV_AUDIT_DIR, "")
     if not (directory or audits):
         return
+    # The command's own output, one line per key it tuned or audited; the job's logging is left alone.
+    progress = logging.getLogger("megatron_tuning.tuning.tuner.progress")
+    progress.addHandler(logging.StreamHandler())  # stderr
+    progress.setLevel(logging.INFO)
+    progress.propagate = False
     try:
-        session.init_deterministic_tuning()  # the policy comes from the MEGATRON_TUNING_* the command set
+        handle = session.init_deterministic_tuning()  # the policy: the MEGATRON_TUNING_* the command set
     except Exception as exc:
         print(f"megatron_tuning: could not start the session: {exc!r}", file=sys.stderr)
         return
@@ -216,7 +227,7 @@ def activate() -> None:
             entries.append({**entry, "arch": arch_tag(), "rank": current_rank()})
             write_atomic(Path(audits) / f"audited-{name}", json.dumps(entries).encode())
 
-        pinning.after_decision.append(make_audit_hook(record, knobs.read_knob(knobs.ENV_AUDIT_RUNS)))
+        pinning.after_decision.append(make_audit_hook(record, handle.policy.audit_runs))
         return
     path = Path(directory) / f"{PROCESS_PREFIX}{name}"
 

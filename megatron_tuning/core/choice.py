@@ -10,15 +10,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from .errors import (
-    BlockSizeOverrideError,
-    NumericsError,
-    PolicyError,
-    TableMissError,
-    tallies,
-    tally,
-    warn_once,
-)
+from .errors import BlockSizeOverrideError, NumericsError, PolicyError, TableMissError
 from .fallback import as_block_sizes, cheapest, filter_configs_by_block_sizes, nearest_keys, pick_neighbour
 from .identity import (
     arch_tag,
@@ -30,6 +22,7 @@ from .identity import (
     kernel_source_hash,
     tuning_key,
 )
+from .notices import tallies, tally, warn_once
 from .policy import ON_MISS, TuningPolicy
 
 # What the cheapest-config rule costs, measured (benchmarks/RESULTS.md): quoted where it is used.
@@ -367,7 +360,7 @@ def autotune_configs(configs: Sequence[Any], *, policy: TuningPolicy | None = No
     honouring a block-size override, so neither Triton nor torch.compile can benchmark or pick
     otherwise. (``TRITON_CACHE_AUTOTUNING`` is not enough: a miss still times the candidates.)
     """
-    policy = policy if policy is not None else TuningPolicy.from_env()
+    policy = policy if policy is not None else TuningPolicy.from_env_if_asked()
     configs = list(configs)
     if policy.mode != "deterministic" or len(configs) <= 1:
         return configs
@@ -402,7 +395,7 @@ def warn_if_mamba_env_ignored(policy: TuningPolicy | None = None) -> bool:
     raw = os.environ.get("MAMBA_DETERMINISTIC", "").strip().lower()
     if raw in ("", "0", "false", "no", "off"):
         return False
-    policy = policy if policy is not None else TuningPolicy.from_env()
+    policy = policy if policy is not None else TuningPolicy.from_env_if_asked()
     if policy.mode in ("deterministic", "auto"):
         return False
     message = (

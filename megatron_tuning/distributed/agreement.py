@@ -20,14 +20,14 @@ import torch
 import torch.distributed as dist
 
 from ..core import __version__
-from ..core.decisions import Decision, decision_log
+from ..core.decisions import Decision, decision_log, unchecked_sources
 from ..core.errors import DivergenceError, InputMismatchError, StoreError, TableError
-from ..core.policy import TuningPolicy, read_knob
+from ..core.policy import TuningPolicy
 from ..runtime.pinning import is_capturing
-from ..tables.search import ENV_TABLE, expand_table_paths, installed_triton_version, shipped_tables_dir
+from ..tables.search import expand_table_paths, installed_triton_version, shipped_tables_dir
 from . import store as kv
 from . import verify
-from .verify import all_gather_bytes, pack_text, unchecked_sources, unpack_text
+from .verify import all_gather_bytes, pack_text, unpack_text
 
 STORE_UP_TO_RANKS = 64
 """Worlds up to this size check each key at first use (``store``); larger ones use ``verify``."""
@@ -293,7 +293,7 @@ def describe_inputs(policy: TuningPolicy, table: Any = None) -> dict[str, str]:
     if table is not None and not hasattr(table, "files"):
         inputs["tables"] = _mapping_digest(table)
     else:
-        inputs["tables"] = _files_digest(policy.tables + tuple(read_knob(ENV_TABLE)))
+        inputs["tables"] = _files_digest(policy.tables)
     if policy.use_shipped_tables:
         folder = shipped_tables_dir()
         files = sorted(p for p in folder.rglob("*.msgpack") if p.is_file()) if folder.is_dir() else []

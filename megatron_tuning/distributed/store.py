@@ -22,7 +22,8 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 
 from ..core.chaos import ChaosClaim
-from ..core.errors import AgreementTimeoutError, ConsensusError, PolicyError, StoreError, warn_once
+from ..core.errors import AgreementTimeoutError, ConsensusError, PolicyError, StoreError
+from ..core.notices import warn_once
 
 PREFIX = "megatron_tuning/v2"
 SLOW_REQUEST_S = 5.0  # a slower request is reported once per purpose (a paused or overloaded store)

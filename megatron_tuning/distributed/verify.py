@@ -21,15 +21,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..core.decisions import Decision, decision_log
+from ..core.decisions import Decision, decision_log, unchecked_sources
 from ..core.errors import (
     AgreementTimeoutError,
     DivergenceError,
     InputMismatchError,
     MegatronTuningError,
     StoreError,
-    warn_once,
 )
+from ..core.notices import warn_once
 from ..runtime.interception import current_policy
 from . import store as kv
 
@@ -80,13 +80,6 @@ def set_active_checker(checker: Any, *, replacing: Any = None) -> None:
     with _checker_lock:
         if replacing is None or _checker is replacing:
             _checker = checker
-
-
-def unchecked_sources(mode: str | None) -> frozenset[str]:
-    """Decision sources not compared: pass-through kernels and, outside ``auto``, measured picks
-    (``tune``/``record`` ranks measure for themselves and may differ by design)."""
-    sources = {"out_of_scope", "recorded"}
-    return frozenset(sources if mode == "auto" else sources | {"tuned"})
 
 
 def verify_agreement(group: Any = None, *, timeout_s: float | None = None) -> int:

@@ -20,8 +20,9 @@ from typing import Any
 
 from ..core.chaos import ChaosCoordinator
 from ..core.choice import Choice, as_config_table, report_policy_end
-from ..core.errors import BenchmarkForbiddenError, UnsupportedTritonError, reset_warnings
+from ..core.errors import BenchmarkForbiddenError, UnsupportedTritonError
 from ..core.identity import config_signature, kernel_source_hash, tuning_key
+from ..core.notices import reset_warnings
 from ..core.policy import TuningPolicy
 from . import inductor, pinning
 from .pinning import AutotunerState, Consensus, Installation, Measure, current_policy, installed

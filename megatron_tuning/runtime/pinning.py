@@ -21,7 +21,7 @@ from ..core import choice as rules
 from ..core.chaos import ChaosCoordinator, choose_chaos
 from ..core.choice import Choice, ConfigTable, choose_deterministically, choose_on_miss, pin_without_fallback
 from ..core.decisions import Decision, decision_log
-from ..core.errors import ConsensusError, warn_once
+from ..core.errors import ConsensusError
 from ..core.identity import (
     arch_tag,
     config_data,
@@ -33,6 +33,7 @@ from ..core.identity import (
     kernel_source_hash,
     tuning_key,
 )
+from ..core.notices import warn_once
 from ..core.policy import TuningPolicy
 
 logger = logging.getLogger("megatron_tuning.runtime.interception")

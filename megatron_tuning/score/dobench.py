@@ -10,13 +10,15 @@ import os
 import sys
 from typing import Any
 
+from ..core.notices import warn_once
 from .measure import measure
-from .pooling import job_settings
+from .pooling import join_job
 
 
-def activate() -> None:
-    """Route ``do_bench`` when the job asks for it (the ``run`` launcher calls this at ``import triton``)."""
-    if job_settings().get("do_bench"):
+def activate(raw: str, name: str) -> None:
+    """Join the ``score`` job the launcher passed (``raw``, from its variable ``name``) and route
+    ``do_bench`` when it asks for that (the launcher calls this at ``import triton``)."""
+    if join_job(raw, name).get("do_bench"):
         route_do_bench()
 
 
@@ -60,6 +62,7 @@ def route_do_bench() -> None:
 
     do_bench._megatron_tuning_routed = True  # type: ignore[attr-defined]
     testing.do_bench = do_bench
-    print(
-        "megatron_tuning: triton.testing.do_bench is scored by megatron_tuning.score.measure", file=sys.stderr
+    message = (
+        "megatron_tuning: triton.testing.do_bench is scored by megatron_tuning.score.measure (docs/score.md)"
     )
+    warn_once(("do_bench-routed",), message, rank_local=True)

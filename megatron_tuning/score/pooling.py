@@ -15,7 +15,6 @@ from typing import Any
 import numpy as np
 
 from ..core.errors import PolicyError
-from ..core.policy import ENV_SCORE, read_knob
 from ..tables.files import locked, write_atomic
 from . import stats
 from .clocks import ARM_OFFSET
@@ -35,12 +34,13 @@ _JOB_KEYS: dict[str, type | tuple[type, ...]] = {
 }
 
 
-def job_settings() -> dict[str, Any]:
-    """What the ``score`` command (or ``run --score-do-bench``) asked of this process: ``{}`` when
-    neither started it. Options given on the command line override the harness's own."""
-    raw = read_knob(ENV_SCORE)
-    if raw is None:
-        return {}
+_job: dict[str, Any] = {}  # this process's part in a `score` job; empty outside one
+
+
+def join_job(raw: str, name: str) -> dict[str, Any]:
+    """Take part in the ``score`` job (or ``run --score-do-bench``) the launcher started this process
+    for: ``raw`` is the JSON it passed in variable ``name``. Options given on the command line
+    override the harness's own; ``"{}"`` leaves the job."""
     try:
         data = json.loads(raw)
     except ValueError:
@@ -49,8 +49,15 @@ def job_settings() -> dict[str, Any]:
     if not isinstance(data, dict) or any(
         k not in _JOB_KEYS or not isinstance(v, _JOB_KEYS[k]) for k, v in data.items()
     ):
-        raise PolicyError(ENV_SCORE, raw, allowed)
-    return data
+        raise PolicyError(name, raw, allowed)
+    _job.clear()
+    _job.update(data)
+    return dict(_job)
+
+
+def job_settings() -> dict[str, Any]:
+    """What the job this process takes part in asked of it: ``{}`` outside a ``score`` job."""
+    return dict(_job)
 
 
 def publish(record: dict[str, Any], job: dict[str, Any]) -> None:

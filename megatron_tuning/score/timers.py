@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from ..core.errors import warn_once
+from ..core.notices import warn_once
 from ..tuning.tuner import ClockTimer, CudaEventTimer
 from .clocks import InbandClock, InbandSource, Nvml, NvmlSource
 

@@ -13,21 +13,18 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar
+from typing import Any, NamedTuple, Protocol, TypeVar
 
-from ..core.errors import warn_once
 from ..core.identity import arch_tag
+from ..core.notices import warn_once
+from ..core.policy import TuningPolicy
 from ..runtime.pinning import Measure
 from .stats import TuneSettings, analyze_configs, timing_method
 
-if TYPE_CHECKING:
-    from ..core.policy import TuningPolicy
-
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-# The per-key "tuned ..." and "audited ..." lines: INFO by default, so batch logs show them (docs/policy.md).
+# The per-key "tuned ..." and "audited ..." lines (INFO), apart so an application can keep just them.
 progress_logger = logging.getLogger(__name__ + ".progress")
-progress_logger.setLevel(logging.INFO)
 
 
 class Timer(Protocol):
@@ -329,8 +326,9 @@ def make_measure(
     ``measure(autotuner, candidates, args, kwargs, kernel, key) -> (live config, timings)`` times the
     candidates on the real arguments. ``timer``: a ``Timer`` or a factory (default: CUDA events on a
     GPU). With ``progress``, a tqdm bar on a terminal and one ``progress_logger`` line per key."""
-    # A policy (what ``session`` passes) carries no tuner settings: those come from the environment.
-    settings = settings if isinstance(settings, TuneSettings) else TuneSettings.from_env()
+    if isinstance(settings, TuningPolicy):  # what ``session`` passes: its tuner settings
+        settings = TuneSettings(rounds=settings.tune_rounds, tie_band=settings.tune_tie_band)
+    settings = settings or TuneSettings()
     timers: list[Timer] = []
 
     def get_timer() -> Timer:

@@ -89,6 +89,8 @@ def test_audit_pins_what_an_auto_job_launches_from_its_cache_and_never_tunes(sco
     assert missed["source"] == "nearest"  # the miss rule: the cached n=100 entry
     assert cache.read_bytes() == tuned  # the audit tuned nothing, persisted nothing
     captured = capfd.readouterr()
+    # One progress line per key, the command's output (the job configures no logging).
+    assert sum(line.startswith("audited megatron_tuning.kernels:") for line in captured.err.splitlines()) == 2
     assert "a miss: nearest" in captured.out
     assert "1 key(s) are in neither the auto cache nor a table" in captured.out
     assert "use MEGATRON_TUNING_MODE=auto" not in captured.err  # it is auto: say why it did not tune

@@ -90,7 +90,7 @@ def test_an_unedited_harness_is_scored_through_do_bench_and_a_demoting_flag_exit
 @pytest.mark.slow
 def test_run_score_do_bench_asks_every_process_for_its_do_bench_records(tmp_path: Path) -> None:
     script = tmp_path / "show.py"
-    script.write_text("import os\nprint(os.environ['MEGATRON_TUNING_SCORE'])\n")
+    script.write_text("import os\nprint(os.environ['_MEGATRON_TUNING_SCORE'])\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRON_TUNING_")}
     env["PYTHONPATH"] = str(REPO)
     done = subprocess.run(

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from pytest import CaptureFixture, MonkeyPatch
 
+from megatron_tuning.commands.bootstrap import ENV_TUNE_DIR
 from megatron_tuning.commands.tune import add_report as add_report_arguments
 from megatron_tuning.commands.tune import add_tune as add_arguments
 from megatron_tuning.commands.tune import run_report
@@ -197,7 +198,7 @@ def _fake_job(monkeypatch: MonkeyPatch, returncode: int = 0, n: int = 100) -> li
 
     def fake_run_job(argv: list[str], env: dict[str, str], prog: str, lifeline: Path) -> int:
         calls.append(argv)
-        directory = Path(env["MEGATRON_TUNING_TUNE_DIR"])
+        directory = Path(env[ENV_TUNE_DIR])
         # One file name per process (the real names carry the pid), so jobs do not overwrite each other.
         write_decisions(directory / f"tuned-host-{n}.json", _tiny_records(n=n)[:1])
         return returncode

@@ -15,8 +15,9 @@ from megatron_tuning.core.choice import (
     report_policy_end,
     warn_if_mamba_env_ignored,
 )
-from megatron_tuning.core.errors import TableMissError, reset_warnings
+from megatron_tuning.core.errors import TableMissError
 from megatron_tuning.core.identity import config_data, config_signature, kernel_id, tuning_key
+from megatron_tuning.core.notices import reset_warnings
 from megatron_tuning.core.policy import TuningPolicy
 
 from .. import support_kernels as sk

@@ -23,8 +23,9 @@ from hypothesis import strategies as st
 
 from megatron_tuning.core.choice import as_config_table
 from megatron_tuning.core.decisions import decision_log, get_decisions
-from megatron_tuning.core.errors import BenchmarkForbiddenError, TableMissError, reset_warnings
+from megatron_tuning.core.errors import BenchmarkForbiddenError, TableMissError
 from megatron_tuning.core.identity import config_data, config_signature, kernel_id, tuning_key
+from megatron_tuning.core.notices import reset_warnings
 from megatron_tuning.core.policy import TuningPolicy
 from megatron_tuning.runtime import inductor, interception, pinning
 

@@ -29,7 +29,7 @@ from megatron_tuning.commands.validate import coverage_of
 from megatron_tuning.core.chaos import ChaosClaim
 from megatron_tuning.core.choice import InMemoryTable
 from megatron_tuning.core.decisions import decision_log, get_decisions
-from megatron_tuning.core.errors import ConsensusError, PolicyError, TableMissError, reset_warnings
+from megatron_tuning.core.errors import ConsensusError, PolicyError, TableMissError
 from megatron_tuning.core.identity import (
     arch_tag,
     base_kernel_id,
@@ -39,6 +39,7 @@ from megatron_tuning.core.identity import (
     kernel_source_hash,
     tuning_key,
 )
+from megatron_tuning.core.notices import reset_warnings
 from megatron_tuning.core.policy import TuningPolicy
 from megatron_tuning.distributed import store as kv
 from megatron_tuning.distributed.agreement import unchecked_sources

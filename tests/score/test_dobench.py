@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import triton.testing
 
-from megatron_tuning.core.policy import ENV_SCORE
-from megatron_tuning.score import dobench
+from megatron_tuning.score import dobench, pooling
 
 
 @pytest.fixture
@@ -21,15 +21,20 @@ def stock_do_bench(monkeypatch: pytest.MonkeyPatch) -> list:
     return seen
 
 
-def _ask(monkeypatch: pytest.MonkeyPatch, out: Path, run: str) -> None:
-    job = {"do_bench": True, "out": str(out), "run": run, "budget_s": 0.3}
-    monkeypatch.setenv(ENV_SCORE, json.dumps(job))
+def _ask(out: Path, run: str) -> str:
+    """The settings a `run --score-do-bench` launcher passes its processes."""
+    return json.dumps({"do_bench": True, "out": str(out), "run": run, "budget_s": 0.3})
+
+
+@pytest.fixture(autouse=True)
+def _leave_the_job() -> Any:
+    yield
+    pooling.join_job("{}", "the test's job")
 
 
 def test_do_bench_calls_are_scored_into_the_runs_file(tmp_path: Path, monkeypatch, stock_do_bench) -> None:
     out = tmp_path / "bench.json"
-    _ask(monkeypatch, out, "run-1")
-    dobench.activate()
+    dobench.activate(_ask(out, "run-1"), "the test's job")
     work = lambda: sum(range(3000))
     median = triton.testing.do_bench(work, warmup=10, rep=100)
     every = triton.testing.do_bench(work, return_mode="all")
@@ -49,8 +54,7 @@ def test_a_new_run_starts_the_file_afresh_and_triton_keeps_its_own(
 ):
     out = tmp_path / "bench.json"
     out.write_text(json.dumps({"format": "megatron_tuning.score-run/1", "run": "old", "per_process": [[{}]]}))
-    _ask(monkeypatch, out, "run-2")
-    dobench.activate()
+    dobench.activate(_ask(out, "run-2"), "the test's job")
     triton.testing.do_bench(lambda: sum(range(3000)))
     assert json.loads(out.read_text())["run"] == "run-2" and len(json.loads(out.read_text())["results"]) == 1
     namespace = {"__name__": "triton.runtime.autotuner", "bench": triton.testing.do_bench}
@@ -60,5 +64,5 @@ def test_a_new_run_starts_the_file_afresh_and_triton_keeps_its_own(
 
 def test_nothing_is_routed_unless_the_job_asks(monkeypatch, stock_do_bench) -> None:
     before = triton.testing.do_bench
-    dobench.activate()
+    dobench.activate("{}", "the test's job")
     assert triton.testing.do_bench is before

@@ -4,12 +4,12 @@ clock evidence, and each integrity flag firing on its fake and staying quiet on 
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 import torch
 
-from megatron_tuning.core.policy import ENV_SCORE
-from megatron_tuning.score import measure, noise_floor
+from megatron_tuning.score import measure, noise_floor, pooling
 from megatron_tuning.score.timers import HostBackend, elapsed_time_problem
 from tests.score.fakes import MAX_MHZ, FakeDevice, FakeNvml, seams
 
@@ -203,8 +203,15 @@ def test_bad_options_are_refused_naming_the_option(options: dict, message: str) 
     assert message in str(refused.value)
 
 
-def test_a_score_job_gets_each_record_written_and_its_options(tmp_path, monkeypatch) -> None:
-    monkeypatch.setenv(ENV_SCORE, json.dumps({"dir": str(tmp_path), "budget_s": 0.5, "target_ci": 1e-6}))
+@pytest.fixture
+def job() -> Any:
+    """Join a ``score`` job's settings (as the launcher does); left after the test."""
+    yield lambda settings: pooling.join_job(json.dumps(settings), "the test's job")
+    pooling.join_job("{}", "the test's job")
+
+
+def test_a_score_job_gets_each_record_written_and_its_options(tmp_path, job) -> None:
+    job({"dir": str(tmp_path), "budget_s": 0.5, "target_ci": 1e-6})
     dev = FakeDevice()
     score = measure(dev.kernel(0.5), name="k", budget_s=100.0, **seams(dev))
     assert score.record["timing"]["budget_s"] == 0.5 and score.record["rounds"]["stopped_by"] == "budget"
@@ -226,8 +233,8 @@ def test_costly_nvml_reads_are_spread_over_rounds() -> None:
     assert score.record["clocks"]["nvml"]["candidate"]["sm_mhz"]["median"] == MAX_MHZ
 
 
-def test_a_noise_floor_job_makes_every_measure_an_aa_run(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(ENV_SCORE, json.dumps({"noise_floor": True}))  # what `score noise-floor` sets
+def test_a_noise_floor_job_makes_every_measure_an_aa_run(job) -> None:
+    job({"noise_floor": True})  # what `score noise-floor` asks
     dev = FakeDevice()
     score = measure(dev.kernel(0.5), reference=dev.kernel(0.6), **seams(dev))
     assert score.ratio == pytest.approx(1.0, abs=0.01) and score.record["noise_floor"]["aa_p95"] is not None

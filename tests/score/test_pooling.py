@@ -135,12 +135,12 @@ def test_each_process_record_is_appended_to_its_own_file(tmp_path: Path) -> None
 
 
 @pytest.mark.parametrize("raw", ["{", '{"budget_s": "10"}', '{"dirs": "x"}', "[1]"])
-def test_a_bad_score_setting_names_the_variable(raw: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("MEGATRON_TUNING_SCORE", raw)
+def test_a_bad_score_setting_names_the_variable(raw: str) -> None:
     with pytest.raises(
-        ValueError, match="Unable to use MEGATRON_TUNING_SCORE=.*: expected a JSON object with dir"
+        ValueError, match="Unable to use _MEGATRON_TUNING_SCORE=.*: expected a JSON object with dir"
     ):
-        pooling.job_settings()
+        pooling.join_job(raw, "_MEGATRON_TUNING_SCORE")
+    assert pooling.job_settings() == {}  # a refused setting joins nothing
 
 
 if __name__ == "__main__":  # rewrite the golden file after a deliberate format change

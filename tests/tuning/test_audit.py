@@ -235,7 +235,7 @@ def test_numerics_refuses_what_it_cannot_audit_instead_of_picking_unrestricted()
     def unrestricted(autotuner, candidates, args, kwargs, kernel, key):
         raise AssertionError("measured without the numerics restriction")
 
-    audited = with_numerics(unrestricted, "same-class", None)
+    audited = with_numerics(unrestricted, "same-class", None, 3)
     launchers = object.__new__(_Launchers)  # what inductor._measure_launchers hands the measure
     with pytest.raises(NumericsError, match="torch.compile"):
         audited(launchers, list(kernels.ADD_ONE_CONFIGS), (), {}, "k:add_one", "n=8")
@@ -317,7 +317,9 @@ def test_an_argument_the_audit_cannot_restore_is_refused_by_name_never_one_class
         raise AssertionError("measured without the numerics restriction")
 
     with pytest.raises(NumericsError, match="(?s)m:_copy.*argument x_ptr is a _RawPointer"):
-        with_numerics(unrestricted, "same-class", None)(_copy, list(_copy.configs), *call, "m:_copy", "n=100")
+        with_numerics(unrestricted, "same-class", None, 3)(
+            _copy, list(_copy.configs), *call, "m:_copy", "n=100"
+        )
     assert torch.equal(y, torch.zeros(100))  # nothing launched
 
 

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from megatron_tuning.core.errors import warn_once
+from megatron_tuning.core.notices import warn_once
 from megatron_tuning.tuning.stats import TuneSettings
 from megatron_tuning.tuning.tuner import ClockTimer, CudaEventTimer, default_timer
 
