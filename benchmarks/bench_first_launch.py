@@ -81,9 +81,9 @@ def child(args: argparse.Namespace) -> None:
 
 def write_table(path: Path, primer: dict[str, Any]) -> None:
     from megatron_tuning.tables.entry import Entry
-    from megatron_tuning.tables.table import merge_entries
+    from megatron_tuning.tables.table import add_entries
 
-    merge_entries(
+    add_entries(
         path,
         [
             Entry(

@@ -52,7 +52,7 @@ from .selection import (
     warn_if_mamba_env_ignored,
 )
 from .session import TuningHandle, init_deterministic_tuning
-from .tables.merge import write_decisions
+from .tables.records import write_decisions
 
 
 def verify_agreement(group: Any = None, *, timeout_s: float | None = None) -> int:

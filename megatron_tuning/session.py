@@ -25,7 +25,7 @@ from .core.identity import arch_tag, current_rank, node_arch
 from .core.policy import ENV_DECISION_LOG, ENV_RECORD_DIR, ENV_RESULT_DIR, TuningPolicy, read_knob
 from .runtime import interception, pinning
 from .tables.files import output_file_problem, output_folder_problem, write_atomic
-from .tables.merge import write_decisions, write_recording
+from .tables.records import write_decisions, write_recording
 
 logger = logging.getLogger(__name__)
 

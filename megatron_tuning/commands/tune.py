@@ -3,7 +3,7 @@ in-process side of ``tune`` and ``audit`` (``activate``).
 
 ``tune`` runs the job armed in tune mode, in a fresh folder per job so nothing another job left is
 pooled. Every process writes its ``tuned`` decisions as they happen; after the job each process's
-winners are one table, voted into ``--out`` (``tables.merge.merge_tables``).
+winners are one table, voted into ``--out`` (``tables.vote.vote_tables``).
 """
 
 from __future__ import annotations
@@ -30,8 +30,9 @@ from ..core import policy as knobs
 from ..core.decisions import Decision, decision_log, get_decisions
 from ..core.errors import TableError, printable
 from ..tables.files import output_file_problem, output_folder_problem, write_atomic
-from ..tables.merge import merge_tables, read_decisions, recording_table, write_decisions
-from ..tables.table import merge_entries
+from ..tables.records import read_decisions, recording_table, write_decisions
+from ..tables.table import add_entries
+from ..tables.vote import vote_tables
 from ..tuning.stats import TuneSettings
 from . import EXIT_USAGE
 from .bootstrap import job_environment, write_bootstrap
@@ -172,9 +173,9 @@ def _run_job(
         scope = "(MEGATRON_TUNING_SCOPE limits the scope.)"
         print(f"tune: the job recorded no tuned (kernel, key). {why} {scope}", file=sys.stderr)
         return returncode or 1, []
-    merged = merge_tables([(name, recording_table(ds)) for name, ds in logs])
+    merged = vote_tables([(name, recording_table(ds)) for name, ds in logs])
     write_decisions(_results_path(args), decisions)
-    merge_entries(args.out, merged.table.entries())
+    add_entries(args.out, merged.table.entries())
     print(summary(decisions))
     count = len(merged.table)
     entries = f"{count} entr{'y' if count == 1 else 'ies'}"

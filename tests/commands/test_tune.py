@@ -19,7 +19,8 @@ from megatron_tuning.commands.tune import run_report
 from megatron_tuning.commands.tune import run_tune as run
 from megatron_tuning.core.decisions import Decision
 from megatron_tuning.core.identity import config_data, config_signature
-from megatron_tuning.tables.merge import merge_tables, read_decisions, recording_table, write_decisions
+from megatron_tuning.tables.records import read_decisions, recording_table, write_decisions
+from megatron_tuning.tables.vote import vote_tables
 from megatron_tuning.tuning.stats import TuneSettings, analyze_configs
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -134,7 +135,7 @@ def test_ranks_pool_through_the_vote_merge_uses_whatever_the_order() -> None:
     decisions = _tiny_records(tie_band=0.0)
     assert decisions[0].signature != decisions[1].signature
     tables = [(f"rank{d.rank}", recording_table([d])) for d in decisions]
-    forward, backward = merge_tables(tables), merge_tables(tables[::-1])
+    forward, backward = vote_tables(tables), vote_tables(tables[::-1])
     assert forward.table.to_bytes() == backward.table.to_bytes()
     (entry,) = forward.table.entries()
     assert entry.votes == (1, 2) and forward.disagreements[0].rule == "tie: lowest static cost"
@@ -240,7 +241,7 @@ def test_tune_keeps_the_measurements_when_the_table_cannot_be_written(
     def disk_full(out: Any, records: Any) -> int:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(tune_command, "merge_entries", disk_full)
+    monkeypatch.setattr(tune_command, "add_entries", disk_full)
     args = _parse(
         ["--out", str(tmp_path / "t.msgpack"), "--results", str(tmp_path / "r.json"), "--", "job.py"]
     )

@@ -47,9 +47,10 @@ from megatron_tuning.runtime import interception, pinning
 from megatron_tuning.runtime.interception import lazy_benchmarker
 from megatron_tuning.runtime.pinning import auto_choice
 from megatron_tuning.tables.entry import Entry
-from megatron_tuning.tables.merge import merge_tables, recording_table
+from megatron_tuning.tables.records import recording_table
 from megatron_tuning.tables.search import TableSet, installed_triton_version
 from megatron_tuning.tables.table import Table, load_table, save_table
+from megatron_tuning.tables.vote import vote_tables
 
 from .. import support_kernels as sk
 from ..support_kernels import grid
@@ -561,7 +562,7 @@ def test_one_source_with_two_config_lists_under_two_module_names_is_two_kernels(
     cached = {e.kernel: e.config["kwargs"]["BLOCK"] for e in load_table(tmp_path / "auto.msgpack")}
     assert cached == {"cand_a:add_two": 32, "cand_b:add_two": 64}
     # Merge keeps them apart too: one entry each, no disagreement to vote away.
-    merged = merge_tables(recordings)
+    merged = vote_tables(recordings)
     assert {e.kernel: e.config["kwargs"]["BLOCK"] for e in merged.table} == cached
     assert merged.disagreements == []
 

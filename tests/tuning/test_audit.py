@@ -23,8 +23,10 @@ from megatron_tuning.core.identity import config_data, config_signature, tuning_
 from megatron_tuning.core.policy import TuningPolicy
 from megatron_tuning.runtime.interception import lazy_benchmarker
 from megatron_tuning.tables.entry import Numerics
-from megatron_tuning.tables.merge import diff_tables, merge_tables, write_decisions
+from megatron_tuning.tables.records import write_decisions
+from megatron_tuning.tables.review import diff_tables
 from megatron_tuning.tables.table import Entry, Table, load_table, save_table
+from megatron_tuning.tables.vote import vote_tables
 from megatron_tuning.tuning.audit import audit_candidates, record_numerics
 
 JOB = textwrap.dedent("""
@@ -188,7 +190,7 @@ def test_tables_carry_numerics_diff_flags_a_class_change_and_merge_keeps_it(tmp_
     assert "CHANGES NUMERICS" in capsys.readouterr().out
     assert main(["show", str(t)]) == 0
     assert f"numerics class {'b' * 16}, NOT deterministic on its own" in capsys.readouterr().out
-    merged = merge_tables([("x", Table([c])), ("y", Table([c._replace(numerics=None)]))]).table
+    merged = vote_tables([("x", Table([c])), ("y", Table([c._replace(numerics=None)]))]).table
     assert merged.get("sm90", "m:k", "n=1").numerics.deterministic is False
 
 
