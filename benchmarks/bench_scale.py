@@ -374,6 +374,7 @@ def calibrate(server: Server, requests: int, blocks: int = 5) -> tuple[float, fl
 VERIFY_WORKER = """
 import json, os, sys, time
 import torch.distributed as dist
+import megatron_tuning
 from megatron_tuning.core.decisions import Decision, decision_log
 from megatron_tuning.distributed import verify
 sys.path.insert(0, sys.argv[1])
@@ -399,7 +400,7 @@ for workload in sys.argv[5:]:
     sent[0] = 0
     dist.barrier()
     t0 = time.perf_counter()
-    shared = verify.verify_agreement(timeout_s=120)
+    shared = megatron_tuning.verify_agreement(timeout_s=120)
     elapsed = time.perf_counter() - t0
     results[workload] = {"sent_bytes": sent[0], "seconds": elapsed, "shared": shared}
 with open(os.path.join(sys.argv[2], f"rank{rank}.json"), "w") as f:

@@ -56,8 +56,8 @@ from .tables.records import write_decisions
 
 
 def verify_agreement(group: Any = None, *, timeout_s: float | None = None) -> int:
-    """Compare all ranks' decisions at a step boundary (collective); see ``distributed.verify``."""
-    from .distributed.verify import verify_agreement as _verify
+    """Compare all ranks' decisions at a step boundary (collective); see ``distributed.agreement``."""
+    from .distributed.agreement import verify_agreement as _verify
 
     return _verify(group, timeout_s=timeout_s)
 

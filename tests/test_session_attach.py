@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 import megatron_tuning
 from megatron_tuning import session
-from megatron_tuning.distributed import store, verify
+from megatron_tuning.distributed import agreement, store
 from megatron_tuning.runtime import pinning
 
 from . import support_kernels as sk
@@ -82,15 +82,15 @@ def test_init_before_the_group_attaches_at_the_next_new_key_and_checks_what_came
         handle = megatron_tuning.init_deterministic_tuning(megatron_tuning.TuningPolicy())
     assert any("no process group yet (WORLD_SIZE=2)" in r.getMessage() for r in caplog.records)
     _launch(30)
-    assert verify.active_checker() is None and len(pinning.before_decision) == 1
+    assert agreement.active_checker() is None and len(pinning.before_decision) == 1
     one_rank_group()
     _launch(30)  # a pinned key: no attach on the launch path
-    assert verify.active_checker() is None
+    assert agreement.active_checker() is None
     _launch(31)  # the first new key with a group: attach, then check n=30 (before) and n=31
-    assert verify.active_checker() is not None and pinning.before_decision == []
+    assert agreement.active_checker() is not None and pinning.before_decision == []
     assert checked == ["n=30"]  # n=31 reaches the checker through the decision log, as usual
     handle.close()
-    assert verify.active_checker() is None
+    assert agreement.active_checker() is None
 
 
 def test_auto_gets_the_jobs_consensus_at_the_attach(
@@ -182,7 +182,7 @@ def test_no_warning_when_nothing_went_unchecked(
 def test_a_session_started_with_its_group_registers_no_hook(one_rank_group: Any) -> None:
     one_rank_group()
     with megatron_tuning.init_deterministic_tuning(megatron_tuning.TuningPolicy()):
-        assert pinning.before_decision == [] and verify.active_checker() is not None
+        assert pinning.before_decision == [] and agreement.active_checker() is not None
 
 
 def test_the_decision_log_path_takes_the_pid(tmp_path: Path) -> None:

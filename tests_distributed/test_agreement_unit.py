@@ -51,7 +51,7 @@ def one_rank_group() -> Iterator[None]:
     try:
         yield
     finally:
-        checker = verify.active_checker()
+        checker = agreement.active_checker()
         if checker is not None:
             checker.stop(final_check=False)
         decision_log().clear()
@@ -266,34 +266,33 @@ def test_digests_are_fixed_size_and_stable() -> None:
 
 def test_no_process_group_means_no_checks() -> None:
     assert not dist.is_initialized()
-    handle = agreement.start_agreement(TuningPolicy(agreement="store"))
-    assert not isinstance(handle, agreement.AgreementChecker)
-    handle.stop()
-    assert verify.verify_agreement() == 0
+    assert agreement.start_agreement(TuningPolicy(agreement="store")) is None
+    assert agreement.verify_agreement() == 0
 
 
 @pytest.mark.parametrize("changes", [{"agreement": "off"}, {"mode": "record"}, {"mode": "tune"}])
 def test_start_is_a_no_op_when_nothing_must_agree(one_rank_group: None, changes: dict[str, Any]) -> None:
-    handle = agreement.start_agreement(TuningPolicy(**changes))
-    assert not isinstance(handle, agreement.AgreementChecker)
-    assert verify.active_checker() is None
+    assert agreement.start_agreement(TuningPolicy(**changes)) is None
+    assert agreement.active_checker() is None
 
 
 def test_start_attaches_and_stop_detaches(one_rank_group: None) -> None:
     handle = agreement.start_agreement(TuningPolicy(mode="chaos", agreement="allgather"))
-    assert isinstance(handle, agreement.AgreementChecker) and verify.active_checker() is handle
+    assert isinstance(handle, agreement.AgreementChecker) and agreement.active_checker() is handle
     decision_log().record(_decision(SIG_A))  # one rank: trivially agrees, through a real gather
-    assert verify.verify_agreement() == 0  # an entry seen by one rank only is not "shared"
+    assert agreement.verify_agreement() == 0  # an entry seen by one rank only is not "shared"
     replacement = agreement.start_agreement(TuningPolicy())
-    assert verify.active_checker() is replacement and not handle._attached
+    assert agreement.active_checker() is replacement and not handle._attached
     replacement.stop()
-    assert verify.active_checker() is None
+    assert agreement.active_checker() is None
 
 
 def test_a_verify_session_checks_once_more_at_close(one_rank_group: None, monkeypatch: Any) -> None:
     calls: list[tuple[float | None, bool]] = []
     monkeypatch.setattr(
-        verify, "_check", lambda group, timeout_s, *, at_close: calls.append((timeout_s, at_close))
+        verify,
+        "compare_logs",
+        lambda group, timeout_s, checker, *, at_close: calls.append((timeout_s, at_close)),
     )
     handle = agreement.start_agreement(TuningPolicy(agreement="verify", agreement_timeout_s=500))
     handle.stop()

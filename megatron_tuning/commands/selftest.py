@@ -285,7 +285,7 @@ def _exercise(args: argparse.Namespace, result: dict[str, Any]) -> None:
     from ..core.decisions import decision_log
     from ..core.errors import MegatronTuningError
     from ..core.policy import TuningPolicy
-    from ..distributed import verify
+    from ..distributed.agreement import active_checker, verify_agreement
     from ..session import init_deterministic_tuning
 
     timeout = max(args.timeout / 3, 5.0)
@@ -293,7 +293,7 @@ def _exercise(args: argparse.Namespace, result: dict[str, Any]) -> None:
         mode=args.mode, scope=(KERNEL_MODULE,), agreement=args.agreement, agreement_timeout_s=timeout
     )
     handle = init_deterministic_tuning(policy)
-    if args.agreement != "off" and verify.active_checker() is None:
+    if args.agreement != "off" and active_checker() is None:
         raise RuntimeError("init_deterministic_tuning started no agreement check")
     on_gpu = os.environ.get("TRITON_INTERPRET") != "1" and torch.cuda.is_available()
     device = torch.device("cuda", dist.get_rank() % torch.cuda.device_count()) if on_gpu else "cpu"
@@ -307,7 +307,7 @@ def _exercise(args: argparse.Namespace, result: dict[str, Any]) -> None:
         except (MegatronTuningError, AssertionError) as error:
             _keep_error(result, error)
         try:  # every rank calls it (a collective); it also catches a rank whose own checks passed
-            result["shared"] = verify.verify_agreement() if args.agreement != "off" else 0
+            result["shared"] = verify_agreement() if args.agreement != "off" else 0
         except MegatronTuningError as error:
             if result["error"] is None:
                 _keep_error(result, error)

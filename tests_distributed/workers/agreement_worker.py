@@ -104,7 +104,7 @@ def allgather_order(result: dict[str, Any]) -> None:
 def verify_agree(result: dict[str, Any]) -> None:
     for n in (64, 96, 128):
         _record(MATMUL, KEY.replace("64", str(n), 1), SIG)
-    result["shared"] = verify.verify_agreement()
+    result["shared"] = agreement.verify_agreement()
 
 
 def verify_chaos(result: dict[str, Any]) -> None:
@@ -112,7 +112,7 @@ def verify_chaos(result: dict[str, Any]) -> None:
     _record(MATMUL, KEY, _chaos_signature())
     for n in range(12):  # more differing entries than verify_agreement names
         _record(f"synthetic.kernels:many_{n:02d}", KEY, _chaos_signature())
-    result["shared"] = verify.verify_agreement()
+    result["shared"] = agreement.verify_agreement()
 
 
 def _asymmetric_plan() -> list[tuple[str, str, str]]:
@@ -133,13 +133,13 @@ def asymmetric_store(result: dict[str, Any]) -> None:
     for kernel, key, signature in _asymmetric_plan():
         _guarded(result, lambda k=kernel, y=key, s=signature: _record(k, y, s))
     _then_poll(handle, result)
-    result["shared"] = verify.verify_agreement()
+    result["shared"] = agreement.verify_agreement()
 
 
 def asymmetric_verify(result: dict[str, Any]) -> None:
     for kernel, key, signature in _asymmetric_plan():
         _record(kernel, key, signature)
-    result["shared"] = verify.verify_agreement()
+    result["shared"] = agreement.verify_agreement()
 
 
 def allgather_missing(result: dict[str, Any]) -> None:
@@ -175,7 +175,7 @@ def capture_deferred(result: dict[str, Any]) -> None:
     result["store_calls_during_capture"] = len(calls)
     result["pending"] = len(handle._pending)
     dist.barrier()
-    result["shared"] = verify.verify_agreement()
+    result["shared"] = agreement.verify_agreement()
 
 
 # --- verify mode (large worlds): nothing per key, verify_agreement at step boundaries and close ---
@@ -300,7 +300,7 @@ def _fresh_sessions(name: str) -> None:
 def _verify_into(result: dict[str, Any]) -> None:
     """Every rank calls verify_agreement (a collective), errors or not; keep what it raised."""
     try:
-        result["shared"] = verify.verify_agreement(timeout_s=30.0)
+        result["shared"] = agreement.verify_agreement(timeout_s=30.0)
     except MegatronTuningError as error:
         result["verify_error"] = type(error).__name__
         result["verify_message"] = str(error)
@@ -427,7 +427,7 @@ def _kernel_run(result: dict[str, Any], mode: str, agreement_mode: str) -> None:
     )
     handle = megatron_tuning.init_deterministic_tuning(policy)
     # init_deterministic_tuning itself starts the check (and only when it applies).
-    assert (verify.active_checker() is None) == (agreement_mode == "off")
+    assert (agreement.active_checker() is None) == (agreement_mode == "off")
     import _kernels
 
     try:
@@ -435,7 +435,7 @@ def _kernel_run(result: dict[str, Any], mode: str, agreement_mode: str) -> None:
             _guarded(result, lambda k=name, size=n: _kernels.run(k, size, DEVICE))
             dist.barrier()  # same number of barriers on every rank, errors or not
         if agreement_mode == "off" and result.get("error") is None:
-            result["shared"] = verify.verify_agreement()
+            result["shared"] = agreement.verify_agreement()
     finally:
         _guarded(result, handle.close)
 
@@ -457,7 +457,7 @@ def _kernels_session() -> Any:
 def kernels_asymmetric(result: dict[str, Any]) -> None:
     """Real launches, rank-dependent kernels and shapes, store checks plus a final verify."""
     handle = _kernels_session()
-    assert verify.active_checker() is not None
+    assert agreement.active_checker() is not None
     import _kernels
 
     try:
@@ -467,10 +467,10 @@ def kernels_asymmetric(result: dict[str, Any]) -> None:
         for name, n in plan if RANK else reversed(plan):
             _guarded(result, lambda k=name, size=n: _kernels.run(k, size, DEVICE))
         dist.barrier()
-        checker = verify.active_checker()
+        checker = agreement.active_checker()
         if checker is not None:
             _guarded(result, checker.poll)
-        result["shared"] = verify.verify_agreement()
+        result["shared"] = agreement.verify_agreement()
     finally:
         handle.close()
 
@@ -485,7 +485,7 @@ def kernels_factory(result: dict[str, Any]) -> None:
         for name in names if RANK % 2 else reversed(names):
             _guarded(result, lambda k=name: _kernels.run(k, 64, DEVICE))
         dist.barrier()
-        result["shared"] = verify.verify_agreement()
+        result["shared"] = agreement.verify_agreement()
         result["launched"] = {d.kernel: d.signature for d in decision_log().decisions()}
     finally:
         handle.close()
@@ -511,7 +511,7 @@ def _cuda_graph_run(result: dict[str, Any], mode: str) -> None:
     decision_log().clear()
     handle = megatron_tuning.init_deterministic_tuning(policy)  # fresh pins: the next launch decides again
     try:
-        checker = verify.active_checker()
+        checker = agreement.active_checker()
         assert isinstance(checker, agreement.AgreementChecker)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
@@ -522,7 +522,7 @@ def _cuda_graph_run(result: dict[str, Any], mode: str) -> None:
         torch.cuda.synchronize()
         result["replay_ok"] = bool(torch.equal(y, x * 2))
         dist.barrier()
-        result["shared"] = verify.verify_agreement()
+        result["shared"] = agreement.verify_agreement()
     finally:
         handle.close()
 
@@ -611,7 +611,7 @@ def main() -> int:
             if result.get("error") is None:
                 _store_error(result, error)
         finally:
-            checker = verify.active_checker()
+            checker = agreement.active_checker()
             if checker is not None:
                 try:
                     checker.stop()  # a verify session's check at close may still find a divergence

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from megatron_tuning.core.decisions import decision_log
 from megatron_tuning.core.errors import MegatronTuningError
 from megatron_tuning.core.policy import TuningPolicy
-from megatron_tuning.distributed import verify
+from megatron_tuning.distributed import agreement
 
 
 def _keep(result: dict[str, Any], error: MegatronTuningError) -> None:
@@ -59,14 +59,14 @@ def _session(mode: str, result: dict[str, Any], plan: list[tuple[str, int]], lat
                 _keep(result, error)
         if not late:
             dist.barrier()
-            checker = verify.active_checker()
+            checker = agreement.active_checker()
             try:
                 if checker is not None:
                     checker.poll()
             except MegatronTuningError as error:
                 _keep(result, error)
         try:  # every rank calls it (a collective), errors or not
-            result["shared"] = verify.verify_agreement()
+            result["shared"] = agreement.verify_agreement()
         except MegatronTuningError as error:
             _keep(result, error)
     finally:
