@@ -27,7 +27,7 @@ from typing import Any
 # run/tune/audit for their job (which activation to run); the .pth then stands down.
 PREFIX, ENV_LAUNCHER, ENV_MODE = "MEGATRON_TUNING_", "MEGATRON_TUNING_LAUNCHER", "MEGATRON_TUNING_MODE"
 MODULE_NAME = "_megatron_tuning_bootstrap"
-LAUNCHERS = {"run": "launch", "tune": "tune", "audit": "tune"}  # launcher -> its commands module
+LAUNCHERS = {"run": "launch", "tune": "tune", "audit": "audit"}  # launcher -> its commands module
 
 _HERE = os.path.abspath(__file__)
 _PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(_HERE)))

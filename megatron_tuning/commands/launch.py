@@ -1,4 +1,4 @@
-"""Pinning jobs you do not edit: ``run [policy options] -- <command>``, ``audit``, ``enable``/``disable``.
+"""Pinning jobs you do not edit: ``run [policy options] -- <command>``, ``enable``/``disable``.
 
 ``run`` sets the policy as ``MEGATRON_TUNING_*`` variables (validated first) and puts the bootstrap
 (``bootstrap.py``) first on the job's ``PYTHONPATH``; ``enable`` writes a ``.pth`` instead. The job's
@@ -8,7 +8,6 @@ process (signals, exit status, its death with the launcher) is ``job.py``'s, sha
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
@@ -21,14 +20,13 @@ from typing import Any
 
 from ..core import policy as knobs
 from ..core.errors import EXIT_DIVERGENCE, MegatronTuningError, PolicyError, TuningWarning, warn_once
-from ..tables.files import output_file_problem, output_folder_problem, write_atomic
+from ..tables.files import output_folder_problem, write_atomic
 from . import EXIT_USAGE
 from .bootstrap import PTH_MARKER, PTH_NAME, is_site_dir, job_environment, pth_text, write_bootstrap
-from .job import add_job_argument, command_problem, job_argv, job_command, run_job
+from .job import add_job_argument, job_argv, job_command, run_job
 
 RUN_MODES = ("deterministic", "auto", "chaos", "record", "off")  # `tune` pools in its own command
 RUN_DEFAULT_MODE = RUN_MODES[0]  # when neither --mode nor MEGATRON_TUNING_MODE says
-AUDIT_MODES = ("deterministic", "auto")
 
 # option -> (the knob it sets, add_argument keywords; the help is the knob's own doc unless given)
 _OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -250,70 +248,3 @@ def run_enable(args: argparse.Namespace) -> int:
 
 
 run_disable = run_enable
-
-
-def add_audit(parser: argparse.ArgumentParser) -> None:
-    parser.description = (
-        "Run a job unedited, pinned as `run` pins it. At each (kernel, key) it reaches, launch every live "
-        "config --runs times on the job's own inputs and report which configs give bit-identical outputs "
-        "(numerics classes) and which differ from run to run on their own. docs/numerics.md"
-    )
-    parser.add_argument(
-        "--runs", type=int, help=f"launches per config (default {knobs.read_knob(knobs.ENV_AUDIT_RUNS)})"
-    )
-    mode = f"pin as this mode would (auto: from its cache and tables, never tuning); default {knobs.ENV_MODE}"
-    parser.add_argument("--mode", choices=AUDIT_MODES, help=f"{mode} if set, else deterministic")
-    parser.add_argument("--out", default="audit.json", help="the JSON report (default audit.json)")
-    parser.add_argument("--table", help="pin from this table first, and record the audit in its entries")
-    add_job_argument(parser)
-
-
-def run_audit(args: argparse.Namespace) -> int:
-    from ..tuning.audit import audit_table, record_numerics, save_report
-
-    command = job_command(args, "audit", "audit --out audit.json -- train.py --steps 3")
-    if command is None:
-        return EXIT_USAGE
-    runs_knob = knobs.KNOBS[knobs.ENV_AUDIT_RUNS]
-    runs = knobs.read_knob(runs_knob.name) if args.runs is None else runs_knob.parse("--runs", str(args.runs))
-    exported = knobs.KNOBS[knobs.ENV_MODE].read()
-    mode = args.mode or exported or "deterministic"
-    if mode not in AUDIT_MODES:
-        why = f"{knobs.ENV_MODE}={exported} is set; audit pins as deterministic or auto: pass --mode"
-        print(f"audit: {why}", file=sys.stderr)
-        return EXIT_USAGE
-    if exported not in (None, mode):
-        print(f"audit: --mode {mode} overrides {knobs.ENV_MODE}={exported}", file=sys.stderr)
-    updates = {knobs.ENV_MODE: mode, knobs.ENV_AUDIT_RUNS: str(runs)}
-    if args.table:
-        updates[knobs.ENV_TABLE] = ":".join(filter(None, (args.table, os.environ.get(knobs.ENV_TABLE))))
-    validated_policy(updates)  # a bad value or table fails now, not in every process of the job
-    problem = output_file_problem(args.out) or command_problem(job_argv(command), os.environ)
-    if problem:
-        print(f"audit: {problem if isinstance(problem, str) else problem[1]}", file=sys.stderr)
-        return EXIT_USAGE if isinstance(problem, str) else problem[0]
-    work = Path(tempfile.mkdtemp(prefix="megatron_tuning_audit_"))
-    try:
-        env = job_environment(write_bootstrap(work / "bootstrap", "audit"), "audit")
-        env.update(updates, **{knobs.ENV_AUDIT_DIR: str(work)})
-        returncode = run_job(job_argv(command), env, "audit", work / "bootstrap")
-        entries = [e for f in sorted(work.glob("audited-*.json")) for e in json.loads(f.read_text())]
-        report = {"format": "megatron_tuning.audit/2", "mode": mode, "runs": runs, "command": command}
-        report.update(exit_status=returncode, entries=entries)
-        written, unwritable = save_report(args.out, report, work)  # where --out fails: into work, kept
-    except BaseException:
-        print(f"audit: stopped; the job's per-process reports are kept in {work}", file=sys.stderr)
-        raise
-    if unwritable is None:
-        shutil.rmtree(work, ignore_errors=True)
-    print(audit_table(entries, mode))
-    if args.table and entries:
-        print(f"audit: numerics recorded in {record_numerics(args.table, entries)} entries of {args.table}")
-    if unwritable:
-        print(f"audit: cannot write --out {args.out} ({unwritable}); report in {written}", file=sys.stderr)
-    if returncode:
-        print(
-            f"audit: the job exited with status {returncode}; the report has what it audited", file=sys.stderr
-        )
-    print(f"audit: {len(entries)} (kernel, key) audited; report in {written}")
-    return returncode or (1 if unwritable or not entries else 0)

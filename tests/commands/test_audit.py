@@ -14,7 +14,7 @@ import torch
 
 import megatron_tuning
 from megatron_tuning import session
-from megatron_tuning.commands.launch import add_audit, run_audit
+from megatron_tuning.commands.audit import add_audit, run_audit
 from megatron_tuning.core.identity import (
     config_data,
     config_signature,

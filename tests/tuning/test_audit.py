@@ -16,7 +16,7 @@ import triton.language as tl
 import megatron_tuning
 from megatron_tuning import session
 from megatron_tuning.commands import main
-from megatron_tuning.commands.launch import add_audit, run_audit
+from megatron_tuning.commands.audit import add_audit, run_audit
 from megatron_tuning.core.decisions import decision_log
 from megatron_tuning.core.errors import NumericsError
 from megatron_tuning.core.identity import config_data, config_signature, tuning_key
