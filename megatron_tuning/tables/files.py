@@ -36,9 +36,6 @@ LOCK_TIMEOUT_S = 300.0  # how long a read-modify-write waits for another writer 
 
 ErrorFactory = Callable[[str, str], Exception]  # (path, problem) -> TableError or another kind's error
 
-# Test hook: called with the temp path after it is written and fsynced, before ``os.replace``.
-_BEFORE_REPLACE: Callable[[str], None] | None = None
-
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _NONBLOCK = getattr(os, "O_NONBLOCK", 0)
@@ -96,8 +93,6 @@ def write_atomic(path: str | os.PathLike[str], payload: bytes, *, error: ErrorFa
             handle.write(payload)
             handle.flush()
             os.fsync(handle.fileno())
-        if _BEFORE_REPLACE is not None:
-            _BEFORE_REPLACE(tmp)
         try:
             os.replace(tmp, dest)
         except OSError as exc:  # e.g. the target is a folder: name it, not our temp file

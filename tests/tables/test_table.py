@@ -17,7 +17,6 @@ import pytest
 
 from megatron_tuning.core import __version__
 from megatron_tuning.core.errors import MegatronTuningError, TableError
-from megatron_tuning.tables import files as files_mod
 from megatron_tuning.tables import table as table_mod
 from megatron_tuning.tables.entry import Entry, Timing, entry_with
 from megatron_tuning.tables.files import write_atomic
@@ -338,10 +337,10 @@ def test_failed_write_keeps_previous_file_and_cleans_up(tmp_path, monkeypatch):
     save_table(sample_table(), path)
     before = path.read_bytes()
 
-    def boom(tmp: str) -> None:
-        raise OSError("disk full (simulated)")
+    def boom(tmp: str, dest: str) -> None:
+        raise OSError(28, "disk full (simulated)")
 
-    monkeypatch.setattr(files_mod, "_BEFORE_REPLACE", boom)
+    monkeypatch.setattr(os, "replace", boom)  # the temp file is written and fsynced by then
     with pytest.raises(OSError, match="simulated"):
         write_atomic(path, b"new")
     assert path.read_bytes() == before
@@ -413,12 +412,13 @@ def test_concurrent_writers_lose_no_entry(tmp_path):
 _KILLED_WRITER = textwrap.dedent(
     """
     import sys, time
-    from megatron_tuning.tables import files, table as t
+    import os
+    from megatron_tuning.tables import table as t
     path, marker = sys.argv[1], sys.argv[2]
-    def pause(tmp):
+    def pause(tmp, dest):  # the temp file is written and fsynced: the writer dies before the replace
         open(marker, "w").write(tmp)
         time.sleep(120)
-    files._BEFORE_REPLACE = pause
+    os.replace = pause
     t.add_entries(path, [t.Entry(arch="sm90", kernel="pkg:new", key="k",
                                    config={"kwargs": {}, "num_warps": 1, "num_stages": 1})])
     """

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import subprocess
 import sys
 
@@ -14,7 +15,6 @@ from megatron_tuning.core.errors import TableError
 from megatron_tuning.core.identity import config_signature, kernel_id
 from megatron_tuning.core.policy import TuningPolicy
 from megatron_tuning.runtime import interception
-from megatron_tuning.tables import files as table_files
 from megatron_tuning.tables.entry import Entry, Timing, entry_with
 from megatron_tuning.tables.records import recording_path, write_recording
 from megatron_tuning.tables.review import diff_tables
@@ -166,12 +166,15 @@ def test_merging_into_a_listed_output_holds_its_lock(tmp_path, monkeypatch):
     vote_files(out, [tmp_path / "rec"])
     probes: list[int] = []
 
-    def probe(_tmp: str) -> None:  # another process tries the lock while merge writes
+    real_replace = os.replace
+
+    def probe(tmp: str, dest: str) -> None:  # another process tries the lock while merge writes
         code = "import filelock, sys; filelock.FileLock(sys.argv[1], timeout=0).acquire()"
         proc = subprocess.run([sys.executable, "-c", code, f"{out}.lock"], capture_output=True, timeout=60)
         probes.append(proc.returncode)
+        real_replace(tmp, dest)
 
-    monkeypatch.setattr(table_files, "_BEFORE_REPLACE", probe)
+    monkeypatch.setattr(os, "replace", probe)
     vote_files(out, [out, tmp_path / "rec"])  # read-modify-write of out
     assert probes and probes[0] != 0, "the lock on the output was free during the write"
 
