@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -72,8 +73,12 @@ def add_selftest(parser: argparse.ArgumentParser) -> None:
     add_job_argument(parser, "your own job after `--` (as for `run`): run deterministic, then chaos")
 
 
-def run_selftest(args: argparse.Namespace) -> int:
-    """Run both jobs and print a report; 0 when deterministic passed and chaos was detected."""
+Launch = Callable[[argparse.Namespace, str, str, bool], dict[str, Any]]  # (args, mode, folder, interpret)
+
+
+def run_selftest(args: argparse.Namespace, *, launch: Launch | None = None) -> int:
+    """Run both jobs and print a report; 0 when deterministic passed and chaos was detected.
+    ``launch`` runs one job and returns its outcome (default: torchrun over this package's workers)."""
     if args.job:
         return _your_job(args.job[1:] if args.job[0] == "--" else args.job, args.timeout, args.keep)
     import torch
@@ -89,7 +94,7 @@ def run_selftest(args: argparse.Namespace) -> int:
         )
         verdicts = []
         for mode in ("deterministic", "chaos"):
-            outcome = _launch(args, mode, os.path.join(root, mode), interpret)
+            outcome = (launch or _launch)(args, mode, os.path.join(root, mode), interpret)
             ok, summary = _judge(mode, outcome, args.nproc)
             verdicts.append(ok)
             print(f"  {mode:<13} {'PASS' if ok else 'FAIL'}  {summary}")
