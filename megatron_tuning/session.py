@@ -24,6 +24,7 @@ from .core.errors import (
 from .core.identity import arch_tag, current_rank, node_arch
 from .core.policy import ENV_DECISION_LOG, ENV_RECORD_DIR, ENV_RESULT_DIR, TuningPolicy, read_knob
 from .runtime import interception, pinning
+from .runtime.pinning import Measure
 from .tables.files import output_file_problem, output_folder_problem, write_atomic
 from .tables.records import write_decisions, write_recording
 
@@ -106,7 +107,11 @@ def decision_log_path(template: str) -> str:
 
 
 def init_deterministic_tuning(
-    policy: TuningPolicy | None = None, *, table: Any = None, group: Any = None
+    policy: TuningPolicy | None = None,
+    *,
+    table: Any = None,
+    group: Any = None,
+    measure: Measure | None = None,
 ) -> TuningHandle:
     """Install deterministic tuning for this process; calling it again replaces the previous session.
 
@@ -115,10 +120,13 @@ def init_deterministic_tuning(
     ``policy`` defaults to ``TuningPolicy.from_env(default_mode="deterministic")``. ``table`` overrides
     the policy's tables (a ``ConfigTable`` or ``{(kernel, key): config}``; ``auto`` then still writes
     its cache). ``group``: the process group for ``allgather`` agreement and chaos (default: world).
+    ``measure``: what ``tune`` and ``auto`` time a key's candidates with (default: the noise-aware
+    tuner, ``tuning.tuner.make_measure``), called as ``measure(autotuner, configs, args, kwargs,
+    kernel, key) -> (config, timings)``.
     """
     _initializing.depth = getattr(_initializing, "depth", 0) + 1
     try:
-        return _init(policy, table, group)
+        return _init(policy, table, group, measure)
     finally:
         _initializing.depth -= 1
 
@@ -129,7 +137,7 @@ def initializing() -> bool:
     return getattr(_initializing, "depth", 0) > 0
 
 
-def _init(policy: TuningPolicy | None, table: Any, group: Any) -> TuningHandle:
+def _init(policy: TuningPolicy | None, table: Any, group: Any, measure: Measure | None) -> TuningHandle:
     global _active
     policy = policy if policy is not None else TuningPolicy.from_env(default_mode="deterministic")
     warn_if_mamba_env_ignored(policy)
@@ -152,7 +160,12 @@ def _init(policy: TuningPolicy | None, table: Any, group: Any) -> TuningHandle:
 
         cache = open_cache(policy, _cache_arch)
     resolved_table = table if table is not None else _load_tables(policy, cache)
-    measure = _make_measure(policy) if policy.mode in ("tune", "auto") else None
+    if policy.mode not in ("tune", "auto"):
+        measure = None
+    elif measure is None:
+        from .tuning.tuner import make_measure
+
+        measure = make_measure(policy)
     if measure is not None and policy.numerics != "any":  # audit first, time only the allowed configs
         from .tuning.audit import with_numerics
 
@@ -235,12 +248,6 @@ def _start_consensus(local_cache: str | None) -> Any:
     from .distributed.store import start_consensus
 
     return start_consensus(local_cache)
-
-
-def _make_measure(policy: TuningPolicy) -> Any:  # a seam: tests and benchmarks put a fake tuner here
-    from .tuning.tuner import make_measure
-
-    return make_measure(policy)
 
 
 def _start_agreement(policy: TuningPolicy, group: Any, table: Any) -> Any:

@@ -14,7 +14,6 @@ import triton
 import triton.language as tl
 
 import megatron_tuning
-from megatron_tuning import session
 from megatron_tuning.commands import main
 from megatron_tuning.commands.audit import add_audit, run_audit
 from megatron_tuning.core.decisions import decision_log
@@ -138,12 +137,10 @@ def test_same_class_tuning_keeps_the_output_bits_across_a_retune(tmp_path, monke
         key = k
         return candidates[-1], {}
 
-    monkeypatch.setattr(session, "_make_measure", lambda policy: last_wins)
-
     def run(numerics: str, tables: tuple[str, ...] = ()) -> torch.Tensor:
         a, b = call[0], call[1]
         policy = TuningPolicy(mode="tune", numerics=numerics, tables=tables, use_shipped_tables=False)
-        with megatron_tuning.init_deterministic_tuning(policy):
+        with megatron_tuning.init_deterministic_tuning(policy, measure=last_wins):
             return kernels.splitk_matmul(a, b)
 
     free = run("any")
