@@ -3,9 +3,9 @@
 4 ranks with pipeline stage ``rank % 2`` (strided stages of two ranks) and 4 configs: the chaos
 run must raise on every rank, the same message everywhere. (8 ranks with stage ``rank % 4``, where
 chaos's old rank formula picked the same config for both ranks of every stage, is among the layouts
-of tests/core/test_chaos.py and tests/distributed/test_store.py; 2-rank chaos runs in the demo and the agreement
-jobs.) Two autotuners over one function launched in opposite orders are two kernels, so no (false)
-DivergenceError.
+of tests/core/test_chaos.py and tests/distributed/test_store.py; 2-rank chaos runs in the demo and
+the agreement jobs.) Two autotuners over one function launched in opposite orders are two kernels,
+so no (false) DivergenceError.
 """
 
 from __future__ import annotations
