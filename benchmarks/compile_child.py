@@ -125,10 +125,10 @@ def _measure_kernel(
 
 def child(args: argparse.Namespace) -> None:
     variant, kind = args.child.split(",")
-    import block_kernel
     import torch
 
     from megatron_tuning import kernels as mm
+    from tests import support_kernels as block_kernel
 
     probe = Probe()
     probe.install(args.smoke)

@@ -374,13 +374,12 @@ def session_reinit_verify(result: dict[str, Any]) -> None:
     """Rank 0 calls init_deterministic_tuning once more (verify mode, chaos): its re-init must not
     run a check that pairs with rank 1's verify_agreement. Every rank raises; none says "ok"."""
     _fresh_sessions("reinit_verify")
-    import _kernels
-
     import megatron_tuning
+    from tests import support_kernels as _kernels
 
     policy = TuningPolicy(
         mode="chaos",
-        scope=("_kernels",),
+        scope=("tests.support_kernels",),
         agreement="verify",
         agreement_timeout_s=SESSION_TIMEOUT_S,
         use_shipped_tables=False,
@@ -420,7 +419,7 @@ def _kernel_run(result: dict[str, Any], mode: str, agreement_mode: str) -> None:
 
     policy = TuningPolicy(
         mode=mode,
-        scope=("_kernels",),
+        scope=("tests.support_kernels",),
         agreement=agreement_mode,
         agreement_timeout_s=30.0,
         use_shipped_tables=False,
@@ -428,7 +427,7 @@ def _kernel_run(result: dict[str, Any], mode: str, agreement_mode: str) -> None:
     handle = megatron_tuning.init_deterministic_tuning(policy)
     # init_deterministic_tuning itself starts the check (and only when it applies).
     assert (agreement.active_checker() is None) == (agreement_mode == "off")
-    import _kernels
+    from tests import support_kernels as _kernels
 
     try:
         for name, n in (("add", 64), ("scale", 64), ("add", 100)):
@@ -441,12 +440,12 @@ def _kernel_run(result: dict[str, Any], mode: str, agreement_mode: str) -> None:
 
 
 def _kernels_session() -> Any:
-    """A deterministic session over the ``_kernels`` test kernels, store checks on."""
+    """A deterministic session over the shared test kernels, store checks on."""
     import megatron_tuning
 
     policy = TuningPolicy(
         mode="deterministic",
-        scope=("_kernels",),
+        scope=("tests.support_kernels",),
         agreement="store",
         agreement_timeout_s=30.0,
         use_shipped_tables=False,
@@ -458,7 +457,7 @@ def kernels_asymmetric(result: dict[str, Any]) -> None:
     """Real launches, rank-dependent kernels and shapes, store checks plus a final verify."""
     handle = _kernels_session()
     assert agreement.active_checker() is not None
-    import _kernels
+    from tests import support_kernels as _kernels
 
     try:
         if RANK == WORLD - 1:
@@ -478,7 +477,7 @@ def kernels_asymmetric(result: dict[str, Any]) -> None:
 def kernels_factory(result: dict[str, Any]) -> None:
     """Factory-made kernels and autotuners built over one jit function, in opposite orders per rank."""
     handle = _kernels_session()
-    import _kernels
+    from tests import support_kernels as _kernels
 
     try:
         names = sorted(_kernels.MADE)
@@ -498,13 +497,17 @@ def _cuda_graph_run(result: dict[str, Any], mode: str) -> None:
     import megatron_tuning
 
     policy = TuningPolicy(
-        mode=mode, scope=("_kernels",), agreement="store", agreement_timeout_s=30.0, use_shipped_tables=False
+        mode=mode,
+        scope=("tests.support_kernels",),
+        agreement="store",
+        agreement_timeout_s=30.0,
+        use_shipped_tables=False,
     )
     x = torch.arange(48, dtype=torch.float32, device=DEVICE)
     y = torch.empty_like(x)
     # Warm-up session without checks: compiles the config this rank picks, outside the capture.
     megatron_tuning.init_deterministic_tuning(policy.replace(agreement="off"))
-    import _kernels
+    from tests import support_kernels as _kernels
 
     _kernels.launch("scale", x, y)
     torch.cuda.synchronize()

@@ -59,7 +59,13 @@ def split_cache(scenario: str, folder: str) -> str:
     path = os.path.join(folder, f"{scenario}-rank{RANK}.msgpack")
     if RANK == 0:
         entries = [
-            Entry(arch="unknown", kernel="_kernels:add_kernel", key=add_key(n), config=CACHED, how="tuned")
+            Entry(
+                arch="unknown",
+                kernel="tests.support_kernels:add_kernel",
+                key=add_key(n),
+                config=CACHED,
+                how="tuned",
+            )
             for n in sizes(scenario)
         ]
         save_table(Table(entries, meta={"kind": "auto-cache", "cache_format": "1"}), path)
@@ -112,7 +118,9 @@ def run_scenario(scenario: str, cache: str, tables: tuple[str, ...]) -> dict[str
     except MegatronTuningError as error:
         result["error"] = type(error).__name__
         result["message"] = str(error)
-    from _kernels import run  # after the interception is installed: Triton 3.3 decorates lazily then
+    from tests.support_kernels import (
+        run,  # after the interception is installed: Triton 3.3 decorates lazily then
+    )
 
     try:
         dist.barrier()

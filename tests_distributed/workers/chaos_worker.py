@@ -44,10 +44,14 @@ def _session(mode: str, result: dict[str, Any], plan: list[tuple[str, int]], lat
     import megatron_tuning
 
     policy = TuningPolicy(
-        mode=mode, scope=("_kernels",), agreement="store", agreement_timeout_s=60.0, use_shipped_tables=False
+        mode=mode,
+        scope=("tests.support_kernels",),
+        agreement="store",
+        agreement_timeout_s=60.0,
+        use_shipped_tables=False,
     )
     handle = megatron_tuning.init_deterministic_tuning(policy)
-    import _kernels
+    from tests import support_kernels as _kernels
 
     try:
         if late and dist.get_rank() != 0:
@@ -87,7 +91,7 @@ def main() -> int:
     rank = dist.get_rank()
     stage = rank % args.stages
     stage_plan = [("add", 40 + stage)]  # one key per stage: only a stage's ranks meet there
-    twins = [("shift_small", 48), ("shift_large", 48)]
+    twins = [("twin_small", 48), ("twin_large", 48)]
     scenarios = {
         "stage_chaos": ("chaos", stage_plan),
         "stage_deterministic": ("deterministic", stage_plan),

@@ -49,7 +49,7 @@ def main() -> int:
         return failed_attach(args.out)
     policy = megatron_tuning.TuningPolicy(mode=args.mode, cache=args.cache, use_shipped_tables=False)
     handle = megatron_tuning.init_deterministic_tuning(policy, measure=fake_measure)  # no group yet
-    from _kernels import run
+    from tests.support_kernels import run
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     result: dict[str, Any] = {"error": None}
@@ -93,7 +93,7 @@ def failed_attach(out: str) -> int:
     handle = megatron_tuning.init_deterministic_tuning(
         policy.replace(mode="deterministic", block_sizes=blocks)
     )
-    from _kernels import run
+    from tests.support_kernels import run
 
     run("add", 100)  # no process group yet: BLOCK=16 on rank 0, 64 on rank 1
     dist.init_process_group("gloo", timeout=timedelta(seconds=20))
