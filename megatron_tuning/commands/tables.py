@@ -95,13 +95,13 @@ def add_import(p: argparse.ArgumentParser) -> None:
 
 
 def run_import(args: argparse.Namespace) -> int:
-    from ..tables.files import read_table_bytes
+    from ..tables.files import read_regular_file
     from ..tables.table import Table, save_table
 
     if args.out.endswith(".json"):  # save_table would write the JSON view again
         fix = "name it .msgpack (export writes JSON views)"
         raise MegatronTuningError(f"{args.out} ends in .json, but import writes the msgpack table; {fix}")
-    save_table(Table.from_json(read_table_bytes(args.json_file), path=args.json_file), args.out)
+    save_table(Table.from_json(read_regular_file(args.json_file), path=args.json_file), args.out)
     return EXIT_OK
 
 

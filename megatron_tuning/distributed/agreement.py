@@ -41,17 +41,13 @@ class Agreement(Protocol):
     mode: str  # "store", "allgather" or "verify"
     timeout_s: float  # how long a check waits for the other ranks
 
-    def check(self, decision: Decision) -> None:
-        """Compare a new (kernel, key) decision with the other ranks (raises ``DivergenceError``)."""
+    def check(self, decision: Decision) -> None: ...  # compare a new (kernel, key) with the others
 
-    def flush(self) -> None:
-        """Run checks deferred by a CUDA graph capture; raise what another rank recorded."""
+    def flush(self) -> None: ...  # run checks deferred by a graph capture, then ``poll``
 
-    def poll(self) -> None:
-        """Raise the divergence or input mismatch another rank recorded, if any."""
+    def poll(self) -> None: ...  # raise the divergence or input mismatch another rank recorded
 
-    def stop(self, *, final_check: bool = True) -> None:
-        """End the checks; with ``final_check`` in ``verify`` mode, run the bounded check at close."""
+    def stop(self, *, final_check: bool = True) -> None: ...  # end; ``verify``: the check at close
 
 
 _active: Agreement | None = None
