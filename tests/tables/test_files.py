@@ -298,7 +298,7 @@ def _victim(tmp_path: Path) -> Path:
     return victim
 
 
-def test_a_planted_lock_symlink_is_refused_and_its_target_kept_through_merge_entries(tmp_path):
+def test_a_planted_lock_symlink_is_refused_and_its_target_kept_through_add_entries(tmp_path):
     table = tmp_path / "t.msgpack"
     save_table(Table([_entry(0)]), table)
     victim = _victim(tmp_path)

@@ -133,7 +133,7 @@ def test_mixed_source_hashes_are_reported():
     assert result.to_json()["mixed_source_hashes"][0]["source_hashes"] == ["aa" * 32, "bb" * 32]
 
 
-def test_merge_files_reads_folders_and_skips_the_output(tmp_path):
+def test_vote_files_reads_folders_and_skips_the_output(tmp_path):
     for rank, block in enumerate((64, 64, 128)):
         write_recording([decision(block, rank=rank)], tmp_path, rank=rank)
     out = tmp_path / "merged.msgpack"
@@ -143,7 +143,7 @@ def test_merge_files_reads_folders_and_skips_the_output(tmp_path):
     assert load_table(out).get("sm90", KERNEL, "M=1").votes == (2, 3)
 
 
-def test_merge_files_refuses_to_write_an_empty_table(tmp_path):
+def test_vote_files_refuses_to_write_an_empty_table(tmp_path):
     empty = tmp_path / "rec"
     empty.mkdir()
     out = tmp_path / "merged.msgpack"
