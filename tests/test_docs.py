@@ -236,12 +236,13 @@ def test_every_documented_command_parses(page: str, argv: list[str]) -> None:
 
 
 def test_the_design_page_names_each_concept_with_a_module_that_exists() -> None:
-    """docs/design.md: at most 25 concepts (issue 26), each owned by a module of the package."""
+    """docs/design.md: at most 28 concepts (25 in issue 26, 3 more for scoring in issue 34), each owned
+    by a module of the package."""
     rows = re.findall(
         r"^\| ([^|]+?) \| [^|]+ \| `([^`]+)` \|$", (REPO / "docs" / "design.md").read_text(), re.M
     )
     concepts = [(name, owner) for name, owner in rows if name != "concept"]
-    assert 15 <= len(concepts) <= 25
+    assert 15 <= len(concepts) <= 28
     assert [owner for _, owner in concepts if not (REPO / "megatron_tuning" / owner).is_file()] == []
     assert len({owner for _, owner in concepts}) == len(concepts)  # one module per concept
 

@@ -4,7 +4,8 @@ Each command lives in a module of this package defining ``add_<name>(parser)`` a
 ``run_<name>(args) -> int``; only the module of the command being run is imported, so ``show`` or
 ``diff`` never pay for importing torch. Exit codes: 0 ok; 1 differences or problems found; 2 usage
 error or bad input (one line on stderr, no traceback); 3 a ``DivergenceError``; ``run``, ``tune``
-and ``audit`` pass their job's status on.
+and ``audit`` pass their job's status on; ``score`` exits 3 for a failed correctness check, 4 for a
+result a clock or integrity flag demoted.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "enable": ("launch", "pin every process of this Python environment that sets MEGATRON_TUNING_MODE"),
     "disable": ("launch", "undo `enable`"),
     "selftest": ("selftest", "check this install end to end: pinned choices agree, chaos is caught"),
+    "score": ("score", "score a command's kernels: an interval, clock evidence, a verdict (docs/score.md)"),
 }
 
 

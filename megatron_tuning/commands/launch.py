@@ -13,6 +13,7 @@ import shutil
 import sys
 import sysconfig
 import tempfile
+import uuid
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -86,6 +87,13 @@ def add_run(parser: argparse.ArgumentParser) -> None:
         if variable in os.environ:  # what the job gets without the option: help tells the truth here
             more += f"; your environment sets {os.environ[variable]!r}".replace("%", "%%")
         parser.add_argument(flag, dest=variable, **{**options, "help": f"{help} [{variable}{more}]"})
+    parser.add_argument(
+        "--score-do-bench",
+        nargs="?",
+        const="score.json",
+        metavar="OUT",
+        help="score each triton.testing.do_bench call of the job with measure; records in OUT (score.json)",
+    )
     add_job_argument(parser)
 
 
@@ -108,6 +116,9 @@ def run_run(args: argparse.Namespace) -> int:
         print(f"run: {flag + ': ' if flag else ''}{exc}", file=sys.stderr)
         return EXIT_USAGE
     updates[knobs.ENV_MODE] = policy.mode  # the default mode, spelled out for every process
+    if args.score_do_bench:  # every process scores its do_bench calls into this one file (docs/score.md)
+        out = {"do_bench": True, "out": os.path.abspath(args.score_do_bench), "run": uuid.uuid4().hex}
+        updates[knobs.ENV_SCORE] = json.dumps(out)
     code, caught = run_armed(job_argv(command), updates, "run")
     if caught:
         message = f"{caught} process(es) of the job raised DivergenceError: ranks launched different"
@@ -164,6 +175,10 @@ def activate(launcher: str = "run") -> None:
             knobs.warn_unknown_variables()  # a typo of the mode name would arm nothing
             return
         init_deterministic_tuning()
+        if knobs.KNOBS[knobs.ENV_SCORE].read() is not None:  # a `score` job, or run --score-do-bench
+            from ..score.dobench import activate as activate_score
+
+            activate_score()
     except Exception as exc:
         message = f"cannot pin this process's kernels, stopping it: {exc}"
         print(f"megatron_tuning {launcher}: {message}", file=sys.stderr)

@@ -195,6 +195,7 @@ ENV_AUDIT_DIR = _knob(
 )
 ENV_LAUNCHER = _knob("LAUNCHER", _words(("run", "tune", "audit")), None, "internal: the launcher of this job")
 ENV_RESULT_DIR = _knob("RESULT_DIR", _text, None, "internal: where `run`'s processes report a divergence")
+ENV_SCORE = _knob("SCORE", _text, None, "internal: what `score` (or `run --score-do-bench`) asks of its job")
 
 
 def read_knob(name: str) -> Any:

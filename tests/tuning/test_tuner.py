@@ -482,3 +482,26 @@ def test_the_progress_bar_names_the_shape() -> None:
     )
     long = _bar_label("m:k", "M=" + "9" * 100)
     assert long.startswith("tune k [M=999") and long.endswith("...]") and len(long) < 80
+
+
+def test_interleave_runs_each_live_arm_in_the_given_order_and_drops_a_failing_one():
+    from megatron_tuning.tuning.tuner import interleave, rotating
+
+    calls: list[int] = []
+
+    def sample(arm: int) -> float:
+        calls.append(arm)
+        if arm == 2 and len(calls) > 4:
+            raise RuntimeError("out of resources")
+        return float(arm)
+
+    errors: list[str | None] = [None, None, None]
+    abba = lambda r, live: [*live, *live[::-1]]
+    rounds = list(interleave(sample, errors, range(3), order=abba, failures=(RuntimeError,)))
+    assert calls[:6] == [0, 1, 2, 2, 1, 0]  # round 0 whole; round 1 loses arm 2 at its first block
+    assert rounds[0] == (0, [(0, 0.0), (1, 1.0), (2, 2.0), (2, 2.0), (1, 1.0), (0, 0.0)])
+    assert (
+        rounds[1][1] == [(0, 0.0), (1, 1.0), (1, 1.0), (0, 0.0)]
+        and errors[2] == "RuntimeError: out of resources"
+    )
+    assert rotating(1, [0, 1, 2]) == [1, 2, 0]
