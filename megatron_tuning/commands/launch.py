@@ -8,6 +8,7 @@ process (signals, exit status, its death with the launcher) is ``job.py``'s, sha
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
