@@ -125,17 +125,17 @@ def _measure_kernel(
 
 def child(args: argparse.Namespace) -> None:
     variant, kind = args.child.split(",")
-    import block_kernel
     import torch
 
     from megatron_tuning import kernels as mm
+    from tests import support_kernels as sk
 
     probe = Probe()
     probe.install(args.smoke)
     # The library's notices are TuningWarnings (warnings.warn), its diagnostics log records: keep both.
     messages = common.collect_warnings()
     if variant == "stock" and args.smoke:
-        for kernel in (block_kernel.write_block_kernel, mm.matmul_kernel):  # no GPU benchmarker on CPU
+        for kernel in (sk.write_block_kernel, mm.matmul_kernel):  # no GPU benchmarker on CPU
             kernel.__dict__["do_bench"] = lambda fn, quantiles=None, **kw: (
                 [1.0, 1.0, 1.0] if quantiles else 1.0
             )
@@ -165,7 +165,7 @@ def child(args: argparse.Namespace) -> None:
             "write_block",
             WB_KEYS,
             lambda n: (torch.zeros(n, device=device),),
-            block_kernel.write_block,
+            sk.write_block,
             _block_of,
             options,
             calls,

@@ -37,12 +37,12 @@ from .core.policy import TuningPolicy
 from .runtime.interception import lazy_benchmarker
 from .selection import *  # noqa: F403  (the seed API: selection.__all__)
 from .session import TuningHandle, init_deterministic_tuning
-from .tables.merge import write_decisions
+from .tables.records import write_decisions
 
 
 def verify_agreement(group: Any = None, *, timeout_s: float | None = None) -> int:
-    """Compare all ranks' decisions at a step boundary (collective); see ``distributed.verify``."""
-    from .distributed.verify import verify_agreement as _verify
+    """Compare all ranks' decisions at a step boundary (collective); see ``distributed.agreement``."""
+    from .distributed.agreement import verify_agreement as _verify
 
     return _verify(group, timeout_s=timeout_s)
 

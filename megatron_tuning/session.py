@@ -25,8 +25,9 @@ from .core.identity import arch_tag, current_rank, node_arch
 from .core.notices import warn_once
 from .core.policy import ENV_DECISION_LOG, ENV_RECORD_DIR, TuningPolicy
 from .runtime import interception, pinning
+from .runtime.pinning import Measure
 from .tables.files import output_file_problem, output_folder_problem
-from .tables.merge import write_decisions, write_recording
+from .tables.records import write_decisions, write_recording
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +110,11 @@ def decision_log_path(template: str) -> str:
 
 
 def init_deterministic_tuning(
-    policy: TuningPolicy | None = None, *, table: Any = None, group: Any = None
+    policy: TuningPolicy | None = None,
+    *,
+    table: Any = None,
+    group: Any = None,
+    measure: Measure | None = None,
 ) -> TuningHandle:
     """Install deterministic tuning for this process; calling it again replaces the previous session.
 
@@ -118,10 +123,13 @@ def init_deterministic_tuning(
     ``policy`` defaults to ``TuningPolicy.from_env()``. ``table`` overrides
     the policy's tables (a ``ConfigTable`` or ``{(kernel, key): config}``; ``auto`` then still writes
     its cache). ``group``: the process group for ``allgather`` agreement and chaos (default: world).
+    ``measure``: what ``tune`` and ``auto`` time a key's candidates with (default: the noise-aware
+    tuner, ``tuning.tuner.make_measure``), called as ``measure(autotuner, configs, args, kwargs,
+    kernel, key) -> (config, timings)``.
     """
     _initializing.depth = getattr(_initializing, "depth", 0) + 1
     try:
-        return _init(policy, table, group)
+        return _init(policy, table, group, measure)
     finally:
         _initializing.depth -= 1
 
@@ -132,7 +140,7 @@ def initializing() -> bool:
     return getattr(_initializing, "depth", 0) > 0
 
 
-def _init(policy: TuningPolicy | None, table: Any, group: Any) -> TuningHandle:
+def _init(policy: TuningPolicy | None, table: Any, group: Any, measure: Measure | None) -> TuningHandle:
     global _active
     policy = policy if policy is not None else TuningPolicy.from_env()
     check_output_paths(policy)  # outputs are written at close: a bad path must fail now, not then
@@ -163,7 +171,12 @@ def _init(policy: TuningPolicy | None, table: Any, group: Any) -> TuningHandle:
         from .tables.search import TableSet
 
         resolved_table = TableSet.from_policy(policy, cache=(cache.path, cache.table) if cache else None)
-    measure = _make_measure(policy) if policy.mode in ("tune", "auto") else None
+    if policy.mode not in ("tune", "auto"):
+        measure = None
+    elif measure is None:
+        from .tuning.tuner import make_measure
+
+        measure = make_measure(policy)
     if measure is not None and policy.numerics != "any":  # audit first, time only the allowed configs
         from .tuning.audit import with_numerics
 
@@ -222,12 +235,6 @@ def _cache_arch() -> str:
         current,
     )
     return current
-
-
-def _make_measure(policy: TuningPolicy) -> Any:  # a seam: tests and benchmarks put a fake tuner here
-    from .tuning.tuner import make_measure
-
-    return make_measure(policy)
 
 
 def _start_agreement(policy: TuningPolicy, group: Any, table: Any) -> Any:

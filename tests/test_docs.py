@@ -1,6 +1,6 @@
 """README.md and docs/*.md: every relative link resolves, every documented command parses.
 
-The README is the front door and `docs/` the reference (STYLE.md 13); a page moved or a heading
+The README is the front door and `docs/` the reference; a page moved or a heading
 renamed breaks a link, and an option renamed in code breaks a documented command: both fail here.
 """
 

@@ -13,7 +13,7 @@ from megatron_tuning.core.errors import PolicyError
 from megatron_tuning.core.identity import config_data, config_signature, kernel_id
 from megatron_tuning.runtime import interception
 from megatron_tuning.tables.entry import Entry
-from megatron_tuning.tables.merge import read_decisions, recording_path
+from megatron_tuning.tables.records import read_decisions, recording_path
 from megatron_tuning.tables.table import Table, load_table, save_table
 
 from . import support_kernels as sk

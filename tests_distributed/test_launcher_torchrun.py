@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _launch import WORKERS, alive, gloo_available, job_env, read_results, run_bounded
+from _launch import REPO, WORKERS, alive, gloo_available, job_env, read_results, run_bounded
 
 from megatron_tuning.core.errors import EXIT_DIVERGENCE
 
@@ -86,8 +86,8 @@ def test_run_pins_every_rank_of_an_unedited_torchrun_job_with_one_notice_per_job
     # Each notice once per job (rank 0's; not the launcher's, not every rank's), at the user's frame.
     notices = [line for line in done.stderr.splitlines() if "TuningWarning: megatron_tuning:" in line]
     assert [line.split(": TuningWarning")[0].rsplit(":", 1)[0] for line in notices] == [
-        str(WORKERS / "_kernels.py"),  # the typo'd variable: the job's `import triton`
-        str(WORKERS / "_kernels.py"),  # the cheapest-config fallback: the launch
+        str(REPO / "tests" / "support_kernels.py"),  # the typo'd variable: the job's `import triton`
+        str(REPO / "tests" / "support_kernels.py"),  # the cheapest-config fallback: the launch
         str(WORKERS / "unedited_job.py"),  # the count at exit: no frame of the job runs, so its program
     ], notices
 
@@ -126,7 +126,11 @@ def test_selftest_of_a_job_chaos_can_catch_passes(tmp_path: Path) -> None:
     # The chaos run wrote last: one message, naming the kernel and each rank's config.
     assert [results[r]["error"] for r in range(NPROC)] == ["DivergenceError"] * NPROC, results
     message = results[0]["message"]
-    assert "_kernels:add_kernel" in message and "Rank(s) [0]" in message and "Rank(s) [1]" in message
+    assert (
+        "tests.support_kernels:add_kernel" in message
+        and "Rank(s) [0]" in message
+        and "Rank(s) [1]" in message
+    )
     assert "Planted by chaos mode" in message
 
 

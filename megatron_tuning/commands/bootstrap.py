@@ -34,7 +34,7 @@ ENV_AUDIT_DIR = PLUMBING + "AUDIT_DIR"  # where an `audit` job's processes write
 ENV_RESULT_DIR = PLUMBING + "RESULT_DIR"  # where `run`'s processes mark a DivergenceError
 ENV_SCORE = PLUMBING + "SCORE"  # what `score` (or `run --score-do-bench`) asks of each process: JSON
 MODULE_NAME = "_megatron_tuning_bootstrap"
-LAUNCHERS = {"run": "launch", "tune": "tune", "audit": "tune"}  # launcher -> its commands module
+LAUNCHERS = {"run": "launch", "tune": "tune", "audit": "audit"}  # launcher -> its commands module
 
 _HERE = os.path.abspath(__file__)
 _PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(_HERE)))

@@ -1,4 +1,4 @@
-"""Pinning jobs you do not edit: ``run [policy options] -- <command>``, ``audit``, ``enable``/``disable``.
+"""Pinning jobs you do not edit: ``run [policy options] -- <command>``, ``enable``/``disable``.
 
 ``run`` sets the policy as ``MEGATRON_TUNING_*`` variables (validated first) and puts the bootstrap
 (``bootstrap.py``) first on the job's ``PYTHONPATH``; ``enable`` writes a ``.pth`` instead. The job's
@@ -23,10 +23,9 @@ from typing import Any
 from ..core import policy as knobs
 from ..core.errors import EXIT_DIVERGENCE, MegatronTuningError, PolicyError
 from ..core.notices import TuningWarning, warn_once
-from ..tables.files import output_file_problem, output_folder_problem, write_atomic
+from ..tables.files import output_folder_problem, write_atomic
 from . import EXIT_USAGE
 from .bootstrap import (
-    ENV_AUDIT_DIR,
     ENV_RESULT_DIR,
     ENV_SCORE,
     PTH_MARKER,
@@ -36,10 +35,9 @@ from .bootstrap import (
     pth_text,
     write_bootstrap,
 )
-from .job import add_job_argument, command_problem, job_argv, job_command, run_job
+from .job import add_job_argument, job_argv, job_command, run_job
 
 RUN_MODES = ("deterministic", "auto", "chaos", "record", "off")  # `tune` pools in its own command
-AUDIT_MODES = ("deterministic", "auto")
 
 # option -> (the knob it sets, add_argument keywords; the help is the knob's own doc unless given)
 _OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -274,70 +272,3 @@ def run_enable(args: argparse.Namespace) -> int:
 
 
 run_disable = run_enable
-
-
-def add_audit(parser: argparse.ArgumentParser) -> None:
-    parser.description = (
-        "Run a job unedited, pinned as `run` pins it. At each (kernel, key) it reaches, launch every live "
-        "config --runs times on the job's own inputs and report which configs give bit-identical outputs "
-        "(numerics classes) and which differ from run to run on their own. docs/numerics.md"
-    )
-    parser.add_argument(
-        "--runs", type=int, help=f"launches per config (default {knobs.default(knobs.ENV_AUDIT_RUNS)})"
-    )
-    mode = f"pin as this mode would (auto: from its cache and tables, never tuning); default {knobs.ENV_MODE}"
-    parser.add_argument("--mode", choices=AUDIT_MODES, help=f"{mode} if set, else deterministic")
-    parser.add_argument("--out", default="audit.json", help="the JSON report (default audit.json)")
-    parser.add_argument("--table", help="pin from this table first, and record the audit in its entries")
-    add_job_argument(parser)
-
-
-def run_audit(args: argparse.Namespace) -> int:
-    from ..tuning.audit import audit_table, record_numerics, save_report
-
-    command = job_command(args, "audit", "audit --out audit.json -- train.py --steps 3")
-    if command is None:
-        return EXIT_USAGE
-    exported = os.environ.get(knobs.ENV_MODE, "").strip().lower() or None
-    mode = args.mode or exported or knobs.default(knobs.ENV_MODE)
-    if mode not in AUDIT_MODES:
-        why = f"{knobs.ENV_MODE}={exported} is set; audit pins as deterministic or auto: pass --mode"
-        print(f"audit: {why}", file=sys.stderr)
-        return EXIT_USAGE
-    if exported not in (None, mode):
-        print(f"audit: --mode {mode} overrides {knobs.ENV_MODE}={exported}", file=sys.stderr)
-    updates = {knobs.ENV_MODE: mode}
-    if args.runs is not None:
-        updates[knobs.ENV_AUDIT_RUNS] = str(args.runs)
-    if args.table:
-        updates[knobs.ENV_TABLE] = ":".join(filter(None, (args.table, os.environ.get(knobs.ENV_TABLE))))
-    runs = validated_policy(updates).audit_runs  # a bad value or table fails now, not in every process
-    problem = output_file_problem(args.out) or command_problem(job_argv(command), os.environ)
-    if problem:
-        print(f"audit: {problem if isinstance(problem, str) else problem[1]}", file=sys.stderr)
-        return EXIT_USAGE if isinstance(problem, str) else problem[0]
-    work = Path(tempfile.mkdtemp(prefix="megatron_tuning_audit_"))
-    try:
-        env = job_environment(write_bootstrap(work / "bootstrap", "audit"), "audit")
-        env.update(updates, **{ENV_AUDIT_DIR: str(work)})
-        returncode = run_job(job_argv(command), env, "audit", work / "bootstrap")
-        entries = [e for f in sorted(work.glob("audited-*.json")) for e in json.loads(f.read_text())]
-        report = {"format": "megatron_tuning.audit/2", "mode": mode, "runs": runs, "command": command}
-        report.update(exit_status=returncode, entries=entries)
-        written, unwritable = save_report(args.out, report, work)  # where --out fails: into work, kept
-    except BaseException:
-        print(f"audit: stopped; the job's per-process reports are kept in {work}", file=sys.stderr)
-        raise
-    if unwritable is None:
-        shutil.rmtree(work, ignore_errors=True)
-    print(audit_table(entries, mode))
-    if args.table and entries:
-        print(f"audit: numerics recorded in {record_numerics(args.table, entries)} entries of {args.table}")
-    if unwritable:
-        print(f"audit: cannot write --out {args.out} ({unwritable}); report in {written}", file=sys.stderr)
-    if returncode:
-        print(
-            f"audit: the job exited with status {returncode}; the report has what it audited", file=sys.stderr
-        )
-    print(f"audit: {len(entries)} (kernel, key) audited; report in {written}")
-    return returncode or (1 if unwritable or not entries else 0)

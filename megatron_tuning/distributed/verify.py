@@ -5,7 +5,7 @@ After a store barrier with a deadline (a missing rank is named), ranks all-gathe
 the pairing for good, on every rank. Equal digests end the call. Otherwise one rank per distinct
 log sends each row to the rank owning its identity (``all_to_all_single``), owners all-gather a
 summary and the named entries' holders broadcast their texts: every rank raises the same error.
-O(ranks) header bytes plus its own rows per rank; byte tensors only. Also: the active checker.
+O(ranks) header bytes plus its own rows per rank; byte tensors only.
 """
 
 from __future__ import annotations
@@ -58,44 +58,20 @@ class _Calls:
 
 _verify_calls: dict[str, _Calls] = {}
 _sessions = 0
-_checker: Any = None
-_checker_lock = threading.Lock()
+_sessions_lock = threading.Lock()
 
 
 def next_session() -> int:
     """Start this process's next checked session; return its number."""
     global _sessions
-    with _checker_lock:
+    with _sessions_lock:
         _sessions += 1
         return _sessions
 
 
-def active_checker() -> Any:
-    return _checker
-
-
-def set_active_checker(checker: Any, *, replacing: Any = None) -> None:
-    """Make ``checker`` the active one; with ``replacing``, only if that one is still active."""
-    global _checker
-    with _checker_lock:
-        if replacing is None or _checker is replacing:
-            _checker = checker
-
-
-def verify_agreement(group: Any = None, *, timeout_s: float | None = None) -> int:
-    """Compare every rank's decision log at a step boundary; return how many entries were shared.
-
-    Collective over ``group`` (default: the job). Only entries two or more ranks observed are
-    compared; on a mismatch every rank raises the same ``DivergenceError`` naming up to
-    ``MAX_NAMED`` of them, and a rank missing past ``timeout_s`` (default: the policy's) is named
-    in an ``AgreementTimeoutError``. Ranks whose calls pair with another session's, another call
-    or a check at close raise ``InputMismatchError``, as does every later check over ``group``.
-    Runs checks deferred by a CUDA graph capture first.
-    """
-    return _check(group, timeout_s, at_close=False)
-
-
-def _check(group: Any, timeout_s: float | None, *, at_close: bool) -> int:
+def compare_logs(group: Any, timeout_s: float | None, checker: Any, *, at_close: bool = False) -> int:
+    """``verify_agreement`` over ``group``: flush ``checker`` (the session's ``agreement.Agreement``,
+    or ``None``) first, then compare every rank's decision log; return how many entries were shared."""
     if not (dist.is_available() and dist.is_initialized()):
         return 0
     ranks = kv.group_ranks(group)
@@ -103,7 +79,6 @@ def _check(group: Any, timeout_s: float | None, *, at_close: bool) -> int:
     calls = _verify_calls.setdefault(scope, _Calls())
     if calls.broken is not None:
         raise calls.broken  # ranks no longer pair their checks: waiting would only time out
-    checker = _checker
     late_error: MegatronTuningError | None = None
     if checker is not None:
         try:
@@ -274,7 +249,7 @@ def verify_at_close(group: Any, timeout_s: float) -> None:
         )
         return
     try:
-        _check(group, min(timeout_s, CLOSE_TIMEOUT_S), at_close=True)
+        compare_logs(group, min(timeout_s, CLOSE_TIMEOUT_S), None, at_close=True)
     except (AgreementTimeoutError, StoreError) as exc:
         warn_once(
             ("close-check", type(exc).__name__), "the final agreement check at close did not run: %s", exc

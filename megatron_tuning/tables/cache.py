@@ -25,7 +25,7 @@ from ..core.notices import warn_once
 from ..core.policy import CACHE_OFF, ENV_CACHE, ENV_CACHE_MAX_ENTRIES, TuningPolicy
 from . import files
 from .entry import Entry, entry_with, same_config
-from .merge import content_ident, entry_from_decision
+from .records import content_ident, entry_from_decision
 from .search import installed_triton_version, staleness
 from .table import Table, library_version, table_from_data
 
@@ -190,13 +190,13 @@ class AutoCache:
         # Without the lock first: when every key is already there (the common case at close, where
         # the ranks of a node persist the same adopted keys), nothing is locked or written.
         data = _read(self.path)
-        plan = _merge(self._base(data), pending, hashes, offered, version, self.max_entries)
+        plan = _keep_first(self._base(data), pending, hashes, offered, version, self.max_entries)
         if not plan.changed:
             return plan
         with files.locked(self.path, timeout_s=self.lock_timeout_s, wait_level=logging.INFO):
             current = _read(self.path)
             if current != data:  # another writer got in first: merge into what it wrote
-                plan = _merge(self._base(current), pending, hashes, offered, version, self.max_entries)
+                plan = _keep_first(self._base(current), pending, hashes, offered, version, self.max_entries)
                 if not plan.changed:
                     return plan
             # Encoded under the lock: done outside, the work would be wasted whenever another
@@ -289,7 +289,7 @@ class _Plan:
         return bool(self.added or self.stale or self.evicted)
 
 
-def _merge(
+def _keep_first(
     base: Table, pending: list[Entry], hashes: _Hashes, offered: _Offered, version: str | None, cap: int
 ) -> _Plan:
     """``pending`` merged into a copy of ``base``: stale entries evicted, new keys added (first

@@ -3,7 +3,7 @@
 msgpack, schema 1: ``[FORMAT, SCHEMA, header, body]``, one list per field; strings and configs are
 stored once and referenced by index, so a 100k-entry load checks columns at C speed. Canonical:
 sorted strings, configs by packed bytes, rows by (arch, kernel, key), all-nil optional columns
-omitted. Decoding charges memory (``files.budget``) before it is spent, under msgpack's limits.
+omitted. Decoding is bounded by msgpack's own limits and size caps (``_unpack``).
 """
 
 from __future__ import annotations
@@ -33,11 +33,11 @@ from .entry import (
     entry_from_data,
     make_entry,
 )
-from .files import budget, check_json_budget, json_text, over_budget
+from .files import check_json_budget, json_text
 
 FORMAT = "megatron_tuning.table"
 SCHEMA = 1
-MAX_ENTRIES = 5_000_000
+MAX_ENTRIES = 1_000_000  # as many as auto's cache may be allowed to keep
 
 _Ident = tuple[str, str, str]
 _Decoded = tuple[str, dict[str, str], dict[_Ident, Entry]]
@@ -57,15 +57,13 @@ _COLUMN_TYPES: dict[str, frozenset[type]] = {
 }
 _NO_TIMING = Timing()
 
-ENTRY_BYTES = 448  # an entry besides its column values (Entry, ident, index slot, timing): ~380 measured
 MAX_META_ITEMS = 4096
-_NESTED = 128  # items in a list or map inside a value: a config's kwargs hold far fewer
-_VALUE_BYTES = 96  # the most a column value costs (its list slot, a str object; its text is apart)
-# What is built before a hook can charge it: up to 1,024 levels (msgpack's limit) of _NESTED
-# pending pairs (~240 bytes each), and the header's meta items.
-_IN_FLIGHT = 1024 * _NESTED * 240 + MAX_META_ITEMS * 200
+# Values are single: a list or map inside one (a nesting bomb) is refused as soon as it is met. The
+# two columns whose values are maps (configs, numerics) are decoded apart, each at most this many
+# bytes: what decoding a file built to amplify can cost is bounded (~70x of this, ~1.1 GiB).
+MAX_MAP_COLUMN_BYTES = 16 * 1024 * 1024
+_MAP_COLUMNS = ("configs", "numerics")
 _LIMITS = {"raw": False, "strict_map_key": True, "max_bin_len": 0, "max_ext_len": 0}
-_LIMITS.update(max_array_len=_NESTED, max_map_len=_NESTED)
 # msgpack's messages for these are empty: say what they mean.
 _ERRORS = {msgpack.OutOfData: "the file ends early", msgpack.StackError: "data nested too deeply"}
 _ERRORS[msgpack.FormatError] = "an invalid type byte"
@@ -125,25 +123,7 @@ def decode_msgpack(data: bytes) -> _Decoded:
 
 def _unpack(data: bytes) -> tuple[dict[str, Any], dict[str, list[Any]]]:
     """The header and the columns of ``[FORMAT, SCHEMA, header, body]``, each checked as it is read."""
-    spent, limit = 3 * len(data) + _IN_FLIGHT, budget(len(data))  # the file, msgpack's copy, text
-
-    def charge(cost: int) -> None:
-        nonlocal spent
-        spent += cost
-        if spent > limit:
-            raise over_budget(spent, len(data))
-
-    def built_list(items: list[Any]) -> list[Any]:
-        charge(128 + 112 * len(items))  # the list, its items, check_config's copy
-        return items
-
-    def built_map(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
-        charge(512 + 320 * len(pairs))  # the dict, msgpack's pair tuples, keys, values, a copy
-        return unique_map(pairs)
-
-    up = msgpack.Unpacker(
-        max_buffer_size=max(1, len(data)), list_hook=built_list, object_pairs_hook=built_map, **_LIMITS
-    )
+    up = msgpack.Unpacker(max_buffer_size=max(1, len(data)), max_array_len=0, max_map_len=0, **_LIMITS)
     up.feed(data)
     where, header, body, count = "", {}, {}, None
     try:
@@ -155,7 +135,8 @@ def _unpack(data: bytes) -> tuple[dict[str, Any], dict[str, list[Any]]]:
             items = _fields(up, "header meta", MAX_META_ITEMS) if key == "meta" else None  # read lazily
             header[key] = up.unpack() if items is None else {k: up.unpack() for k in items}
         for name in _fields(up, "table body", len(data), "column"):  # unknown names are refused as met
-            where, types, n = f"column {name}: ", _COLUMN_TYPES.get(name), _length(up.read_array_header)
+            start, types = up.tell(), _COLUMN_TYPES.get(name)
+            where, n = f"column {name}: ", _length(up.read_array_header)
             if types is None:
                 raise Invalid(f"table body: unknown columns {[name]}")
             if n is None:
@@ -163,13 +144,21 @@ def _unpack(data: bytes) -> tuple[dict[str, Any], dict[str, list[Any]]]:
             if n > len(data) - up.tell():  # each value takes a byte: refused before anything is sized by it
                 raise Invalid(f"column {name}: truncated or corrupt ({n} values claimed)")
             if name not in ("strings", "configs"):
-                if count is None:
-                    charge(ENTRY_BYTES * n)  # the entries built from the columns
-                elif n != count:
+                if count is not None and n != count:
                     raise Invalid(f"column {name} has {n} values for {count} entries")
                 count = n
-            charge(_VALUE_BYTES * n)
-            body[name] = column = list(islice(up, n))
+            if n > MAX_ENTRIES:
+                raise Invalid(f"column {name} has {n} values, over the {MAX_ENTRIES} limit")
+            if name in _MAP_COLUMNS:
+                for _ in range(n):
+                    up.skip()  # measures the column without building it
+                if up.tell() - start > MAX_MAP_COLUMN_BYTES:
+                    raise Invalid(f"column {name} is over the {MAX_MAP_COLUMN_BYTES}-byte limit")
+                body[name] = column = msgpack.unpackb(
+                    data[start : up.tell()], object_pairs_hook=unique_map, **_LIMITS
+                )
+            else:
+                body[name] = column = list(islice(up, n))
             if len(column) != n:
                 raise Invalid(f"column {name}: not valid msgpack (truncated or corrupt): the file ends early")
             if wrong := sorted(t.__name__ for t in set(map(type, column)) - types):
@@ -180,6 +169,8 @@ def _unpack(data: bytes) -> tuple[dict[str, Any], dict[str, list[Any]]]:
         raise
     except (ValueError, TypeError, msgpack.UnpackException) as exc:
         detail = next((text for kind, text in _ERRORS.items() if isinstance(exc, kind)), str(exc))
+        if detail.endswith("_len(0)"):  # msgpack: "3 exceeds max_array_len(0)"
+            detail = f"a list or map inside a single value ({detail})"
         message = f"{where}not valid msgpack (truncated or corrupt): {detail} at byte {up.tell()}"
         raise Invalid(message) from None
     return header, body
@@ -231,8 +222,6 @@ def _decode_body(body: dict[str, list[Any]]) -> dict[_Ident, Entry]:
             configs.append(check_config(config))
         except Invalid as exc:
             raise Invalid(f"configs[{index}]: {exc}") from None
-    if len(keys) > MAX_ENTRIES:
-        raise Invalid(f"{len(keys)} entries, over the {MAX_ENTRIES} limit")
 
     def column(name: str, values: list[Any] = strings) -> Iterable[Any]:
         """An index column's values (nil stays nil); absent: all nil."""
@@ -319,8 +308,8 @@ def decode_json(text: str | bytes) -> _Decoded:
     text = json_text(text)
     if not text.strip():
         raise Invalid("empty file")
-    # Each entry has at least three maps (entry, config, kwargs): its cost is spread over them.
-    check_json_budget(text, per_object=ENTRY_BYTES // 3, size=size)
+    # ~450 bytes an entry, spread over its three maps at least (entry, config, kwargs).
+    check_json_budget(text, per_object=150, size=size)
 
     def no_constants(name: str) -> Any:
         raise Invalid(f"non-finite number {name} is not allowed")

@@ -13,8 +13,7 @@ import pytest
 import torch
 
 import megatron_tuning
-from megatron_tuning import session
-from megatron_tuning.commands.launch import add_audit, run_audit
+from megatron_tuning.commands.audit import add_audit, run_audit
 from megatron_tuning.core.identity import (
     config_data,
     config_signature,
@@ -75,8 +74,7 @@ def test_audit_pins_what_an_auto_job_launches_from_its_cache_and_never_tunes(sco
     def pick_last(autotuner, candidates, args, kwargs, kernel, key):  # noqa: ANN001, ANN202
         return candidates[-1], {"format": "fake", "median_ms": 1.0}
 
-    monkeypatch.setattr(session, "_make_measure", lambda policy: pick_last)
-    with megatron_tuning.init_deterministic_tuning():
+    with megatron_tuning.init_deterministic_tuning(measure=pick_last):
         kernels.add_one(torch.arange(100, dtype=torch.float32))
     tuned = cache.read_bytes()
 

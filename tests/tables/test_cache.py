@@ -111,13 +111,13 @@ _KILLED = textwrap.dedent(
     import sys, time
     from megatron_tuning.core.decisions import Decision
     from megatron_tuning.core.policy import TuningPolicy
-    from megatron_tuning.tables import files
+    import os
     from megatron_tuning.tables.cache import open_cache
     path, marker = sys.argv[1], sys.argv[2]
-    def pause(tmp):
+    def pause(tmp, dest):  # the temp file is written and fsynced: the process dies before the replace
         open(marker, "w").write(tmp)
         time.sleep(120)
-    files._BEFORE_REPLACE = pause
+    os.replace = pause
     cache = open_cache(TuningPolicy(mode="auto", cache=path), "sm90")
     config = {"kwargs": {"BLOCK": 64}, "num_warps": 4, "num_stages": 3, "num_ctas": 1, "maxnreg": None}
     cache.persist([Decision(kernel="pkg.k:kern", key="n=2 | x:f", signature="s", source="tuned",
@@ -217,7 +217,6 @@ _RACER = textwrap.dedent(
     import os, sys, time
     from megatron_tuning.core.decisions import Decision
     from megatron_tuning.core.policy import TuningPolicy
-    from megatron_tuning.tables import files
     from megatron_tuning.tables.cache import open_cache
     path, block, role, marker = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
     cache = open_cache(TuningPolicy(mode="auto", cache=path), "sm90")  # both open an empty cache
@@ -225,12 +224,14 @@ _RACER = textwrap.dedent(
     while not all(os.path.exists(marker + "." + r + ".open") for r in ("first", "second")):
         time.sleep(0.01)
     if role == "first":
-        def hold(tmp):  # written, not yet visible: the second job reads the old file meanwhile
+        real_replace = os.replace
+        def hold(tmp, dest):  # written, not yet visible: the second job reads the old file meanwhile
             open(marker + ".holding", "w").close()
             deadline = time.monotonic() + 30
             while not os.path.exists(marker + ".read") and time.monotonic() < deadline:
                 time.sleep(0.01)
-        files._BEFORE_REPLACE = hold
+            real_replace(tmp, dest)
+        os.replace = hold
     else:
         while not os.path.exists(marker + ".holding"):
             time.sleep(0.01)

@@ -14,17 +14,18 @@ import triton
 import triton.language as tl
 
 import megatron_tuning
-from megatron_tuning import session
 from megatron_tuning.commands import main
-from megatron_tuning.commands.launch import add_audit, run_audit
+from megatron_tuning.commands.audit import add_audit, run_audit
 from megatron_tuning.core.decisions import decision_log
 from megatron_tuning.core.errors import NumericsError
 from megatron_tuning.core.identity import config_data, config_signature, tuning_key
 from megatron_tuning.core.policy import TuningPolicy
 from megatron_tuning.runtime.interception import lazy_benchmarker
 from megatron_tuning.tables.entry import Numerics
-from megatron_tuning.tables.merge import diff_tables, merge_tables, write_decisions
+from megatron_tuning.tables.records import write_decisions
+from megatron_tuning.tables.review import diff_tables
 from megatron_tuning.tables.table import Entry, Table, load_table, save_table
+from megatron_tuning.tables.vote import vote_tables
 from megatron_tuning.tuning.audit import audit_candidates, record_numerics
 
 JOB = textwrap.dedent("""
@@ -136,12 +137,10 @@ def test_same_class_tuning_keeps_the_output_bits_across_a_retune(tmp_path, monke
         key = k
         return candidates[-1], {}
 
-    monkeypatch.setattr(session, "_make_measure", lambda policy: last_wins)
-
     def run(numerics: str, tables: tuple[str, ...] = ()) -> torch.Tensor:
         a, b = call[0], call[1]
         policy = TuningPolicy(mode="tune", numerics=numerics, tables=tables, use_shipped_tables=False)
-        with megatron_tuning.init_deterministic_tuning(policy):
+        with megatron_tuning.init_deterministic_tuning(policy, measure=last_wins):
             return kernels.splitk_matmul(a, b)
 
     free = run("any")
@@ -188,7 +187,7 @@ def test_tables_carry_numerics_diff_flags_a_class_change_and_merge_keeps_it(tmp_
     assert "CHANGES NUMERICS" in capsys.readouterr().out
     assert main(["show", str(t)]) == 0
     assert f"numerics class {'b' * 16}, NOT deterministic on its own" in capsys.readouterr().out
-    merged = merge_tables([("x", Table([c])), ("y", Table([c._replace(numerics=None)]))]).table
+    merged = vote_tables([("x", Table([c])), ("y", Table([c._replace(numerics=None)]))]).table
     assert merged.get("sm90", "m:k", "n=1").numerics.deterministic is False
 
 

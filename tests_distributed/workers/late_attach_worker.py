@@ -26,7 +26,6 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import torch.distributed as dist
 
 import megatron_tuning
-from megatron_tuning import session
 from megatron_tuning.core.errors import MegatronTuningError
 from megatron_tuning.distributed import store
 
@@ -35,12 +34,9 @@ SIZES = (101, 102, 103)
 TIMEOUT_S = 5.0  # the failed-attach modes' agreement timeout: a hang is bounded by it
 
 
-def fake_measure(policy: Any) -> Any:
-    def measure(autotuner, candidates, args, kwargs, kernel, key):  # noqa: ANN001, ANN202
-        time.sleep(0.1)
-        return candidates[RANK % len(candidates)], {"format": "fake", "median_ms": 1.0 + RANK}
-
-    return measure
+def fake_measure(autotuner, candidates, args, kwargs, kernel, key):  # noqa: ANN001, ANN201
+    time.sleep(0.1)
+    return candidates[RANK % len(candidates)], {"format": "fake", "median_ms": 1.0 + RANK}
 
 
 def main() -> int:
@@ -49,12 +45,11 @@ def main() -> int:
     parser.add_argument("--mode", choices=("chaos", "auto", "failed"), required=True)
     parser.add_argument("--cache", default="off")
     args = parser.parse_args()
-    session._make_measure = fake_measure
     if args.mode == "failed":
         return failed_attach(args.out)
     policy = megatron_tuning.TuningPolicy(mode=args.mode, cache=args.cache, use_shipped_tables=False)
-    handle = megatron_tuning.init_deterministic_tuning(policy)  # no process group yet
-    from _kernels import run
+    handle = megatron_tuning.init_deterministic_tuning(policy, measure=fake_measure)  # no group yet
+    from tests.support_kernels import run
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     result: dict[str, Any] = {"error": None}
@@ -98,7 +93,7 @@ def failed_attach(out: str) -> int:
     handle = megatron_tuning.init_deterministic_tuning(
         policy.replace(mode="deterministic", block_sizes=blocks)
     )
-    from _kernels import run
+    from tests.support_kernels import run
 
     run("add", 100)  # no process group yet: BLOCK=16 on rank 0, 64 on rank 1
     dist.init_process_group("gloo", timeout=timedelta(seconds=20))

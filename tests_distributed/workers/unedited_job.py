@@ -25,7 +25,9 @@ LAUNCHES = "--last-rank-without-triton" not in sys.argv or os.environ["RANK"] !=
     int(os.environ["WORLD_SIZE"]) - 1
 )
 if LAUNCHES:
-    from _kernels import run  # kernels first (the bootstrap arms the process at their `import triton`)
+    from tests.support_kernels import (
+        run,  # kernels first (the bootstrap arms the process at their `import triton`)
+    )
 
 SIZES = (100, 200, 300)
 
