@@ -51,6 +51,7 @@ setup(
         "test": TEST_REQUIRES,
         "plot": ["matplotlib"],
         "progress": ["tqdm"],
+        "nvml": ["nvidia-ml-py"],  # score's NVML clock evidence (docs/score.md); without it: null fields
     },
     entry_points={"console_scripts": ["megatron-tuning = megatron_tuning.commands:main"]},
     classifiers=[

@@ -106,11 +106,11 @@ def _sync(device: str) -> None:
 def _worker(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
+    import megatron_tuning
     from megatron_tuning.core.decisions import decision_log
     from megatron_tuning.core.policy import TuningPolicy
     from megatron_tuning.distributed import agreement
     from megatron_tuning.distributed import store as kv
-    from megatron_tuning.distributed import verify as verify_mod
 
     if args.backend == "nccl":  # NCCL needs each rank's device chosen before the group exists
         import torch
@@ -146,7 +146,7 @@ def _worker(args: argparse.Namespace) -> int:
     for _ in range(5):
         dist.barrier()
         start = time.perf_counter()
-        verify_mod.verify_agreement()
+        megatron_tuning.verify_agreement()
         verify.append(time.perf_counter() - start)
     out["verify"] = verify
     decision_log().clear()

@@ -69,7 +69,7 @@ def child_worker(args: argparse.Namespace) -> None:
     if args.mode == "auto":
         import megatron_tuning
 
-        policy = megatron_tuning.TuningPolicy(
+        policy = megatron_tuning.TuningPolicy.from_env(  # smoke: MEGATRON_TUNING_TUNE_ROUNDS=1
             mode="auto", cache=args.cache, use_shipped_tables=False, scope=("megatron_tuning.kernels",)
         )
         handle = megatron_tuning.init_deterministic_tuning(policy)

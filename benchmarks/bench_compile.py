@@ -8,7 +8,7 @@ Issue 10's measurement, repeated for the fix. For each compile kind (``static``:
 variant (``stock``: no library; ``pinned``: ``init_deterministic_tuning()`` with the default
 policy), ``--processes`` fresh processes each run, for two kernels:
 
-* ``block_kernel.write_block_kernel`` (4 configs, writes its ``BLOCK`` into its output, so the
+* ``tests/support_kernels.write_block_kernel`` (4 configs, writes its ``BLOCK`` into its output, so the
   launched config is read back from the result, CUDA-graph replays included), keys n=1000, 2000;
 * the reference ``megatron_tuning.kernels`` (18 configs, bf16), keys 512^3 and 4096^3,
   both in the shipped sm90 table.
@@ -49,7 +49,7 @@ from compile_child import child
 KINDS = ("static", "dynamic", "reduce-overhead")
 VARIANTS = ("stock", "pinned")
 MM_KERNEL = "megatron_tuning.kernels:matmul_kernel"
-WB_KERNEL = "block_kernel:write_block_kernel"
+WB_KERNEL = "tests.support_kernels:write_block_kernel"
 FUNCTION = {"write_block": "write_block_kernel", "matmul": "matmul_kernel"}  # Triton bench counts' keys
 
 

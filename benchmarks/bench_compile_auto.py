@@ -6,7 +6,7 @@
 Stage ``auto-compiled`` (issue 27 item 1): ``--processes`` (3) fresh processes share one ``auto``
 cache (shipped tables off, so nothing else answers). Each compiles (``fullgraph=True``) and calls:
 
-* ``block_kernel.write_block`` at n=1000: the kernel writes its ``BLOCK`` into its output, so the
+* ``tests/support_kernels.write_block`` at n=1000: the kernel writes its ``BLOCK`` into its output, so the
   config the compiled graph launched is read back from the result;
 * the reference GEMM (``megatron_tuning.kernels.matmul``, 8192^3 bf16).
 
@@ -39,24 +39,24 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 MM = "megatron_tuning.kernels:matmul_kernel"
-WB = "block_kernel:write_block_kernel"
+WB = "tests.support_kernels:write_block_kernel"
 
 
 def child(args: argparse.Namespace) -> dict[str, Any]:
     """One fresh process: compile and call both kernels under ``auto``; maybe time against stock."""
     import torch
-    from block_kernel import write_block
 
     import megatron_tuning
     from megatron_tuning.core.decisions import get_decisions
     from megatron_tuning.kernels import matmul
+    from tests.support_kernels import write_block
 
     device = "cpu" if args.smoke else "cuda"
     # The smoke run cannot compile: Dynamo would trace the Triton interpreter itself.
     compile_ = (lambda fn: fn) if args.smoke else (lambda fn: torch.compile(fn, fullgraph=True))
     if not args.smoke:
         torch._inductor.config.force_disable_caches = True
-    policy = megatron_tuning.TuningPolicy(mode="auto", cache=args.cache, use_shipped_tables=False)
+    policy = megatron_tuning.TuningPolicy.from_env(mode="auto", cache=args.cache, use_shipped_tables=False)
     handle = megatron_tuning.init_deterministic_tuning(policy)
 
     def wb_auto(x: torch.Tensor) -> torch.Tensor:

@@ -52,7 +52,7 @@ def child(args: argparse.Namespace) -> None:
     if args.prewarm:
         # Pay Triton's once-per-process start-up (driver, launcher, first module load) on an
         # unrelated bare kernel, so the timed launch measures only this key's first launch.
-        from bare_kernel import add_one_bare
+        from tests.support_kernels import add_one_bare
 
         common.synchronize(args.smoke)
         t0 = time.perf_counter()
@@ -82,9 +82,9 @@ def child(args: argparse.Namespace) -> None:
 
 def write_table(path: Path, primer: dict[str, Any]) -> None:
     from megatron_tuning.tables.entry import Entry
-    from megatron_tuning.tables.table import merge_entries
+    from megatron_tuning.tables.table import add_entries
 
-    merge_entries(
+    add_entries(
         path,
         [
             Entry(

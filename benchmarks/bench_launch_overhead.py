@@ -65,10 +65,10 @@ def _pin_table(kernel: Any, config: Any, args: tuple[Any, ...]) -> dict[tuple[st
 def measure_gpu(args: argparse.Namespace) -> dict[str, list[float]]:
     import torch
     import triton
-    from bare_kernel import BARE_BLOCK, add_one_bare_kernel
 
     from megatron_tuning import kernels as tiny
     from megatron_tuning.runtime import interception
+    from tests.support_kernels import BARE_BLOCK, add_one_bare_kernel
 
     n = 1024
     device = "cpu" if args.smoke else "cuda"

@@ -30,8 +30,8 @@ Modes (each worker is ONE fresh process):
   scope=("megatron.core",), on_miss="min_cost"))`` on the full lists (no table has these kernels).
 * ``ours_default``: ``init_deterministic_tuning()`` with only ``MEGATRON_TUNING_SCOPE=megatron.core``
   in the environment (the env path; ``on_miss`` defaults to ``min_cost``, so same rule).
-* ``auto``: ``TuningPolicy(mode="auto", scope=("megatron.core",))``; the library reads its cache
-  table path from ``MEGATRON_TUNING_CACHE``, which the driver sets (empty for the first auto
+* ``auto``: ``TuningPolicy.from_env(mode="auto", scope=("megatron.core",))``; its cache table path
+  comes from ``MEGATRON_TUNING_CACHE``, which the driver sets (empty for the first auto
   process, reused by the later ones). A library without mode ``auto`` is reported, not fatal.
 
 Each worker: installs counters (``Autotuner._bench`` calls that reach Triton's own benchmarking,

@@ -47,7 +47,7 @@ def child(args: argparse.Namespace) -> None:
         common.allow_stock_autotune_on_cpu(mm.matmul_kernel)
     tuned_m, query_m = (SMOKE_TUNED_M, SMOKE_QUERY_M) if args.smoke else (TUNED_M, QUERY_M)
     n, k = SMOKE_NK if args.smoke else NK
-    policy = megatron_tuning.TuningPolicy(
+    policy = megatron_tuning.TuningPolicy.from_env(  # smoke: MEGATRON_TUNING_TUNE_ROUNDS=1
         mode="auto",
         cache=args.cache,
         use_shipped_tables=False,

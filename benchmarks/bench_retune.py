@@ -104,7 +104,7 @@ def parent(args: argparse.Namespace) -> int:
         ],
     )
     if args.plot:
-        from megatron_tuning.commands.tune import plot_into
+        from megatron_tuning.commands.report import plot_into
         from megatron_tuning.core.decisions import Decision
 
         decisions = [

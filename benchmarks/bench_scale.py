@@ -111,25 +111,44 @@ class Server:
         self.proc.wait()
 
 
-class Counting:
-    """Counts requests on the (prefix) store a checker or consensus object already built."""
+def counting_store(inner: Any) -> Any:
+    """``inner`` as a c10d store that counts the requests made through it, per method; handed to a
+    checker or consensus object as its store (its PrefixStore wraps this one)."""
+    import torch.distributed as dist
 
-    def __init__(self, store: Any) -> None:
-        self._store = store
-        self.requests = 0
-        self.kinds: dict[str, int] = {}  # requests per store method (compare_set, add, append, ...)
+    class Counting(dist.Store):
+        def __init__(self) -> None:
+            super().__init__()
+            self.requests = 0
+            self.kinds: dict[str, int] = {}  # requests per store method (compare_set, add, wait, ...)
 
-    def __getattr__(self, name: str) -> Any:
-        method = getattr(self._store, name)
-        if not callable(method):  # host, port: what error messages name
-            return method
-
-        def counted(*args: Any, **kwargs: Any) -> Any:
+        def _forward(self, name: str, *args: Any) -> Any:
             self.requests += 1
             self.kinds[name] = self.kinds.get(name, 0) + 1
-            return method(*args, **kwargs)
+            return getattr(inner, name)(*args)
 
-        return counted
+        def set(self, *args: Any) -> Any:
+            return self._forward("set", *args)
+
+        def get(self, *args: Any) -> Any:
+            return self._forward("get", *args)
+
+        def add(self, *args: Any) -> Any:
+            return self._forward("add", *args)
+
+        def compare_set(self, *args: Any) -> Any:
+            return self._forward("compare_set", *args)
+
+        def check(self, *args: Any) -> Any:
+            return self._forward("check", *args)
+
+        def wait(self, *args: Any) -> Any:
+            return self._forward("wait", *args)
+
+        def delete_key(self, *args: Any) -> Any:
+            return self._forward("delete_key", *args)
+
+    return Counting()
 
 
 def plan(workload: str, rank: int, keys: int, own: int) -> list[str]:
@@ -166,16 +185,13 @@ def _rank_thread(
     base = dist.PrefixStore(f"{design}-{workload}", client)
     latencies: list[float] = []
     tunes = 0
+    counting = counting_store(base)
     if design == "store":
         checker = AgreementChecker(
-            TuningPolicy(agreement="store"), store=base, rank=rank, ranks=range(args.ranks)
+            TuningPolicy(agreement="store"), store=counting, rank=rank, ranks=range(args.ranks)
         )
-        counting = checker._store = Counting(checker._store)
     elif design in ("auto", "auto-warm"):
-        consensus = StoreConsensus(store=base, rank=rank, world=args.ranks)
-        counting = consensus._store = Counting(consensus._store)
-    else:
-        counting = Counting(client)
+        consensus = StoreConsensus(store=counting, rank=rank, world=args.ranks)
     decisions = [
         Decision(kernel=KERNEL, key=key, signature=SIGNATURE, source="table", arch=ARCH) for key in keys
     ]
@@ -374,6 +390,7 @@ def calibrate(server: Server, requests: int, blocks: int = 5) -> tuple[float, fl
 VERIFY_WORKER = """
 import json, os, sys, time
 import torch.distributed as dist
+import megatron_tuning
 from megatron_tuning.core.decisions import Decision, decision_log
 from megatron_tuning.distributed import verify
 sys.path.insert(0, sys.argv[1])
@@ -399,7 +416,7 @@ for workload in sys.argv[5:]:
     sent[0] = 0
     dist.barrier()
     t0 = time.perf_counter()
-    shared = verify.verify_agreement(timeout_s=120)
+    shared = megatron_tuning.verify_agreement(timeout_s=120)
     elapsed = time.perf_counter() - t0
     results[workload] = {"sent_bytes": sent[0], "seconds": elapsed, "shared": shared}
 with open(os.path.join(sys.argv[2], f"rank{rank}.json"), "w") as f:

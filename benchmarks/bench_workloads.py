@@ -24,8 +24,8 @@ Workloads, on the reference kernels ``kernels.matmul`` and ``kernels.tiny``:
 Every rank runs ``--steps`` steps, then ``verify_agreement()`` over the job (the step boundary),
 and reports: its error (and whether a launch or verify raised it), its decision per (kernel, key),
 the kernel phase's wall time, Triton ``Autotuner._bench`` calls, and auto's measurements (count
-and seconds). ``--measure fake`` (the default on CPU) replaces the tuner through
-``session._make_measure`` with one that sleeps ``--tune-s`` and picks ``candidates[rank % n]``, a
+and seconds). ``--measure fake`` (the default on CPU) hands ``init_deterministic_tuning`` a
+``measure`` that sleeps ``--tune-s`` and picks ``candidates[rank % n]``, a
 different config on every rank, so ranks agree only if the consensus works; ``--measure real``
 (the default with ``--gpu``) is the noise-aware tuner. Agreement is ``store`` (the default).
 Each job has a hard timeout: a hang shows up as ``timeout``, its whole process group killed.
@@ -106,30 +106,25 @@ def _launchers(kernels: list[tuple[str, Any]], gpu: bool) -> list[Callable[[], N
     return out
 
 
-def _count_measurements(args: argparse.Namespace, rank: int, counts: dict[str, Any]) -> None:
-    """Wrap auto's measurement (fake or the real tuner) so each call is counted and timed."""
-    from megatron_tuning import session
+def _count_measurements(args: argparse.Namespace, rank: int, counts: dict[str, Any], policy: Any) -> Any:
+    """auto's measurement (fake or the real tuner), each call counted and timed."""
+    from megatron_tuning.tuning.tuner import make_measure
 
-    make_real = session._make_measure
+    real = make_measure(policy) if args.measure == "real" else None
 
-    def make(policy: Any) -> Any:
-        real = make_real(policy) if args.measure == "real" else None
+    def measure(autotuner, candidates, call_args, kwargs, kernel, key):  # noqa: ANN001, ANN202
+        start = time.perf_counter()
+        try:
+            if real is not None:
+                return real(autotuner, candidates, call_args, kwargs, kernel, key)
+            time.sleep(args.tune_s)
+            return candidates[rank % len(candidates)], {"format": "fake", "median_ms": 1.0 + rank}
+        finally:
+            counts["calls"] += 1
+            counts["seconds"] += time.perf_counter() - start
+            counts["keys"].append(key)
 
-        def measure(autotuner, candidates, call_args, kwargs, kernel, key):  # noqa: ANN001, ANN202
-            start = time.perf_counter()
-            try:
-                if real is not None:
-                    return real(autotuner, candidates, call_args, kwargs, kernel, key)
-                time.sleep(args.tune_s)
-                return candidates[rank % len(candidates)], {"format": "fake", "median_ms": 1.0 + rank}
-            finally:
-                counts["calls"] += 1
-                counts["seconds"] += time.perf_counter() - start
-                counts["keys"].append(key)
-
-        return measure
-
-    session._make_measure = make
+    return measure
 
 
 def _worker(args: argparse.Namespace) -> int:
@@ -142,7 +137,6 @@ def _worker(args: argparse.Namespace) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     bench_calls = common.count_triton_benchmarks()
     measured: dict[str, Any] = {"calls": 0, "seconds": 0.0, "keys": []}
-    _count_measurements(args, rank, measured)
 
     import megatron_tuning
     from megatron_tuning.core.errors import MegatronTuningError
@@ -151,7 +145,8 @@ def _worker(args: argparse.Namespace) -> int:
     policy = megatron_tuning.TuningPolicy(
         mode=mode, scope=SCOPE, use_shipped_tables=False, cache=args.cache if mode == "auto" else None
     )
-    handle = megatron_tuning.init_deterministic_tuning(policy)
+    measure = _count_measurements(args, rank, measured, policy)
+    handle = megatron_tuning.init_deterministic_tuning(policy, measure=measure)
     late, kernels = _plan(args, rank, world)
     launches = _launchers(kernels, args.gpu)
     sync = torch.cuda.synchronize if args.gpu else (lambda: None)

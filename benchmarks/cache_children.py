@@ -64,7 +64,7 @@ def make_decisions(start: int, count: int, *, tag: str = "") -> list[Any]:
 def _policy(path: str) -> Any:
     from megatron_tuning.core.policy import TuningPolicy
 
-    return TuningPolicy(mode="auto", cache=path, use_shipped_tables=False)
+    return TuningPolicy.from_env(mode="auto", cache=path, use_shipped_tables=False)  # the cap: the env's
 
 
 def _open(path: str) -> Any:

@@ -125,17 +125,17 @@ def _measure_kernel(
 
 def child(args: argparse.Namespace) -> None:
     variant, kind = args.child.split(",")
-    import block_kernel
     import torch
 
     from megatron_tuning import kernels as mm
+    from tests import support_kernels as sk
 
     probe = Probe()
     probe.install(args.smoke)
     # The library's notices are TuningWarnings (warnings.warn), its diagnostics log records: keep both.
     messages = common.collect_warnings()
     if variant == "stock" and args.smoke:
-        for kernel in (block_kernel.write_block_kernel, mm.matmul_kernel):  # no GPU benchmarker on CPU
+        for kernel in (sk.write_block_kernel, mm.matmul_kernel):  # no GPU benchmarker on CPU
             kernel.__dict__["do_bench"] = lambda fn, quantiles=None, **kw: (
                 [1.0, 1.0, 1.0] if quantiles else 1.0
             )
@@ -148,7 +148,7 @@ def child(args: argparse.Namespace) -> None:
             from megatron_tuning.runtime import inductor
 
             inductor._hopifier_class = lambda: (None, "simulated by bench_compile: hook not installed")
-            policy = TuningPolicy.from_env(default_mode="deterministic", strict=True)
+            policy = TuningPolicy.from_env(strict=True)
         megatron_tuning.init_deterministic_tuning(policy)
 
     device = "cpu" if args.smoke else "cuda"
@@ -165,7 +165,7 @@ def child(args: argparse.Namespace) -> None:
             "write_block",
             WB_KEYS,
             lambda n: (torch.zeros(n, device=device),),
-            block_kernel.write_block,
+            sk.write_block,
             _block_of,
             options,
             calls,

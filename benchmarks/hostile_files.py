@@ -4,8 +4,8 @@
 
 CPU only. Writes files built to make a decoder allocate far more than their size (arrays of empty
 arrays or maps, negative integers, one-character strings; whole files, single columns of an
-otherwise valid table, short lists nested inside one header value), loads each with ``load_table``
-in a fresh process, and prints its peak RSS growth (``ru_maxrss``) per file byte. A genuine
+otherwise valid table, short lists nested inside one header value or one config), loads each with
+``load_table`` in a fresh process, and prints its peak RSS growth (``ru_maxrss``) per file byte. A genuine
 100k-entry table is measured for comparison.
 """
 
@@ -49,8 +49,8 @@ def _column(name: str, raw: bytes) -> bytes:
     return packed.replace(msgpack.packb(marker), raw)
 
 
-def _nested_lists(widths: list[int]) -> bytes:
-    node = b"\x90"  # lists of widths[0] lists of widths[1] lists ... of empty lists
+def _nested_lists(widths: list[int], leaf: bytes = b"\x90") -> bytes:
+    node = leaf  # lists of widths[0] lists of widths[1] lists ... of empty lists (or ``leaf``)
     for width in reversed(widths):
         node = b"\xdc" + width.to_bytes(2, "big") + node * width
     return node
@@ -68,7 +68,10 @@ def make_files(folder: Path, size: int) -> list[Path]:
         "key_column_of_empty_arrays.msgpack": _column("key", _array(size, b"\x90")),
         "key_column_of_empty_maps.msgpack": _column("key", _array(size, b"\x80")),
         "arch_column_of_negative_ints.msgpack": _column("arch", _array(size, b"\xe0")),
-        # Each list short enough for msgpack's limits: what the decoder's hooks must charge.
+        "configs_column_of_nested_maps.msgpack": _column(
+            "configs", b"\x91\x81\xa6kwargs" + _nested_lists([128, 128, (size >> 14) - 1], b"\x80")
+        ),
+        # Short lists nested inside one value: refused at the first list, where a single value belongs.
         "header_value_of_nested_lists.msgpack": _header_value(
             _nested_lists([128, 128, 128, (size >> 21) - 3])
         ),

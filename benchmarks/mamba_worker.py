@@ -44,7 +44,7 @@ def install_policy(mode: str) -> dict[str, Any]:
     elif mode == "ours_default":
         handle = megatron_tuning.init_deterministic_tuning()  # policy from MEGATRON_TUNING_* (scope only)
     elif mode == "auto":  # cache path: MEGATRON_TUNING_CACHE (env)
-        handle = megatron_tuning.init_deterministic_tuning(TuningPolicy(mode="auto", scope=SCOPE))
+        handle = megatron_tuning.init_deterministic_tuning(TuningPolicy.from_env(mode="auto", scope=SCOPE))
     else:
         raise ValueError(mode)
     policy = getattr(handle, "policy", None)

@@ -6,7 +6,7 @@
 CPU only. One table, ``v3.msgpack``, and a symlink to it, ``current.msgpack``: odd-numbered
 writers write through the link, even-numbered ones name the file, so the test also covers
 writers that name one table differently (they must share one lock). Each writer adds one new
-entry per ``merge_entries`` call and, once the call has returned, appends the entry's number to
+entry per ``add_entries`` call and, once the call has returned, appends the entry's number to
 its own commit log (fsynced). The parent SIGKILLs a random writer at a random moment (``--kills``
 times, 20-200 ms apart, or ``--kill-gap-ms``) and restarts it; the restarted writer continues
 after its last logged entry. Readers load the table in a loop, alternating the two names, and
@@ -43,7 +43,7 @@ sys.path.insert(0, str(REPO))
 
 from megatron_tuning.core.errors import TableError  # noqa: E402
 from megatron_tuning.core.key import Key  # noqa: E402
-from megatron_tuning.tables.table import Entry, Table, load_table, merge_entries, save_table  # noqa: E402
+from megatron_tuning.tables.table import Entry, Table, add_entries, load_table, save_table  # noqa: E402
 
 CONFIG = {"kwargs": {"BLOCK": 64}, "num_warps": 4, "num_stages": 3}
 
@@ -85,12 +85,12 @@ def run_cache_writer(path: str, writer: int, log: str, pause_s: float) -> None:
 
 
 def run_writer(path: str, writer: int, log: str, pause_s: float) -> None:
-    """Add entries one by one forever; log each number once ``merge_entries`` returned."""
+    """Add entries one by one forever; log each number once ``add_entries`` returned."""
     done = _logged(log)
     number = done[-1] + 1 if done else 0
     with open(log, "a", encoding="ascii") as handle:
         while True:
-            merge_entries(path, [_entry(writer, number)], timeout_s=120)
+            add_entries(path, [_entry(writer, number)], timeout_s=120)
             handle.write(f"{number}\n")
             handle.flush()
             os.fsync(handle.fileno())
@@ -196,7 +196,7 @@ def stress(
     }
     reads = [json.loads(Path(out).read_text()) for out in reader_outs]
     return {
-        "through": "AutoCache.persist" if cache else "merge_entries",
+        "through": "AutoCache.persist" if cache else "add_entries",
         "kill_gap_ms": [gap_s[0] * 1000, gap_s[1] * 1000],
         "writers": writers,
         "writers_via_symlink": sum(1 for w in range(writers) if w % 2),

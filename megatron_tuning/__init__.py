@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from . import selection
 from .core import __version__
 from .core.decisions import Decision, get_decisions
 from .core.errors import (
@@ -29,43 +30,27 @@ from .core.errors import (
     StoreError,
     TableError,
     TableMissError,
-    TuningWarning,
     UnsupportedTritonError,
-    install_default_handler,
 )
+from .core.notices import TuningWarning
 from .core.policy import TuningPolicy
 from .runtime.interception import lazy_benchmarker
-from .selection import (
-    arch_tag,
-    autotune_configs,
-    chaos_choice,
-    cheapest,
-    config_data,
-    config_signature,
-    deterministic_choice,
-    estimate_config_cost,
-    filter_configs_by_block_sizes,
-    kernel_module,
-    kernel_name,
-    reset_warnings,
-    tuning_key,
-    warn_if_mamba_env_ignored,
-)
+from .selection import *  # noqa: F403  (the seed API: selection.__all__)
 from .session import TuningHandle, init_deterministic_tuning
-from .tables.merge import write_decisions
+from .tables.records import write_decisions
 
 
 def verify_agreement(group: Any = None, *, timeout_s: float | None = None) -> int:
-    """Compare all ranks' decisions at a step boundary (collective); see ``distributed.verify``."""
-    from .distributed.verify import verify_agreement as _verify
+    """Compare all ranks' decisions at a step boundary (collective); see ``distributed.agreement``."""
+    from .distributed.agreement import verify_agreement as _verify
 
     return _verify(group, timeout_s=timeout_s)
 
 
-# Not a NullHandler: records reach stderr until the application configures logging (core.errors).
-install_default_handler(logging.getLogger(__name__))
+# A library's logging: the application decides where records go (notices use warnings instead).
+logging.getLogger(__name__).addHandler(logging.NullHandler())
 
-__all__ = [
+__all__ = [  # and the seed API, listed once in selection.py
     "AgreementTimeoutError",
     "BenchmarkForbiddenError",
     "BlockSizeOverrideError",
@@ -85,23 +70,10 @@ __all__ = [
     "TuningWarning",
     "UnsupportedTritonError",
     "__version__",
-    "arch_tag",
-    "autotune_configs",
-    "chaos_choice",
-    "cheapest",
-    "config_data",
-    "config_signature",
-    "deterministic_choice",
-    "estimate_config_cost",
-    "filter_configs_by_block_sizes",
     "get_decisions",
     "init_deterministic_tuning",
-    "kernel_module",
-    "kernel_name",
     "lazy_benchmarker",
-    "reset_warnings",
-    "tuning_key",
     "verify_agreement",
-    "warn_if_mamba_env_ignored",
     "write_decisions",
+    *selection.__all__,
 ]

@@ -9,22 +9,33 @@ import logging
 import os
 import sys
 import threading
+from collections.abc import Callable
 from typing import Any
 
-from .core.decisions import decision_log, get_decisions
-from .core.errors import EXIT_DIVERGENCE, DivergenceError, PolicyError, warn_once
+from .core.choice import warn_if_mamba_env_ignored
+from .core.decisions import decision_log, get_decisions, print_decision
+from .core.errors import (
+    EXIT_DIVERGENCE,
+    DivergenceError,
+    InputMismatchError,
+    MegatronTuningError,
+    PolicyError,
+)
 from .core.identity import arch_tag, current_rank, node_arch
-from .core.notices import warn_if_mamba_env_ignored
-from .core.policy import ENV_DECISION_LOG, ENV_RECORD_DIR, ENV_RESULT_DIR, TuningPolicy, read_knob
+from .core.notices import warn_once
+from .core.policy import ENV_DECISION_LOG, ENV_RECORD_DIR, TuningPolicy
 from .runtime import interception, pinning
-from .tables.files import output_file_problem, output_folder_problem, write_atomic
-from .tables.merge import write_decisions, write_recording
+from .runtime.pinning import Measure
+from .tables.files import output_file_problem, output_folder_problem
+from .tables.records import write_decisions, write_recording
 
 logger = logging.getLogger(__name__)
 
 _active_lock = threading.Lock()
 _active: TuningHandle | None = None
 _initializing = threading.local()
+exit_hooks: list[Callable[[], None]] = []
+"""Run by ``close_at_exit`` after the close, before the exit status is fixed: a launcher's report."""
 
 
 class TuningHandle:
@@ -37,6 +48,8 @@ class TuningHandle:
         self._agreement = agreement
         self._late: _LateAttach | None = None
         self._closed = False
+        if cache is not None:  # kill-safe: each key this rank measures reaches the file at once
+            decision_log().add_listener(cache.on_decision)
 
     @property
     def closed(self) -> bool:
@@ -49,6 +62,9 @@ class TuningHandle:
 
     def close(self) -> None:
         """Stop agreement checks, write requested outputs, and uninstall the interception."""
+        self._close(final_check=True)
+
+    def _close(self, *, final_check: bool) -> None:
         global _active
         if self._closed:
             return
@@ -57,10 +73,11 @@ class TuningHandle:
             if self._late is not None:
                 self._late.cancel()
             if self._agreement is not None:
-                self._agreement.stop()
+                self._agreement.stop(final_check=final_check)
             self.persist()
             if self.cache is not None:
                 decision_log().remove_listener(self.cache.on_decision)
+            decision_log().remove_listener(print_decision)
             _write_outputs(self.policy)
         finally:
             with _active_lock:
@@ -79,11 +96,8 @@ def _write_outputs(policy: TuningPolicy) -> None:
     if policy.mode in ("record", "tune") and policy.record_dir:
         write_recording(None, policy.record_dir, current_rank())
     elif policy.mode in ("record", "tune"):
-        logger.warning(
-            "megatron_tuning: mode %s without a record_dir (MEGATRON_TUNING_RECORD_DIR): "
-            "measured winners are only in the decision log",
-            policy.mode,
-        )
+        message = "mode %s without a record_dir (%s): measured winners are only in the decision log"
+        warn_once(("no-record-dir", policy.mode), message, policy.mode, ENV_RECORD_DIR)
     if policy.decision_log:
         path = decision_log_path(policy.decision_log)
         write_decisions(path)
@@ -96,19 +110,26 @@ def decision_log_path(template: str) -> str:
 
 
 def init_deterministic_tuning(
-    policy: TuningPolicy | None = None, *, table: Any = None, group: Any = None
+    policy: TuningPolicy | None = None,
+    *,
+    table: Any = None,
+    group: Any = None,
+    measure: Measure | None = None,
 ) -> TuningHandle:
     """Install deterministic tuning for this process; calling it again replaces the previous session.
 
     Call it after ``init_process_group`` when you can; called before, it attaches to the default group
     at the first new (kernel, key) launched once the group exists, and checks the earlier decisions.
-    ``policy`` defaults to ``TuningPolicy.from_env(default_mode="deterministic")``. ``table`` overrides
+    ``policy`` defaults to ``TuningPolicy.from_env()``. ``table`` overrides
     the policy's tables (a ``ConfigTable`` or ``{(kernel, key): config}``; ``auto`` then still writes
     its cache). ``group``: the process group for ``allgather`` agreement and chaos (default: world).
+    ``measure``: what ``tune`` and ``auto`` time a key's candidates with (default: the noise-aware
+    tuner, ``tuning.tuner.make_measure``), called as ``measure(autotuner, configs, args, kwargs,
+    kernel, key) -> (config, timings)``.
     """
     _initializing.depth = getattr(_initializing, "depth", 0) + 1
     try:
-        return _init(policy, table, group)
+        return _init(policy, table, group, measure)
     finally:
         _initializing.depth -= 1
 
@@ -119,42 +140,62 @@ def initializing() -> bool:
     return getattr(_initializing, "depth", 0) > 0
 
 
-def _init(policy: TuningPolicy | None, table: Any, group: Any) -> TuningHandle:
+def _init(policy: TuningPolicy | None, table: Any, group: Any, measure: Measure | None) -> TuningHandle:
     global _active
-    policy = policy if policy is not None else TuningPolicy.from_env(default_mode="deterministic")
-    warn_if_mamba_env_ignored(policy)
+    policy = policy if policy is not None else TuningPolicy.from_env()
     check_output_paths(policy)  # outputs are written at close: a bad path must fail now, not then
+    warn_if_mamba_env_ignored(policy)
+    if policy.mode == "auto" and not _group_exists() and _launcher_world_size() > 1:  # else: at the attach
+        from .distributed.store import check_auto_world
+
+        check_auto_world(_launcher_world_size())
     with _active_lock:
         previous = _active
     if previous is not None:
-        previous.close()
-    cache = None
+        from .distributed.agreement import checks_at_close
+
+        # A re-init runs no check of its own where the new session's check at close covers the log:
+        # a rank that re-inits more often than the others must not pair that check with their calls.
+        previous._close(final_check=not checks_at_close(policy, group))
+    cache = chaos = None
+    consensus: Any = None  # a distributed.store.StoreConsensus: pinning's Consensus
     if policy.mode == "auto":
         from .tables.cache import open_cache
 
         cache = open_cache(policy, _cache_arch)
-    resolved_table = table if table is not None else _load_tables(policy, cache)
-    measure = _make_measure(policy) if policy.mode in ("tune", "auto") else None
+    local_cache = cache.path if cache is not None and table is None else None
+    # record and tune measure (tune same-class keeps its table's bits); off passes through
+    resolved_table = table
+    pins = policy.mode in ("deterministic", "chaos", "auto")
+    if table is None and (pins or (policy.mode, policy.numerics) == ("tune", "same-class")):
+        from .tables.search import TableSet
+
+        resolved_table = TableSet.from_policy(policy, cache=(cache.path, cache.table) if cache else None)
+    if policy.mode not in ("tune", "auto"):
+        measure = None
+    elif measure is None:
+        from .tuning.tuner import make_measure
+
+        measure = make_measure(policy)
     if measure is not None and policy.numerics != "any":  # audit first, time only the allowed configs
         from .tuning.audit import with_numerics
 
-        measure = with_numerics(measure, policy.numerics, resolved_table)
-    local_cache = cache.path if cache is not None and table is None else None
-    consensus = _start_consensus(local_cache) if policy.mode == "auto" else None
-    chaos = None
-    if policy.mode == "chaos":
-        from .distributed.store import StoreChaos
+        measure = with_numerics(measure, policy.numerics, resolved_table, policy.audit_runs)
+    if policy.mode in ("auto", "chaos"):
+        from .distributed import store
 
-        chaos = StoreChaos(group)
+        consensus = store.start_consensus(local_cache) if policy.mode == "auto" else None
+        chaos = store.StoreChaos(group) if policy.mode == "chaos" else None
     interception.install(policy, table=resolved_table, measure=measure, consensus=consensus, chaos=chaos)
     try:
+        if policy.print_decisions:  # before the check's listener: the line comes before its error
+            decision_log().add_listener(print_decision)
         agreement = _start_agreement(policy, group, resolved_table)
     except BaseException:
+        decision_log().remove_listener(print_decision)
         interception.uninstall()
         raise
     handle = TuningHandle(policy, resolved_table, agreement, cache)
-    if cache is not None:  # kill-safe: each key this rank measures reaches the file at once
-        decision_log().add_listener(cache.on_decision)
     if _needs_group(policy) and not _group_exists():
         handle._late = _LateAttach(handle, group, local_cache)
     with _active_lock:
@@ -165,32 +206,16 @@ def _init(policy: TuningPolicy | None, table: Any, group: Any) -> TuningHandle:
     return handle
 
 
-def _load_tables(policy: TuningPolicy, cache: Any) -> Any:
-    if policy.mode in ("off", "record") or (policy.mode == "tune" and policy.numerics != "same-class"):
-        return None  # record and tune measure (tune same-class keeps its table's bits); off passes through
-    from .tables.search import TableSet
-
-    return TableSet.from_policy(policy, cache=(cache.path, cache.table) if cache is not None else None)
-
-
 def check_output_paths(policy: TuningPolicy) -> None:
     """Raise ``PolicyError`` when an output the policy names could not be written at close."""
-    if policy.decision_log:
-        path = decision_log_path(policy.decision_log)
-        if problem := output_file_problem(path):
-            raise PolicyError(
-                f"decision_log ({ENV_DECISION_LOG})",
-                policy.decision_log,
-                f"a writable file ({path} {problem})",
-            )
-    if policy.mode in ("record", "tune") and policy.record_dir:
-        problem = output_folder_problem(policy.record_dir)
-        if problem:
-            raise PolicyError(
-                f"record_dir ({ENV_RECORD_DIR})",
-                policy.record_dir,
-                f"a folder files can be written to ({problem})",
-            )
+    path = decision_log_path(policy.decision_log) if policy.decision_log else ""
+    if path and (problem := output_file_problem(path)):
+        name, allowed = f"decision_log ({ENV_DECISION_LOG})", f"a writable file ({path} {problem})"
+        raise PolicyError(name, policy.decision_log, allowed)
+    measuring = policy.mode in ("record", "tune") and policy.record_dir
+    if measuring and (problem := output_folder_problem(policy.record_dir or "")):
+        name, allowed = f"record_dir ({ENV_RECORD_DIR})", f"a folder files can be written to ({problem})"
+        raise PolicyError(name, policy.record_dir, allowed)
 
 
 def _cache_arch() -> str:
@@ -212,19 +237,6 @@ def _cache_arch() -> str:
     return current
 
 
-def _start_consensus(local_cache: str | None) -> Any:
-    """``auto``'s consensus once a group is up; hits in ``local_cache`` are proposed to the job."""
-    from .distributed.store import start_consensus
-
-    return start_consensus(local_cache)
-
-
-def _make_measure(policy: TuningPolicy) -> Any:  # a seam: tests and benchmarks put a fake tuner here
-    from .tuning.tuner import make_measure
-
-    return make_measure(policy)
-
-
 def _start_agreement(policy: TuningPolicy, group: Any, table: Any) -> Any:
     from .distributed.agreement import describe_inputs, start_agreement
 
@@ -243,10 +255,17 @@ def _group_exists() -> bool:
     return bool(dist.is_available() and dist.is_initialized())
 
 
+def _launcher_world_size() -> int:
+    """The job's size before its process group exists, as torchrun tells it (``WORLD_SIZE``), else 1."""
+    raw = os.environ.get("WORLD_SIZE", "").strip()
+    return int(raw) if raw.isdigit() else 1
+
+
 class _LateAttach:
     """Attach a session started before ``init_process_group`` to the group, at the first new (kernel,
     key) decision once it exists (``pinning.before_decision``): start what crosses ranks, check the
-    earlier decisions, and leave."""
+    earlier decisions, and leave. If that fails, each later new key raises the same error, and so
+    do the rank's checks (``FailedAgreement``): the rank never runs on unchecked or unshared."""
 
     def __init__(self, handle: TuningHandle, group: Any, local_cache: str | None) -> None:
         self.handle = handle
@@ -254,9 +273,9 @@ class _LateAttach:
         self.local_cache = local_cache
         self.first_decision = len(get_decisions())  # the log is per process: ours start here
         self.attached = False
+        self.error: Exception | None = None
         self._lock = threading.Lock()
-        raw = os.environ.get("WORLD_SIZE", "").strip()
-        self.world_size = int(raw) if raw.isdigit() else 1
+        self.world_size = _launcher_world_size()
         if self.world_size > 1:
             logger.info(
                 "megatron_tuning: no process group yet (WORLD_SIZE=%d): the %s start at the first new "
@@ -270,14 +289,27 @@ class _LateAttach:
         if self.attached or not _group_exists():
             return installation
         with self._lock:
+            if self.error is not None:
+                raise self.error
             if self.attached:
                 return installation
+            policy, attached = self.handle.policy, installation
+            try:
+                if policy.mode == "auto" and installation.consensus is None:
+                    from .distributed.store import start_consensus
+
+                    consensus: Any = start_consensus(self.local_cache)  # hits in it are proposed to the job
+                    attached = dataclasses.replace(installation, consensus=consensus)
+                self.handle._agreement = agreement = _start_agreement(policy, self.group, self.handle.table)
+            except Exception as error:
+                from .distributed.agreement import FailedAgreement
+
+                self.error = error
+                self.handle._agreement = FailedAgreement(error, policy, self.group)
+                raise
             self.attached = True
             self.cancel()
-            policy = self.handle.policy
-            if policy.mode == "auto" and installation.consensus is None:
-                installation = dataclasses.replace(installation, consensus=_start_consensus(self.local_cache))
-            self.handle._agreement = agreement = _start_agreement(policy, self.group, self.handle.table)
+            pinning.set_active(attached, replacing=installation)  # before a check below can raise
             earlier = get_decisions()[self.first_decision :]
             logger.info(
                 "megatron_tuning: attached to the process group (rank %d); checking %d earlier decision(s)",
@@ -288,14 +320,14 @@ class _LateAttach:
             if check is not None:
                 for decision in earlier:
                     check(decision)
-        return installation
+        return attached
 
     def cancel(self) -> None:
         """Stop waiting for a group; at close, say which checks never ran."""
         with contextlib.suppress(ValueError):
             pinning.before_decision.remove(self)
-        if self.attached or self.world_size <= 1:
-            return
+        if self.attached or self.error is not None or self.world_size <= 1:
+            return  # a failed attach raised already, and its checks raise it again
         unchecked = [d for d in get_decisions()[self.first_decision :] if d.source != "out_of_scope"]
         if unchecked:
             warn_once(
@@ -318,25 +350,38 @@ def _what_attaches(policy: TuningPolicy) -> str:
 
 
 @atexit.register
-def _close_at_exit() -> None:
-    """Close the session; a divergence the process died of, or that the check at close found,
-    makes it exit ``EXIT_DIVERGENCE`` (skipping later exit handlers: Python's status is fixed)."""
+def close_at_exit(*, join: bool = False) -> None:
+    """Close the session. A divergence or input mismatch the process died of, or that the check at
+    close found, makes it exit ``EXIT_DIVERGENCE``; any other error closing it, 1. Either skips later
+    exit handlers (Python's status is fixed by then). ``join``: the bootstrap's call for an armed
+    process that never imported Triton (so started no session): where its session would run verify's
+    check at close, it joins the other ranks' one with an empty log, so theirs does not time out."""
     error = getattr(sys, "last_value", None)  # what the process died of, if anything
+    failed = False
     handle = _active
-    if handle is not None and not handle.closed:
-        try:
+    try:
+        if join:
+            from .distributed.agreement import checks_at_close
+            from .distributed.verify import verify_at_close
+
+            policy = TuningPolicy.from_env_if_asked()
+            if checks_at_close(policy):
+                verify_at_close(None, policy.agreement_timeout_s)
+        elif handle is not None and not handle.closed:
             handle.close()
-        except DivergenceError as exc:
-            error = exc
-            logger.error("megatron_tuning: the agreement check at exit failed: %s", exc)
-        except Exception:  # never turn a clean interpreter exit into a traceback storm
-            logger.exception("megatron_tuning: error while closing at exit")
-    folder = read_knob(ENV_RESULT_DIR)
-    if DivergenceError.raised and folder:  # `run` (and `selftest`) make it the job's status
-        with contextlib.suppress(Exception):  # a vanished folder: the exit status still says it
-            write_atomic(os.path.join(folder, f"divergence-{os.getpid()}"), b"%d" % DivergenceError.raised)
-    if isinstance(error, DivergenceError):
+    except Exception as exc:  # told once: never a traceback storm at a clean interpreter exit
+        failed = isinstance(exc, MegatronTuningError)
+        error = exc if failed else error
+        logger.debug("megatron_tuning: closing at exit failed", exc_info=True)
+        what = "the tuning session's checks at exit" if failed else "closing the tuning session at exit"
+        with contextlib.suppress(Warning):  # an error filter: the exit status below still tells
+            warn_once(("exit",), f"{what} failed: %s", exc, rank_local=True)
+    for hook in exit_hooks:
+        with contextlib.suppress(Exception):  # the exit status still says what went wrong
+            hook()
+    agreement_error = isinstance(error, (DivergenceError, InputMismatchError))
+    if agreement_error or failed:
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(EXIT_DIVERGENCE)
+        os._exit(EXIT_DIVERGENCE if agreement_error else 1)

@@ -21,7 +21,8 @@ cd "$MT_ROOT"
 # and tests_distributed/). The others run what depends on Triton's release: the tests of the
 # modules that import Triton (core/, runtime/ with the contract and Inductor tests, tuning/, the
 # kernels, the session, and the commands that reach Triton: validate, tune, the launcher's arming at
-# `import triton`). They skip what never touches Triton (tables/, the launcher's process handling,
+# `import triton`). They skip what never touches Triton (tables/, the in-process store and agreement
+# tests of distributed/, the launcher's process handling,
 # `enable`, the CLI's argument handling, the layer contracts, the docs), the torchrun jobs of
 # tests_distributed/ and the benchmark smoke runs, which drive the same interception again through
 # subprocesses; MT_FULL_MATRIX=1 runs everything on every release. Explicit paths or pytest
@@ -93,7 +94,7 @@ for index in "${!versions[@]}"; do
   scope=("$@")
   if ((${#scope[@]} == 0 && index > 0)) && [[ "${MT_FULL_MATRIX:-0}" != 1 ]]; then
     scope=(tests)  # see "Supported releases" above
-    for unaffected in tables commands/test_run.py commands/test_enable.py commands/test_selftest_args.py \
+    for unaffected in tables distributed commands/test_run.py commands/test_enable.py commands/test_selftest_args.py \
       commands/test_launcher_docs.py test_cli.py test_architecture.py test_docs.py \
       test_benchmark_harness.py test_benchmarks_smoke.py test_benchmark_jobs_smoke.py; do
       scope+=("--ignore=tests/$unaffected")
@@ -102,7 +103,8 @@ for index in "${!versions[@]}"; do
   mt_log "triton $triton: python -m pytest ${parallel[*]} ${scope[*]}"
   start=$SECONDS
   set +e
-  "$python" -m pytest "${parallel[@]}" "${scope[@]}" 2>&1 | tee "$log"
+  # tests/experimental/ is not gated (docs/development.md#experiments).
+  "$python" -m pytest "${parallel[@]}" --ignore=tests/experimental "${scope[@]}" 2>&1 | tee "$log"
   rc=${PIPESTATUS[0]}
   set -e
   elapsed=$((SECONDS - start))

@@ -68,7 +68,7 @@ def _uninstall_interception() -> None:
     except ImportError:
         pass
     try:
-        from megatron_tuning.core.errors import reset_warnings
+        from megatron_tuning.core.notices import reset_warnings
 
         reset_warnings()
     except ImportError:
@@ -93,7 +93,7 @@ class Notices:
 
     @property
     def messages(self) -> list[str]:
-        from megatron_tuning.core.errors import TuningWarning
+        from megatron_tuning.core.notices import TuningWarning
 
         return [str(w.message) for w in self._caught if issubclass(w.category, TuningWarning)]
 
@@ -110,7 +110,7 @@ class Notices:
 
 @pytest.fixture
 def notices() -> Iterator[Notices]:
-    """Record every warning the test issues (notices are ``TuningWarning``s, see ``core.errors``)."""
+    """Record every warning the test issues (notices are ``TuningWarning``s, see ``core.notices``)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         yield Notices(caught)

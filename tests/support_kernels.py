@@ -1,14 +1,18 @@
-"""Small autotuned kernels for the interception tests (imported with TRITON_INTERPRET=1)."""
+"""The test kernels, one copy of each, shared by the tests, the torchrun workers
+(tests_distributed/workers) and the benchmarks.
+
+Small autotuned kernels for the interception tests (whose ``do_bench`` never runs them, so stock
+Triton can "autotune" on a CPU), the workers' kernels (``launch``/``run`` by name), and the
+benchmarks' ``write_block`` (it writes its own ``BLOCK``: the launched config reads back) and bare
+add-one. Import it once ``TRITON_INTERPRET`` is settled: Triton reads it at decoration (the tests'
+conftest sets it, a worker's launcher passes it on, a GPU benchmark leaves it unset).
+"""
 
 from __future__ import annotations
 
-import os
-
-# Read by triton.jit at decoration: must be set before the kernels below are defined.
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
+import torch
+import triton
+import triton.language as tl
 
 from megatron_tuning.runtime.interception import lazy_benchmarker
 
@@ -103,6 +107,81 @@ with lazy_benchmarker():
     twin_small = triton.autotune(configs=TWIN_SMALL_CONFIGS, key=["n"], do_bench=counting_do_bench)(twin_body)
     twin_large = triton.autotune(configs=TWIN_LARGE_CONFIGS, key=["n"], do_bench=counting_do_bench)(twin_body)
 
+    # The torchrun workers' kernels: y = x + 1 ("add"), y = 2x ("scale"), y = x + 3 (factory-made).
+    BLOCK_CONFIGS = [
+        triton.Config({"BLOCK": 16}, num_warps=1),
+        triton.Config({"BLOCK": 32}, num_warps=1),
+        triton.Config({"BLOCK": 64}, num_warps=2),
+        triton.Config({"BLOCK": 128}, num_warps=4),
+    ]
+
+    @triton.autotune(configs=BLOCK_CONFIGS, key=["n"])
+    @triton.jit
+    def add_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(axis=0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=mask) + 1.0, mask=mask)
+
+    @triton.autotune(configs=BLOCK_CONFIGS, key=["n"])
+    @triton.jit
+    def scale_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(axis=0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=mask) * 2.0, mask=mask)
+
+    def _make_shift(configs: list[triton.Config]) -> object:
+        """A kernel factory: one code location, one autotuner (with its own config list) per call."""
+
+        @triton.autotune(configs=configs, key=["n"])
+        @triton.jit
+        def made_shift(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+            offs = tl.program_id(axis=0) * BLOCK + tl.arange(0, BLOCK)
+            mask = offs < n
+            tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=mask) + 3.0, mask=mask)
+
+        return made_shift
+
+    @triton.jit
+    def _lone_shift_body(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(axis=0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=mask) + 3.0, mask=mask)
+
+    # Factory-made kernels, and two autotuners over one jit function that its module holds none of.
+    MADE = {
+        "made_small": _make_shift(BLOCK_CONFIGS[:2]),
+        "made_large": _make_shift(BLOCK_CONFIGS[1:]),
+        "built_small": triton.autotune(configs=BLOCK_CONFIGS[:2], key=["n"])(_lone_shift_body),
+        "built_large": triton.autotune(configs=BLOCK_CONFIGS[1:], key=["n"])(_lone_shift_body),
+    }
+
+    # The benchmarks' kernel whose output is its own BLOCK (bench_compile, bench_compile_auto): four
+    # configs, each within noise of the others, so stock autotuning's winner varies by process.
+    WRITE_BLOCK_CONFIGS = [
+        triton.Config({"BLOCK": 256}, num_warps=4),
+        triton.Config({"BLOCK": 128}, num_warps=4),
+        triton.Config({"BLOCK": 64}, num_warps=2),
+        triton.Config({"BLOCK": 32}, num_warps=1),
+    ]
+
+    @triton.autotune(configs=WRITE_BLOCK_CONFIGS, key=["n"])
+    @triton.jit
+    def write_block_kernel(y_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(y_ptr + offs, BLOCK + 0 * offs, mask=offs < n)
+
+
+# The launch-overhead baseline: megatron_tuning.kernels.add_one_kernel's body as a bare @triton.jit,
+# a separate def so it keeps an identity of its own.
+BARE_BLOCK = 256
+
+
+@triton.jit
+def add_one_bare_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(axis=0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=mask) + 1, mask=mask)
+
 
 def grid(n: int):  # noqa: ANN201
     return lambda meta: (triton.cdiv(n, meta["BLOCK_SIZE"]),)
@@ -121,3 +200,46 @@ def record_block_sizes(monkeypatch, jit_functions):  # noqa: ANN001, ANN201
 
         monkeypatch.setattr(jit, "run", recording)
     return blocks
+
+
+_WORKER_KERNELS = {
+    "add": add_kernel,
+    "scale": scale_kernel,
+    "twin_small": twin_small,
+    "twin_large": twin_large,
+}
+
+
+def launch(name: str, x: torch.Tensor, y: torch.Tensor) -> None:
+    """A worker kernel by name: ``y = x + 1`` ("add"), ``2 x`` ("scale"), ``3 x`` ("twin_*"),
+    ``x + 3`` (``MADE``); unchecked."""
+    n = x.numel()
+    kernel = {**_WORKER_KERNELS, **MADE}[name]
+    kernel[lambda meta: (triton.cdiv(n, meta.get("BLOCK", meta.get("BLOCK_SIZE"))),)](x, y, n)
+
+
+def run(name: str, n: int, device: str = "cpu") -> torch.Tensor:
+    """Launch kernel ``name`` (see ``launch``) on a vector of ``n`` floats and check the result."""
+    x = torch.arange(n, dtype=torch.float32, device=device)
+    y = torch.empty_like(x)
+    launch(name, x, y)
+    expected = {"add": x + 1.0, "scale": x * 2.0, "twin_small": x * 3, "twin_large": x * 3}.get(name, x + 3.0)
+    if not torch.equal(y, expected):
+        raise AssertionError(f"{name} kernel computed a wrong result for n={n}")
+    return y
+
+
+def write_block(x: torch.Tensor) -> torch.Tensor:
+    """``y`` of ``x``'s shape, every element set to the ``BLOCK`` of the launched config."""
+    y = torch.empty_like(x)
+    n = x.numel()
+    write_block_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK"]),)](y, n)
+    return y
+
+
+def add_one_bare(x: torch.Tensor) -> torch.Tensor:
+    """Return ``x + 1`` through the bare twin with a fixed block size."""
+    y = torch.empty_like(x)
+    n = x.numel()
+    add_one_bare_kernel[(triton.cdiv(n, BARE_BLOCK),)](x, y, n, BLOCK=BARE_BLOCK)
+    return y

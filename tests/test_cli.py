@@ -15,7 +15,7 @@ from megatron_tuning.core.decisions import Decision
 from megatron_tuning.core.identity import config_data, config_signature, kernel_id, kernel_source_hash
 from megatron_tuning.core.key import Key
 from megatron_tuning.tables.entry import Entry, Timing
-from megatron_tuning.tables.merge import write_decisions, write_recording
+from megatron_tuning.tables.records import write_decisions, write_recording
 from megatron_tuning.tables.table import Table, load_table, save_table
 
 from . import support_kernels as sk

@@ -14,7 +14,7 @@ from megatron_tuning.core.identity import config_data, config_signature, kernel_
 from megatron_tuning.core.key import Key
 from megatron_tuning.runtime import interception
 from megatron_tuning.tables.entry import Entry
-from megatron_tuning.tables.merge import read_decisions, recording_path
+from megatron_tuning.tables.records import read_decisions, recording_path
 from megatron_tuning.tables.table import Table, load_table, save_table
 
 from . import support_kernels as sk
@@ -87,6 +87,75 @@ def test_record_mode_writes_this_ranks_recording(tmp_path, monkeypatch):
     (entry,) = list(load_table(recording_path(tmp_path, 1)))
     assert entry.how == "recorded" and entry.key == KEY_30
     assert config_signature(entry.config) == config_signature(sk.scale_add.best_config)
+
+
+def test_record_mode_without_a_record_dir_says_where_the_winners_are(notices):
+    with megatron_tuning.init_deterministic_tuning(megatron_tuning.TuningPolicy(mode="record")):
+        _launch(30)
+    (notice,) = notices.matching("without a record_dir")
+    assert "MEGATRON_TUNING_RECORD_DIR" in notice and "only in the decision log" in notice
+
+
+def test_print_decisions_prints_each_decision_of_its_session(capfd):
+    policy = megatron_tuning.TuningPolicy(print_decisions=True, use_shipped_tables=False)
+    with megatron_tuning.init_deterministic_tuning(policy):
+        _launch(30)
+    line = f"megatron_tuning: rank 0: {kernel_id(sk.scale_add)} [{KEY_30}] -> "
+    assert line in capfd.readouterr().err
+    with megatron_tuning.init_deterministic_tuning(policy.replace(print_decisions=False)):
+        _launch(31)
+    assert "megatron_tuning: rank 0:" not in capfd.readouterr().err
+
+
+def test_close_at_exit_runs_the_launchers_hooks_after_the_close(monkeypatch):
+    from megatron_tuning import session
+
+    ran = []
+    handle = megatron_tuning.init_deterministic_tuning(megatron_tuning.TuningPolicy(use_shipped_tables=False))
+    monkeypatch.setattr(session, "exit_hooks", [lambda: ran.append(handle.closed)])
+    session.close_at_exit()
+    assert ran == [True]
+
+
+class _Reads(dict):
+    """``os.environ`` as a dict that records every variable read."""
+
+    def __init__(self, env) -> None:  # noqa: ANN001
+        super().__init__(env)
+        self.names: list[str] = []
+
+    def get(self, key, default=None):  # noqa: ANN001, ANN201
+        self.names.append(key)
+        return super().get(key, default)
+
+    def __getitem__(self, key):  # noqa: ANN001, ANN204
+        self.names.append(key)
+        return super().__getitem__(key)
+
+    def __contains__(self, key) -> bool:  # noqa: ANN001
+        self.names.append(key)
+        return super().__contains__(key)
+
+    def __iter__(self):  # noqa: ANN204
+        self.names.append("<all of them>")
+        return super().__iter__()
+
+
+@pytest.mark.parametrize("mode", ["deterministic", "auto"])
+def test_a_session_of_a_policy_built_in_code_reads_no_variable(tmp_path, monkeypatch, notices, mode):
+    """The policy is the whole input. Before, the table search path, the auto cache, the tuner and
+    the decision log read MEGATRON_TUNING_* variables beside it."""
+    import os
+
+    reads = _Reads(os.environ)
+    monkeypatch.setattr(os, "environ", reads)
+    policy = megatron_tuning.TuningPolicy(
+        mode=mode, cache=str(tmp_path / "auto.msgpack"), tune_rounds=1, decision_log=str(tmp_path / "d.json")
+    )
+    with megatron_tuning.init_deterministic_tuning(policy):
+        _launch(30)
+    assert [d.source for d in megatron_tuning.get_decisions()] == [{"auto": "tuned"}.get(mode, "cheapest")]
+    assert [name for name in reads.names if "MEGATRON_TUNING_" in name or name.startswith("<")] == []
 
 
 def test_second_init_replaces_the_first(tmp_path):
@@ -194,8 +263,14 @@ def test_a_first_deterministic_run_says_once_that_it_fell_back_and_how_often(tmp
 
 
 def test_a_first_auto_run_on_cpu_says_it_times_with_the_host_clock_and_shows_each_key(tmp_path):
+    # The application's logging keeps the progress lines (docs/policy.md); the notice needs nothing.
+    progress = "megatron_tuning.tuning.tuner.progress"
+    logging_setup = (
+        "import logging; logging.basicConfig(format='%(levelname)s %(name)s: %(message)s')\n"
+        f"logging.getLogger({progress!r}).setLevel('INFO')\n"
+    )
     result = _fresh_process(
-        _FIRST_RUN,
+        logging_setup + _FIRST_RUN,
         tmp_path,
         MEGATRON_TUNING_MODE="auto",
         MEGATRON_TUNING_CACHE=str(tmp_path / "auto.msgpack"),
@@ -249,10 +324,10 @@ def test_auto_init_on_a_mixed_node_uses_the_current_device_and_says_how_to_be_su
 
 
 def test_auto_init_with_a_named_cache_file_reads_no_gpu(tmp_path, monkeypatch):
-    monkeypatch.setenv("MEGATRON_TUNING_CACHE", str(tmp_path / "mine.msgpack"))
     _fake_gpus(monkeypatch, {0: (9, 0)})
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: pytest.fail("read a GPU"))
-    with megatron_tuning.init_deterministic_tuning(megatron_tuning.TuningPolicy(mode="auto")) as handle:
+    policy = megatron_tuning.TuningPolicy(mode="auto", cache=str(tmp_path / "mine.msgpack"))
+    with megatron_tuning.init_deterministic_tuning(policy) as handle:
         assert handle.cache.path == str(tmp_path / "mine.msgpack")
 
 
@@ -265,3 +340,42 @@ def test_the_handle_says_whether_it_is_closed_and_cannot_be_told_otherwise():
         handle.closed = True  # a settable flag would skip close()'s restore of Triton
     handle.close()
     assert handle.closed
+
+
+_CLOSE_FAILS_AT_EXIT = """
+from megatron_tuning import session
+from megatron_tuning.core.errors import InputMismatchError, StoreError
+
+class Handle:  # a session whose close at exit raises what the check at close found
+    closed = False
+
+    def close(self):
+        if {error!r} == "InputMismatchError":
+            differences = {{"tuning sessions started": {{0: 2, 1: 1}}}}
+            raise InputMismatchError("verify_agreement call #2", [0, 1], differences)
+        if {error!r} == "StoreError":
+            raise StoreError("the final check", "the job's store failed")
+        if {error!r} == "OSError":
+            raise OSError(28, "No space left on device")
+
+session._active = Handle()
+"""
+
+
+@pytest.mark.parametrize(
+    "error, status, said",
+    [
+        ("InputMismatchError", 3, "tuning sessions started: rank 0: 2; rank 1: 1"),
+        ("StoreError", 1, "the final check: the job's store failed"),
+        ("OSError", 0, "closing the tuning session at exit failed: [Errno 28] No space left on device"),
+        ("", 0, ""),
+    ],
+)
+def test_an_error_the_close_at_exit_finds_sets_the_exit_status(tmp_path, error, status, said):
+    """Before, only a DivergenceError did (3); the others were logged and the process exited 0. Each
+    is told once, as a notice (the application's logging may be unconfigured)."""
+    result = _fresh_process(_CLOSE_FAILS_AT_EXIT.format(error=error), tmp_path)
+    assert result.returncode == status, result.stderr[-3000:]
+    checks = "the tuning session's checks at exit failed"
+    assert (checks in result.stderr) == (error in ("InputMismatchError", "StoreError"))
+    assert said in result.stderr and "Traceback" not in result.stderr

@@ -17,8 +17,7 @@ import torch
 import torch.distributed as dist
 
 import megatron_tuning
-from megatron_tuning import session
-from megatron_tuning.distributed import verify
+from megatron_tuning.distributed import agreement, store
 from megatron_tuning.runtime import pinning
 
 from . import support_kernels as sk
@@ -52,24 +51,15 @@ def one_rank_group(tmp_path: Path) -> Iterator[Any]:
 
 
 def _spy_on_checks(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Keys the late attach hands to the checker (what it checks of the decisions made before)."""
+    """Keys the agreement checker compares, in order (the late attach's and the decision log's)."""
     checked: list[str] = []
-    real = session._start_agreement
+    real = agreement.AgreementChecker.check
 
-    def start(policy: Any, group: Any, table: Any) -> Any:
-        handle = real(policy, group, table)
-        original = getattr(handle, "check", None)
-        if original is None:  # no group yet: nothing to check with
-            return handle
+    def check(self: Any, decision: Any) -> None:
+        checked.append(decision.key.split(" |")[0])
+        real(self, decision)
 
-        def check(decision: Any) -> None:
-            checked.append(decision.key.split(" |")[0])
-            original(decision)
-
-        handle.check = check
-        return handle
-
-    monkeypatch.setattr(session, "_start_agreement", start)
+    monkeypatch.setattr(agreement.AgreementChecker, "check", check)
     return checked
 
 
@@ -82,30 +72,62 @@ def test_init_before_the_group_attaches_at_the_next_new_key_and_checks_what_came
         handle = megatron_tuning.init_deterministic_tuning(megatron_tuning.TuningPolicy())
     assert any("no process group yet (WORLD_SIZE=2)" in r.getMessage() for r in caplog.records)
     _launch(30)
-    assert verify.active_checker() is None and len(pinning.before_decision) == 1
+    assert agreement.active_checker() is None and len(pinning.before_decision) == 1
     one_rank_group()
     _launch(30)  # a pinned key: no attach on the launch path
-    assert verify.active_checker() is None
+    assert agreement.active_checker() is None
     _launch(31)  # the first new key with a group: attach, then check n=30 (before) and n=31
-    assert verify.active_checker() is not None and pinning.before_decision == []
-    assert checked == ["n=30"]  # n=31 reaches the checker through the decision log, as usual
+    assert agreement.active_checker() is not None and pinning.before_decision == []
+    assert checked == ["n=30", "n=31"]  # the attach checks n=30; n=31 comes through the decision log
     handle.close()
-    assert verify.active_checker() is None
+    assert agreement.active_checker() is None
 
 
 def test_auto_gets_the_jobs_consensus_at_the_attach(
     monkeypatch: pytest.MonkeyPatch, one_rank_group: Any
 ) -> None:
     monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setattr(session, "_make_measure", lambda policy: _first_config)
     policy = megatron_tuning.TuningPolicy(mode="auto", cache="off", use_shipped_tables=False)
-    with megatron_tuning.init_deterministic_tuning(policy):
+    with megatron_tuning.init_deterministic_tuning(policy, measure=_first_config):
         assert pinning.active is not None and pinning.active.consensus is None
         one_rank_group()
         _launch(40)
         assert pinning.active is not None and pinning.active.consensus is not None
         (decision,) = [d for d in megatron_tuning.get_decisions() if d.key.startswith("n=40")]
         assert decision.source == "tuned"  # published to the job's store: this rank was first
+
+
+@pytest.mark.parametrize("world", [store.AUTO_MAX_RANKS, store.AUTO_MAX_RANKS + 1])
+def test_auto_past_its_rank_cap_is_refused_at_init_where_the_launcher_gives_the_size(
+    monkeypatch: pytest.MonkeyPatch, world: int
+) -> None:
+    monkeypatch.setenv("WORLD_SIZE", str(world))  # no group yet: the attach would be too late
+    policy = megatron_tuning.TuningPolicy(mode="auto", cache="off", use_shipped_tables=False)
+    if world <= store.AUTO_MAX_RANKS:
+        megatron_tuning.init_deterministic_tuning(policy).close()
+        return
+    with pytest.raises(megatron_tuning.PolicyError, match=f"deterministic in a job of {world} ranks"):
+        megatron_tuning.init_deterministic_tuning(policy)
+    assert pinning.active is None and pinning.before_decision == []  # nothing was started
+
+
+def test_auto_past_its_rank_cap_at_the_attach_fails_every_later_key_and_check(
+    monkeypatch: pytest.MonkeyPatch, one_rank_group: Any
+) -> None:
+    """The job's size is known only once the group exists. Before, the attach was marked done before
+    the cap raised: after a caught cap error, auto ran on with no consensus and no checks."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(store, "AUTO_MAX_RANKS", 0)
+    policy = megatron_tuning.TuningPolicy(mode="auto", cache="off", use_shipped_tables=False)
+    with megatron_tuning.init_deterministic_tuning(policy, measure=_first_config):
+        one_rank_group()
+        raised = []
+        for check in (lambda: _launch(40), lambda: _launch(41), megatron_tuning.verify_agreement):
+            with pytest.raises(megatron_tuning.PolicyError, match="in a job of 1 ranks") as caught:
+                check()
+            raised.append(caught.value)
+        assert raised[0] is raised[1] is raised[2]
+        assert megatron_tuning.get_decisions() == []  # nothing launched unshared
 
 
 def _first_config(autotuner: Any, candidates: list[Any], *rest: Any) -> tuple[Any, dict[str, Any]]:
@@ -148,7 +170,7 @@ def test_no_warning_when_nothing_went_unchecked(
 def test_a_session_started_with_its_group_registers_no_hook(one_rank_group: Any) -> None:
     one_rank_group()
     with megatron_tuning.init_deterministic_tuning(megatron_tuning.TuningPolicy()):
-        assert pinning.before_decision == [] and verify.active_checker() is not None
+        assert pinning.before_decision == [] and agreement.active_checker() is not None
 
 
 def test_the_decision_log_path_takes_the_pid(tmp_path: Path) -> None:

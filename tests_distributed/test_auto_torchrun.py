@@ -22,7 +22,7 @@ from megatron_tuning.tables.table import Table, load_table, save_table
 
 RACES = ["forward", "reverse", "together", "slow_rank"]
 SPLITS = ["split_empty", "split_corrupt", "split_folder", "split_off"]
-KERNEL = "_kernels:add_kernel"
+KERNEL = "tests.support_kernels:add_kernel"
 
 
 def add_key(n: int) -> Key:

@@ -20,6 +20,8 @@ SCENARIOS = [
     "session_extra_allgather",
     "session_lagging_allgather",
     "session_equal_store",
+    "session_reinit_verify",
+    "verify_extra_call",
 ]
 NPROC = 2
 SESSION_TIMEOUT_S = 4.0  # session_extra_allgather's agreement timeout (worker's SESSION_TIMEOUT_S)
@@ -81,3 +83,26 @@ def test_equal_calls_raise_nothing_even_when_a_rank_is_late(job, name):
     rows = _rows(job, name)
     assert [row["error"] for row in rows] == [None, None], rows
     assert [row.get("verify_error") for row in rows] == [None, None], rows
+
+
+def test_an_extra_init_in_verify_mode_fails_every_rank_and_never_says_ok(job):
+    """Before: rank 0's re-init ran a check at close that met rank 1's verify_agreement, which
+    returned "ok" while the ranks ran BLOCK=16 and 32; the job then stalled at close."""
+    rows = _rows(job, "session_reinit_verify")
+    messages = {row.get("verify_message") for row in rows}
+    assert [row.get("verify_error") for row in rows] == ["InputMismatchError"] * NPROC, rows
+    assert len(messages) == 1 and "tuning sessions started: rank 0: 2; rank 1: 1" in messages.pop()
+    # The check at close raises the same error at once: the pairing is broken for good.
+    assert [row["error"] for row in rows] == ["InputMismatchError"] * NPROC, rows
+    assert all(row["close_s"] < 1.0 for row in rows), rows
+
+
+def test_an_extra_verify_call_meeting_the_check_at_close_fails_both_ranks(job):
+    """Before: rank 0's second verify_agreement met rank 1's check at close and both passed; rank
+    0's own check at close then waited out its timeout."""
+    rank0, rank1 = _rows(job, "verify_extra_call")
+    assert rank0["verify_error"] == "InputMismatchError" and rank1["error"] == "InputMismatchError"
+    assert rank0["verify_message"] == rank1["message"]
+    assert "verify_agreement calls: rank 0: #2; rank 1: the check at close" in rank1["message"]
+    assert "the same number of times" in rank1["message"]
+    assert rank0["close_s"] < 1.0 and rank0["error"] == "InputMismatchError"

@@ -4,7 +4,8 @@ Each command lives in a module of this package defining ``add_<name>(parser)`` a
 ``run_<name>(args) -> int``; only the module of the command being run is imported, so ``show`` or
 ``diff`` never pay for importing torch. Exit codes: 0 ok; 1 differences or problems found; 2 usage
 error or bad input (one line on stderr, no traceback); 3 a ``DivergenceError``; ``run``, ``tune``
-and ``audit`` pass their job's status on.
+and ``audit`` pass their job's status on; ``score`` exits 3 for a failed correctness check, 4 for a
+result a clock or integrity flag demoted.
 """
 
 from __future__ import annotations
@@ -30,12 +31,13 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "coverage": ("validate", "per kernel and key: table hit / fallback / out of scope, per rank"),
     "validate": ("validate", "check tables against this machine, Triton and kernel sources"),
     "tune": ("tune", "noise-aware tuning of a job's kernels on a GPU, writing a table"),
-    "audit": ("launch", "which configs of a job's kernels give bit-identical outputs (numerics classes)"),
-    "report": ("tune", "report on a tuning run (timings, noise, plots)"),
+    "audit": ("audit", "which configs of a job's kernels give bit-identical outputs (numerics classes)"),
+    "report": ("report", "report on a tuning run (timings, noise, plots)"),
     "run": ("launch", "run a command with its autotuned kernels pinned, without editing it"),
     "enable": ("launch", "pin every process of this Python environment that sets MEGATRON_TUNING_MODE"),
     "disable": ("launch", "undo `enable`"),
     "selftest": ("selftest", "check this install end to end: pinned choices agree, chaos is caught"),
+    "score": ("score", "score a command's kernels: an interval, clock evidence, a verdict (docs/score.md)"),
 }
 
 

@@ -4,12 +4,14 @@
 ``PYTHONPATH``; ``enable`` writes a one-line ``.pth`` into site-packages, armed only when a
 ``MEGATRON_TUNING_*`` variable is set. Both load *this file* by path (importing the package costs ~0.2 s,
 which torchrun's launcher, pip or ``python -c`` should never pay): it imports only the standard library.
-At the process's ``import triton`` a meta-path hook runs ``commands.<launcher>.activate``. A launcher's
-job lives only as long as the launcher holds its lifeline (``hold_lifeline``, ``_stop_with_launcher``).
+At the process's ``import triton`` a meta-path hook runs ``commands.<launcher>.activate``; a rank that
+never imports it still joins the job's check at close, at its exit (``session.close_at_exit``). A
+launcher's job lives only as long as the launcher holds its lifeline (``hold_lifeline``).
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import fcntl
 import functools
@@ -21,11 +23,18 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-# core.policy's names, repeated: this file imports no package module. ENV_LAUNCHER is set by
-# run/tune/audit for their job (which activation to run); the .pth then stands down.
-PREFIX, ENV_LAUNCHER, ENV_MODE = "MEGATRON_TUNING_", "MEGATRON_TUNING_LAUNCHER", "MEGATRON_TUNING_MODE"
+# core.policy's names, repeated: this file imports no package module.
+PREFIX, ENV_MODE = "MEGATRON_TUNING_", "MEGATRON_TUNING_MODE"
+# The launchers' plumbing, set for their job's processes and read by commands/ alone: no knobs, so
+# outside the knobs' prefix. ENV_LAUNCHER names the activation to run (the .pth then stands down).
+PLUMBING = "_MEGATRON_TUNING_"
+ENV_LAUNCHER = PLUMBING + "LAUNCHER"  # run, tune or audit
+ENV_TUNE_DIR = PLUMBING + "TUNE_DIR"  # where a `tune` job's processes write their results
+ENV_AUDIT_DIR = PLUMBING + "AUDIT_DIR"  # where an `audit` job's processes write their reports
+ENV_RESULT_DIR = PLUMBING + "RESULT_DIR"  # where `run`'s processes mark a DivergenceError
+ENV_SCORE = PLUMBING + "SCORE"  # what `score` (or `run --score-do-bench`) asks of each process: JSON
 MODULE_NAME = "_megatron_tuning_bootstrap"
-LAUNCHERS = {"run": "launch", "tune": "tune", "audit": "tune"}  # launcher -> its commands module
+LAUNCHERS = {"run": "launch", "tune": "tune", "audit": "audit"}  # launcher -> its commands module
 
 _HERE = os.path.abspath(__file__)
 _PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(_HERE)))
@@ -148,8 +157,16 @@ def bootstrap_process(sitecustomize_file: str) -> None:
     _stop_with_launcher(lifeline)
     os.register_at_fork(after_in_child=functools.partial(_stop_with_launcher, lifeline))
     _chain_sitecustomize(os.path.dirname(lifeline))
+    if os.environ.get(ENV_RESULT_DIR):
+        report_divergences(os.environ[ENV_RESULT_DIR])
     launcher = os.environ.get(ENV_LAUNCHER, "run")
     arm(launcher if launcher in LAUNCHERS else "run")
+    if os.environ.get(ENV_SCORE):  # a `score` job: measure() joins it where the job imports the kit
+        sys.meta_path.insert(0, _AfterImport("megatron_tuning.score", _join_score))
+
+
+def _join_score() -> None:
+    sys.modules["megatron_tuning.score.pooling"].join_job(os.environ[ENV_SCORE], ENV_SCORE)
 
 
 def arm_environment() -> None:
@@ -168,23 +185,56 @@ def arm(launcher: str) -> None:
     elif not any(isinstance(f, _AfterImport) and f.name == "triton" for f in sys.meta_path):
         # Importing Triton (and torch) in every Python process of the job, the torchrun launcher
         # included, would be slow and pointless: wait until the process imports Triton itself.
-        sys.meta_path.insert(0, _AfterImport("triton", activate))
+        finder = _AfterImport("triton", activate)
+        sys.meta_path.insert(0, finder)
+        if launcher in ("run", "enable"):
+            atexit.register(_join_at_exit, finder)
+
+
+def _join_at_exit(finder: _AfterImport) -> None:
+    """At the exit of a rank that never imported Triton: the job's check at close (``verify`` mode)
+    needs every rank of the group, so this one joins it, with an empty log (``session.close_at_exit``)."""
+    dist = sys.modules.get("torch.distributed")
+    if finder in sys.meta_path and dist is not None and dist.is_available() and dist.is_initialized():
+        _package_module("session").close_at_exit(join=True)
+
+
+def report_divergences(folder: str) -> None:
+    """In a `run` job's process: once it imports the package, its session marks in ``folder``, at
+    exit, the DivergenceErrors the process raised, handled ones too (`run` makes them the job's status)."""
+
+    def register() -> None:
+        hook = functools.partial(_mark_divergences, folder)
+        sys.modules["megatron_tuning.session"].exit_hooks.append(hook)
+
+    sys.meta_path.insert(0, _AfterImport("megatron_tuning.session", register))
+
+
+def _mark_divergences(folder: str) -> None:
+    raised = _package_module("core.errors").DivergenceError.raised
+    if raised:  # a vanished folder raises: close_at_exit goes on, and the exit status still tells
+        write = _package_module("tables.files").write_atomic
+        write(os.path.join(folder, f"divergence-{os.getpid()}"), b"%d" % raised)
 
 
 def _activate(launcher: str) -> None:
+    module = _package_module(f"commands.{LAUNCHERS.get(launcher, 'launch')}")
+    module.activate(launcher) if module.__name__.endswith(".launch") else module.activate()
+
+
+def _package_module(name: str) -> Any:
+    """``megatron_tuning.<name>``, imported from the copy this file belongs to where the process
+    cannot import the package by name (an uninstalled checkout, armed through the .pth)."""
     import importlib
     import importlib.util
 
     if "megatron_tuning" not in sys.modules and importlib.util.find_spec("megatron_tuning") is None:
-        # Armed from a copy the process cannot import by name (an uninstalled checkout, through
-        # the .pth): import that copy, the one this file belongs to.
         sys.path.insert(0, _PACKAGE_PARENT)
         try:
             importlib.import_module("megatron_tuning")
         finally:
             sys.path.remove(_PACKAGE_PARENT)
-    module = importlib.import_module(f"megatron_tuning.commands.{LAUNCHERS.get(launcher, 'launch')}")
-    module.activate(launcher) if module.__name__.endswith(".launch") else module.activate()
+    return importlib.import_module(f"megatron_tuning.{name}")
 
 
 class _AfterImport:

@@ -1,4 +1,4 @@
-"""Pinning jobs you do not edit: ``run [policy options] -- <command>``, ``audit``, ``enable``/``disable``.
+"""Pinning jobs you do not edit: ``run [policy options] -- <command>``, ``enable``/``disable``.
 
 ``run`` sets the policy as ``MEGATRON_TUNING_*`` variables (validated first) and puts the bootstrap
 (``bootstrap.py``) first on the job's ``PYTHONPATH``; ``enable`` writes a ``.pth`` instead. The job's
@@ -14,27 +14,36 @@ import shutil
 import sys
 import sysconfig
 import tempfile
+import uuid
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from ..core import policy as knobs
-from ..core.errors import EXIT_DIVERGENCE, MegatronTuningError, PolicyError, TuningWarning, warn_once
-from ..tables.files import output_file_problem, output_folder_problem, write_atomic
+from ..core.errors import EXIT_DIVERGENCE, MegatronTuningError, PolicyError
+from ..core.notices import TuningWarning, warn_once
+from ..tables.files import output_folder_problem, write_atomic
 from . import EXIT_USAGE
-from .bootstrap import PTH_MARKER, PTH_NAME, is_site_dir, job_environment, pth_text, write_bootstrap
-from .job import add_job_argument, command_problem, job_argv, job_command, run_job
+from .bootstrap import (
+    ENV_RESULT_DIR,
+    ENV_SCORE,
+    PTH_MARKER,
+    PTH_NAME,
+    is_site_dir,
+    job_environment,
+    pth_text,
+    write_bootstrap,
+)
+from .job import add_job_argument, job_argv, job_command, run_job
 
 RUN_MODES = ("deterministic", "auto", "chaos", "record", "off")  # `tune` pools in its own command
-RUN_DEFAULT_MODE = RUN_MODES[0]  # when neither --mode nor MEGATRON_TUNING_MODE says
-AUDIT_MODES = ("deterministic", "auto")
 
 # option -> (the knob it sets, add_argument keywords; the help is the knob's own doc unless given)
 _OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
     "--mode": (
         knobs.ENV_MODE,
-        {"choices": RUN_MODES, "help": f"default {RUN_DEFAULT_MODE} unless the variable is set"},
+        {"choices": RUN_MODES, "help": f"default {knobs.default(knobs.ENV_MODE)} unless the variable is set"},
     ),
     "--table": (knobs.ENV_TABLE, {"action": "append", "metavar": "PATH", "help": "a table file or folder"}),
     "--no-shipped-tables": (
@@ -88,6 +97,13 @@ def add_run(parser: argparse.ArgumentParser) -> None:
         if variable in os.environ:  # what the job gets without the option: help tells the truth here
             more += f"; your environment sets {os.environ[variable]!r}".replace("%", "%%")
         parser.add_argument(flag, dest=variable, **{**options, "help": f"{help} [{variable}{more}]"})
+    parser.add_argument(
+        "--score-do-bench",
+        nargs="?",
+        const="score.json",
+        metavar="OUT",
+        help="score each triton.testing.do_bench call of the job with measure; records in OUT (score.json)",
+    )
     add_job_argument(parser)
 
 
@@ -110,6 +126,9 @@ def run_run(args: argparse.Namespace) -> int:
         print(f"run: {flag + ': ' if flag else ''}{exc}", file=sys.stderr)
         return EXIT_USAGE
     updates[knobs.ENV_MODE] = policy.mode  # the default mode, spelled out for every process
+    if args.score_do_bench:  # every process scores its do_bench calls into this one file (docs/score.md)
+        out = {"do_bench": True, "out": os.path.abspath(args.score_do_bench), "run": uuid.uuid4().hex}
+        updates[ENV_SCORE] = json.dumps(out)
     code, caught = run_armed(job_argv(command), updates, "run")
     if caught:
         message = f"{caught} process(es) of the job raised DivergenceError: ranks launched different"
@@ -124,7 +143,7 @@ def run_armed(argv: Sequence[str], updates: Mapping[str, str], prog: str, **job:
     try:
         bootstrap = write_bootstrap(folder / "bootstrap", "run")
         environment = job_environment(bootstrap, "run")
-        environment.update({**updates, knobs.ENV_RESULT_DIR: str(folder)})
+        environment.update({**updates, ENV_RESULT_DIR: str(folder)})
         code = run_job(argv, environment, prog, bootstrap, **job)
         return code, len(list(folder.glob("divergence-*")))
     finally:
@@ -137,15 +156,15 @@ def validated_policy(updates: dict[str, str]) -> knobs.TuningPolicy:
     from ..session import check_output_paths
     from ..tables.search import TableSet
 
-    with knobs.scoped_environ(updates), warnings.catch_warnings():
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore", TuningWarning)  # the job's rank 0 gives them, once per job
-        policy = knobs.TuningPolicy.from_env(default_mode=RUN_DEFAULT_MODE, follow_torch_determinism=False)
-        if policy.mode == "tune":
-            tune = "`python -m megatron_tuning tune --out TABLE -- <command>`, which pools every process's"
-            allowed = f"deterministic, auto, chaos, record or off under `run`; tune with {tune} measurements"
-            raise PolicyError(knobs.ENV_MODE, "tune", f"{allowed} into a table")
-        check_output_paths(policy)
-        TableSet.from_policy(policy.replace(use_shipped_tables=False))  # loads them: a bad one fails now
+        policy = knobs.TuningPolicy.from_env({**os.environ, **updates})
+    if policy.mode == "tune":
+        tune = "`python -m megatron_tuning tune --out TABLE -- <command>`, which pools every process's"
+        allowed = f"deterministic, auto, chaos, record or off under `run`; tune with {tune} measurements"
+        raise PolicyError(knobs.ENV_MODE, "tune", f"{allowed} into a table")
+    check_output_paths(policy)
+    TableSet.from_policy(policy.replace(use_shipped_tables=False))  # loads them: a bad one fails now
     return policy
 
 
@@ -157,15 +176,18 @@ def activate(launcher: str = "run") -> None:
     """
     from triton.backends import backends
 
-    from ..session import init_deterministic_tuning, initializing
+    from .. import session
 
-    if initializing():
+    if session.initializing():
         return
     try:
-        if launcher == "enable" and knobs.KNOBS[knobs.ENV_MODE].read() is None:
-            knobs.warn_unknown_variables()  # a typo of the mode name would arm nothing
-            return
-        init_deterministic_tuning()
+        if launcher == "enable" and knobs.TuningPolicy.from_env_if_asked().mode == "off":
+            return  # the mode is unset: nothing asked (a misspelt variable was named)
+        session.init_deterministic_tuning()
+        if ENV_SCORE in os.environ:  # a `score` job, or run --score-do-bench
+            from ..score import dobench
+
+            dobench.activate(os.environ[ENV_SCORE], ENV_SCORE)
     except Exception as exc:
         message = f"cannot pin this process's kernels, stopping it: {exc}"
         print(f"megatron_tuning {launcher}: {message}", file=sys.stderr)
@@ -250,70 +272,3 @@ def run_enable(args: argparse.Namespace) -> int:
 
 
 run_disable = run_enable
-
-
-def add_audit(parser: argparse.ArgumentParser) -> None:
-    parser.description = (
-        "Run a job unedited, pinned as `run` pins it. At each (kernel, key) it reaches, launch every live "
-        "config --runs times on the job's own inputs and report which configs give bit-identical outputs "
-        "(numerics classes) and which differ from run to run on their own. docs/numerics.md"
-    )
-    parser.add_argument(
-        "--runs", type=int, help=f"launches per config (default {knobs.read_knob(knobs.ENV_AUDIT_RUNS)})"
-    )
-    mode = f"pin as this mode would (auto: from its cache and tables, never tuning); default {knobs.ENV_MODE}"
-    parser.add_argument("--mode", choices=AUDIT_MODES, help=f"{mode} if set, else deterministic")
-    parser.add_argument("--out", default="audit.json", help="the JSON report (default audit.json)")
-    parser.add_argument("--table", help="pin from this table first, and record the audit in its entries")
-    add_job_argument(parser)
-
-
-def run_audit(args: argparse.Namespace) -> int:
-    from ..tuning.audit import audit_table, record_numerics, save_report
-
-    command = job_command(args, "audit", "audit --out audit.json -- train.py --steps 3")
-    if command is None:
-        return EXIT_USAGE
-    runs_knob = knobs.KNOBS[knobs.ENV_AUDIT_RUNS]
-    runs = knobs.read_knob(runs_knob.name) if args.runs is None else runs_knob.parse("--runs", str(args.runs))
-    exported = knobs.KNOBS[knobs.ENV_MODE].read()
-    mode = args.mode or exported or "deterministic"
-    if mode not in AUDIT_MODES:
-        why = f"{knobs.ENV_MODE}={exported} is set; audit pins as deterministic or auto: pass --mode"
-        print(f"audit: {why}", file=sys.stderr)
-        return EXIT_USAGE
-    if exported not in (None, mode):
-        print(f"audit: --mode {mode} overrides {knobs.ENV_MODE}={exported}", file=sys.stderr)
-    updates = {knobs.ENV_MODE: mode, knobs.ENV_AUDIT_RUNS: str(runs)}
-    if args.table:
-        updates[knobs.ENV_TABLE] = ":".join(filter(None, (args.table, os.environ.get(knobs.ENV_TABLE))))
-    validated_policy(updates)  # a bad value or table fails now, not in every process of the job
-    problem = output_file_problem(args.out) or command_problem(job_argv(command), os.environ)
-    if problem:
-        print(f"audit: {problem if isinstance(problem, str) else problem[1]}", file=sys.stderr)
-        return EXIT_USAGE if isinstance(problem, str) else problem[0]
-    work = Path(tempfile.mkdtemp(prefix="megatron_tuning_audit_"))
-    try:
-        env = job_environment(write_bootstrap(work / "bootstrap", "audit"), "audit")
-        env.update(updates, **{knobs.ENV_AUDIT_DIR: str(work)})
-        returncode = run_job(job_argv(command), env, "audit", work / "bootstrap")
-        entries = [e for f in sorted(work.glob("audited-*.json")) for e in json.loads(f.read_text())]
-        report = {"format": "megatron_tuning.audit/2", "mode": mode, "runs": runs, "command": command}
-        report.update(exit_status=returncode, entries=entries)
-        written, unwritable = save_report(args.out, report, work)  # where --out fails: into work, kept
-    except BaseException:
-        print(f"audit: stopped; the job's per-process reports are kept in {work}", file=sys.stderr)
-        raise
-    if unwritable is None:
-        shutil.rmtree(work, ignore_errors=True)
-    print(audit_table(entries, mode))
-    if args.table and entries:
-        print(f"audit: numerics recorded in {record_numerics(args.table, entries)} entries of {args.table}")
-    if unwritable:
-        print(f"audit: cannot write --out {args.out} ({unwritable}); report in {written}", file=sys.stderr)
-    if returncode:
-        print(
-            f"audit: the job exited with status {returncode}; the report has what it audited", file=sys.stderr
-        )
-    print(f"audit: {len(entries)} (kernel, key) audited; report in {written}")
-    return returncode or (1 if unwritable or not entries else 0)

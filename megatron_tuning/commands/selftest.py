@@ -19,12 +19,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from ..core.decisions import CHAOS_NO_OTHER_CONFIG
-from ..core.policy import AGREEMENT_MODES, ENV_MODE, MAX_AGREEMENT_TIMEOUT_S
+from ..core.policy import AGREEMENT_MODES, ENV_MODE, MAX_AGREEMENT_TIMEOUT_S, PREFIX
 from ..tables.files import write_atomic
+from .bootstrap import PLUMBING
 from .job import EXIT_TIMEOUT, add_job_argument, job_argv
 from .launch import run_armed
 
@@ -72,8 +74,12 @@ def add_selftest(parser: argparse.ArgumentParser) -> None:
     add_job_argument(parser, "your own job after `--` (as for `run`): run deterministic, then chaos")
 
 
-def run_selftest(args: argparse.Namespace) -> int:
-    """Run both jobs and print a report; 0 when deterministic passed and chaos was detected."""
+Launch = Callable[[argparse.Namespace, str, str, bool], dict[str, Any]]  # (args, mode, folder, interpret)
+
+
+def run_selftest(args: argparse.Namespace, *, launch: Launch | None = None) -> int:
+    """Run both jobs and print a report; 0 when deterministic passed and chaos was detected.
+    ``launch`` runs one job and returns its outcome (default: torchrun over this package's workers)."""
     if args.job:
         return _your_job(args.job[1:] if args.job[0] == "--" else args.job, args.timeout, args.keep)
     import torch
@@ -89,7 +95,7 @@ def run_selftest(args: argparse.Namespace) -> int:
         )
         verdicts = []
         for mode in ("deterministic", "chaos"):
-            outcome = _launch(args, mode, os.path.join(root, mode), interpret)
+            outcome = (launch or _launch)(args, mode, os.path.join(root, mode), interpret)
             ok, summary = _judge(mode, outcome, args.nproc)
             verdicts.append(ok)
             print(f"  {mode:<13} {'PASS' if ok else 'FAIL'}  {summary}")
@@ -161,7 +167,7 @@ def _print_tail(title: str, text: str, lines: int = 25) -> None:
 
 def _launch(args: argparse.Namespace, mode: str, folder: str, interpret: bool) -> dict[str, Any]:
     os.makedirs(folder, exist_ok=True)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRON_TUNING_")}  # not the user's
+    env = {k: v for k, v in os.environ.items() if not k.startswith((PREFIX, PLUMBING))}  # not the user's
     env["TRITON_INTERPRET"] = "1" if interpret else env.get("TRITON_INTERPRET", "0")
     env.setdefault("OMP_NUM_THREADS", "1")
     # The job must import this very copy of the package, installed or not.
@@ -285,7 +291,7 @@ def _exercise(args: argparse.Namespace, result: dict[str, Any]) -> None:
     from ..core.decisions import decision_log
     from ..core.errors import MegatronTuningError
     from ..core.policy import TuningPolicy
-    from ..distributed import verify
+    from ..distributed.agreement import active_checker, verify_agreement
     from ..session import init_deterministic_tuning
 
     timeout = max(args.timeout / 3, 5.0)
@@ -293,7 +299,7 @@ def _exercise(args: argparse.Namespace, result: dict[str, Any]) -> None:
         mode=args.mode, scope=(KERNEL_MODULE,), agreement=args.agreement, agreement_timeout_s=timeout
     )
     handle = init_deterministic_tuning(policy)
-    if args.agreement != "off" and verify.active_checker() is None:
+    if args.agreement != "off" and active_checker() is None:
         raise RuntimeError("init_deterministic_tuning started no agreement check")
     on_gpu = os.environ.get("TRITON_INTERPRET") != "1" and torch.cuda.is_available()
     device = torch.device("cuda", dist.get_rank() % torch.cuda.device_count()) if on_gpu else "cpu"
@@ -307,7 +313,7 @@ def _exercise(args: argparse.Namespace, result: dict[str, Any]) -> None:
         except (MegatronTuningError, AssertionError) as error:
             _keep_error(result, error)
         try:  # every rank calls it (a collective); it also catches a rank whose own checks passed
-            result["shared"] = verify.verify_agreement() if args.agreement != "off" else 0
+            result["shared"] = verify_agreement() if args.agreement != "off" else 0
         except MegatronTuningError as error:
             if result["error"] is None:
                 _keep_error(result, error)

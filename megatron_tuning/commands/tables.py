@@ -70,7 +70,7 @@ def add_export(p: argparse.ArgumentParser) -> None:
 
 def run_export(args: argparse.Namespace) -> int:
     from ..tables.files import write_atomic
-    from ..tables.merge import review_view
+    from ..tables.review import review_view
     from ..tables.table import load_table
 
     if args.out.endswith(".msgpack"):  # load_table reads a .msgpack name as msgpack
@@ -95,13 +95,13 @@ def add_import(p: argparse.ArgumentParser) -> None:
 
 
 def run_import(args: argparse.Namespace) -> int:
-    from ..tables.files import read_table_bytes
+    from ..tables.files import read_regular_file
     from ..tables.table import Table, save_table
 
     if args.out.endswith(".json"):  # save_table would write the JSON view again
         fix = "name it .msgpack (export writes JSON views)"
         raise MegatronTuningError(f"{args.out} ends in .json, but import writes the msgpack table; {fix}")
-    save_table(Table.from_json(read_table_bytes(args.json_file), path=args.json_file), args.out)
+    save_table(Table.from_json(read_regular_file(args.json_file), path=args.json_file), args.out)
     return EXIT_OK
 
 
@@ -173,7 +173,7 @@ def add_diff(p: argparse.ArgumentParser) -> None:
 
 
 def run_diff(args: argparse.Namespace) -> int:
-    from ..tables.merge import diff_tables
+    from ..tables.review import diff_tables
     from ..tables.table import load_table
 
     changes = diff_tables(load_table(args.a), load_table(args.b), ignore_provenance=args.ignore_provenance)
@@ -214,9 +214,9 @@ def add_merge(p: argparse.ArgumentParser) -> None:
 
 
 def run_merge(args: argparse.Namespace) -> int:
-    from ..tables.merge import merge_files
+    from ..tables.vote import vote_files
 
-    result = merge_files(args.out, args.inputs)
+    result = vote_files(args.out, args.inputs)
     if args.json:
         print(json.dumps(result.to_json(), indent=1, sort_keys=True))
     else:
@@ -248,11 +248,12 @@ def add_cache(p: argparse.ArgumentParser) -> None:
 
 def run_cache(args: argparse.Namespace) -> int:
     from ..core.identity import arch_tag
-    from ..core.policy import TuningPolicy
+    from ..core.policy import ENV_CACHE, TuningPolicy
     from ..tables.cache import cache_path, read_cache_file
 
     # Only the cache setting: an unrelated bad MEGATRON_TUNING_* value is no reason to fail here.
-    path = cache_path(TuningPolicy(mode="auto"), args.arch or arch_tag())
+    policy = TuningPolicy.from_env({ENV_CACHE: os.environ.get(ENV_CACHE, "")}, mode="auto")
+    path = cache_path(policy, args.arch or arch_tag())
     if path is None:
         print("auto cache: off (MEGATRON_TUNING_CACHE=off)")
     elif os.path.isfile(path):

@@ -300,7 +300,7 @@ def add_coverage(p: argparse.ArgumentParser) -> None:
 
 
 def run_coverage(args: argparse.Namespace) -> int:
-    from ..tables.merge import read_decisions
+    from ..tables.records import read_decisions
 
     logs = [(os.fspath(p), read_decisions(p)) for p in args.logs]
     labels, rows = coverage_of(logs)

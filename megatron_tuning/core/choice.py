@@ -4,6 +4,7 @@ step is a pure function of the candidates and the call, so each rank computes th
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -144,7 +145,10 @@ def choose(
         live = match_live(hit.config, candidates)
         if live is None:
             reason = "the table entry matches no live config"
-            notices.entry_matches_nothing(hit.kernel or kernel, key, hit.origin, hit.config, candidates)
+            live_signatures = [config_signature(c) for c in candidates]
+            notices.entry_matches_nothing(
+                hit.kernel or kernel, key, hit.origin, config_signature(hit.config), live_signatures
+            )
         elif unpinned is not None and numerics == "deterministic-only" and not _deterministic(hit):
             reason = "the table marks its config non-deterministic on its own"  # auto re-tunes it
         else:
@@ -177,7 +181,7 @@ def choose(
             notices.nearest_used(kernel, key, hit.key, hit.origin, fix)
             return _from_hit(live, "nearest", hit, nearest_key=hit.key)
     config = cheapest(candidates)
-    notices.cheapest_used(kernel, key, reason, on_miss, config, len(candidates), fix)
+    notices.cheapest_used(kernel, key, reason, on_miss, config_signature(config), len(candidates), fix)
     return Choice(config, "cheapest")
 
 
@@ -208,7 +212,7 @@ def autotune_configs(configs: Sequence[Any], *, policy: TuningPolicy | None = No
     honouring a block-size override, so neither Triton nor torch.compile can benchmark or pick
     otherwise. (``TRITON_CACHE_AUTOTUNING`` is not enough: a miss still times the candidates.)
     """
-    policy = policy if policy is not None else TuningPolicy.from_env()
+    policy = policy if policy is not None else TuningPolicy.from_env_if_asked()
     configs = list(configs)
     if policy.mode != "deterministic" or len(configs) <= 1:
         return configs
@@ -218,5 +222,31 @@ def autotune_configs(configs: Sequence[Any], *, policy: TuningPolicy | None = No
             "<autotune_configs>", dict(policy.block_sizes), [config_signature(c) for c in configs]
         )
     chosen = cheapest(matching)
-    notices.cheapest_at_decoration(configs, chosen)
+    notices.cheapest_at_decoration([config_signature(c) for c in configs], config_signature(chosen))
     return [chosen]
+
+
+_UNPINNED_BECAUSE = {
+    "off": "Triton's own autotuner times the configs and keeps whichever wins in this process",
+    "record": "Triton's own autotuner times the configs and keeps whichever wins in this process",
+    "tune": "every process re-tunes each key with the noise-aware tuner",
+    "chaos": "each rank launches a different config on purpose (the positive control)",
+}
+
+
+def warn_if_mamba_env_ignored(policy: TuningPolicy | None = None) -> bool:
+    """Warn once when ``MAMBA_DETERMINISTIC`` asks for determinism but the mode does not pin configs
+    (``deterministic`` and ``auto`` pin, so they are silent)."""
+    raw = os.environ.get("MAMBA_DETERMINISTIC", "").strip().lower()
+    if raw in ("", "0", "false", "no", "off"):
+        return False
+    policy = policy if policy is not None else TuningPolicy.from_env_if_asked()
+    if policy.mode in ("deterministic", "auto"):
+        return False
+    message = (
+        f"MAMBA_DETERMINISTIC={raw} is set but megatron_tuning's mode is {policy.mode!r}: "
+        f"{_UNPINNED_BECAUSE.get(policy.mode, 'configs are not pinned')}, so the choice of config can differ "
+        "between runs. Set MEGATRON_TUNING_MODE=deterministic (tables, never measures) or "
+        "MEGATRON_TUNING_MODE=auto (tunes each new key once and reuses it)."
+    )
+    return notices.warn_once(("mamba-env", policy.mode), message)

@@ -13,7 +13,6 @@ from typing import Any
 
 from .errors import printable
 from .key import Key
-from .policy import ENV_PRINT_DECISIONS, read_knob
 
 # Where a decision's config came from.
 SOURCES = (
@@ -37,6 +36,13 @@ CHAOS_OUTCOMES = (
     "no_other_config",  # one distinct live config: ranks cannot differ, so this key proves nothing
 )
 CHAOS_NO_OTHER_CONFIG = "no_other_config"
+
+
+def unchecked_sources(mode: str | None) -> frozenset[str]:
+    """Sources the ranks of a ``mode`` session need not agree on: pass-through kernels and, outside
+    ``auto``, measured picks (``tune``/``record`` ranks measure for themselves and may differ by design)."""
+    sources = {"out_of_scope", "recorded"}
+    return frozenset(sources if mode == "auto" else sources | {"tuned"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,10 +96,6 @@ class DecisionLog:
     def record(self, decision: Decision) -> None:
         """Append ``decision``, then notify listeners; a listener's exception reaches the launch
         after the decision is logged, so a divergence still shows in the log."""
-        if read_knob(ENV_PRINT_DECISIONS):  # as TRITON_PRINT_AUTOTUNING, in any run (zero-edit too)
-            d, origin = decision, f" from {decision.origin}" if decision.origin else ""
-            line = f"rank {d.rank}: {d.kernel} [{d.key}] -> {d.signature or '-'} ({d.source}{origin})"
-            sys.stderr.write(f"megatron_tuning: {printable(line)}\n")
         with self._lock:
             self._decisions.append(decision)
             listeners = list(self._listeners)
@@ -129,3 +131,10 @@ def decision_log() -> DecisionLog:
 def get_decisions() -> list[Decision]:
     """A snapshot of every decision recorded in this process, in order."""
     return _LOG.decisions()
+
+
+def print_decision(d: Decision) -> None:
+    """Listener for ``print_decisions``: one line per decision on stderr, as ``TRITON_PRINT_AUTOTUNING``."""
+    origin = f" from {d.origin}" if d.origin else ""
+    line = f"rank {d.rank}: {d.kernel} [{d.key}] -> {d.signature or '-'} ({d.source}{origin})"
+    sys.stderr.write(f"megatron_tuning: {printable(line)}\n")

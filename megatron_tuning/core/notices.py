@@ -1,19 +1,123 @@
-"""What choosing tells the user: fallbacks, unusable entries, numerics, the policy's end summary.
+"""Notices: what the user must act on (DESIGN 14), told once per cause through ``warnings``.
 
-Each notice is issued once per cause (``errors.warn_once``); keys that fall back after the first
-are tallied and counted when the policy ends (``report_policy_end``).
+A notice is a ``TuningWarning`` issued at the user's frame, once per cause and policy, by rank 0
+alone unless the cause is rank-local (other ranks log it at INFO): it reaches stderr with no setup,
+and ``-W "error:megatron_tuning"`` or ``warnings.filterwarnings`` filter it. Diagnostics stay in
+``logging``. Tallies count what a notice stands for (keys that fell back) until the policy ends.
+What choosing says (fallbacks, unusable entries, numerics, the policy's end) is below.
 """
 
 from __future__ import annotations
 
+import contextlib
 import difflib
+import logging
 import os
-from collections.abc import Mapping, Sequence
+import sys
+import threading
+import warnings
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
-from .errors import NumericsError, tallies, tally, warn_once
-from .identity import config_signature
-from .policy import TuningPolicy
+from .errors import NumericsError
+
+PREFIX = "megatron_tuning: "
+
+logger = logging.getLogger(__name__)
+
+
+class TuningWarning(UserWarning):
+    """A notice from megatron_tuning: something to act on (a fallback, a stale entry, a typo)."""
+
+
+_warned: set[tuple[Any, ...]] = set()
+_tallies: dict[tuple[Any, ...], set[Hashable]] = {}
+_lock = threading.Lock()
+
+
+def reset_warnings() -> None:
+    """Forget which causes were reported and what was tallied, so a new policy reports again."""
+    with _lock:
+        _warned.clear()
+        _tallies.clear()
+
+
+def warn_once(cause: tuple[Any, ...], message: str, *args: Any, rank_local: bool = False) -> bool:
+    """Issue ``message % args`` as a ``TuningWarning`` the first time ``cause`` is seen; return
+    whether it was. Under an ``error`` filter it raises, and the next occurrence raises too.
+    ``rank_local``: a cause only the ranks that meet it know of (timing on the host clock: rank 0 may
+    have adopted every key), so each of them says it, not rank 0 alone."""
+    with _lock:
+        if cause in _warned:
+            return False
+        _warned.add(cause)
+    text = message % args if args else message
+    if not text.startswith(PREFIX):
+        text = PREFIX + text
+    if not rank_local and _other_rank():  # once per job, not per rank: ranks meet the same causes
+        logger.info("%s", text)
+        return True
+    try:
+        _warn_at_caller(text)
+    except BaseException:
+        with _lock:
+            _warned.discard(cause)
+        raise
+    return True
+
+
+def tally(group: tuple[Any, ...], item: Hashable) -> int:
+    """Add ``item`` to ``group``'s set for this policy; return how many distinct items it holds."""
+    with _lock:
+        items = _tallies.setdefault(group, set())
+        items.add(item)
+        return len(items)
+
+
+def tallies(kind: str) -> dict[tuple[Any, ...], frozenset[Hashable]]:
+    """The groups whose first element is ``kind``, with their items, tallied under this policy."""
+    with _lock:
+        return {group: frozenset(items) for group, items in _tallies.items() if group and group[0] == kind}
+
+
+def _warn_at_caller(text: str) -> None:
+    """``warnings.warn`` attributed to the first frame outside this library, Triton and torch, with
+    a fresh registry: ``warn_once`` decides repeats (reset per policy), not Python's per location."""
+    paths = (getattr(sys.modules.get(n), "__file__", None) for n in ("megatron_tuning", "triton", "torch"))
+    # Also skipped: the stdlib's frozen modules and the launch code interception generates.
+    internal = tuple(os.path.dirname(os.path.abspath(p)) + os.sep for p in paths if p)
+    internal += ("<frozen ", "<megatron_tuning ")
+    frame = sys._getframe(2)
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(internal):
+        frame = frame.f_back
+    where, line, module = frame.f_code.co_filename, frame.f_lineno, frame.f_globals.get("__name__")
+    if where.startswith(internal):  # no frame of the user's runs (at exit): name their program
+        where, line, module = _main_program(), 0, "__main__"
+    # No ``module_globals``: asking a module's loader for its source raises ImportError for a
+    # script run with ``python -m`` (``__main__``); the source line is read from the file instead.
+    warnings.warn_explicit(text, TuningWarning, where, line, module=str(module), registry={})
+
+
+def _main_program() -> str:
+    """The file of the program the interpreter ran. Its ``__file__`` is gone at exit (CPython removes
+    it once a script returns, before exit handlers run); the module's loader still knows it."""
+    main = sys.modules.get("__main__")
+    where = getattr(main, "__file__", None)
+    if where is None:
+        with contextlib.suppress(AttributeError, ImportError, TypeError):
+            where = main.__loader__.get_filename()  # type: ignore[union-attr]
+    return os.path.abspath(where) if where else "<string>"  # no file: `python -c`
+
+
+def _other_rank() -> bool:
+    """Whether this process is a rank other than 0 (torch.distributed's, else torchrun's ``RANK``)."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return bool(dist.get_rank() != 0)
+    return os.environ.get("RANK", "0").strip() not in ("", "0")
+
+
+# --------------------------------------------------------------------------- what choosing says
 
 # What the cheapest-config rule costs, measured (benchmarks/RESULTS.md): quoted where it is used.
 CHEAPEST_COST = "on an H200 the cheapest-config rule ran large GEMMs at 12-14% of the best config's speed"
@@ -28,12 +132,11 @@ FIX_AN_AUTO_MISS = (
 )
 
 
-def entry_matches_nothing(
-    kernel: str, key: str, origin: str, config: Mapping[str, Any], live: Sequence[Any]
-) -> None:
-    offered = "; ".join(config_signature(c) for c in live[:8]) + "; ..." * (len(live) > 8)
+def entry_matches_nothing(kernel: str, key: str, origin: str, entry: str, live: Sequence[str]) -> None:
+    """A table entry's config (signature ``entry``) is none of the ``live`` configs' signatures."""
+    offered = "; ".join(live[:8]) + "; ..." * (len(live) > 8)
     message = (
-        f"table entry for kernel {kernel} key {key} in {origin} ({config_signature(config)}) matches none "
+        f"table entry for kernel {kernel} key {key} in {origin} ({entry}) matches none "
         f"of the {len(live)} live configs after pruning, so it is a miss (auto mode re-tunes it and replaces "
         "such an entry in its cache; other modes apply the miss rule). Re-tune the kernel, or fix the "
         f"entry's config to one the kernel offers: {offered}"
@@ -72,28 +175,28 @@ def nearest_used(kernel: str, key: str, neighbour: str, origin: str, fix: str) -
 
 
 def cheapest_used(
-    kernel: str, key: str, reason: str, on_miss: str, config: Any, count: int, fix: str
+    kernel: str, key: str, reason: str, on_miss: str, config: str, count: int, fix: str
 ) -> None:
     tally(("cheapest", kernel), key)
     rule = "on_miss='min_cost'" if on_miss == "min_cost" else "no nearest-shape entry either"
     message = (
         f"kernel {kernel} has no tuned config for key {key} ({reason}; {rule}), so it launches the cheapest "
-        f"of its {count} configs by static cost ({config_signature(config)}), and so will every other key of "
+        f"of its {count} configs by static cost ({config}), and so will every other key of "
         "this kernel without an entry (counted when the policy ends). That is pinned but can be slow: "
         f"{CHEAPEST_COST}. To be pinned and fast, {fix}."
     )
     warn_once(("cheapest", kernel), message)
 
 
-def cheapest_at_decoration(configs: Sequence[Any], chosen: Any) -> None:
-    """``autotune_configs`` has no kernel name: the notice names the configs."""
+def cheapest_at_decoration(configs: Sequence[str], chosen: str) -> None:
+    """``autotune_configs`` has no kernel name: the notice names the configs (their signatures)."""
     message = (
         f"autotune_configs shrank {len(configs)} configs to the cheapest by static cost "
-        f"({config_signature(chosen)}) under deterministic mode (at decoration, where no table is read): "
+        f"({chosen}) under deterministic mode (at decoration, where no table is read): "
         f"every key of this kernel launches it. That is pinned but can be slow: {CHEAPEST_COST}. To be "
         f"pinned and fast, pass the whole list to @triton.autotune and {FIX_A_MISS}."
     )
-    warn_once(("autotune_configs", tuple(config_signature(c) for c in configs)), message)
+    warn_once(("autotune_configs", tuple(configs)), message)
 
 
 def cannot_measure(kernel: str, key: str) -> None:
@@ -105,15 +208,15 @@ def cannot_measure(kernel: str, key: str) -> None:
     warn_once(("tune-cannot-measure", kernel, key), message)
 
 
-def check_numerics(numerics: str, kernel: str, key: str, choice: Any) -> None:
-    """Where the table marks the pinned config non-deterministic on its own: under ``numerics=
-    'deterministic-only'`` a ``NumericsError`` naming the entry (``auto`` re-tunes such an entry
-    before this; other modes cannot), else one notice per kernel."""
+def check_numerics(numerics: str, kernel: str, key: str, choice: Any, signature: str) -> None:
+    """Where the table marks the pinned config (``signature``) non-deterministic on its own: under
+    ``numerics='deterministic-only'`` a ``NumericsError`` naming the entry (``auto`` re-tunes such an
+    entry before this; other modes cannot), else one notice per kernel."""
     if choice.numerics is None or choice.numerics.deterministic:
         return
     others = "; ".join(choice.numerics.alternatives) or "none among the live configs"
     found = (
-        f"the numerics audit in {choice.origin} found {config_signature(choice.config)} non-deterministic "
+        f"the numerics audit in {choice.origin} found {signature} non-deterministic "
         "on its own (its launches on the same inputs gave different bits)"
     )
     if numerics == "deterministic-only":
@@ -131,7 +234,7 @@ def check_numerics(numerics: str, kernel: str, key: str, choice: Any) -> None:
     warn_once(("nondeterministic", kernel), message)
 
 
-def report_policy_end(policy: TuningPolicy | None) -> None:
+def report_policy_end(policy: Any) -> None:
     """At the end of a policy: how many keys fell back, and override names no launched kernel has."""
     fix = FIX_AN_AUTO_MISS if policy is not None and policy.mode == "auto" else FIX_A_MISS
     for kind, what in (("cheapest", "the cheapest config"), ("nearest", "a nearest-shape entry")):
@@ -159,29 +262,3 @@ def report_policy_end(policy: TuningPolicy | None) -> None:
                 + "."
             )
             warn_once(("override-name-unused", name), message)
-
-
-_UNPINNED_BECAUSE = {
-    "off": "Triton's own autotuner times the configs and keeps whichever wins in this process",
-    "record": "Triton's own autotuner times the configs and keeps whichever wins in this process",
-    "tune": "every process re-tunes each key with the noise-aware tuner",
-    "chaos": "each rank launches a different config on purpose (the positive control)",
-}
-
-
-def warn_if_mamba_env_ignored(policy: TuningPolicy | None = None) -> bool:
-    """Warn once when ``MAMBA_DETERMINISTIC`` asks for determinism but the mode does not pin configs
-    (``deterministic`` and ``auto`` pin, so they are silent)."""
-    raw = os.environ.get("MAMBA_DETERMINISTIC", "").strip().lower()
-    if raw in ("", "0", "false", "no", "off"):
-        return False
-    policy = policy if policy is not None else TuningPolicy.from_env()
-    if policy.mode in ("deterministic", "auto"):
-        return False
-    message = (
-        f"MAMBA_DETERMINISTIC={raw} is set but megatron_tuning's mode is {policy.mode!r}: "
-        f"{_UNPINNED_BECAUSE.get(policy.mode, 'configs are not pinned')}, so the choice of config can differ "
-        "between runs. Set MEGATRON_TUNING_MODE=deterministic (tables, never measures) or "
-        "MEGATRON_TUNING_MODE=auto (tunes each new key once and reuses it)."
-    )
-    return warn_once(("mamba-env", policy.mode), message)

@@ -1,23 +1,25 @@
-"""Every ``MEGATRON_TUNING_*`` knob, declared once (as Triton's ``knobs.py``), and ``TuningPolicy``.
+"""Every ``MEGATRON_TUNING_*`` knob, declared once with its default (as Triton's ``knobs.py``), and
+``TuningPolicy``, the whole input of every choice.
 
-Read when asked, never at import; ``docs/policy.md`` lists exactly ``KNOBS`` (a test checks).
-Whitespace is ignored, empty means unset, words in any case, numbers finite ASCII decimals; a bad
-value raises ``PolicyError`` naming the variable, the value and what is allowed.
+``TuningPolicy.from_env`` is the one reader of the variables, when called, never at import;
+``docs/policy.md`` lists exactly ``KNOBS`` (a test checks). Whitespace is ignored, empty means unset,
+words in any case, numbers finite ASCII decimals; a bad value raises ``PolicyError`` naming the
+variable, the value and what is allowed.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import difflib
 import math
 import os
 import re
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from .errors import PolicyError, warn_once
+from .errors import PolicyError
+from .notices import warn_once
 
 PREFIX = "MEGATRON_TUNING_"
 MODES = ("off", "deterministic", "chaos", "record", "tune", "auto")
@@ -41,30 +43,22 @@ _FLOAT = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?"
 
 
 class Knob(NamedTuple):
-    """One ``MEGATRON_TUNING_*`` variable: how it is read and what it means."""
+    """One ``MEGATRON_TUNING_*`` variable: the ``TuningPolicy`` field it sets, how its text is read,
+    its default (the field's, by construction) and what it means."""
 
     name: str
-    parse: Callable[[str, str], Any]
+    field: str
+    parse: Callable[[str, Any], Any]
     default: Any
     doc: str
-    field: str | None  # the TuningPolicy field it sets, if any
-
-    def read(self) -> Any:
-        """The value set now, parsed; ``None`` when unset or empty (then ``default`` applies)."""
-        raw = os.environ.get(self.name)
-        if raw is None or not raw.strip():
-            return None
-        return self.parse(self.name, raw.strip())
 
 
 KNOBS: dict[str, Knob] = {}
 
 
-def _knob(
-    suffix: str, parse: Callable[[str, str], Any], default: Any, doc: str, field: str | None = None
-) -> str:
+def _knob(suffix: str, parse: Callable[[str, Any], Any], default: Any, doc: str, field: str = "") -> str:
     name = PREFIX + suffix
-    KNOBS[name] = Knob(name, parse, default, doc, field)
+    KNOBS[name] = Knob(name, field or suffix.lower(), parse, default, doc)
     return name
 
 
@@ -74,8 +68,8 @@ def parse_int(text: str) -> int | None:
     return int(stripped) if _INT.fullmatch(stripped) else None
 
 
-def _words(choices: tuple[str, ...]) -> Callable[[str, str], str]:
-    return lambda name, raw: _word(name, raw, choices)
+def _words(choices: tuple[str, ...]) -> Callable[[str, Any], str]:
+    return lambda name, value: _word(name, value, choices)
 
 
 def _word(name: str, value: object, allowed: tuple[str, ...]) -> str:
@@ -94,32 +88,33 @@ def _bool(name: str, raw: str) -> bool:
     raise PolicyError(name, raw, "a boolean (1/0, true/false, yes/no, on/off; any case)")
 
 
-def _int(low: int, high: int) -> Callable[[str, str], int]:
-    def parse(name: str, raw: str) -> int:
-        value = parse_int(raw)
-        if value is None or not low <= value <= high:
-            raise PolicyError(name, raw, f"an integer (ASCII digits) from {low:g} to {high:g}")
-        return value
+# Numbers read the same in code and in the environment: a number (not a bool) or its ASCII text.
+def _int(low: int, high: int) -> Callable[[str, Any], int]:
+    def parse(name: str, value: Any) -> int:
+        number = parse_int(value) if isinstance(value, str) else value
+        if type(number) is not int or not low <= number <= high:
+            raise PolicyError(name, value, f"an integer (ASCII digits) from {low:g} to {high:g}")
+        return number
 
     return parse
 
 
-def _seconds(name: str, raw: str) -> float:
-    value = float(raw) if _FLOAT.fullmatch(raw) else math.nan
-    if not (math.isfinite(value) and 0 < value <= MAX_AGREEMENT_TIMEOUT_S):
-        raise PolicyError(name, raw, f"a positive finite decimal number up to {MAX_AGREEMENT_TIMEOUT_S:g}")
-    return value
+def _decimal(within: Callable[[float], bool], allowed: str) -> Callable[[str, Any], float]:
+    def parse(name: str, value: Any) -> float:
+        number = float(value) if isinstance(value, str) and _FLOAT.fullmatch(value) else value
+        real = isinstance(number, (int, float)) and not isinstance(number, bool)
+        if not (real and math.isfinite(number) and within(number)):
+            raise PolicyError(name, value, allowed)
+        return float(number)
+
+    return parse
 
 
-def _fraction(name: str, raw: str) -> float:
-    value = float(raw) if _FLOAT.fullmatch(raw) else math.nan
-    if not (math.isfinite(value) and 0 <= value < 1):
-        raise PolicyError(name, raw, "a finite decimal number, a fraction in [0, 1)")
-    return value
-
-
-def _text(name: str, raw: str) -> str:
-    return raw
+_seconds = _decimal(
+    lambda s: 0 < s <= MAX_AGREEMENT_TIMEOUT_S,
+    f"a positive number of seconds up to {MAX_AGREEMENT_TIMEOUT_S:g}, finite (not a bool)",
+)
+_fraction = _decimal(lambda f: 0 <= f < 1, "a finite decimal number, a fraction in [0, 1)")
 
 
 def _paths(name: str, raw: str) -> tuple[str, ...]:
@@ -153,62 +148,48 @@ def _cache(name: str, raw: str) -> str | None:
     return CACHE_OFF if word in FALSE_WORDS else None if word in TRUE_WORDS else raw
 
 
-# Policy fields first, then settings of the tuner, the cache and the launchers.
-ENV_MODE = _knob("MODE", _words(MODES), "off", "what the library does (TuningPolicy.mode)", "mode")
-ENV_SCOPE = _knob("SCOPE", _modules, (), "module prefixes of the kernels to pin; empty: all", "scope")
-ENV_ON_MISS = _knob("ON_MISS", _words(ON_MISS), "nearest", "what a miss launches", "on_miss")
+def _path(name: str, value: object, allowed: str = _A_PATH) -> str:
+    text = os.fspath(value) if isinstance(value, os.PathLike) else value
+    if not isinstance(text, str) or not text or "\0" in text:
+        raise PolicyError(name, value, allowed)
+    return text
+
+
+# Each knob, the field it sets (its name in lower case unless given) and its one default.
+ENV_MODE = _knob("MODE", _words(MODES), "deterministic", "what the library does")
+ENV_SCOPE = _knob("SCOPE", _modules, (), "module prefixes of the kernels to pin; empty: all")
+ENV_ON_MISS = _knob("ON_MISS", _words(ON_MISS), "nearest", "what a miss launches")
 ENV_TABLE = _knob("TABLE", _paths, (), "colon-separated table files or folders, searched first", "tables")
-ENV_SHIPPED_TABLES = _knob(
-    "SHIPPED_TABLES", _bool, True, "search the tables shipped in configs/<arch>/", "use_shipped_tables"
-)
-ENV_AGREEMENT = _knob(
-    "AGREEMENT", _words(AGREEMENT_MODES), None, "cross-rank check; unset: by world size", "agreement"
-)
+ENV_SHIPPED_TABLES = _knob("SHIPPED_TABLES", _bool, True, "search the shipped tables", "use_shipped_tables")
+ENV_AGREEMENT = _knob("AGREEMENT", _words(AGREEMENT_MODES), None, "cross-rank check; unset: by world size")
 ENV_AGREEMENT_TIMEOUT = _knob(
-    "AGREEMENT_TIMEOUT",
-    _seconds,
-    300.0,
-    "seconds a cross-rank check waits for missing ranks",
-    "agreement_timeout_s",
+    "AGREEMENT_TIMEOUT", _seconds, 300.0, "seconds a check waits for missing ranks", "agreement_timeout_s"
 )
-ENV_STRICT = _knob("STRICT", _bool, False, "raise on stale entries and unpinned compiled launches", "strict")
-ENV_STALE_ENTRIES = _knob(
-    "STALE_ENTRIES", _words(STALE_ENTRIES), "use", "what a stale entry does", "stale_entries"
-)
-ENV_NUMERICS = _knob(
-    "NUMERICS", _words(NUMERICS), "any", "which configs tune and auto may pick (docs/numerics.md)", "numerics"
-)
-ENV_BLOCK_SIZES = _knob("BLOCK_SIZES", _assignments, (), "explicit block-size override", "block_sizes")
-ENV_RECORD_DIR = _knob("RECORD_DIR", _text, None, "where record mode writes one file per rank", "record_dir")
-ENV_DECISION_LOG = _knob("DECISION_LOG", _text, None, "write the decision log here at exit", "decision_log")
-ENV_PRINT_DECISIONS = _knob(
-    "PRINT_DECISIONS", _bool, False, "print each decision (kernel, key, config, source) to stderr"
-)
-ENV_CACHE = _knob("CACHE", _cache, None, "auto mode's cache table: a path or off", "cache")
+ENV_STRICT = _knob("STRICT", _bool, False, "raise on stale entries and unpinned compiled launches")
+ENV_STALE_ENTRIES = _knob("STALE_ENTRIES", _words(STALE_ENTRIES), "use", "what a stale entry does")
+ENV_NUMERICS = _knob("NUMERICS", _words(NUMERICS), "any", "which configs tune and auto may pick")
+ENV_BLOCK_SIZES = _knob("BLOCK_SIZES", _assignments, (), "explicit block-size override")
+ENV_RECORD_DIR = _knob("RECORD_DIR", _path, None, "where record mode writes one file per rank")
+ENV_DECISION_LOG = _knob("DECISION_LOG", _path, None, "write the decision log here at exit")
+ENV_PRINT_DECISIONS = _knob("PRINT_DECISIONS", _bool, False, "print each decision (kernel, key, config)")
+ENV_CACHE = _knob("CACHE", _cache, None, "auto mode's cache table: a path or off")
 ENV_CACHE_MAX_ENTRIES = _knob("CACHE_MAX_ENTRIES", _int(1, 1_000_000), 50_000, "entries auto's cache keeps")
 ENV_TUNE_ROUNDS = _knob("TUNE_ROUNDS", _int(1, 10_000), 10, "timed rounds per candidate when tuning")
 ENV_TUNE_TIE_BAND = _knob("TUNE_TIE_BAND", _fraction, 0.02, "fraction of the best median called a tie")
-ENV_TUNE_DIR = _knob("TUNE_DIR", _text, None, "internal: where a `tune` job's processes write their results")
 ENV_AUDIT_RUNS = _knob("AUDIT_RUNS", _int(2, 100), 3, "launches per config when comparing output bits")
-ENV_AUDIT_DIR = _knob(
-    "AUDIT_DIR", _text, None, "internal: where an `audit` job's processes write their reports"
-)
-ENV_LAUNCHER = _knob("LAUNCHER", _words(("run", "tune", "audit")), None, "internal: the launcher of this job")
-ENV_RESULT_DIR = _knob("RESULT_DIR", _text, None, "internal: where `run`'s processes report a divergence")
+_BY_FIELD = {knob.field: knob for knob in KNOBS.values()}
 
 
-def read_knob(name: str) -> Any:
-    """The knob's value now, or its default when unset."""
-    knob = KNOBS[name]
-    value = knob.read()
-    return knob.default if value is None else value
+def default(name: str) -> Any:
+    """The default of knob ``name``: the one place it is declared."""
+    return KNOBS[name].default
 
 
-def warn_unknown_variables() -> None:
+def _warn_unknown_variables(environ: Mapping[str, str]) -> None:
     """One notice per unknown ``MEGATRON_TUNING_*`` name: it is ignored, so it is most likely a typo."""
     # Compared without the shared prefix, which would make every name look close to every other.
     known = sorted(name[len(PREFIX) :] for name in KNOBS)
-    for name in sorted(n for n in os.environ if n.startswith(PREFIX) and n not in KNOBS):
+    for name in sorted(n for n in environ if n.startswith(PREFIX) and n not in KNOBS):
         close = difflib.get_close_matches(name[len(PREFIX) :], known, n=1, cutoff=0.6)
         listing = ", ".join(sorted(KNOBS))
         hint = f"Did you mean {PREFIX}{close[0]}?" if close else f"Known variables: {listing}"
@@ -216,76 +197,82 @@ def warn_unknown_variables() -> None:
         warn_once(("unknown-env", name), f"{text} {hint} (docs/policy.md)")
 
 
-@contextlib.contextmanager
-def scoped_environ(values: Mapping[str, str | None]) -> Iterator[None]:
-    """Set (or with ``None`` unset) variables for the duration of the block, then restore."""
-    saved = {name: os.environ.get(name) for name in values}
-    try:
-        for name, value in values.items():
-            os.environ.pop(name, None) if value is None else os.environ.__setitem__(name, value)
-        yield
-    finally:
-        for name, value in saved.items():
-            os.environ.pop(name, None) if value is None else os.environ.__setitem__(name, value)
-
-
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TuningPolicy:
-    """How in-scope Triton autotuners choose their config. Every rank of a job must use the same."""
+    """How in-scope Triton autotuners choose their config: the whole input of the choice. Every rank
+    of a job must use the same. Each field's default is its knob's (``default``)."""
 
-    mode: str = "deterministic"
+    mode: str = default(ENV_MODE)
     """off: stock Triton. deterministic: table entry, else the miss rule; never measures. chaos: a
     different pick per rank (the agreement check's positive control). record: Triton's winners are
     recorded. tune: the noise-aware tuner. auto: entry, else the job's decision, else tune once."""
 
-    scope: tuple[str, ...] = ()
+    scope: tuple[str, ...] = default(ENV_SCOPE)
     """Module prefixes of the kernels to pin (``pkg`` covers ``pkg`` and ``pkg.sub``); empty: all."""
 
-    on_miss: str = "nearest"
+    on_miss: str = default(ENV_ON_MISS)
     """No usable entry: ``nearest`` shape's entry, else the cheapest; ``min_cost``; or ``error``."""
 
-    tables: tuple[str, ...] = ()
-    """Table files or folders searched before ``MEGATRON_TUNING_TABLE`` and the shipped tables."""
+    tables: tuple[str, ...] = default(ENV_TABLE)
+    """Table files or folders, searched in order before the shipped tables."""
 
-    use_shipped_tables: bool = True
+    use_shipped_tables: bool = default(ENV_SHIPPED_TABLES)
     """Search the tables shipped in the package's ``configs/<arch>/`` last."""
 
-    agreement: str | None = None
+    agreement: str | None = default(ENV_AGREEMENT)
     """Cross-rank check (docs/agreement.md): store, allgather, verify or off; None: store up to 64
     ranks, verify above."""
 
-    agreement_timeout_s: float = 300.0
+    agreement_timeout_s: float = default(ENV_AGREEMENT_TIMEOUT)
     """How long a cross-rank check waits for missing ranks before naming them."""
 
-    strict: bool = False
+    strict: bool = default(ENV_STRICT)
     """Raise on stale entries (as ``stale_entries='error'``) and on unpinned compiled launches."""
 
-    stale_entries: str = "use"
+    stale_entries: str = default(ENV_STALE_ENTRIES)
     """An entry tuned for other kernel source or another Triton: use (warn once), miss, or error."""
 
-    numerics: str = "any"
+    numerics: str = default(ENV_NUMERICS)
     """Which configs ``tune`` and ``auto`` may pick: ``any``; ``same-class`` (bit-identical, on the
     call's inputs, to the key's current table entry); ``deterministic-only`` (docs/numerics.md)."""
 
-    block_sizes: tuple[tuple[str, int], ...] = ()
+    block_sizes: tuple[tuple[str, int], ...] = default(ENV_BLOCK_SIZES)
     """Explicit block-size override, e.g. ``{"BLOCK_SIZE_M": 64}``; stored as sorted pairs."""
 
-    record_dir: str | None = None
+    record_dir: str | None = default(ENV_RECORD_DIR)
     """Where record mode writes per-rank results (one file per rank)."""
 
-    decision_log: str | None = None
+    decision_log: str | None = default(ENV_DECISION_LOG)
     """If set, the decision log is written here at close (``{rank}`` and ``{pid}`` are replaced)."""
 
-    cache: str | None = None
+    print_decisions: bool = default(ENV_PRINT_DECISIONS)
+    """Write one line per decision to stderr, as ``TRITON_PRINT_AUTOTUNING`` does."""
+
+    cache: str | None = default(ENV_CACHE)
     """auto's cache table: None for the user cache folder's, "off" (or a false word) for none, or a path."""
 
+    cache_max_entries: int = default(ENV_CACHE_MAX_ENTRIES)
+    """Entries auto's cache keeps; past it, those persisted longest ago are evicted."""
+
+    tune_rounds: int = default(ENV_TUNE_ROUNDS)
+    """Timed rounds per candidate when ``tune`` and ``auto`` measure."""
+
+    tune_tie_band: float = default(ENV_TUNE_TIE_BAND)
+    """Medians within this fraction of the best are a tie, broken by static cost."""
+
+    audit_runs: int = default(ENV_AUDIT_RUNS)
+    """Launches per config when the numerics audit compares output bits."""
+
     def __post_init__(self) -> None:
-        # Normalised values are written back (object.__setattr__: the dataclass is frozen).
-        words = {"mode": MODES, "on_miss": ON_MISS, "stale_entries": STALE_ENTRIES, "numerics": NUMERICS}
-        for name, allowed in words.items():
-            _set(self, name, _word(name, getattr(self, name), allowed))
-        if self.agreement is not None:
-            _set(self, "agreement", _word("agreement", self.agreement, AGREEMENT_MODES))
+        # Words and numbers follow their variable's rule (numbers as numbers); normalised values
+        # are written back.
+        numbers = ("agreement_timeout_s", "cache_max_entries", "tune_rounds", "tune_tie_band", "audit_runs")
+        for name in ("mode", "on_miss", "stale_entries", "numerics", "agreement", *numbers):
+            value = getattr(self, name)
+            if name in numbers and isinstance(value, str):
+                raise PolicyError(name, value, "a number, not text")
+            if name != "agreement" or value is not None:
+                _set(self, name, _BY_FIELD[name].parse(name, value))
         modules = "module-name prefixes such as ['my_pkg.kernels']"
         scope = _sequence("scope", self.scope, modules)
         if any(not isinstance(p, str) or not is_module_prefix(p.strip()) for p in scope):
@@ -294,15 +281,9 @@ class TuningPolicy:
         paths = _sequence("tables", self.tables, "file system paths such as ['tables/sm90.msgpack']")
         _set(self, "tables", tuple(_path("tables", p) for p in paths))
         _set(self, "block_sizes", _block_sizes(self.block_sizes))
-        for name in ("strict", "use_shipped_tables"):
+        for name in ("strict", "use_shipped_tables", "print_decisions"):
             if not isinstance(getattr(self, name), bool):
                 raise PolicyError(name, getattr(self, name), "True or False (a bool)")
-        timeout = self.agreement_timeout_s
-        number = isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
-        if not (number and 0 < timeout <= MAX_AGREEMENT_TIMEOUT_S):  # also refuses nan and inf
-            seconds = f"a positive number of seconds up to {MAX_AGREEMENT_TIMEOUT_S:g} (not a bool)"
-            raise PolicyError("agreement_timeout_s", self.agreement_timeout_s, seconds)
-        _set(self, "agreement_timeout_s", float(timeout))
         for name in ("decision_log", "record_dir"):
             if getattr(self, name) is not None:
                 _set(self, name, _path(name, getattr(self, name)))
@@ -323,12 +304,14 @@ class TuningPolicy:
         return dataclasses.replace(self, **changes)
 
     def summary(self) -> str:
-        """The fields every rank of one session must share (compared by the inputs check)."""
+        """Every field that changes a choice, but the tables (compared by content): what the ranks of
+        one session must share (the inputs check at init compares it)."""
         blocks = ",".join(f"{k}={v}" for k, v in self.block_sizes) or "-"
         return (
             f"mode={self.mode} agreement={self.agreement} scope={','.join(self.scope) or 'all'} "
             f"on_miss={self.on_miss} block_sizes={blocks} stale_entries={self.effective_stale_entries} "
-            f"numerics={self.numerics}"
+            f"numerics={self.numerics} tune_rounds={self.tune_rounds} tune_tie_band={self.tune_tie_band:g} "
+            f"audit_runs={self.audit_runs}"
         )
 
     def describe(self) -> str:
@@ -337,18 +320,21 @@ class TuningPolicy:
         return f"{self.summary()} tables={':'.join(self.tables) or '-'} strict={int(self.strict)}{cache}"
 
     @classmethod
-    def from_env(
-        cls, *, default_mode: str = "off", follow_torch_determinism: bool = True, **overrides: Any
-    ) -> TuningPolicy:
-        """Build a policy from the ``MEGATRON_TUNING_*`` knobs, read now; ``overrides`` win. With the
-        mode unset: ``deterministic`` under torch's deterministic algorithms, else ``default_mode``."""
-        fields = {k.field: v for k in KNOBS.values() if k.field and (v := k.read()) is not None}
-        if "mode" not in fields:
-            torch_asks = follow_torch_determinism and _torch_deterministic()
-            fields["mode"] = "deterministic" if torch_asks else default_mode
-        warn_unknown_variables()  # a misspelt name (..._TABLES) would otherwise be ignored silently
-        fields.update(overrides)
-        return cls(**fields)
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> TuningPolicy:
+        """The policy the ``MEGATRON_TUNING_*`` variables of ``environ`` (default: ``os.environ``, read
+        now) set, each unset one at its default; ``overrides`` win. Nothing else reads them."""
+        environ = os.environ if environ is None else environ
+        fields = {
+            k.field: k.parse(k.name, raw) for k in KNOBS.values() if (raw := environ.get(k.name, "").strip())
+        }
+        _warn_unknown_variables(environ)  # a misspelt name (..._TABLES) would otherwise be ignored silently
+        return cls(**{**fields, **overrides})
+
+    @classmethod
+    def from_env_if_asked(cls) -> TuningPolicy:
+        """``from_env()``, in mode ``off`` where ``MEGATRON_TUNING_MODE`` is unset: for what runs
+        unasked (decoration-time helpers, the ``enable`` switch, a rank's exit)."""
+        return cls.from_env() if os.environ.get(ENV_MODE, "").strip() else cls.from_env(mode="off")
 
 
 def _set(policy: TuningPolicy, name: str, value: Any) -> None:
@@ -360,13 +346,6 @@ def _sequence(name: str, value: object, allowed: str) -> tuple[Any, ...]:
     if isinstance(value, (str, bytes, os.PathLike)) or not isinstance(value, Sequence):
         raise PolicyError(name, value, f"a list or tuple of {allowed}; a single one goes in a list")
     return tuple(value)
-
-
-def _path(name: str, value: object, allowed: str = _A_PATH) -> str:
-    text = os.fspath(value) if isinstance(value, os.PathLike) else value
-    if not isinstance(text, str) or not text or "\0" in text:
-        raise PolicyError(name, value, allowed)
-    return text
 
 
 def _block_sizes(value: object) -> tuple[tuple[str, int], ...]:
@@ -389,11 +368,3 @@ def _pairs(name: str, value: object, items: Sequence[Any], allowed: str) -> tupl
             raise PolicyError(name, value, f"each name once ({item[0]} is given twice)")
         seen[item[0]] = item[1]
     return tuple(sorted(seen.items()))
-
-
-def _torch_deterministic() -> bool:
-    try:
-        import torch
-    except ImportError:  # torch is a dependency, but reading a policy must not need it
-        return False
-    return bool(torch.are_deterministic_algorithms_enabled())

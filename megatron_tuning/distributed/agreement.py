@@ -5,6 +5,7 @@ every choice is a pure function: a difference raises ``InputMismatchError`` at i
 ``policy.agreement`` (docs/agreement.md): ``store`` claims each new key's signature before its launch
 (no collective, so no deadlock), ``allgather`` compares digests at first use in SPMD groups, ``verify``
 leaves it to ``verify_agreement()`` and a bounded check at close. Nothing runs inside a CUDA graph capture.
+The running session's checks (an ``Agreement``) are registered here: ``verify_agreement`` flushes them.
 """
 
 from __future__ import annotations
@@ -14,23 +15,69 @@ import json
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from ..core import __version__
-from ..core.decisions import Decision, decision_log
+from ..core.decisions import Decision, decision_log, unchecked_sources
 from ..core.errors import DivergenceError, InputMismatchError, StoreError, TableError
-from ..core.policy import TuningPolicy, read_knob
+from ..core.policy import TuningPolicy
 from ..runtime.pinning import is_capturing
-from ..tables.search import ENV_TABLE, expand_table_paths, installed_triton_version, shipped_tables_dir
+from ..tables.search import expand_table_paths, installed_triton_version, shipped_tables_dir
 from . import store as kv
 from . import verify
-from .verify import all_gather_bytes, pack_text, unchecked_sources, unpack_text
+from .verify import all_gather_bytes, pack_text, unpack_text
 
 STORE_UP_TO_RANKS = 64
 """Worlds up to this size check each key at first use (``store``); larger ones use ``verify``."""
+CHECKED_MODES = ("deterministic", "chaos", "auto")  # the policy modes whose ranks must agree
+
+
+class Agreement(Protocol):
+    """What a session's cross-rank checks provide (``AgreementChecker``, ``FailedAgreement``)."""
+
+    mode: str  # "store", "allgather" or "verify"
+    timeout_s: float  # how long a check waits for the other ranks
+
+    def check(self, decision: Decision) -> None: ...  # compare a new (kernel, key) with the others
+
+    def flush(self) -> None: ...  # run checks deferred by a graph capture, then ``poll``
+
+    def poll(self) -> None: ...  # raise the divergence or input mismatch another rank recorded
+
+    def stop(self, *, final_check: bool = True) -> None: ...  # end; ``verify``: the check at close
+
+
+_active: Agreement | None = None
+_active_lock = threading.Lock()
+
+
+def active_checker() -> Agreement | None:
+    """The running session's checks, if any."""
+    return _active
+
+
+def set_active_checker(checker: Agreement | None, *, replacing: Agreement | None = None) -> None:
+    """Make ``checker`` the active one; with ``replacing``, only if that one is still active."""
+    global _active
+    with _active_lock:
+        if replacing is None or _active is replacing:
+            _active = checker
+
+
+def verify_agreement(group: Any = None, *, timeout_s: float | None = None) -> int:
+    """Compare every rank's decision log at a step boundary; return how many entries were shared.
+
+    Collective over ``group`` (default: the job). Only entries two or more ranks observed are
+    compared; on a mismatch every rank raises the same ``DivergenceError`` naming up to
+    ``verify.MAX_NAMED`` of them, and a rank missing past ``timeout_s`` (default: the policy's) is
+    named in an ``AgreementTimeoutError``. Ranks whose calls pair with another session's, another
+    call or a check at close raise ``InputMismatchError``, as does every later check over ``group``.
+    Runs checks deferred by a CUDA graph capture first.
+    """
+    return verify.compare_logs(group, timeout_s, _active)
 
 
 def resolve_mode(policy: TuningPolicy, group: Any = None) -> str:
@@ -42,32 +89,52 @@ def resolve_mode(policy: TuningPolicy, group: Any = None) -> str:
     return "verify" if len(kv.group_ranks(group)) > STORE_UP_TO_RANKS else "store"
 
 
-class _NoAgreement:
-    """Handle for a process that checks nothing."""
+def checks_at_close(policy: TuningPolicy, group: Any = None) -> bool:
+    """Whether a session of ``policy`` started now runs verify's check at close, which compares
+    every decision of the process (so a session it replaces need not run its own)."""
+    grouped = dist.is_available() and dist.is_initialized()
+    return grouped and policy.mode in CHECKED_MODES and resolve_mode(policy, group) == "verify"
 
-    mode = "off"
 
-    def stop(self) -> None:
-        return None
+class FailedAgreement:
+    """Stands in for the checks of a rank whose late attach failed (its inputs differ, ``auto``'s rank
+    cap...): each later check raises that error; ``verify_agreement`` joins the collective first."""
+
+    def __init__(self, error: Exception, policy: TuningPolicy, group: Any = None) -> None:
+        self.error, self.group, self.mode = error, group, resolve_mode(policy, group)
+        self.timeout_s = policy.agreement_timeout_s
+        set_active_checker(self)
+
+    def flush(self) -> None:
+        raise self.error
+
+    poll = flush
+
+    def check(self, decision: Decision) -> None:
+        raise self.error
+
+    def stop(self, *, final_check: bool = True) -> None:
+        set_active_checker(None, replacing=self)
+        if final_check and self.mode == "verify":  # the others' check at close meets this rank's
+            verify.verify_at_close(self.group, self.timeout_s)
 
 
 def start_agreement(
     policy: TuningPolicy, group: Any = None, *, inputs: Mapping[str, str] | None = None
-) -> Any:
-    """Start cross-rank checks for ``policy``; returns a handle whose ``stop()`` ends them (a no-op
-    one without a process group, with agreement ``off``, or in a measuring mode). ``inputs`` that
-    differ from the first rank's raise ``InputMismatchError`` here, and on that rank at its next check."""
+) -> AgreementChecker | None:
+    """Start cross-rank checks for ``policy`` and make them the active ones; ``None`` without a process
+    group, with agreement ``off``, or in a measuring mode. ``inputs`` that differ from the first
+    rank's raise ``InputMismatchError`` here, and on that rank at its next check."""
     mode = resolve_mode(policy, group)
-    checked = mode != "off" and policy.mode in ("deterministic", "chaos", "auto")
+    checked = mode != "off" and policy.mode in CHECKED_MODES
     if not (checked and dist.is_available() and dist.is_initialized()):
-        return _NoAgreement()
-    previous = verify.active_checker()
-    if previous is not None:
-        previous.stop(final_check=False)
+        return None
+    if _active is not None:
+        _active.stop(final_check=False)
     checker = AgreementChecker(policy, group, session=verify.next_session(), mode=mode)
     checker.compare_inputs(inputs if inputs is not None else describe_inputs(policy))
     checker.attach()
-    verify.set_active_checker(checker)
+    set_active_checker(checker)
     return checker
 
 
@@ -132,7 +199,7 @@ class AgreementChecker:
         if self._attached:
             decision_log().remove_listener(self.check)
             self._attached = False
-        verify.set_active_checker(None, replacing=self)
+        set_active_checker(None, replacing=self)
         if self._pending and not is_capturing():
             self.flush()
         if final_check and self.mode == "verify":
@@ -265,7 +332,7 @@ def describe_inputs(policy: TuningPolicy, table: Any = None) -> dict[str, str]:
     if table is not None and not hasattr(table, "files"):
         inputs["tables"] = _mapping_digest(table)
     else:
-        inputs["tables"] = _files_digest(policy.tables + tuple(read_knob(ENV_TABLE)))
+        inputs["tables"] = _files_digest(policy.tables)
     if policy.use_shipped_tables:
         folder = shipped_tables_dir()
         files = sorted(p for p in folder.rglob("*.msgpack") if p.is_file()) if folder.is_dir() else []

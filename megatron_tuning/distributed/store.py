@@ -22,7 +22,8 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 
 from ..core.chaos import ChaosClaim
-from ..core.errors import AgreementTimeoutError, ConsensusError, PolicyError, StoreError, warn_once
+from ..core.errors import AgreementTimeoutError, ConsensusError, PolicyError, StoreError
+from ..core.notices import warn_once
 
 PREFIX = "megatron_tuning/v2"
 SLOW_REQUEST_S = 5.0  # a slower request is reported once per purpose (a paused or overloaded store)
@@ -216,11 +217,8 @@ AUTO_AT_SCALE = (
 )
 
 
-def start_consensus(local_cache: str | None) -> StoreConsensus | None:
-    """``auto``'s consensus for the job (``None`` without a process group); refuses large jobs."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    world = dist.get_world_size()
+def check_auto_world(world: int) -> None:
+    """Refuse ``auto`` in a job of more than ``AUTO_MAX_RANKS`` ranks (``PolicyError``)."""
     if world > AUTO_MAX_RANKS:
         raise PolicyError(
             "mode",
@@ -228,6 +226,13 @@ def start_consensus(local_cache: str | None) -> StoreConsensus | None:
             f"deterministic in a job of {world} ranks (auto keeps its "
             f"decisions in the job's store up to {AUTO_MAX_RANKS} ranks), with {AUTO_AT_SCALE}",
         )
+
+
+def start_consensus(local_cache: str | None) -> StoreConsensus | None:
+    """``auto``'s consensus for the job (``None`` without a process group); refuses large jobs."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    check_auto_world(dist.get_world_size())
     return StoreConsensus(local_cache=local_cache)
 
 

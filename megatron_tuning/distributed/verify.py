@@ -1,10 +1,11 @@
 """``verify_agreement``: compare every rank's whole decision log at a step boundary (collective).
 
 After a store barrier with a deadline (a missing rank is named), ranks all-gather a 32-byte header
-(log digest, row count, session number); equal digests end the call. Otherwise one rank per distinct
+(log digest, row count, session number, call number); paired checks of other sessions or calls break
+the pairing for good, on every rank. Equal digests end the call. Otherwise one rank per distinct
 log sends each row to the rank owning its identity (``all_to_all_single``), owners all-gather a
 summary and the named entries' holders broadcast their texts: every rank raises the same error.
-O(ranks) header bytes plus its own rows per rank; byte tensors only. Also: the active checker.
+O(ranks) header bytes plus its own rows per rank; byte tensors only.
 """
 
 from __future__ import annotations
@@ -14,13 +15,21 @@ import logging
 import struct
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ..core.decisions import Decision, decision_log
-from ..core.errors import AgreementTimeoutError, DivergenceError, InputMismatchError, StoreError, warn_once
+from ..core.decisions import Decision, decision_log, unchecked_sources
+from ..core.errors import (
+    AgreementTimeoutError,
+    DivergenceError,
+    InputMismatchError,
+    MegatronTuningError,
+    StoreError,
+)
+from ..core.notices import warn_once
 from ..runtime.interception import current_policy
 from . import store as kv
 
@@ -32,66 +41,56 @@ FIELD_BYTES = (256, 768, 512)  # kernel, key, signature text in a fixed-size nam
 TEXT_BYTES = sum(FIELD_BYTES)
 MAX_NAMED = 8  # differing entries named by verify_agreement; the rest are counted
 MAX_SIGNATURES_NAMED = 4  # distinct logs whose configs are listed per named entry
-_HEADER = struct.Struct("<16sQQ")  # log digest, row count, session number
+_HEADER = struct.Struct("<16sQII")  # log digest, row count, session number, call number (0: at close)
 _ROW = struct.Struct("<16s16sI")  # identity, signature, position in the sender's log
 _NAMED = struct.Struct("<16sII")  # identity, first observer's group index, its log position
 _SUMMARY = struct.Struct("<QQ")  # shared entries, differing entries (this owner's)
-_verify_calls: dict[str, int] = {}
+
+
+@dataclass
+class _Calls:
+    """One scope's checks in this process: every rank numbers them alike, or the pairing is broken."""
+
+    paired: int = 0  # verify_agreement calls and checks at close: the barrier's tag
+    user: int = 0  # verify_agreement calls: the header's call number
+    broken: InputMismatchError | None = None  # raised by every later check of the scope
+
+
+_verify_calls: dict[str, _Calls] = {}
 _sessions = 0
-_checker: Any = None
-_checker_lock = threading.Lock()
+_sessions_lock = threading.Lock()
 
 
 def next_session() -> int:
     """Start this process's next checked session; return its number."""
     global _sessions
-    with _checker_lock:
+    with _sessions_lock:
         _sessions += 1
         return _sessions
 
 
-def active_checker() -> Any:
-    return _checker
-
-
-def set_active_checker(checker: Any, *, replacing: Any = None) -> None:
-    """Make ``checker`` the active one; with ``replacing``, only if that one is still active."""
-    global _checker
-    with _checker_lock:
-        if replacing is None or _checker is replacing:
-            _checker = checker
-
-
-def unchecked_sources(mode: str | None) -> frozenset[str]:
-    """Decision sources not compared: pass-through kernels and, outside ``auto``, measured picks
-    (``tune``/``record`` ranks measure for themselves and may differ by design)."""
-    sources = {"out_of_scope", "recorded"}
-    return frozenset(sources if mode == "auto" else sources | {"tuned"})
-
-
-def verify_agreement(group: Any = None, *, timeout_s: float | None = None) -> int:
-    """Compare every rank's decision log at a step boundary; return how many entries were shared.
-
-    Collective over ``group`` (default: the job). Only entries two or more ranks observed are
-    compared; on a mismatch every rank raises the same ``DivergenceError`` naming up to
-    ``MAX_NAMED`` of them, and a rank missing past ``timeout_s`` (default: the policy's) is named
-    in an ``AgreementTimeoutError``. Runs checks deferred by a CUDA graph capture first.
-    """
+def compare_logs(group: Any, timeout_s: float | None, checker: Any, *, at_close: bool = False) -> int:
+    """``verify_agreement`` over ``group``: flush ``checker`` (the session's ``agreement.Agreement``,
+    or ``None``) first, then compare every rank's decision log; return how many entries were shared."""
     if not (dist.is_available() and dist.is_initialized()):
         return 0
-    checker = _checker
-    late_error: DivergenceError | InputMismatchError | None = None
+    ranks = kv.group_ranks(group)
+    scope = kv.scope_id(group, ranks)
+    calls = _verify_calls.setdefault(scope, _Calls())
+    if calls.broken is not None:
+        raise calls.broken  # ranks no longer pair their checks: waiting would only time out
+    late_error: MegatronTuningError | None = None
     if checker is not None:
         try:
             checker.flush()
-        except (DivergenceError, InputMismatchError) as error:
+        except MegatronTuningError as error:
             if checker.mode == "allgather" and isinstance(error, DivergenceError):
                 raise  # allgather errors are raised on every rank alike
             late_error = error  # one-sided: raising before the collective would hang the others
     timeout = timeout_s if timeout_s is not None else (checker.timeout_s if checker else DEFAULT_TIMEOUT_S)
-    ranks = kv.group_ranks(group)
-    scope = kv.scope_id(group, ranks)
-    _verify_calls[scope] = seq = _verify_calls.get(scope, 0) + 1
+    calls.paired += 1
+    calls.user += not at_close
+    seq, call = calls.paired, 0 if at_close else calls.user
     store = kv.prefixed(f"verify/{kv.job_namespace()}/{scope}")
     kv.arrive(store, str(seq), dist.get_rank(), ranks, f"verify_agreement call #{seq}", timeout)
 
@@ -103,14 +102,15 @@ def verify_agreement(group: Any = None, *, timeout_s: float | None = None) -> in
     idents = list(table)  # launch order, so the first divergence named is the earliest one
     rows = sorted(i[:16] + kv.signature_digest(table[i].signature)[:16] for i in idents)
     digest = hashlib.sha256(b"".join(rows)).digest()[:16]
-    headers = all_gather_bytes(_HEADER.pack(digest, len(idents), _sessions), group)
+    headers = all_gather_bytes(_HEADER.pack(digest, len(idents), _sessions, call), group)
     parsed = [_HEADER.unpack(h) for h in headers]
-    numbers = {r: p[2] for r, p in zip(ranks, parsed)}
-    if len(set(numbers.values())) > 1:
-        where = f"verify_agreement call #{seq}"
-        raise InputMismatchError(where, sorted(numbers), {"tuning sessions started": numbers})
+    # Every rank sees every header, so all raise the same error. Session 0 (a rank that started
+    # none, e.g. one that never imported Triton under `run`) pairs with any: only its log counts.
+    if len({p[2] for p in parsed} - {0}) > 1 or len({p[3] for p in parsed}) > 1:
+        calls.broken = _mispaired(seq, ranks, parsed)
+        raise calls.broken
     groups: dict[bytes, list[int]] = {}
-    for index, (log_digest, _, _) in enumerate(parsed):
+    for index, (log_digest, *_) in enumerate(parsed):
         groups.setdefault(log_digest, []).append(index)
     shared = parsed[0][1] if len(ranks) >= 2 else 0
     if len(groups) > 1:
@@ -122,12 +122,12 @@ def verify_agreement(group: Any = None, *, timeout_s: float | None = None) -> in
             if late_error is None and checker is not None:
                 try:  # a rank the store check caught first recorded it before joining us: raise that
                     checker.poll()
-                except (DivergenceError, InputMismatchError) as error:
+                except MegatronTuningError as error:
                     late_error = error
+            found = _divergence(named, differing, shared, table, groups, ranks, group)  # every rank joins
             if late_error is not None:
                 raise late_error
-            planted = policy is not None and policy.mode == "chaos"
-            raise _divergence(named, differing, shared, table, groups, ranks, group, planted)
+            raise DivergenceError(*found, planted=policy is not None and policy.mode == "chaos")
     if late_error is not None:
         raise late_error
     logger.info("verify_agreement: %d shared (kernel, key) entries agree across ranks %s", shared, ranks)
@@ -175,6 +175,18 @@ def _compare_sharded(
     return total_shared, total_differing, named[:MAX_NAMED]
 
 
+def _mispaired(seq: int, ranks: list[int], parsed: list[tuple[Any, ...]]) -> InputMismatchError:
+    """Ranks met at one check from other sessions, or other calls (one of them a check at close)."""
+    differences = {}
+    sessions = {r: p[2] for r, p in zip(ranks, parsed)}
+    if len(set(sessions.values()) - {0}) > 1:
+        differences["tuning sessions started"] = sessions
+    calls = {r: f"#{p[3]}" if p[3] else "the check at close" for r, p in zip(ranks, parsed)}
+    if len(set(calls.values())) > 1:
+        differences["verify_agreement calls"] = calls
+    return InputMismatchError(f"verify_agreement call #{seq}", ranks, differences)
+
+
 def _divergence(
     named: list[tuple[bytes, int, int]],
     total: int,
@@ -183,9 +195,8 @@ def _divergence(
     groups: dict[bytes, list[int]],
     ranks: list[int],
     group: Any,
-    planted: bool,
-) -> DivergenceError:
-    """Every rank builds the same error from texts the representatives broadcast."""
+) -> tuple[str, str, dict[int, str], str]:
+    """Every rank builds the same error's fields from texts the representatives broadcast."""
     short = {ident[:16]: decision for ident, decision in table.items()}
     me = ranks.index(dist.get_rank())
     members = {members[0]: members for members in groups.values()}  # representative -> its log's ranks
@@ -217,7 +228,7 @@ def _divergence(
         lines.append(f"  Also kernel {other_kernel} with key {other_key}: {listing}")
     if total > len(named):
         lines.append(f"  ... and {total - len(named)} more.")
-    return DivergenceError(kernel, key, signatures, "\n".join(lines), planted)
+    return kernel, key, signatures, "\n".join(lines)
 
 
 def _ranks_text(ranks: list[int]) -> str:
@@ -238,7 +249,7 @@ def verify_at_close(group: Any, timeout_s: float) -> None:
         )
         return
     try:
-        verify_agreement(group, timeout_s=min(timeout_s, CLOSE_TIMEOUT_S))
+        compare_logs(group, min(timeout_s, CLOSE_TIMEOUT_S), None, at_close=True)
     except (AgreementTimeoutError, StoreError) as exc:
         warn_once(
             ("close-check", type(exc).__name__), "the final agreement check at close did not run: %s", exc

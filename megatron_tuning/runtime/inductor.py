@@ -20,8 +20,9 @@ import threading
 import weakref
 from typing import Any
 
-from ..core.errors import CompiledLaunchNotPinnedError, MegatronTuningError, warn_once
+from ..core.errors import CompiledLaunchNotPinnedError, MegatronTuningError
 from ..core.identity import config_signature
+from ..core.notices import warn_once
 from ..core.policy import TuningPolicy
 from . import fastpath, pinning
 

@@ -20,9 +20,9 @@ from typing import Any
 
 from ..core.chaos import ChaosCoordinator
 from ..core.choice import Choice, as_config_table
-from ..core.errors import BenchmarkForbiddenError, UnsupportedTritonError, reset_warnings
+from ..core.errors import BenchmarkForbiddenError, UnsupportedTritonError
 from ..core.identity import config_signature, kernel_source_hash
-from ..core.notices import report_policy_end
+from ..core.notices import report_policy_end, reset_warnings
 from ..core.policy import TuningPolicy
 from . import fastpath, inductor, pinning
 from .pinning import AutotunerState, Consensus, Installation, Launch, Measure, current_policy, installed

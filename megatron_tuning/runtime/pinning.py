@@ -256,7 +256,8 @@ def decide(
                 choice = _proposed(choice, live, kernel, key, arch, consensus)
         if state.source_hash is None:
             state.source_hash = kernel_source_hash(autotuner)
-        notices.check_numerics(policy.numerics, kernel, key, choice)  # may raise: nothing is pinned
+        signature = config_signature(choice.config)
+        notices.check_numerics(policy.numerics, kernel, key, choice, signature)  # may raise: nothing pinned
         log(state, key, choice, arch)  # listeners (agreement) may raise: nothing is pinned
         for after in tuple(after_decision):
             after(autotuner, live, call if launchable else None, state.kernel, key, choice)

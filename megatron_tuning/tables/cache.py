@@ -3,7 +3,7 @@
 First persisted wins: a fresh entry is never replaced, so overlapping jobs converge on one config
 per key. A persist evicts stale entries, then the oldest past the entry cap or a byte bound; with
 every key already there it writes nothing, else it merges under ``<file>.lock`` and replaces the
-file atomically. Never stops a job: each problem is one warning naming the file and the fix.
+file atomically. Never stops a job: each problem is one notice naming the file and the fix.
 """
 
 from __future__ import annotations
@@ -21,10 +21,11 @@ from pathlib import Path
 from ..core.decisions import Decision
 from ..core.errors import TableError
 from ..core.identity import config_signature
-from ..core.policy import CACHE_OFF, ENV_CACHE, ENV_CACHE_MAX_ENTRIES, TuningPolicy, read_knob
+from ..core.notices import warn_once
+from ..core.policy import CACHE_OFF, ENV_CACHE, ENV_CACHE_MAX_ENTRIES, TuningPolicy
 from . import files
 from .entry import Entry, entry_with, same_config
-from .merge import content_ident, entry_from_decision
+from .records import content_ident, entry_from_decision
 from .search import installed_triton_version, staleness
 from .table import Table, library_version, table_from_data
 
@@ -54,59 +55,65 @@ def default_cache_dir() -> Path:
 
 
 def cache_path(policy: TuningPolicy, arch: str | Callable[[], str]) -> str | None:
-    """The cache file for ``arch``: the policy's ``cache``, else ``MEGATRON_TUNING_CACHE``, else the
-    per-user default; ``None`` when ``off``. A callable ``arch`` is called only for the default."""
-    chosen = policy.cache or read_knob(ENV_CACHE)  # by the knob rule: "OFF" and "0" are off, not files
-    if chosen == CACHE_OFF:
+    """The cache file for ``arch``: the policy's ``cache``, else the per-user default; ``None`` when
+    ``off``. A callable ``arch`` is called only for the default."""
+    if policy.cache == CACHE_OFF:
         return None
-    if chosen:
-        return os.path.abspath(os.path.expanduser(chosen))
+    if policy.cache:
+        return os.path.abspath(os.path.expanduser(policy.cache))
     return str(default_cache_dir() / (arch if isinstance(arch, str) else arch()) / CACHE_FILE_NAME)
 
 
 def open_cache(policy: TuningPolicy, arch: str | Callable[[], str]) -> AutoCache | None:
     """The cache ``policy`` names for ``arch``, read now (no file yet: empty). ``None`` when it is
-    off, a folder or unreadable (one warning naming the file and the fix; the file is left as is)."""
+    off, a folder or unreadable (one notice naming the file and the fix; the file is left as is)."""
     path = cache_path(policy, arch)
     if path is None:
         return None
-    max_entries = int(read_knob(ENV_CACHE_MAX_ENTRIES))
     if os.path.isdir(path):
-        logger.warning(
-            f"megatron_tuning: the auto cache {path} is a folder, not a table file; running without a "
-            f"cache. Set {ENV_CACHE} to a file path (e.g. {os.path.join(path, CACHE_FILE_NAME)})."
+        _notice(
+            path,
+            "folder",
+            f"the auto cache {path} is a folder, not a table file; running without a "
+            f"cache. Set {ENV_CACHE} to a file path (e.g. {os.path.join(path, CACHE_FILE_NAME)}).",
         )
         return None
     try:
         data, loaded = read_cache_file(path) if os.path.exists(path) else (None, Table(meta=CACHE_META))
     except (OSError, TableError) as exc:
-        logger.warning(
-            f"megatron_tuning: ignoring the auto cache for this run, it is unreadable ({exc}). The file "
-            f"is left as it is; delete or move it to start a new cache, or set {ENV_CACHE} elsewhere."
+        _notice(
+            path,
+            "unreadable",
+            f"ignoring the auto cache for this run, it is unreadable ({exc}). The file "
+            f"is left as it is; delete or move it to start a new cache, or set {ENV_CACHE} elsewhere.",
         )
         return None
     found, order = _format(loaded)
     if order:  # its entries mean something else (e.g. keys written another way)
         what = "the next persist replaces them" if order < 0 else "this run does not write to it"
-        logger.warning(
-            f"megatron_tuning: the auto cache {path} is in cache format {found}, this version uses "
+        _notice(
+            path,
+            "format",
+            f"the auto cache {path} is in cache format {found}, this version uses "
             f"{CACHE_FORMAT}: its entries are not used, and {what}. Set {ENV_CACHE} to another file "
-            "to keep versions apart."
+            "to keep versions apart.",
         )
     # Checked now: a run learns at start-up, not at its end, that nothing it tunes will persist.
     problem = files.output_folder_problem(os.path.dirname(path)) if order <= 0 else None
     if problem is None and order <= 0 and os.path.exists(path) and not os.access(path, os.W_OK):
         problem = "the file is read-only"
     if problem is not None:
-        logger.warning(
-            f"megatron_tuning: the auto cache {path} cannot be written ({problem}); decisions tuned in "
-            f"this run will not persist. Set {ENV_CACHE} to a writable file, or to 'off'."
+        _notice(
+            path,
+            "unwritable",
+            f"the auto cache {path} cannot be written ({problem}); decisions tuned in "
+            f"this run will not persist. Set {ENV_CACHE} to a writable file, or to 'off'.",
         )
     return AutoCache(
         path=path,
         table=Table(meta=CACHE_META) if order else loaded,
         writable=order <= 0 and problem is None,
-        max_entries=max_entries,
+        max_entries=policy.cache_max_entries,
         _seen=None if data is None else (data, loaded),
     )
 
@@ -130,7 +137,6 @@ class AutoCache:
     lock_timeout_s: float = LOCK_TIMEOUT_S
     _seen: tuple[bytes, Table] | None = None  # the file as this process last read or wrote it
     _written: set[_Ident] = field(default_factory=set)
-    _warned: set[str] = field(default_factory=set)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def persist(self, decisions: Iterable[Decision]) -> int:
@@ -184,13 +190,13 @@ class AutoCache:
         # Without the lock first: when every key is already there (the common case at close, where
         # the ranks of a node persist the same adopted keys), nothing is locked or written.
         data = _read(self.path)
-        plan = _merge(self._base(data), pending, hashes, offered, version, self.max_entries)
+        plan = _keep_first(self._base(data), pending, hashes, offered, version, self.max_entries)
         if not plan.changed:
             return plan
         with files.locked(self.path, timeout_s=self.lock_timeout_s, wait_level=logging.INFO):
             current = _read(self.path)
             if current != data:  # another writer got in first: merge into what it wrote
-                plan = _merge(self._base(current), pending, hashes, offered, version, self.max_entries)
+                plan = _keep_first(self._base(current), pending, hashes, offered, version, self.max_entries)
                 if not plan.changed:
                     return plan
             # Encoded under the lock: done outside, the work would be wasted whenever another
@@ -255,9 +261,14 @@ class AutoCache:
             )
 
     def _warn_once(self, kind: str, message: str) -> None:
-        # One warning per kind and run; repeats (a persist called often) are logged at INFO.
-        logger.log(logging.INFO if kind in self._warned else logging.WARNING, message)
-        self._warned.add(kind)
+        # One notice per kind and policy; repeats (a persist called often) are logged at INFO.
+        if not _notice(self.path, kind, message):
+            logger.info("%s", message)
+
+
+def _notice(path: str, kind: str, message: str) -> bool:
+    # Rank-local: each node has a cache of its own, so rank 0's may be fine.
+    return warn_once(("auto-cache", path, kind), message, rank_local=True)
 
 
 @dataclass
@@ -278,7 +289,7 @@ class _Plan:
         return bool(self.added or self.stale or self.evicted)
 
 
-def _merge(
+def _keep_first(
     base: Table, pending: list[Entry], hashes: _Hashes, offered: _Offered, version: str | None, cap: int
 ) -> _Plan:
     """``pending`` merged into a copy of ``base``: stale entries evicted, new keys added (first

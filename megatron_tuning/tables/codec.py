@@ -1,10 +1,10 @@
 """Table encodings: columnar canonical msgpack (on disk) and row-wise JSON (for review).
 
-msgpack, schema 2: ``[FORMAT, SCHEMA, header, body]``, one list per field; strings and configs are
-stored once and referenced by index, so a 100k-entry load checks columns at C speed; each key in
-its stored parts (``Key.to_data``). Canonical: sorted strings, configs by packed bytes, rows by
-(arch, kernel, key), all-nil optional columns omitted. Decoding charges memory (``files.budget``)
-before it is spent, under msgpack's limits. Schema 1 (keys as text) is read, never written.
+msgpack, schema 2: ``[FORMAT, SCHEMA, header, body]``, one list per field; strings, configs and
+key names are stored once and referenced by index (keys: ``keys.py``), so a 100k-entry load checks
+columns at C speed. Canonical: sorted strings, configs by packed bytes, rows by (arch, kernel,
+key), all-nil optional columns omitted. Decoding is bounded by msgpack's own limits and size caps
+(``_unpack``). Schema 1 (keys as text) is read, never written.
 """
 
 from __future__ import annotations
@@ -32,13 +32,13 @@ from .entry import (
     entry_from_data,
     make_entry,
 )
-from .files import budget, check_json_budget, json_text, over_budget
+from .files import check_json_budget, json_text
 from .keys import key_columns, key_from_text, keys_from_columns
 
 FORMAT = "megatron_tuning.table"
 SCHEMA = 2
 SCHEMAS = (1, 2)  # read; 1 stored keys as text
-MAX_ENTRIES = 5_000_000
+MAX_ENTRIES = 1_000_000  # as many as auto's cache may be allowed to keep
 
 _Ident = tuple[str, str, str]
 _Decoded = tuple[str, dict[str, str], dict[_Ident, Entry]]
@@ -61,17 +61,13 @@ _COLUMN_TYPES: dict[str, frozenset[type]] = {
 }
 _NO_TIMING = Timing()
 
-# An entry besides its column values (Entry, ident, index slot, timing, its Key): ~630 measured.
-ENTRY_BYTES = 704
 MAX_META_ITEMS = 4096
-_NESTED = 128  # items in a list or map inside a value: a config's kwargs hold far fewer
-_VALUE_BYTES = 96  # the most a column value costs (its list slot, a str object; its text is apart)
-_NUMBER_BYTES = 40  # a value of a column of numbers: its list slot and an int or float object
-# What is built before a hook can charge it: up to 1,024 levels (msgpack's limit) of _NESTED
-# pending pairs (~240 bytes each), and the header's meta items.
-_IN_FLIGHT = 1024 * _NESTED * 240 + MAX_META_ITEMS * 200
+# Values are single: a list or map inside one (a nesting bomb) is refused as soon as it is met. The
+# columns whose values are lists or maps are decoded apart, each at most this many bytes: what
+# decoding a file built to amplify can cost is bounded (~70x of this per column).
+MAX_MAP_COLUMN_BYTES = 16 * 1024 * 1024
+_MAP_COLUMNS = ("configs", "numerics", "key_shapes", "key_values")
 _LIMITS = {"raw": False, "strict_map_key": True, "max_bin_len": 0, "max_ext_len": 0}
-_LIMITS.update(max_array_len=_NESTED, max_map_len=_NESTED)
 # msgpack's messages for these are empty: say what they mean.
 _ERRORS = {msgpack.OutOfData: "the file ends early", msgpack.StackError: "data nested too deeply"}
 _ERRORS[msgpack.FormatError] = "an invalid type byte"
@@ -122,34 +118,16 @@ def decode_msgpack(data: bytes) -> _Decoded:
     if data.lstrip()[:1] == b"{":
         hint = "name JSON views *.json, or convert with `megatron-tuning import FILE OUT.msgpack`"
         raise Invalid(f"this is JSON, not msgpack: {hint}")
-    schema, header, body, charge = _unpack(data)
+    schema, header, body = _unpack(data)
     if not header.keys() <= _HEADER_FIELDS:
         raise Invalid(f"header must be a map with fields {sorted(_HEADER_FIELDS)}")
     version, meta = check_header(header.get("library_version"), header.get("meta"))
-    return version, meta, _decode_body(body, schema, charge)
+    return version, meta, _decode_body(body, schema)
 
 
-def _unpack(data: bytes) -> tuple[int, dict[str, Any], dict[str, list[Any]], Callable[[int], None]]:
+def _unpack(data: bytes) -> tuple[int, dict[str, Any], dict[str, list[Any]]]:
     """The header and the columns of ``[FORMAT, SCHEMA, header, body]``, each checked as it is read."""
-    spent, limit = 3 * len(data) + _IN_FLIGHT, budget(len(data))  # the file, msgpack's copy, text
-
-    def charge(cost: int) -> None:
-        nonlocal spent
-        spent += cost
-        if spent > limit:
-            raise over_budget(spent, len(data))
-
-    def built_list(items: list[Any]) -> list[Any]:
-        charge(128 + 112 * len(items))  # the list, its items, check_config's copy
-        return items
-
-    def built_map(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
-        charge(512 + 320 * len(pairs))  # the dict, msgpack's pair tuples, keys, values, a copy
-        return unique_map(pairs)
-
-    up = msgpack.Unpacker(
-        max_buffer_size=max(1, len(data)), list_hook=built_list, object_pairs_hook=built_map, **_LIMITS
-    )
+    up = msgpack.Unpacker(max_buffer_size=max(1, len(data)), max_array_len=0, max_map_len=0, **_LIMITS)
     up.feed(data)
     where, header, body, count = "", {}, {}, None
     try:
@@ -161,7 +139,8 @@ def _unpack(data: bytes) -> tuple[int, dict[str, Any], dict[str, list[Any]], Cal
             items = _fields(up, "header meta", MAX_META_ITEMS) if key == "meta" else None  # read lazily
             header[key] = up.unpack() if items is None else {k: up.unpack() for k in items}
         for name in _fields(up, "table body", len(data), "column"):  # unknown names are refused as met
-            where, types, n = f"column {name}: ", _COLUMN_TYPES.get(name), _length(up.read_array_header)
+            start, types = up.tell(), _COLUMN_TYPES.get(name)
+            where, n = f"column {name}: ", _length(up.read_array_header)
             if types is None:
                 raise Invalid(f"table body: unknown columns {[name]}")
             if n is None:
@@ -169,13 +148,21 @@ def _unpack(data: bytes) -> tuple[int, dict[str, Any], dict[str, list[Any]], Cal
             if n > len(data) - up.tell():  # each value takes a byte: refused before anything is sized by it
                 raise Invalid(f"column {name}: truncated or corrupt ({n} values claimed)")
             if name not in ("strings", "configs", "key_shapes", "key_values"):
-                if count is None:
-                    charge(ENTRY_BYTES * n)  # the entries built from the columns
-                elif n != count:
+                if count is not None and n != count:
                     raise Invalid(f"column {name} has {n} values for {count} entries")
                 count = n
-            charge((_NUMBER_BYTES if types <= {int, float, type(None)} else _VALUE_BYTES) * n)
-            body[name] = column = list(islice(up, n))
+            if n > MAX_ENTRIES:
+                raise Invalid(f"column {name} has {n} values, over the {MAX_ENTRIES} limit")
+            if name in _MAP_COLUMNS:
+                for _ in range(n):
+                    up.skip()  # measures the column without building it
+                if up.tell() - start > MAX_MAP_COLUMN_BYTES:
+                    raise Invalid(f"column {name} is over the {MAX_MAP_COLUMN_BYTES}-byte limit")
+                body[name] = column = msgpack.unpackb(
+                    data[start : up.tell()], object_pairs_hook=unique_map, **_LIMITS
+                )
+            else:
+                body[name] = column = list(islice(up, n))
             if len(column) != n:
                 raise Invalid(f"column {name}: not valid msgpack (truncated or corrupt): the file ends early")
             if wrong := sorted(t.__name__ for t in set(map(type, column)) - types):
@@ -186,9 +173,11 @@ def _unpack(data: bytes) -> tuple[int, dict[str, Any], dict[str, list[Any]], Cal
         raise
     except (ValueError, TypeError, msgpack.UnpackException) as exc:
         detail = next((text for kind, text in _ERRORS.items() if isinstance(exc, kind)), str(exc))
+        if detail.endswith("_len(0)"):  # msgpack: "3 exceeds max_array_len(0)"
+            detail = f"a list or map inside a single value ({detail})"
         message = f"{where}not valid msgpack (truncated or corrupt): {detail} at byte {up.tell()}"
         raise Invalid(message) from None
-    return schema, header, body, charge
+    return schema, header, body
 
 
 def _length(read_header: Callable[[], int]) -> int | None:
@@ -227,21 +216,16 @@ def unique_map(pairs: list[tuple[Any, Any]], what: str = "map key") -> dict[Any,
     return out
 
 
-def _decode_body(
-    body: dict[str, list[Any]], schema: int, charge: Callable[[int], None]
-) -> dict[_Ident, Entry]:
+def _decode_body(body: dict[str, list[Any]], schema: int) -> dict[_Ident, Entry]:
     # ``_unpack`` checked each column's value types and that entry columns have one length.
     if missing := [name for name in _REQUIRED if name not in body]:
         raise Invalid(f"table body: missing columns {missing}")
-    strings, configs = body["strings"], []
-    keys = keys_from_columns(body, schema, charge)
+    strings, keys, configs = body["strings"], keys_from_columns(body, schema), []
     for index, config in enumerate(body["configs"]):
         try:
             configs.append(check_config(config))
         except Invalid as exc:
             raise Invalid(f"configs[{index}]: {exc}") from None
-    if len(keys) > MAX_ENTRIES:
-        raise Invalid(f"{len(keys)} entries, over the {MAX_ENTRIES} limit")
 
     def column(name: str, values: list[Any] = strings) -> Iterable[Any]:
         """An index column's values (nil stays nil); absent: all nil."""
@@ -326,8 +310,8 @@ def decode_json(text: str | bytes) -> _Decoded:
     text = json_text(text)
     if not text.strip():
         raise Invalid("empty file")
-    # Each entry has at least three maps (entry, config, kwargs): its cost is spread over them.
-    check_json_budget(text, per_object=ENTRY_BYTES // 3, size=size)
+    # ~450 bytes an entry, spread over its three maps at least (entry, config, kwargs).
+    check_json_budget(text, per_object=150, size=size)
 
     def no_constants(name: str) -> Any:
         raise Invalid(f"non-finite number {name} is not allowed")
@@ -352,11 +336,8 @@ def decode_json(text: str | bytes) -> _Decoded:
     entries: dict[_Ident, Entry] = {}
     for index, row in enumerate(rows):
         try:
-            if schema == 1 and type(row) is dict:  # the key as text, maybe spaced by hand
-                row = {
-                    **row,
-                    "key": key_from_text(row["key"]) if type(row.get("key")) is str else row.get("key"),
-                }
+            if schema == 1 and type(row) is dict and type(row.get("key")) is str:  # text, maybe hand-spaced
+                row = {**row, "key": key_from_text(row["key"])}
             entry = entry_from_data(row)
         except Invalid as exc:
             raise Invalid(f"entry {index}: {exc}") from None

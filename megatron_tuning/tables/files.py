@@ -1,8 +1,9 @@
 """Files on disk, written and read safely: atomic replace, bounded reads, locks, named errors.
 
 Every persisted artefact is written with ``write_atomic`` (a crash leaves the old file or the new
-one) and read with ``read_regular_file`` (regular files only, at most ``MAX_FILE_BYTES``, decoded
-within ``budget(size)``). Read-modify-writes hold ``locked`` on the file really written.
+one) and read with ``read_regular_file`` (regular files only, at most ``MAX_FILE_BYTES``). JSON is
+refused before it is parsed when it could cost more than ``BUDGET_FACTOR`` times its size (msgpack
+tables: ``codec``). Read-modify-writes hold ``locked`` on the file really written.
 """
 
 from __future__ import annotations
@@ -28,17 +29,13 @@ logger = logging.getLogger(__name__)
 # Far above any real table (100k entries with full provenance: 12 MB of msgpack, 71 MB as a
 # JSON view), small enough that a corrupt or hostile file cannot make a loader allocate much.
 MAX_FILE_BYTES = 64 * 1024 * 1024
-# What decoding a file may cost: a genuine 100k-entry table needs ~11x its size (its keys' text
-# is built, not read), hostile files built to amplify (an array of empty arrays: 64 bytes per
-# byte) are refused at this.
-BUDGET_FACTOR = 24
+# What decoding a JSON file may cost: a genuine 100k-entry table needs ~7x its size, hostile files
+# built to amplify (an array of empty arrays: 64 bytes per byte) are refused at this.
+BUDGET_FACTOR = 16
 BUDGET_SLACK = 128 * 1024 * 1024
 LOCK_TIMEOUT_S = 300.0  # how long a read-modify-write waits for another writer of the same table
 
 ErrorFactory = Callable[[str, str], Exception]  # (path, problem) -> TableError or another kind's error
-
-# Test hook: called with the temp path after it is written and fsynced, before ``os.replace``.
-_BEFORE_REPLACE: Callable[[str], None] | None = None
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
@@ -97,8 +94,6 @@ def write_atomic(path: str | os.PathLike[str], payload: bytes, *, error: ErrorFa
             handle.write(payload)
             handle.flush()
             os.fsync(handle.fileno())
-        if _BEFORE_REPLACE is not None:
-            _BEFORE_REPLACE(tmp)
         try:
             os.replace(tmp, dest)
         except OSError as exc:  # e.g. the target is a folder: name it, not our temp file
@@ -196,23 +191,6 @@ def broken_link_problem(path: str | os.PathLike[str]) -> str | None:
     return None
 
 
-def read_table_bytes(name: str) -> bytes:
-    return read_regular_file(name, error=TableError)
-
-
-def budget(size: int) -> int:
-    """Bytes of decoded objects a file of ``size`` bytes may cost."""
-    return BUDGET_FACTOR * size + BUDGET_SLACK
-
-
-def over_budget(estimate: int, size: int) -> Invalid:
-    return Invalid(
-        f"decoding would need about {estimate / 2**20:.0f} MiB of memory for a {size}-byte file "
-        f"(limit: {BUDGET_FACTOR}x the file size + {BUDGET_SLACK // 2**20} MiB), so it is refused "
-        "unread, as a hostile file would be; split a genuine table this large into several files"
-    )
-
-
 def json_text(data: str | bytes) -> str:
     """The text of a JSON file: strict UTF-8, no byte-order mark (JSON files here are UTF-8)."""
     if isinstance(data, str):
@@ -228,14 +206,19 @@ def json_text(data: str | bytes) -> str:
 
 
 def check_json_budget(text: str, *, per_object: int = 0, size: int | None = None) -> None:
-    """Refuse JSON whose decoded form could need more than ``budget`` bytes, before parsing it: every
-    value but the first follows a ``,`` or ``:`` and every container opens with a bracket."""
+    """Refuse JSON whose decoded form could need more than ``BUDGET_FACTOR`` times its size (plus
+    ``BUDGET_SLACK``), before parsing it: every value but the first follows a ``,`` or ``:`` and
+    every container opens with a bracket."""
     size = len(text) if size is None else size
     containers = text.count("[") + text.count("{")
     values = text.count(",") + text.count(":") + 1
     estimate = 2 * size + (80 + per_object) * containers + 96 * values  # a value: up to a ~90-byte str
-    if estimate > budget(size):
-        raise over_budget(estimate, size)
+    if estimate > BUDGET_FACTOR * size + BUDGET_SLACK:
+        raise Invalid(
+            f"decoding would need about {estimate / 2**20:.0f} MiB of memory for a {size}-byte file "
+            f"(limit: {BUDGET_FACTOR}x the file size + {BUDGET_SLACK // 2**20} MiB), so it is refused "
+            "unread, as a hostile file would be; split a genuine table this large into several files"
+        )
 
 
 def read_json_file(path: str | os.PathLike[str], *, error: ErrorFactory, what: str) -> Any:

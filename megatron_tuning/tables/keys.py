@@ -16,6 +16,7 @@ from ..core.key import Key, Shown, key_value, stored_value, value_from_stored
 from .entry import Invalid
 
 _MAX_KEY_TEXT = 65536  # a schema-1 key's characters (real keys hold well under a thousand)
+MAX_KEYS_TEXT = 256 * 1024 * 1024  # all keys of a table together (a million real keys: ~100 MB)
 
 
 def key_columns(keys: Sequence[Key]) -> dict[str, list[Any]]:
@@ -32,8 +33,8 @@ def key_columns(keys: Sequence[Key]) -> dict[str, list[Any]]:
     }
 
 
-def keys_from_columns(body: dict[str, list[Any]], schema: int, charge: Callable[[int], None]) -> list[Key]:
-    """Each row's key, from schema 2's columns or schema 1's text; ``charge`` the text each builds."""
+def keys_from_columns(body: dict[str, list[Any]], schema: int) -> list[Key]:
+    """Each row's key, from schema 2's columns or schema 1's text."""
     if schema == 1:
         return [_checked(key_from_text, text, f"key[{i}]") for i, text in enumerate(body["key"])]
     shapes = [
@@ -46,9 +47,12 @@ def keys_from_columns(body: dict[str, list[Any]], schema: int, charge: Callable[
     if bad is not None:
         raise Invalid(f"column key[{bad}]: not an index into key_shapes")
     # Each key's text is built, not read: its names and dtypes per row, each value's (a string's
-    # repr may escape a character as 10).
-    strings = sum(len(v) for v in flat if type(v) is str)
-    charge(sum(shapes[i][2] for i in column) + 24 * len(flat) + 10 * strings)
+    # repr may escape a character as 10). A file that would build more is refused before.
+    text = (
+        sum(shapes[i][2] for i in column) + 24 * len(flat) + 10 * sum(len(v) for v in flat if type(v) is str)
+    )
+    if text > MAX_KEYS_TEXT:
+        raise Invalid(f"its keys would take {text} characters of text, over the {MAX_KEYS_TEXT} limit")
     try:
         for index in column:
             names, dtypes, _ = shapes[index]

@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING
 
 from ..core import notices
 from ..core.choice import TableHit
-from ..core.errors import StaleEntryError, TableError, warn_once
+from ..core.errors import StaleEntryError, TableError
 from ..core.fallback import nearest_keys
 from ..core.identity import content_name, split_kernel_id
 from ..core.key import Key
-from ..core.policy import ENV_TABLE, read_knob
+from ..core.notices import warn_once
 from .files import broken_link_problem
 from .table import Entry, Table, load_table
 
@@ -146,7 +146,7 @@ class TableSet:
     ) -> TableSet:
         """The search path a policy asks for (``cache``: ``auto``'s, loaded by ``tables.cache``)."""
         return cls(
-            tuple(policy.tables) + tuple(read_knob(ENV_TABLE)),
+            policy.tables,
             shipped_dir=shipped_tables_dir() if policy.use_shipped_tables else None,
             stale_entries=policy.effective_stale_entries,
             triton_version=triton_version,

@@ -197,7 +197,7 @@ def update_table(
     return table
 
 
-def merge_entries(
+def add_entries(
     path: str | os.PathLike[str],
     entries: Iterable[Entry],
     *,

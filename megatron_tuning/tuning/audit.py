@@ -16,7 +16,6 @@ from typing import Any, NamedTuple
 
 from ..core.errors import MegatronTuningError, NumericsError, printable
 from ..core.identity import arch_tag, config_signature
-from ..core.policy import ENV_AUDIT_RUNS, read_knob
 from ..runtime.pinning import Measure
 from .tuner import benchmark_failures, make_launcher, progress_logger
 
@@ -162,7 +161,7 @@ def allowed(
     return keep
 
 
-def with_numerics(measure: Measure, numerics: str, table: Any) -> Measure:
+def with_numerics(measure: Measure, numerics: str, table: Any, runs: int) -> Measure:
     """``measure`` over only the candidates ``numerics`` allows; the winner's class and determinism go
     into its timings (``numerics``), which ``tune`` records in the table."""
 
@@ -172,7 +171,7 @@ def with_numerics(measure: Measure, numerics: str, table: Any) -> Measure:
             why += "the audit cannot read; reach it once in eager code (or run `tune`) first"
             raise NumericsError(kernel, key, numerics, why, {})
         try:
-            audit = audit_candidates(autotuner, candidates, args, kwargs, read_knob(ENV_AUDIT_RUNS))
+            audit = audit_candidates(autotuner, candidates, args, kwargs, runs)
         except UnseenArgument as exc:
             raise NumericsError(kernel, key, numerics, str(exc), {}) from None
         hit = next(iter(table.lookup(kernel, key, arch=arch_tag())), None) if table is not None else None

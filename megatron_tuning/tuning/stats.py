@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..core.errors import PolicyError
-from ..core.policy import ENV_TUNE_ROUNDS, ENV_TUNE_TIE_BAND, read_knob
+from ..core.policy import ENV_TUNE_ROUNDS, ENV_TUNE_TIE_BAND, default
 
 TIMINGS_FORMAT = "megatron_tuning.tuner/1"  # tags the ``timings`` of a tuned decision or table entry
 MAX_ROUNDS = 10_000  # each round times every candidate: more is a typo (``1e308`` was once accepted)
@@ -24,13 +24,13 @@ MAX_ROUNDS = 10_000  # each round times every candidate: more is a typo (``1e308
 class TuneSettings:
     """How hard the tuner measures and how wide it calls a tie."""
 
-    rounds: int = 10
+    rounds: int = default(ENV_TUNE_ROUNDS)
     """Timed rounds; each round takes one sample of every live candidate."""
 
     warmup_rounds: int = 1
     """Untimed rounds before the timed ones (clocks ramp up, caches and allocators settle)."""
 
-    tie_band: float = 0.02
+    tie_band: float = default(ENV_TUNE_TIE_BAND)
     """Candidates whose median is within this fraction of the best median are tied with it."""
 
     overlap_cap: float | None = None
@@ -81,12 +81,6 @@ class TuneSettings:
     @property
     def effective_overlap_cap(self) -> float:
         return self.overlap_cap if self.overlap_cap is not None else min(1.5 * self.tie_band, 0.999)
-
-    @classmethod
-    def from_env(cls, **overrides: Any) -> TuneSettings:
-        """Settings from ``MEGATRON_TUNING_TUNE_ROUNDS`` / ``..._TIE_BAND`` (read now); overrides win."""
-        fields = {"rounds": read_knob(ENV_TUNE_ROUNDS), "tie_band": read_knob(ENV_TUNE_TIE_BAND), **overrides}
-        return cls(**fields)
 
 
 def timing_method(estimates_ms: Sequence[float], settings: TuneSettings) -> str:

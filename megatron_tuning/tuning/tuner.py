@@ -12,21 +12,19 @@ import logging
 import math
 import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, NamedTuple, Protocol, TypeVar
 
-from ..core.errors import warn_once
 from ..core.identity import arch_tag
+from ..core.notices import warn_once
+from ..core.policy import TuningPolicy
 from ..runtime.pinning import Measure
 from .stats import TuneSettings, analyze_configs, timing_method
 
-if TYPE_CHECKING:
-    from ..core.policy import TuningPolicy
-
 logger = logging.getLogger(__name__)
-# The per-key "tuned ..." and "audited ..." lines: INFO by default, so batch logs show them (docs/policy.md).
+T = TypeVar("T")
+# The per-key "tuned ..." and "audited ..." lines (INFO), apart so an application can keep just them.
 progress_logger = logging.getLogger(__name__ + ".progress")
-progress_logger.setLevel(logging.INFO)
 
 
 class Timer(Protocol):
@@ -68,25 +66,32 @@ class CudaEventTimer:
     lets the host queue every launch, so the events time the kernels, not the host; an L2 flush (a
     256 MiB memset, as in ``do_bench``) keeps one candidate from inheriting another's cached data."""
 
-    def __init__(self, *, flush_l2: bool = True, torch_module: Any = None) -> None:
+    def __init__(
+        self, *, flush_l2: bool = True, torch_module: Any = None, flush_bytes: int = 256 << 20
+    ) -> None:
         if torch_module is None:
             import torch as torch_module
         torch = self._torch = torch_module  # injectable: CPU tests drive this class with a fake
         self._start = torch.cuda.Event(enable_timing=True)
         self._end = torch.cuda.Event(enable_timing=True)
-        words = 64 * 1024 * 1024  # int32s: a 256 MiB flush buffer, as do_bench's
+        words = flush_bytes // 4  # int32s: 256 MiB by default, as do_bench's
         self._flush = torch.empty(words, dtype=torch.int32, device="cuda") if flush_l2 else None
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
         # _sleep counts SM clock cycles; assume ~2 GHz where torch does not report the clock.
         self._cycles_per_s = float(getattr(props, "clock_rate", 0) or 2.0e6) * 1e3
         self._host_s_per_launch = 50e-6
+        self._gpu_s_per_launch = 0.0  # unknown until a block is timed: the first spin covers it all
         self._pairs: list[tuple[Any, Any]] = []  # event pairs of cold samples, reused
 
     def synchronize(self) -> None:
         self._torch.cuda.synchronize()
 
     def _spin(self, launches: int) -> None:
-        spin_s = min(0.05, 20e-6 + 1.5 * launches * self._host_s_per_launch)
+        """Hold the GPU while the host queues: the first launch, then the host's deficit (where
+        queueing a launch takes longer than running it). More would idle a GPU-bound block: a 4096^3
+        GEMM's 7-launch block lost 0.6 ms of 1.6 to a spin sized by host time alone."""
+        deficit = max(0.0, self._host_s_per_launch - self._gpu_s_per_launch)
+        spin_s = min(0.05, 20e-6 + 2 * self._host_s_per_launch + 1.5 * launches * deficit)
         self._torch.cuda._sleep(int(spin_s * self._cycles_per_s))
 
     def sample(self, launch: Callable[[], None], launches: int) -> float:
@@ -100,11 +105,20 @@ class CudaEventTimer:
         self._host_s_per_launch = max(1e-6, (time.perf_counter() - host_start) / launches)
         self._end.record()
         self._end.synchronize()
-        return float(self._start.elapsed_time(self._end)) / launches
+        per_launch = self._elapsed(self._start, self._end) / launches
+        self._gpu_s_per_launch = per_launch * 1e-3
+        return per_launch
+
+    def _elapsed(self, start: Any, end: Any) -> float:
+        return float(start.elapsed_time(end))
 
     def sample_cold(self, launch: Callable[[], None], launches: int) -> float:
         """Median ms of ``launches`` launches, each after an L2 flush between its own events (the
         flush also keeps the GPU busy while the host queues the next launch)."""
+        return statistics.median(self.launch_times(launch, launches))
+
+    def launch_times(self, launch: Callable[[], None], launches: int) -> list[float]:
+        """``sample_cold``'s launches: the ms of each."""
         torch = self._torch
         while len(self._pairs) < launches:
             self._pairs.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
@@ -119,7 +133,9 @@ class CudaEventTimer:
             end.record()
         self._host_s_per_launch = max(1e-6, (time.perf_counter() - host_start) / launches)
         pairs[-1][1].synchronize()
-        return statistics.median(float(start.elapsed_time(end)) for start, end in pairs)
+        times = [self._elapsed(start, end) for start, end in pairs]
+        self._gpu_s_per_launch = statistics.median(times) * 1e-3
+        return times
 
     def warm_up(self, ms: float) -> None:
         """Keep the GPU busy for about ``ms`` (memsets of the flush buffer, else a spin) and wait."""
@@ -249,23 +265,55 @@ def time_candidates(
     warm_up = getattr(timer, "warm_up", None)
     if warm_up is not None and settings.warmup_ms > 0 and any(err is None for err in errors):
         warm_up(settings.warmup_ms)
-    for round_index in range(settings.warmup_rounds + settings.rounds):
-        live = [i for i in range(n) if errors[i] is None]
+    rounds = interleave(
+        lambda i: sample(launchers[i], launches[i]),
+        errors,
+        range(settings.warmup_rounds + settings.rounds),
+        failures=failures,
+        on_step=step,
+    )
+    for round_index, taken in rounds:
+        if round_index >= settings.warmup_rounds:
+            for i, value in taken:
+                samples[i].append(value)
+    return Timed([[] if errors[i] else s for i, s in enumerate(samples)], errors, method)
+
+
+def rotating(round_index: int, live: Sequence[int]) -> list[int]:
+    """Each live arm once, the first rotating, so slow drift hits every position in a round alike."""
+    start = round_index % len(live)
+    return [*live[start:], *live[:start]]
+
+
+def interleave(
+    sample: Callable[[int], T],
+    errors: list[str | None],
+    rounds: Iterable[int],
+    *,
+    order: Callable[[int, Sequence[int]], Sequence[int]] = rotating,
+    failures: tuple[type[BaseException], ...] = (),
+    on_step: Callable[[], None] | None = None,
+) -> Iterator[tuple[int, list[tuple[int, T]]]]:
+    """The interleaved round loop (the tuner's and ``score``'s): in each round, ``sample(arm)`` for the
+    live arms (those whose ``errors`` entry is ``None``) in ``order(round, live)`` (an arm may come
+    more than once); yields ``(round, [(arm, value), ...])``. An arm raising one of ``failures`` gets
+    its error text and leaves; the loop ends when none is live or the caller stops iterating."""
+    for round_index in rounds:
+        live = [i for i, error in enumerate(errors) if error is None]
         if not live:
-            break
-        start = round_index % len(live)  # rotating spreads slow drift over the positions in a round
-        for i in live[start:] + live[:start]:
+            return
+        taken: list[tuple[int, T]] = []
+        for i in order(round_index, live):
+            if errors[i] is not None:
+                continue  # failed earlier in this round
             try:
-                value = sample(launchers[i], launches[i])
+                taken.append((i, sample(i)))
             except failures as exc:
                 errors[i] = f"{type(exc).__name__}: {exc}"
-                samples[i] = []
-                continue
             finally:
-                step()
-            if round_index >= settings.warmup_rounds:
-                samples[i].append(value)
-    return Timed(samples, errors, method)
+                if on_step is not None:
+                    on_step()
+        yield round_index, [(i, value) for i, value in taken if errors[i] is None]
 
 
 def make_measure(
@@ -278,8 +326,9 @@ def make_measure(
     ``measure(autotuner, candidates, args, kwargs, kernel, key) -> (live config, timings)`` times the
     candidates on the real arguments. ``timer``: a ``Timer`` or a factory (default: CUDA events on a
     GPU). With ``progress``, a tqdm bar on a terminal and one ``progress_logger`` line per key."""
-    # A policy (what ``session`` passes) carries no tuner settings: those come from the environment.
-    settings = settings if isinstance(settings, TuneSettings) else TuneSettings.from_env()
+    if isinstance(settings, TuningPolicy):  # what ``session`` passes: its tuner settings
+        settings = TuneSettings(rounds=settings.tune_rounds, tie_band=settings.tune_tie_band)
+    settings = settings or TuneSettings()
     timers: list[Timer] = []
 
     def get_timer() -> Timer:

@@ -13,8 +13,7 @@ import pytest
 import torch
 
 import megatron_tuning
-from megatron_tuning import kernels, session
-from megatron_tuning.commands.launch import add_audit, run_audit
+from megatron_tuning.commands.audit import add_audit, run_audit
 from megatron_tuning.core.identity import (
     config_data,
     config_signature,
@@ -24,6 +23,9 @@ from megatron_tuning.core.identity import (
 from megatron_tuning.core.key import tuning_key
 from megatron_tuning.runtime.interception import lazy_benchmarker
 from megatron_tuning.tables.table import Entry, Table, load_table, save_table
+
+with lazy_benchmarker():  # Triton 3.3 without a GPU resolves its benchmarker at decoration
+    from megatron_tuning import kernels
 
 pytestmark = pytest.mark.slow  # each test runs a job
 
@@ -72,8 +74,7 @@ def test_audit_pins_what_an_auto_job_launches_from_its_cache_and_never_tunes(sco
     def pick_last(autotuner, candidates, args, kwargs, kernel, key):  # noqa: ANN001, ANN202
         return candidates[-1], {"format": "fake", "median_ms": 1.0}
 
-    monkeypatch.setattr(session, "_make_measure", lambda policy: pick_last)
-    with megatron_tuning.init_deterministic_tuning():
+    with megatron_tuning.init_deterministic_tuning(measure=pick_last):
         kernels.add_one(torch.arange(100, dtype=torch.float32))
     tuned = cache.read_bytes()
 
@@ -86,6 +87,8 @@ def test_audit_pins_what_an_auto_job_launches_from_its_cache_and_never_tunes(sco
     assert missed["source"] == "nearest"  # the miss rule: the cached n=100 entry
     assert cache.read_bytes() == tuned  # the audit tuned nothing, persisted nothing
     captured = capfd.readouterr()
+    # One progress line per key, the command's output (the job configures no logging).
+    assert sum(line.startswith("audited megatron_tuning.kernels:") for line in captured.err.splitlines()) == 2
     assert "a miss: nearest" in captured.out
     assert "1 key(s) are in neither the auto cache nor a table" in captured.out
     assert "use MEGATRON_TUNING_MODE=auto" not in captured.err  # it is auto: say why it did not tune

@@ -100,7 +100,7 @@ def test_the_pth_does_nothing_without_the_mode(tmp_path: Path) -> None:
     assert "before triton: (False, False, False) bootstrap loaded: False waiting: False" in done.stdout
 
 
-@pytest.mark.parametrize("extra", [{"MEGATRON_TUNING_MODE": "off"}, {"MEGATRON_TUNING_LAUNCHER": "run"}])
+@pytest.mark.parametrize("extra", [{"MEGATRON_TUNING_MODE": "off"}, {bootstrap.ENV_LAUNCHER: "run"}])
 def test_the_pth_stands_down_for_mode_off_and_under_a_launcher(tmp_path: Path, extra: dict[str, str]) -> None:
     done = _with_pth(tmp_path, bootstrap.pth_text("p"), **{"MEGATRON_TUNING_MODE": "deterministic", **extra})
     assert done.returncode == 0, done.stderr
@@ -217,3 +217,16 @@ def test_without_a_gpu_driver_the_notice_names_triton_interpret(tmp_path: Path) 
     done = _with_pth(tmp_path, bootstrap.pth_text("p"), "--import-triton", **extra)
     assert "after triton: installed True" in done.stdout, done.stderr
     assert "set TRITON_INTERPRET=1" in done.stderr
+
+
+def test_a_run_jobs_process_marks_each_divergence_it_raised(tmp_path: Path, monkeypatch: MonkeyPatch) -> None:
+    """What `run` counts, handled errors too (the wiring: test_run's exit-3 test, with and without
+    Triton). The bootstrap, not the session, knows the folder."""
+    from megatron_tuning.core.errors import DivergenceError
+
+    monkeypatch.setattr(DivergenceError, "raised", 0)
+    bootstrap._mark_divergences(str(tmp_path))
+    assert list(tmp_path.iterdir()) == []
+    DivergenceError("k", "n=1", {0: "a", 1: "b"})  # each one built is raised
+    bootstrap._mark_divergences(str(tmp_path))
+    assert (tmp_path / f"divergence-{os.getpid()}").read_bytes() == b"1"

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from megatron_tuning import commands as cli
+from megatron_tuning.commands.bootstrap import ENV_LAUNCHER
 from megatron_tuning.core.identity import config_data
 from megatron_tuning.tables.entry import Entry
 from megatron_tuning.tables.table import Table, save_table
@@ -239,7 +240,7 @@ def test_options_set_the_variables_and_the_environment_passes_through(
         tmp_path,
         f"""
         import json, os, sys
-        names = [n for n in os.environ if n.startswith("MEGATRON_TUNING_")]
+        names = [n for n in os.environ if "MEGATRON_TUNING_" in n]
         json.dump({{n: os.environ[n] for n in names}}, open({str(out)!r}, "w"))
         json.dump(sys.path, open({str(out)!r} + ".path", "w"))
         """,
@@ -252,7 +253,7 @@ def test_options_set_the_variables_and_the_environment_passes_through(
     assert seen["MEGATRON_TUNING_MODE"] == "deterministic"  # the default, spelled out
     assert seen["MEGATRON_TUNING_ON_MISS"] == "min_cost" and seen["MEGATRON_TUNING_STALE_ENTRIES"] == "miss"
     assert seen["MEGATRON_TUNING_SCOPE"] == "a.b,c" and seen["MEGATRON_TUNING_STRICT"] == "1"
-    assert seen["MEGATRON_TUNING_LAUNCHER"] == "run"
+    assert seen[ENV_LAUNCHER] == "run"
     bootstrap = Path(json.loads(Path(str(out) + ".path").read_text())[1])
     assert bootstrap.name == "bootstrap" and not bootstrap.exists()  # removed after the job
 

@@ -66,11 +66,12 @@ def test_selftest_removes_its_temp_dir_unless_a_run_failed(monkeypatch, tmp_path
             ranks = _outcome(errors=agreement != "off", chaos="differs")["ranks"]
         return {"returncode": 0, "output": "", "ranks": ranks, "seconds": 0.0}
 
-    monkeypatch.setattr(selftest, "_launch", fake_launch)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     parser = argparse.ArgumentParser()
     selftest.add_selftest(parser)
-    code = selftest.run_selftest(parser.parse_args(["--interpret", "--agreement", agreement]))
+    code = selftest.run_selftest(
+        parser.parse_args(["--interpret", "--agreement", agreement]), launch=fake_launch
+    )
     printed = capsys.readouterr().out
     assert seen == [("deterministic", agreement), ("chaos", agreement)]
     assert "deterministic PASS" in printed

@@ -1,4 +1,4 @@
-"""``tune -- <command>`` end to end on CPU (interpreter, host clock), pooling, ``report`` and plots."""
+"""``tune -- <command>`` end to end on CPU (interpreter, host clock), pooling and plots."""
 
 from __future__ import annotations
 
@@ -13,14 +13,14 @@ from typing import Any
 import pytest
 from pytest import CaptureFixture, MonkeyPatch
 
-from megatron_tuning.commands.tune import add_report as add_report_arguments
+from megatron_tuning.commands.bootstrap import ENV_TUNE_DIR
 from megatron_tuning.commands.tune import add_tune as add_arguments
-from megatron_tuning.commands.tune import run_report
 from megatron_tuning.commands.tune import run_tune as run
 from megatron_tuning.core.decisions import Decision
 from megatron_tuning.core.identity import config_data, config_signature
 from megatron_tuning.core.key import Key
-from megatron_tuning.tables.merge import merge_tables, read_decisions, recording_table, write_decisions
+from megatron_tuning.tables.records import read_decisions, recording_table, write_decisions
+from megatron_tuning.tables.vote import vote_tables
 from megatron_tuning.tuning.stats import TuneSettings, analyze_configs
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -46,13 +46,13 @@ def _has_matplotlib() -> bool:
     return True
 
 
-def _parse(argv: list[str], report: bool = False) -> argparse.Namespace:
+def _parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    (add_report_arguments if report else add_arguments)(parser)
+    add_arguments(parser)
     return parser.parse_args(argv)
 
 
-def _tiny_records(signatures_fast: int = 0, n: int = 100, tie_band: float = 0.02) -> list[Decision]:
+def tiny_records(signatures_fast: int = 0, n: int = 100, tie_band: float = 0.02) -> list[Decision]:
     import triton
 
     configs = [triton.Config({"BLOCK": b}, num_warps=w) for b, w in ((64, 1), (128, 2), (256, 4))]
@@ -132,60 +132,16 @@ def test_tune_reports_a_job_that_tuned_nothing(tmp_path: Path, capsys: pytest.Ca
 def test_ranks_pool_through_the_vote_merge_uses_whatever_the_order() -> None:
     # Two ranks tuned one key and picked different winners (near-tied): one entry, two votes, the
     # same bytes in either order; equal medians, so the tie goes to the lower static cost.
-    decisions = _tiny_records(tie_band=0.0)
+    decisions = tiny_records(tie_band=0.0)
     assert decisions[0].signature != decisions[1].signature
     tables = [(f"rank{d.rank}", recording_table([d])) for d in decisions]
-    forward, backward = merge_tables(tables), merge_tables(tables[::-1])
+    forward, backward = vote_tables(tables), vote_tables(tables[::-1])
     assert forward.table.to_bytes() == backward.table.to_bytes()
     (entry,) = forward.table.entries()
     assert entry.votes == (1, 2) and forward.disagreements[0].rule == "tie: lowest static cost"
 
 
-def test_report_reads_decision_logs_and_draws_plots(tmp_path: Path, capsys: CaptureFixture[str]) -> None:
-    pytest.importorskip("matplotlib")
-    log = tmp_path / "decisions.json"
-    recorded = Decision(
-        kernel="pkg.mod:k2",
-        key=Key({"n": 8}),
-        signature="BLOCK=64, num_warps=1, num_stages=3",
-        source="recorded",
-        config={},
-        arch="sm90",
-        timings={
-            "candidates": {
-                "BLOCK=64, num_warps=1, num_stages=3": [1.0, 0.9, 1.1],
-                "BLOCK=128, num_warps=2, num_stages=3": [1.01, 0.95, 1.2],
-                "BLOCK=512, num_warps=8, num_stages=3": [float("inf")] * 3,
-            }
-        },
-    )
-    write_decisions(log, _tiny_records() + [recorded])
-    plots = tmp_path / "plots"
-    assert run_report(_parse([str(log), "--plot", str(plots)], report=True)) == 0
-    printed = capsys.readouterr().out
-    assert "k2" in printed and "median ms" in printed
-    pngs = sorted(plots.iterdir())
-    assert len(pngs) == 3  # one per decision: the key tuned on rank 0 and rank 1, and the recorded one
-    for png in pngs:
-        assert png.read_bytes()[:8] == PNG_MAGIC and png.stat().st_size > 5000
-
-
-def test_report_on_an_unreadable_input_fails_cleanly(tmp_path: Path, capsys: CaptureFixture[str]) -> None:
-    bad = tmp_path / "bad.json"
-    bad.write_text("{}")
-    assert run_report(_parse([str(bad)], report=True)) == 2
-    assert "cannot read" in capsys.readouterr().err
-
-
-def test_plotting_without_matplotlib_says_how_to_install(monkeypatch: MonkeyPatch, tmp_path: Path) -> None:
-    from megatron_tuning.commands import tune
-
-    _no_matplotlib(monkeypatch)
-    with pytest.raises(ImportError, match="pip install matplotlib"):
-        tune.plot_decision(_tiny_records()[0], tmp_path / "x.png")
-
-
-def _no_matplotlib(monkeypatch: MonkeyPatch) -> None:
+def no_matplotlib(monkeypatch: MonkeyPatch) -> None:
     for name in ("matplotlib", "matplotlib.figure", "matplotlib.backends.backend_agg"):
         monkeypatch.setitem(sys.modules, name, None)
 
@@ -198,9 +154,9 @@ def _fake_job(monkeypatch: MonkeyPatch, returncode: int = 0, n: int = 100) -> li
 
     def fake_run_job(argv: list[str], env: dict[str, str], prog: str, lifeline: Path) -> int:
         calls.append(argv)
-        directory = Path(env["MEGATRON_TUNING_TUNE_DIR"])
+        directory = Path(env[ENV_TUNE_DIR])
         # One file name per process (the real names carry the pid), so jobs do not overwrite each other.
-        write_decisions(directory / f"tuned-host-{n}.json", _tiny_records(n=n)[:1])
+        write_decisions(directory / f"tuned-host-{n}.json", tiny_records(n=n)[:1])
         return returncode
 
     monkeypatch.setattr(tune_command, "command_problem", lambda argv, env: None)
@@ -212,7 +168,7 @@ def test_tune_plot_without_matplotlib_fails_before_running_the_job(
     monkeypatch: MonkeyPatch, tmp_path: Path, capsys: CaptureFixture[str]
 ) -> None:
     calls = _fake_job(monkeypatch)
-    _no_matplotlib(monkeypatch)
+    no_matplotlib(monkeypatch)
     out = tmp_path / "t.msgpack"
     assert run(_parse(["--out", str(out), "--plot", str(tmp_path / "p"), "--", "job.py"])) == 2
     assert "pip install matplotlib" in capsys.readouterr().err
@@ -241,7 +197,7 @@ def test_tune_keeps_the_measurements_when_the_table_cannot_be_written(
     def disk_full(out: Any, records: Any) -> int:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(tune_command, "merge_entries", disk_full)
+    monkeypatch.setattr(tune_command, "add_entries", disk_full)
     args = _parse(
         ["--out", str(tmp_path / "t.msgpack"), "--results", str(tmp_path / "r.json"), "--", "job.py"]
     )
@@ -359,88 +315,3 @@ def test_a_job_killed_by_sigkill_exits_137_and_says_so(tmp_path: Path, capsys: C
     script.write_text("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n")
     assert run(_parse(["--out", str(tmp_path / "t.msgpack"), "--", str(script)])) == 137
     assert "the job was killed by SIGKILL (exit status 137)" in capsys.readouterr().err
-
-
-# -- report on hostile or malformed input: exit 2 with one line naming the file, never a traceback;
-# plots stay inside --plot DIR whatever the kernel ids say.
-SIG = "BLOCK=64, num_warps=1, num_stages=3"
-
-
-def _tuned(**changes: Any) -> Decision:
-    fields: dict[str, Any] = {
-        "kernel": "pkg.mod:k",
-        "key": Key({"n": 8}),
-        "signature": SIG,
-        "source": "tuned",
-        "timings": {"candidates": {SIG: [1.0, 0.9, 1.1]}, "tied": [SIG], "tie_band": 0.02, "unit": "ms"},
-    }
-    fields.update(changes)
-    return Decision(**fields)
-
-
-def _report(capsys: CaptureFixture[str], *argv: Any) -> tuple[int, str, str]:
-    from megatron_tuning.commands import main
-
-    code = main(["report", *map(str, argv)])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-@pytest.mark.parametrize(
-    ("timings", "problem"),
-    [
-        ([], "timings must be an object"),
-        ({"candidates": []}, "timings.candidates must be an object"),
-        ({"candidates": {SIG: "fast"}}, "must be a number"),
-        ({"candidates": {SIG: [1.0]}, "tie_band": "wide"}, "tie_band"),
-        ({"candidates": {SIG: [float("nan")]}}, "must be a number"),
-        ({"candidates": {SIG: [1.0]}, "tied": "all"}, "timings.tied"),
-    ],
-)
-def test_malformed_timings_exit_2_naming_the_file(capsys, tmp_path, timings, problem):
-    path = tmp_path / "r.tuning.json"
-    write_decisions(path, [_tuned(timings=timings)])
-    code, _, err = _report(capsys, path, "--plot", tmp_path / "plots")
-    assert code == 2 and problem in err and str(path) in err and "Traceback" not in err
-
-
-@pytest.mark.parametrize(
-    ("text", "problem"),
-    [("[" * 100_000, "RecursionError"), ('{"format": "something"}', "not a megatron_tuning decision log")],
-)
-def test_a_file_that_is_not_a_decision_log_exits_2(capsys, tmp_path, text, problem):
-    path = tmp_path / "x.json"
-    path.write_text(text)
-    code, _, err = _report(capsys, path)
-    assert code == 2 and problem in err and str(path) in err
-
-
-def test_plots_stay_inside_their_folder(capsys, tmp_path):
-    pytest.importorskip("matplotlib")
-    outside = tmp_path / "outside"
-    outside.mkdir()
-    decisions = [
-        _tuned(kernel="m:../../x", key=Key({"../../y": 1})),
-        _tuned(kernel=f"m:{outside}/abs", key=Key({f"{outside}/k": 1})),
-        _tuned(kernel="m:\x1b[2Kevil\r", key=Key({"..\\..\\z": 1})),
-    ]
-    path = tmp_path / "r.tuning.json"
-    write_decisions(path, decisions)
-    plots = tmp_path / "deep" / "plots"
-    code, out, err = _report(capsys, path, "--plot", plots)
-    assert code == 0, err
-    written = sorted(p.name for p in plots.iterdir())
-    assert len(written) == 3 and all(name.endswith(".png") and "/" not in name for name in written)
-    everything = {p for p in tmp_path.rglob("*") if p.is_file()}
-    assert everything == {path} | {plots / name for name in written}
-    assert "\x1b" not in out
-
-
-def test_the_results_writer_refuses_a_fifo(tmp_path):
-    from megatron_tuning.core.errors import TableError
-
-    fifo = tmp_path / "r.tuning.json"
-    os.mkfifo(fifo)
-    with pytest.raises(TableError, match="Decision log .*FIFO"):
-        write_decisions(fifo, [_tuned()])
-    assert fifo.is_fifo()

@@ -6,11 +6,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_tuning.core.choice import Choice, InMemoryTable, choose, deterministic_choice
-from megatron_tuning.core.errors import TableMissError, reset_warnings
+from megatron_tuning.core.choice import (
+    Choice,
+    InMemoryTable,
+    choose,
+    deterministic_choice,
+    warn_if_mamba_env_ignored,
+)
+from megatron_tuning.core.errors import TableMissError
 from megatron_tuning.core.identity import config_data, config_signature, kernel_id
 from megatron_tuning.core.key import tuning_key
-from megatron_tuning.core.notices import report_policy_end, warn_if_mamba_env_ignored
+from megatron_tuning.core.notices import report_policy_end, reset_warnings
 from megatron_tuning.core.policy import TuningPolicy
 
 from .. import support_kernels as sk

@@ -14,7 +14,6 @@ from megatron_tuning.core.identity import current_rank
 from megatron_tuning.core.policy import (
     ENV_CACHE_MAX_ENTRIES,
     ENV_TUNE_TIE_BAND,
-    KNOBS,
     MAX_AGREEMENT_TIMEOUT_S,
     TuningPolicy,
 )
@@ -101,19 +100,28 @@ def test_nul_in_policy_paths_is_refused_at_construction():
         TuningPolicy(tables=("a\0.msgpack",))
 
 
-def test_numeric_knobs_bound_and_name(monkeypatch):
-    knob = KNOBS[ENV_CACHE_MAX_ENTRIES]
-    monkeypatch.setenv(knob.name, "70")
-    assert knob.read() == 70
+def test_numeric_knobs_bound_and_name_in_the_environment_and_in_code_alike(monkeypatch):
+    monkeypatch.setenv(ENV_CACHE_MAX_ENTRIES, "70")
+    assert TuningPolicy.from_env().cache_max_entries == 70
     for bad in ("0", "1000001", "1e3", "1_000", "١"):
-        monkeypatch.setenv(knob.name, bad)
+        monkeypatch.setenv(ENV_CACHE_MAX_ENTRIES, bad)
         with pytest.raises(PolicyError, match="from 1 to 1e\\+06") as raised:
-            knob.read()
-        assert raised.value.name == knob.name
-    band = KNOBS[ENV_TUNE_TIE_BAND]
+            TuningPolicy.from_env()
+        assert raised.value.name == ENV_CACHE_MAX_ENTRIES
+    monkeypatch.delenv(ENV_CACHE_MAX_ENTRIES)
     for bad in ("1", "1e309", "nan", "-0.1"):
-        monkeypatch.setenv(band.name, bad)
-        with pytest.raises(PolicyError, match=band.name):
-            band.read()
-    monkeypatch.setenv(band.name, " .05 ")
-    assert band.read() == 0.05
+        monkeypatch.setenv(ENV_TUNE_TIE_BAND, bad)
+        with pytest.raises(PolicyError, match=ENV_TUNE_TIE_BAND):
+            TuningPolicy.from_env()
+    monkeypatch.setenv(ENV_TUNE_TIE_BAND, " .05 ")
+    assert TuningPolicy.from_env().tune_tie_band == 0.05
+    for field, bad in (
+        ("cache_max_entries", 0),
+        ("tune_rounds", 1.0),
+        ("audit_runs", True),
+        ("tune_tie_band", 1),
+    ):
+        with pytest.raises(PolicyError, match=field):
+            TuningPolicy(**{field: bad})
+    with pytest.raises(PolicyError, match="a number, not text"):
+        TuningPolicy(tune_rounds="7")

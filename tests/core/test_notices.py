@@ -1,8 +1,7 @@
-"""Notices reach stderr by default, once per cause; diagnostics reach it while logging is unconfigured."""
+"""Notices reach stderr by default, once per cause; diagnostics are logging records the application shows."""
 
 from __future__ import annotations
 
-import logging
 import subprocess
 import sys
 import textwrap
@@ -11,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_tuning.core import errors as warn
-from megatron_tuning.core.errors import TuningWarning, reset_warnings, tallies, tally, warn_once
+from megatron_tuning.core.notices import TuningWarning, reset_warnings, tallies, tally, warn_once
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -30,7 +28,7 @@ def _python(code: str, *flags: str) -> subprocess.CompletedProcess[str]:
 
 
 NOTICE_TWICE = """
-    from megatron_tuning.core.errors import warn_once
+    from megatron_tuning.core.notices import warn_once
     for _ in range(2):
         warn_once(("cause",), "kernel k:f key %s is not pinned; fix: run tune", "n=1 | x:f")
     print("done")
@@ -43,7 +41,7 @@ def test_a_notice_reaches_stderr_once_with_no_setup_at_all():
     assert result.stderr.count("TuningWarning: megatron_tuning: kernel k:f key n=1 | x:f is not pinned") == 1
     assert "fix: run tune" in result.stderr
     # Attributed to the caller's line (here the -c script), not to megatron_tuning's own code.
-    assert "<string>:4" in result.stderr and "megatron_tuning/core/errors.py" not in result.stderr
+    assert "<string>:4" in result.stderr and "megatron_tuning/core/notices.py" not in result.stderr
 
 
 def test_notices_are_filtered_with_the_standard_tools():
@@ -54,60 +52,68 @@ def test_notices_are_filtered_with_the_standard_tools():
         """
         import warnings, megatron_tuning
         warnings.filterwarnings("ignore", category=megatron_tuning.TuningWarning)
-        from megatron_tuning.core.errors import warn_once
+        from megatron_tuning.core.notices import warn_once
         warn_once(("cause",), "kernel k:f is not pinned")
         """
     )
     assert by_category.returncode == 0 and by_category.stderr == ""
 
 
-def test_set_level_info_alone_shows_info_lines_and_warnings_need_nothing():
-    result = _python(
+def test_logging_is_the_applications_to_configure():
+    """Before, the package installed a stderr handler at import and the tuner's progress logger set
+    its own level: records reached stderr whatever the application had decided."""
+    quiet = _python(
         """
-        import logging, megatron_tuning
-        log = logging.getLogger("megatron_tuning.tables.search")
-        log.info("hidden at the default level")
-        log.warning("a warning record")
-        logging.getLogger("megatron_tuning").setLevel(logging.INFO)
-        log.info("Tuning tables: a.msgpack")
+        import logging, megatron_tuning, megatron_tuning.tuning.tuner
+        for name, log in logging.root.manager.loggerDict.items():
+            if name.startswith("megatron_tuning") and isinstance(log, logging.Logger):
+                assert log.level == logging.NOTSET, name
+                assert all(type(h) is logging.NullHandler for h in log.handlers), (name, log.handlers)
+        package = logging.getLogger("megatron_tuning")
+        assert [type(h) for h in package.handlers] == [logging.NullHandler]
+        logging.getLogger("megatron_tuning.tables.search").warning("not shown: no logging setup")
+        logging.getLogger("megatron_tuning.tuning.tuner.progress").info("not shown either")
         """
     )
-    assert result.returncode == 0
-    assert "WARNING megatron_tuning.tables.search: a warning record" in result.stderr
-    assert "INFO megatron_tuning.tables.search: Tuning tables: a.msgpack" in result.stderr
-    assert "hidden at the default level" not in result.stderr
-
-
-def test_the_default_handler_steps_aside_for_the_applications_logging():
-    result = _python(
+    assert quiet.returncode == 0 and quiet.stderr == "", quiet.stderr
+    configured = _python(
         """
         import logging, sys, megatron_tuning
         logging.basicConfig(level=logging.INFO, format="APP %(name)s %(message)s", stream=sys.stderr)
         logging.getLogger("megatron_tuning.runtime.interception").info("kernel k -> BLOCK=64")
         """
     )
-    assert result.returncode == 0
-    assert result.stderr == "APP megatron_tuning.runtime.interception kernel k -> BLOCK=64\n"  # once, theirs
-    silenced = _python(
-        """
-        import logging, megatron_tuning
-        logging.getLogger("megatron_tuning").addHandler(logging.NullHandler())
-        logging.getLogger("megatron_tuning.x").warning("not shown: the application chose")
-        """
+    assert configured.returncode == 0
+    assert configured.stderr == "APP megatron_tuning.runtime.interception kernel k -> BLOCK=64\n"  # once
+
+
+def test_a_notice_at_exit_names_the_script_that_ran(tmp_path: Path):
+    """No frame of the user's runs at exit, and CPython has removed ``__main__.__file__`` by then
+    (once a script returns): the notice named megatron_tuning's own file, line 0, before."""
+    script = tmp_path / "job.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import atexit, functools
+            from megatron_tuning.core.notices import report_policy_end
+            from megatron_tuning.core.notices import tally
+            for n in (1, 2):
+                tally(("cheapest", "k:f"), f"n={n}")
+            atexit.register(functools.partial(report_policy_end, None))  # a close at exit does this
+            """
+        )
     )
-    assert silenced.returncode == 0 and silenced.stderr == ""
-
-
-def test_importing_twice_does_not_stack_default_handlers():
-    import importlib
-
-    import megatron_tuning
-
-    package = logging.getLogger("megatron_tuning")
-    before = list(package.handlers)
-    importlib.reload(megatron_tuning)
-    assert package.handlers == before
-    assert sum(isinstance(h, warn._StderrUnlessConfigured) for h in package.handlers) == 1
+    ran = subprocess.run(
+        [sys.executable, str(script)],
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert f"{script}:0: TuningWarning: megatron_tuning: 2 keys of 1 kernel(s)" in ran.stderr, ran.stderr
+    assert "megatron_tuning/core" not in ran.stderr
+    ran = _python(f"import runpy; runpy.run_path({str(script)!r}, run_name='__main__')")  # no file: -c
+    assert "<string>:0: TuningWarning: megatron_tuning: 2 keys of 1 kernel(s)" in ran.stderr, ran.stderr
 
 
 def test_once_per_cause_until_reset(notices):

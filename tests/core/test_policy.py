@@ -2,45 +2,43 @@
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 from pathlib import Path
 
 import pytest
 import torch
 
+import megatron_tuning
 from megatron_tuning.core.errors import PolicyError
-from megatron_tuning.core.policy import TuningPolicy
+from megatron_tuning.core.policy import KNOBS, PREFIX, TuningPolicy
 
-ENV = (
-    "MODE",
-    "SCOPE",
-    "ON_MISS",
-    "TABLE",
-    "AGREEMENT",
-    "AGREEMENT_TIMEOUT",
-    "STRICT",
-    "STALE_ENTRIES",
-    "BLOCK_SIZES",
-    "RECORD_DIR",
-    "DECISION_LOG",
-    "SHIPPED_TABLES",
-    "CACHE",
-)
+ENV = [name.removeprefix(PREFIX) for name in KNOBS]
 
 
-@pytest.fixture(autouse=True)
-def _clean_env(monkeypatch):
-    for name in ENV:
-        monkeypatch.delenv(f"MEGATRON_TUNING_{name}", raising=False)
-
-
-def test_defaults_in_code_and_from_env():
-    assert TuningPolicy().mode == "deterministic"
-    policy = TuningPolicy.from_env()
+def test_one_default_per_knob_in_code_and_from_env():
+    """Before, mode had four: the knob's off, the dataclass's deterministic, from_env's off (or
+    deterministic under torch's deterministic algorithms) and init_deterministic_tuning's."""
+    in_code, from_env = TuningPolicy(), TuningPolicy.from_env()
+    assert in_code == from_env and in_code.mode == "deterministic"
+    for knob in KNOBS.values():
+        assert getattr(in_code, knob.field) == knob.default, knob.name
     # agreement unset: store up to 64 ranks, verify above (distributed.agreement.resolve_mode)
-    assert policy.mode == "off" and policy.on_miss == "nearest" and policy.agreement is None
-    assert policy.cache is None  # auto mode then uses the per-user default
-    assert TuningPolicy.from_env(default_mode="deterministic").mode == "deterministic"
+    assert from_env.agreement is None and from_env.cache is None  # cache: the per-user default
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert TuningPolicy.from_env().mode == "deterministic"  # torch's switch is no second default
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def test_what_runs_unasked_acts_only_where_the_mode_is_set(monkeypatch, notices):
+    monkeypatch.setenv("MEGATRON_TUNING_TABLES", "t.msgpack")  # a typo is named either way
+    assert TuningPolicy.from_env_if_asked().mode == "off"
+    monkeypatch.setenv("MEGATRON_TUNING_MODE", "chaos")
+    monkeypatch.setenv("MEGATRON_TUNING_SCOPE", "pkg")
+    assert TuningPolicy.from_env_if_asked() == TuningPolicy(mode="chaos", scope=["pkg"])
+    assert notices.matching("Did you mean MEGATRON_TUNING_TABLE?")
 
 
 def test_every_variable_is_read(monkeypatch, tmp_path):
@@ -58,7 +56,14 @@ def test_every_variable_is_read(monkeypatch, tmp_path):
         "DECISION_LOG": "/tmp/d-{rank}.json",
         "SHIPPED_TABLES": "off",
         "CACHE": str(tmp_path / "auto.msgpack"),
+        "PRINT_DECISIONS": "yes",
+        "CACHE_MAX_ENTRIES": "70",
+        "TUNE_ROUNDS": "3",
+        "TUNE_TIE_BAND": "0.05",
+        "AUDIT_RUNS": "4",
+        "NUMERICS": "Same-Class",
     }
+    assert set(values) == set(ENV)
     for name, value in values.items():
         monkeypatch.setenv(f"MEGATRON_TUNING_{name}", value)
     policy = TuningPolicy.from_env()
@@ -76,6 +81,12 @@ def test_every_variable_is_read(monkeypatch, tmp_path):
         decision_log="/tmp/d-{rank}.json",
         use_shipped_tables=False,
         cache=str(tmp_path / "auto.msgpack"),
+        print_decisions=True,
+        cache_max_entries=70,
+        tune_rounds=3,
+        tune_tie_band=0.05,
+        audit_runs=4,
+        numerics="same-class",
     )
     assert policy.effective_stale_entries == "error"
 
@@ -105,18 +116,7 @@ def test_bad_values_name_variable_value_and_allowed(monkeypatch, name, value, al
 
 def test_empty_mode_falls_back_to_default(monkeypatch):
     monkeypatch.setenv("MEGATRON_TUNING_MODE", "")
-    assert TuningPolicy.from_env().mode == "off"
-
-
-def test_torch_determinism_turns_deterministic_on_unless_told_otherwise(monkeypatch):
-    torch.use_deterministic_algorithms(True)
-    try:
-        assert TuningPolicy.from_env().mode == "deterministic"
-        assert TuningPolicy.from_env(follow_torch_determinism=False).mode == "off"
-        monkeypatch.setenv("MEGATRON_TUNING_MODE", "off")
-        assert TuningPolicy.from_env().mode == "off"  # an explicit mode wins
-    finally:
-        torch.use_deterministic_algorithms(False)
+    assert TuningPolicy.from_env().mode == "deterministic"
 
 
 def test_env_is_read_when_called_not_at_import(monkeypatch):
@@ -286,7 +286,6 @@ def test_a_misspelt_variable_gets_one_notice_naming_the_closest(monkeypatch, not
 def test_known_variables_say_nothing(monkeypatch, notices):
     for name in ENV:
         monkeypatch.setenv(f"MEGATRON_TUNING_{name}", "")
-    monkeypatch.setenv("MEGATRON_TUNING_TUNE_ROUNDS", "3")
     TuningPolicy.from_env()
     assert notices.messages == []
 
@@ -301,7 +300,9 @@ def test_every_variable_the_package_names_is_a_declared_knob():
     written = {
         name
         for path in root.rglob("*.py")
-        for name in re.findall(r"MEGATRON_TUNING_[A-Z0-9_]*[A-Z0-9]", path.read_text(encoding="utf-8"))
+        for name in re.findall(
+            r"(?<![\w])MEGATRON_TUNING_[A-Z0-9_]*[A-Z0-9]", path.read_text(encoding="utf-8")
+        )
     }
     assert written - set(KNOBS) == set()
 
@@ -323,11 +324,18 @@ def test_each_knob_is_declared_once_in_the_registry_and_nowhere_else():
             assert constants == [], (path, constants)
 
 
-def test_the_bootstrap_repeats_the_registrys_names():
+def test_the_bootstrap_repeats_the_registrys_names_and_keeps_its_plumbing_apart():
     from megatron_tuning.commands import bootstrap
-    from megatron_tuning.core.policy import ENV_LAUNCHER, ENV_MODE
+    from megatron_tuning.core.policy import ENV_MODE
 
-    assert (bootstrap.ENV_MODE, bootstrap.ENV_LAUNCHER) == (ENV_MODE, ENV_LAUNCHER)
+    assert (bootstrap.PREFIX, bootstrap.ENV_MODE) == (PREFIX, ENV_MODE)
+    plumbing = {
+        bootstrap.ENV_LAUNCHER,
+        bootstrap.ENV_TUNE_DIR,
+        bootstrap.ENV_AUDIT_DIR,
+        bootstrap.ENV_RESULT_DIR,
+    }
+    assert not any(name.startswith(PREFIX) for name in plumbing)  # no knobs: no unknown-variable notice
 
 
 def test_docs_policy_md_lists_exactly_the_knobs_and_every_field():
@@ -338,7 +346,8 @@ def test_docs_policy_md_lists_exactly_the_knobs_and_every_field():
     text = (Path(__file__).resolve().parents[2] / "docs" / "policy.md").read_text(encoding="utf-8")
     for field in dataclasses.fields(TuningPolicy):
         assert f"`{field.name}`" in text, field.name
-    assert set(re.findall(r"`(MEGATRON_TUNING_[A-Z0-9_]*[A-Z0-9])`", text)) == set(KNOBS)
+    # Every knob is documented, and every variable documented is a knob (the plumbing is not).
+    assert set(re.findall(r"(?<![\w])MEGATRON_TUNING_[A-Z0-9_]*[A-Z0-9]", text)) == set(KNOBS)
 
 
 def test_the_removed_digest_mode_names_its_replacement(monkeypatch):
@@ -358,16 +367,84 @@ def test_a_variable_close_to_nothing_lists_the_known_ones(monkeypatch, notices):
     )
 
 
-@pytest.mark.parametrize(
-    ("word", "expected"), [("OFF", None), ("0", None), ("1", "default"), (" ", "default")]
-)
-def test_a_policy_built_in_code_reads_the_cache_variable_by_the_same_rule(
-    monkeypatch, tmp_path, word, expected
-):
-    from megatron_tuning.tables.cache import cache_path, default_cache_dir
+def test_a_policy_built_in_code_reads_no_variable(monkeypatch, tmp_path):
+    """The policy is the whole input: before, the table search path and the auto cache read
+    MEGATRON_TUNING_TABLE and _CACHE beside a policy built in code."""
+    from megatron_tuning.distributed.agreement import describe_inputs
+    from megatron_tuning.tables.cache import cache_path, default_cache_dir, open_cache
+    from megatron_tuning.tables.search import TableSet
 
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("MEGATRON_TUNING_CACHE", word)
-    path = cache_path(TuningPolicy(mode="auto"), "sm90")  # no cache in code: the variable decides
-    assert path == (None if expected is None else str(default_cache_dir() / "sm90" / "auto.msgpack"))
-    assert list(tmp_path.iterdir()) == []
+    monkeypatch.setenv("MEGATRON_TUNING_TABLE", str(tmp_path / "missing.msgpack"))  # would fail to load
+    monkeypatch.setenv("MEGATRON_TUNING_CACHE", "off")
+    monkeypatch.setenv("MEGATRON_TUNING_CACHE_MAX_ENTRIES", "5")
+    policy = TuningPolicy(mode="auto", use_shipped_tables=False)
+    assert TableSet.from_policy(policy).files == []
+    assert describe_inputs(policy)["tables"] == "(none)"
+    assert cache_path(policy, "sm90") == str(default_cache_dir() / "sm90" / "auto.msgpack")
+    cache = open_cache(policy.replace(cache=str(tmp_path / "auto.msgpack")), "sm90")
+    assert cache is not None and cache.max_entries == TuningPolicy().cache_max_entries
+    assert TuningPolicy.from_env().cache == "off" and TuningPolicy.from_env().cache_max_entries == 5
+
+
+def environ_reads(source: str) -> list[str]:
+    """Each read of the environment in ``source`` that is not of one named variable outside our
+    prefix (``os.environ.get("RANK")`` passes): a knob's, a computed name's, or the whole of it."""
+    tree = ast.parse(source)
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    reads = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module == "os":
+            reads += [f"from os import {a.name}" for a in node.names if a.name in ("environ", "getenv")]
+        if not (
+            isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "os"
+        ):
+            continue
+        use: ast.AST = parents[node]
+        if node.attr == "environ" and isinstance(use, ast.Attribute) and use.attr == "get":
+            use = parents[use]
+            name = use.args[0] if isinstance(use, ast.Call) and use.args else None
+        elif node.attr == "environ" and isinstance(use, ast.Subscript):
+            name = use.slice
+        elif node.attr == "getenv" and isinstance(use, ast.Call):
+            name = use.args[0] if use.args else None
+        elif node.attr == "environ":
+            name, use = None, node  # the whole environment: iterated, copied or passed on
+        else:
+            continue
+        named = isinstance(name, ast.Constant) and isinstance(name.value, str)
+        if not named or "MEGATRON_TUNING_" in name.value:  # type: ignore[union-attr]
+            reads.append(ast.unparse(use))
+    return reads
+
+
+def test_only_the_policy_and_the_launchers_read_the_knobs():
+    """``TuningPolicy.from_env`` reads every ``MEGATRON_TUNING_*`` variable; commands/ sets them for
+    its jobs (and reads its own plumbing). Before, tables/search.py, distributed/agreement.py,
+    tables/cache.py, core/decisions.py, tuning/ and session.py read knobs beside the policy."""
+    root = Path(megatron_tuning.__file__).parent
+    found = {}
+    for path in sorted(root.rglob("*.py")):
+        where = path.relative_to(root).as_posix()
+        if where != "core/policy.py" and not where.startswith("commands/"):
+            found[where] = environ_reads(path.read_text(encoding="utf-8"))
+    assert {where: reads for where, reads in found.items() if reads} == {}
+    assert "session.py" in found and "tables/search.py" in found  # the scan saw the package
+
+
+def test_the_environment_scan_fires_on_each_kind_of_read():
+    planted = """
+import os
+from os import environ
+a = os.environ.get("MEGATRON_TUNING_TABLE")
+b = os.environ["MEGATRON_TUNING_CACHE"]
+c = os.getenv(NAME)
+d = dict(os.environ)
+"""
+    assert sorted(environ_reads(planted)) == [
+        "from os import environ",
+        "os.environ",  # dict(os.environ): the whole of it
+        "os.environ.get('MEGATRON_TUNING_TABLE')",
+        "os.environ['MEGATRON_TUNING_CACHE']",
+        "os.getenv(NAME)",
+    ]
+    assert environ_reads("import os\nrank = os.environ.get('RANK', '0')\n") == []

@@ -15,8 +15,8 @@ import triton
 
 from megatron_tuning.core import identity
 from megatron_tuning.core.chaos import chaos_choice
-from megatron_tuning.core.choice import autotune_configs, deterministic_choice
-from megatron_tuning.core.errors import BlockSizeOverrideError, PolicyError, TableMissError, reset_warnings
+from megatron_tuning.core.choice import autotune_configs, deterministic_choice, warn_if_mamba_env_ignored
+from megatron_tuning.core.errors import BlockSizeOverrideError, PolicyError, TableMissError
 from megatron_tuning.core.fallback import (
     cheapest,
     estimate_config_cost,
@@ -33,7 +33,7 @@ from megatron_tuning.core.identity import (
     kernel_source_hash,
 )
 from megatron_tuning.core.key import tuning_key
-from megatron_tuning.core.notices import warn_if_mamba_env_ignored
+from megatron_tuning.core.notices import reset_warnings
 from megatron_tuning.core.policy import TuningPolicy
 
 from .. import support_kernels as sk
@@ -309,13 +309,16 @@ def test_autotune_configs_says_once_per_list_that_it_pinned_the_cheapest(monkeyp
     assert len(notices.matching("autotune_configs shrank")) == 2
 
 
-def test_autotune_configs_follows_torch_determinism(monkeypatch, notices):
+def test_autotune_configs_acts_only_where_the_mode_is_set(monkeypatch, notices):
+    """At decoration nothing was asked for unless MEGATRON_TUNING_MODE says so: the mode's one default
+    (deterministic) is for a session, and torch's deterministic algorithms are no second default."""
     monkeypatch.delenv("MEGATRON_TUNING_MODE", raising=False)
     torch.use_deterministic_algorithms(True)
     try:
-        assert autotune_configs(sk.ADD_CONFIGS) == [sk.ADD_CONFIGS[0]]
+        assert autotune_configs(sk.ADD_CONFIGS) == sk.ADD_CONFIGS
     finally:
         torch.use_deterministic_algorithms(False)
+    assert autotune_configs(sk.ADD_CONFIGS, policy=TuningPolicy()) == [sk.ADD_CONFIGS[0]]
 
 
 def test_mamba_env_warning_once(monkeypatch, notices):

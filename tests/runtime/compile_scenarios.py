@@ -362,7 +362,9 @@ def auto_first_run() -> dict[str, Any]:
     import megatron_tuning
 
     torch._dynamo.reset()
-    handle = megatron_tuning.init_deterministic_tuning(TuningPolicy(mode="auto", use_shipped_tables=False))
+    handle = megatron_tuning.init_deterministic_tuning(
+        TuningPolicy.from_env(mode="auto", use_shipped_tables=False)
+    )
     graphs = compiled(write_block, (1000,), fullgraph=True)
     at_trace = decisions()
     (((*blocks,),),) = graphs  # the configs the kernel node carries: what Inductor compiles

@@ -18,9 +18,9 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from megatron_tuning.core.decisions import decision_log, get_decisions
-from megatron_tuning.core.errors import reset_warnings
 from megatron_tuning.core.identity import config_data, kernel_id
 from megatron_tuning.core.key import Key, tuning_key
+from megatron_tuning.core.notices import reset_warnings
 from megatron_tuning.core.policy import TuningPolicy
 from megatron_tuning.runtime import fastpath, inductor, interception, pinning
 

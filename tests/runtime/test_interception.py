@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from megatron_tuning.core.decisions import decision_log, get_decisions
-from megatron_tuning.core.errors import BenchmarkForbiddenError, TableMissError, reset_warnings
+from megatron_tuning.core.errors import BenchmarkForbiddenError, TableMissError
 from megatron_tuning.core.identity import config_signature, kernel_id
+from megatron_tuning.core.notices import reset_warnings
 from megatron_tuning.core.policy import TuningPolicy
 from megatron_tuning.runtime import interception, pinning
 

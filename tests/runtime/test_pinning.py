@@ -24,12 +24,11 @@ import torch.distributed as dist
 import triton
 
 import megatron_tuning
-from megatron_tuning import session
 from megatron_tuning.commands.validate import coverage_of
 from megatron_tuning.core.chaos import ChaosClaim
 from megatron_tuning.core.choice import Choice, InMemoryTable
 from megatron_tuning.core.decisions import decision_log, get_decisions
-from megatron_tuning.core.errors import ConsensusError, PolicyError, TableMissError, reset_warnings
+from megatron_tuning.core.errors import ConsensusError, PolicyError, TableMissError
 from megatron_tuning.core.identity import (
     arch_tag,
     base_kernel_id,
@@ -39,6 +38,7 @@ from megatron_tuning.core.identity import (
     kernel_source_hash,
 )
 from megatron_tuning.core.key import tuning_key
+from megatron_tuning.core.notices import reset_warnings
 from megatron_tuning.core.policy import TuningPolicy
 from megatron_tuning.distributed import store as kv
 from megatron_tuning.distributed.agreement import unchecked_sources
@@ -46,9 +46,10 @@ from megatron_tuning.distributed.store import StoreConsensus
 from megatron_tuning.runtime import interception, pinning
 from megatron_tuning.runtime.interception import lazy_benchmarker
 from megatron_tuning.tables.entry import Entry
-from megatron_tuning.tables.merge import merge_tables, recording_table
+from megatron_tuning.tables.records import recording_table
 from megatron_tuning.tables.search import TableSet, installed_triton_version
 from megatron_tuning.tables.table import Table, load_table, save_table
+from megatron_tuning.tables.vote import vote_tables
 
 from .. import support_kernels as sk
 from ..support_kernels import grid
@@ -447,14 +448,8 @@ def test_a_second_run_pins_every_key_from_the_cache_with_zero_measurements(tmp_p
     cache = tmp_path / "auto.msgpack"
     monkeypatch.setenv("MEGATRON_TUNING_MODE", "auto")
     monkeypatch.setenv("MEGATRON_TUNING_CACHE", str(cache))
-    measures: list[FakeMeasure] = []
-
-    def fake_measure(policy):
-        measures.append(FakeMeasure(block=64))
-        return measures[-1]
-
-    monkeypatch.setattr(session, "_make_measure", fake_measure)
-    with megatron_tuning.init_deterministic_tuning() as handle:
+    measures = [FakeMeasure(block=64), FakeMeasure(block=64)]  # one per run
+    with megatron_tuning.init_deterministic_tuning(measure=measures[0]) as handle:
         assert handle.policy.mode == "auto"
         launch(100)
         assert {e.key for e in load_table(cache)} == {key(100)}  # persisted once tuned (kill-safe)
@@ -465,7 +460,7 @@ def test_a_second_run_pins_every_key_from_the_cache_with_zero_measurements(tmp_p
     assert set(entries) == {key(100), key(257)}
 
     decision_log().clear()
-    with megatron_tuning.init_deterministic_tuning():
+    with megatron_tuning.init_deterministic_tuning(measure=measures[1]):
         for n in (100, 257):
             launch(n)
     assert measures[1].calls == []
@@ -508,9 +503,8 @@ def _auto_run(monkeypatch, tmp_path: Path, name: str, blocks: tuple[int, ...], m
     module = _load(source, name)
     monkeypatch.setenv("MEGATRON_TUNING_MODE", "auto")
     monkeypatch.setenv("MEGATRON_TUNING_CACHE", str(tmp_path / "auto.msgpack"))
-    monkeypatch.setattr(session, "_make_measure", lambda policy: measure)
     decision_log().clear()
-    with megatron_tuning.init_deterministic_tuning():
+    with megatron_tuning.init_deterministic_tuning(measure=measure):
         block = _run_add_two(module, 40)
     (decision,) = [d for d in get_decisions() if d.kernel == f"{name}:add_two"]
     return decision.source, decision.matched_by, block
@@ -551,7 +545,7 @@ def test_one_source_with_two_config_lists_under_two_module_names_is_two_kernels(
     cached = {e.kernel: e.config["kwargs"]["BLOCK"] for e in load_table(tmp_path / "auto.msgpack")}
     assert cached == {"cand_a:add_two": 32, "cand_b:add_two": 64}
     # Merge keeps them apart too: one entry each, no disagreement to vote away.
-    merged = merge_tables(recordings)
+    merged = vote_tables(recordings)
     assert {e.kernel: e.config["kwargs"]["BLOCK"] for e in merged.table} == cached
     assert merged.disagreements == []
 

@@ -15,7 +15,6 @@ import msgpack
 import pytest
 
 from megatron_tuning.core.decisions import Decision
-from megatron_tuning.core.errors import PolicyError
 from megatron_tuning.core.key import Key
 from megatron_tuning.core.policy import TuningPolicy
 from megatron_tuning.tables.cache import AutoCache, cache_path, default_cache_dir, open_cache
@@ -50,12 +49,9 @@ def test_default_path_is_per_user_and_per_arch_and_respects_xdg(tmp_path, monkey
     assert cache_path(TuningPolicy(mode="auto", cache="off"), "sm90") is None
     mine = tmp_path / "mine.msgpack"
     assert cache_path(TuningPolicy(mode="auto", cache=str(mine)), "sm90") == str(mine)
-    # A policy built in code without a cache takes MEGATRON_TUNING_CACHE, as tables take _TABLE.
-    monkeypatch.setenv("MEGATRON_TUNING_CACHE", str(tmp_path / "env.msgpack"))
-    assert cache_path(TuningPolicy(mode="auto"), "sm90") == str(tmp_path / "env.msgpack")
-    assert cache_path(TuningPolicy(mode="auto", cache=str(mine)), "sm90") == str(mine)
+    # The variable reaches the cache through the policy (from_env) only.
     monkeypatch.setenv("MEGATRON_TUNING_CACHE", "off")
-    assert cache_path(TuningPolicy(mode="auto"), "sm90") is None
+    assert cache_path(TuningPolicy.from_env(mode="auto"), "sm90") is None
 
 
 def test_persist_merges_tuned_and_adopted_only_once_each(tmp_path):
@@ -75,45 +71,43 @@ def test_persist_merges_tuned_and_adopted_only_once_each(tmp_path):
     assert adopted.how == "tuned" and "rank 3" in adopted.note
 
 
-def test_a_corrupt_cache_is_ignored_for_the_run_and_left_untouched(tmp_path, caplog):
+def test_a_corrupt_cache_is_ignored_for_the_run_and_left_untouched(tmp_path, notices):
     path = tmp_path / "auto.msgpack"
     path.write_bytes(b"\x93garbage")
-    with caplog.at_level(logging.WARNING):
-        assert open_cache(TuningPolicy(mode="auto", cache=str(path)), "sm90") is None
+    assert open_cache(TuningPolicy(mode="auto", cache=str(path)), "sm90") is None
     assert path.read_bytes() == b"\x93garbage"
-    (message,) = [r.getMessage() for r in caplog.records if "auto cache" in r.getMessage()]
+    (message,) = notices.matching("auto cache")
     assert str(path) in message and "MEGATRON_TUNING_CACHE" in message
 
 
-def test_a_folder_named_as_the_cache_is_refused_with_the_fix(tmp_path, caplog):
-    with caplog.at_level(logging.WARNING):
-        assert open_cache(TuningPolicy(mode="auto", cache=str(tmp_path)), "sm90") is None
-    assert any("is a folder" in r.getMessage() for r in caplog.records)
+def test_a_folder_named_as_the_cache_is_refused_with_the_fix(tmp_path, notices):
+    assert open_cache(TuningPolicy(mode="auto", cache=str(tmp_path)), "sm90") is None
+    (message,) = notices.messages
+    assert "is a folder" in message and str(tmp_path / "auto.msgpack") in message
 
 
-def test_an_unwritable_cache_folder_warns_once_and_never_raises(tmp_path, caplog):
+def test_an_unwritable_cache_folder_warns_once_and_never_raises(tmp_path, notices):
     blocker = tmp_path / "file"
     blocker.write_text("a file where the cache folder should be")  # unwritable even for root
-    with caplog.at_level(logging.WARNING):
-        cache = open_cache(TuningPolicy(mode="auto", cache=str(blocker / "sm90" / "auto.msgpack")), "sm90")
-        assert cache is not None and not cache.writable
-        assert cache.persist([decision(nx(1))]) == 0
+    cache = open_cache(TuningPolicy(mode="auto", cache=str(blocker / "sm90" / "auto.msgpack")), "sm90")
+    assert cache is not None and not cache.writable
+    assert cache.persist([decision(nx(1))]) == 0
     assert blocker.read_text().startswith("a file")
-    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
-    assert len(warnings) == 1 and "cannot be written" in warnings[0] and str(blocker) in warnings[0]
+    (warning,) = notices.messages
+    assert "cannot be written" in warning and str(blocker) in warning
 
 
-def test_a_failed_write_is_one_warning_not_an_error_and_keeps_its_entries(tmp_path, caplog):
+def test_a_failed_write_is_one_notice_not_an_error_and_keeps_its_entries(tmp_path, caplog, notices):
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")  # the folder went away after start-up
     cache = AutoCache(path=str(blocker / "auto.msgpack"), table=Table(), writable=True, max_entries=10)
     with caplog.at_level(logging.INFO, logger="megatron_tuning"):
         assert cache.persist([decision(nx(1))]) == 0
         assert cache.persist([decision(nx(1))]) == 0  # kept, tried again: logged at INFO
-    (warning,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    (warning,) = notices.messages
     assert str(blocker) in warning and "1 new entry kept in memory" in warning
     assert "MEGATRON_TUNING_CACHE" in warning
-    assert sum("was not written" in r.getMessage() for r in caplog.records) == 2
+    assert sum("was not written" in r.getMessage() for r in caplog.records) == 1  # the repeat
 
 
 _KILLED = textwrap.dedent(
@@ -122,13 +116,13 @@ _KILLED = textwrap.dedent(
     from megatron_tuning.core.decisions import Decision
     from megatron_tuning.core.key import Key
     from megatron_tuning.core.policy import TuningPolicy
-    from megatron_tuning.tables import files
+    import os
     from megatron_tuning.tables.cache import open_cache
     path, marker = sys.argv[1], sys.argv[2]
-    def pause(tmp):
+    def pause(tmp, dest):  # the temp file is written and fsynced: the process dies before the replace
         open(marker, "w").write(tmp)
         time.sleep(120)
-    files._BEFORE_REPLACE = pause
+    os.replace = pause
     cache = open_cache(TuningPolicy(mode="auto", cache=path), "sm90")
     config = {"kwargs": {"BLOCK": 64}, "num_warps": 4, "num_stages": 3, "num_ctas": 1, "maxnreg": None}
     cache.persist([Decision(kernel="pkg.k:kern", key=Key({"n": 2}, {"x": "f"}), signature="s", source="tuned",
@@ -229,7 +223,6 @@ _RACER = textwrap.dedent(
     from megatron_tuning.core.decisions import Decision
     from megatron_tuning.core.key import Key
     from megatron_tuning.core.policy import TuningPolicy
-    from megatron_tuning.tables import files
     from megatron_tuning.tables.cache import open_cache
     path, block, role, marker = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
     cache = open_cache(TuningPolicy(mode="auto", cache=path), "sm90")  # both open an empty cache
@@ -237,12 +230,14 @@ _RACER = textwrap.dedent(
     while not all(os.path.exists(marker + "." + r + ".open") for r in ("first", "second")):
         time.sleep(0.01)
     if role == "first":
-        def hold(tmp):  # written, not yet visible: the second job reads the old file meanwhile
+        real_replace = os.replace
+        def hold(tmp, dest):  # written, not yet visible: the second job reads the old file meanwhile
             open(marker + ".holding", "w").close()
             deadline = time.monotonic() + 30
             while not os.path.exists(marker + ".read") and time.monotonic() < deadline:
                 time.sleep(0.01)
-        files._BEFORE_REPLACE = hold
+            real_replace(tmp, dest)
+        os.replace = hold
     else:
         while not os.path.exists(marker + ".holding"):
             time.sleep(0.01)
@@ -283,22 +278,21 @@ def test_two_processes_persisting_one_key_at_once_the_first_committed_wins(tmp_p
 
 
 # -- a bounded cache (issue 16 item 7) -------------------------------------------------------------
-def test_past_its_cap_the_cache_evicts_the_entries_persisted_longest_ago_with_one_warning(
-    tmp_path, monkeypatch, caplog
+def test_past_its_cap_the_cache_evicts_the_entries_persisted_longest_ago_with_one_notice(
+    tmp_path, caplog, notices
 ):
-    monkeypatch.setenv("MEGATRON_TUNING_CACHE_MAX_ENTRIES", "3")
     path = tmp_path / "auto.msgpack"
-    cache = auto(path)
+    cache = auto(path, cache_max_entries=3)
     assert cache.max_entries == 3
     with caplog.at_level(logging.INFO, logger="megatron_tuning"):
         # Keys in non-sorted order: eviction follows persist order, not key order.
         assert cache.persist([decision(k) for k in (nx(5), nx(1), nx(9))]) == 3
-        assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+        assert notices.messages == []
         assert cache.persist([decision(nx(0))]) == 1
         assert [e.key for e in load_table(path).entries_in_order()] == [nx(1), nx(9), nx(0)]
         assert cache.persist([decision(nx(7))]) == 1
     assert [e.key for e in load_table(path).entries_in_order()] == [nx(9), nx(0), nx(7)]
-    (warning,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    (warning,) = notices.messages
     for part in (str(path), "cap of 3 entries", "evicted the 1 entry persisted longest ago", nx(5)):
         assert part in warning
     for fix in ("megatron_tuning export", "delete the cache", "MEGATRON_TUNING_CACHE_MAX_ENTRIES"):
@@ -306,28 +300,26 @@ def test_past_its_cap_the_cache_evicts_the_entries_persisted_longest_ago_with_on
     # The second eviction in the same run is logged at INFO, not warned again.
     assert any("cap" in r.getMessage() and r.levelno == logging.INFO for r in caplog.records)
     # A lower cap set later shrinks the cache at its next write.
-    monkeypatch.setenv("MEGATRON_TUNING_CACHE_MAX_ENTRIES", "1")
-    assert auto(path).persist([decision(nx(8))]) == 1
+    assert auto(path, cache_max_entries=1).persist([decision(nx(8))]) == 1
     assert [e.key for e in load_table(path).entries_in_order()] == [nx(8)]
 
 
-def test_the_byte_bound_keeps_every_file_the_cache_writes_readable(tmp_path, monkeypatch, caplog):
+def test_the_byte_bound_keeps_every_file_the_cache_writes_readable(tmp_path, monkeypatch, notices):
     from megatron_tuning.tables import files
 
     monkeypatch.setattr(files, "MAX_FILE_BYTES", 4096)  # the cache's own bound: 1024 bytes
     path = tmp_path / "auto.msgpack"
     cache = auto(path)
-    with caplog.at_level(logging.WARNING):
-        for batch in range(6):
-            cache.persist([decision(nx(batch * 20 + i)) for i in range(20)])
-            assert os.path.getsize(path) <= 1024
-            assert len(load_table(path)) > 0  # the plain table reader, at its plain limit
+    for batch in range(6):
+        cache.persist([decision(nx(batch * 20 + i)) for i in range(20)])
+        assert os.path.getsize(path) <= 1024
+        assert len(load_table(path)) > 0  # the plain table reader, at its plain limit
     kept = [e.key for e in load_table(path).entries_in_order()]
     assert kept[-1] == nx(119) and nx(0) not in kept  # the newest kept, the oldest gone
-    (warning,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    (warning,) = notices.messages
     assert "bound of 1024 bytes" in warning and str(path) in warning
     again = auto(path)
-    assert len(again.table) == len(kept) and not [r for r in caplog.records if "over" in r.getMessage()]
+    assert len(again.table) == len(kept) and len(notices.messages) == 1  # it reads back: no "over"
 
 
 def test_stale_entries_are_evicted_at_persist_and_unknown_provenance_is_kept(tmp_path, caplog):
@@ -360,16 +352,16 @@ def test_a_persist_with_nothing_new_neither_locks_nor_writes(tmp_path, caplog):
     assert not [r for r in caplog.records if "waiting" in r.getMessage() or "not written" in r.getMessage()]
 
 
-def test_a_writer_that_cannot_get_the_lock_warns_naming_the_holder_and_keeps_its_entries(tmp_path, caplog):
+def test_a_writer_that_cannot_get_the_lock_warns_naming_the_holder_and_keeps_its_entries(tmp_path, notices):
     import filelock
 
     path = tmp_path / "auto.msgpack"
     cache = auto(path)
     cache.lock_timeout_s = 0.2
     decisions = [decision(nx(1))]
-    with filelock.FileLock(str(path) + ".lock"), caplog.at_level(logging.WARNING):
+    with filelock.FileLock(str(path) + ".lock"):
         assert cache.persist(decisions) == 0
-    (warning,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    (warning,) = notices.messages
     assert str(path) in warning and f"pid {os.getpid()}" in warning
     assert "1 new entry kept in memory for the next persist" in warning
     assert not path.exists()
@@ -386,22 +378,23 @@ def key_ordered_cache(path, count: int) -> bytes:
     return path.read_bytes()
 
 
-def test_a_cache_over_the_read_limit_is_ignored_for_the_run_and_left_untouched(tmp_path, monkeypatch, caplog):
+def test_a_cache_over_the_read_limit_is_ignored_for_the_run_and_left_untouched(
+    tmp_path, monkeypatch, notices
+):
     from megatron_tuning.tables import files
 
     path = tmp_path / "auto.msgpack"
     data = key_ordered_cache(path, 400)
     monkeypatch.setattr(files, "MAX_FILE_BYTES", len(data) // 2)  # as an older version let it grow
-    with caplog.at_level(logging.WARNING):
-        assert open_cache(TuningPolicy(mode="auto", cache=str(path)), "sm90") is None
-    (warning,) = [r.getMessage() for r in caplog.records]
+    assert open_cache(TuningPolicy(mode="auto", cache=str(path)), "sm90") is None
+    (warning,) = notices.messages
     assert str(path) in warning and f"{len(data)} bytes" in warning and "--max-size 1" in warning
     assert "MEGATRON_TUNING_CACHE" in warning
     assert path.read_bytes() == data
 
 
 def test_a_cache_over_its_byte_bound_shrinks_at_its_next_write_from_its_first_rows(
-    tmp_path, monkeypatch, caplog
+    tmp_path, monkeypatch, notices
 ):
     from megatron_tuning.tables import files
 
@@ -410,12 +403,11 @@ def test_a_cache_over_its_byte_bound_shrinks_at_its_next_write_from_its_first_ro
     monkeypatch.setattr(files, "MAX_FILE_BYTES", size * 2)  # readable; the cache's bound is size // 2
     cache = auto(path)
     assert len(cache.table) == 400
-    with caplog.at_level(logging.WARNING):
-        assert cache.persist([decision(tag("new"))]) == 1
+    assert cache.persist([decision(tag("new"))]) == 1
     assert os.path.getsize(path) <= size // 2
     kept = [e.key for e in load_table(path).entries_in_order()]
     assert kept[-1] == tag("new") and kept[:-1] == [tag(f"{i:03}") for i in range(401 - len(kept), 400)]
-    (warning,) = [r.getMessage() for r in caplog.records]
+    (warning,) = notices.messages
     assert f"bound of {size * 2 // 4} bytes" in warning and str(path) in warning
 
 
@@ -478,37 +470,36 @@ def test_an_auto_cache_an_older_version_wrote_pins_its_configs_and_keeps_them_wh
     )
 
 
-def test_a_cache_in_another_format_is_not_used_and_a_newer_one_is_never_rewritten(tmp_path, caplog):
+def test_a_cache_in_another_format_is_not_used_and_a_newer_one_is_never_rewritten(tmp_path, notices):
     older, newer = tmp_path / "older.msgpack", tmp_path / "newer.msgpack"
     for path, fmt in ((older, "0"), (newer, "2")):
         save_table(Table([Entry(arch="sm90", kernel="pkg.k:kern", key=nx(1), config=config(16))],
                          meta={"kind": "auto-cache", "cache_format": fmt}), path)  # fmt: skip
     data = newer.read_bytes()
-    with caplog.at_level(logging.WARNING):
-        old_cache, new_cache = auto(older), auto(newer)
-        assert len(old_cache.table) == 0 and len(new_cache.table) == 0
-        assert new_cache.persist([decision(nx(1))]) == 0
-        assert old_cache.persist([decision(nx(1))]) == 1
+    old_cache, new_cache = auto(older), auto(newer)
+    assert len(old_cache.table) == 0 and len(new_cache.table) == 0
+    assert new_cache.persist([decision(nx(1))]) == 0
+    assert old_cache.persist([decision(nx(1))]) == 1
     assert newer.read_bytes() == data
     assert blocks(older) == {nx(1): 64}
     assert load_table(older).meta["cache_format"] == "1"
-    warnings = [r.getMessage() for r in caplog.records]
+    warnings = list(notices.messages)
     assert len(warnings) == 2  # one per file, at open
     # A newer version that rewrites the cache while this run holds it open: not written either.
     current = auto(tmp_path / "current.msgpack")
     newer.rename(tmp_path / "current.msgpack")
-    with caplog.at_level(logging.WARNING):
-        assert current.persist([decision(nx(2))]) == 0
+    assert current.persist([decision(nx(2))]) == 0
     assert (tmp_path / "current.msgpack").read_bytes() == data
-    assert "cache format 2, newer than this version's 1" in caplog.records[-1].getMessage()
+    assert "cache format 2, newer than this version's 1" in notices.messages[-1]
     assert "cache format 0" in warnings[0] and "the next persist replaces them" in warnings[0]
     assert "cache format 2" in warnings[1] and "does not write to it" in warnings[1]
 
 
-def test_a_bad_cap_setting_is_refused_naming_it(tmp_path, monkeypatch):
-    monkeypatch.setenv("MEGATRON_TUNING_CACHE_MAX_ENTRIES", "0")
-    with pytest.raises(PolicyError, match="MEGATRON_TUNING_CACHE_MAX_ENTRIES"):
-        auto(tmp_path / "auto.msgpack")
+def test_the_cap_comes_from_the_policy_which_reads_the_variable(tmp_path, monkeypatch):
+    monkeypatch.setenv("MEGATRON_TUNING_CACHE_MAX_ENTRIES", "7")
+    assert auto(tmp_path / "auto.msgpack").max_entries == 50_000  # a policy built in code: its own
+    policy = TuningPolicy.from_env(mode="auto", cache=str(tmp_path / "auto.msgpack"))
+    assert open_cache(policy, "sm90").max_entries == 7  # type: ignore[union-attr]
 
 
 # -- kill-safe (issue 27 item 2): a key this run tuned is in the file before the run can die --------

@@ -22,9 +22,10 @@ from megatron_tuning.core.decisions import Decision
 from megatron_tuning.core.errors import TableError
 from megatron_tuning.core.key import Key
 from megatron_tuning.tables import files
-from megatron_tuning.tables.merge import merge_files, read_decisions, write_decisions
+from megatron_tuning.tables.records import read_decisions, write_decisions
 from megatron_tuning.tables.search import expand_table_paths
-from megatron_tuning.tables.table import Entry, Table, load_table, merge_entries, save_table, update_table
+from megatron_tuning.tables.table import Entry, Table, add_entries, load_table, save_table, update_table
+from megatron_tuning.tables.vote import vote_files
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -202,7 +203,7 @@ def test_a_symlink_and_its_target_share_one_lock(tmp_path):
     message = str(info.value)
     assert f"{real}.lock" in message and f"pid {os.getpid()}" in message
     assert load_table(real).get(*_entry(1).ident) is None  # nothing written while locked out
-    merge_entries(link, [_entry(1)])
+    add_entries(link, [_entry(1)])
     assert load_table(real).get(*_entry(1).ident) is not None
     assert not (tmp_path / "current.msgpack.lock").exists()
 
@@ -210,10 +211,10 @@ def test_a_symlink_and_its_target_share_one_lock(tmp_path):
 _WRITER = """
     import sys
     from megatron_tuning.core.key import Key
-    from megatron_tuning.tables.table import Entry, merge_entries
+    from megatron_tuning.tables.table import Entry, add_entries
     path, worker, count = sys.argv[1], sys.argv[2], int(sys.argv[3])
     for i in range(count):
-        merge_entries(path, [Entry(arch="sm90", kernel=f"pkg:w{worker}", key=Key({"i": i}),
+        add_entries(path, [Entry(arch="sm90", kernel=f"pkg:w{worker}", key=Key({"i": i}),
                                    config={"kwargs": {}, "num_warps": 4, "num_stages": 3})])
 """
 
@@ -257,12 +258,12 @@ def test_merge_into_its_own_input_times_out_naming_the_holder(tmp_path):
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
         with pytest.raises(TableError, match="timed out") as info:
-            merge_files(out, [out], timeout_s=0.3)
+            vote_files(out, [out], timeout_s=0.3)
         assert f"pid {holder.pid}" in str(info.value) and f"{out}.lock" in str(info.value)
     finally:
         holder.kill()
         holder.wait()
-    assert len(merge_files(out, [out]).table) == 1  # the lock is free again
+    assert len(vote_files(out, [out]).table) == 1  # the lock is free again
 
 
 def test_a_waiting_writer_says_who_holds_the_lock(tmp_path, caplog):
@@ -281,7 +282,7 @@ def test_a_waiting_writer_says_who_holds_the_lock(tmp_path, caplog):
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
         with caplog.at_level("WARNING", logger="megatron_tuning.tables.files"):
-            merge_entries(path, [_entry(1)], timeout_s=30)
+            add_entries(path, [_entry(1)], timeout_s=30)
     finally:
         holder.wait(timeout=30)
     assert f"held by pid {holder.pid}" in caplog.text
@@ -302,13 +303,13 @@ def _victim(tmp_path: Path) -> Path:
     return victim
 
 
-def test_a_planted_lock_symlink_is_refused_and_its_target_kept_through_merge_entries(tmp_path):
+def test_a_planted_lock_symlink_is_refused_and_its_target_kept_through_add_entries(tmp_path):
     table = tmp_path / "t.msgpack"
     save_table(Table([_entry(0)]), table)
     victim = _victim(tmp_path)
     Path(f"{table}.lock").symlink_to(victim)
     with pytest.raises(TableError) as info:
-        merge_entries(table, [_entry(1)])  # what auto's cache persist does
+        add_entries(table, [_entry(1)])  # what auto's cache persist does
     message = str(info.value)
     assert f"the lock file {table}.lock is a symbolic link to {str(victim)!r}" in message
     assert "Remove it" in message
@@ -316,7 +317,7 @@ def test_a_planted_lock_symlink_is_refused_and_its_target_kept_through_merge_ent
     assert load_table(table).get(*_entry(1).ident) is None
 
 
-def test_a_planted_lock_symlink_is_refused_through_merge_and_the_auto_cache(tmp_path, caplog):
+def test_a_planted_lock_symlink_is_refused_through_merge_and_the_auto_cache(tmp_path, notices):
     from megatron_tuning.core.policy import TuningPolicy
     from megatron_tuning.tables.cache import open_cache
 
@@ -325,7 +326,7 @@ def test_a_planted_lock_symlink_is_refused_through_merge_and_the_auto_cache(tmp_
     victim = _victim(tmp_path)
     Path(f"{out}.lock").symlink_to(victim)
     with pytest.raises(TableError, match="is a symbolic link"):
-        merge_files(out, [out])
+        vote_files(out, [out])
     cache_file = tmp_path / "auto.msgpack"
     Path(f"{cache_file}.lock").symlink_to(victim)
     cache = open_cache(TuningPolicy(mode="auto", cache=str(cache_file)), "sm90")
@@ -340,7 +341,7 @@ def test_a_planted_lock_symlink_is_refused_through_merge_and_the_auto_cache(tmp_
         arch="sm90",
     )
     assert cache.persist([decision]) == 0
-    assert any("is a symbolic link" in r.getMessage() for r in caplog.records)
+    assert notices.matching("is a symbolic link")  # the cache's notice: it was not written
     assert victim.read_text() == "123456789"
 
 
@@ -348,8 +349,8 @@ def test_an_ordinary_lock_file_is_reused_and_a_missing_folder_is_made(tmp_path):
     table = tmp_path / "t.msgpack"
     save_table(Table([_entry(0)]), table)
     Path(f"{table}.lock").write_text("")  # left by an earlier writer: harmless
-    merge_entries(table, [_entry(1)])
+    add_entries(table, [_entry(1)])
     assert load_table(table).get(*_entry(1).ident) is not None
     nested = tmp_path / "new" / "folder" / "t.msgpack"
-    merge_entries(nested, [_entry(2)])
+    add_entries(nested, [_entry(2)])
     assert load_table(nested).get(*_entry(2).ident) is not None

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 
 from megatron_tuning.core.choice import ConfigTable, TableHit
-from megatron_tuning.core.errors import StaleEntryError, TableError, reset_warnings
+from megatron_tuning.core.errors import StaleEntryError, TableError
 from megatron_tuning.core.identity import config_signature
 from megatron_tuning.core.key import Key
+from megatron_tuning.core.notices import reset_warnings
 from megatron_tuning.core.policy import TuningPolicy
 from megatron_tuning.tables.entry import Entry
 from megatron_tuning.tables.search import TableSet, expand_table_paths
@@ -183,7 +184,7 @@ def test_stale_warning_once_per_cause_not_per_key(tmp_path, notices):
     assert keys[0] in messages[0] and tag("other hash") in messages[1]
 
 
-def test_search_order_policy_then_env_then_shipped(tmp_path, monkeypatch):
+def test_search_order_policy_then_shipped(tmp_path, monkeypatch):
     policy_path = write(tmp_path / "policy.msgpack", entry(32))
     env_path = write(tmp_path / "env.msgpack", entry(64), entry(64, key=tag("env key")))
     shipped = tmp_path / "shipped"
@@ -194,16 +195,16 @@ def test_search_order_policy_then_env_then_shipped(tmp_path, monkeypatch):
         entry(128, key=tag("env key")),
         entry(128, key=tag("shipped key")),
     )
-    monkeypatch.setenv("MEGATRON_TUNING_TABLE", env_path)
     monkeypatch.setattr("megatron_tuning.tables.search.shipped_tables_dir", lambda: shipped)
-    tables = TableSet.from_policy(TuningPolicy(tables=(policy_path,)), triton_version="3.6.0")
+    tables = TableSet.from_policy(TuningPolicy(tables=(policy_path, env_path)), triton_version="3.6.0")
     assert tables.files == [policy_path, env_path]  # shipped tables load on first use of their arch
     assert find(tables, KERNEL, KEY, arch="sm90").origin == policy_path
     assert find(tables, KERNEL, tag("env key"), arch="sm90").origin == env_path
     assert find(tables, KERNEL, tag("shipped key"), arch="sm90").origin == str(shipped_path)
     assert tables.files[-1] == str(shipped_path)
     assert find(tables, KERNEL, tag("shipped key"), arch="sm80") is None  # no sm80 folder: nothing loaded
-    # from_env already folded MEGATRON_TUNING_TABLE into policy.tables: it is searched once.
+    # The variable reaches the search path through the policy (from_env) only, and once.
+    monkeypatch.setenv("MEGATRON_TUNING_TABLE", env_path)
     from_env = TableSet.from_policy(TuningPolicy.from_env(use_shipped_tables=False), triton_version="3.6.0")
     assert from_env.files == [env_path]
 

@@ -18,11 +18,10 @@ import pytest
 from megatron_tuning.core import __version__
 from megatron_tuning.core.errors import MegatronTuningError, TableError
 from megatron_tuning.core.key import Key
-from megatron_tuning.tables import files as files_mod
 from megatron_tuning.tables import table as table_mod
 from megatron_tuning.tables.entry import Entry, Timing, entry_with
 from megatron_tuning.tables.files import write_atomic
-from megatron_tuning.tables.table import Table, load_table, merge_entries, save_table, update_table
+from megatron_tuning.tables.table import Table, add_entries, load_table, save_table, update_table
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -335,7 +334,7 @@ def test_writing_a_symlinked_table_writes_through_the_link(tmp_path):
     save_table(sample_table(), real)
     link = tmp_path / "current.msgpack"
     link.symlink_to(real.name)
-    merge_entries(link, [make_entry(99)])
+    add_entries(link, [make_entry(99)])
     assert link.is_symlink() and os.readlink(link) == real.name
     assert load_table(real).get(*make_entry(99).ident) is not None
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
@@ -346,10 +345,10 @@ def test_failed_write_keeps_previous_file_and_cleans_up(tmp_path, monkeypatch):
     save_table(sample_table(), path)
     before = path.read_bytes()
 
-    def boom(tmp: str) -> None:
-        raise OSError("disk full (simulated)")
+    def boom(tmp: str, dest: str) -> None:
+        raise OSError(28, "disk full (simulated)")
 
-    monkeypatch.setattr(files_mod, "_BEFORE_REPLACE", boom)
+    monkeypatch.setattr(os, "replace", boom)  # the temp file is written and fsynced by then
     with pytest.raises(OSError, match="simulated"):
         write_atomic(path, b"new")
     assert path.read_bytes() == before
@@ -358,14 +357,14 @@ def test_failed_write_keeps_previous_file_and_cleans_up(tmp_path, monkeypatch):
 
 def test_update_table_creates_merges_and_skips_unchanged_writes(tmp_path):
     path = tmp_path / "t.msgpack"
-    merge_entries(path, [make_entry(0)])
-    merge_entries(path, [make_entry(1), make_entry(2)])
+    add_entries(path, [make_entry(0)])
+    add_entries(path, [make_entry(1), make_entry(2)])
     assert len(load_table(path)) == 3
     stamp = path.stat().st_mtime_ns
     time.sleep(0.01)
-    merge_entries(path, [make_entry(1)])  # no change: no rewrite
+    add_entries(path, [make_entry(1)])  # no change: no rewrite
     assert path.stat().st_mtime_ns == stamp
-    merge_entries(path, [entry_with(make_entry(1), note="x")], replace=False)
+    add_entries(path, [entry_with(make_entry(1), note="x")], replace=False)
     assert load_table(path).get(*make_entry(1).ident).note is None
     assert load_table(path).library_version == table_mod.library_version()
 
@@ -382,10 +381,10 @@ _WRITER = textwrap.dedent(
     """
     import sys
     from megatron_tuning.core.key import Key
-    from megatron_tuning.tables.table import Entry, merge_entries
+    from megatron_tuning.tables.table import Entry, add_entries
     path, worker, batches, per_batch = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     for batch in range(batches):
-        merge_entries(path, [
+        add_entries(path, [
             Entry(arch="sm90", kernel=f"pkg:k{worker}", key=Key({"b": batch, "i": i}),
                   config={"kwargs": {"W": worker}, "num_warps": 4, "num_stages": 3}, how="recorded")
             for i in range(per_batch)
@@ -422,14 +421,15 @@ def test_concurrent_writers_lose_no_entry(tmp_path):
 _KILLED_WRITER = textwrap.dedent(
     """
     import sys, time
+    import os
     from megatron_tuning.core.key import Key
-    from megatron_tuning.tables import files, table as t
+    from megatron_tuning.tables import table as t
     path, marker = sys.argv[1], sys.argv[2]
-    def pause(tmp):
+    def pause(tmp, dest):  # the temp file is written and fsynced: the writer dies before the replace
         open(marker, "w").write(tmp)
         time.sleep(120)
-    files._BEFORE_REPLACE = pause
-    t.merge_entries(path, [t.Entry(arch="sm90", kernel="pkg:new", key=Key({"k": 1}),
+    os.replace = pause
+    t.add_entries(path, [t.Entry(arch="sm90", kernel="pkg:new", key=Key({"k": 1}),
                                    config={"kwargs": {}, "num_warps": 1, "num_stages": 1})])
     """
 )
@@ -462,5 +462,5 @@ def test_writer_killed_mid_write_leaves_previous_table_intact(tmp_path):
     from megatron_tuning.tables.search import TableSet
 
     assert TableSet([tmp_path]).files == [str(path)]
-    merge_entries(path, [make_entry(50)])
+    add_entries(path, [make_entry(50)])
     assert len(load_table(path)) == len(sample_table()) + 1

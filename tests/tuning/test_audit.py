@@ -14,9 +14,8 @@ import triton
 import triton.language as tl
 
 import megatron_tuning
-from megatron_tuning import session
 from megatron_tuning.commands import main
-from megatron_tuning.commands.launch import add_audit, run_audit
+from megatron_tuning.commands.audit import add_audit, run_audit
 from megatron_tuning.core.decisions import decision_log
 from megatron_tuning.core.errors import NumericsError
 from megatron_tuning.core.identity import config_data, config_signature
@@ -24,8 +23,10 @@ from megatron_tuning.core.key import Key, tuning_key
 from megatron_tuning.core.policy import TuningPolicy
 from megatron_tuning.runtime.interception import lazy_benchmarker
 from megatron_tuning.tables.entry import Numerics
-from megatron_tuning.tables.merge import diff_tables, merge_tables, write_decisions
+from megatron_tuning.tables.records import write_decisions
+from megatron_tuning.tables.review import diff_tables
 from megatron_tuning.tables.table import Entry, Table, load_table, save_table
+from megatron_tuning.tables.vote import vote_tables
 from megatron_tuning.tuning.audit import audit_candidates, record_numerics
 
 JOB = textwrap.dedent("""
@@ -137,12 +138,10 @@ def test_same_class_tuning_keeps_the_output_bits_across_a_retune(tmp_path, monke
         key = k
         return candidates[-1], {}
 
-    monkeypatch.setattr(session, "_make_measure", lambda policy: last_wins)
-
     def run(numerics: str, tables: tuple[str, ...] = ()) -> torch.Tensor:
         a, b = call[0], call[1]
         policy = TuningPolicy(mode="tune", numerics=numerics, tables=tables, use_shipped_tables=False)
-        with megatron_tuning.init_deterministic_tuning(policy):
+        with megatron_tuning.init_deterministic_tuning(policy, measure=last_wins):
             return kernels.splitk_matmul(a, b)
 
     free = run("any")
@@ -192,7 +191,7 @@ def test_tables_carry_numerics_diff_flags_a_class_change_and_merge_keeps_it(tmp_
     assert "CHANGES NUMERICS" in capsys.readouterr().out
     assert main(["show", str(t)]) == 0
     assert f"numerics class {'b' * 16}, NOT deterministic on its own" in capsys.readouterr().out
-    merged = merge_tables([("x", Table([c])), ("y", Table([c._replace(numerics=None)]))]).table
+    merged = vote_tables([("x", Table([c])), ("y", Table([c._replace(numerics=None)]))]).table
     assert merged.get("sm90", "m:k", N1).numerics.deterministic is False
 
 
@@ -239,7 +238,7 @@ def test_numerics_refuses_what_it_cannot_audit_instead_of_picking_unrestricted()
     def unrestricted(autotuner, candidates, args, kwargs, kernel, key):
         raise AssertionError("measured without the numerics restriction")
 
-    audited = with_numerics(unrestricted, "same-class", None)
+    audited = with_numerics(unrestricted, "same-class", None, 3)
     launchers = object.__new__(_Launchers)  # what inductor._measure_launchers hands the measure
     with pytest.raises(NumericsError, match="torch.compile"):
         audited(launchers, list(kernels.ADD_ONE_CONFIGS), (), {}, "k:add_one", "n=8")
@@ -259,7 +258,6 @@ def test_the_audit_sees_what_a_launch_writes_through_a_tensor_descriptor():
     so 4 configs with 4 output bit patterns are 4 classes, ``same-class`` keeps only the entry's own
     config, and the inputs come back unchanged."""
     from megatron_tuning.core.choice import TableHit
-    from megatron_tuning.core.key import Key
     from megatron_tuning.tuning.audit import allowed
 
     x, call, grid = _descriptor_call()
@@ -322,7 +320,9 @@ def test_an_argument_the_audit_cannot_restore_is_refused_by_name_never_one_class
         raise AssertionError("measured without the numerics restriction")
 
     with pytest.raises(NumericsError, match="(?s)m:_copy.*argument x_ptr is a _RawPointer"):
-        with_numerics(unrestricted, "same-class", None)(_copy, list(_copy.configs), *call, "m:_copy", "n=100")
+        with_numerics(unrestricted, "same-class", None, 3)(
+            _copy, list(_copy.configs), *call, "m:_copy", "n=100"
+        )
     assert torch.equal(y, torch.zeros(100))  # nothing launched
 
 

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
-from megatron_tuning.core.errors import warn_once
+from megatron_tuning.core.notices import warn_once
 from megatron_tuning.tuning.stats import TuneSettings
 from megatron_tuning.tuning.tuner import ClockTimer, CudaEventTimer, default_timer
 
 
 class _FakeCuda:
     def __init__(self, log: list) -> None:
+        self.spins: list = []
         self.log = log
         test = self
 
@@ -34,6 +37,7 @@ class _FakeCuda:
     def _sleep(self, cycles: int) -> None:
         assert cycles > 0
         self.log.append("spin")
+        self.spins.append(cycles)
 
     def get_device_properties(self, index: int) -> object:
         return object()  # no clock_rate: the timer assumes ~2 GHz
@@ -72,6 +76,21 @@ def test_cuda_event_timer_flushes_spins_then_times_back_to_back_launches() -> No
     fake.log.clear()
     CudaEventTimer(flush_l2=False, torch_module=fake).sample(lambda: fake.log.append("launch"), 1)
     assert fake.log[0] == "spin"
+
+
+def test_the_spin_covers_the_host_s_deficit_not_a_gpu_bound_block() -> None:
+    fake = _FakeTorch()
+    timer = CudaEventTimer(torch_module=fake)
+
+    def launch() -> None:  # 1 ms to queue on the host; the fake GPU takes 2 ms to run it
+        time.sleep(0.001)
+        fake.log.append("launch")
+
+    timer.sample_cold(launch, 20)
+    timer.sample_cold(launch, 20)
+    # Once the GPU is known to outrun the host, the spin covers queueing the first launch only
+    # (a few ms at most), not all 20 (30 ms or more).
+    assert fake.cuda.spins[1] <= 0.004 * 2e9
 
 
 def _launcher(fake: _FakeTorch, widths: list[int]):  # noqa: ANN202

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import random
 
 import pytest
@@ -12,6 +13,7 @@ from triton.runtime.autotuner import Autotuner
 from megatron_tuning.core.errors import PolicyError
 from megatron_tuning.core.fallback import order_by_cost
 from megatron_tuning.core.identity import config_signature
+from megatron_tuning.core.policy import TuningPolicy
 from megatron_tuning.tuning.stats import (
     TuneSettings,
     analyze,
@@ -127,7 +129,7 @@ def test_timings_are_plain_data() -> None:
     assert timings["errors"] == {config_signature(SMALL): "OutOfResources"}
 
 
-def test_settings_validate_and_read_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_settings_validate_and_come_from_the_policy(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(PolicyError, match="rounds"):
         TuneSettings(rounds=0)
     with pytest.raises(PolicyError, match="tie_band"):
@@ -136,12 +138,16 @@ def test_settings_validate_and_read_the_environment(monkeypatch: pytest.MonkeyPa
         TuneSettings(tie_band=0.05, overlap_cap=0.01)
     monkeypatch.setenv("MEGATRON_TUNING_TUNE_ROUNDS", "7")
     monkeypatch.setenv("MEGATRON_TUNING_TUNE_TIE_BAND", "0.04")
-    settings = TuneSettings.from_env()
-    assert (settings.rounds, settings.tie_band) == (7, 0.04)
-    assert settings.effective_overlap_cap == pytest.approx(0.06)
+    policy = TuningPolicy()
+    assert (TuneSettings().rounds, TuneSettings().tie_band) == (policy.tune_rounds, policy.tune_tie_band)
+    tuner = _hooked_autotuner([])
+    measure = make_measure(TuningPolicy.from_env(), timer=ClockTimer(), progress=False)
+    _, timings = measure(tuner, list(tuner.configs), _args(), {"grid": (1,)}, "pkg.mod:k", "n=4 | x:f")
+    assert timings["rounds"] == 7  # the policy's: make_measure reads no variable itself
+    assert TuneSettings(tie_band=0.04).effective_overlap_cap == pytest.approx(0.06)
     monkeypatch.setenv("MEGATRON_TUNING_TUNE_ROUNDS", "2.5")
     with pytest.raises(PolicyError, match="MEGATRON_TUNING_TUNE_ROUNDS"):
-        TuneSettings.from_env()
+        TuningPolicy.from_env()
 
 
 def test_cold_timing_settings_are_validated_and_name_the_field() -> None:
@@ -168,7 +174,7 @@ def test_non_finite_rounds_in_the_environment_are_a_policy_error(
 ) -> None:
     monkeypatch.setenv("MEGATRON_TUNING_TUNE_ROUNDS", value)
     with pytest.raises(PolicyError, match="MEGATRON_TUNING_TUNE_ROUNDS"):
-        TuneSettings.from_env()
+        TuningPolicy.from_env()
 
 
 @pytest.mark.parametrize("value", ["nan", "inf", "1e400", "-0.1", "1", "٠.٠٢"])
@@ -177,7 +183,7 @@ def test_tie_band_in_the_environment_is_a_finite_fraction(
 ) -> None:
     monkeypatch.setenv("MEGATRON_TUNING_TUNE_TIE_BAND", value)
     with pytest.raises(PolicyError, match="MEGATRON_TUNING_TUNE_TIE_BAND"):
-        TuneSettings.from_env()
+        TuningPolicy.from_env()
 
 
 def test_infinite_sample_time_is_rejected_up_front() -> None:
@@ -462,10 +468,10 @@ def test_measure_leaves_triton_shaped_configs_timings_when_a_candidate_fails(
 # --------------------------------------------------------------------------- progress in batch logs
 
 
-def test_each_tuned_key_logs_one_line_with_its_time_without_any_logging_setup(caplog) -> None:
+def test_each_tuned_key_logs_one_line_with_its_time_on_the_progress_logger(caplog) -> None:
     tuner = _hooked_autotuner([])
     measure = make_measure(TuneSettings(rounds=2, warmup_rounds=0), timer=ClockTimer(), progress=True)
-    # No caplog.set_level: the progress logger is at INFO by itself, so a batch log shows it.
+    caplog.set_level(logging.INFO, "megatron_tuning.tuning.tuner.progress")  # a batch log keeps it alone
     measure(tuner, list(tuner.configs), _args(), {"grid": (1,)}, "pkg.mod:k", "n=4 | x:torch.float32")
     lines = [r for r in caplog.records if r.name == "megatron_tuning.tuning.tuner.progress"]
     assert len(lines) == 1 and lines[0].levelname == "INFO"
@@ -482,3 +488,26 @@ def test_the_progress_bar_names_the_shape() -> None:
     )
     long = _bar_label("m:k", "M=" + "9" * 100)
     assert long.startswith("tune k [M=999") and long.endswith("...]") and len(long) < 80
+
+
+def test_interleave_runs_each_live_arm_in_the_given_order_and_drops_a_failing_one():
+    from megatron_tuning.tuning.tuner import interleave, rotating
+
+    calls: list[int] = []
+
+    def sample(arm: int) -> float:
+        calls.append(arm)
+        if arm == 2 and len(calls) > 4:
+            raise RuntimeError("out of resources")
+        return float(arm)
+
+    errors: list[str | None] = [None, None, None]
+    abba = lambda r, live: [*live, *live[::-1]]
+    rounds = list(interleave(sample, errors, range(3), order=abba, failures=(RuntimeError,)))
+    assert calls[:6] == [0, 1, 2, 2, 1, 0]  # round 0 whole; round 1 loses arm 2 at its first block
+    assert rounds[0] == (0, [(0, 0.0), (1, 1.0), (2, 2.0), (2, 2.0), (1, 1.0), (0, 0.0)])
+    assert (
+        rounds[1][1] == [(0, 0.0), (1, 1.0), (1, 1.0), (0, 0.0)]
+        and errors[2] == "RuntimeError: out of resources"
+    )
+    assert rotating(1, [0, 1, 2]) == [1, 2, 0]

@@ -104,7 +104,7 @@ def allgather_order(result: dict[str, Any]) -> None:
 def verify_agree(result: dict[str, Any]) -> None:
     for n in (64, 96, 128):
         _record(MATMUL, KEY.replace("64", str(n), 1), SIG)
-    result["shared"] = verify.verify_agreement()
+    result["shared"] = agreement.verify_agreement()
 
 
 def verify_chaos(result: dict[str, Any]) -> None:
@@ -112,7 +112,7 @@ def verify_chaos(result: dict[str, Any]) -> None:
     _record(MATMUL, KEY, _chaos_signature())
     for n in range(12):  # more differing entries than verify_agreement names
         _record(f"synthetic.kernels:many_{n:02d}", KEY, _chaos_signature())
-    result["shared"] = verify.verify_agreement()
+    result["shared"] = agreement.verify_agreement()
 
 
 def _asymmetric_plan() -> list[tuple[str, str, str]]:
@@ -133,13 +133,13 @@ def asymmetric_store(result: dict[str, Any]) -> None:
     for kernel, key, signature in _asymmetric_plan():
         _guarded(result, lambda k=kernel, y=key, s=signature: _record(k, y, s))
     _then_poll(handle, result)
-    result["shared"] = verify.verify_agreement()
+    result["shared"] = agreement.verify_agreement()
 
 
 def asymmetric_verify(result: dict[str, Any]) -> None:
     for kernel, key, signature in _asymmetric_plan():
         _record(kernel, key, signature)
-    result["shared"] = verify.verify_agreement()
+    result["shared"] = agreement.verify_agreement()
 
 
 def allgather_missing(result: dict[str, Any]) -> None:
@@ -175,7 +175,7 @@ def capture_deferred(result: dict[str, Any]) -> None:
     result["store_calls_during_capture"] = len(calls)
     result["pending"] = len(handle._pending)
     dist.barrier()
-    result["shared"] = verify.verify_agreement()
+    result["shared"] = agreement.verify_agreement()
 
 
 # --- verify mode (large worlds): nothing per key, verify_agreement at step boundaries and close ---
@@ -294,12 +294,13 @@ def _fresh_sessions(name: str) -> None:
     """Each session scenario starts at session 0 in its own store namespace, as after a restart."""
     os.environ["TORCHELASTIC_RESTART_COUNT"] = f"sessions-{name}"
     verify._sessions = 0
+    verify._verify_calls.clear()  # and every rank's checks are paired afresh
 
 
 def _verify_into(result: dict[str, Any]) -> None:
     """Every rank calls verify_agreement (a collective), errors or not; keep what it raised."""
     try:
-        result["shared"] = verify.verify_agreement(timeout_s=30.0)
+        result["shared"] = agreement.verify_agreement(timeout_s=30.0)
     except MegatronTuningError as error:
         result["verify_error"] = type(error).__name__
         result["verify_message"] = str(error)
@@ -369,6 +370,47 @@ def session_equal_store(result: dict[str, Any]) -> None:
     _verify_into(result)
 
 
+def session_reinit_verify(result: dict[str, Any]) -> None:
+    """Rank 0 calls init_deterministic_tuning once more (verify mode, chaos): its re-init must not
+    run a check that pairs with rank 1's verify_agreement. Every rank raises; none says "ok"."""
+    _fresh_sessions("reinit_verify")
+    import megatron_tuning
+    from tests import support_kernels as _kernels
+
+    policy = TuningPolicy(
+        mode="chaos",
+        scope=("tests.support_kernels",),
+        agreement="verify",
+        agreement_timeout_s=SESSION_TIMEOUT_S,
+        use_shipped_tables=False,
+    )
+    handle = megatron_tuning.init_deterministic_tuning(policy)
+    if RANK == 0:
+        handle = megatron_tuning.init_deterministic_tuning(policy)
+    _kernels.run("add", 64, DEVICE)  # chaos: ranks launch different BLOCKs
+    _verify_into(result)
+    start = time.monotonic()
+    try:
+        _guarded(result, handle.close)  # the check at close
+    finally:
+        result["close_s"] = time.monotonic() - start
+
+
+def verify_extra_call(result: dict[str, Any]) -> None:
+    """Rank 0 calls verify_agreement once more than rank 1: its extra call meets rank 1's check at
+    close, and both must raise instead of passing (the header says which call each rank is at)."""
+    _fresh_sessions("extra_call")
+    handle = agreement.start_agreement(_policy("verify", timeout_s=SESSION_TIMEOUT_S))
+    _record(MATMUL, KEY, SIG)
+    for _ in range(2 if RANK == 0 else 1):
+        _verify_into(result)
+    start = time.monotonic()
+    try:
+        _guarded(result, handle.stop)  # the check at close
+    finally:
+        result["close_s"] = time.monotonic() - start
+
+
 # --- real kernel launches through init_deterministic_tuning --------------------------------------
 
 
@@ -377,33 +419,33 @@ def _kernel_run(result: dict[str, Any], mode: str, agreement_mode: str) -> None:
 
     policy = TuningPolicy(
         mode=mode,
-        scope=("_kernels",),
+        scope=("tests.support_kernels",),
         agreement=agreement_mode,
         agreement_timeout_s=30.0,
         use_shipped_tables=False,
     )
     handle = megatron_tuning.init_deterministic_tuning(policy)
     # init_deterministic_tuning itself starts the check (and only when it applies).
-    assert (verify.active_checker() is None) == (agreement_mode == "off")
-    import _kernels
+    assert (agreement.active_checker() is None) == (agreement_mode == "off")
+    from tests import support_kernels as _kernels
 
     try:
         for name, n in (("add", 64), ("scale", 64), ("add", 100)):
             _guarded(result, lambda k=name, size=n: _kernels.run(k, size, DEVICE))
             dist.barrier()  # same number of barriers on every rank, errors or not
         if agreement_mode == "off" and result.get("error") is None:
-            result["shared"] = verify.verify_agreement()
+            result["shared"] = agreement.verify_agreement()
     finally:
         _guarded(result, handle.close)
 
 
 def _kernels_session() -> Any:
-    """A deterministic session over the ``_kernels`` test kernels, store checks on."""
+    """A deterministic session over the shared test kernels, store checks on."""
     import megatron_tuning
 
     policy = TuningPolicy(
         mode="deterministic",
-        scope=("_kernels",),
+        scope=("tests.support_kernels",),
         agreement="store",
         agreement_timeout_s=30.0,
         use_shipped_tables=False,
@@ -414,8 +456,8 @@ def _kernels_session() -> Any:
 def kernels_asymmetric(result: dict[str, Any]) -> None:
     """Real launches, rank-dependent kernels and shapes, store checks plus a final verify."""
     handle = _kernels_session()
-    assert verify.active_checker() is not None
-    import _kernels
+    assert agreement.active_checker() is not None
+    from tests import support_kernels as _kernels
 
     try:
         if RANK == WORLD - 1:
@@ -424,10 +466,10 @@ def kernels_asymmetric(result: dict[str, Any]) -> None:
         for name, n in plan if RANK else reversed(plan):
             _guarded(result, lambda k=name, size=n: _kernels.run(k, size, DEVICE))
         dist.barrier()
-        checker = verify.active_checker()
+        checker = agreement.active_checker()
         if checker is not None:
             _guarded(result, checker.poll)
-        result["shared"] = verify.verify_agreement()
+        result["shared"] = agreement.verify_agreement()
     finally:
         handle.close()
 
@@ -435,14 +477,14 @@ def kernels_asymmetric(result: dict[str, Any]) -> None:
 def kernels_factory(result: dict[str, Any]) -> None:
     """Factory-made kernels and autotuners built over one jit function, in opposite orders per rank."""
     handle = _kernels_session()
-    import _kernels
+    from tests import support_kernels as _kernels
 
     try:
         names = sorted(_kernels.MADE)
         for name in names if RANK % 2 else reversed(names):
             _guarded(result, lambda k=name: _kernels.run(k, 64, DEVICE))
         dist.barrier()
-        result["shared"] = verify.verify_agreement()
+        result["shared"] = agreement.verify_agreement()
         result["launched"] = {d.kernel: d.signature for d in decision_log().decisions()}
     finally:
         handle.close()
@@ -455,20 +497,24 @@ def _cuda_graph_run(result: dict[str, Any], mode: str) -> None:
     import megatron_tuning
 
     policy = TuningPolicy(
-        mode=mode, scope=("_kernels",), agreement="store", agreement_timeout_s=30.0, use_shipped_tables=False
+        mode=mode,
+        scope=("tests.support_kernels",),
+        agreement="store",
+        agreement_timeout_s=30.0,
+        use_shipped_tables=False,
     )
     x = torch.arange(48, dtype=torch.float32, device=DEVICE)
     y = torch.empty_like(x)
     # Warm-up session without checks: compiles the config this rank picks, outside the capture.
     megatron_tuning.init_deterministic_tuning(policy.replace(agreement="off"))
-    import _kernels
+    from tests import support_kernels as _kernels
 
     _kernels.launch("scale", x, y)
     torch.cuda.synchronize()
     decision_log().clear()
     handle = megatron_tuning.init_deterministic_tuning(policy)  # fresh pins: the next launch decides again
     try:
-        checker = verify.active_checker()
+        checker = agreement.active_checker()
         assert isinstance(checker, agreement.AgreementChecker)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
@@ -479,7 +525,7 @@ def _cuda_graph_run(result: dict[str, Any], mode: str) -> None:
         torch.cuda.synchronize()
         result["replay_ok"] = bool(torch.equal(y, x * 2))
         dist.barrier()
-        result["shared"] = verify.verify_agreement()
+        result["shared"] = agreement.verify_agreement()
     finally:
         handle.close()
 
@@ -507,6 +553,8 @@ SCENARIOS: dict[str, Callable[[dict[str, Any]], None]] = {
     "session_extra_allgather": session_extra_allgather,
     "session_lagging_allgather": session_lagging_allgather,
     "session_equal_store": session_equal_store,
+    "session_reinit_verify": session_reinit_verify,
+    "verify_extra_call": verify_extra_call,
     "verify_tp": verify_tp,
     "verify_pp": verify_pp,
     "verify_varlen": verify_varlen,
@@ -566,7 +614,7 @@ def main() -> int:
             if result.get("error") is None:
                 _store_error(result, error)
         finally:
-            checker = verify.active_checker()
+            checker = agreement.active_checker()
             if checker is not None:
                 try:
                     checker.stop()  # a verify session's check at close may still find a divergence

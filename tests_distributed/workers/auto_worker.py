@@ -23,7 +23,6 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import torch.distributed as dist
 
 import megatron_tuning
-from megatron_tuning import session
 from megatron_tuning.core.decisions import decision_log, get_decisions
 from megatron_tuning.core.errors import MegatronTuningError
 from megatron_tuning.core.key import Key
@@ -61,7 +60,13 @@ def split_cache(scenario: str, folder: str) -> str:
     path = os.path.join(folder, f"{scenario}-rank{RANK}.msgpack")
     if RANK == 0:
         entries = [
-            Entry(arch="unknown", kernel="_kernels:add_kernel", key=add_key(n), config=CACHED, how="tuned")
+            Entry(
+                arch="unknown",
+                kernel="tests.support_kernels:add_kernel",
+                key=add_key(n),
+                config=CACHED,
+                how="tuned",
+            )
             for n in sizes(scenario)
         ]
         save_table(Table(entries, meta={"kind": "auto-cache", "cache_format": "1"}), path)
@@ -75,15 +80,13 @@ def split_cache(scenario: str, folder: str) -> str:
     return path
 
 
-def fake_measure(policy: Any) -> Any:
-    def measure(autotuner, candidates, args, kwargs, kernel, key):  # noqa: ANN001, ANN202
-        MEASURED.append(key)
-        time.sleep(TUNE_S)
-        # Never the last config (BLOCK=128): rank 0's table pins it in table_vs_published, and with
-        # 4+ ranks a publisher that picked it would agree with that table by accident.
-        return candidates[RANK % (len(candidates) - 1)], {"format": "fake", "median_ms": 1.0 + RANK}
-
-    return measure
+def fake_measure(autotuner, candidates, args, kwargs, kernel, key):  # noqa: ANN001, ANN201
+    """The decision flow under test, without real timing."""
+    MEASURED.append(key)
+    time.sleep(TUNE_S)
+    # Never the last config (BLOCK=128): rank 0's table pins it in table_vs_published, and with
+    # 4+ ranks a publisher that picked it would agree with that table by accident.
+    return candidates[RANK % (len(candidates) - 1)], {"format": "fake", "median_ms": 1.0 + RANK}
 
 
 def sizes(scenario: str) -> list[int]:
@@ -112,11 +115,13 @@ def run_scenario(scenario: str, cache: str, tables: tuple[str, ...]) -> dict[str
     policy = TuningPolicy(mode="auto", cache=cache, tables=tables, use_shipped_tables=False)
     handle = None
     try:  # ranks started with other inputs (tables) are told here, at init
-        handle = megatron_tuning.init_deterministic_tuning(policy)
+        handle = megatron_tuning.init_deterministic_tuning(policy, measure=fake_measure)
     except MegatronTuningError as error:
         result["error"] = type(error).__name__
         result["message"] = str(error)
-    from _kernels import run  # after the interception is installed: Triton 3.3 decorates lazily then
+    from tests.support_kernels import (
+        run,  # after the interception is installed: Triton 3.3 decorates lazily then
+    )
 
     try:
         dist.barrier()
@@ -167,7 +172,6 @@ def main() -> int:
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     RANK, WORLD = dist.get_rank(), dist.get_world_size()
     SLOW_S = args.slow_s
-    session._make_measure = fake_measure  # the decision flow under test, without real timing
     results: dict[str, Any] = {}
     for scenario in args.scenarios.split(","):
         tables = (args.table,) if args.table and RANK == 0 and scenario == "table_vs_published" else ()

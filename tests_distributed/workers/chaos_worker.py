@@ -29,7 +29,7 @@ import torch.distributed as dist
 from megatron_tuning.core.decisions import decision_log
 from megatron_tuning.core.errors import MegatronTuningError
 from megatron_tuning.core.policy import TuningPolicy
-from megatron_tuning.distributed import verify
+from megatron_tuning.distributed import agreement
 
 
 def _keep(result: dict[str, Any], error: MegatronTuningError) -> None:
@@ -44,10 +44,14 @@ def _session(mode: str, result: dict[str, Any], plan: list[tuple[str, int]], lat
     import megatron_tuning
 
     policy = TuningPolicy(
-        mode=mode, scope=("_kernels",), agreement="store", agreement_timeout_s=60.0, use_shipped_tables=False
+        mode=mode,
+        scope=("tests.support_kernels",),
+        agreement="store",
+        agreement_timeout_s=60.0,
+        use_shipped_tables=False,
     )
     handle = megatron_tuning.init_deterministic_tuning(policy)
-    import _kernels
+    from tests import support_kernels as _kernels
 
     try:
         if late and dist.get_rank() != 0:
@@ -59,14 +63,14 @@ def _session(mode: str, result: dict[str, Any], plan: list[tuple[str, int]], lat
                 _keep(result, error)
         if not late:
             dist.barrier()
-            checker = verify.active_checker()
+            checker = agreement.active_checker()
             try:
                 if checker is not None:
                     checker.poll()
             except MegatronTuningError as error:
                 _keep(result, error)
         try:  # every rank calls it (a collective), errors or not
-            result["shared"] = verify.verify_agreement()
+            result["shared"] = agreement.verify_agreement()
         except MegatronTuningError as error:
             _keep(result, error)
     finally:
@@ -87,7 +91,7 @@ def main() -> int:
     rank = dist.get_rank()
     stage = rank % args.stages
     stage_plan = [("add", 40 + stage)]  # one key per stage: only a stage's ranks meet there
-    twins = [("shift_small", 48), ("shift_large", 48)]
+    twins = [("twin_small", 48), ("twin_large", 48)]
     scenarios = {
         "stage_chaos": ("chaos", stage_plan),
         "stage_deterministic": ("deterministic", stage_plan),

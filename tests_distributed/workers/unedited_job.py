@@ -5,7 +5,8 @@ the error it hit, if any, for ``tests_distributed/test_launcher_torchrun.py`` to
 ``--pipeline``, rank 0 launches nothing until the last rank has launched its kernels and sent it
 a tensor, as a later pipeline stage waits for an earlier one. With ``--own-sizes`` each rank
 launches sizes no other rank reaches (chaos cannot differ); with ``--keep-group`` the group
-outlives the job's code (a check at close can run). With ``--until-killed`` each rank writes
+outlives the job's code (a check at close can run); with ``--last-rank-without-triton`` the last
+rank never imports Triton (nor launches a kernel). With ``--until-killed`` each rank writes
 ``<out>/pids<r>`` (its pid and its parent's, torchrun's) and launches new sizes until it is killed.
 """
 
@@ -19,7 +20,14 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from _kernels import run  # kernels first (the bootstrap arms the process at their `import triton`)
+
+LAUNCHES = "--last-rank-without-triton" not in sys.argv or os.environ["RANK"] != str(
+    int(os.environ["WORLD_SIZE"]) - 1
+)
+if LAUNCHES:
+    from tests.support_kernels import (
+        run,  # kernels first (the bootstrap arms the process at their `import triton`)
+    )
 
 SIZES = (100, 200, 300)
 
@@ -39,7 +47,7 @@ def main() -> int:
         os.rename(os.path.join(out, f"pids{rank}.tmp"), os.path.join(out, f"pids{rank}"))
         for n in itertools.count(1000):  # in auto mode: a new key to tune, and to cache, every round
             run("add", n)
-    for n in SIZES:
+    for n in SIZES if LAUNCHES else ():
         try:
             run("add", n + rank if "--own-sizes" in sys.argv else n)
         except Exception as error:  # what the user would see: kept for the test

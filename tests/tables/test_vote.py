@@ -1,13 +1,11 @@
-"""Record mode output and merging: per-rank recordings, majority vote, disagreement report."""
+"""The vote: majority over recordings and tables, the disagreement report, and a voted table pinning."""
 
 from __future__ import annotations
 
 import itertools
-import json
-import math
+import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,56 +16,17 @@ from megatron_tuning.core.identity import config_signature, kernel_id
 from megatron_tuning.core.key import Key
 from megatron_tuning.core.policy import TuningPolicy
 from megatron_tuning.runtime import interception
-from megatron_tuning.tables import files as table_files
 from megatron_tuning.tables.entry import Entry, Timing, entry_with
-from megatron_tuning.tables.merge import (
-    diff_tables,
-    entry_from_decision,
-    merge_files,
-    merge_tables,
-    read_decisions,
-    recording_path,
-    recording_table,
-    timing_from_decision,
-    write_decisions,
-    write_recording,
-)
+from megatron_tuning.tables.records import recording_path, write_recording
+from megatron_tuning.tables.review import diff_tables
 from megatron_tuning.tables.search import TableSet
 from megatron_tuning.tables.table import Table, load_table
+from megatron_tuning.tables.vote import vote_files, vote_tables
 
 from .. import support_kernels as sk
 from ..keys import tag
 from ..support_kernels import grid
-
-M1, M2 = Key({"M": 1}), Key({"M": 2})
-KERNEL = "pkg.kernels:matmul"
-
-
-def config(block: int, warps: int = 4) -> dict[str, object]:
-    return {"kwargs": {"BLOCK": block}, "num_warps": warps, "num_stages": 3}
-
-
-def decision(
-    block: int,
-    *,
-    key: Key = M1,
-    rank: int = 0,
-    source: str = "recorded",
-    timings: dict[str, object] | None = None,
-    source_hash: str | None = "aa" * 32,
-) -> Decision:
-    cfg = config(block)
-    return Decision(
-        kernel=KERNEL,
-        key=key,
-        signature=config_signature(cfg),
-        source=source,
-        config=cfg,
-        arch="sm90",
-        rank=rank,
-        source_hash=source_hash,
-        timings=timings,
-    )
+from .test_records import KERNEL, M1, M2, config, decision
 
 
 def entry(
@@ -89,86 +48,6 @@ def entry(
     )
 
 
-# -- recordings --------------------------------------------------------------------
-def test_timing_from_interception_candidates():
-    sig = config_signature(config(64))
-    timings = {
-        "candidates": {sig: [1.0, 0.9, 1.3], "other": [1.2, 1.1, 1.4], "failed": [math.inf] * 3},
-        "bench_time_s": 0.5,
-    }
-    assert timing_from_decision(decision(64, timings=timings)) == Timing(
-        median_ms=1.0, spread_ms=pytest.approx(0.4), candidates=3, runner_up_ms=1.2
-    )
-
-
-def test_timing_from_tuner_form_and_garbage():
-    sig = config_signature(config(64))
-    tuned = {"candidates": {sig: [2.0, 1.9, 2.1], "x": [None, None, None]}, "samples": {sig: [2.0] * 7}}
-    assert timing_from_decision(decision(64, timings=tuned)) == Timing(
-        median_ms=2.0, spread_ms=pytest.approx(0.2), samples=7, candidates=2
-    )
-    assert timing_from_decision(decision(64, timings={"median_ms": 1.5, "samples": 10})) == Timing(
-        median_ms=1.5, samples=10
-    )
-    for junk in (None, "x", {"candidates": "x"}, {"median_ms": "fast"}, {"candidates": {sig: "?"}}):
-        timing = timing_from_decision(decision(64, timings=junk))  # type: ignore[arg-type]
-        assert timing is None or timing.median_ms is None
-
-
-def test_a_decision_log_keeps_each_keys_order_and_types_and_an_older_log_reads_as_written(tmp_path):
-    key = Key({"n": 40, "flag": True}, {"x_ptr": "torch.float32"})  # its order is not sorted order
-    path = tmp_path / "d.json"
-    write_decisions(
-        path, [decision(64, key=key), Decision(kernel="pkg:o", key="*", signature="", source="out_of_scope")]
-    )
-    back, out_of_scope = read_decisions(path)
-    assert (back.key, back.key.names, type(back.key.values[1]), out_of_scope.key) == (
-        key,
-        ("n", "flag"),
-        bool,
-        "*",
-    )
-    fixtures = Path(__file__).parent / "fixtures" / "schema1"
-    old = read_decisions(fixtures / "decisions.json")
-    expected = json.loads((fixtures / "expected.json").read_text(encoding="utf-8"))["decisions.json"]
-    assert [[d.arch, d.kernel, d.key, d.signature] for d in old] == expected
-    assert entry_from_decision(old[0]).key.values == (40,)  # an entry of it keeps its parts
-    doc = json.loads(path.read_text())
-    doc["decisions"][0]["key"] = "n=40, flag=True | x_ptr:torch.float32"  # text in a version-2 log
-    path.write_text(json.dumps(doc))
-    with pytest.raises(TableError, match="decision 0: key of kernel 'pkg.kernels:matmul': key must be a map"):
-        read_decisions(path)
-
-
-def test_recording_table_keeps_measured_winners_only():
-    decisions = [
-        decision(64, key=tag("a"), timings={"median_ms": 1.0}),
-        decision(128, key=tag("a")),  # a later duplicate: the first (launched) one stays
-        decision(32, key=tag("b"), source="tuned"),
-        decision(16, key=tag("c"), source="cheapest"),
-        Decision(kernel="pkg:other", key="*", signature="", source="out_of_scope"),
-    ]
-    table = recording_table(decisions, rank=3, triton_version="3.6.0")
-    assert [(e.key, e.how, e.config["kwargs"]["BLOCK"]) for e in table.entries()] == [
-        (tag("a"), "recorded", 64),
-        (tag("b"), "tuned", 32),
-    ]
-    assert table.meta == {"kind": "recording", "rank": "3"}
-    assert all(e.triton_version == "3.6.0" and e.source_hash == "aa" * 32 for e in table.entries())
-    assert entry_from_decision(decisions[3]) is None
-
-
-def test_write_recording_one_file_per_rank_and_accumulates(tmp_path):
-    path0 = write_recording([decision(64, key=tag("a"))], tmp_path, rank=0)
-    path1 = write_recording([decision(128, key=tag("a"), rank=1)], tmp_path, rank=1)
-    assert (path0, path1) == (recording_path(tmp_path, 0), recording_path(tmp_path, 1))
-    assert path0.name == "recording-rank00000.msgpack"
-    write_recording([decision(32, key=tag("b"))], tmp_path, rank=0)  # a second run of the job
-    assert sorted(e.key for e in load_table(path0).entries()) == [tag("a"), tag("b")]
-    assert load_table(path1).get("sm90", KERNEL, tag("a")).config["kwargs"] == {"BLOCK": 128}
-
-
-# -- merging -----------------------------------------------------------------------
 def inputs(*tables: list[Entry]) -> list[tuple[str, Table]]:
     return [(f"rank{i}", Table(entries)) for i, entries in enumerate(tables)]
 
@@ -178,7 +57,7 @@ def chosen(result, key: Key = M1) -> int:
 
 
 def test_majority_wins_and_disagreement_is_reported():
-    result = merge_tables(inputs([entry(64)], [entry(128)], [entry(64)], [entry(64, key=M2)]))
+    result = vote_tables(inputs([entry(64)], [entry(128)], [entry(64)], [entry(64, key=M2)]))
     assert chosen(result) == 64
     assert result.table.get("sm90", KERNEL, M1).votes == (2, 3)
     assert result.table.get("sm90", KERNEL, M2).votes == (1, 1)
@@ -192,13 +71,13 @@ def test_majority_wins_and_disagreement_is_reported():
 
 
 def test_tie_goes_to_lowest_median_time():
-    result = merge_tables(inputs([entry(64, median=2.0)], [entry(128, median=1.0)]))
+    result = vote_tables(inputs([entry(64, median=2.0)], [entry(128, median=1.0)]))
     assert chosen(result) == 128
     assert result.disagreements[0].rule == "tie: lowest median time"
 
 
 def test_tie_without_timings_goes_to_static_cost_then_signature():
-    result = merge_tables(inputs([entry(128)], [entry(64)]))
+    result = vote_tables(inputs([entry(128)], [entry(64)]))
     assert chosen(result) == 64 and result.disagreements[0].rule == "tie: lowest static cost"
     # GROUP is not a tile extent, so both cost the same: the signature text decides.
     group8, group4 = (
@@ -211,7 +90,7 @@ def test_tie_without_timings_goes_to_static_cost_then_signature():
         )
         for g in (8, 4)
     )
-    result = merge_tables(inputs([group8], [group4]))
+    result = vote_tables(inputs([group8], [group4]))
     assert result.table.get("sm90", KERNEL, M1).config["kwargs"]["GROUP"] == 4
     assert result.disagreements[0].rule == "tie: signature order"
 
@@ -226,7 +105,7 @@ def test_merge_is_independent_of_input_order():
     outputs = set()
     for order in itertools.permutations(range(len(tables))):
         named = [(f"in{i}", Table(tables[i])) for i in order]
-        outputs.add(merge_tables(named).table.to_bytes())
+        outputs.add(vote_tables(named).table.to_bytes())
     assert len(outputs) == 1
 
 
@@ -237,65 +116,68 @@ def test_one_source_under_two_module_names_votes_as_one_kernel_only_with_one_con
         )
 
     lists = {"a": "aaaaaaaaaaaa", "b": "bbbbbbbbbbbb"}
-    apart = merge_tables(inputs([under("cand_a", 32, lists["a"])], [under("cand_b", 64, lists["b"])]))
+    apart = vote_tables(inputs([under("cand_a", 32, lists["a"])], [under("cand_b", 64, lists["b"])]))
     assert {(e.kernel, e.config["kwargs"]["BLOCK"], e.votes) for e in apart.table} == {
         ("cand_a:matmul", 32, (1, 1)),
         ("cand_b:matmul", 64, (1, 1)),
     }
     assert apart.disagreements == []
-    one = merge_tables(inputs([under("cand_a", 32, lists["a"])], [under("cand_c", 64, lists["a"])]))
+    one = vote_tables(inputs([under("cand_a", 32, lists["a"])], [under("cand_c", 64, lists["a"])]))
     assert [(e.kernel, e.votes) for e in one.table] == [("cand_a:matmul", (1, 2))] and one.disagreements
     changes = diff_tables(apart.table, Table([under("cand_b", 64, lists["b"])]), ignore_provenance=True)
     assert changes["removed"] and not changes["changed"]  # cand_a is not cand_b renamed
 
 
 def test_mixed_source_hashes_are_reported():
-    result = merge_tables(inputs([entry(64, source_hash="aa" * 32)], [entry(64, source_hash="bb" * 32)]))
+    result = vote_tables(inputs([entry(64, source_hash="aa" * 32)], [entry(64, source_hash="bb" * 32)]))
     assert result.disagreements == []
     assert result.mixed_source_hashes == [("sm90", KERNEL, M1, ("aa" * 32, "bb" * 32))]
     assert result.to_json()["mixed_source_hashes"][0]["source_hashes"] == ["aa" * 32, "bb" * 32]
 
 
-def test_merge_files_reads_folders_and_skips_the_output(tmp_path):
+def test_vote_files_reads_folders_and_skips_the_output(tmp_path):
     for rank, block in enumerate((64, 64, 128)):
         write_recording([decision(block, rank=rank)], tmp_path, rank=rank)
     out = tmp_path / "merged.msgpack"
-    merge_files(out, [tmp_path])
-    again = merge_files(out, [tmp_path])  # the earlier output in the same folder is not a vote
+    vote_files(out, [tmp_path])
+    again = vote_files(out, [tmp_path])  # the earlier output in the same folder is not a vote
     assert again.inputs == [str(recording_path(tmp_path, r)) for r in range(3)]
     assert load_table(out).get("sm90", KERNEL, M1).votes == (2, 3)
 
 
-def test_merge_files_refuses_to_write_an_empty_table(tmp_path):
+def test_vote_files_refuses_to_write_an_empty_table(tmp_path):
     empty = tmp_path / "rec"
     empty.mkdir()
     out = tmp_path / "merged.msgpack"
     with pytest.raises(TableError, match="no \\*.msgpack tables"):
-        merge_files(out, [empty])
+        vote_files(out, [empty])
     # A folder holding only an earlier output: nothing to vote with either.
     write_recording([decision(64, rank=0)], tmp_path / "only", rank=0)
     only_out = tmp_path / "only" / "merged.msgpack"
-    merge_files(only_out, [tmp_path / "only"])
+    vote_files(only_out, [tmp_path / "only"])
     (tmp_path / "only" / "recording-rank00000.msgpack").unlink()
     before = only_out.read_bytes()
     with pytest.raises(TableError, match="no input tables to merge"):
-        merge_files(only_out, [tmp_path / "only"])
+        vote_files(only_out, [tmp_path / "only"])
     assert only_out.read_bytes() == before and not out.exists()
 
 
 def test_merging_into_a_listed_output_holds_its_lock(tmp_path, monkeypatch):
     write_recording([decision(64, rank=0)], tmp_path / "rec", rank=0)
     out = tmp_path / "merged.msgpack"
-    merge_files(out, [tmp_path / "rec"])
+    vote_files(out, [tmp_path / "rec"])
     probes: list[int] = []
 
-    def probe(_tmp: str) -> None:  # another process tries the lock while merge writes
+    real_replace = os.replace
+
+    def probe(tmp: str, dest: str) -> None:  # another process tries the lock while merge writes
         code = "import filelock, sys; filelock.FileLock(sys.argv[1], timeout=0).acquire()"
         proc = subprocess.run([sys.executable, "-c", code, f"{out}.lock"], capture_output=True, timeout=60)
         probes.append(proc.returncode)
+        real_replace(tmp, dest)
 
-    monkeypatch.setattr(table_files, "_BEFORE_REPLACE", probe)
-    merge_files(out, [out, tmp_path / "rec"])  # read-modify-write of out
+    monkeypatch.setattr(os, "replace", probe)
+    vote_files(out, [out, tmp_path / "rec"])  # read-modify-write of out
     assert probes and probes[0] != 0, "the lock on the output was free during the write"
 
 
@@ -346,7 +228,7 @@ def test_recorded_and_merged_table_pins_the_next_run(tmp_path):
     )
     write_recording([dissent], record_dir, rank=2)
     merged = tmp_path / "merged.msgpack"
-    result = merge_files(merged, [record_dir])
+    result = vote_files(merged, [record_dir])
     assert len(result.disagreements) == 1
     interception.uninstall()
     decision_log().clear()

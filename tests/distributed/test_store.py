@@ -1,6 +1,7 @@
-"""Chaos through the real store protocol, in one process: fake ranks share one in-memory store.
+"""The job's store in one process (fake ranks share one in-memory store): the claim primitive, the
+barrier, the digests, and chaos through the real store protocol.
 
-Each fake rank picks through ``distributed.store.StoreChaos`` and checks through the real
+For chaos, each fake rank picks through ``distributed.store.StoreChaos`` and checks through the real
 ``AgreementChecker`` (store mode), both over one ``HashStore``, for a matrix of layouts, config
 counts (duplicates included) and arrival orders: in every group of two or more ranks chaos must be
 caught, i.e. every rank of it raises ``DivergenceError`` (at its first use or at its next poll).
@@ -9,6 +10,8 @@ caught, i.e. every rank of it raises ``DivergenceError`` (at its first use or at
 from __future__ import annotations
 
 import random
+import threading
+import time
 import zlib
 from collections.abc import Iterator
 from typing import Any
@@ -21,10 +24,10 @@ import triton
 
 from megatron_tuning.core.chaos import choose_chaos
 from megatron_tuning.core.decisions import Decision
-from megatron_tuning.core.errors import DivergenceError, StoreError
+from megatron_tuning.core.errors import AgreementTimeoutError, DivergenceError, StoreError
 from megatron_tuning.core.identity import config_signature
 from megatron_tuning.core.policy import TuningPolicy
-from megatron_tuning.distributed import agreement
+from megatron_tuning.distributed import agreement, store
 from megatron_tuning.distributed.store import StoreChaos, identity_digest, scope_id
 
 KERNEL = "pkg.kernels:matmul"
@@ -171,3 +174,81 @@ def test_recall_answers_the_last_claim_of_any_session_without_the_store() -> Non
     claim = later.recall(KERNEL, "recall key", "unknown")
     assert claim is not None and (claim.rank, claim.signature) == (0, "S0")
     assert later.recall(KERNEL, "never claimed", "unknown") is None
+
+
+# --- the claim primitive ------------------------------------------------------------------------
+
+
+def test_claim_keeps_the_first_record_and_returns_it_to_everyone() -> None:
+    shared = dist.HashStore()
+    assert store.claim(shared, "k", {"rank": 0, "v": "a"}, "test") == {"rank": 0, "v": "a"}
+    assert store.claim(shared, "k", {"rank": 1, "v": "b"}, "test") == {"rank": 0, "v": "a"}
+    assert store.peek(shared, "absent", "test") is None
+    assert store.claim(shared, "absent", {"rank": 2}, "test") == {"rank": 2}  # a peek does not block it
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"\xff\xfe",
+        b"not json",
+        b"[1, 2]",
+        b"NaN",
+        b"[" * 5000 + b"]" * 5000,
+        b"x" * (store.MAX_RECORD_BYTES + 1),
+    ],
+)
+def test_a_record_the_library_did_not_write_is_a_store_error_naming_it(raw: bytes) -> None:
+    shared = dist.HashStore()
+    shared.set("k", raw)
+    with pytest.raises(StoreError, match="the test record"):
+        store.claim(shared, "k", {"rank": 0}, "the test record")
+
+
+def test_a_record_naming_a_rank_outside_the_job_is_refused() -> None:
+    for rank in (-1, 4, True, 1.5, "1"):
+        with pytest.raises(StoreError, match="rank"):
+            store.rank_of({"rank": rank}, "a claim", 4)
+
+
+# --- the barrier --------------------------------------------------------------------------------
+
+
+def test_arrive_names_missing_ranks_and_late_ranks_accept_the_verdict() -> None:
+    shared = dist.PrefixStore("arrive", dist.HashStore())
+    start = time.monotonic()
+    with pytest.raises(AgreementTimeoutError) as raised:
+        store.arrive(shared, "t1", 0, [0, 1, 2], "kernel k", 0.3)
+    assert time.monotonic() - start < 3
+    assert raised.value.missing_ranks == [1, 2]
+    # Rank 1 arrives after rank 0 gave up: it sees the same verdict instead of waiting alone.
+    with pytest.raises(AgreementTimeoutError) as late:
+        store.arrive(shared, "t1", 1, [0, 1, 2], "kernel k", 0.3)
+    assert late.value.missing_ranks == [1, 2]
+
+
+def test_arrive_passes_when_every_rank_comes() -> None:
+    shared = dist.PrefixStore("arrive", dist.HashStore())
+    errors: list[BaseException] = []
+
+    def rank(r: int) -> None:
+        try:
+            store.arrive(shared, "t", r, [0, 1, 2], "k", 5.0)
+        except BaseException as error:  # collected for the assertion below
+            errors.append(error)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert errors == []
+
+
+# --- digests ------------------------------------------------------------------------------------
+
+
+def test_digests_are_fixed_size_and_stable() -> None:
+    assert len(store.identity_digest(KERNEL, KEY, "sm90")) == 32
+    assert store.signature_digest("BLOCK=64") == store.signature_digest("BLOCK=64")
+    assert store.identity_digest("a", "b\0c", "x") != store.identity_digest("a\0b", "c", "x")

@@ -1,15 +1,13 @@
-"""In-process tests of the agreement protocol and the claim primitive: fake ranks share one store.
+"""In-process tests of the agreement check: fake ranks share one store.
 
-Fast checks of the store claim, the shared divergence flag, the inputs check, the deadline
-barrier and the fixed-size encodings; plus contract tests for the private torch API relied on.
-The real multi-process runs are in ``test_agreement_torchrun.py``.
+Fast checks of the store check, the shared divergence flag, the inputs check, starting and stopping,
+and the fixed-size text rows; plus contract tests for the private torch API relied on. The real
+multi-process runs are in ``tests_distributed/test_agreement_torchrun.py``.
 """
 
 from __future__ import annotations
 
 import pickle
-import threading
-import time
 import warnings
 from collections.abc import Iterator
 from datetime import timedelta
@@ -20,7 +18,7 @@ import pytest
 dist = pytest.importorskip("torch.distributed")
 
 from megatron_tuning.core.decisions import Decision, decision_log
-from megatron_tuning.core.errors import AgreementTimeoutError, DivergenceError, InputMismatchError, StoreError
+from megatron_tuning.core.errors import DivergenceError, InputMismatchError
 from megatron_tuning.core.policy import TuningPolicy
 from megatron_tuning.distributed import agreement, store, verify
 
@@ -51,7 +49,7 @@ def one_rank_group() -> Iterator[None]:
     try:
         yield
     finally:
-        checker = verify.active_checker()
+        checker = agreement.active_checker()
         if checker is not None:
             checker.stop(final_check=False)
         decision_log().clear()
@@ -177,75 +175,6 @@ def test_describe_inputs_compares_table_contents_not_paths(tmp_path: Any) -> Non
     assert d["policy"] != a["policy"]
 
 
-# --- the claim primitive ------------------------------------------------------------------------
-
-
-def test_claim_keeps_the_first_record_and_returns_it_to_everyone() -> None:
-    shared = dist.HashStore()
-    assert store.claim(shared, "k", {"rank": 0, "v": "a"}, "test") == {"rank": 0, "v": "a"}
-    assert store.claim(shared, "k", {"rank": 1, "v": "b"}, "test") == {"rank": 0, "v": "a"}
-    assert store.peek(shared, "absent", "test") is None
-    assert store.claim(shared, "absent", {"rank": 2}, "test") == {"rank": 2}  # a peek does not block it
-
-
-@pytest.mark.parametrize(
-    "raw",
-    [
-        b"\xff\xfe",
-        b"not json",
-        b"[1, 2]",
-        b"NaN",
-        b"[" * 5000 + b"]" * 5000,
-        b"x" * (store.MAX_RECORD_BYTES + 1),
-    ],
-)
-def test_a_record_the_library_did_not_write_is_a_store_error_naming_it(raw: bytes) -> None:
-    shared = dist.HashStore()
-    shared.set("k", raw)
-    with pytest.raises(StoreError, match="the test record"):
-        store.claim(shared, "k", {"rank": 0}, "the test record")
-
-
-def test_a_record_naming_a_rank_outside_the_job_is_refused() -> None:
-    for rank in (-1, 4, True, 1.5, "1"):
-        with pytest.raises(StoreError, match="rank"):
-            store.rank_of({"rank": rank}, "a claim", 4)
-
-
-# --- the barrier --------------------------------------------------------------------------------
-
-
-def test_arrive_names_missing_ranks_and_late_ranks_accept_the_verdict() -> None:
-    shared = dist.PrefixStore("arrive", dist.HashStore())
-    start = time.monotonic()
-    with pytest.raises(AgreementTimeoutError) as raised:
-        store.arrive(shared, "t1", 0, [0, 1, 2], "kernel k", 0.3)
-    assert time.monotonic() - start < 3
-    assert raised.value.missing_ranks == [1, 2]
-    # Rank 1 arrives after rank 0 gave up: it sees the same verdict instead of waiting alone.
-    with pytest.raises(AgreementTimeoutError) as late:
-        store.arrive(shared, "t1", 1, [0, 1, 2], "kernel k", 0.3)
-    assert late.value.missing_ranks == [1, 2]
-
-
-def test_arrive_passes_when_every_rank_comes() -> None:
-    shared = dist.PrefixStore("arrive", dist.HashStore())
-    errors: list[BaseException] = []
-
-    def rank(r: int) -> None:
-        try:
-            store.arrive(shared, "t", r, [0, 1, 2], "k", 5.0)
-        except BaseException as error:  # collected for the assertion below
-            errors.append(error)
-
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(3)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(10)
-    assert errors == []
-
-
 def test_pack_text_is_fixed_size_and_marks_truncation() -> None:
     row = verify.pack_text("k", "é" * 1000, "s")
     assert len(row) == verify.TEXT_BYTES
@@ -255,49 +184,42 @@ def test_pack_text_is_fixed_size_and_marks_truncation() -> None:
     assert verify.unpack_text(verify.pack_text("a", "b", "c")) == ("a", "b", "c")
 
 
-def test_digests_are_fixed_size_and_stable() -> None:
-    assert len(store.identity_digest(KERNEL, KEY, "sm90")) == 32
-    assert store.signature_digest(SIG_A) == store.signature_digest(SIG_A)
-    assert store.identity_digest("a", "b\0c", "x") != store.identity_digest("a\0b", "c", "x")
-
-
 # --- starting and stopping ----------------------------------------------------------------------
 
 
 def test_no_process_group_means_no_checks() -> None:
     assert not dist.is_initialized()
-    handle = agreement.start_agreement(TuningPolicy(agreement="store"))
-    assert not isinstance(handle, agreement.AgreementChecker)
-    handle.stop()
-    assert verify.verify_agreement() == 0
+    assert agreement.start_agreement(TuningPolicy(agreement="store")) is None
+    assert agreement.verify_agreement() == 0
 
 
 @pytest.mark.parametrize("changes", [{"agreement": "off"}, {"mode": "record"}, {"mode": "tune"}])
 def test_start_is_a_no_op_when_nothing_must_agree(one_rank_group: None, changes: dict[str, Any]) -> None:
-    handle = agreement.start_agreement(TuningPolicy(**changes))
-    assert not isinstance(handle, agreement.AgreementChecker)
-    assert verify.active_checker() is None
+    assert agreement.start_agreement(TuningPolicy(**changes)) is None
+    assert agreement.active_checker() is None
 
 
 def test_start_attaches_and_stop_detaches(one_rank_group: None) -> None:
     handle = agreement.start_agreement(TuningPolicy(mode="chaos", agreement="allgather"))
-    assert isinstance(handle, agreement.AgreementChecker) and verify.active_checker() is handle
+    assert isinstance(handle, agreement.AgreementChecker) and agreement.active_checker() is handle
     decision_log().record(_decision(SIG_A))  # one rank: trivially agrees, through a real gather
-    assert verify.verify_agreement() == 0  # an entry seen by one rank only is not "shared"
+    assert agreement.verify_agreement() == 0  # an entry seen by one rank only is not "shared"
     replacement = agreement.start_agreement(TuningPolicy())
-    assert verify.active_checker() is replacement and not handle._attached
+    assert agreement.active_checker() is replacement and not handle._attached
     replacement.stop()
-    assert verify.active_checker() is None
+    assert agreement.active_checker() is None
 
 
 def test_a_verify_session_checks_once_more_at_close(one_rank_group: None, monkeypatch: Any) -> None:
-    calls: list[float | None] = []
+    calls: list[tuple[float | None, bool]] = []
     monkeypatch.setattr(
-        verify, "verify_agreement", lambda group=None, *, timeout_s=None: calls.append(timeout_s)
+        verify,
+        "compare_logs",
+        lambda group, timeout_s, checker, *, at_close: calls.append((timeout_s, at_close)),
     )
     handle = agreement.start_agreement(TuningPolicy(agreement="verify", agreement_timeout_s=500))
     handle.stop()
-    assert calls == [verify.CLOSE_TIMEOUT_S]  # bounded even when the policy allows longer
+    assert calls == [(verify.CLOSE_TIMEOUT_S, True)]  # bounded even when the policy allows longer
 
 
 def test_the_close_check_says_so_when_the_group_is_gone() -> None:

@@ -1,0 +1,193 @@
+"""``score [options] -- <command>``: the command in N fresh pinned processes, their ``measure``
+records pooled into one JSON; ``score compare A B``; ``score noise-floor -- <command>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ..core import policy as knobs
+from ..core.errors import MegatronTuningError, printable
+from ..score import pooling
+from ..score.report import line
+from ..tables.files import output_file_problem, write_atomic
+from . import EXIT_USAGE
+from .bootstrap import ENV_SCORE
+from .job import add_job_argument, command_problem, job_argv, job_command
+from .launch import run_armed, validated_policy
+
+EXIT_INCORRECT, EXIT_DEMOTED = 3, 4
+EXAMPLES = """\
+examples:
+  python -m megatron_tuning score --processes 5 --table t.msgpack --out score.json -- eval.py --candidate k.py
+      eval.py calls megatron_tuning.score.measure(...): 5 fresh processes, every record pooled
+  python -m megatron_tuning score --do-bench -- eval.py
+      an unedited harness: each triton.testing.do_bench call is scored by measure
+  python -m megatron_tuning score noise-floor --processes 5 -- eval.py
+      A/A: each measure call times its candidate against an independent instance of itself
+  python -m megatron_tuning score compare new.json old.json --margin 0.02
+
+Every process is pinned (deterministic, a table miss is an error). Exit status: 0 ok; 3 a
+correctness check failed; 4 a clock or integrity flag demoted a result; the job's own status when
+it failed; 2 for bad options. See docs/score.md.
+"""
+
+
+def add_score(parser: argparse.ArgumentParser) -> None:
+    parser.description = "Score a command's kernels: measure() records of N fresh pinned processes, pooled."
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = EXAMPLES
+    _add_options(parser)
+    add_job_argument(parser, "`-- COMMAND`, `noise-floor [options] -- COMMAND`, or `compare A.json B.json`")
+
+
+def _add_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--table", action="append", metavar="PATH", help="pin from this table first; repeatable"
+    )
+    parser.add_argument("--processes", type=int, default=3, help="fresh processes to run (default 3)")
+    parser.add_argument(
+        "--budget-s", type=float, help="each measure call's time budget (overrides the job's)"
+    )
+    parser.add_argument("--target-ci", type=float, help="stop at this 95%% half-width (overrides the job's)")
+    parser.add_argument("--out", default="score.json", help="the pooled JSON (default score.json)")
+    parser.add_argument(
+        "--do-bench", action="store_true", help="score the job's triton.testing.do_bench calls"
+    )
+
+
+def run_score(args: argparse.Namespace) -> int:
+    words = list(args.job or [])
+    if words[:1] == ["compare"]:
+        return _compare(words[1:])
+    noise = words[:1] == ["noise-floor"]
+    if noise:
+        sub = argparse.ArgumentParser(prog="megatron-tuning score noise-floor")
+        _add_options(sub)
+        add_job_argument(sub)
+        given = {k: v for k, v in vars(args).items() if k != "job"}
+        args = sub.parse_args(words[1:], namespace=argparse.Namespace(**given))
+    command = job_command(args, "score", "score --processes 3 -- eval.py")
+    if command is None:
+        return EXIT_USAGE
+    problem = _options_problem(args)
+    updates = {knobs.ENV_MODE: "deterministic", knobs.ENV_ON_MISS: "error"}
+    tables = [*(args.table or []), *filter(None, os.environ.get(knobs.ENV_TABLE, "").split(":"))]
+    if tables:
+        updates[knobs.ENV_TABLE] = ":".join(tables)
+    try:
+        validated_policy(updates)  # a table that does not load fails now, not in every process
+    except MegatronTuningError as exc:
+        problem = problem or str(exc)
+    started = command_problem(job_argv(command), os.environ)
+    if problem or started:
+        print(f"score: {problem or started[1]}", file=sys.stderr)  # type: ignore[index]
+        return EXIT_USAGE if problem else started[0]  # type: ignore[index]
+    job = {
+        "budget_s": args.budget_s,
+        "target_ci": args.target_ci,
+        "noise_floor": noise,
+        "do_bench": args.do_bench,
+    }
+    return _score_job(
+        job_argv(command), updates, {k: v for k, v in job.items() if v}, args.out, args.processes
+    )
+
+
+def _options_problem(args: argparse.Namespace) -> str | None:
+    if not 1 <= args.processes <= 1000:
+        return f"--processes {args.processes}: give 1 to 1000 processes"
+    if args.budget_s is not None and not 0 < args.budget_s < 1e6:
+        return f"--budget-s {args.budget_s}: give a positive number of seconds"
+    if args.target_ci is not None and not 0 < args.target_ci < 1:
+        return f"--target-ci {args.target_ci}: give a fraction in (0, 1), e.g. 0.01"
+    return None
+
+
+def _score_job(
+    argv: Sequence[str], updates: dict[str, str], job: dict[str, Any], out: str, processes: int = 1
+) -> int:
+    """Run ``argv`` armed ``processes`` times in a row, each writing its records to one folder; pool
+    them into ``out``."""
+    problem = output_file_problem(out)
+    if problem:
+        print(f"score: cannot write {out}: {problem}", file=sys.stderr)
+        return EXIT_USAGE
+    work = Path(tempfile.mkdtemp(prefix="megatron_tuning_score_"))
+    codes: list[int] = []
+    try:
+        for index in range(processes):
+            if processes > 1:
+                print(f"score: process {index + 1} of {processes}: {' '.join(argv)}", file=sys.stderr)
+            environment = {**updates, ENV_SCORE: json.dumps({**job, "dir": str(work)})}
+            code, diverged = run_armed(argv, environment, "score")
+            codes.append(code)
+            if diverged:
+                print(f"score: {diverged} process(es) raised DivergenceError", file=sys.stderr)
+            if codes[-1]:
+                print(f"score: process {index + 1} exited with status {codes[-1]}; stopping", file=sys.stderr)
+                break
+        per_process = pooling.read_job(work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    results = pooling.pool(per_process)
+    report = {
+        "format": pooling.RUN_FORMAT,
+        "command": list(argv),
+        "processes": len(codes),
+        "exit_codes": codes,
+        "noise_floor": bool(job.get("noise_floor")),
+        "results": results,
+        "per_process": per_process,
+    }
+    write_atomic(out, json.dumps(report, indent=1).encode())
+    for result in results:
+        print(printable(line(result)))
+    print(f"score: {len(results)} result(s) from {len(per_process)} process(es) in {out}")
+    if codes[-1]:
+        return codes[-1]
+    if not results:
+        print(
+            "score: the job called measure() nowhere (an unedited harness? add --do-bench)", file=sys.stderr
+        )
+        return 1
+    statuses = {r["status"] for r in results}
+    return EXIT_INCORRECT if "incorrect" in statuses else EXIT_DEMOTED if "demoted" in statuses else 0
+
+
+def _compare(words: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="megatron-tuning score compare")
+    parser.add_argument("a", help="a score JSON (the candidate)")
+    parser.add_argument("b", help="a score JSON (the baseline)")
+    parser.add_argument("--margin", type=float, default=0.01, help="same within this fraction (default 0.01)")
+    args = parser.parse_args(words)
+    try:
+        left, right = pooling.load(args.a), pooling.load(args.b)
+    except (OSError, ValueError) as exc:
+        print(f"score compare: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    by_name = {r["name"]: r for r in right}
+    # Two single results compare whatever their names; files of several match results by name.
+    single = len(left) == len(right) == 1
+    pairs = (
+        [(left[0], right[0])] if single else [(r, by_name[r["name"]]) for r in left if r["name"] in by_name]
+    )
+    if not pairs:
+        print(f"score compare: no result name is in both {args.a} and {args.b}", file=sys.stderr)
+        return EXIT_USAGE
+    demoted = False
+    for a, b in pairs:
+        verdict = pooling.compare(a, b, margin=args.margin)
+        demoted |= any(f["demotes"] for r in (a, b) for f in r["flags"])
+        low, high = verdict["ci95"]
+        text = f"{a['name']}: {verdict['ratio']:.4f} [{low:.4f}, {high:.4f}] of {b['name']}"
+        print(printable(f"{text} -> {verdict['outcome']} ({verdict['reason']})"))
+    return EXIT_DEMOTED if demoted else 0

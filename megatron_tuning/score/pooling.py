@@ -1,0 +1,251 @@
+"""Score records across processes: what a ``score`` job asks of each process, each process's records
+written as they come (kill-safe), pooled by name (hierarchically over processes), and compared.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..core.errors import PolicyError
+from ..tables.files import locked, write_atomic
+from . import stats
+from .clocks import ARM_OFFSET
+from .integrity import flag
+from .report import FORMAT, Score
+
+RUN_FORMAT = "megatron_tuning.score-run/1"  # the `score` command's file: pooled results, every process's
+PREFIX = "score-"  # per-process record files: score-<host>-<pid>.json
+_JOB_KEYS: dict[str, type | tuple[type, ...]] = {
+    "dir": str,
+    "budget_s": (int, float),
+    "target_ci": (int, float),
+    "noise_floor": bool,
+    "do_bench": bool,
+    "out": str,
+    "run": str,
+}
+
+
+_job: dict[str, Any] = {}  # this process's part in a `score` job; empty outside one
+
+
+def join_job(raw: str, name: str) -> dict[str, Any]:
+    """Take part in the ``score`` job (or ``run --score-do-bench``) the launcher started this process
+    for: ``raw`` is the JSON it passed in variable ``name``. Options given on the command line
+    override the harness's own; ``"{}"`` leaves the job."""
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        data = None
+    allowed = "a JSON object with " + ", ".join(_JOB_KEYS) + " (set by the score command)"
+    if not isinstance(data, dict) or any(
+        k not in _JOB_KEYS or not isinstance(v, _JOB_KEYS[k]) for k, v in data.items()
+    ):
+        raise PolicyError(name, raw, allowed)
+    _job.clear()
+    _job.update(data)
+    return dict(_job)
+
+
+def job_settings() -> dict[str, Any]:
+    """What the job this process takes part in asked of it: ``{}`` outside a ``score`` job."""
+    return dict(_job)
+
+
+def publish(record: dict[str, Any], job: dict[str, Any]) -> None:
+    """Write ``record`` at once (a killed process keeps what it measured): appended to this process's
+    file in the ``score`` job's folder (``dir``), or, under ``run --score-do-bench``, to the run's
+    file (``out``), which every process of the job shares, re-pooled on each write."""
+    me = f"{socket.gethostname()}-{os.getpid()}"
+    if job.get("dir"):
+        path = Path(job["dir"]) / f"{PREFIX}{me}.json"
+        records = json.loads(path.read_text()) if path.exists() else []
+        write_atomic(path, json.dumps([*records, record]).encode())
+    if job.get("out"):
+        with locked(job["out"]):
+            report = json.loads(Path(job["out"]).read_text()) if os.path.exists(job["out"]) else {}
+            if report.get("format") != RUN_FORMAT or report.get("run") != job.get("run"):
+                report = {
+                    "format": RUN_FORMAT,
+                    "run": job.get("run"),
+                    "command": sys.argv,
+                    "exit_codes": [],
+                    "noise_floor": False,
+                    "process_ids": [],
+                    "per_process": [],
+                }
+            if me not in report["process_ids"]:
+                report["process_ids"].append(me)
+                report["per_process"].append([])
+            report["per_process"][report["process_ids"].index(me)].append(record)
+            report.update(processes=len(report["per_process"]), results=pool(report["per_process"]))
+            write_atomic(job["out"], json.dumps(report, indent=1).encode())
+
+
+def read_job(folder: Path) -> list[list[dict[str, Any]]]:
+    """Every process's records in a job's folder, one list per process, in file order."""
+    return [json.loads(path.read_text()) for path in sorted(folder.glob(f"{PREFIX}*.json"))]
+
+
+def pool(processes: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One record per result name: processes pooled (``stats.pooled_interval``), the verdict decided
+    on the pooled ratio at 95%, flags and correctness gathered from every process."""
+    names: dict[str, list[dict[str, Any]]] = {}
+    for records in processes:
+        for record in records:
+            names.setdefault(record["name"], []).append(record)
+    return [_pool_one(group) for group in names.values()]
+
+
+def _kept(record: dict[str, Any], key: str) -> np.ndarray:
+    return np.asarray(record["samples"][key], dtype=float)[np.asarray(record["samples"]["kept"], dtype=bool)]
+
+
+def _pool_one(group: list[dict[str, Any]]) -> dict[str, Any]:
+    if len(group) == 1:
+        return group[0]
+    first = group[0]
+    medians = [r["latency"]["median"] for r in group]
+    latency = stats.pooled_interval([_kept(r, "candidate_ms") for r in group])
+    flags = [
+        {**f, "message": f"process {i}: {f['message']}"} for i, r in enumerate(group) for f in r["flags"]
+    ]
+    pooled: dict[str, Any] = {
+        **first,
+        "latency": {
+            **_fields(latency),
+            "unit": "ms",
+            "min": min(r["latency"]["min"] for r in group),
+            "iqr": [float(np.median([r["latency"]["iqr"][j] for r in group])) for j in (0, 1)],
+        },
+        "processes": {
+            "count": len(group),
+            "medians_ms": medians,
+            "between_cv": float(np.std(medians, ddof=1) / np.mean(medians)),
+        },
+        "rounds": {
+            **first["rounds"],
+            "used": sum(r["rounds"]["used"] for r in group),
+            "discarded": sum(r["rounds"]["discarded"] for r in group),
+            "seconds": sum(r["rounds"]["seconds"] for r in group),
+        },
+        "flags": flags,
+        "correctness": _worst_correctness([r["correctness"] for r in group]),
+        "samples": None,  # every process's are in the file's per_process
+    }
+    if all(r["ratio"] is not None for r in group):
+        found = stats.pooled_interval([_kept(r, "candidate_ms") / _kept(r, "reference_ms") for r in group])
+        fields = _fields(found)
+        pooled["ratio"] = {
+            "estimate": fields["median"],
+            "ci95": fields["ci95"],
+            "half_width": fields["half_width"],
+        }
+        delta = max(r["verdict"]["delta"] for r in group)
+        pooled["verdict"] = _decide(found.low, found.high, delta, first["verdict"]["margin"], flags)
+    demoted = "demoted" if any(f["demotes"] for f in flags) else "ok"
+    pooled["status"] = "incorrect" if "fail" in pooled["correctness"].values() else demoted
+    return pooled
+
+
+def _fields(found: stats.Interval) -> dict[str, Any]:
+    return {
+        "median": float(found.estimate),
+        "ci95": [float(found.low), float(found.high)],
+        "half_width": float(stats.half_width(found)),
+    }
+
+
+def _worst_correctness(checks: list[dict[str, Any]]) -> dict[str, Any]:
+    worst = dict(checks[0])
+    for key in ("before", "after"):
+        values = [c[key] for c in checks]
+        worst[key] = "fail" if "fail" in values else "pass" if "pass" in values else None
+    worst["message"] = next((c["message"] for c in checks if c["message"]), None)
+    return worst
+
+
+def _decide(
+    low: Any, high: Any, delta: float, margin: float, flags: list[dict[str, Any]], what: str = "pooled ratio"
+) -> dict[str, Any]:
+    outcome = str(stats.verdict(np.asarray(low), np.asarray(high), delta))
+    demoted = [f["name"] for f in flags if f["demotes"]]
+    reason = f"{what} interval [{float(low):.4f}, {float(high):.4f}] at 95% against 1 +/- {delta:.2%}"
+    if demoted and outcome != "inconclusive":
+        reason += f"; was {outcome}, demoted by {', '.join(sorted(set(demoted)))}"
+    return {
+        "outcome": "inconclusive" if demoted else outcome,
+        "demoted_from": outcome if demoted and outcome != "inconclusive" else None,
+        "margin": margin,
+        "delta": delta,
+        "level": 0.95,
+        "reason": reason,
+        "cycle_outcome": None,
+        "rounds_to_decide": None,
+    }
+
+
+def load(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The results in a file: a record, a list of records, or the ``score`` command's file."""
+    data = json.loads(Path(path).read_text(encoding="utf-8"))
+    records = data["results"] if isinstance(data, dict) and data.get("format") == RUN_FORMAT else data
+    records = records if isinstance(records, list) else [records]
+    if not records or not all(isinstance(r, dict) and r.get("format") == FORMAT for r in records):
+        raise ValueError(f"{path}: not a score result (expected format {FORMAT} or {RUN_FORMAT})")
+    return records
+
+
+def compare(a: Any, b: Any, margin: float = 0.01) -> dict[str, Any]:
+    """The verdict on ``a``'s latency against ``b``'s, from two results (``Score``, record or a file
+    holding one): unpaired, so the interval of the log ratio adds both intervals' variances (read
+    off their 95% half-widths); the margin is widened to either's A/A noise floor. Results taken at
+    SM clocks more than ``ARM_OFFSET`` apart (a cold GPU against a hot one) are demoted."""
+    ra, rb = _one(a), _one(b)
+    z = stats.normal_quantile(0.975)
+    errors = [math.log(r["latency"]["ci95"][1] / r["latency"]["ci95"][0]) / (2 * z) for r in (ra, rb)]
+    centre = math.log(ra["latency"]["median"] / rb["latency"]["median"])
+    half = z * math.hypot(*errors)
+    floors = [r["noise_floor"]["aa_p95"] for r in (ra, rb) if r["noise_floor"]["aa_p95"] is not None]
+    delta = max([margin, *floors])
+    flags = [flag(f["name"], f"{r['name']}: {f['message']}") for r in (ra, rb) for f in r["flags"]]
+    mhz_a, mhz_b = _candidate_mhz(ra), _candidate_mhz(rb)
+    if mhz_a and mhz_b and abs(mhz_a / mhz_b - 1) > ARM_OFFSET:  # e.g. a cold GPU and a hot one
+        message = f"{ra['name']} ran at {mhz_a:.0f} MHz, {rb['name']} at {mhz_b:.0f} MHz (SM clock)"
+        flags.append(flag("clock_offset", message))
+    verdict = _decide(math.exp(centre - half), math.exp(centre + half), delta, margin, flags, "latency ratio")
+    return {
+        **verdict,
+        "a": ra["name"],
+        "b": rb["name"],
+        "ratio": math.exp(centre),
+        "ci95": [math.exp(centre - half), math.exp(centre + half)],
+    }
+
+
+def _candidate_mhz(record: dict[str, Any]) -> float | None:
+    """The SM clock the candidate ran at: in-band if measured, else NVML's, else ``None``."""
+    inband = (record["clocks"].get("inband") or {}).get("candidate") or {}
+    nvml = ((record["clocks"].get("nvml") or {}).get("candidate") or {}).get("sm_mhz") or {}
+    return inband.get("median") or nvml.get("median")
+
+
+def _one(value: Any) -> dict[str, Any]:
+    if isinstance(value, Score):
+        return value.record
+    if isinstance(value, dict):
+        return value
+    records = load(value)
+    if len(records) != 1:
+        names = ", ".join(r["name"] for r in records)
+        raise ValueError(
+            f"{value} holds {len(records)} results ({names}): compare files with `score compare`"
+        )
+    return records[0]

@@ -1,0 +1,207 @@
+"""What runs record: decision-log files, per-rank recordings, and the table entries they stand for."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from ..core.decisions import Decision, get_decisions
+from ..core.errors import TableError
+from ..core.identity import content_name, current_rank
+from .entry import Invalid, Numerics, check_numerics, key_from_data
+from .files import read_json_file, write_atomic
+from .keys import key_from_text
+from .search import installed_triton_version
+from .table import Entry, Table, Timing, update_table
+
+logger = logging.getLogger(__name__)
+
+DECISIONS_FORMAT = "megatron_tuning.decisions"
+RECORDING_PREFIX = "recording-rank"
+_HOW = {"recorded": "recorded", "tuned": "tuned", "adopted": "tuned"}
+
+
+def write_decisions(path: str | os.PathLike[str], decisions: Iterable[Decision] | None = None) -> None:
+    """Write decisions (default: this process's log) as JSON, atomically: what ``coverage`` reads."""
+    rows = [d.to_json() for d in (get_decisions() if decisions is None else decisions)]
+    doc = {"format": DECISIONS_FORMAT, "version": 2, "decisions": rows}  # not sort_keys: keys keep order
+    write_atomic(path, json.dumps(doc, indent=1).encode("utf-8"), error=_log_error)
+
+
+def read_decisions(path: str | os.PathLike[str]) -> list[Decision]:
+    """Read a file ``write_decisions`` wrote; any problem raises one ``TableError`` naming it."""
+    name = os.fspath(path)
+    data = read_json_file(name, error=_log_error, what="decision log")
+    if not isinstance(data, dict) or data.get("format") != DECISIONS_FORMAT:
+        raise _log_error(name, "not a megatron_tuning decision log (wrong or missing 'format')")
+    rows, version = data.get("decisions"), data.get("version", 1)
+    if type(rows) is not list or type(version) is not int or version not in (1, 2):
+        raise _log_error(name, "not a readable decision log ('decisions' must be a list, 'version' 1 or 2)")
+    decisions = []
+    for index, row in enumerate(rows):
+        problem = _row_problem(row)
+        try:
+            if problem is None and (key := row.get("key")) != "*":  # version 1 holds keys as text
+                key = key_from_text(key) if version == 1 else key_from_data(key, row["kernel"])
+                row = {**row, "key": key}
+        except Invalid as exc:
+            problem = str(exc)
+        if problem:
+            raise _log_error(name, f"decision {index}: {problem}")
+        decisions.append(Decision(**row))
+    return decisions
+
+
+def _log_error(path: str, problem: str) -> TableError:
+    return TableError(path, problem, "Decision log")
+
+
+_TEXT_FIELDS = ("kernel", "signature", "source")
+_OPTIONAL_TEXT = (
+    *("arch", "origin", "source_hash", "config_list_digest"),
+    *("nearest_key", "matched_by", "entry_kernel", "chaos"),
+)
+
+
+def _row_problem(row: Any) -> str | None:
+    """Why a hand-edited or hostile row cannot be a ``Decision`` (every reader relies on the types)."""
+    if type(row) is not dict:
+        return f"must be an object, got {type(row).__name__}"
+    if unknown := sorted(map(str, row.keys() - Decision.__dataclass_fields__.keys())):
+        return f"unknown fields {unknown}"
+    for name in _TEXT_FIELDS:
+        if type(row.get(name)) is not str:
+            return f"{name} must be a string, got {row.get(name)!r}"
+    if "rank" in row and type(row["rank"]) is not int:
+        return f"rank must be an integer, got {row['rank']!r}"
+    if row.get("deterministic") is not None and type(row["deterministic"]) is not bool:
+        return f"deterministic must be true, false or null, got {row['deterministic']!r}"
+    for name in _OPTIONAL_TEXT:
+        if row.get(name) is not None and type(row[name]) is not str:
+            return f"{name} must be a string or null, got {row[name]!r}"
+    if "config" in row and type(row["config"]) is not dict:
+        return f"config must be an object, got {type(row['config']).__name__}"
+    if row.get("timings") is not None and type(row["timings"]) is not dict:
+        return f"timings must be an object or null, got {type(row['timings']).__name__}"
+    return None
+
+
+def content_ident(entry: Entry) -> tuple[str | None, ...]:
+    """What makes entries under different module names one (kernel, key): the id without its module,
+    the same source hash and config list. An entry without a source hash is only its own ident."""
+    if entry.source_hash is None:
+        return entry.ident
+    return (entry.arch, content_name(entry.kernel), entry.key, entry.source_hash, entry.config_list_digest)
+
+
+def entry_from_decision(decision: Decision, *, triton_version: str | None = None) -> Entry | None:
+    """The table entry a ``recorded``/``tuned``/``adopted`` decision stands for; ``None`` otherwise."""
+    how = _HOW.get(decision.source)
+    if how is None or not decision.config:
+        return None
+    timings = decision.timings if isinstance(decision.timings, Mapping) else {}
+    tied, band = timings.get("tied"), timings.get("tie_band")
+    note = None
+    if isinstance(tied, list) and len(tied) > 1 and isinstance(band, (int, float)):
+        note = f"tie-break by static cost among {len(tied)} candidates within {band:.1%}"
+    try:  # what a tuner that audited the candidates (``numerics`` policy) left, if usable
+        numerics = check_numerics({k: timings["numerics"][k] for k in Numerics._fields[:3]})
+    except (Invalid, TypeError, KeyError):
+        numerics = None
+    return Entry(
+        arch=decision.arch,
+        kernel=decision.kernel,
+        key=decision.key,
+        config=dict(decision.config),
+        how=how,
+        source_hash=decision.source_hash,
+        triton_version=triton_version,
+        timing=timing_from_decision(decision),
+        note=note,
+        numerics=numerics,
+        config_list_digest=decision.config_list_digest,
+    )
+
+
+def timing_from_decision(decision: Decision) -> Timing | None:
+    """The winner's timing statistics from ``{"candidates": {signature: [median, p20, p80] | median}}``
+    (the tuner's and Triton's timings) or the flat ``Timing`` fields; anything odd is ignored."""
+    raw = decision.timings
+    if not isinstance(raw, Mapping):
+        return None
+    values: dict[str, Any] = {}
+    candidates = raw.get("candidates")
+    if isinstance(candidates, Mapping) and candidates:
+        quantiles = {sig: _quantiles(t) for sig, t in candidates.items()}
+        values["candidates"] = len(candidates)
+        winner = quantiles.get(decision.signature)
+        if winner:
+            values["median_ms"] = winner[0]
+            if len(winner) >= 3 and winner[2] >= winner[1]:
+                values["spread_ms"] = winner[2] - winner[1]
+        others = [q[0] for sig, q in quantiles.items() if sig != decision.signature and q]
+        if others:
+            values["runner_up_ms"] = min(others)
+        samples = raw.get("samples")
+        if isinstance(samples, Mapping) and isinstance(samples.get(decision.signature), list):
+            values["samples"] = len(samples[decision.signature])
+    for name in ("median_ms", "spread_ms", "runner_up_ms"):
+        if _finite(raw.get(name)) and raw[name] >= 0:
+            values[name] = float(raw[name])
+    for name in ("samples", "candidates"):
+        if type(raw.get(name)) is int and raw[name] >= 0:
+            values[name] = raw[name]
+    return Timing(**values) if values else None
+
+
+def _finite(value: Any) -> bool:
+    return type(value) in (int, float) and math.isfinite(value)
+
+
+def _quantiles(timing: Any) -> list[float]:
+    # A config that failed to compile or ran out of resources scores inf (or None): it counts as
+    # a candidate, never as the runner-up.
+    values = list(timing) if isinstance(timing, (list, tuple)) else [timing]
+    return [float(v) for v in values] if values and all(_finite(v) and v >= 0 for v in values) else []
+
+
+def recording_table(
+    decisions: Iterable[Decision], *, rank: int | None = None, triton_version: str | None = None
+) -> Table:
+    """The measured winners in ``decisions`` (first per ident wins), stamped with ``triton_version``."""
+    version = triton_version or installed_triton_version()
+    table = Table(meta={"kind": "recording"} if rank is None else {"kind": "recording", "rank": str(rank)})
+    for decision in decisions:
+        entry = entry_from_decision(decision, triton_version=version)
+        if entry is not None:
+            table.add(entry, replace=False)
+    return table
+
+
+def recording_path(directory: str | os.PathLike[str], rank: int) -> Path:
+    return Path(directory) / f"{RECORDING_PREFIX}{int(rank):05d}.msgpack"
+
+
+def write_recording(
+    decisions: Iterable[Decision] | None, directory: str | os.PathLike[str], rank: int | None = None
+) -> Path:
+    """Write this rank's recorded winners (default: this process's log) to ``recording_path``.
+    A recording from an earlier run is updated: new winners replace old ones, the others stay."""
+    rank = current_rank() if rank is None else rank
+    fresh = recording_table(get_decisions() if decisions is None else decisions, rank=rank)
+    os.makedirs(directory, exist_ok=True)
+    path = recording_path(directory, rank)
+
+    def mutate(table: Table) -> None:
+        table.meta = dict(fresh.meta)
+        for entry in fresh.values():
+            table.add(entry)
+
+    update_table(path, mutate)
+    logger.info("Recorded %d autotune winner(s) for rank %d to %s", len(fresh), rank, path)
+    return path

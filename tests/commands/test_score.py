@@ -1,0 +1,161 @@
+"""The ``score`` command: N fresh pinned processes pooled into one JSON, exit 0 / 3 / 4; ``score
+compare``; the do_bench route (``score --do-bench``, ``run --score-do-bench``); bad options."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_tuning import commands as cli
+from megatron_tuning.score.pooling import RUN_FORMAT
+from tests.score.fakes import FakeDevice, seams
+from tests.score.test_pooling import skeleton
+
+REPO = Path(__file__).resolve().parents[2]
+CHILD = str(Path(__file__).with_name("score_child.py"))
+
+
+def _score(tmp_path: Path, *words: str) -> tuple[subprocess.CompletedProcess[str], dict]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRON_TUNING_")}
+    env["PYTHONPATH"] = str(REPO)
+    out = tmp_path / "score.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "megatron_tuning", "score", "--out", str(out), *words],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    return done, json.loads(out.read_text()) if out.exists() else {}
+
+
+@pytest.mark.slow
+def test_score_pools_three_fresh_processes_and_exits_0(tmp_path: Path) -> None:
+    done, report = _score(tmp_path, "--processes", "3", "--", CHILD, "ok")
+    assert done.returncode == 0, done.stderr[-3000:]
+    (result,) = report["results"]
+    assert (
+        report["format"] == RUN_FORMAT
+        and report["exit_codes"] == [0, 0, 0]
+        and len(report["per_process"]) == 3
+    )
+    assert (
+        result["processes"]["count"] == 3
+        and result["status"] == "ok"
+        and result["verdict"]["outcome"] == "faster"
+    )
+    assert len({r[0]["environment"]["host"] for r in report["per_process"]}) == 1
+    assert done.stdout.startswith("twice: 0.") and "x 3 processes" in done.stdout
+    assert set(skeleton(report)) == {
+        "format",
+        "command",
+        "processes",
+        "exit_codes",
+        "noise_floor",
+        "results",
+        "per_process",
+    }
+
+
+@pytest.mark.slow
+def test_a_failed_correctness_check_exits_3(tmp_path: Path) -> None:
+    done, report = _score(tmp_path, "--processes", "1", "--", CHILD, "incorrect")
+    assert done.returncode == 3, done.stderr[-3000:]
+    assert report["results"][0]["correctness"]["before"] == "fail" and "incorrect" in done.stdout
+
+
+@pytest.mark.slow
+def test_a_demoting_flag_exits_4(tmp_path: Path) -> None:
+    done, report = _score(tmp_path, "--processes", "1", "--", CHILD, "demoted")
+    assert done.returncode == 4, done.stderr[-3000:]
+    (result,) = report["results"]
+    assert result["status"] == "demoted" and result["verdict"]["demoted_from"] == "faster"
+    assert result["flags"][0]["name"] == "timer_patched"
+
+
+@pytest.mark.slow
+def test_an_unedited_harness_is_scored_through_do_bench_and_a_demoting_flag_exits_4(tmp_path: Path) -> None:
+    done, report = _score(
+        tmp_path, "--do-bench", "--budget-s", "0.5", "--processes", "1", "--", CHILD, "dobench"
+    )
+    assert done.returncode == 4, done.stderr[-3000:]  # on CPU the host clock timed it: flagged, demoted
+    (result,) = report["results"]
+    assert result["name"] == "do_bench@score_child.py:13#1" and result["flags"][0]["name"] == "host_clock"
+    assert f"do_bench gave {result['latency']['median']:.6f}" in done.stdout  # the harness got the median
+    assert "do_bench is scored by megatron_tuning.score.measure" in done.stderr
+
+
+@pytest.mark.slow
+def test_run_score_do_bench_asks_every_process_for_its_do_bench_records(tmp_path: Path) -> None:
+    script = tmp_path / "show.py"
+    script.write_text("import os\nprint(os.environ['_MEGATRON_TUNING_SCORE'])\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRON_TUNING_")}
+    env["PYTHONPATH"] = str(REPO)
+    done = subprocess.run(
+        [sys.executable, "-m", "megatron_tuning", "run", "--score-do-bench", "bench.json", "--", str(script)],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    asked = json.loads(done.stdout.strip().splitlines()[-1])
+    assert (
+        asked["do_bench"] is True and asked["out"] == str(tmp_path / "bench.json") and len(asked["run"]) == 32
+    )
+
+
+def _write(tmp_path: Path, name: str, ms: float, seed: int) -> Path:
+    dev = FakeDevice(seed=seed, noise=0.002)
+    from megatron_tuning.score import measure
+
+    path = tmp_path / name
+    path.write_text(
+        json.dumps(
+            {"format": RUN_FORMAT, "results": [measure(dev.kernel(ms), name="k", **seams(dev)).record]}
+        )
+    )
+    return path
+
+
+def test_score_compare_prints_the_verdict(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    new, old = _write(tmp_path, "new.json", 0.50, 1), _write(tmp_path, "old.json", 0.53, 2)
+    assert cli.main(["score", "compare", str(new), str(old)]) == 0
+    assert "-> faster" in capsys.readouterr().out
+    assert cli.main(["score", "compare", str(new), str(old), "--margin", "0.1"]) == 0
+    assert "-> same" in capsys.readouterr().out
+
+
+def test_score_compare_refuses_what_is_not_a_score(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "x.json").write_text("[]")
+    assert cli.main(["score", "compare", str(tmp_path / "x.json"), str(tmp_path / "x.json")]) == 2
+    assert "not a score result" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("words", "message"),
+    [
+        (["--processes", "0", "--", "x.py"], "--processes 0: give 1 to 1000 processes"),
+        (["--budget-s", "-1", "--", "x.py"], "--budget-s -1.0: give a positive number of seconds"),
+        (["noise-floor", "--target-ci", "2", "--", "x.py"], "--target-ci 2.0: give a fraction in (0, 1)"),
+        ([], "give the command to run after `--`"),
+        (["--table", "missing.msgpack", "--", "x.py"], "missing.msgpack"),
+    ],
+)
+def test_bad_options_are_usage_errors(
+    words: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["score", *words]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_score_compare_exits_4_when_a_side_is_flagged(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    new, old = _write(tmp_path, "new.json", 0.50, 1), _write(tmp_path, "old.json", 0.53, 2)
+    report = json.loads(new.read_text())
+    report["results"][0]["flags"] = [{"name": "host_clock", "message": "host", "demotes": True}]
+    new.write_text(json.dumps(report))
+    assert cli.main(["score", "compare", str(new), str(old)]) == 4
+    assert "-> inconclusive" in capsys.readouterr().out
