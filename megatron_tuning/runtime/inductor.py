@@ -222,22 +222,18 @@ def _one_config_copy(kernel: Any, config: Any) -> Any:
             reset_to_zero=list(getattr(kernel, "reset_to_zero", None) or []) or None,
             restore_value=list(getattr(kernel, "restore_value", None) or []) or None,
         )(kernel.fn)
-        _mark_pinned(copy, config)
+        _mark_nested_copy(copy)
         per_kernel[id(config)] = (copy, config)  # holding config keeps its id() unique
         return copy
 
 
-def _mark_pinned(autotuner: Any, config: Any) -> None:
-    """A compiled graph's one-config copy launches ``config``, never the state or ``run`` it copied."""
-    autotuner.__dict__[PINNED_ATTR] = config
-    autotuner.__dict__.pop(pinning.STATE_ATTR, None)
-    fastpath.disarm(autotuner)
-
-
 def _mark_nested_copy(kernel: Any) -> None:
+    """A one-config copy (ours, or one torch made) launches its config, never a state or ``run`` it copied."""
     configs = getattr(kernel, "configs", None)  # an Autotuner (a JITFunction has none)
     if isinstance(configs, list) and len(configs) == 1 and PINNED_ATTR not in kernel.__dict__:
-        _mark_pinned(kernel, configs[0])
+        kernel.__dict__[PINNED_ATTR] = configs[0]
+        kernel.__dict__.pop(pinning.STATE_ATTR, None)
+        fastpath.disarm(kernel)
 
 
 def _recreate(hopifier: Any, variable: Any, kernel: Any) -> Any:
