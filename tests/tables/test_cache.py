@@ -227,8 +227,13 @@ _RACER = textwrap.dedent(
     path, block, role, marker = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
     cache = open_cache(TuningPolicy(mode="auto", cache=path), "sm90")  # both open an empty cache
     open(marker + "." + role + ".open", "w").close()
-    while not all(os.path.exists(marker + "." + r + ".open") for r in ("first", "second")):
-        time.sleep(0.01)
+    def wait_for(*names):  # bounded: a racer whose partner died must end too
+        deadline = time.monotonic() + 60
+        while not all(os.path.exists(marker + n) for n in names):
+            if time.monotonic() > deadline:
+                sys.exit("the other racer never wrote " + " ".join(names))
+            time.sleep(0.01)
+    wait_for(".first.open", ".second.open")
     if role == "first":
         real_replace = os.replace
         def hold(tmp, dest):  # written, not yet visible: the second job reads the old file meanwhile
@@ -239,8 +244,7 @@ _RACER = textwrap.dedent(
             real_replace(tmp, dest)
         os.replace = hold
     else:
-        while not os.path.exists(marker + ".holding"):
-            time.sleep(0.01)
+        wait_for(".holding")
         from megatron_tuning.tables import cache as cache_module
         real_read = cache_module._read
         def spy(name):  # say when the second job has read the cache (before the first replaced it)
@@ -267,7 +271,11 @@ def test_two_processes_persisting_one_key_at_once_the_first_committed_wins(tmp_p
         )
         for block, role in ((16, "first"), (128, "second"))
     ]
-    outs = [proc.communicate(timeout=120)[0].strip() for proc in procs]
+    try:
+        outs = [proc.communicate(timeout=120)[0].strip() for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
     assert [proc.returncode for proc in procs] == [0, 0]
     # The second read the cache while the first was writing, then found the first's entries
     # under the lock and kept them: before, it replaced them (last persisted won).
