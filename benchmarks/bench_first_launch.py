@@ -33,8 +33,9 @@ def child(args: argparse.Namespace) -> None:
     import triton
 
     from megatron_tuning import kernels as mm
+    from megatron_tuning import tuning_key
     from megatron_tuning.core.decisions import get_decisions
-    from megatron_tuning.core.identity import arch_tag, config_data, config_signature, tuning_key
+    from megatron_tuning.core.identity import arch_tag, config_data, config_signature
 
     bench_calls = common.count_triton_benchmarks()  # under the interception's guard, if any
     kernel = triton.autotune(configs=mm.MATMUL_CONFIGS[:CONFIG_COUNT], key=["M", "N", "K"])(
@@ -72,7 +73,7 @@ def child(args: argparse.Namespace) -> None:
             "bench_calls": sum(bench_calls.values()),
             "signature": config_signature(kernel.best_config),
             "config": config_data(kernel.best_config),
-            "key": tuning_key(kernel, kargs, {}),
+            "key": tuning_key(kernel, kargs, {}).to_data(),  # its stored form: an entry is built from it
             "arch": arch_tag(),
             "source": sources[0] if sources else "stock",
         }

@@ -11,16 +11,17 @@ launched as a hand-written launch of the pinned config: its block size, and its 
 where they differ from Triton's defaults), ``triton_hit`` (stock ``@triton.autotune`` after its
 first call), ``one_config`` (a one-config ``@triton.autotune``, no key built), ``pinned`` (the
 autotuned kernel under the interception, deterministic policy, a table entry pinning the config
-Triton chose) and ``pinned_all_options`` (the same with every compile option passed, as before the
-launch record left out the defaults). Trials interleave the paths in
-rotating order; the interception is installed only around the pinned paths' trials. Goal
-(issue 18): pinned <= 1.05x bare per launch.
+Triton chose: after its first launch, the generated hit path) and ``pinned_class_path`` (the same
+installed with ``fast_path=False``: every launch through the interception's class-level ``run``).
+Trials interleave the paths in rotating order; the interception is installed only around the
+pinned paths' trials. Goal (issue 18): pinned <= 1.05x bare per launch.
 
 **CPU mode** (``--cpu``): the same kernel with its ``fn.run`` replaced by a no-op, so only the
 Python around the launch is timed: ``direct`` (the no-op called with the launch keywords),
-``triton_hit`` (``Autotuner.run`` with the key in its ``cache``) and ``pinned`` (our ``run``
-after first use). ``--calls`` calls per sample, best of ``--repeats`` samples, all three paths in
-one process, interleaved; ``--clock thread`` times this thread's CPU time instead of the wall.
+``triton_hit`` (``Autotuner.run`` with the key in its ``cache``), ``pinned`` (our ``run`` after
+first use: the generated hit path) and ``pinned_class_path`` (``fast_path=False``). ``--calls``
+calls per sample, best of ``--repeats`` samples, all paths in one process, interleaved; ``--clock
+thread`` times this thread's CPU time instead of the wall.
 Goal (issue 18): pinned adds <= 1.5 us over direct, and <= 0.2x of what Triton's hit path adds.
 """
 
@@ -36,8 +37,8 @@ from typing import Any
 
 import common
 
-GPU_PATHS = ("bare", "bare_same_config", "triton_hit", "one_config", "pinned", "pinned_all_options")
-CPU_PATHS = ("direct", "triton_hit", "pinned")
+GPU_PATHS = ("bare", "bare_same_config", "triton_hit", "one_config", "pinned", "pinned_class_path")
+CPU_PATHS = ("direct", "triton_hit", "pinned", "pinned_class_path")
 CPU_GOAL_ADDED_US = 1.5
 CPU_GOAL_SHARE = 0.2
 GPU_GOAL_VS_BARE = 1.05
@@ -46,15 +47,16 @@ CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}
 
 
 def _policy() -> Any:
-    from megatron_tuning.core.policy import TuningPolicy
+    from megatron_tuning import TuningPolicy
 
     return TuningPolicy(mode="deterministic", agreement="off", use_shipped_tables=False)
 
 
 def _pin_table(kernel: Any, config: Any, args: tuple[Any, ...]) -> dict[tuple[str, str], Any]:
-    from megatron_tuning.core.identity import config_data, kernel_id, tuning_key
+    from megatron_tuning import config_data, kernel_module, kernel_name, tuning_key
 
-    return {(kernel_id(kernel), tuning_key(kernel, args, {})): config_data(config)}
+    kernel_id = f"{kernel_module(kernel)}:{kernel_name(kernel)}"  # the one autotuner over its function
+    return {(kernel_id, tuning_key(kernel, args, {})): config_data(config)}
 
 
 # --------------------------------------------------------------------------- GPU mode
@@ -83,7 +85,7 @@ def measure_gpu(args: argparse.Namespace) -> dict[str, list[float]]:
         "triton_hit": lambda: tiny.add_one_kernel[grid](x, y, n),
         "one_config": lambda: one[grid](x, y, n),
         "pinned": lambda: tiny.add_one_kernel[grid](x, y, n),
-        "pinned_all_options": lambda: tiny.add_one_kernel[grid](x, y, n),
+        "pinned_class_path": lambda: tiny.add_one_kernel[grid](x, y, n),
     }
     per_launch: dict[str, list[float]] = {p: [] for p in GPU_PATHS}
     for trial in range(args.trials + 1):  # trial 0 warms every path up (compile, autotune, first use)
@@ -91,15 +93,11 @@ def measure_gpu(args: argparse.Namespace) -> dict[str, list[float]]:
             tiny.add_one_kernel[grid](x, y, n)  # Triton picks its config first: every path uses it
             same_config.update(_hand_written(tiny.add_one_kernel.best_config))
         for path in common.rotated(GPU_PATHS, trial):
-            restore = None
             if path.startswith("pinned"):
                 # Pin what Triton's hit path launches, so both run the same config and only the
                 # host-side path differs.
                 table = _pin_table(tiny.add_one_kernel, tiny.add_one_kernel.best_config, (x, y, n))
-                if path == "pinned_all_options":  # the ablation: no option left to Triton's default
-                    restore = interception.launch_option_defaults
-                    interception.launch_option_defaults = dict
-                interception.install(_policy(), table=table)
+                interception.install(_policy(), table=table, fast_path=path == "pinned")
             try:
                 call = calls[path]
                 for _ in range(min(100, args.launches)):
@@ -113,8 +111,6 @@ def measure_gpu(args: argparse.Namespace) -> dict[str, list[float]]:
             finally:
                 if path.startswith("pinned"):
                     interception.uninstall()
-                if restore is not None:
-                    interception.launch_option_defaults = restore
             if trial:
                 per_launch[path].append(elapsed / args.launches * 1e6)
     torch.testing.assert_close(y, x + 1)
@@ -126,10 +122,9 @@ def measure_gpu(args: argparse.Namespace) -> dict[str, list[float]]:
 def _hand_written(config: Any) -> dict[str, Any]:
     """The keywords a hand-written launch of ``config`` passes: its kwargs, and the compile options
     that differ from what Triton compiles with when they are left out (what the pinned path passes)."""
-    from megatron_tuning.runtime.interception import launch_option_defaults
+    from megatron_tuning.runtime.fastpath import launch_options
 
-    defaults = launch_option_defaults()
-    return {k: v for k, v in config.all_kwargs().items() if k not in defaults or defaults[k] != v}
+    return launch_options(config)
 
 
 def _check_compiled(kernel: Any, args: tuple[Any, ...], grid: Any) -> None:
@@ -181,10 +176,9 @@ def measure_cpu(args: argparse.Namespace) -> dict[str, list[float]]:
     import torch
     import triton
 
+    from megatron_tuning import get_decisions, kernel_module, kernel_name
     from megatron_tuning import kernels as tiny
-    from megatron_tuning.core.identity import kernel_id
     from megatron_tuning.runtime import interception
-    from megatron_tuning.runtime.interception import triton_cache_key
 
     kernel = tiny.add_one_kernel
     n = 1024
@@ -193,7 +187,7 @@ def measure_cpu(args: argparse.Namespace) -> dict[str, list[float]]:
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK"]),)
     config = tiny.ADD_ONE_CONFIGS[2]
     options = config.all_kwargs()
-    triton_key = triton_cache_key(kernel, (x, y, n), {})
+    triton_key = (n, str(x.dtype), str(y.dtype))  # Triton's: the key= values, then each dtype
     table = _pin_table(kernel, config, (x, y, n))
 
     def noop(*_: Any, **__: Any) -> None:
@@ -204,6 +198,7 @@ def measure_cpu(args: argparse.Namespace) -> dict[str, list[float]]:
         # Autotuner.run is looked up at each call, so the pinned path is the patched one.
         "triton_hit": lambda: kernel.run(x, y, n, grid=grid, warmup=False),
         "pinned": lambda: kernel.run(x, y, n, grid=grid, warmup=False),
+        "pinned_class_path": lambda: kernel.run(x, y, n, grid=grid, warmup=False),
     }
     samples: dict[str, list[float]] = {p: [] for p in CPU_PATHS}
     had_run = "run" in kernel.fn.__dict__
@@ -214,14 +209,14 @@ def measure_cpu(args: argparse.Namespace) -> dict[str, list[float]]:
             for path in common.rotated(CPU_PATHS, repeat):
                 if path == "triton_hit":
                     kernel.cache[triton_key] = config  # uninstall removed what the pinned path filed
-                elif path == "pinned":
-                    interception.install(_policy(), table=table)
+                elif path.startswith("pinned"):
+                    interception.install(_policy(), table=table, fast_path=path == "pinned")
                 try:
                     timer = timeit.Timer(calls[path], timer=CLOCKS[args.clock])
                     timer.timeit(min(args.calls, 10_000))  # first use, and the caches settled
                     samples[path].append(timer.timeit(args.calls) / args.calls * 1e6)
                 finally:
-                    if path == "pinned":
+                    if path.startswith("pinned"):
                         interception.uninstall()
         assert kernel.best_config is config, "both autotuned paths must launch the pinned config"
         kernel.cache.pop(triton_key, None)
@@ -230,10 +225,9 @@ def measure_cpu(args: argparse.Namespace) -> dict[str, list[float]]:
             kernel.fn.run = saved_run
         else:
             del kernel.fn.run
-    from megatron_tuning.core.decisions import get_decisions
-
-    pinned = [d for d in get_decisions() if d.kernel == kernel_id(kernel)]
-    assert len(pinned) == args.repeats, f"one decision per installation expected, got {len(pinned)}"
+    pinned = [d for d in get_decisions() if d.kernel == f"{kernel_module(kernel)}:{kernel_name(kernel)}"]
+    expected = args.repeats * (len(CPU_PATHS) - 2)
+    assert len(pinned) == expected, f"one decision per installation expected, got {len(pinned)}"
     return samples
 
 
@@ -253,9 +247,15 @@ def summarize_cpu(samples: dict[str, list[float]]) -> dict[str, Any]:
         f"goal pinned adds <= {CPU_GOAL_ADDED_US} us and <= {CPU_GOAL_SHARE}x of Triton's hit path: "
         f"{'met' if met else 'MISSED'} (+{ours_added:.3f} us, {share:.3f}x)"
     )
+    class_added = best["pinned_class_path"] - direct
+    print(f"the class path alone: +{class_added:.3f} us, {class_added / hit_added:.3f}x of Triton's hit path")
     return {
         "best_us": best,
-        "added_over_direct_us": {"triton_hit": hit_added, "pinned": ours_added},
+        "added_over_direct_us": {
+            "triton_hit": hit_added,
+            "pinned": ours_added,
+            "pinned_class_path": class_added,
+        },
         "pinned_share_of_triton_added": share,
         "goal": {"added_us_max": CPU_GOAL_ADDED_US, "share_max": CPU_GOAL_SHARE, "met": met},
     }

@@ -5,8 +5,8 @@
 
 One fresh process tunes the reference matmul (bf16) at M in {1024, ..., 16384} (N = K = 4096) with
 ``auto`` into a fresh cache, then, for M in {1536, 3072, 6144, 12288} (no entries), reports the
-throughput of the miss rule's config (``choose_on_miss``: the nearest entry, or the lower of two
-bracketing entries that disagree), of the single nearest entry's (the rule before the bracketing
+throughput of the miss rule's config (``choose``, ``on_miss='nearest'``: the nearest entry, or the
+lower of two bracketing entries that disagree), of the single nearest entry's (the rule before the bracketing
 refinement) and of the cheapest config, as fractions of the best candidate's. Every candidate is
 timed with ``triton.testing.do_bench`` in ``--rounds`` interleaved rounds in that process.
 Goal: >= 95% of the best (RESULTS section 9: 90.7% at M=1536 with the single nearest entry).
@@ -36,15 +36,10 @@ def child(args: argparse.Namespace) -> None:
     """Tune the M sweep with auto, then judge the miss rule vs the cheapest on the M values in between."""
     import megatron_tuning
     from megatron_tuning import kernels as mm
-    from megatron_tuning.core.choice import Miss, choose_on_miss, match_live
+    from megatron_tuning.core.choice import choose, match_live
     from megatron_tuning.core.fallback import cheapest
-    from megatron_tuning.core.identity import (
-        arch_tag,
-        config_signature,
-        kernel_id,
-        kernel_source_hash,
-        tuning_key,
-    )
+    from megatron_tuning.core.identity import arch_tag, config_signature, kernel_id, kernel_source_hash
+    from megatron_tuning.core.key import tuning_key
     from megatron_tuning.tables.search import TableSet
 
     if args.smoke:  # one timed round: interpreted candidates are slow, and smoke numbers mean nothing
@@ -72,15 +67,14 @@ def child(args: argparse.Namespace) -> None:
         shape = (m, n, k)
         _, _, _, kargs = common.matmul_operands(shape, args.smoke)
         key = tuning_key(mm.matmul_kernel, kargs, {})
-        nearest = choose_on_miss(
-            mm.matmul_kernel, configs, key, Miss("benchmark"), table=table, on_miss="nearest"
-        )
+        nearest = choose(mm.matmul_kernel, configs, key, table=table, on_miss="nearest")
         # The rule before the bracketing refinement: the nearest usable entry, whatever lies below.
-        hits = table.neighbours(
+        hits = table.lookup(
             kernel_id(mm.matmul_kernel),
             key,
             arch=arch_tag(),
             source_hash=kernel_source_hash(mm.matmul_kernel),
+            nearest=True,
         )
         single = next(hit for hit in hits if match_live(hit.config, configs) is not None)
         single_config = match_live(single.config, configs)

@@ -21,8 +21,9 @@ import common
 
 def measure(args: argparse.Namespace, table_path: str | None) -> list[dict[str, Any]]:
     from megatron_tuning import kernels as mm
+    from megatron_tuning import tuning_key
     from megatron_tuning.core.fallback import cheapest
-    from megatron_tuning.core.identity import arch_tag, config_signature, kernel_id, tuning_key
+    from megatron_tuning.core.identity import arch_tag, config_signature, kernel_id
 
     kernel = mm.matmul_kernel
     configs = list(mm.MATMUL_CONFIGS)

@@ -86,7 +86,8 @@ def child(args: argparse.Namespace) -> None:
 
 def _table_config(table: Any, kernel: Any, kargs: tuple) -> Any:
     """The live config the table pins for this call, or None."""
-    from megatron_tuning.core.identity import arch_tag, config_signature, kernel_id, tuning_key
+    from megatron_tuning import tuning_key
+    from megatron_tuning.core.identity import arch_tag, config_signature, kernel_id
 
     entry = table.get(arch_tag(), kernel_id(kernel), tuning_key(kernel, kargs, {})) if table else None
     if entry is None:

@@ -15,6 +15,7 @@ import tempfile
 import time
 from collections.abc import Callable
 
+from megatron_tuning.core.key import Key
 from megatron_tuning.tables.entry import Entry, Timing
 from megatron_tuning.tables.search import TableSet
 from megatron_tuning.tables.table import Table, load_table, save_table
@@ -31,7 +32,7 @@ def make_table(count: int, seed: int = 0) -> Table:
             Entry(
                 arch="sm90",
                 kernel=kernels[index % 20],
-                key=f"M={m}, N={n}, K={k} | a_ptr:torch.bfloat16, b_ptr:torch.bfloat16",
+                key=Key({"M": m, "N": n, "K": k}, {"a_ptr": "torch.bfloat16", "b_ptr": "torch.bfloat16"}),
                 config={
                     "kwargs": {
                         "BLOCK_M": rng.choice([64, 128]),

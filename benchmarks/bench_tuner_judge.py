@@ -68,7 +68,8 @@ def spearman(a: list[float], b: list[float]) -> float:
 
 def measure_shape(args: argparse.Namespace, shape: tuple[int, int, int]) -> dict[str, Any]:
     from megatron_tuning import kernels as mm
-    from megatron_tuning.core.identity import config_signature, kernel_id, tuning_key
+    from megatron_tuning import tuning_key
+    from megatron_tuning.core.identity import config_signature, kernel_id
     from megatron_tuning.tuning.tuner import make_measure
 
     kernel = mm.matmul_kernel

@@ -42,13 +42,16 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from megatron_tuning.core.errors import TableError  # noqa: E402
+from megatron_tuning.core.key import Key  # noqa: E402
 from megatron_tuning.tables.table import Entry, Table, add_entries, load_table, save_table  # noqa: E402
 
 CONFIG = {"kwargs": {"BLOCK": 64}, "num_warps": 4, "num_stages": 3}
 
 
 def _entry(writer: int, number: int) -> Entry:
-    return Entry(arch="cpu", kernel=f"stress.writer:w{writer}", key=f"n={number}", config=CONFIG, how="hand")
+    return Entry(
+        arch="cpu", kernel=f"stress.writer:w{writer}", key=Key({"n": number}), config=CONFIG, how="hand"
+    )
 
 
 # -- children --------------------------------------------------------------------------------------
@@ -187,7 +190,7 @@ def stress(
     table = load_table(real)
     logged = {(w, n) for w in range(writers) for n in _logged(logs[w])}
     present = {
-        (int(e.kernel.rsplit(":w", 1)[1]), int(e.key.split("=", 1)[1]))
+        (int(e.kernel.rsplit(":w", 1)[1]), e.key.values[0])
         for e in table.values()
         if e.kernel.startswith("stress.writer:")
     }

@@ -6,7 +6,8 @@ from __future__ import annotations
 from .core.chaos import chaos_choice
 from .core.choice import autotune_configs, deterministic_choice, warn_if_mamba_env_ignored
 from .core.fallback import cheapest, estimate_config_cost, filter_configs_by_block_sizes
-from .core.identity import arch_tag, config_data, config_signature, kernel_module, kernel_name, tuning_key
+from .core.identity import arch_tag, config_data, config_signature, kernel_module, kernel_name
+from .core.key import tuning_key
 from .core.notices import reset_warnings
 
 __all__ = [

@@ -13,17 +13,22 @@ import pytest
 from megatron_tuning import commands as cli
 from megatron_tuning.core.decisions import Decision
 from megatron_tuning.core.identity import config_data, config_signature, kernel_id, kernel_source_hash
+from megatron_tuning.core.key import Key
 from megatron_tuning.tables.entry import Entry, Timing
 from megatron_tuning.tables.records import write_decisions, write_recording
 from megatron_tuning.tables.table import Table, load_table, save_table
 
 from . import support_kernels as sk
+from .keys import ma, nx
 
 REPO = Path(__file__).resolve().parent.parent
 KERNEL = "pkg.kernels:matmul"
 
 
-def entry(block: int, key: str = "M=1 | a:torch.float16", **changes: object) -> Entry:
+M1 = ma(1)
+
+
+def entry(block: int, key: Key = M1, **changes: object) -> Entry:
     fields: dict[str, object] = {
         "arch": "sm90",
         "kernel": KERNEL,
@@ -43,7 +48,7 @@ def table_path(tmp_path: Path) -> Path:
         Table(
             [
                 entry(64),
-                entry(128, key="M=2 | a:torch.float16"),
+                entry(128, key=ma(2)),
                 entry(32, arch="sm80", kernel="pkg.other:gemm"),
             ]
         ),
@@ -121,7 +126,7 @@ def test_show_json_of_several_tables_is_refused_not_concatenated(capsys, tmp_pat
 
 def test_non_utf8_terminal_gets_escapes_and_json_stays_utf8(tmp_path):
     path = tmp_path / "u.msgpack"
-    save_table(Table([entry(64, key="ключ=é")]), path)
+    save_table(Table([entry(64, key=Key({"ключ": "é"}))]), path)
     env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONIOENCODING="ascii")
 
     def cli_bytes(*argv: object) -> subprocess.CompletedProcess[bytes]:
@@ -149,9 +154,7 @@ def test_export_refuses_a_msgpack_output_name(capsys, tmp_path, table_path):
 
 def test_import_of_json_with_lone_surrogate_exits_2(capsys, tmp_path, table_path):
     view = tmp_path / "sur.json"
-    view.write_text(
-        Table([entry(64)]).to_json().replace('"M=1 | a:torch.float16"', '"M=\\ud800 | a:torch.float16"')
-    )
+    view.write_text(Table([entry(64)]).to_json().replace('"a": "torch.float16"', '"a": "\\ud800"'))
     code, _, err = run(capsys, "import", view, tmp_path / "out.msgpack")
     assert code == 2 and "lone surrogate" in err and str(view) in err
     assert not (tmp_path / "out.msgpack").exists()
@@ -202,8 +205,8 @@ def test_diff_exit_codes_and_output(capsys, tmp_path, table_path):
     changed = Table(
         [
             entry(64, timing=Timing(median_ms=0.3)),
-            entry(256, key="M=2 | a:torch.float16"),
-            entry(16, key="M=3 | a:torch.float16"),
+            entry(256, key=ma(2)),
+            entry(16, key=ma(3)),
         ]
     )
     save_table(changed, other)
@@ -219,9 +222,7 @@ def test_diff_exit_codes_and_output(capsys, tmp_path, table_path):
     assert "1 added, 1 removed, 2 changed" in out
     code, out, _ = run(capsys, "diff", table_path, other, "--ignore-provenance", "--json")
     doc = json.loads(out)
-    assert code == 1 and [c["key"] for c in doc["changed"]] == [
-        "M=2 | a:torch.float16"
-    ]  # the timing-only change is ignored
+    assert code == 1 and [c["key"] for c in doc["changed"]] == [ma(2)]  # the timing-only change is ignored
     assert run(capsys, "diff", table_path, tmp_path / "absent.msgpack")[0] == 2
 
 
@@ -233,7 +234,7 @@ def _recordings(folder: Path) -> None:
             [
                 Decision(
                     kernel=KERNEL,
-                    key="M=1 | a:torch.float16",
+                    key=ma(1),
                     signature=config_signature(cfg),
                     source="recorded",
                     config=cfg,
@@ -252,7 +253,7 @@ def test_merge_writes_table_and_reports_disagreement(capsys, tmp_path):
     code, out, _ = run(capsys, "merge", out_path, tmp_path / "rec")
     assert code == 0
     assert "1 with disagreement" in out and "-> 2 vote(s)" in out and "recording-rank00001" in out
-    assert load_table(out_path).get("sm90", KERNEL, "M=1 | a:torch.float16").votes == (2, 3)
+    assert load_table(out_path).get("sm90", KERNEL, ma(1)).votes == (2, 3)
     code, out, _ = run(capsys, "merge", out_path, tmp_path / "rec", "--json", "--strict")
     assert code == 1 and json.loads(out)["disagreements"][0]["votes"][0]["votes"] == 2
     bad = tmp_path / "rec" / "zz.msgpack"
@@ -309,7 +310,7 @@ def _kernel_entry(**changes: object) -> Entry:
     fields: dict[str, object] = {
         "arch": "sm90",
         "kernel": kernel_id(sk.scale_add),
-        "key": "n=8 | x_ptr:torch.float32",
+        "key": Key({"n": 8}, {"x_ptr": "torch.float32"}),
         "config": config_data(sk.ADD_CONFIGS[1]),
         "source_hash": kernel_source_hash(sk.scale_add),
         "triton_version": "3.6.0",
@@ -385,10 +386,7 @@ def test_validate_imports_a_candidate_file_by_path(capsys, tmp_path):
         "    pass\n"
     )
     config = {"kwargs": {"B": 16}, "num_warps": 4, "num_stages": 3}
-    rows = [
-        Entry(arch="sm90", kernel=f"candidate_file:{k}", key="n=1 | x:f", config=config)
-        for k in ("k", "gone")
-    ]
+    rows = [Entry(arch="sm90", kernel=f"candidate_file:{k}", key=nx(1), config=config) for k in ("k", "gone")]
     table = tmp_path / "v.msgpack"
     save_table(Table(rows), table)
     code, out, _ = run(capsys, "validate", table, "--arch", "sm90", "--import", path)
@@ -422,7 +420,7 @@ def test_validate_scans_the_home_module_of_re_exported_kernels(capsys, tmp_path,
     monkeypatch.syspath_prepend(str(tmp_path))
     config = {"kwargs": {"B": 16}, "num_warps": 4, "num_stages": 3}
     entries = [
-        Entry(arch="sm90", kernel=f"reexport_pkg_a.kernels:{k}", key="n=1 | x:f", config=config)
+        Entry(arch="sm90", kernel=f"reexport_pkg_a.kernels:{k}", key=nx(1), config=config)
         for k in ("k1", "k2")
     ]
     path = tmp_path / "v.msgpack"
@@ -453,9 +451,9 @@ def test_validate_finds_class_attribute_kernels_and_skips_local_ones(capsys, tmp
     good = {"kwargs": {"B": 16}, "num_warps": 4, "num_stages": 3}
     odd = {"kwargs": {"B": 99}, "num_warps": 4, "num_stages": 3}
     entries = [
-        Entry(arch="sm90", kernel="nested_kernels_b:Ops.k", key="n=1 | x:f", config=good),
-        Entry(arch="sm90", kernel="nested_kernels_b:Ops.k", key="n=2 | x:f", config=odd),
-        Entry(arch="sm90", kernel="nested_kernels_b:make.<locals>.inner", key="n=1 | x:f", config=good),
+        Entry(arch="sm90", kernel="nested_kernels_b:Ops.k", key=nx(1), config=good),
+        Entry(arch="sm90", kernel="nested_kernels_b:Ops.k", key=nx(2), config=odd),
+        Entry(arch="sm90", kernel="nested_kernels_b:make.<locals>.inner", key=nx(1), config=good),
     ]
     path = tmp_path / "v.msgpack"
     save_table(Table(entries), path)
@@ -486,29 +484,29 @@ def _log(path: Path, rank: int, rows: list[tuple[str, str, str, str | None]]) ->
 
 
 def test_coverage_per_rank_and_exit_codes(capsys, tmp_path):
-    same = [("a:k", "M=1", "S1", "table"), ("a:k", "M=2", "S2", "cheapest"), ("b:k", "*", "", "out_of_scope")]
+    same = [("a:k", ma(1), "S1", "table"), ("a:k", ma(2), "S2", "cheapest"), ("b:k", "*", "", "out_of_scope")]
     r0 = _log(tmp_path / "d0.json", 0, same)
     r1 = _log(tmp_path / "d1.json", 1, same[:2])
     code, out, _ = run(capsys, "coverage", r0, r1)
     assert code == 0
-    assert "a:k  [M=1]  hit: all ranks  from t.msgpack" in out
-    assert "a:k  [M=2]  fallback: all ranks" in out
+    assert f"a:k  [{ma(1)}]  hit: all ranks  from t.msgpack" in out
+    assert f"a:k  [{ma(2)}]  fallback: all ranks" in out
     assert "b:k  [*]  out_of_scope: rank(s) 0; absent: rank(s) 1" in out
     assert "hit 2, fallback 2, out_of_scope 1" in out
     assert run(capsys, "coverage", r0, r1, "--fail-on-fallback")[0] == 1
-    r2 = _log(tmp_path / "d2.json", 2, [("a:k", "M=1", "S9", "cheapest")])
+    r2 = _log(tmp_path / "d2.json", 2, [("a:k", ma(1), "S9", "cheapest")])
     code, out, _ = run(capsys, "coverage", r0, r1, r2, "--json")
     doc = json.loads(out)
     assert code == 1  # ranks launched different configs
-    row = next(e for e in doc["entries"] if e["key"] == "M=1")
+    row = next(e for e in doc["entries"] if e["key"] == ma(1))
     assert row["diverged"] and row["ranks"]["2"] == {"status": "fallback", "signature": "S9", "origin": None}
     code, out, _ = run(capsys, "coverage", r0, r2)
-    assert "DIVERGED: a:k [M=1]" in out and "rank 2: S9 (fallback)" in out
+    assert f"DIVERGED: a:k [{ma(1)}]" in out and "rank 2: S9 (fallback)" in out
 
 
 def test_coverage_of_single_process_logs_keeps_files_apart(capsys, tmp_path):
-    a = _log(tmp_path / "a.json", 0, [("a:k", "M=1", "S1", "table")])
-    b = _log(tmp_path / "b.json", 0, [("a:k", "M=1", "S1", "table")])
+    a = _log(tmp_path / "a.json", 0, [("a:k", ma(1), "S1", "table")])
+    b = _log(tmp_path / "b.json", 0, [("a:k", ma(1), "S1", "table")])
     code, out, _ = run(capsys, "coverage", a, b, "--json")
     assert code == 0 and json.loads(out)["ranks"] == ["0@a.json", "0@b.json"]
 
@@ -534,7 +532,7 @@ def test_coverage_bad_input_exits_2(capsys, tmp_path):
     ],
 )
 def test_coverage_wrong_typed_fields_exit_2_naming_the_row(capsys, tmp_path, row, problem):
-    good = {"kernel": "a:k", "key": "M=1", "signature": "S", "source": "table", "rank": 0}
+    good = {"kernel": "a:k", "key": "M=1 | a:f", "signature": "S", "source": "table", "rank": 0}  # version 1
     bad = tmp_path / "bad.json"
     bad.write_text(
         json.dumps({"format": "megatron_tuning.decisions", "decisions": [good, dict(good, **row)]})
@@ -598,7 +596,7 @@ def test_cache_prints_the_auto_cache_path_and_its_size(tmp_path, monkeypatch, ca
 def test_show_and_export_read_a_cache_over_the_table_read_limit_on_request(tmp_path, monkeypatch, capsys):
     # An auto cache an older version let grow past the read limit: `show`/`export --max-size` read it.
     path = tmp_path / "auto.msgpack"
-    save_table(Table([entry(64, key=f"M={i} | a:torch.float16") for i in range(300)]), path)
+    save_table(Table([entry(64, key=ma(i)) for i in range(300)]), path)
     monkeypatch.setattr("megatron_tuning.tables.files.MAX_FILE_BYTES", path.stat().st_size // 2)
     code, _, err = run(capsys, "show", path)
     assert code == 2 and "--max-size 1" in err and str(path) in err
@@ -638,7 +636,7 @@ def test_cache_needs_only_the_cache_setting(tmp_path, monkeypatch, capsys):
 
 
 # -- control characters in human output ------------------------------------------
-EVIL_KEY = "M=1\r\x1b[2Kall good\u202e"
+EVIL_KEY = Key({"M\r\x1b[2Kall good\u202e": 1})
 
 
 def _assert_escaped(text: str) -> None:
@@ -661,7 +659,7 @@ def test_show_diff_merge_escape_control_characters_and_json_stays_exact(capsys, 
     code, out, _ = run(capsys, "merge", tmp_path / "m.msgpack", evil, plain)
     assert code == 0 and "\x1b" not in out
     code, out, _ = run(capsys, "show", evil, "--json")
-    assert json.loads(out)["entries"][0]["key"] == EVIL_KEY  # JSON output stays exact
+    assert json.loads(out)["entries"][0]["key"] == EVIL_KEY.to_data()  # JSON output stays exact
     code, out, _ = run(capsys, "diff", plain, evil, "--json")
     assert json.loads(out)["added"][0]["key"] == EVIL_KEY
 
@@ -695,10 +693,10 @@ def test_validate_refuses_an_impossible_num_warps(capsys, tmp_path):
 def test_show_the_review_json_and_coverage_list_keys_in_one_order_numbers_as_numbers(capsys, tmp_path):
     path = tmp_path / "t.msgpack"
     keys = [
-        "M=100 | a:torch.float16",
-        "M=32 | a:torch.float16",
-        "M=4096 | a:torch.float16",
-        "M=8 | a:torch.float16",
+        ma(100),
+        ma(32),
+        ma(4096),
+        ma(8),
     ]
     ordered = [keys[3], keys[1], keys[0], keys[2]]
     save_table(Table([entry(64, key=k) for k in keys]), path)
@@ -708,7 +706,8 @@ def test_show_the_review_json_and_coverage_list_keys_in_one_order_numbers_as_num
     assert shown == ordered
     for view in ([], ["--no-provenance"]):
         assert run(capsys, "export", path, tmp_path / "view.json", *view)[0] == 0
-        assert [e["key"] for e in json.loads((tmp_path / "view.json").read_text())["entries"]] == ordered
+        entries = json.loads((tmp_path / "view.json").read_text())["entries"]
+        assert [Key.from_data(e["key"]) for e in entries] == ordered
     log = _log(tmp_path / "d0.json", 0, [(KERNEL, k, "S", "table") for k in keys])
     code, out, _ = run(capsys, "coverage", log, "--json")
     assert [e["key"] for e in json.loads(out)["entries"]] == ordered
@@ -732,7 +731,7 @@ def test_an_unknown_config_field_is_an_error_naming_it_never_hidden(capsys, tmp_
 def test_export_no_provenance_makes_a_retune_invisible_and_a_config_change_a_few_lines(capsys, tmp_path):
     import difflib
 
-    keys = [f"M={m} | a:torch.float16" for m in (16, 32, 64, 128)]
+    keys = [ma(m) for m in (16, 32, 64, 128)]
 
     def tuned(blocks: dict[str, int], median: float, votes: tuple[int, int]) -> Path:
         path = tmp_path / f"t{len(list(tmp_path.iterdir()))}.msgpack"
@@ -775,7 +774,7 @@ def test_a_review_view_of_the_auto_cache_imports_as_a_table_of_tuned_entries(cap
     cache = open_cache(TuningPolicy(mode="auto", cache=str(tmp_path / "auto.msgpack")), "sm90")
     assert cache is not None
     config = {"kwargs": {"BLOCK": 64}, "num_warps": 4, "num_stages": 3, "num_ctas": 1, "maxnreg": None}
-    key, hashed = "M=1 | a:torch.float16", "ab" * 32
+    key, hashed = ma(1), "ab" * 32
     tuned = Decision(KERNEL, key, "BLOCK=64", "tuned", config=config, arch="sm90", source_hash=hashed)
     assert cache.persist([tuned]) == 1
     view, committed = tmp_path / "review.json", tmp_path / "committed.msgpack"
@@ -788,16 +787,16 @@ def test_a_review_view_of_the_auto_cache_imports_as_a_table_of_tuned_entries(cap
 
 
 def test_coverage_require_table_fails_on_a_nearest_entry_and_names_the_neighbour(capsys, tmp_path):
-    hit = Decision(kernel="a:k", key="n=1 | x:f", signature="S1", source="table", origin="t.msgpack")
+    hit = Decision(kernel="a:k", key=nx(1), signature="S1", source="table", origin="t.msgpack")
     near = Decision(
         kernel="a:k",
-        key="n=3 | x:f",
+        key=nx(3),
         signature="S1",
         source="nearest",
         origin="t.msgpack",
-        nearest_key="n=4 | x:f",
+        nearest_key=nx(4),
     )
-    single = Decision(kernel="b:k", key="n=1 | x:f", signature="S", source="single")
+    single = Decision(kernel="b:k", key=nx(1), signature="S", source="single")
     path = tmp_path / "d.json"
     write_decisions(path, [hit, near, single])
     code, out, err = run(capsys, "coverage", path, "--fail-on-fallback")
@@ -806,8 +805,8 @@ def test_coverage_require_table_fails_on_a_nearest_entry_and_names_the_neighbour
     code, out, err = run(capsys, "coverage", path, "--require-table")
     assert code == 1 and err == "not in the table: a:k  [n=3 | x:f]  (nearest)\n"
     code, out, _ = run(capsys, "coverage", path, "--json")
-    row = next(e for e in json.loads(out)["entries"] if e["key"] == "n=3 | x:f")
-    assert row["ranks"]["0"]["nearest_key"] == "n=4 | x:f"
+    row = next(e for e in json.loads(out)["entries"] if e["key"] == nx(3))
+    assert row["ranks"]["0"]["nearest_key"] == nx(4)
 
 
 def test_coverage_require_table_passes_when_every_shape_is_in_the_table(capsys, tmp_path):
@@ -815,8 +814,8 @@ def test_coverage_require_table_passes_when_every_shape_is_in_the_table(capsys, 
     write_decisions(
         path,
         [
-            Decision(kernel="a:k", key="n=1 | x:f", signature="S1", source="table", origin="t.msgpack"),
-            Decision(kernel="a:k", key="n=2 | x:f", signature="S1", source="override"),
+            Decision(kernel="a:k", key=nx(1), signature="S1", source="table", origin="t.msgpack"),
+            Decision(kernel="a:k", key=nx(2), signature="S1", source="override"),
             Decision(kernel="c:k", key="*", signature="", source="out_of_scope"),
         ],
     )
@@ -828,7 +827,7 @@ def test_a_table_miss_error_is_one_message_without_a_traceback(capsys, monkeypat
     from megatron_tuning.core.errors import TableMissError
 
     def miss(args: object) -> int:
-        raise TableMissError("pkg:k", "n=1 | x:f", "no table entry")
+        raise TableMissError("pkg:k", nx(1), "no table entry")
 
     from megatron_tuning.commands import tables
 
@@ -847,16 +846,16 @@ def test_coverage_reports_each_source_apart_auto_included(tmp_path, capsys):
         write_decisions(
             path,
             [
-                Decision(kernel="k:a", key="n=1 | x:f", signature=sig, source=first, rank=rank),
+                Decision(kernel="k:a", key=nx(1), signature=sig, source=first, rank=rank),
                 Decision(
                     kernel="k:a",
-                    key="n=3 | x:f",
+                    key=nx(3),
                     signature=sig,
                     source="nearest",
                     rank=rank,
                     origin="t.msgpack",
                 ),
-                Decision(kernel="k:a", key="n=5 | x:f", signature=sig, source="cheapest", rank=rank),
+                Decision(kernel="k:a", key=nx(5), signature=sig, source="cheapest", rank=rank),
             ],
         )
         logs.append(path)

@@ -11,6 +11,7 @@ from triton.runtime.autotuner import Autotuner
 import megatron_tuning
 from megatron_tuning.core.errors import PolicyError
 from megatron_tuning.core.identity import config_data, config_signature, kernel_id
+from megatron_tuning.core.key import Key
 from megatron_tuning.runtime import interception
 from megatron_tuning.tables.entry import Entry
 from megatron_tuning.tables.records import read_decisions, recording_path
@@ -19,7 +20,7 @@ from megatron_tuning.tables.table import Table, load_table, save_table
 from . import support_kernels as sk
 from .support_kernels import grid
 
-KEY_30 = "n=30 | x_ptr:torch.float32, y_ptr:torch.float32, out_ptr:torch.float32"
+KEY_30 = Key({"n": 30}, dict.fromkeys(("x_ptr", "y_ptr", "out_ptr"), "torch.float32"))
 
 
 @pytest.fixture(autouse=True)

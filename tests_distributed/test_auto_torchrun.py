@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 from _launch import WORKERS, gloo_available, read_results, run_torchrun
 
+from megatron_tuning.core.key import Key
 from megatron_tuning.tables.entry import Entry
 from megatron_tuning.tables.table import Table, load_table, save_table
 
@@ -24,8 +25,8 @@ SPLITS = ["split_empty", "split_corrupt", "split_folder", "split_off"]
 KERNEL = "tests.support_kernels:add_kernel"
 
 
-def add_key(n: int) -> str:
-    return f"n={n} | x_ptr:torch.float32, y_ptr:torch.float32"
+def add_key(n: int) -> Key:
+    return Key({"n": n}, {"x_ptr": "torch.float32", "y_ptr": "torch.float32"})
 
 
 def full_cache(path: Path) -> Path:

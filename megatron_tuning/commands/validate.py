@@ -22,7 +22,7 @@ from ..core import identity
 from ..core.decisions import Decision
 from ..core.errors import printable
 from ..core.policy import parse_int
-from ..tables.entry import KEY_FORM, Entry, canonical_key, entry_order
+from ..tables.entry import Entry, entry_order
 from ..tables.search import installed_triton_version
 from ..tables.table import load_table
 from . import EXIT_FOUND, EXIT_OK
@@ -164,13 +164,6 @@ def _entry_problems(
     entry: Entry, arch: str | None, version: str | None, covered: set[str], kernels: dict[str, _Kernel]
 ) -> list[str]:
     problems = []
-    canonical = canonical_key(entry.key)
-    if canonical is None:
-        problems.append(f"key is not a tuning key ({KEY_FORM}): it can never match a launch")
-    elif canonical != entry.key:
-        problems.append(
-            f"key is not spelt as launches spell it, so it never matches; write it as [{canonical}]"
-        )
     if arch is not None and entry.arch != arch:
         problems.append(f"entry is for arch {entry.arch}, this machine is {arch}: it never applies here")
     if version is not None and entry.triton_version is not None and entry.triton_version != version:

@@ -14,7 +14,8 @@ from typing import Any, Protocol
 from .choice import Choice
 from .decisions import CHAOS_NO_OTHER_CONFIG
 from .fallback import order_by_cost
-from .identity import config_signature, current_rank, kernel_id, tuning_key
+from .identity import config_signature, current_rank, kernel_id
+from .key import tuning_key
 
 
 def chaos_index(kernel: str, key: str, rank: int, count: int) -> int:

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .errors import printable
+from .key import Key
 
 # Where a decision's config came from.
 SOURCES = (
@@ -49,7 +50,7 @@ class Decision:
     """One choice made at the first use of a (kernel, key) in this process."""
 
     kernel: str  # ``core.identity.kernel_id``
-    key: str  # ``tuning_key`` text; ``"*"`` for out-of-scope kernels
+    key: str  # the call's ``core.key.Key`` (its text); ``"*"`` for out-of-scope kernels
     signature: str  # ``config_signature`` of the launched config; empty when out of scope
     source: str  # one of ``SOURCES``
     config: dict[str, Any] = field(default_factory=dict)  # ``config_data`` of the launched config
@@ -70,11 +71,15 @@ class Decision:
     config_list_digest: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        """Plain data; the key in ``Key.to_data`` form (whose maps keep key order: never sort them)."""
+        data = asdict(self)
+        data["key"] = self.key.to_data() if isinstance(self.key, Key) else self.key
+        return data
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Decision:
-        return cls(**data)
+        key = data["key"]
+        return cls(**{**data, "key": Key.from_data(key) if isinstance(key, dict) else key})
 
 
 Listener = Callable[[Decision], None]

@@ -1,22 +1,23 @@
 """What a miss launches without measuring: the cheapest config by static cost, or the entry of
 the nearest tuned shape; pure functions, so every rank agrees.
 
-Keys are *comparable* when they differ only in numeric values (``True`` is not a number); distance
-is the sum of ``|s(a) - s(b)|``, ``s(v) = sign(v) * log2(1 + |v|)``. ``pick_neighbour`` prefers the
-lower of two disagreeing brackets while it is at most ``BRACKET_RATIO`` times as far: a config tuned
-for the smaller shape keeps more tiles in flight (RESULTS section 9: 90.7% of the best the other way).
+Keys (``core.key``) are *comparable* when they differ only in numeric values (``True`` is not a
+number); distance is the sum of ``|s(a) - s(b)|``, ``s(v) = sign(v) * log2(1 + |v|)``.
+``pick_neighbour`` prefers the lower of two disagreeing brackets while it is at most ``BRACKET_RATIO``
+times as far: a config tuned for the smaller shape keeps more tiles in flight (RESULTS section 9:
+90.7% of the best the other way).
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from .identity import config_signature
+from .key import Key, render
 
 _SHORT_BLOCK_NAMES = frozenset({"BM", "BN", "BK", "BD", "BH", "BT", "BS", "BC", "BV"})
 
@@ -79,47 +80,28 @@ def filter_configs_by_block_sizes(
     ]
 
 
-# Nearest shape. Key text is ``name=value, name=value | arg:dtype, ...`` (``identity.tuning_key``). Values are
-# found between ``name=`` markers, so a value may itself hold ", " (a tuple, a string), but not
-# ", word=": such a string key argument would be read as two values.
-_VALUE_START = re.compile(r"(?:^|, )([A-Za-z_]\w*)=")
 BRACKET_RATIO = 2.0
-_NUMBER = re.compile(r"-?(?:\d+\.\d*|\.\d+|\d+)(?:e[-+]?\d+)?|-?inf|nan", re.IGNORECASE)
 
 
 @dataclass(frozen=True, slots=True)
 class KeyShape:
-    fixed: tuple[str, ...]
+    fixed: tuple[Any, ...]
     """What comparable keys share: names, non-numeric values (``#`` for a number), dtypes."""
     numbers: tuple[float, ...]
 
 
-def key_shape(key: str) -> KeyShape | None:
-    """Split key text into its fixed part and its numbers; ``None`` when it cannot be parsed."""
-    values_text, sep, dtypes_text = key.partition(" | ")
-    if not sep:
-        return None
-    starts = list(_VALUE_START.finditer(values_text))
-    if values_text and (not starts or starts[0].start() != 0):
-        return None
-    fixed: list[str] = []
+def key_shape(key: Key) -> KeyShape:
+    """A key's fixed part and its numbers (``True`` is not a number; ``inf`` is kept as text)."""
+    fixed: list[Any] = []
     values: list[float] = []
-    for index, match in enumerate(starts):
-        end = starts[index + 1].start() if index + 1 < len(starts) else len(values_text)
-        raw = values_text[match.end() : end]
-        number = _as_number(raw)
-        if number is None:
-            fixed.append(f"{match.group(1)}={raw}")
+    for name, value in zip(key.names, key.values):
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            fixed.append(f"{name}=#")
+            values.append(float(value))
         else:
-            fixed.append(f"{match.group(1)}=#")
-            values.append(number)
-    fixed.append("|" + dtypes_text)
+            fixed.append(f"{name}={render(value)}")
+    fixed.append(key.dtypes)
     return KeyShape(tuple(fixed), tuple(values))
-
-
-def _as_number(raw: str) -> float | None:
-    value = float(raw) if _NUMBER.fullmatch(raw) else math.nan
-    return value if math.isfinite(value) else None
 
 
 def _scale(value: float) -> float:
@@ -133,13 +115,10 @@ def key_distance(a: KeyShape, b: KeyShape) -> float:
     return sum(abs(_scale(x) - _scale(y)) for x, y in zip(a.numbers, b.numbers))
 
 
-def nearest_keys(key: str, candidates: Iterable[str]) -> list[str]:
+def nearest_keys(key: Key, candidates: Iterable[Key]) -> list[Key]:
     """Comparable ``candidates`` other than ``key``, nearest first (ties by key text)."""
     target = key_shape(key)
-    if target is None:
-        return []
-    shapes = {c: shape for c in set(candidates) - {key} if (shape := key_shape(c)) is not None}
-    ranked = sorted((key_distance(target, shape), c) for c, shape in shapes.items())
+    ranked = sorted((key_distance(target, key_shape(c)), c) for c in set(candidates) - {key})
     return [c for distance, c in ranked if distance != math.inf]
 
 
@@ -155,7 +134,7 @@ def side_of(key: KeyShape, other: KeyShape) -> int | None:
     return -1 if below else 1 if above else 0
 
 
-def pick_neighbour(key: str, signatures: Mapping[str, str]) -> str | None:
+def pick_neighbour(key: Key, signatures: Mapping[Key, str]) -> Key | None:
     """The neighbour whose entry a miss of ``key`` launches (the rule in the module docstring);
     ``signatures``: each usable neighbour key, nearest first, to its entry's config signature."""
     ordered = list(signatures)
@@ -163,11 +142,11 @@ def pick_neighbour(key: str, signatures: Mapping[str, str]) -> str | None:
         return None
     nearest = ordered[0]
     target, nearest_shape = key_shape(key), key_shape(nearest)
-    if target is None or nearest_shape is None or side_of(target, nearest_shape) != 1:
+    if side_of(target, nearest_shape) != 1:
         return nearest
     for candidate in ordered[1:]:  # nearest first: the first entry below is the lower bracket
         shape = key_shape(candidate)
-        if shape is None or side_of(target, shape) not in (-1, 0):
+        if side_of(target, shape) not in (-1, 0):
             continue
         agree = signatures[candidate] == signatures[nearest]  # then there is nothing to choose
         close = key_distance(target, shape) <= BRACKET_RATIO * key_distance(target, nearest_shape)

@@ -1,4 +1,4 @@
-"""Names that cross processes: GPU arch, kernel identity, tuning keys, config signatures.
+"""Names that cross processes: GPU arch, kernel identity, config signatures (the call key: ``key``).
 
 Pure functions of the autotuner, the call and the config, never of Python's salted ``hash()`` or of
 set/dict order of ``Config`` objects (identity-hashed before Triton 3.4): every rank derives the same text.
@@ -10,7 +10,6 @@ import contextlib
 import functools
 import hashlib
 import inspect
-import numbers
 import os
 import re
 import sys
@@ -18,10 +17,11 @@ import textwrap
 import threading
 import types
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 from .errors import PolicyError
+from .key import render
 from .policy import parse_int
 
 # Config fields beyond kwargs/num_warps/num_stages, with the default that leaves them out of
@@ -123,13 +123,13 @@ def config_list_digest(autotuner: Any) -> str:
 
 
 def _closure_text(value: Any) -> str:
-    """Stable text of a closed-over value: a module or function by name, else ``_render``."""
+    """Stable text of a closed-over value: a module or function by name, else ``key.render``."""
     if isinstance(value, types.ModuleType):
         return value.__name__
     try:
         return base_kernel_id(value)  # a function, or a jit function or autotuner over one
     except TypeError:
-        return _render(value)
+        return render(value)
 
 
 def kernel_id(autotuner: Any) -> str:
@@ -229,38 +229,6 @@ def kernel_source_hash(autotuner: Any) -> str | None:
     return _source_hash_of(_user_function(autotuner))
 
 
-def _render(value: Any) -> str:
-    """Stable text for one value: keeps type distinctions (``True`` is not ``1``)."""
-    if value is None or isinstance(value, (bool, str)):
-        return repr(value)
-    if isinstance(value, numbers.Integral):
-        return str(int(value))
-    if isinstance(value, numbers.Real):
-        return repr(float(value))
-    dtype = getattr(value, "dtype", None)
-    shape = getattr(value, "shape", None)
-    if dtype is not None and shape is not None:
-        return f"tensor({list(shape)}, {dtype})"
-    text = repr(value)
-    # A default repr carries a memory address, which differs between processes.
-    return type(value).__name__ if " at 0x" in text else text
-
-
-def tuning_key(autotuner: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
-    """Stable text of the tuning key, at least as fine as Triton's (bools apart from ints):
-    ``M=64, N=48, K=40 | a_ptr:torch.float16, b_ptr:...``."""
-    arg_names = list(autotuner.arg_names)
-    named: dict[str, Any] = dict(zip(arg_names, args))
-    for name, value in kwargs.items():
-        if name in arg_names:
-            named[name] = value
-    values = [f"{name}={_render(named[name])}" for name in autotuner.keys if name in named]
-    dtypes = [
-        f"{name}:{named[name].dtype}" for name in arg_names if name in named and hasattr(named[name], "dtype")
-    ]
-    return ", ".join(values) + " | " + ", ".join(dtypes)
-
-
 def config_data(config: Any) -> dict[str, Any]:
     """Serializable launch options of a ``triton.Config`` (no hooks); release-specific fields
     only when not default."""
@@ -282,13 +250,13 @@ def config_signature(config: Any) -> str:
     """Stable text of a ``triton.Config`` or its ``config_data``: sorted typed kwargs, warps and
     stages, other fields only when non-default, so one config reads the same on Triton 3.3-3.9."""
     data = config if isinstance(config, Mapping) else config_data(config)
-    parts = [f"{k}={_render(v)}" for k, v in sorted(data["kwargs"].items())]
-    parts.append(f"num_warps={_render(data.get('num_warps'))}")
-    parts.append(f"num_stages={_render(data.get('num_stages'))}")
+    parts = [f"{k}={render(v)}" for k, v in sorted(data["kwargs"].items())]
+    parts.append(f"num_warps={render(data.get('num_warps'))}")
+    parts.append(f"num_stages={render(data.get('num_stages'))}")
     for name, default in _OPTIONAL_FIELDS:
         value = data.get(name, default)
         if value != default:
-            parts.append(f"{name}={_render(value)}")
+            parts.append(f"{name}={render(value)}")
     return ", ".join(parts)
 
 

@@ -21,13 +21,13 @@ import weakref
 from typing import Any
 
 from ..core.errors import CompiledLaunchNotPinnedError, MegatronTuningError
-from ..core.identity import config_signature, tuning_key
+from ..core.identity import config_signature
 from ..core.notices import warn_once
 from ..core.policy import TuningPolicy
-from . import pinning
+from . import fastpath, pinning
 
-# Modes whose compiled launches keep Inductor's own behaviour (nothing is pinned in them).
-PASS_THROUGH_MODES = ("off", "record")
+PASS_THROUGH_MODES = ("off", "record")  # compiled launches keep Inductor's own behaviour
+PINNED_ATTR = "_megatron_tuning_pinned_config"  # on compiled code's one-config copies: their config
 HOOK_PARAMETERS = ["self", "variable", "args", "kwargs", "tx"]
 
 _lock = threading.RLock()
@@ -146,7 +146,7 @@ def _make_call_triton_kernel(original: Any) -> Any:
             installation is None
             or installation.policy.mode in PASS_THROUGH_MODES
             or not isinstance(kernel, Autotuner)
-            or pinning.PINNED_ATTR in kernel.__dict__
+            or PINNED_ATTR in kernel.__dict__
         ):
             return original(self, variable, args, kwargs, tx)
         state = pinning.state_for(kernel, installation)
@@ -164,10 +164,10 @@ def _make_call_triton_kernel(original: Any) -> Any:
 
         try:
             with _disable_current_modes():  # the agreement check may create tensors: keep them real
-                config = _pin(kernel, installation, values, named, may_measure=False, defer=True)
+                config = _pin(kernel, installation, values, named, may_measure=False, defer=True)[0]
         except pinning.Deferred:  # auto, a miss: tuned at the graph's first run (_tune_at_first_run)
             with _lock:
-                _deferred.setdefault(kernel, set()).add(pinning.raw_key(state, values, named))
+                _deferred.setdefault(kernel, set()).add(state.key(values, named))
             config = None
         except MegatronTuningError as error:
             if tx is None:  # wrap_triton / make_fx tracing: the error reaches the caller as is
@@ -222,15 +222,18 @@ def _one_config_copy(kernel: Any, config: Any) -> Any:
             reset_to_zero=list(getattr(kernel, "reset_to_zero", None) or []) or None,
             restore_value=list(getattr(kernel, "restore_value", None) or []) or None,
         )(kernel.fn)
-        pinning.mark_pinned(copy, config)
+        _mark_nested_copy(copy)
         per_kernel[id(config)] = (copy, config)  # holding config keeps its id() unique
         return copy
 
 
 def _mark_nested_copy(kernel: Any) -> None:
+    """A one-config copy (ours, or one torch made) launches its config, never a state or ``run`` it copied."""
     configs = getattr(kernel, "configs", None)  # an Autotuner (a JITFunction has none)
-    if isinstance(configs, list) and len(configs) == 1 and pinning.PINNED_ATTR not in kernel.__dict__:
-        pinning.mark_pinned(kernel, configs[0])
+    if isinstance(configs, list) and len(configs) == 1 and PINNED_ATTR not in kernel.__dict__:
+        kernel.__dict__[PINNED_ATTR] = configs[0]
+        kernel.__dict__.pop(pinning.STATE_ATTR, None)
+        fastpath.disarm(kernel)
 
 
 def _recreate(hopifier: Any, variable: Any, kernel: Any) -> Any:
@@ -268,8 +271,8 @@ def _tune_at_first_run(caching: Any, installation: Any, args: tuple[Any, ...], k
     named = dict(zip(names, args))
     for kernel in _matching_kernels(caching.fn, list(_deferred)):
         state = pinning.state_for(kernel, installation)
-        raw = pinning.raw_key(state, (), named)
-        if raw not in _deferred.get(kernel, ()):
+        key = state.key((), named)
+        if key not in _deferred.get(kernel, ()):
             continue
         launchers = {config_signature(launcher.config): launcher for launcher in caching.launchers}
         own = {config_signature(config): config for config in kernel.configs}
@@ -279,7 +282,7 @@ def _tune_at_first_run(caching: Any, installation: Any, args: tuple[Any, ...], k
         )
         listed: Any = functools.partial(list, candidates)
         config = pinning.decide(
-            kernel, state, installation, raw, (), named, candidates=listed, measure=measure
+            kernel, state, installation, key, (), named, candidates=listed, measure=measure
         )
         caching.reset_to_zero_args(*args, **kwargs)  # as Inductor's own benchmark ends
         return launchers.get(config_signature(config))
@@ -330,7 +333,7 @@ def _report_bypass(caching_autotuner: Any, installation: Any, args: tuple[Any, .
         name, key = state.kernel, "?"
         names = _launcher_arg_names(caching_autotuner)
         with contextlib.suppress(Exception):  # a key that cannot be told still names the kernel
-            key = tuning_key(traced[0], (), dict(zip(names, args))) if names is not None else "?"
+            key = state.key((), dict(zip(names, args))) if names is not None else "?"
     elif installation.policy.scope:
         return  # a kernel this process never traced cannot be matched to a scope
     else:
@@ -370,7 +373,7 @@ def _matching_kernels(generated: Any, kernels: list[Any]) -> list[Any]:
     digest = _body_digest(getattr(generated, "src", "") or "")
     matches: list[Any] = []
     for kernel in kernels:
-        if not isinstance(kernel, Autotuner) or not kernel.keys or pinning.PINNED_ATTR in kernel.__dict__:
+        if not isinstance(kernel, Autotuner) or not kernel.keys or PINNED_ATTR in kernel.__dict__:
             continue
         try:
             if kernel.base_fn.__name__ not in (name, _generated_name(generated)):

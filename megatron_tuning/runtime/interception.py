@@ -1,10 +1,10 @@
-"""The Triton adapter: the only module that patches Triton's private ``Autotuner`` internals.
+"""The Triton adapter: the only module that patches Triton's private ``Autotuner`` class.
 
 ``run`` launches ``pinning.decide``'s config as Triton's cache-hit path does (``best_config``, the
 config's ``pre_hook`` with all arguments, ``fn.run``; autotuner-level hooks guard benchmarking only);
-after a ``kernel[grid](*args)`` launch a generated instance ``run`` serves that call shape. ``_bench``
-refuses to time in deterministic, chaos and auto; ``record`` logs Triton's winner. ``install`` also
-patches torch.compile (``inductor``); ``uninstall()`` restores Triton exactly (``test_triton_contract``).
+after a ``kernel[grid](*args)`` launch ``fastpath.arm`` serves that call shape. ``_bench`` refuses to
+time in deterministic, chaos and auto; ``record`` logs Triton's winner. ``install`` also patches
+torch.compile (``inductor``); ``uninstall()`` restores Triton exactly (``test_triton_contract``).
 """
 
 from __future__ import annotations
@@ -19,20 +19,18 @@ from collections.abc import Iterator
 from typing import Any
 
 from ..core.chaos import ChaosCoordinator
-from ..core.choice import Choice, as_config_table, report_policy_end
+from ..core.choice import Choice, as_config_table
 from ..core.errors import BenchmarkForbiddenError, UnsupportedTritonError
-from ..core.identity import config_signature, kernel_source_hash, tuning_key
-from ..core.notices import reset_warnings
+from ..core.identity import config_signature, kernel_source_hash
+from ..core.notices import report_policy_end, reset_warnings
 from ..core.policy import TuningPolicy
-from . import inductor, pinning
-from .pinning import AutotunerState, Consensus, Installation, Measure, current_policy, installed
+from . import fastpath, inductor, pinning
+from .pinning import AutotunerState, Consensus, Installation, Launch, Measure, current_policy, installed
 
 logger = logging.getLogger(__name__)
 
 MIN_TRITON = (3, 3)
-LAUNCH_OPTIONS = ("num_warps", "num_ctas", "num_stages", "maxnreg")  # added by Config.all_kwargs()
 _LAUNCH_KEYWORDS = frozenset(("grid", "warmup"))  # what ``kernel[grid](...)`` passes: the call shape armed
-_ABSENT = object()  # the launch-key entry of an argument without a dtype; a keyword not passed
 Args = tuple[Any, ...]
 Kwargs = dict[str, Any]
 
@@ -54,12 +52,15 @@ def install(
     measure: Measure | None = None,
     consensus: Consensus | None = None,
     chaos: ChaosCoordinator | None = None,
+    fast_path: bool = True,
 ) -> None:
     """Patch Triton's Autotuner for ``policy``; a second call replaces the policy.
 
     ``table``: a ``core.choice.ConfigTable`` or a ``{(kernel, key): config}`` mapping. ``measure`` is
     required in ``tune``; ``auto`` without one applies the miss rule. ``consensus`` (``auto``) and
     ``chaos`` coordinate the job's ranks (``distributed.store``); ``None``: this process alone.
+    ``fast_path=False`` launches every call through the class path, never ``fastpath``'s (what
+    ``benchmarks/bench_launch_overhead.py`` compares).
     """
     global _generation
     if policy.mode == "tune" and measure is None:
@@ -75,7 +76,8 @@ def install(
             _use_lazy_init(+1)
             inductor.patch(_pin)
         _generation += 1
-        installation = Installation(policy, as_config_table(table), measure, _generation, consensus, chaos)
+        table = as_config_table(table)
+        installation = Installation(policy, table, measure, _generation, consensus, chaos, fast_path)
         pinning.set_active(installation)
         _forget_instance_runs_and_filed_entries()
     if previous is not None:
@@ -107,8 +109,7 @@ def uninstall() -> None:
 
 def _forget_instance_runs_and_filed_entries() -> None:
     for autotuner in pinning.touched():  # (under ``_lock``, as ``_filed`` is written)
-        if pinning.serving(autotuner.__dict__.get("run")) is not None:
-            del autotuner.__dict__["run"]
+        fastpath.disarm(autotuner)
     for autotuner, entries in list(_filed.items()):
         cache = autotuner.__dict__.get("cache", {})
         for key in [k for k, config in entries.items() if cache.get(k) is config]:  # not re-tuned since
@@ -133,9 +134,9 @@ def _make_bench(original: Any) -> Any:
 def _make_run(original: Any) -> Any:
     @functools.wraps(original)
     def run(self: Any, *args: Any, **kwargs: Any) -> Any:
-        pinned = self.__dict__.get(pinning.PINNED_ATTR)
+        pinned = self.__dict__.get(inductor.PINNED_ATTR)
         if pinned is not None:  # a compiled graph's one-config copy: decided when it was traced
-            return _launch(self, pinned, args, kwargs)
+            return _launch(self, (pinned, pinned.all_kwargs()), args, kwargs)
         installation = pinning.active
         if installation is None or installation.policy.mode == "off":
             return original(self, *args, **kwargs)
@@ -144,136 +145,56 @@ def _make_run(original: Any) -> Any:
             return original(self, *args, **kwargs)
         if installation.policy.mode == "record":
             return _record(original, self, state, installation.arch, args, kwargs)
-        config = _pin(self, installation, args, kwargs)
-        if (
-            kwargs.keys() == _LAUNCH_KEYWORDS
-            and pinning.serving(self.__dict__.get("run")) is not installation
-        ):
-            _arm(self, state, installation, args)
-        return _launch(self, config, args, kwargs)
+        launch = _pin(self, installation, args, kwargs)
+        if kwargs.keys() == _LAUNCH_KEYWORDS:
+            fastpath.arm(self, state, installation, args)
+        return _launch(self, launch, args, kwargs)
 
     return run
 
 
-def _pin(autotuner: Any, installation: Installation, args: Args, kwargs: Kwargs, **options: Any) -> Any:
-    """The config of this call's key, decided now if new and then filed in the autotuner's ``cache``
-    under Triton's key (``inductor`` calls this too, with ``pinning.decide``'s options)."""
+def _pin(autotuner: Any, installation: Installation, args: Args, kwargs: Kwargs, **options: Any) -> Launch:
+    """The ``Launch`` of this call: its key decided now if new (``inductor`` calls this too, with
+    ``pinning.decide``'s options), and its config filed in the autotuner's ``cache`` under Triton's key."""
     state = pinning.state_for(autotuner, installation)
-    raw = pinning.raw_key(state, args, kwargs)
-    config = state.pins.get(raw)
-    if config is None:
+    launch_key = state.launch_key(args, kwargs)
+    launch = state.launches.get(launch_key)
+    if launch is None:
+        key = state.key(args, kwargs)
         candidates = functools.partial(_live_candidates, autotuner, args, kwargs)
         config = pinning.decide(
-            autotuner, state, installation, raw, args, kwargs, candidates=candidates, **options
+            autotuner, state, installation, key, args, kwargs, candidates=candidates, **options
         )
-        key = triton_cache_key(autotuner, args, kwargs)
+        launch = state.launches.setdefault(launch_key, (config, fastpath.launch_options(config)))
+        triton_key = key.triton_key([*state.arg_names[: len(args)], *kwargs])
         with _lock:
-            autotuner.cache[key] = config
-            _filed.setdefault(autotuner, {})[key] = config
-    return config
+            autotuner.cache[triton_key] = config
+            _filed.setdefault(autotuner, {})[triton_key] = config
+    return launch
 
 
-def _launch(autotuner: Any, config: Any, args: Args, kwargs: Kwargs) -> Any:
-    """Triton's cache-hit launch (the generated ``run`` does the same with fewer options)."""
-    options = config.all_kwargs()
-    autotuner.best_config = config
-    if config.pre_hook is not None:
-        config.pre_hook({**dict(zip(autotuner.arg_names, args)), **kwargs, **options})
-    return autotuner.fn.run(*args, **kwargs, **options)
-
-
-def _arm(autotuner: Any, state: AutotunerState, installation: Installation, args: Args) -> None:
-    """Make the instance ``run`` the hit path for calls shaped like ``args``: not over a user's own, not
-    where a subclass overrides ``run``, and only while ``installation`` is active (under ``_lock``)."""
-    if getattr(type(autotuner), "run", None) is not autotuner_class().__dict__.get("run"):
-        return
-    run = _generate_run(autotuner, state, installation, args)
-    with _lock:
-        current = autotuner.__dict__.get("run")
-        if pinning.active is installation and (current is None or pinning.serving(current) is not None):
-            autotuner.__dict__["run"] = run
-
-
-def _generate_run(autotuner: Any, state: AutotunerState, installation: Installation, args: Args) -> Any:
-    """The pinned hit path for calls of ``len(args)`` positional arguments plus ``grid`` and ``warmup``
-    while ``installation`` is active; other calls go to the class path. Its launch key: each ``key=``
-    value with its type (``True``, ``1``, ``1.0`` differ), then each argument's dtype; for a fixed
-    argument count, equal launch keys mean equal decision keys. Generated (as Triton's JIT binder)
-    because a closure's ``map`` measured 0.26x of Triton's hit-path cost, this 0.16x, the goal 0.2x
-    (``benchmarks/bench_launch_overhead.py --cpu``). Only positions enter the source, never names.
-    """
-    names = [f"a{i}" for i in range(len(args))]
-    parts = [f"{names[i]}.__class__, {names[i]}" for _, i in state.key_index if i < len(args)]
-    parts += [
-        f"{n}.dtype" if hasattr(a, "dtype") else f"getattr({n}, 'dtype', _ABSENT)"
-        for n, a in zip(names, args)
-    ]
-    unpack = f"{', '.join(names)}, = args" if names else "pass"
-    key_source = "".join(part + ", " for part in parts)
-    records: dict[tuple[Any, ...], tuple[Any, dict[str, Any]]] = {}
-
-    def learn(key: tuple[Any, ...], args: Args, grid: Any, warmup: Any) -> Any:
-        config = _pin(autotuner, installation, args, {"grid": grid, "warmup": warmup})
-        # fn.run fills in the backend's defaults itself; each option passed lengthens Triton's
-        # per-launch cache key. Config.pre_hook still sees them all.
-        defaults = launch_option_defaults()
-        options = {k: v for k, v in config.all_kwargs().items() if k not in defaults or defaults[k] != v}
-        records[key] = (config, options)  # one per decision key: never more records than pins
-        return config, options
-
-    source = f"""\
-def run(*args, grid=_ABSENT, warmup=_ABSENT, **kwargs):
-    if (kwargs or len(args) != {len(args)} or grid is _ABSENT or warmup is _ABSENT
-            or pinning.active is not serves):
-        return slow(autotuner, args, grid, warmup, kwargs)
-    {unpack}
-    try:
-        key = ({key_source})
-    except AttributeError:  # no dtype where the call that armed this had one
-        return slow(autotuner, args, grid, warmup, kwargs)
-    launch = get(key)
-    if launch is None:
-        launch = learn(key, args, grid, warmup)
+def _launch(autotuner: Any, launch: Launch, args: Args, kwargs: Kwargs) -> Any:
+    """Triton's cache-hit launch (``fastpath``'s generated ``run`` does the same)."""
     config, options = launch
     autotuner.best_config = config
-    if config.pre_hook is not None:  # the full argument dict, as on Triton's hit path
-        named = dict(zip(arg_names, args))
-        config.pre_hook({{**named, "grid": grid, "warmup": warmup, **config.all_kwargs()}})
-    return autotuner.fn.run(*args, grid=grid, warmup=warmup, **options)
-"""
-    scope = dict(
-        _ABSENT=_ABSENT,
-        arg_names=state.arg_names,
-        autotuner=autotuner,
-        get=records.get,
-        learn=learn,
-        pinning=pinning,
-        serves=installation,
-        slow=_class_run,
-    )
-    exec(compile(source, f"<megatron_tuning launch {state.kernel}>", "exec"), scope)  # noqa: S102
-    run = scope["run"]
-    setattr(run, pinning.SERVES_ATTR, installation)
-    return run
-
-
-def _class_run(autotuner: Any, args: Args, grid: Any, warmup: Any, kwargs: Kwargs) -> Any:
-    """A call the generated ``run`` does not serve, to the class's ``run`` (Triton's once uninstalled)."""
-    launch = {name: value for name, value in (("grid", grid), ("warmup", warmup)) if value is not _ABSENT}
-    return type(autotuner).run(autotuner, *args, **launch, **kwargs)
+    if config.pre_hook is not None:
+        config.pre_hook({**dict(zip(autotuner.arg_names, args)), **kwargs, **config.all_kwargs()})
+    return autotuner.fn.run(*args, **kwargs, **options)
 
 
 def _record(
     original: Any, autotuner: Any, state: AutotunerState, arch: str, args: Args, kwargs: Kwargs
 ) -> Any:
     """Record mode: Triton autotunes as usual; its winner and timings are logged once per key."""
-    raw = pinning.raw_key(state, args, kwargs)
-    if raw in state.pins:
+    launch_key = state.launch_key(args, kwargs)
+    if launch_key in state.launches:
         return original(autotuner, *args, **kwargs)
     before = autotuner.__dict__.get("configs_timings")
     result = original(autotuner, *args, **kwargs)
+    key = state.key(args, kwargs)
     with state.lock:
-        if raw in state.pins:
+        state.launches[launch_key] = (autotuner.best_config, {})  # seen: never launched from here
+        if key in state.pins:
             return result
         after = autotuner.__dict__.get("configs_timings")
         timings = None
@@ -283,9 +204,9 @@ def _record(
             timings = {"candidates": candidates, "bench_time_s": getattr(autotuner, "bench_time", None)}
         if state.source_hash is None:
             state.source_hash = kernel_source_hash(autotuner)
-        choice = Choice(autotuner.best_config, "recorded")
-        pinning.log(state, tuning_key(autotuner, args, kwargs), choice, arch, timings)
-        state.pins[raw] = choice.config
+        choice = Choice(autotuner.best_config, "recorded", timings=timings)
+        pinning.log(state, key, choice, arch)
+        state.pins[key] = choice.config
     return result
 
 
@@ -319,17 +240,6 @@ def check_triton_contract() -> None:
         )
 
 
-def triton_cache_key(autotuner: Any, args: Args, kwargs: Kwargs) -> tuple[Any, ...]:
-    """The key Triton's ``Autotuner.run`` files a call under in ``cache``: the ``key=`` values, then
-    ``str(dtype)`` of each argument that has one (positional first, then keywords in call order)."""
-    arg_names = autotuner.arg_names
-    named = {**dict(zip(arg_names, args)), **kwargs}
-    present = {name: value for name, value in named.items() if name in arg_names}
-    key = [present[name] for name in autotuner.keys if name in present]
-    key.extend(str(value.dtype) for value in present.values() if hasattr(value, "dtype"))
-    return tuple(key)
-
-
 def _live_candidates(autotuner: Any, args: Args, kwargs: Kwargs) -> list[Any]:
     """The kernel's own pruning (early_config_prune, perf_model/top_k), as Triton applies it."""
     if len(autotuner.configs) <= 1:
@@ -339,29 +249,6 @@ def _live_candidates(autotuner: Any, args: Args, kwargs: Kwargs) -> list[Any]:
         return list(autotuner.prune_configs(kwargs))
     finally:
         autotuner.nargs = None
-
-
-def launch_option_defaults() -> dict[str, Any]:
-    """The backend's defaults (``parse_options({})``) for ``LAUNCH_OPTIONS``; ``{}`` without a GPU driver,
-    so nothing is left out there. Read once per launch record, never per launch."""
-    try:
-        from triton.runtime.driver import driver
-
-        target = driver.active.get_current_target()
-    except Exception:  # noqa: BLE001 - no active GPU driver (CPU, interpreter): keep every option
-        return {}
-    return dict(_defaults_for(target))
-
-
-@functools.lru_cache(maxsize=8)
-def _defaults_for(target: Any) -> tuple[tuple[str, Any], ...]:
-    from triton.compiler.compiler import make_backend
-
-    try:
-        options = make_backend(target).parse_options({})
-    except Exception:  # noqa: BLE001 - a backend that needs more to parse: keep every option
-        return ()
-    return tuple((name, getattr(options, name)) for name in LAUNCH_OPTIONS if hasattr(options, name))
 
 
 @contextlib.contextmanager

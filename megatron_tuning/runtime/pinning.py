@@ -8,18 +8,18 @@ is proposed to the job the same way, so per-node caches never split ranks.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import threading
-import types
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from ..core import choice as rules
+from ..core import notices
 from ..core.chaos import ChaosCoordinator, choose_chaos
-from ..core.choice import Choice, ConfigTable, choose_deterministically, choose_on_miss, pin_without_fallback
+from ..core.choice import Choice, ConfigTable, Unpinned, choose
 from ..core.decisions import Decision, decision_log
 from ..core.errors import ConsensusError
 from ..core.identity import (
@@ -31,9 +31,8 @@ from ..core.identity import (
     kernel_id,
     kernel_module,
     kernel_source_hash,
-    tuning_key,
 )
-from ..core.notices import warn_once
+from ..core.key import Key, call_key
 from ..core.policy import TuningPolicy
 
 logger = logging.getLogger("megatron_tuning.runtime.interception")
@@ -42,8 +41,6 @@ progress = logging.getLogger("megatron_tuning.tuning.tuner.progress")
 Measure = Callable[[Any, list[Any], tuple[Any, ...], dict[str, Any], str, str], tuple[Any, dict[str, Any]]]
 
 STATE_ATTR = "_megatron_tuning_state"
-PINNED_ATTR = "_megatron_tuning_pinned_config"  # on compiled code's one-config copies: their config
-SERVES_ATTR = "_megatron_tuning_serves"  # on every ``run`` the interception generates: its installation
 
 
 class PublishedDecision(Protocol):
@@ -81,12 +78,16 @@ class Installation:
     generation: int
     consensus: Consensus | None = None
     chaos: ChaosCoordinator | None = None  # job-wide (``distributed.store``); ``None``: the rank formula
+    fast_path: bool = True  # arm ``fastpath``'s generated hit path (off: every launch takes the class path)
 
     @property
     def arch(self) -> str:
         """The current device's arch, read per decision, never at install: a rank may install before
         ``torch.cuda.set_device(local_rank)``, and reading then would touch GPU 0."""
         return arch_tag()
+
+
+Launch = tuple[Any, dict[str, Any]]  # a pinned config and the options its launches pass ``fn.run``
 
 
 @dataclass
@@ -98,10 +99,29 @@ class AutotunerState:
     kernel: str
     key_index: tuple[tuple[str, int], ...]  # (name, parameter position) of each ``key=`` argument
     arg_names: tuple[str, ...]
-    pins: dict[tuple[Any, ...], Any] = field(default_factory=dict)  # ``raw_key`` -> its one config
+    pins: dict[Key, Any] = field(default_factory=dict)  # each decided key -> its one config
+    # ``launch_key`` of each call shape launched -> its ``Launch``: what a launch looks up.
+    launches: dict[tuple[Any, ...], Launch] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
     source_hash: str | None = None
     config_list_digest: str | None = None
+
+    def key(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Key:
+        """The call's ``core.key.Key``: built at the first launch of each call shape."""
+        return call_key(self.arg_names, [name for name, _ in self.key_index], args, kwargs)
+
+    def launch_key(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+        """What each launch looks its ``Launch`` up by, without building a ``Key``: each ``key=``
+        value with its type (``True``, ``1``, ``1.0`` apart; ``None, None`` when not passed), then
+        each parameter's dtype (``None`` without one). Equal launch keys have equal ``Key``s;
+        ``fastpath`` computes the same tuple from positions."""
+        named = dict(zip(self.arg_names, args))
+        named.update((name, value) for name, value in kwargs.items() if name in self.arg_names)
+        parts: list[Any] = []
+        for name, _ in self.key_index:
+            parts += (named[name].__class__, named[name]) if name in named else (None, None)
+        parts += [getattr(named.get(name), "dtype", None) for name in self.arg_names]
+        return tuple(parts)
 
 
 active: Installation | None = None  # read at every launch; changed only through ``set_active``
@@ -126,6 +146,13 @@ def set_active(installation: Installation | None, *, replacing: Any = _ANY) -> b
     return True
 
 
+@contextlib.contextmanager
+def while_active(installation: Installation) -> Iterator[bool]:
+    """Hold ``set_active``'s lock; yield whether ``installation`` is the active one."""
+    with _active_lock:
+        yield active is installation
+
+
 def touched() -> list[Any]:
     """The autotuners that were given a state, so ``uninstall`` can clear them."""
     with _active_lock:
@@ -139,21 +166,6 @@ def installed() -> bool:
 def current_policy() -> TuningPolicy | None:
     installation = active
     return None if installation is None else installation.policy
-
-
-def serving(run: Any) -> Installation | None:
-    """The installation an instance ``run`` the interception generated serves; ``None`` for any other
-    (read from the function's own ``__dict__``: a user's mock answers every attribute)."""
-    return run.__dict__.get(SERVES_ATTR) if isinstance(run, types.FunctionType) else None
-
-
-def mark_pinned(autotuner: Any, config: Any) -> None:
-    """Make ``autotuner`` a compiled graph's one-config copy that launches ``config``. A ``copy.copy``
-    carries the original's state and instance ``run``: both go, so the copy launches its own pin."""
-    autotuner.__dict__[PINNED_ATTR] = config
-    autotuner.__dict__.pop(STATE_ATTR, None)
-    if serving(autotuner.__dict__.get("run")) is not None:
-        del autotuner.__dict__["run"]
 
 
 def state_for(autotuner: Any, installation: Installation) -> AutotunerState:
@@ -183,21 +195,11 @@ def state_for(autotuner: Any, installation: Installation) -> AutotunerState:
     return new
 
 
-def raw_key(state: AutotunerState, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
-    """The decision key: the parts of ``tuning_key`` by argument name (each ``key=`` value with its
-    type, so ``True``/``1``/``1.0`` differ; then each argument's dtype), without building text."""
-    named = dict(zip(state.arg_names, args))
-    named.update((name, value) for name, value in kwargs.items() if name in state.arg_names)
-    values = tuple((name, named[name].__class__, named[name]) for name, _ in state.key_index if name in named)
-    dtypes = tuple((name, named[name].dtype) for name in state.arg_names if hasattr(named.get(name), "dtype"))
-    return (values, dtypes)
-
-
 def decide(
     autotuner: Any,
     state: AutotunerState,
     installation: Installation,
-    raw: tuple[Any, ...],
+    key: Key,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     *,
@@ -213,7 +215,7 @@ def decide(
     ``Deferred``. A key first launched during a CUDA graph capture is never measured.
     """
     with state.lock:
-        config = state.pins.get(raw)
+        config = state.pins.get(key)
         if config is not None:
             return config
         for hook in tuple(before_decision):
@@ -222,10 +224,9 @@ def decide(
                 set_active(new, replacing=installation)
                 installation = new
         capturing, live = is_capturing(), candidates()
-        key, kernel, policy = tuning_key(autotuner, args, kwargs), state.kernel, installation.policy
-        arch = installation.arch  # the launching device's, once per decision
+        kernel, policy, arch = state.kernel, installation.policy, installation.arch  # arch: once per decision
         launchable, call = may_measure and not capturing, (args, kwargs)
-        measure, timings = measure or installation.measure, None
+        measure = measure or installation.measure
         if policy.mode == "chaos":
             rank, coordinator = current_rank(), installation.chaos
             choice = choose_chaos(
@@ -234,48 +235,37 @@ def decide(
         elif policy.mode == "tune" and len(live) > 1 and launchable:
             assert measure is not None
             config, timings = measure(autotuner, live, *call, kernel, key)
-            choice = Choice(config, "tuned")
-        elif policy.mode == "auto":
-            choice, timings = auto_choice(
+            choice = Choice(config, "tuned", timings=timings)
+        else:
+            if policy.mode == "tune" and len(live) > 1:
+                notices.cannot_measure(kernel, key)
+            auto, consensus = policy.mode == "auto", installation.consensus
+            unpinned = adopt_or_tune(autotuner, live, key, call, arch, consensus, measure, launchable, defer)
+            choice = choose(
                 autotuner,
                 live,
                 key,
-                call,
-                kernel=kernel,
-                arch=arch,
-                policy=policy,
                 table=installation.table,
-                measure=measure,
-                consensus=installation.consensus,
-                may_measure=launchable,
-                defer=defer,
+                on_miss=policy.on_miss,
+                block_sizes=policy.block_sizes,
+                numerics=policy.numerics,
+                unpinned=unpinned if auto else None,
+                fix=notices.FIX_AN_AUTO_MISS if auto else notices.FIX_A_MISS,
             )
-        else:
-            if policy.mode == "tune" and len(live) > 1:
-                warn_once(
-                    ("tune-cannot-measure", kernel, key),
-                    "kernel %s key %s is first seen where nothing can be measured (compiled code, or a "
-                    "CUDA graph capture); using the deterministic choice instead of tuning it. Launch "
-                    "this key once eagerly, outside graph capture, before compiling or capturing, so "
-                    "the tuner can time it",
-                    kernel,
-                    key,
-                )
-            table, on_miss, block_sizes = installation.table, policy.on_miss, policy.block_sizes
-            choice = choose_deterministically(
-                autotuner, live, key, table=table, on_miss=on_miss, block_sizes=block_sizes
-            )
+            if auto and choice.source not in ("tuned", "adopted"):
+                choice = _proposed(choice, live, kernel, key, arch, consensus)
         if state.source_hash is None:
             state.source_hash = kernel_source_hash(autotuner)
-        rules.check_numerics(policy.numerics, kernel, key, choice)  # may raise: nothing is pinned
-        log(state, key, choice, arch, timings)  # listeners (agreement) may raise: nothing is pinned
+        signature = config_signature(choice.config)
+        notices.check_numerics(policy.numerics, kernel, key, choice, signature)  # may raise: nothing pinned
+        log(state, key, choice, arch)  # listeners (agreement) may raise: nothing is pinned
         for after in tuple(after_decision):
             after(autotuner, live, call if launchable else None, state.kernel, key, choice)
-        state.pins[raw] = choice.config
+        state.pins[key] = choice.config
         return choice.config
 
 
-def log(state: AutotunerState, key: str, choice: Choice, arch: str, timings: dict[str, Any] | None) -> None:
+def log(state: AutotunerState, key: Key, choice: Choice, arch: str) -> None:
     """Record ``choice`` for (``state.kernel``, ``key``) in the decision log (its listeners run)."""
     decision = Decision(
         kernel=state.kernel,
@@ -288,7 +278,7 @@ def log(state: AutotunerState, key: str, choice: Choice, arch: str, timings: dic
         origin=choice.origin,
         source_hash=state.source_hash,
         config_list_digest=state.config_list_digest,
-        timings=timings,
+        timings=choice.timings,
         nearest_key=choice.nearest_key,
         matched_by=choice.matched_by,
         entry_kernel=choice.entry_kernel,
@@ -308,47 +298,42 @@ def log(state: AutotunerState, key: str, choice: Choice, arch: str, timings: dic
     decision_log().record(decision)
 
 
-def auto_choice(
+def adopt_or_tune(
     autotuner: Any,
-    candidates: list[Any],
-    key: str,
+    live: list[Any],
+    key: Key,
     call: tuple[tuple[Any, ...], dict[str, Any]],
-    *,
-    kernel: str,
     arch: str,
-    policy: TuningPolicy,
-    table: ConfigTable | None,
-    measure: Measure | None,
     consensus: Consensus | None,
+    measure: Measure | None,
     may_measure: bool = True,
     defer: bool = False,
-) -> tuple[Choice, dict[str, Any] | None]:
-    """``auto``'s choice for (kernel, key), and the timings when this rank measured."""
-    pinned = pin_without_fallback(autotuner, candidates, key, table=table, block_sizes=policy.block_sizes)
-    numerics = getattr(pinned, "numerics", None)
-    if policy.numerics == "deterministic-only" and numerics is not None and not numerics.deterministic:
-        pinned = rules.Miss("the table marks its config non-deterministic on its own")  # re-tuned
-    if isinstance(pinned, Choice):
-        return _proposed(pinned, candidates, kernel, key, arch, consensus), None
-    if consensus is not None:
-        published = consensus.lookup(kernel, key, arch)
-        if published is not None:
-            return _adopt(published, candidates, kernel, key, consensus.rank), published.timings
-    if not may_measure or measure is None:
-        if defer and measure is not None:
-            raise Deferred
-        fix, on_miss = rules.FIX_AN_AUTO_MISS, policy.on_miss
-        fallback = choose_on_miss(autotuner, candidates, key, pinned, table=table, on_miss=on_miss, fix=fix)
-        return _proposed(fallback, candidates, kernel, key, arch, consensus), None
-    config, timings = measure(autotuner, candidates, *call, kernel, key)
-    if consensus is None:
-        return Choice(config, "tuned"), timings
-    mine = config_signature(config)
-    winner = consensus.publish(kernel, key, arch, config_data(config), mine, timings)
-    if winner.rank == consensus.rank and winner.signature == mine:
-        return Choice(config, "tuned"), timings
-    # Another rank published first (maybe the same config): launch its config, cache its timings.
-    return _adopt(winner, candidates, kernel, key, consensus.rank), winner.timings
+) -> Unpinned:
+    """``auto``'s step for a key no table pins (``choose``'s ``unpinned``): adopt the decision another
+    rank published, else tune and publish it (the first writer wins); ``None`` where nothing may be
+    measured (then the miss rule applies), or ``Deferred`` with ``defer``."""
+    kernel = kernel_id(autotuner)
+
+    def unpinned(reason: str) -> Choice | None:
+        if consensus is not None:
+            published = consensus.lookup(kernel, key, arch)
+            if published is not None:
+                return _adopt(published, live, kernel, key, consensus.rank)
+        if not may_measure or measure is None:
+            if defer and measure is not None:
+                raise Deferred
+            return None
+        config, timings = measure(autotuner, live, *call, kernel, key)
+        if consensus is None:
+            return Choice(config, "tuned", timings=timings)
+        mine = config_signature(config)
+        winner = consensus.publish(kernel, key, arch, config_data(config), mine, timings)
+        if winner.rank == consensus.rank and winner.signature == mine:
+            return Choice(config, "tuned", timings=timings)
+        # Another rank published first (maybe the same config): launch its config, cache its timings.
+        return _adopt(winner, live, kernel, key, consensus.rank)
+
+    return unpinned
 
 
 def _proposed(
@@ -371,7 +356,7 @@ def _adopt(
             # A record naming this rank that it did not publish (it adopts) came from elsewhere.
             origin = f"rank {published.rank}" if published.rank != rank else "the store (names this rank)"
             progress.info("adopted %s from %s for %s [%s]", published.signature, origin, kernel, key)
-            return Choice(candidate, "adopted", origin)
+            return Choice(candidate, "adopted", origin, timings=published.timings)
     live = "; ".join(config_signature(c) for c in candidates) or "(none)"
     message = f"rank {published.rank} published {published.signature}, which is not among this rank's "
     raise ConsensusError(kernel, key, f"{message}{len(candidates)} live configs ({live})")

@@ -1,9 +1,10 @@
 """Table encodings: columnar canonical msgpack (on disk) and row-wise JSON (for review).
 
-msgpack, schema 1: ``[FORMAT, SCHEMA, header, body]``, one list per field; strings and configs are
-stored once and referenced by index, so a 100k-entry load checks columns at C speed. Canonical:
-sorted strings, configs by packed bytes, rows by (arch, kernel, key), all-nil optional columns
-omitted. Decoding is bounded by msgpack's own limits and size caps (``_unpack``).
+msgpack, schema 2: ``[FORMAT, SCHEMA, header, body]``, one list per field; strings, configs and
+key names are stored once and referenced by index (keys: ``keys.py``), so a 100k-entry load checks
+columns at C speed. Canonical: sorted strings, configs by packed bytes, rows by (arch, kernel,
+key), all-nil optional columns omitted. Decoding is bounded by msgpack's own limits and size caps
+(``_unpack``). Schema 1 (keys as text) is read, never written.
 """
 
 from __future__ import annotations
@@ -19,14 +20,12 @@ from typing import Any
 import msgpack
 
 from ..core import __version__
+from ..core.key import INT_MAX
 from .entry import (
     HOW_VALUES,
-    INT_MAX,
-    KEY_FORM,
     Entry,
     Invalid,
     Timing,
-    canonical_key,
     check_config,
     check_numerics,
     check_text,
@@ -34,9 +33,11 @@ from .entry import (
     make_entry,
 )
 from .files import check_json_budget, json_text
+from .keys import key_columns, key_from_text, keys_from_columns
 
 FORMAT = "megatron_tuning.table"
-SCHEMA = 1
+SCHEMA = 2
+SCHEMAS = (1, 2)  # read; 1 stored keys as text
 MAX_ENTRIES = 1_000_000  # as many as auto's cache may be allowed to keep
 
 _Ident = tuple[str, str, str]
@@ -48,7 +49,10 @@ _FLOAT_COLUMNS = ("median_ms", "spread_ms", "runner_up_ms")
 _COUNT_COLUMNS = ("samples", "candidates", "votes_for", "votes_total")
 _REQUIRED = ("strings", "configs", "arch", "kernel", "key", "config", "how")
 _COLUMN_TYPES: dict[str, frozenset[type]] = {
-    **dict.fromkeys(("strings", "key"), frozenset({str})),
+    "strings": frozenset({str}),
+    "key": frozenset({str, int}),  # schema 1: text; 2: an index into key_shapes
+    "key_shapes": frozenset({list}),  # [names, dtypes]
+    "key_values": frozenset({type(None), bool, int, float, str, dict}),  # every key's values, in row order
     "configs": frozenset({dict}),
     **dict.fromkeys(("arch", "kernel", "how", "config"), frozenset({int})),
     **dict.fromkeys(_STRING_COLUMNS + _COUNT_COLUMNS, frozenset({int, type(None)})),
@@ -59,10 +63,10 @@ _NO_TIMING = Timing()
 
 MAX_META_ITEMS = 4096
 # Values are single: a list or map inside one (a nesting bomb) is refused as soon as it is met. The
-# two columns whose values are maps (configs, numerics) are decoded apart, each at most this many
-# bytes: what decoding a file built to amplify can cost is bounded (~70x of this, ~1.1 GiB).
+# columns whose values are lists or maps are decoded apart, each at most this many bytes: what
+# decoding a file built to amplify can cost is bounded (~70x of this per column).
 MAX_MAP_COLUMN_BYTES = 16 * 1024 * 1024
-_MAP_COLUMNS = ("configs", "numerics")
+_MAP_COLUMNS = ("configs", "numerics", "key_shapes", "key_values")
 _LIMITS = {"raw": False, "strict_map_key": True, "max_bin_len": 0, "max_ext_len": 0}
 # msgpack's messages for these are empty: say what they mean.
 _ERRORS = {msgpack.OutOfData: "the file ends early", msgpack.StackError: "data nested too deeply"}
@@ -93,7 +97,7 @@ def encode_msgpack(library_version: str, meta: dict[str, str], entries: Sequence
         "configs": [config_of[blob] for blob in distinct],
         "arch": [sidx[s] for s in arch],
         "kernel": [sidx[s] for s in kernel],
-        "key": list(keys),
+        **key_columns(keys),
         "config": [cidx[packed_by_id[id(c)]] for c in configs],
         "how": [sidx[s] for s in how],
     }
@@ -114,14 +118,14 @@ def decode_msgpack(data: bytes) -> _Decoded:
     if data.lstrip()[:1] == b"{":
         hint = "name JSON views *.json, or convert with `megatron-tuning import FILE OUT.msgpack`"
         raise Invalid(f"this is JSON, not msgpack: {hint}")
-    header, body = _unpack(data)
+    schema, header, body = _unpack(data)
     if not header.keys() <= _HEADER_FIELDS:
         raise Invalid(f"header must be a map with fields {sorted(_HEADER_FIELDS)}")
     version, meta = check_header(header.get("library_version"), header.get("meta"))
-    return version, meta, _decode_body(body)
+    return version, meta, _decode_body(body, schema)
 
 
-def _unpack(data: bytes) -> tuple[dict[str, Any], dict[str, list[Any]]]:
+def _unpack(data: bytes) -> tuple[int, dict[str, Any], dict[str, list[Any]]]:
     """The header and the columns of ``[FORMAT, SCHEMA, header, body]``, each checked as it is read."""
     up = msgpack.Unpacker(max_buffer_size=max(1, len(data)), max_array_len=0, max_map_len=0, **_LIMITS)
     up.feed(data)
@@ -129,7 +133,7 @@ def _unpack(data: bytes) -> tuple[dict[str, Any], dict[str, list[Any]]]:
     try:
         if _length(up.read_array_header) != 4 or up.unpack() != FORMAT:
             raise Invalid(f"not a {FORMAT} file (missing format marker)")
-        check_schema(up.unpack())
+        schema = check_schema(up.unpack())
         where = "header: "
         for key in _fields(up, "header", len(_HEADER_FIELDS)):
             items = _fields(up, "header meta", MAX_META_ITEMS) if key == "meta" else None  # read lazily
@@ -143,7 +147,7 @@ def _unpack(data: bytes) -> tuple[dict[str, Any], dict[str, list[Any]]]:
                 raise Invalid(f"column {name} must be a list")
             if n > len(data) - up.tell():  # each value takes a byte: refused before anything is sized by it
                 raise Invalid(f"column {name}: truncated or corrupt ({n} values claimed)")
-            if name not in ("strings", "configs"):
+            if name not in ("strings", "configs", "key_shapes", "key_values"):
                 if count is not None and n != count:
                     raise Invalid(f"column {name} has {n} values for {count} entries")
                 count = n
@@ -173,7 +177,7 @@ def _unpack(data: bytes) -> tuple[dict[str, Any], dict[str, list[Any]]]:
             detail = f"a list or map inside a single value ({detail})"
         message = f"{where}not valid msgpack (truncated or corrupt): {detail} at byte {up.tell()}"
         raise Invalid(message) from None
-    return header, body
+    return schema, header, body
 
 
 def _length(read_header: Callable[[], int]) -> int | None:
@@ -212,11 +216,11 @@ def unique_map(pairs: list[tuple[Any, Any]], what: str = "map key") -> dict[Any,
     return out
 
 
-def _decode_body(body: dict[str, list[Any]]) -> dict[_Ident, Entry]:
+def _decode_body(body: dict[str, list[Any]], schema: int) -> dict[_Ident, Entry]:
     # ``_unpack`` checked each column's value types and that entry columns have one length.
     if missing := [name for name in _REQUIRED if name not in body]:
         raise Invalid(f"table body: missing columns {missing}")
-    strings, keys, configs = body["strings"], body["key"], []
+    strings, keys, configs = body["strings"], keys_from_columns(body, schema), []
     for index, config in enumerate(body["configs"]):
         try:
             configs.append(check_config(config))
@@ -269,11 +273,12 @@ def _decode_body(body: dict[str, list[Any]]) -> dict[_Ident, Entry]:
     return entries
 
 
-def check_schema(schema: Any) -> None:
+def check_schema(schema: Any) -> int:
     if type(schema) is not int:
         raise Invalid(f"schema must be an integer, got {schema!r}")
-    if schema != SCHEMA:
-        raise Invalid(f"schema {schema} is not supported (this library reads schema {SCHEMA}); upgrade")
+    if schema not in SCHEMAS:
+        raise Invalid(f"schema {schema} is not supported (this library reads schemas {SCHEMAS}); upgrade")
+    return schema
 
 
 def check_header(version: Any, meta: Any) -> tuple[str, dict[str, str]]:
@@ -290,16 +295,13 @@ def check_header(version: Any, meta: Any) -> tuple[str, dict[str, str]]:
 
 
 def encode_json(library_version: str, meta: dict[str, str], entries: Sequence[Entry]) -> str:
-    """Row-wise JSON view: one object per entry, sorted keys, so reviews diff per field."""
-    doc: dict[str, Any] = {
-        "format": FORMAT,
-        "schema": SCHEMA,
-        "library_version": library_version,
-        "entries": [entry.to_data() for entry in entries],
-    }
-    if meta:
-        doc["meta"] = meta
-    return json.dumps(doc, indent=1, sort_keys=True, allow_nan=False, ensure_ascii=False) + "\n"
+    """Row-wise JSON view: one object per entry, fields sorted, so reviews diff per field. Not
+    ``sort_keys``: a key's maps keep its order (``Entry.to_data`` sorts every other map)."""
+    doc: dict[str, Any] = {"entries": [entry.to_data() for entry in entries], "format": FORMAT}
+    doc.update(library_version=library_version, meta=dict(sorted(meta.items())), schema=SCHEMA)
+    if not meta:
+        del doc["meta"]
+    return json.dumps(doc, indent=1, allow_nan=False, ensure_ascii=False) + "\n"
 
 
 def decode_json(text: str | bytes) -> _Decoded:
@@ -325,7 +327,7 @@ def decode_json(text: str | bytes) -> _Decoded:
         raise Invalid(f'not a {FORMAT} JSON document (missing "format": "{FORMAT}")')
     if extra := doc.keys() - {"format", "schema", "library_version", "meta", "entries"}:
         raise Invalid(f"unknown top-level fields {sorted(extra)}")
-    check_schema(doc.get("schema"))
+    schema = check_schema(doc.get("schema"))
     # Optional in JSON, which people write by hand: without it, the table reads as this library's.
     version, meta = check_header(doc.get("library_version", __version__), doc.get("meta"))
     rows = doc.get("entries")
@@ -334,18 +336,11 @@ def decode_json(text: str | bytes) -> _Decoded:
     entries: dict[_Ident, Entry] = {}
     for index, row in enumerate(rows):
         try:
+            if schema == 1 and type(row) is dict and type(row.get("key")) is str:  # text, maybe hand-spaced
+                row = {**row, "key": key_from_text(row["key"])}
             entry = entry_from_data(row)
         except Invalid as exc:
             raise Invalid(f"entry {index}: {exc}") from None
-        # JSON is what people edit: a key spelt "M=32,N=32" would import fine and never match.
-        key = canonical_key(entry.key)
-        if key is None:
-            raise Invalid(
-                f"entry {index}: key {entry.key!r} (kernel {entry.kernel!r}) is not a tuning key: expected "
-                f"{KEY_FORM}, as a decision log or `show` prints it"
-            )
-        if key != entry.key:
-            entry = make_entry((*entry[:2], key, *entry[3:]))
         if entry.ident in entries:
             raise Invalid(f"entry {index}: duplicate entry for arch={entry.arch!r} kernel={entry.kernel!r}")
         entries[entry.ident] = entry

@@ -16,31 +16,18 @@ from typing import Any, NamedTuple
 import msgpack
 
 from ..core.identity import CONFIG_FIELDS
+from ..core.key import INT_MAX, INT_MIN, Key
 
 HOW_VALUES = ("tuned", "recorded", "hand")
-INT_MIN = -(2**63)
-INT_MAX = 2**64 - 1  # msgpack's integer range
 _LARGEST = {int: INT_MAX, float: sys.float_info.max}
 _MAX_WARPS_OR_STAGES = 1024
 _MAX_DEPTH = 6  # nesting allowed inside config data (kwargs values are scalars in practice)
 
 
-# A number in key text: after "=", a bracket, a space, a comma or at the start (not "float16").
-_NUMBER = re.compile(r"(?:(?<=[=\[(,\s])|^)(-?\d+(?:\.\d+)?)")
-
-
-def _natural_key(text: str) -> tuple[Any, ...]:
-    """Sort key ordering the numbers in ``text`` as numbers (``M=32`` before ``M=100``)."""
-    parts: list[Any] = _NUMBER.split(text)
-    for i in range(1, len(parts), 2):
-        parts[i] = float(parts[i]) if "." in parts[i] else int(parts[i])
-    return tuple(parts)
-
-
 def entry_order(arch: str, kernel: str, key: str) -> tuple[Any, ...]:
     """The one order of entries and keys people read (``show``, the JSON view, ``coverage``):
-    arch, kernel, then the key's numbers as numbers."""
-    return (arch, kernel, _natural_key(key), key)
+    arch, kernel, then the key's numbers as numbers (``M=8`` before ``M=100``)."""
+    return (arch, kernel, (0, key.order()) if isinstance(key, Key) else (1, key))
 
 
 class Invalid(ValueError):
@@ -69,7 +56,7 @@ class Numerics(NamedTuple):
     alternatives: tuple[str, ...] = ()  # when not: the deterministic configs the audit found
 
     def to_data(self) -> dict[str, Any]:
-        return {**self._asdict(), "alternatives": list(self.alternatives)}
+        return dict(sorted({**self._asdict(), "alternatives": list(self.alternatives)}.items()))
 
 
 _HEX16 = re.compile(r"[0-9a-f]{16}")
@@ -97,7 +84,7 @@ def check_numerics(value: Any) -> Numerics | None:
 class _EntryFields(NamedTuple):
     arch: str
     kernel: str  # ``module:qualname``
-    key: str  # the text ``core.identity.tuning_key`` writes
+    key: Key  # ``core.key``: the ident's text and the stored parts
     config: dict[str, Any]  # ``config_data`` form, keys sorted; shared between entries: read-only
     how: str  # ``tuned`` | ``recorded`` | ``hand``
     source_hash: str | None
@@ -113,7 +100,8 @@ class _EntryFields(NamedTuple):
 
 class Entry(_EntryFields):
     """One table entry: immutable, validated and canonicalised when built. A named tuple because the
-    loader builds 100k per table: ``tuple.__new__`` is several times cheaper than a dataclass."""
+    loader builds 100k per table: ``tuple.__new__`` is several times cheaper than a dataclass.
+    ``key``: a ``core.key.Key`` or its stored form; text alone is refused (it cannot say its parts)."""
 
     __slots__ = ()
 
@@ -122,7 +110,7 @@ class Entry(_EntryFields):
         *,
         arch: str,
         kernel: str,
-        key: str,
+        key: str | Mapping[str, Any],
         config: Mapping[str, Any],
         how: str = "hand",
         source_hash: str | None = None,
@@ -157,9 +145,9 @@ class Entry(_EntryFields):
         return (self.arch, self.kernel, self.key)
 
     def to_data(self) -> dict[str, Any]:
-        """Plain dict form (the JSON view's entry), keys sorted, absent optional fields omitted."""
+        """Plain dict form (the JSON view's entry), fields sorted, absent optional fields omitted."""
         data = {name: getattr(self, name) for name in sorted(self._fields) if getattr(self, name) is not None}
-        for name in data.keys() & {"timing", "numerics"}:
+        for name in data.keys() & {"key", "timing", "numerics"}:
             data[name] = data[name].to_data()
         if self.votes is not None:
             data["votes"] = list(self.votes)
@@ -191,8 +179,7 @@ def entry_from_data(row: Any) -> Entry:
         raise Invalid("arch must be a non-empty string")
     if type(kernel) is not str or ":" not in kernel:
         raise Invalid(f"kernel must be a 'module:qualname' string, got {kernel!r}")
-    if type(key) is not str:
-        raise Invalid("key must be a string")
+    key = key if type(key) is Key else key_from_data(key, kernel)
     for name, text in (("arch", arch), ("kernel", kernel), ("key", key)):
         check_text(name, text)
     if type(how) is not str or how not in HOW_VALUES:
@@ -321,47 +308,15 @@ def _check_votes(votes: Any) -> tuple[int, int] | None:
     return (votes[0], votes[1])
 
 
-# A hand-written ``M=32,N=32 | ...`` would never match a launch (``tuning_key`` joins items by ", "
-# and parts by " | "), so JSON views are read through ``canonical_key``.
-KEY_FORM = "'NAME=VALUE, NAME=VALUE | ARG:DTYPE, ARG:DTYPE' (e.g. 'M=32, N=32 | a_ptr:torch.float16')"
-_ITEM_START = {"=": re.compile(r"\s*[A-Za-z_]\w*\s*="), ":": re.compile(r"\s*[A-Za-z_]\w*\s*:")}
-_ITEM = {sep: re.compile(rf"\s*([A-Za-z_]\w*)\s*{sep}\s*(.*?)\s*", re.DOTALL) for sep in "=:"}
-
-
-def canonical_key(key: str) -> str | None:
-    """``key`` spelt as ``tuning_key`` spells it, or ``None`` when it is not in that form. Only
-    separators are respelt, so every key ``tuning_key`` writes is returned unchanged."""
-    values, bar, dtypes = key.rpartition("|")  # dtype names never contain "|"
-    if not bar:
-        return None
-    parts = []
-    for text, sep in ((values, "="), (dtypes, ":")):
-        items = []
-        for piece in _split_items(text, _ITEM_START[sep]) if text.strip() else ():
-            match = _ITEM[sep].fullmatch(piece)
-            if match is None:
-                return None
-            items.append(f"{match.group(1)}{sep}{match.group(2)}")
-        parts.append(", ".join(items))
-    return " | ".join(parts)
-
-
-def _split_items(text: str, item_start: re.Pattern[str]) -> list[str]:
-    """Split at commas outside quotes and brackets that are followed by a new item's start."""
-    pieces, start, depth, quote, escaped = [], 0, 0, "", False
-    for i, ch in enumerate(text):
-        if quote:
-            escaped, quote = (False, quote) if escaped else (ch == "\\", "" if ch == quote else quote)
-        elif ch in "'\"":
-            quote = ch
-        elif ch in "([{":
-            depth += 1
-        elif ch in ")]}":
-            depth = max(0, depth - 1)
-        elif ch == "," and depth == 0 and item_start.match(text, i + 1):
-            pieces.append(text[start:i])
-            start = i + 1
-    return [*pieces, text[start:]]
+def key_from_data(data: Any, kernel: Any = None) -> Key:
+    """A key in its stored form (``Key.to_data``); anything else raises ``Invalid`` naming the form."""
+    try:
+        return Key.from_data(data)
+    except ValueError as exc:
+        form = '{"values": {"M": 32, "N": 32}, "dtypes": {"a_ptr": "torch.float16"}}'
+        raise Invalid(
+            f"key of kernel {kernel!r}: {exc}; a key reads {form}, in the kernel's key order"
+        ) from None
 
 
 def entry_with(entry: Entry, **changes: Any) -> Entry:

@@ -13,8 +13,9 @@ from typing import Any
 from ..core.decisions import Decision, get_decisions
 from ..core.errors import TableError
 from ..core.identity import content_name, current_rank
-from .entry import Invalid, Numerics, check_numerics
+from .entry import Invalid, Numerics, check_numerics, key_from_data
 from .files import read_json_file, write_atomic
+from .keys import key_from_text
 from .search import installed_triton_version
 from .table import Entry, Table, Timing, update_table
 
@@ -28,8 +29,8 @@ _HOW = {"recorded": "recorded", "tuned": "tuned", "adopted": "tuned"}
 def write_decisions(path: str | os.PathLike[str], decisions: Iterable[Decision] | None = None) -> None:
     """Write decisions (default: this process's log) as JSON, atomically: what ``coverage`` reads."""
     rows = [d.to_json() for d in (get_decisions() if decisions is None else decisions)]
-    doc = {"format": DECISIONS_FORMAT, "version": 1, "decisions": rows}
-    write_atomic(path, json.dumps(doc, indent=1, sort_keys=True).encode("utf-8"), error=_log_error)
+    doc = {"format": DECISIONS_FORMAT, "version": 2, "decisions": rows}  # not sort_keys: keys keep order
+    write_atomic(path, json.dumps(doc, indent=1).encode("utf-8"), error=_log_error)
 
 
 def read_decisions(path: str | os.PathLike[str]) -> list[Decision]:
@@ -38,15 +39,21 @@ def read_decisions(path: str | os.PathLike[str]) -> list[Decision]:
     data = read_json_file(name, error=_log_error, what="decision log")
     if not isinstance(data, dict) or data.get("format") != DECISIONS_FORMAT:
         raise _log_error(name, "not a megatron_tuning decision log (wrong or missing 'format')")
-    rows = data.get("decisions")
-    if type(rows) is not list:
-        raise _log_error(name, "not a readable decision log ('decisions' must be a list)")
+    rows, version = data.get("decisions"), data.get("version", 1)
+    if type(rows) is not list or type(version) is not int or version not in (1, 2):
+        raise _log_error(name, "not a readable decision log ('decisions' must be a list, 'version' 1 or 2)")
     decisions = []
     for index, row in enumerate(rows):
         problem = _row_problem(row)
+        try:
+            if problem is None and (key := row.get("key")) != "*":  # version 1 holds keys as text
+                key = key_from_text(key) if version == 1 else key_from_data(key, row["kernel"])
+                row = {**row, "key": key}
+        except Invalid as exc:
+            problem = str(exc)
         if problem:
             raise _log_error(name, f"decision {index}: {problem}")
-        decisions.append(Decision.from_json(row))
+        decisions.append(Decision(**row))
     return decisions
 
 
@@ -54,7 +61,7 @@ def _log_error(path: str, problem: str) -> TableError:
     return TableError(path, problem, "Decision log")
 
 
-_TEXT_FIELDS = ("kernel", "key", "signature", "source")
+_TEXT_FIELDS = ("kernel", "signature", "source")
 _OPTIONAL_TEXT = (
     *("arch", "origin", "source_hash", "config_list_digest"),
     *("nearest_key", "matched_by", "entry_kernel", "chaos"),

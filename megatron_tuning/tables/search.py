@@ -17,10 +17,12 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
+from ..core import notices
 from ..core.choice import TableHit
 from ..core.errors import StaleEntryError, TableError
 from ..core.fallback import nearest_keys
-from ..core.identity import content_name
+from ..core.identity import content_name, split_kernel_id
+from ..core.key import Key
 from ..core.notices import warn_once
 from .files import broken_link_problem
 from .table import Entry, Table, load_table
@@ -128,7 +130,7 @@ class TableSet:
         # First-wins index over all loaded files: O(1) lookups. Later files' entries for the same
         # ident are scanned for only when the first one is skipped as stale.
         self._index: dict[_Ident, tuple[Entry, str]] = {}
-        self._keys: dict[tuple[str, str], list[str]] = {}  # (arch, kernel) -> keys, for nearest
+        self._keys: dict[tuple[str, str], list[Key]] = {}  # (arch, kernel) -> keys, for nearest
         self._content: dict[tuple[str, str], list[str]] | None = None  # (arch, content name) -> ids
         for name, table in self._tables:
             self._add_to_index(name, table)
@@ -159,24 +161,24 @@ class TableSet:
     def __len__(self) -> int:
         return len(self._index)
 
-    def find(self, kernel: str, key: str, *, arch: str) -> tuple[Entry, str] | None:
-        """The first entry for (arch, kernel, key) and its file, without validators."""
-        self._load_shipped(arch)
-        return self._index.get((arch, kernel, key))
-
     def lookup(
         self,
         kernel: str,
-        key: str,
+        key: Key,
         *,
         arch: str,
         source_hash: str | None = None,
         config_list_digest: str | None = None,
-    ) -> TableHit | None:
-        """The config to launch for (kernel, key) on ``arch``, or ``None`` (a miss): the kernel id's
-        own entry, else, where that is missing or tuned for other source, a content match (same
-        source and, where both are known, the same ``config_list_digest``)."""
+        nearest: bool = False,
+    ) -> list[TableHit]:
+        """``core.choice.ConfigTable.lookup``. The kernel id's own entry, else, where that is missing
+        or tuned for other source, a content match (same source and, where both are known, the same
+        ``config_list_digest``); with ``nearest``, usable entries of comparable keys, nearest first,
+        then twin by twin those of the same code under other module names (stale ones only under
+        ``'use'``, never raised)."""
         self._load_shipped(arch)
+        if nearest:
+            return self._neighbours(kernel, key, arch, source_hash, config_list_digest)
         ident = (arch, kernel, key)
         # An entry of this very kernel id that may be for the running source wins over a twin.
         if source_hash is not None and not any(
@@ -185,21 +187,15 @@ class TableSet:
             for twin in self._twins(arch, kernel):
                 hit = self._twin_hit((arch, twin, key), source_hash, config_list_digest, self.stale_entries)
                 if hit is not None:
-                    return TableHit(hit.config, hit.origin, kernel=twin, numerics=hit.numerics)
-        return self._resolve(ident, source_hash, self.stale_entries)
+                    return [TableHit(hit.config, hit.origin, key, kernel=twin, numerics=hit.numerics)]
+        hit = self._resolve(ident, source_hash, self.stale_entries)
+        if hit is None:
+            self._say_if_ambiguous(kernel, key, arch)
+        return [] if hit is None else [hit]
 
-    def neighbours(
-        self,
-        kernel: str,
-        key: str,
-        *,
-        arch: str,
-        source_hash: str | None = None,
-        config_list_digest: str | None = None,
+    def _neighbours(
+        self, kernel: str, key: Key, arch: str, source_hash: str | None, digest: str | None
     ) -> list[TableHit]:
-        """Usable entries for comparable keys, nearest first, then twin by twin those of the same code
-        under other module names. Stale ones are used only under ``'use'``, never raised."""
-        self._load_shipped(arch)
         strictness = "use" if self.stale_entries == "use" else "miss"
         hits = []
         for other_kernel in [kernel, *(self._twins(arch, kernel) if source_hash is not None else ())]:
@@ -210,11 +206,18 @@ class TableSet:
                 if other_kernel == kernel:
                     hit = self._resolve(ident, source_hash, strictness)
                 else:  # a twin: only listed when source_hash is known
-                    hit = self._twin_hit(ident, source_hash or "", config_list_digest, strictness)
+                    hit = self._twin_hit(ident, source_hash or "", digest, strictness)
                 if hit is not None:
                     twin = None if other_kernel == kernel else other_kernel
                     hits.append(TableHit(hit.config, hit.origin, other, kernel=twin))
         return hits
+
+    def _say_if_ambiguous(self, kernel: str, key: Key, arch: str) -> None:
+        """Say once why an entry under the plain ``module:qualname`` is not used for ``...@digest``."""
+        module, qualname, digest = split_kernel_id(kernel)
+        found = None if digest is None else self._index.get((arch, f"{module}:{qualname}", key))
+        if found is not None:
+            notices.ambiguous_entry(f"{module}:{qualname}", kernel, key, found[1])
 
     def _twin_hit(
         self, ident: _Ident, source_hash: str, digest: str | None, stale_entries: str
@@ -250,7 +253,7 @@ class TableSet:
         for entry, origin in candidates:
             detail = staleness(entry, source_hash, self.triton_version)
             if detail is None:
-                return TableHit(MappingProxyType(entry.config), origin, numerics=entry.numerics)
+                return TableHit(MappingProxyType(entry.config), origin, entry.key, numerics=entry.numerics)
             if origin == self._cache_file:  # a cache is ours: an entry tuned for other code is re-tuned
                 logger.debug("stale cache entry %s [%s] in %s (%s): a miss", kernel, key, origin, detail)
                 continue
@@ -267,7 +270,7 @@ class TableSet:
             )
             warn_once(("stale-entry", arch, kernel, origin, detail), message)
             if use:
-                return TableHit(MappingProxyType(entry.config), origin, numerics=entry.numerics)
+                return TableHit(MappingProxyType(entry.config), origin, entry.key, numerics=entry.numerics)
         return None
 
     def _all_for(self, ident: _Ident) -> list[tuple[Entry, str]]:

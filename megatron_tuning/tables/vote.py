@@ -88,7 +88,7 @@ def vote_tables(inputs: Sequence[tuple[str, Table]]) -> VoteResult:
     ballots: dict[tuple[str, str, str], dict[str, list[tuple[str, Entry]]]] = {}
     for name, table in inputs:
         for entry in table.values():
-            ident = (entry.arch, names[content_ident(entry)], entry.key)
+            ident: tuple[str, str, str] = (entry.arch, names[content_ident(entry)], entry.key)
             ballots.setdefault(ident, {}).setdefault(config_signature(entry.config), []).append((name, entry))
     result = VoteResult(table=Table(meta={"kind": "merged"}), inputs=[name for name, _ in inputs])
     for ident in sorted(ballots):

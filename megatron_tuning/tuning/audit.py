@@ -174,7 +174,7 @@ def with_numerics(measure: Measure, numerics: str, table: Any, runs: int) -> Mea
             audit = audit_candidates(autotuner, candidates, args, kwargs, runs)
         except UnseenArgument as exc:
             raise NumericsError(kernel, key, numerics, str(exc), {}) from None
-        hit = table.lookup(kernel, key, arch=arch_tag()) if table is not None else None
+        hit = next(iter(table.lookup(kernel, key, arch=arch_tag())), None) if table is not None else None
         keep = allowed(audit, candidates, numerics, hit, kernel, key)
         chosen, timings = measure(autotuner, [candidates[i] for i in keep], args, kwargs, kernel, key)
         i = next(i for i, c in enumerate(candidates) if c is chosen)

@@ -19,8 +19,8 @@ from megatron_tuning.core.identity import (
     config_signature,
     kernel_id,
     kernel_source_hash,
-    tuning_key,
 )
+from megatron_tuning.core.key import tuning_key
 from megatron_tuning.runtime.interception import lazy_benchmarker
 from megatron_tuning.tables.table import Entry, Table, load_table, save_table
 

@@ -12,6 +12,7 @@ from pytest import CaptureFixture, MonkeyPatch
 
 from megatron_tuning.commands.report import add_report, run_report
 from megatron_tuning.core.decisions import Decision
+from megatron_tuning.core.key import Key
 from megatron_tuning.tables.records import write_decisions
 
 from .test_tune import PNG_MAGIC, no_matplotlib, tiny_records
@@ -28,7 +29,7 @@ def test_report_reads_decision_logs_and_draws_plots(tmp_path: Path, capsys: Capt
     log = tmp_path / "decisions.json"
     recorded = Decision(
         kernel="pkg.mod:k2",
-        key="n=8",
+        key=Key({"n": 8}),
         signature="BLOCK=64, num_warps=1, num_stages=3",
         source="recorded",
         config={},
@@ -75,7 +76,7 @@ SIG = "BLOCK=64, num_warps=1, num_stages=3"
 def _tuned(**changes: Any) -> Decision:
     fields: dict[str, Any] = {
         "kernel": "pkg.mod:k",
-        "key": "n=8",
+        "key": Key({"n": 8}),
         "signature": SIG,
         "source": "tuned",
         "timings": {"candidates": {SIG: [1.0, 0.9, 1.1]}, "tied": [SIG], "tie_band": 0.02, "unit": "ms"},
@@ -126,9 +127,9 @@ def test_plots_stay_inside_their_folder(capsys, tmp_path):
     outside = tmp_path / "outside"
     outside.mkdir()
     decisions = [
-        _tuned(kernel="m:../../x", key="../../y"),
-        _tuned(kernel=f"m:{outside}/abs", key=f"{outside}/k"),
-        _tuned(kernel="m:\x1b[2Kevil\r", key="..\\..\\z"),
+        _tuned(kernel="m:../../x", key=Key({"../../y": 1})),
+        _tuned(kernel=f"m:{outside}/abs", key=Key({f"{outside}/k": 1})),
+        _tuned(kernel="m:\x1b[2Kevil\r", key=Key({"..\\..\\z": 1})),
     ]
     path = tmp_path / "r.tuning.json"
     write_decisions(path, decisions)

@@ -18,6 +18,7 @@ from megatron_tuning.commands.tune import add_tune as add_arguments
 from megatron_tuning.commands.tune import run_tune as run
 from megatron_tuning.core.decisions import Decision
 from megatron_tuning.core.identity import config_data, config_signature
+from megatron_tuning.core.key import Key
 from megatron_tuning.tables.records import read_decisions, recording_table, write_decisions
 from megatron_tuning.tables.vote import vote_tables
 from megatron_tuning.tuning.stats import TuneSettings, analyze_configs
@@ -65,7 +66,7 @@ def tiny_records(signatures_fast: int = 0, n: int = 100, tie_band: float = 0.02)
         decisions.append(
             Decision(
                 kernel="pkg.mod:k",
-                key=f"n={n} | x:torch.float32",
+                key=Key({"n": n}, {"x": "torch.float32"}),
                 signature=result.winner_signature,
                 source="tuned",
                 config=config_data(configs[result.winner]),

@@ -6,12 +6,13 @@ from pathlib import Path
 
 from megatron_tuning.commands.validate import validate_tables
 from megatron_tuning.core.identity import base_kernel_id, config_data, kernel_id, kernel_source_hash
+from megatron_tuning.core.key import Key
 from megatron_tuning.tables.entry import Entry
 from megatron_tuning.tables.table import Table, save_table
 
 from .. import support_kernels as sk
 
-KEY = "n=8 | x_ptr:torch.float32, out_ptr:torch.float32"
+KEY = Key({"n": 8}, dict.fromkeys(("x_ptr", "out_ptr"), "torch.float32"))
 
 
 def _validate(tmp_path: Path, *entries: Entry) -> list[str]:

@@ -18,42 +18,48 @@ from megatron_tuning.core.fallback import (
     pick_neighbour,
     side_of,
 )
+from megatron_tuning.core.key import Key, Shown
 
-DT = " | a_ptr:torch.bfloat16, b_ptr:torch.bfloat16, c_ptr:torch.bfloat16"
+BF16 = {"a_ptr": "torch.bfloat16", "b_ptr": "torch.bfloat16", "c_ptr": "torch.bfloat16"}
 
 
-def mnk(m: int, n: int = 4096, k: int = 4096, dtypes: str = DT) -> str:
-    return f"M={m}, N={n}, K={k}{dtypes}"
+def mnk(m: int, n: int = 4096, k: int = 4096, dtypes: dict[str, str] = BF16) -> Key:
+    return Key({"M": m, "N": n, "K": k}, dtypes)
+
+
+def kx(**values: object) -> Key:
+    """A key of ``values`` with one argument ``x`` of dtype ``f``."""
+    return Key(values, {"x": "f"})  # type: ignore[arg-type]
 
 
 def test_key_shape_splits_numbers_from_what_must_match():
-    shape = key_shape("M=64, flag=True, scale=0.25, name='a, b', X=None | x:torch.float16")
-    assert shape is not None
+    key = Key(
+        {"M": 64, "flag": True, "scale": 0.25, "name": "a, b", "X": None, "t": Shown("inf")}, {"x": "f16"}
+    )
+    shape = key_shape(key)
     assert shape.numbers == (64.0, 0.25)
-    assert shape.fixed == ("M=#", "flag=True", "scale=#", "name='a, b'", "X=None", "|x:torch.float16")
-    assert key_shape("not a key") is None
-    assert key_shape(" | x:torch.float32") == key_shape(" | x:torch.float32")  # no key= values
+    assert shape.fixed == ("M=#", "flag=True", "scale=#", "name='a, b'", "X=None", "t=inf", (("x", "f16"),))
+    assert key_shape(Key({}, {"x": "f32"})) == key_shape(Key({}, {"x": "f32"}))  # no key= values
 
 
 def test_only_numbers_may_differ():
     base = key_shape(mnk(1024))
-    assert base is not None
     assert 0 < key_distance(base, key_shape(mnk(2048))) < float("inf")
-    other_dtype = key_shape(
-        mnk(1024, dtypes=" | a_ptr:torch.float16, b_ptr:torch.float16, c_ptr:torch.float16")
-    )
-    assert key_distance(base, other_dtype) == float("inf")
-    assert key_distance(key_shape("n=1, flag=True | x:f"), key_shape("n=1, flag=False | x:f")) == float("inf")
+    half = {"a_ptr": "torch.float16", "b_ptr": "torch.float16", "c_ptr": "torch.float16"}
+    assert key_distance(base, key_shape(mnk(1024, dtypes=half))) == float("inf")
+    assert key_distance(key_shape(kx(n=1, flag=True)), key_shape(kx(n=1, flag=False))) == float("inf")
     # True is not the number 1: a bool key never matches an int key.
-    assert key_distance(key_shape("flag=True | x:f"), key_shape("flag=1 | x:f")) == float("inf")
-    assert key_distance(key_shape("M=1, N=2 | x:f"), key_shape("N=1, M=2 | x:f")) == float("inf")
+    assert key_distance(key_shape(kx(flag=True)), key_shape(kx(flag=1))) == float("inf")
+    assert key_distance(key_shape(kx(M=1, N=2)), key_shape(kx(N=1, M=2))) == float("inf")
+    # A float is a number as an int is: 1.0 and 3 are comparable.
+    assert key_distance(key_shape(kx(n=1.0)), key_shape(kx(n=3))) == 1.0
 
 
 def test_distance_is_log_space():
-    a, b, c = key_shape("n=1 | x:f"), key_shape("n=3 | x:f"), key_shape("n=15 | x:f")
+    a, b, c = key_shape(kx(n=1)), key_shape(kx(n=3)), key_shape(kx(n=15))
     assert key_distance(a, b) == 1.0  # log2(2) vs log2(4)
     assert key_distance(b, c) == 2.0  # log2(4) vs log2(16)
-    assert key_distance(key_shape("n=0 | x:f"), key_shape("n=-1 | x:f")) == 1.0  # defined at 0 and below
+    assert key_distance(key_shape(kx(n=0)), key_shape(kx(n=-1))) == 1.0  # defined at 0 and below
 
 
 def test_nearest_keys_orders_by_distance_then_key_text():
@@ -62,21 +68,21 @@ def test_nearest_keys_orders_by_distance_then_key_text():
     assert nearest_keys(mnk(12288), table)[0] == mnk(16384)
     assert nearest_keys(mnk(3072), table)[0] == mnk(4096)
     # n=3 sits at distance 1 from both n=1 and n=7: the key text breaks the tie.
-    assert nearest_keys("n=3 | x:f", ["n=7 | x:f", "n=1 | x:f"]) == ["n=1 | x:f", "n=7 | x:f"]
-    # The key itself, unparsable keys and keys of another shape family are left out.
-    assert nearest_keys(mnk(1024), [mnk(1024), "junk", mnk(64, dtypes=" | a:f")]) == []
+    assert nearest_keys(kx(n=3), [kx(n=7), kx(n=1)]) == [kx(n=1), kx(n=7)]
+    # The key itself and keys of another shape family are left out.
+    assert nearest_keys(mnk(1024), [mnk(1024), mnk(64, dtypes={"a": "f"})]) == []
 
 
 keys = st.lists(
     st.tuples(st.integers(0, 1 << 20), st.integers(1, 8192), st.sampled_from(["float16", "bfloat16"])),
     max_size=12,
-).map(lambda rows: [f"M={m}, N={n} | a:torch.{d}" for m, n, d in rows])
+).map(lambda rows: [Key({"M": m, "N": n}, {"a": f"torch.{d}"}) for m, n, d in rows])
 
 
 @settings(max_examples=200, deadline=None)
 @given(key=st.tuples(st.integers(0, 1 << 20), st.integers(1, 8192)), table=keys, seed=st.randoms())
 def test_nearest_is_a_pure_function_of_table_and_key(key, table, seed):
-    target = f"M={key[0]}, N={key[1]} | a:torch.float16"
+    target = Key({"M": key[0], "N": key[1]}, {"a": "torch.float16"})
     expected = nearest_keys(target, table)
     shuffled = list(table) + list(table)  # order and duplicates of the table do not matter
     seed.shuffle(shuffled)
@@ -85,21 +91,22 @@ def test_nearest_is_a_pure_function_of_table_and_key(key, table, seed):
         shape = key_shape(target)
         best = min(key_distance(shape, key_shape(k)) for k in table if k != target)
         assert key_distance(shape, key_shape(expected[0])) == best
-        assert all(k.endswith("float16") and "bfloat16" not in k for k in expected)
+        assert all(k.dtypes == (("a", "torch.float16"),) for k in expected)
 
 
 def test_nearest_is_the_same_in_every_process():
     """Python salts str hashes per process; the order must not depend on them."""
     code = (
         "import json, sys; from megatron_tuning.core.fallback import nearest_keys; "
-        "print(json.dumps(nearest_keys(sys.argv[1], sys.argv[2:])))"
+        "from megatron_tuning.core.key import Key; "
+        "keys = [Key({'n': int(n)}, {'x': 'f'}) for n in sys.argv[1:]]; "
+        "print(json.dumps(nearest_keys(keys[0], keys[1:])))"
     )
-    table = [f"n={n} | x:f" for n in (1, 7, 3, 5, 9, 2, 6, 4, 8)]
     outputs = set()
     for seed in ("1", "2", "3"):
         env = dict(os.environ, PYTHONHASHSEED=seed)
         done = subprocess.run(
-            [sys.executable, "-c", code, "n=5 | x:f", *table],
+            [sys.executable, "-c", code, "5", "1", "7", "3", "5", "9", "2", "6", "4", "8"],
             env=env,
             capture_output=True,
             text=True,
@@ -114,8 +121,8 @@ def test_nearest_is_the_same_in_every_process():
 # --------------------------------------------------------------------------- bracketing entries
 
 
-def _pick(key: str, configs: dict[str, str]) -> str | None:
-    """``pick_neighbour`` fed as ``choose_on_miss`` feeds it: usable neighbours, nearest first."""
+def _pick(key: Key, configs: dict[Key, str]) -> Key | None:
+    """``pick_neighbour`` fed as ``choose`` feeds it: usable neighbours, nearest first."""
     return pick_neighbour(key, {k: configs[k] for k in nearest_keys(key, configs)})
 
 
@@ -130,9 +137,9 @@ def test_between_two_disagreeing_entries_the_lower_one_is_used_while_at_most_twi
     # With s(n) = log2(1 + n), n=1023 and n=2047 sit at 10 and 11; two thirds of the way up is
     # s = 10 + 2/3, i.e. n = 2 ** (32 / 3) - 1 = 1624.5.
     assert BRACKET_RATIO == 2.0
-    pow2 = {"n=1023 | x:f": "a", "n=2047 | x:f": "b"}
-    assert _pick("n=1624 | x:f", pow2) == "n=1023 | x:f"
-    assert _pick("n=1625 | x:f", pow2) == "n=2047 | x:f"
+    pow2 = {kx(n=1023): "a", kx(n=2047): "b"}
+    assert _pick(kx(n=1624), pow2) == kx(n=1023)
+    assert _pick(kx(n=1625), pow2) == kx(n=2047)
 
 
 def test_brackets_that_agree_or_a_missing_side_leave_the_nearest_entry():
@@ -161,8 +168,8 @@ def test_only_an_entry_below_in_every_number_is_a_lower_bracket():
     seed=st.randoms(),
 )
 def test_the_bracketing_rule_is_pure_and_picks_the_nearest_or_the_lower_bracket(key, rows, seed):
-    target = f"M={key[0]}, N={key[1]} | a:f"
-    configs = {f"M={m}, N={n} | a:f": c for m, n, c in rows}
+    target = Key({"M": key[0], "N": key[1]}, {"a": "f"})
+    configs = {Key({"M": m, "N": n}, {"a": "f"}): c for m, n, c in rows}
     picked = _pick(target, configs)
     shuffled = list(configs.items())
     seed.shuffle(shuffled)

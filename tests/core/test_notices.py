@@ -95,7 +95,7 @@ def test_a_notice_at_exit_names_the_script_that_ran(tmp_path: Path):
         textwrap.dedent(
             """
             import atexit, functools
-            from megatron_tuning.core.choice import report_policy_end
+            from megatron_tuning.core.notices import report_policy_end
             from megatron_tuning.core.notices import tally
             for n in (1, 2):
                 tally(("cheapest", "k:f"), f"n={n}")

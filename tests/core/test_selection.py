@@ -15,11 +15,7 @@ import triton
 
 from megatron_tuning.core import identity
 from megatron_tuning.core.chaos import chaos_choice
-from megatron_tuning.core.choice import (
-    autotune_configs,
-    deterministic_choice,
-    warn_if_mamba_env_ignored,
-)
+from megatron_tuning.core.choice import autotune_configs, deterministic_choice, warn_if_mamba_env_ignored
 from megatron_tuning.core.errors import BlockSizeOverrideError, PolicyError, TableMissError
 from megatron_tuning.core.fallback import (
     cheapest,
@@ -35,8 +31,8 @@ from megatron_tuning.core.identity import (
     kernel_module,
     kernel_name,
     kernel_source_hash,
-    tuning_key,
 )
+from megatron_tuning.core.key import tuning_key
 from megatron_tuning.core.notices import reset_warnings
 from megatron_tuning.core.policy import TuningPolicy
 

@@ -367,7 +367,7 @@ def _first_run_of(kernel: Any, args: tuple[Any, ...]) -> Any:
 
     installation = pinning.active
     state = pinning.state_for(kernel, installation)
-    inductor._deferred[kernel] = {pinning.raw_key(state, args, {})}  # what the trace hook records
+    inductor._deferred[kernel] = {state.key(args, {})}  # what the trace hook records
     return ck.first_run(
         kernel, ["x_ptr", "y_ptr", "out_ptr", "n", "alpha"], kernel.configs, mutated=["out_ptr"]
     )

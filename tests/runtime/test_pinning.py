@@ -26,7 +26,7 @@ import triton
 import megatron_tuning
 from megatron_tuning.commands.validate import coverage_of
 from megatron_tuning.core.chaos import ChaosClaim
-from megatron_tuning.core.choice import InMemoryTable
+from megatron_tuning.core.choice import Choice, InMemoryTable
 from megatron_tuning.core.decisions import decision_log, get_decisions
 from megatron_tuning.core.errors import ConsensusError, PolicyError, TableMissError
 from megatron_tuning.core.identity import (
@@ -36,8 +36,8 @@ from megatron_tuning.core.identity import (
     config_signature,
     kernel_id,
     kernel_source_hash,
-    tuning_key,
 )
+from megatron_tuning.core.key import tuning_key
 from megatron_tuning.core.notices import reset_warnings
 from megatron_tuning.core.policy import TuningPolicy
 from megatron_tuning.distributed import store as kv
@@ -45,7 +45,6 @@ from megatron_tuning.distributed.agreement import unchecked_sources
 from megatron_tuning.distributed.store import StoreConsensus
 from megatron_tuning.runtime import interception, pinning
 from megatron_tuning.runtime.interception import lazy_benchmarker
-from megatron_tuning.runtime.pinning import auto_choice
 from megatron_tuning.tables.entry import Entry
 from megatron_tuning.tables.records import recording_table
 from megatron_tuning.tables.search import TableSet, installed_triton_version
@@ -377,18 +376,21 @@ def store_pair() -> tuple[StoreConsensus, StoreConsensus]:
     return StoreConsensus(store=store, rank=0), StoreConsensus(store=store, rank=1)
 
 
-def choose(consensus: StoreConsensus, measure: FakeMeasure, n: int = 100, **changes):
+def choose(
+    consensus: StoreConsensus, measure: FakeMeasure, n: int = 100, *, table: Any = None, live: Any = None
+) -> tuple[Choice, Any]:
+    """``auto``'s decision for ``scale_add`` with ``n`` on the rank of ``consensus``, as a fresh
+    process makes it (``pinning.decide``), and the timings it logs."""
+    installation = pinning.Installation(TuningPolicy(mode="auto"), table, measure, 0, consensus)
+    arg_names = tuple(sk.scale_add.arg_names)
+    state = pinning.AutotunerState(0, True, KERNEL, (("n", arg_names.index("n")),), arg_names)
     x = torch.zeros(n)
-    options = dict(
-        kernel=KERNEL,
-        arch=ARCH,
-        policy=TuningPolicy(mode="auto"),
-        table=None,
-        measure=measure,
-        consensus=consensus,
+    candidates = lambda: list(sk.ADD_CONFIGS if live is None else live)  # noqa: E731
+    config = pinning.decide(
+        sk.scale_add, state, installation, key(n), (x, x, x, n, 0.5), {}, candidates=candidates
     )
-    options.update(changes)
-    return auto_choice(sk.scale_add, list(sk.ADD_CONFIGS), key(n), ((x, x, x, n, 0.5), {}), **options)
+    decision = get_decisions()[-1]
+    return Choice(config, decision.source, decision.origin), decision.timings
 
 
 def test_a_published_decision_is_adopted_without_measuring():
@@ -427,20 +429,8 @@ def test_a_published_config_this_rank_cannot_launch_is_an_error_naming_it():
     rank0, rank1 = store_pair()
     choose(rank1, FakeMeasure(block=128))
     live = [c for c in sk.ADD_CONFIGS if c.kwargs["BLOCK_SIZE"] != 128]
-    x = torch.zeros(100)
     with pytest.raises(ConsensusError, match="rank 1 published BLOCK_SIZE=128") as caught:
-        auto_choice(
-            sk.scale_add,
-            live,
-            key(100),
-            ((x, x, x, 100, 0.5), {}),
-            kernel=KERNEL,
-            arch=ARCH,
-            policy=TuningPolicy(mode="auto"),
-            table=None,
-            measure=FakeMeasure(),
-            consensus=rank0,
-        )
+        choose(rank0, FakeMeasure(), live=live)
     assert caught.value.kernel == KERNEL and caught.value.key == key(100)
 
 

@@ -13,6 +13,7 @@ import torch
 import triton
 from triton.runtime.autotuner import Autotuner, Heuristics
 
+from megatron_tuning.core.key import tuning_key
 from megatron_tuning.runtime import interception
 
 from .. import support_kernels as sk
@@ -95,16 +96,15 @@ def test_stock_run_sets_best_config_and_timings():
 
 
 def test_triton_files_a_launch_under_the_key_the_interception_writes():
-    # After a pinned launch the interception stores the config in kernel.cache under
-    # triton_cache_key; Triton's own run must file the same call under the same key.
+    # After a pinned launch the interception stores the config in kernel.cache under the call
+    # key's triton_key; Triton's own run must file the same call under the same key.
     interception.uninstall()
     sk.scale_add.cache.clear()
     x, y16 = torch.zeros(16), torch.zeros(16, dtype=torch.float16)
     try:
         sk.scale_add[grid(16)](x, out_ptr=x, y_ptr=y16, n=16, alpha=1.0)
-        expected = interception.triton_cache_key(
-            sk.scale_add, (x,), {"out_ptr": x, "y_ptr": y16, "n": 16, "alpha": 1.0}
-        )
+        kwargs = {"out_ptr": x, "y_ptr": y16, "n": 16, "alpha": 1.0}
+        expected = tuning_key(sk.scale_add, (x,), kwargs).triton_key(["x_ptr", *kwargs])
         assert (
             list(sk.scale_add.cache)
             == [expected]

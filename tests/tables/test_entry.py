@@ -1,5 +1,5 @@
-"""Tuning keys in tables: every key ``tuning_key`` writes is canonical; a hand-spelt one is respelt
-when a JSON view is read, and what is no key at all is refused naming the form (issue 17 item 5)."""
+"""Keys in table entries: stored as their parts, so every key a launch builds comes back from msgpack
+and the JSON view with the same parts and types; text alone is no key."""
 
 from __future__ import annotations
 
@@ -11,81 +11,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_tuning.commands.validate import validate_tables
 from megatron_tuning.core.errors import TableError
-from megatron_tuning.core.identity import tuning_key
-from megatron_tuning.tables.entry import Entry, canonical_key
-from megatron_tuning.tables.table import Table, load_table, save_table
+from megatron_tuning.core.key import Key, tuning_key
+from megatron_tuning.tables.entry import Entry, Invalid
+from megatron_tuning.tables.table import Table
 
 CONFIG = {"kwargs": {"BLOCK": 64}, "num_warps": 4, "num_stages": 3}
-LIVE = "M=32, N=32, K=32 | a_ptr:torch.float16, b_ptr:torch.float16"
-
-
-def _view(key: str) -> str:
-    entry = Entry(arch="sm90", kernel="pkg:matmul", key=LIVE, config=CONFIG)
-    doc = json.loads(Table([entry]).to_json())
-    doc["entries"][0]["key"] = key
-    return json.dumps(doc)
-
-
-@pytest.mark.parametrize(
-    "spelt",
-    [
-        "M=32,N=32,K=32 | a_ptr:torch.float16,b_ptr:torch.float16",
-        "M=32,N=32,K=32|a_ptr:torch.float16, b_ptr:torch.float16",
-        " M = 32 , N=32,  K =32  |  a_ptr : torch.float16 ,b_ptr:torch.float16 ",
-        LIVE,
-    ],
-)
-def test_a_hand_spelt_key_is_imported_as_launches_spell_it(spelt):
-    table = Table.from_json(_view(spelt))
-    (entry,) = table.entries()
-    assert entry.key == LIVE
-    assert table.get("sm90", "pkg:matmul", LIVE) is not None
-
-
-@pytest.mark.parametrize(
-    "bad", ["M=32,N=32,K=32", "M=32, N=32, K=32", "k", "32 | a_ptr:torch.float16", "M=1 | a"]
-)
-def test_what_is_no_tuning_key_is_refused_naming_the_form(bad):
-    with pytest.raises(TableError) as info:
-        Table.from_json(_view(bad))
-    message = str(info.value)
-    assert f"key {bad!r} (kernel 'pkg:matmul') is not a tuning key" in message
-    assert "'NAME=VALUE, NAME=VALUE | ARG:DTYPE, ARG:DTYPE'" in message
-
-
-def test_validate_flags_keys_that_can_never_match(tmp_path):
-    path = tmp_path / "t.msgpack"
-    entries = [
-        Entry(arch="sm90", kernel="pkg:matmul", key=LIVE, config=CONFIG),
-        Entry(arch="sm90", kernel="pkg:matmul", key="M=64,N=32 | a:torch.float16", config=CONFIG),
-        Entry(arch="sm90", kernel="pkg:matmul", key="M=128", config=CONFIG),
-    ]
-    save_table(Table(entries), path)  # msgpack is not respelt: validate is where it shows
-    report = validate_tables([str(path)], arch="sm90", triton_version="3.9.0")
-    problems = {p.key: p.problem for p in report.problems}
-    assert LIVE not in problems
-    assert problems["M=64,N=32 | a:torch.float16"] == (
-        "key is not spelt as launches spell it, so it never matches; "
-        "write it as [M=64, N=32 | a:torch.float16]"
-    )
-    assert "is not a tuning key" in problems["M=128"] and "never match a launch" in problems["M=128"]
-
-
-def test_export_then_import_keeps_every_key_the_library_writes(tmp_path):
-    keys = [LIVE, "M=1 | ", " | x:torch.float32", "s='a, b=1', t=(1, 2), u=None | x:torch.float32"]
-    table = Table([Entry(arch="sm90", kernel="pkg:k", key=k, config=CONFIG) for k in keys])
-    back = Table.from_json(table.to_json())
-    assert back.to_bytes() == table.to_bytes()
-    view = tmp_path / "t.json"
-    view.write_text(table.to_json(), encoding="utf-8")
-    assert load_table(view).to_bytes() == table.to_bytes()
-
 
 _VALUES = st.one_of(
-    st.integers(-(2**40), 2**40),
-    st.floats(allow_nan=False),
+    st.integers(-(2**70), 2**70),
+    st.floats(),
     st.booleans(),
     st.none(),
     st.text(max_size=12),
@@ -93,12 +28,52 @@ _VALUES = st.one_of(
 )
 
 
+def _typed(key: Key) -> list[tuple[str, type, object]]:
+    return [(name, type(value), value) for name, value in zip(key.names, key.values)]
+
+
 @settings(max_examples=300, deadline=None, derandomize=True, database=None)
 @given(st.lists(_VALUES, min_size=0, max_size=4), st.integers(0, 3))
-def test_every_key_tuning_key_writes_is_already_canonical(values, tensors):
+def test_every_key_a_launch_builds_comes_back_with_its_parts_and_types(values, tensors):
     names = [f"k{i}" for i in range(len(values))]
     tensor_names = [f"t{i}_ptr" for i in range(tensors)]
-    autotuner = SimpleNamespace(arg_names=[*names, *tensor_names], keys=names)
+    autotuner = SimpleNamespace(arg_names=[*names, *tensor_names], keys=list(reversed(names)))
     args = [*values, *(torch.zeros(1, dtype=torch.float16) for _ in tensor_names)]
     key = tuning_key(autotuner, args, {})
-    assert canonical_key(key) == key
+    table = Table([Entry(arch="sm90", kernel="pkg:k", key=key, config=CONFIG)])
+    for back in (Table.from_bytes(table.to_bytes()), Table.from_json(table.to_json())):
+        (entry,) = back.entries()
+        assert entry.key == key and _typed(entry.key) == _typed(key) and entry.key.dtypes == key.dtypes
+        assert back.to_bytes() == table.to_bytes()
+
+
+def test_true_one_and_one_point_zero_are_three_entries():
+    keys = [Key({"n": 40, "flag": flag}, {"x_ptr": "torch.float32"}) for flag in (True, 1, 1.0)]
+    table = Table([Entry(arch="sm90", kernel="pkg:k", key=k, config=CONFIG) for k in keys])
+    assert [str(k) for k in keys] == [f"n=40, flag={f} | x_ptr:torch.float32" for f in ("True", "1", "1.0")]
+    for back in (Table.from_bytes(table.to_bytes()), Table.from_json(table.to_json())):
+        assert len(back) == 3 and {type(e.key.values[1]) for e in back.entries()} == {bool, int, float}
+
+
+def test_a_key_given_as_text_is_refused_naming_the_stored_form():
+    with pytest.raises(Invalid, match=r"key of kernel 'pkg:k': .*a key reads \{\"values\""):
+        Entry(arch="sm90", kernel="pkg:k", key="M=32, N=32 | a:torch.float16", config=CONFIG)
+    doc = json.loads(Table([Entry(arch="sm90", kernel="pkg:k", key=Key({"M": 1}), config=CONFIG)]).to_json())
+    doc["entries"][0]["key"] = "M=32, N=32 | a:torch.float16"
+    with pytest.raises(TableError, match="entry 0: key of kernel 'pkg:k'.*in the kernel's key order"):
+        Table.from_json(json.dumps(doc))
+
+
+@pytest.mark.parametrize(
+    "stored",
+    [
+        {"values": {"M": 1}},
+        {"values": {"M": [1, 2]}, "dtypes": {}},
+        {"values": {"M": {"txt": "x"}}, "dtypes": {}},
+        {"values": {"M": 2**64}, "dtypes": {}},
+        {"values": {}, "dtypes": {"a": 16}},
+    ],
+)
+def test_a_stored_key_of_the_wrong_shape_is_refused(stored):
+    with pytest.raises(Invalid, match="key of kernel 'pkg:k'"):
+        Entry(arch="sm90", kernel="pkg:k", key=stored, config=CONFIG)

@@ -20,6 +20,7 @@ import pytest
 
 from megatron_tuning.core.decisions import Decision
 from megatron_tuning.core.errors import TableError
+from megatron_tuning.core.key import Key
 from megatron_tuning.tables import files
 from megatron_tuning.tables.records import read_decisions, write_decisions
 from megatron_tuning.tables.search import expand_table_paths
@@ -31,7 +32,10 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _entry(i: int, kernel: str = "pkg:k") -> Entry:
     return Entry(
-        arch="sm90", kernel=kernel, key=f"M={i}", config={"kwargs": {"B": i}, "num_warps": 4, "num_stages": 3}
+        arch="sm90",
+        kernel=kernel,
+        key=Key({"M": i}),
+        config={"kwargs": {"B": i}, "num_warps": 4, "num_stages": 3},
     )
 
 
@@ -206,10 +210,11 @@ def test_a_symlink_and_its_target_share_one_lock(tmp_path):
 
 _WRITER = """
     import sys
+    from megatron_tuning.core.key import Key
     from megatron_tuning.tables.table import Entry, add_entries
     path, worker, count = sys.argv[1], sys.argv[2], int(sys.argv[3])
     for i in range(count):
-        add_entries(path, [Entry(arch="sm90", kernel=f"pkg:w{worker}", key=f"i={i}",
+        add_entries(path, [Entry(arch="sm90", kernel=f"pkg:w{worker}", key=Key({"i": i}),
                                    config={"kwargs": {}, "num_warps": 4, "num_stages": 3})])
 """
 
@@ -286,7 +291,7 @@ def test_a_waiting_writer_says_who_holds_the_lock(tmp_path, caplog):
 
 def test_decision_logs_go_through_the_safe_writer(tmp_path):
     path = tmp_path / "d.json"
-    write_decisions(path, [Decision(kernel="m:k", key="k", signature="S", source="table")])
+    write_decisions(path, [Decision(kernel="m:k", key=Key({"k": 1}), signature="S", source="table")])
     assert [d.kernel for d in read_decisions(path)] == ["m:k"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d.json"]
 
@@ -328,7 +333,12 @@ def test_a_planted_lock_symlink_is_refused_through_merge_and_the_auto_cache(tmp_
     assert cache is not None
     config = {"kwargs": {"BLOCK": 64}, "num_warps": 4, "num_stages": 3, "num_ctas": 1, "maxnreg": None}
     decision = Decision(
-        kernel="pkg:k", key="n=2 | x:f", signature="s", source="tuned", config=config, arch="sm90"
+        kernel="pkg:k",
+        key=Key({"n": 2}, {"x": "f"}),
+        signature="s",
+        source="tuned",
+        config=config,
+        arch="sm90",
     )
     assert cache.persist([decision]) == 0
     assert notices.matching("is a symbolic link")  # the cache's notice: it was not written

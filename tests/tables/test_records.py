@@ -1,24 +1,34 @@
-"""What runs record: per-rank recordings and the table entries their decisions stand for."""
+"""What runs record: decision logs, per-rank recordings and the table entries their decisions stand
+for."""
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 
 from megatron_tuning.core.decisions import Decision
+from megatron_tuning.core.errors import TableError
 from megatron_tuning.core.identity import config_signature
+from megatron_tuning.core.key import Key
 from megatron_tuning.tables.entry import Timing
 from megatron_tuning.tables.records import (
     entry_from_decision,
+    read_decisions,
     recording_path,
     recording_table,
     timing_from_decision,
+    write_decisions,
     write_recording,
 )
 from megatron_tuning.tables.table import load_table
 
+from ..keys import tag
+
 KERNEL = "pkg.kernels:matmul"
+M1, M2 = Key({"M": 1}), Key({"M": 2})
 
 
 def config(block: int, warps: int = 4) -> dict[str, object]:
@@ -28,7 +38,7 @@ def config(block: int, warps: int = 4) -> dict[str, object]:
 def decision(
     block: int,
     *,
-    key: str = "M=1",
+    key: Key = M1,
     rank: int = 0,
     source: str = "recorded",
     timings: dict[str, object] | None = None,
@@ -75,16 +85,16 @@ def test_timing_from_tuner_form_and_garbage():
 
 def test_recording_table_keeps_measured_winners_only():
     decisions = [
-        decision(64, key="a", timings={"median_ms": 1.0}),
-        decision(128, key="a"),  # a later duplicate: the first (launched) one stays
-        decision(32, key="b", source="tuned"),
-        decision(16, key="c", source="cheapest"),
+        decision(64, key=tag("a"), timings={"median_ms": 1.0}),
+        decision(128, key=tag("a")),  # a later duplicate: the first (launched) one stays
+        decision(32, key=tag("b"), source="tuned"),
+        decision(16, key=tag("c"), source="cheapest"),
         Decision(kernel="pkg:other", key="*", signature="", source="out_of_scope"),
     ]
     table = recording_table(decisions, rank=3, triton_version="3.6.0")
     assert [(e.key, e.how, e.config["kwargs"]["BLOCK"]) for e in table.entries()] == [
-        ("a", "recorded", 64),
-        ("b", "tuned", 32),
+        (tag("a"), "recorded", 64),
+        (tag("b"), "tuned", 32),
     ]
     assert table.meta == {"kind": "recording", "rank": "3"}
     assert all(e.triton_version == "3.6.0" and e.source_hash == "aa" * 32 for e in table.entries())
@@ -92,10 +102,29 @@ def test_recording_table_keeps_measured_winners_only():
 
 
 def test_write_recording_one_file_per_rank_and_accumulates(tmp_path):
-    path0 = write_recording([decision(64, key="a")], tmp_path, rank=0)
-    path1 = write_recording([decision(128, key="a", rank=1)], tmp_path, rank=1)
+    path0 = write_recording([decision(64, key=tag("a"))], tmp_path, rank=0)
+    path1 = write_recording([decision(128, key=tag("a"), rank=1)], tmp_path, rank=1)
     assert (path0, path1) == (recording_path(tmp_path, 0), recording_path(tmp_path, 1))
     assert path0.name == "recording-rank00000.msgpack"
-    write_recording([decision(32, key="b")], tmp_path, rank=0)  # a second run of the job
-    assert sorted(e.key for e in load_table(path0).entries()) == ["a", "b"]
-    assert load_table(path1).get("sm90", KERNEL, "a").config["kwargs"] == {"BLOCK": 128}
+    write_recording([decision(32, key=tag("b"))], tmp_path, rank=0)  # a second run of the job
+    assert sorted(e.key for e in load_table(path0).entries()) == [tag("a"), tag("b")]
+    assert load_table(path1).get("sm90", KERNEL, tag("a")).config["kwargs"] == {"BLOCK": 128}
+
+
+def test_a_decision_log_keeps_each_keys_order_and_types_and_an_older_log_reads_as_written(tmp_path):
+    key = Key({"n": 40, "flag": True}, {"x_ptr": "torch.float32"})  # its order is not sorted order
+    path = tmp_path / "d.json"
+    out_of_scope = Decision(kernel="pkg:o", key="*", signature="", source="out_of_scope")
+    write_decisions(path, [decision(64, key=key), out_of_scope])
+    back, again = read_decisions(path)
+    assert (back.key, back.key.names, type(back.key.values[1]), again.key) == (key, ("n", "flag"), bool, "*")
+    fixtures = Path(__file__).parent / "fixtures" / "schema1"
+    old = read_decisions(fixtures / "decisions.json")
+    expected = json.loads((fixtures / "expected.json").read_text(encoding="utf-8"))["decisions.json"]
+    assert [[d.arch, d.kernel, d.key, d.signature] for d in old] == expected
+    assert entry_from_decision(old[0]).key.values == (40,)  # an entry of it keeps its parts
+    doc = json.loads(path.read_text())
+    doc["decisions"][0]["key"] = "n=40, flag=True | x_ptr:torch.float32"  # text in a version-2 log
+    path.write_text(json.dumps(doc))
+    with pytest.raises(TableError, match="decision 0: key of kernel 'pkg.kernels:matmul': key must be a map"):
+        read_decisions(path)

@@ -17,6 +17,7 @@ import pytest
 
 from megatron_tuning.core import __version__
 from megatron_tuning.core.errors import MegatronTuningError, TableError
+from megatron_tuning.core.key import Key
 from megatron_tuning.tables import table as table_mod
 from megatron_tuning.tables.entry import Entry, Timing, entry_with
 from megatron_tuning.tables.files import write_atomic
@@ -29,7 +30,7 @@ def make_entry(index: int = 0, **changes: object) -> Entry:
     fields: dict[str, object] = {
         "arch": "sm90",
         "kernel": f"pkg.kernels:kernel_{index % 3}",
-        "key": f"M={64 * (index + 1)}, N=128 | a_ptr:torch.float16",
+        "key": Key({"M": 64 * (index + 1), "N": 128}, {"a_ptr": "torch.float16"}),
         "config": {
             "kwargs": {"BLOCK_M": 64, "BLOCK_N": 32 * (1 + index % 2), "EVEN": True},
             "num_warps": 4,
@@ -161,7 +162,7 @@ def test_bad_entries_are_rejected_when_built(changes, match):
 def _duplicated() -> bytes:
     # Two entries that differ only in key; then make the keys equal.
     doc = msgpack.unpackb(Table([make_entry(0), make_entry(3)]).to_bytes(), raw=False)
-    doc[3]["key"] = ["same", "same"]
+    doc[3]["key_values"] = doc[3]["key_values"][:2] * 2  # the second key takes the first's values
     return msgpack.packb(doc, use_bin_type=True)
 
 
@@ -169,7 +170,7 @@ def _packed(
     body_changes: dict[str, object] | None = None,
     *,
     header: object = None,
-    schema: object = 1,
+    schema: object = 2,
     fmt: object = "megatron_tuning.table",
 ) -> bytes:
     doc = msgpack.unpackb(sample_table().to_bytes(), raw=False)
@@ -190,7 +191,7 @@ def _packed(
         (sample_table().to_bytes() + b"\x00", "trailing"),
         (msgpack.packb({"not": "a table"}), "format marker"),
         (_packed(fmt="something.else"), "format marker"),
-        (_packed(schema=2), "schema 2 is not supported"),
+        (_packed(schema=3), "schema 3 is not supported"),
         (_packed(schema="1"), "schema must be an integer"),
         (_packed(header={"library_version": 1}), "library_version"),
         (_packed(header={"library_version": "1", "meta": {"a": 1}}), "meta"),
@@ -247,7 +248,7 @@ def test_bad_json_raises_table_error(tmp_path, text, match):
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("key", "M=\ud800"), ("note", "\udfff"), ("meta", "\ud800"), ("config", "\ud800")],
+    [("key", "\ud800"), ("note", "\udfff"), ("meta", "\ud800"), ("config", "\ud800")],
 )
 def test_json_with_lone_surrogates_is_rejected_at_load(tmp_path, field, value):
     # json.loads turns a "\ud800" escape into a str that msgpack cannot encode; it used to
@@ -257,6 +258,8 @@ def test_json_with_lone_surrogates_is_rejected_at_load(tmp_path, field, value):
         doc["meta"] = {"who": value}
     elif field == "config":
         doc["entries"][0]["config"]["kwargs"]["MODE"] = value
+    elif field == "key":
+        doc["entries"][0]["key"]["values"]["M"] = value
     else:
         doc["entries"][0][field] = value
     path = tmp_path / "sur.json"
@@ -265,7 +268,12 @@ def test_json_with_lone_surrogates_is_rejected_at_load(tmp_path, field, value):
         load_table(path)
     assert info.value.path == str(path)
     with pytest.raises(ValueError, match="lone surrogate"):
-        Entry(arch="sm90", kernel="m:f", key=value, config={"kwargs": {}, "num_warps": 4, "num_stages": 3})
+        Entry(
+            arch="sm90",
+            kernel="m:f",
+            key=Key({"M": value}),
+            config={"kwargs": {}, "num_warps": 4, "num_stages": 3},
+        )
 
 
 def test_json_view_named_msgpack_gets_a_clear_error(tmp_path):
@@ -372,11 +380,12 @@ def test_update_table_refuses_a_corrupt_existing_file(tmp_path):
 _WRITER = textwrap.dedent(
     """
     import sys
+    from megatron_tuning.core.key import Key
     from megatron_tuning.tables.table import Entry, add_entries
     path, worker, batches, per_batch = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     for batch in range(batches):
         add_entries(path, [
-            Entry(arch="sm90", kernel=f"pkg:k{worker}", key=f"b={batch},i={i}",
+            Entry(arch="sm90", kernel=f"pkg:k{worker}", key=Key({"b": batch, "i": i}),
                   config={"kwargs": {"W": worker}, "num_warps": 4, "num_stages": 3}, how="recorded")
             for i in range(per_batch)
         ])
@@ -413,13 +422,14 @@ _KILLED_WRITER = textwrap.dedent(
     """
     import sys, time
     import os
+    from megatron_tuning.core.key import Key
     from megatron_tuning.tables import table as t
     path, marker = sys.argv[1], sys.argv[2]
     def pause(tmp, dest):  # the temp file is written and fsynced: the writer dies before the replace
         open(marker, "w").write(tmp)
         time.sleep(120)
     os.replace = pause
-    t.add_entries(path, [t.Entry(arch="sm90", kernel="pkg:new", key="k",
+    t.add_entries(path, [t.Entry(arch="sm90", kernel="pkg:new", key=Key({"k": 1}),
                                    config={"kwargs": {}, "num_warps": 1, "num_stages": 1})])
     """
 )

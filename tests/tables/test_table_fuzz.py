@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from megatron_tuning.core.errors import TableError
+from megatron_tuning.core.key import Key
 from megatron_tuning.tables.entry import Entry, Timing
 from megatron_tuning.tables.table import Table
 
@@ -33,7 +34,7 @@ def _valid_table() -> Table:
         Entry(
             arch="sm90",
             kernel=f"pkg.mod:k{i % 2}",
-            key=f"M={i} | x:torch.float16",
+            key=Key({"M": i}, {"x": "torch.float16"}),
             config={
                 "kwargs": {"BLOCK": 16 << (i % 3), "EVEN": i % 2 == 0, "F": 0.5},
                 "num_warps": 4,

@@ -13,6 +13,7 @@ import torch
 from megatron_tuning.core.decisions import Decision, decision_log, get_decisions
 from megatron_tuning.core.errors import TableError
 from megatron_tuning.core.identity import config_signature, kernel_id
+from megatron_tuning.core.key import Key
 from megatron_tuning.core.policy import TuningPolicy
 from megatron_tuning.runtime import interception
 from megatron_tuning.tables.entry import Entry, Timing, entry_with
@@ -23,14 +24,15 @@ from megatron_tuning.tables.table import Table, load_table
 from megatron_tuning.tables.vote import vote_files, vote_tables
 
 from .. import support_kernels as sk
+from ..keys import tag
 from ..support_kernels import grid
-from .test_records import KERNEL, config, decision
+from .test_records import KERNEL, M1, M2, config, decision
 
 
 def entry(
     block: int,
     *,
-    key: str = "M=1",
+    key: Key = M1,
     median: float | None = None,
     warps: int = 4,
     source_hash: str | None = None,
@@ -50,17 +52,17 @@ def inputs(*tables: list[Entry]) -> list[tuple[str, Table]]:
     return [(f"rank{i}", Table(entries)) for i, entries in enumerate(tables)]
 
 
-def chosen(result, key: str = "M=1") -> int:
+def chosen(result, key: Key = M1) -> int:
     return result.table.get("sm90", KERNEL, key).config["kwargs"]["BLOCK"]
 
 
 def test_majority_wins_and_disagreement_is_reported():
-    result = vote_tables(inputs([entry(64)], [entry(128)], [entry(64)], [entry(64, key="M=2")]))
+    result = vote_tables(inputs([entry(64)], [entry(128)], [entry(64)], [entry(64, key=M2)]))
     assert chosen(result) == 64
-    assert result.table.get("sm90", KERNEL, "M=1").votes == (2, 3)
-    assert result.table.get("sm90", KERNEL, "M=2").votes == (1, 1)
+    assert result.table.get("sm90", KERNEL, M1).votes == (2, 3)
+    assert result.table.get("sm90", KERNEL, M2).votes == (1, 1)
     (item,) = result.disagreements
-    assert (item.kernel, item.key, item.rule) == (KERNEL, "M=1", "majority")
+    assert (item.kernel, item.key, item.rule) == (KERNEL, M1, "majority")
     assert [(v.signature, v.inputs) for v in item.votes] == [
         (config_signature(config(64)), ("rank0", "rank2")),
         (config_signature(config(128)), ("rank1",)),
@@ -82,23 +84,23 @@ def test_tie_without_timings_goes_to_static_cost_then_signature():
         Entry(
             arch="sm90",
             kernel=KERNEL,
-            key="M=1",
+            key=M1,
             how="recorded",
             config={"kwargs": {"BLOCK": 64, "GROUP": g}, "num_warps": 4, "num_stages": 3},
         )
         for g in (8, 4)
     )
     result = vote_tables(inputs([group8], [group4]))
-    assert result.table.get("sm90", KERNEL, "M=1").config["kwargs"]["GROUP"] == 4
+    assert result.table.get("sm90", KERNEL, M1).config["kwargs"]["GROUP"] == 4
     assert result.disagreements[0].rule == "tie: signature order"
 
 
 def test_merge_is_independent_of_input_order():
     tables = [
-        [entry(64, median=1.0), entry(16, key="k")],
+        [entry(64, median=1.0), entry(16, key=tag("k"))],
         [entry(128, median=1.0)],
-        [entry(32, median=3.0, key="k", source_hash="bb" * 32)],
-        [entry(16, key="k", median=0.5)],
+        [entry(32, median=3.0, key=tag("k"), source_hash="bb" * 32)],
+        [entry(16, key=tag("k"), median=0.5)],
     ]
     outputs = set()
     for order in itertools.permutations(range(len(tables))):
@@ -129,7 +131,7 @@ def test_one_source_under_two_module_names_votes_as_one_kernel_only_with_one_con
 def test_mixed_source_hashes_are_reported():
     result = vote_tables(inputs([entry(64, source_hash="aa" * 32)], [entry(64, source_hash="bb" * 32)]))
     assert result.disagreements == []
-    assert result.mixed_source_hashes == [("sm90", KERNEL, "M=1", ("aa" * 32, "bb" * 32))]
+    assert result.mixed_source_hashes == [("sm90", KERNEL, M1, ("aa" * 32, "bb" * 32))]
     assert result.to_json()["mixed_source_hashes"][0]["source_hashes"] == ["aa" * 32, "bb" * 32]
 
 
@@ -140,7 +142,7 @@ def test_vote_files_reads_folders_and_skips_the_output(tmp_path):
     vote_files(out, [tmp_path])
     again = vote_files(out, [tmp_path])  # the earlier output in the same folder is not a vote
     assert again.inputs == [str(recording_path(tmp_path, r)) for r in range(3)]
-    assert load_table(out).get("sm90", KERNEL, "M=1").votes == (2, 3)
+    assert load_table(out).get("sm90", KERNEL, M1).votes == (2, 3)
 
 
 def test_vote_files_refuses_to_write_an_empty_table(tmp_path):

@@ -18,7 +18,8 @@ from megatron_tuning.commands import main
 from megatron_tuning.commands.audit import add_audit, run_audit
 from megatron_tuning.core.decisions import decision_log
 from megatron_tuning.core.errors import NumericsError
-from megatron_tuning.core.identity import config_data, config_signature, tuning_key
+from megatron_tuning.core.identity import config_data, config_signature
+from megatron_tuning.core.key import Key, tuning_key
 from megatron_tuning.core.policy import TuningPolicy
 from megatron_tuning.runtime.interception import lazy_benchmarker
 from megatron_tuning.tables.entry import Numerics
@@ -169,17 +170,20 @@ def test_same_class_tuning_keeps_the_output_bits_across_a_retune(tmp_path, monke
         run("same-class", (str(table),))
 
 
+N1 = Key({"n": 1})
+
+
 def _entry(config: dict, class_id: str, deterministic: bool = True, alternatives: tuple = ()) -> Entry:
     config = config if "kwargs" in config else {"kwargs": config, "num_warps": 4, "num_stages": 3}
     numerics = Numerics(class_id, "0" * 16, deterministic, alternatives)
-    return Entry(arch="sm90", kernel="m:k", key="n=1", config=config, how="tuned", numerics=numerics)
+    return Entry(arch="sm90", kernel="m:k", key=N1, config=config, how="tuned", numerics=numerics)
 
 
 def test_tables_carry_numerics_diff_flags_a_class_change_and_merge_keeps_it(tmp_path, capsys):
     a, b, c = _entry({"B": 1}, "a" * 16), _entry({"B": 2}, "a" * 16), _entry({"B": 3}, "b" * 16, False)
     t = tmp_path / "a.msgpack"
     save_table(Table([c]), t)
-    assert load_table(t).get("sm90", "m:k", "n=1").numerics == c.numerics  # msgpack round trip
+    assert load_table(t).get("sm90", "m:k", N1).numerics == c.numerics  # msgpack round trip
     assert diff_tables(Table([a]), Table([b]))["changed"][0]["numerics"] == "same numerics class"
     assert diff_tables(Table([a]), Table([c]))["changed"][0]["numerics"] == "changes numerics"
     save_table(Table([a]), tmp_path / "b.msgpack")
@@ -188,12 +192,12 @@ def test_tables_carry_numerics_diff_flags_a_class_change_and_merge_keeps_it(tmp_
     assert main(["show", str(t)]) == 0
     assert f"numerics class {'b' * 16}, NOT deterministic on its own" in capsys.readouterr().out
     merged = vote_tables([("x", Table([c])), ("y", Table([c._replace(numerics=None)]))]).table
-    assert merged.get("sm90", "m:k", "n=1").numerics.deterministic is False
+    assert merged.get("sm90", "m:k", N1).numerics.deterministic is False
 
 
 def test_pinning_a_nondeterministic_entry_notices_once_and_coverage_counts_it(tmp_path, capsys):
     entry = _entry(config_data(kernels.ADD_ONE_CONFIGS[0]), "c" * 16, False, ("BLOCK=128, num_warps=2",))
-    entry = entry._replace(arch="unknown", kernel="megatron_tuning.kernels:add_one_kernel", key="")
+    entry = entry._replace(arch="unknown", kernel="megatron_tuning.kernels:add_one_kernel")
     table = Table()
     for n in (100, 200):
         x = torch.zeros(n)
@@ -215,13 +219,13 @@ def test_pinning_a_nondeterministic_entry_notices_once_and_coverage_counts_it(tm
 def test_audit_table_records_the_pinned_configs_numerics(tmp_path):
     _, _, live = _splitk_setup()
     sigs = [config_signature(c) for c in live]
-    found = {"arch": "sm90", "kernel": "m:k", "key": "n=1", "inputs": "1" * 16, "pinned": sigs[1]}
+    found = {"arch": "sm90", "kernel": "m:k", "key": N1, "inputs": "1" * 16, "pinned": sigs[1]}
     found.update(classes={"2" * 16: sigs[:2], "3" * 16: sigs[2:]}, pinned_class="2" * 16)
     found.update(self_nondeterministic=[sigs[1]])
     table = tmp_path / "t.msgpack"
-    save_table(Table([Entry(arch="sm90", kernel="m:k", key="n=1", config=config_data(live[1]))]), table)
+    save_table(Table([Entry(arch="sm90", kernel="m:k", key=N1, config=config_data(live[1]))]), table)
     assert record_numerics(str(table), [found]) == 1
-    numerics = load_table(table).get("sm90", "m:k", "n=1").numerics
+    numerics = load_table(table).get("sm90", "m:k", N1).numerics
     assert numerics == Numerics("2" * 16, "1" * 16, False, (sigs[0], *sigs[2:]))
 
 
@@ -261,7 +265,7 @@ def test_the_audit_sees_what_a_launch_writes_through_a_tensor_descriptor():
     audit = audit_candidates(_add_block_sum, configs, call, grid, 2)
     report = audit.report(configs)
     assert len(report["classes"]) == 4 and report["self_nondeterministic"] == [] and not report["failed"]
-    hit = TableHit(config_data(configs[1]), "t.msgpack")
+    hit = TableHit(config_data(configs[1]), "t.msgpack", Key({"n": 64}))
     assert allowed(audit, configs, "same-class", hit, "m:_add_block_sum", "n=64") == [1]
     assert torch.equal(x, before)
 
@@ -361,11 +365,11 @@ def test_one_name_for_a_class_the_hex_id_in_the_report_the_audit_table_and_show(
     report = audit_candidates(_copy, _copy.configs, (x, y, 100), grid, 3).report(_copy.configs, pinned)
     name = report["pinned_class"]
     assert len(name) == 16 and report["classes"][name] == [config_signature(pinned)]
-    found = {**report, "kernel": "m:k", "key": "n=1", "arch": "sm90"}
+    found = {**report, "kernel": "m:k", "key": N1, "arch": "sm90"}
     row = audit_table([found]).splitlines()[1]
     assert f"(class {name})" in row and "class 1" not in row
     save_table(
-        Table([Entry(arch="sm90", kernel="m:k", key="n=1", config=config_data(pinned))]),
+        Table([Entry(arch="sm90", kernel="m:k", key=N1, config=config_data(pinned))]),
         tmp_path / "t.msgpack",
     )
     assert record_numerics(str(tmp_path / "t.msgpack"), [found]) == 1

@@ -25,6 +25,7 @@ import torch.distributed as dist
 import megatron_tuning
 from megatron_tuning.core.decisions import decision_log, get_decisions
 from megatron_tuning.core.errors import MegatronTuningError
+from megatron_tuning.core.key import Key
 from megatron_tuning.core.policy import TuningPolicy
 from megatron_tuning.tables.entry import Entry
 from megatron_tuning.tables.table import Table, save_table
@@ -50,8 +51,8 @@ CACHED = {"kwargs": {"BLOCK": 128}, "num_warps": 4, "num_stages": 3, "num_ctas":
 """What rank 0's cache holds in the split scenarios: a config the fake measurement never picks."""
 
 
-def add_key(n: int) -> str:
-    return f"n={n} | x_ptr:torch.float32, y_ptr:torch.float32"
+def add_key(n: int) -> Key:
+    return Key({"n": n}, {"x_ptr": "torch.float32", "y_ptr": "torch.float32"})
 
 
 def split_cache(scenario: str, folder: str) -> str:

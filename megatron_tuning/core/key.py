@@ -1,0 +1,190 @@
+"""The call key: which values of a launch pick its config (docs/choosing.md#keys-and-identity).
+
+Each ``key=`` argument's value, then the dtype of every argument that has one, by name: at least as
+fine as Triton's own key, with ``True``, ``1`` and ``1.0`` apart. A ``Key`` is built once per (kernel,
+key), at its first launch or from a table's stored parts; its text, Triton's cache key and the
+agreement digest derive from it, and nothing reads the text back.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+INT_MIN, INT_MAX = -(2**63), 2**64 - 1  # what msgpack stores
+
+
+@dataclass(frozen=True, slots=True)
+class Shown:
+    """A key value kept as its stable text: a tensor, a tuple or another object, a float that is
+    not finite, an integer beyond 64 bits. It compares as that text, never as a number."""
+
+    text: str
+
+
+Value = None | bool | int | float | str | Shown
+_KINDS = frozenset((type(None), bool, int, float, str, Shown))
+
+
+def render(value: Any) -> str:
+    """Stable text for one value: keeps type distinctions (``True`` is not ``1``)."""
+    kind = type(value)
+    if kind is int:
+        return str(value)
+    if kind is Shown:
+        return value.text  # type: ignore[no-any-return]
+    if value is None or isinstance(value, (bool, str)):
+        return repr(value)
+    if isinstance(value, numbers.Integral):
+        return str(int(value))
+    if isinstance(value, numbers.Real):
+        return repr(float(value))
+    dtype, shape = getattr(value, "dtype", None), getattr(value, "shape", None)
+    if dtype is not None and shape is not None:
+        return f"tensor({list(shape)}, {dtype})"
+    text = repr(value)
+    # A default repr carries a memory address, which differs between processes.
+    return type(value).__name__ if " at 0x" in text else text
+
+
+def key_value(value: Any) -> Value:
+    """How a launch's argument value is kept in a key: a scalar a table can store as itself (a
+    numpy integer as an ``int``), anything else ``Shown``."""
+    if type(value) is not bool and isinstance(value, numbers.Real):
+        value = int(value) if isinstance(value, numbers.Integral) else float(value)
+    try:
+        return Key.of(("v",), (value,), ()).values[0]
+    except ValueError:  # not a scalar, a number beyond 64 bits or not finite, a lone surrogate
+        return Shown(render(value))
+
+
+class Key(str):
+    """A call's key: its text (``M=64, N=48 | a_ptr:torch.float16``: what people, logs and digests
+    read) with the parts it is rendered from (``names`` and ``values`` of the ``key=`` arguments,
+    ``dtypes``: what tables store and the nearest-shape rule compares). Equal keys have equal text."""
+
+    __slots__ = ("names", "values", "dtypes")
+    names: tuple[str, ...]
+    values: tuple[Value, ...]
+    dtypes: tuple[tuple[str, str], ...]  # (argument name, dtype text), in parameter order
+
+    def __new__(
+        cls,
+        values: Mapping[str, Value] | Iterable[tuple[str, Value]] = (),
+        dtypes: Mapping[str, str] | Iterable[tuple[str, str]] = (),
+    ) -> Key:
+        pairs = tuple(values.items() if isinstance(values, Mapping) else values)
+        types = tuple(dtypes.items() if isinstance(dtypes, Mapping) else dtypes)
+        return cls.of(tuple(name for name, _ in pairs), tuple(value for _, value in pairs), types)
+
+    @classmethod
+    def of(
+        cls, names: tuple[str, ...], values: tuple[Value, ...], dtypes: tuple[tuple[str, str], ...]
+    ) -> Key:
+        """The key of these parts; ``ValueError`` names a part no table can store."""
+        if len(values) != len(names):
+            raise ValueError(f"key values {values!r}: one per name of {names!r}")
+        value: Any
+        for value in values:
+            kind = type(value)
+            if (kind is int and not INT_MIN <= value <= INT_MAX) or (
+                kind is float and not math.isfinite(value)
+            ):
+                raise ValueError(f"key value {value!r}: a number beyond what a table stores as one")
+            if kind not in _KINDS:
+                raise ValueError(f"key value {value!r}: expected None, bool, int, float or str")
+            if kind is str and not value.isascii():
+                try:
+                    value.encode("utf-8")
+                except UnicodeEncodeError:  # what a JSON "\\ud800" escape gives: no UTF-8 form
+                    raise ValueError(f"key value {value!r} is not valid Unicode (lone surrogate)") from None
+        names, dtypes_text = _shared(names), _shared(dtypes, dtypes=True)  # checked once per kernel
+        text = ", ".join([f"{n}={render(v)}" for n, v in zip(names, values)]) + dtypes_text
+        key = super().__new__(cls, text)
+        key.names, key.values, key.dtypes = names, values, dtypes
+        return key
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Key, (tuple(zip(self.names, self.values)), self.dtypes))
+
+    def triton_key(self, passed: Sequence[str]) -> tuple[Any, ...]:
+        """Triton's ``Autotuner.cache`` key of a call with this key: its values, then its dtypes in the
+        order of ``passed``, the argument names as the call passed them (as Triton orders them)."""
+        dtypes = dict(self.dtypes)
+        values = (v.text if type(v) is Shown else v for v in self.values)
+        return (*values, *(dtypes[name] for name in passed if name in dtypes))
+
+    def to_data(self) -> dict[str, Any]:
+        """The stored form (JSON views, decision logs): maps in key order (never sort them), a
+        ``Shown`` value as ``{"text": ...}``."""
+        values = {n: stored_value(v) for n, v in zip(self.names, self.values)}
+        return {"dtypes": dict(self.dtypes), "values": values}
+
+    @classmethod
+    def from_data(cls, data: Any) -> Key:
+        """A key from its stored form; ``ValueError`` names what is wrong."""
+        if type(data) is not dict or data.keys() != {"dtypes", "values"}:
+            raise ValueError(f"key must be a map with fields dtypes and values, got {data!r}")
+        if type(data["values"]) is not dict or type(data["dtypes"]) is not dict:
+            raise ValueError("key values and dtypes must be maps")
+        return cls({n: value_from_stored(v) for n, v in data["values"].items()}, data["dtypes"])
+
+    def order(self) -> tuple[Any, ...]:
+        """Sort key that reads numbers as numbers (``M=8`` before ``M=100``), then the text."""
+        parts = [
+            (name, 0, v, "") if type(v) in (int, float) else (name, 1, 0, render(v))
+            for name, v in zip(self.names, self.values)
+        ]
+        return (*parts, self.dtypes, str(self))
+
+
+def stored_value(value: Value) -> Any:
+    """A key value as tables store it: itself, or ``{"text": ...}`` for a ``Shown`` one."""
+    return {"text": value.text} if type(value) is Shown else value
+
+
+def value_from_stored(data: Any) -> Any:
+    if type(data) is dict and data.keys() == {"text"} and type(data["text"]) is str:
+        return Shown(data["text"])
+    return data  # anything else is checked by ``Key``
+
+
+_SHARED: dict[Any, Any] = {}
+
+
+def _shared(parts: tuple[Any, ...], dtypes: bool = False) -> Any:
+    """Names (checked, and shared by the keys of one kernel), or the text dtypes add (checked)."""
+    try:
+        known = _SHARED.get((dtypes, parts))
+    except TypeError:  # a list or a map where a name belongs
+        raise ValueError(f"key names {parts!r}: expected distinct strings") from None
+    if known is None:
+        names = [p[0] for p in parts] if dtypes else list(parts)
+        if not all(type(n) is str for n in names) or len(set(names)) != len(names):
+            raise ValueError(f"key names {parts!r}: expected distinct strings")
+        if dtypes and not all(type(p) is tuple and len(p) == 2 and type(p[1]) is str for p in parts):
+            raise ValueError(f"key dtypes {parts!r}: expected (name, dtype text) pairs")
+        if len(_SHARED) > 4096:
+            _SHARED.clear()
+        known = " | " + ", ".join(f"{n}:{d}" for n, d in parts) if dtypes else parts
+        _SHARED[(dtypes, parts)] = known
+    return known
+
+
+def call_key(
+    arg_names: Sequence[str], key_names: Sequence[str], args: Sequence[Any], kwargs: Mapping[str, Any]
+) -> Key:
+    """The key of one call: each of ``key_names`` passed, then each argument's dtype, by name."""
+    named: dict[str, Any] = dict(zip(arg_names, args))
+    named.update((name, value) for name, value in kwargs.items() if name in arg_names)
+    values = {name: key_value(named[name]) for name in key_names if name in named}
+    dtypes = [(name, str(named[name].dtype)) for name in arg_names if hasattr(named.get(name), "dtype")]
+    return Key(values, dtypes)
+
+
+def tuning_key(autotuner: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Key:
+    """The key of a call of ``autotuner``: its text reads ``M=64, N=48, K=40 | a_ptr:torch.float16, ...``."""
+    return call_key(list(autotuner.arg_names), list(autotuner.keys), args, kwargs)
