@@ -38,7 +38,7 @@ def measure(args: argparse.Namespace, table_path: str | None) -> list[dict[str, 
         _, _, _, kargs = common.matmul_operands(shape, args.smoke)
         grid = mm.matmul_grid(shape[0], shape[1])
         key = tuning_key(kernel, kargs, {})
-        found = tables.find(kernel_id(kernel), key, arch=arch_tag()) if tables is not None else None
+        found = tables.lookup(kernel_id(kernel), key, arch=arch_tag()) if tables is not None else []
         pinned = config_signature(found[0].config) if found else config_signature(cheapest(configs))
         samples = common.time_configs_interleaved(
             kernel, configs, kargs, grid, rounds=args.rounds, rep_ms=args.rep_ms, smoke=args.smoke

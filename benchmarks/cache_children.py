@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import os
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import common
@@ -17,17 +18,25 @@ import common
 ARCH = "sm90"
 
 
-def make_decisions(start: int, count: int, *, tag: str = "") -> list[Any]:
-    """``count`` decisions with keys numbered from ``start``; ``tag`` makes keys distinct per writer."""
-    from megatron_tuning.core.decisions import Decision
+_MATMUL_KEY = ("M", "N", "K", "stride_am", "stride_ak", "stride_bk", "stride_bn", "stride_cm", "stride_cn")
+
+
+def make_decisions(start: int, count: int, *, writer: int | None = None) -> list[Any]:
+    """``count`` decisions with keys numbered from ``start``; ``writer`` makes keys distinct per writer.
+    Keys are built by ``tuning_key`` (the seed API: an older ``--repo`` checkout has it too)."""
+    from megatron_tuning import Decision, tuning_key
 
     pad = "x" * int(os.environ.get("BENCH_CACHE_KEY_PAD", "0"))  # --key-pad: longer keys
-    tag = f"{tag}, pad={pad}" if pad else tag
+    extra = {**({"w": writer} if writer is not None else {}), **({"pad": pad} if pad else {})}
+    names = [*_MATMUL_KEY, *extra]
+    matmul = SimpleNamespace(arg_names=["a_ptr", "b_ptr", "c_ptr", *names], keys=names)
+    operand = SimpleNamespace(dtype="torch.bfloat16")  # what a key reads of a tensor: its dtype
     out = []
     for index in range(start, start + count):
         kernel = f"pkg.ops.kernels_{index % 4}:kernel_{index % 40}"
         m = 16 * (index // 40 + 1)
         block_n = (64, 128, 256)[index % 3]
+        args = [operand] * 3 + [m, 4096, 4096, 4096, 1, 4096, 1, 4096, 1, *extra.values()]
         config = {
             "kwargs": {"BLOCK_M": 128, "BLOCK_N": block_n, "BLOCK_K": 64, "GROUP_M": 8},
             "num_warps": 4 if index % 2 else 8,
@@ -39,9 +48,7 @@ def make_decisions(start: int, count: int, *, tag: str = "") -> list[Any]:
         out.append(
             Decision(
                 kernel=kernel,
-                key=f"M={m}, N=4096, K=4096, stride_am=4096, stride_ak=1, stride_bk=4096, stride_bn=1, "
-                f"stride_cm=4096, stride_cn=1{tag} | a_ptr:torch.bfloat16, b_ptr:torch.bfloat16, "
-                "c_ptr:torch.bfloat16",
+                key=tuning_key(matmul, args, {}),
                 signature=f"BLOCK_N={block_n}",
                 source="adopted" if adopted else "tuned",
                 config=config,
@@ -124,7 +131,7 @@ def child_persist(path: str, existing: int, new: int) -> dict[str, Any]:
 def child_concurrent(path: str, writer: int, new: int, start_at: float) -> dict[str, Any]:
     warnings = common.collect_log_warnings()
     cache = _open(path)
-    decisions = make_decisions(0, new, tag=f", w={writer}")
+    decisions = make_decisions(0, new, writer=writer)
     while time.time() < start_at:
         time.sleep(0.001)
     written, wall, cpu = _timed(cache.persist, decisions)

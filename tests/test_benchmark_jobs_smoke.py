@@ -61,15 +61,13 @@ def test_run_gpu_stages_in_one_call(tmp_path: Path) -> None:
     for stage in ("overhead", "nearest"):
         assert f"== {stage}: exit 0" in summary, summary
     assert json.loads((out / "overhead.json").read_text())["summary"]["pinned"]["vs_bare"] > 0
-    # The host-only CPU mode: the three launch paths, each timed once per repeat.
+    # The host-only CPU mode: the four launch paths (the pinned one with and without the generated
+    # hit path), each timed once per repeat.
     cpu = json.loads((out / "overhead_cpu.json").read_text())
-    assert cpu["benchmark"] == "launch_overhead_cpu" and set(cpu["best_us"]) == {
-        "direct",
-        "triton_hit",
-        "pinned",
-    }
-    assert all(len(v) == 2 for v in cpu["samples_us"].values())
-    assert set(cpu["added_over_direct_us"]) == {"triton_hit", "pinned"}
+    paths = {"direct", "triton_hit", "pinned", "pinned_class_path"}
+    assert cpu["benchmark"] == "launch_overhead_cpu" and set(cpu["best_us"]) == paths
+    assert set(cpu["samples_us"]) == paths and all(len(v) == 2 for v in cpu["samples_us"].values())
+    assert set(cpu["added_over_direct_us"]) == paths - {"direct"}
     # The held-out nearest-shape part: auto tunes the M sweep, then the rule is judged.
     rows = json.loads((out / "nearest.json").read_text())["nearest"]["rows"]
     assert [r["nearest_source"] for r in rows] == ["nearest", "nearest"]

@@ -8,7 +8,6 @@ late attach for a job that calls ``init_deterministic_tuning`` before ``init_pro
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -20,7 +19,9 @@ from typing import Any
 import pytest
 from _launch import REPO, WORKERS, alive, gloo_available, job_env, read_results, run_bounded
 
+from megatron_tuning.core.decisions import Decision
 from megatron_tuning.core.errors import EXIT_DIVERGENCE
+from megatron_tuning.tables.records import read_decisions
 
 NPROC = 2
 
@@ -66,8 +67,9 @@ def _run_unedited(
     return done, read_results(out, nproc)
 
 
-def _decisions(path: Path) -> list[dict[str, Any]]:
-    return [d for d in json.loads(path.read_text())["decisions"] if d["kernel"].endswith(":add_kernel")]
+def _decisions(path: Path) -> list[Decision]:
+    """A rank's decisions for ``add_kernel``, read back as the library reads a decision log."""
+    return [d for d in read_decisions(path) if d.kernel.endswith(":add_kernel")]
 
 
 def test_run_pins_every_rank_of_an_unedited_torchrun_job_with_one_notice_per_job(tmp_path: Path) -> None:
@@ -78,11 +80,9 @@ def test_run_pins_every_rank_of_an_unedited_torchrun_job_with_one_notice_per_job
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert [results[r]["error"] for r in range(NPROC)] == [None] * NPROC
     per_rank = [_decisions(tmp_path / f"d-{rank}.json") for rank in range(NPROC)]
-    assert all(len(d) == 3 and {x["source"] for x in d} == {"cheapest"} for d in per_rank)
-    assert [(d["key"], d["signature"]) for d in per_rank[0]] == [
-        (d["key"], d["signature"]) for d in per_rank[1]
-    ]
-    assert [d["rank"] for d in per_rank[1]] == [1, 1, 1]
+    assert all(len(d) == 3 and {x.source for x in d} == {"cheapest"} for d in per_rank)
+    assert [(d.key, d.signature) for d in per_rank[0]] == [(d.key, d.signature) for d in per_rank[1]]
+    assert [d.rank for d in per_rank[1]] == [1, 1, 1]
     # Each notice once per job (rank 0's; not the launcher's, not every rank's), at the user's frame.
     notices = [line for line in done.stderr.splitlines() if "TuningWarning: megatron_tuning:" in line]
     assert [line.split(": TuningWarning")[0].rsplit(":", 1)[0] for line in notices] == [
@@ -149,16 +149,16 @@ def test_auto_shares_one_decision_per_key_in_an_unedited_torchrun_job(tmp_path: 
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert [results[r]["error"] for r in range(NPROC)] == [None] * NPROC
     per_rank = [_decisions(tmp_path / f"d-{rank}.json") for rank in range(NPROC)]
-    for key in {d["key"] for d in per_rank[0]}:
+    for key in {d.key for d in per_rank[0]}:
         rows = sorted(
-            (d for decisions in per_rank for d in decisions if d["key"] == key), key=lambda d: d["source"]
+            (d for decisions in per_rank for d in decisions if d.key == key), key=lambda d: d.source
         )
-        assert [d["source"] for d in rows] == ["adopted", "tuned"], rows
-        assert len({d["signature"] for d in rows}) == 1
+        assert [d.source for d in rows] == ["adopted", "tuned"], rows
+        assert len({d.signature for d in rows}) == 1
         # The adopting rank caches the publisher's timings, and its decision names the publisher
         # (its "adopted ..." progress line is logging's: the job configures none, so none is shown).
-        assert rows[0]["timings"] == rows[1]["timings"] and rows[1]["timings"]["candidates"]
-        assert rows[0]["origin"] == f"rank {rows[1]['rank']}"
+        assert rows[0].timings == rows[1].timings and rows[1].timings and rows[1].timings["candidates"]
+        assert rows[0].origin == f"rank {rows[1].rank}"
         assert "adopted " not in done.stderr
 
 
@@ -182,11 +182,11 @@ def test_auto_in_a_pipeline_never_waits_for_a_rank_that_waits_for_it(tmp_path: P
     assert [results[r]["error"] for r in range(NPROC)] == [None] * NPROC, results
     per_rank = [_decisions(tmp_path / f"d-{rank}.json") for rank in range(NPROC)]
     assert [len(d) for d in per_rank] == [3] * NPROC
-    for key in {d["key"] for d in per_rank[0]}:
-        rows = [d for decisions in per_rank for d in decisions if d["key"] == key]
-        assert len({d["signature"] for d in rows}) == 1, rows
+    for key in {d.key for d in per_rank[0]}:
+        rows = [d for decisions in per_rank for d in decisions if d.key == key]
+        assert len({d.signature for d in rows}) == 1, rows
         # The last rank tuned alone; rank 0 found its answer published when it could launch.
-        assert sorted(d["source"] for d in rows) == ["adopted", "tuned"], rows
+        assert sorted(d.source for d in rows) == ["adopted", "tuned"], rows
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal and /proc: Linux")

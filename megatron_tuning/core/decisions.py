@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .errors import printable
-from .key import Key
+from .key import Key, text_key_error
 
 # Where a decision's config came from.
 SOURCES = (
@@ -71,9 +71,13 @@ class Decision:
     config_list_digest: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        """Plain data; the key in ``Key.to_data`` form (whose maps keep key order: never sort them)."""
+        """Plain data; the key in ``Key.to_data`` form (whose maps keep key order: never sort them).
+        A key given as text (not ``"*"``) raises ``ValueError``: a log that held it could not be read."""
+        key = self.key
+        if not isinstance(key, Key) and key != "*":
+            raise ValueError(f"decision of kernel {self.kernel!r}: {text_key_error(key)}")
         data = asdict(self)
-        data["key"] = self.key.to_data() if isinstance(self.key, Key) else self.key
+        data["key"] = key.to_data() if isinstance(key, Key) else key
         return data
 
     @classmethod

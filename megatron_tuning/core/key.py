@@ -126,6 +126,8 @@ class Key(str):
     @classmethod
     def from_data(cls, data: Any) -> Key:
         """A key from its stored form; ``ValueError`` names what is wrong."""
+        if isinstance(data, str):
+            raise text_key_error(data)
         if type(data) is not dict or data.keys() != {"dtypes", "values"}:
             raise ValueError(f"key must be a map with fields dtypes and values, got {data!r}")
         if type(data["values"]) is not dict or type(data["dtypes"]) is not dict:
@@ -139,6 +141,15 @@ class Key(str):
             for name, v in zip(self.names, self.values)
         ]
         return (*parts, self.dtypes, str(self))
+
+
+def text_key_error(text: str) -> ValueError:
+    """Why a key given as text is refused where its parts are stored, and what to pass instead."""
+    return ValueError(
+        f"key {text[:200]!r} is text, which is never read back into its parts: pass the Key that "
+        "megatron_tuning.tuning_key(autotuner, args, kwargs) returns, or build one with "
+        "megatron_tuning.core.key.Key({'M': 32, 'N': 32}, {'a_ptr': 'torch.float16'})"
+    )
 
 
 def stored_value(value: Value) -> Any:

@@ -315,7 +315,7 @@ def key_from_data(data: Any, kernel: Any = None) -> Key:
     except ValueError as exc:
         form = '{"values": {"M": 32, "N": 32}, "dtypes": {"a_ptr": "torch.float16"}}'
         raise Invalid(
-            f"key of kernel {kernel!r}: {exc}; a key reads {form}, in the kernel's key order"
+            f"key of kernel {kernel!r}: {exc}; in a file a key reads {form}, in the kernel's key order"
         ) from None
 
 

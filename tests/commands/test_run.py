@@ -15,12 +15,14 @@ import pytest
 from megatron_tuning import commands as cli
 from megatron_tuning.commands.bootstrap import ENV_LAUNCHER
 from megatron_tuning.core.identity import config_data
+from megatron_tuning.core.key import Key
 from megatron_tuning.tables.entry import Entry
+from megatron_tuning.tables.records import read_decisions
 from megatron_tuning.tables.table import Table, save_table
 
 REPO = Path(__file__).resolve().parents[2]
 DOUBLE = "__main__:double_kernel"
-DOUBLE_KEY = "n=100 | x_ptr:torch.float32, y_ptr:torch.float32"
+DOUBLE_KEY = Key({"n": 100}, {"x_ptr": "torch.float32", "y_ptr": "torch.float32"})
 
 # An evaluation script as a user has it: no megatron_tuning anywhere. Its kernel counts every
 # benchmark Triton runs for it (do_bench), so a pinned run must report 0.
@@ -97,17 +99,17 @@ def test_run_pins_an_unedited_script(tmp_path: Path, form: str) -> None:
     done = _cli(tmp_path, "run", "--table", str(table), "--decision-log", str(log), "--", *job, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "benchmark calls: 0; library loaded: True" in done.stdout
-    decisions = {d["key"].split(" |")[0]: d for d in json.loads(log.read_text())["decisions"]}
-    assert decisions["n=100"]["source"] == "table" and decisions["n=100"]["origin"] == str(table)
-    assert decisions["n=100"]["signature"] == "BLOCK=64, num_warps=2, num_stages=3"
-    assert decisions["n=37"]["source"] in ("nearest", "cheapest")  # no entry: the deterministic rule
+    decisions = {d.key.values[0]: d for d in read_decisions(log)}  # by n, the one key value
+    assert decisions[100].source == "table" and decisions[100].origin == str(table)
+    assert decisions[100].signature == "BLOCK=64, num_warps=2, num_stages=3"
+    assert decisions[37].source in ("nearest", "cheapest")  # no entry: the deterministic rule
     # MEGATRON_TUNING_PRINT_DECISIONS: one line per decision, as TRITON_PRINT_AUTOTUNING prints.
     printed = [line for line in done.stderr.splitlines() if line.startswith("megatron_tuning: rank 0: ")]
     assert printed == [
         f"megatron_tuning: rank 0: {DOUBLE} [{DOUBLE_KEY}] -> BLOCK=64, num_warps=2, num_stages=3 "
         f"(table from {table})",
-        f"megatron_tuning: rank 0: {DOUBLE} [{decisions['n=37']['key']}] -> "
-        f"{decisions['n=37']['signature']} (nearest from {table})",
+        f"megatron_tuning: rank 0: {DOUBLE} [{decisions[37].key}] -> "
+        f"{decisions[37].signature} (nearest from {table})",
     ], done.stderr
 
 

@@ -56,7 +56,11 @@ def test_true_one_and_one_point_zero_are_three_entries():
 
 
 def test_a_key_given_as_text_is_refused_naming_the_stored_form():
-    with pytest.raises(Invalid, match=r"key of kernel 'pkg:k': .*a key reads \{\"values\""):
+    with pytest.raises(
+        Invalid,
+        match=r"key of kernel 'pkg:k': key 'M=32, N=32 \| a:torch.float16' is text.*tuning_key.*"
+        r"core.key.Key\(\{'M': 32, 'N': 32\}, \{'a_ptr': 'torch.float16'\}\).*a key reads \{\"values\"",
+    ):
         Entry(arch="sm90", kernel="pkg:k", key="M=32, N=32 | a:torch.float16", config=CONFIG)
     doc = json.loads(Table([Entry(arch="sm90", kernel="pkg:k", key=Key({"M": 1}), config=CONFIG)]).to_json())
     doc["entries"][0]["key"] = "M=32, N=32 | a:torch.float16"

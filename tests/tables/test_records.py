@@ -126,5 +126,25 @@ def test_a_decision_log_keeps_each_keys_order_and_types_and_an_older_log_reads_a
     doc = json.loads(path.read_text())
     doc["decisions"][0]["key"] = "n=40, flag=True | x_ptr:torch.float32"  # text in a version-2 log
     path.write_text(json.dumps(doc))
-    with pytest.raises(TableError, match="decision 0: key of kernel 'pkg.kernels:matmul': key must be a map"):
+    with pytest.raises(
+        TableError, match="decision 0: key of kernel 'pkg.kernels:matmul': key 'n=40, flag=Tr"
+    ):
         read_decisions(path)
+
+
+def test_a_decision_with_a_text_key_is_refused_before_its_log_is_written_naming_the_fix(tmp_path):
+    """Text would make a log ``read_decisions`` refuses (text is never read back): the writer says so."""
+    path = tmp_path / "d.json"
+    write_decisions(path, [decision(64)])
+    written = path.read_bytes()
+    text = Decision(kernel=KERNEL, key="M=1 | a_ptr:torch.float16", signature="S", source="tuned")
+    with pytest.raises(
+        ValueError,
+        match=r"decision of kernel 'pkg.kernels:matmul': key 'M=1 \| a_ptr:torch.fl.*"
+        r"is text.*megatron_tuning.tuning_key\(autotuner, args, kwargs\).*core.key.Key\(",
+    ):
+        write_decisions(path, [decision(32), text])
+    assert path.read_bytes() == written  # nothing written over the log that was there
+    out_of_scope = Decision(kernel="pkg:o", key="*", signature="", source="out_of_scope")
+    write_decisions(path, [decision(32), out_of_scope])  # the one text a log holds: "*"
+    assert [d.key for d in read_decisions(path)] == [M1, "*"]
