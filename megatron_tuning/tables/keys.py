@@ -115,6 +115,7 @@ def key_from_text(text: str) -> Key:
     if any(not sep or not name.strip().isidentifier() for name, sep, _ in dtypes):
         raise Invalid(problem)
     try:
-        return Key(values, [(name.strip(), dtype.strip()) for name, _, dtype in dtypes])
+        pairs = tuple((name.strip(), dtype.strip()) for name, _, dtype in dtypes)
+        return Key.of(tuple(values), tuple(values.values()), pairs)
     except ValueError as exc:
         raise Invalid(f"{problem}: {exc}") from None

@@ -152,17 +152,22 @@ def load_table(path: str | os.PathLike[str], *, max_bytes: int | None = None) ->
     """Load a msgpack table, or the JSON view when the name ends in ``.json``; ``max_bytes`` raises
     the read limit (default ``files.MAX_FILE_BYTES``) for a file known to be genuine."""
     name = os.fspath(path)
+    return table_from_data(table_bytes(name, max_bytes=max_bytes), name)
+
+
+def table_bytes(path: str, *, max_bytes: int | None = None) -> bytes:
+    """The bytes of a table file; one over the read limit is refused saying how to read it anyway."""
     limit = files.MAX_FILE_BYTES if max_bytes is None else max_bytes
     with contextlib.suppress(OSError):  # the reader reports missing files and odd kinds itself
-        size = os.stat(name).st_size
+        size = os.stat(path).st_size
         if size > limit:
             raise TableError(
-                name,
+                path,
                 f"file is {size} bytes, over the {limit}-byte limit for reading a table. If it is "
                 "genuine (e.g. an auto cache an older megatron_tuning let grow), `show` and `export` "
                 f"read it with `--max-size {-(-size // 2**20)}` (MiB)",
             )
-    return table_from_data(read_regular_file(name, max_bytes=limit), name)
+    return read_regular_file(path, max_bytes=limit)
 
 
 def table_from_data(data: bytes, name: str) -> Table:
