@@ -21,7 +21,7 @@ from typing import Any
 from ..core.chaos import ChaosCoordinator
 from ..core.choice import Choice, as_config_table
 from ..core.errors import BenchmarkForbiddenError, UnsupportedTritonError
-from ..core.identity import config_signature, kernel_source_hash
+from ..core.identity import config_signature
 from ..core.notices import report_policy_end, reset_warnings
 from ..core.policy import TuningPolicy
 from . import fastpath, inductor, pinning
@@ -202,8 +202,6 @@ def _record(
             as_list = lambda t: list(t) if isinstance(t, (list, tuple)) else [t]  # noqa: E731
             candidates = {config_signature(c): [float(x) for x in as_list(t)] for c, t in after.items()}
             timings = {"candidates": candidates, "bench_time_s": getattr(autotuner, "bench_time", None)}
-        if state.source_hash is None:
-            state.source_hash = kernel_source_hash(autotuner)
         choice = Choice(autotuner.best_config, "recorded", timings=timings)
         pinning.log(state, key, choice, arch)
         state.pins[key] = choice.config
