@@ -20,7 +20,7 @@ from .identity import (
     kernel_source_hash,
 )
 from .key import Key, tuning_key
-from .policy import ON_MISS, TuningPolicy
+from .policy import FALSE_WORDS, ON_MISS, TuningPolicy
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,7 +226,7 @@ _UNPINNED_BECAUSE = {
 def warn_if_mamba_env_ignored(policy: TuningPolicy | None = None) -> bool:
     """Warn once when ``MAMBA_DETERMINISTIC`` asks for determinism but the mode does not pin configs."""
     raw = os.environ.get("MAMBA_DETERMINISTIC", "").strip().lower()
-    if raw in ("", "0", "false", "no", "off"):
+    if raw in ("", *FALSE_WORDS):
         return False
     policy = policy if policy is not None else TuningPolicy.from_env_if_asked()
     if policy.mode in ("deterministic", "auto"):

@@ -72,11 +72,6 @@ class Decision:
         data["key"] = key.to_data() if isinstance(key, Key) else key
         return data
 
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> Decision:
-        key = data["key"]
-        return cls(**{**data, "key": Key.from_data(key) if isinstance(key, dict) else key})
-
 
 Listener = Callable[[Decision], None]
 

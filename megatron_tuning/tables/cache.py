@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..core import __version__
 from ..core.decisions import Decision
 from ..core.errors import TableError
 from ..core.identity import config_signature
@@ -23,7 +24,7 @@ from . import files
 from .entry import Entry, entry_with, same_config
 from .records import content_ident, entry_from_decision
 from .search import installed_triton_version, staleness
-from .table import Table, library_version, table_bytes, table_from_data
+from .table import Table, table_bytes, table_from_data
 
 logger = logging.getLogger(__name__)
 
@@ -283,14 +284,14 @@ def _keep_first(
     plan = _Plan(base.copy())
     table = plan.table
     if order:
-        plan.stale = [(entry, f"in cache format {found}") for entry in table.entries_in_order()]
+        plan.stale = [(entry, f"in cache format {found}") for entry in table.values()]
     else:
         # Staleness depends only on an entry's provenance, and a cache holds few distinct ones:
         # judge those, and walk the entries only when one is stale.
         kinds = {_provenance(entry): entry for entry in table.values()}
         reasons = {kind: staleness(entry, hashes.get(kind[:2]), version) for kind, entry in kinds.items()}
         if any(reasons.values()):
-            plan.stale = [(e, why) for e in table.entries_in_order() if (why := reasons[_provenance(e)])]
+            plan.stale = [(e, why) for e in table.values() if (why := reasons[_provenance(e)])]
     for entry, _ in plan.stale:
         table.remove(*entry.ident)
     # One kernel by content under another module name (an eval pipeline's loads) holds the key too.
@@ -311,7 +312,7 @@ def _keep_first(
     if len(table) > cap:
         plan.evicted = _evict_oldest(table, len(table) - cap)
     table.meta = {**base.meta, **CACHE_META}
-    table.library_version = library_version()
+    table.library_version = __version__
     return plan
 
 
@@ -341,7 +342,7 @@ def _encode(plan: _Plan, max_bytes: int, *, as_json: bool) -> bytes:
 
 
 def _evict_oldest(table: Table, count: int) -> list[Entry]:
-    oldest = table.entries_in_order()[:count]
+    oldest = table.values()[:count]
     for entry in oldest:
         table.remove(*entry.ident)
     return oldest

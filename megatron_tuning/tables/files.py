@@ -7,13 +7,11 @@ from __future__ import annotations
 import codecs
 import contextlib
 import errno
-import json
 import logging
 import os
 import secrets
 import stat
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import filelock
 
@@ -214,20 +212,6 @@ def check_json_budget(text: str, *, per_object: int = 0, size: int | None = None
             f"(limit: {BUDGET_FACTOR}x the file size + {BUDGET_SLACK // 2**20} MiB), so it is refused "
             "unread, as a hostile file would be; split a genuine table this large into several files"
         )
-
-
-def read_json_file(path: str | os.PathLike[str], *, error: ErrorFactory, what: str) -> Any:
-    """Parse the JSON file at ``path``; any problem raises ``error(path, problem)`` naming ``what``."""
-    name = os.fspath(path)
-    data = read_regular_file(name, error=error)
-    try:
-        text = json_text(data)
-        check_json_budget(text, size=len(data))
-        return json.loads(text)
-    except Invalid as exc:
-        raise error(name, f"not a readable {what}: {exc}") from None
-    except (ValueError, RecursionError) as exc:  # json errors are ValueErrors
-        raise error(name, f"not a readable {what} ({type(exc).__name__}: {exc})") from None
 
 
 @contextlib.contextmanager
