@@ -207,20 +207,16 @@ class AutoCache:
         return self._seen[1]
 
     def _report(self, plan: _Plan) -> None:
-        if plan.replaced:
-            old, ours = plan.replaced[0]
-            logger.info(
-                f"auto cache {self.path}: replaced {_count(len(plan.replaced), 'entry')} whose config the "
-                f"kernel no longer offers (e.g. {old.kernel} [{_shortened(old.key)}]: cache "
-                f"{config_signature(old.config)}, re-tuned {config_signature(ours.config)})"
-            )
-        if plan.kept:
-            old, ours = plan.kept[0]
-            logger.info(
-                f"auto cache {self.path}: kept {_count(len(plan.kept), 'entry')} another run persisted "
-                f"first (e.g. {old.kernel} [{_shortened(old.key)}]: cache {config_signature(old.config)}, "
-                f"this run {config_signature(ours.config)}); later runs launch the cache's"
-            )
+        for pairs, what, ours_as in (
+            (plan.replaced, "replaced {} whose config the kernel no longer offers", "re-tuned"),
+            (plan.kept, "kept {} another run persisted first (later runs launch the cache's)", "this run"),
+        ):
+            if pairs:
+                old, ours = pairs[0]
+                done = what.format(_count(len(pairs), "entry"))
+                example = f"{old.kernel} [{_shortened(old.key)}]: cache {config_signature(old.config)}"
+                example += f", {ours_as} {config_signature(ours.config)}"
+                logger.info(f"auto cache {self.path}: {done} (e.g. {example})")
         if plan.stale:
             reasons = sorted(collections.Counter(reason for _, reason in plan.stale).items())
             why = ", ".join(f"{count} {reason}" for reason, count in reasons)

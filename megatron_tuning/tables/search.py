@@ -21,7 +21,6 @@ from ..core.fallback import nearest_keys
 from ..core.identity import content_name, split_kernel_id
 from ..core.key import Key
 from ..core.notices import warn_once
-from ..core.policy import STALE_ENTRIES
 from .files import broken_link_problem
 from .table import Entry, Table, load_table
 
@@ -105,8 +104,6 @@ class TableSet:
         cache: tuple[str, Table] | None = None,
     ) -> None:
         # ``cache``: ``auto``'s (path, content), searched before the shipped tables; its stale entries miss.
-        if stale_entries not in STALE_ENTRIES:
-            raise ValueError(f"stale_entries={stale_entries!r}: expected one of {STALE_ENTRIES}")
         self.stale_entries = stale_entries
         self.triton_version = triton_version if triton_version is not None else installed_triton_version()
         self._shipped_dir = Path(shipped_dir) if shipped_dir is not None else None
@@ -242,25 +239,25 @@ class TableSet:
         arch, kernel, key = ident
         for entry, origin in candidates:
             detail = staleness(entry, source_hash, self.triton_version)
-            if detail is None:
-                return TableHit(MappingProxyType(entry.config), origin, entry.key, numerics=entry.numerics)
-            if origin == self._cache_file:  # a cache is ours: an entry tuned for other code is re-tuned
+            if detail is not None and origin == self._cache_file:  # ours: re-tuned for the running code
                 logger.debug("stale cache entry %s [%s] in %s (%s): a miss", kernel, key, origin, detail)
                 continue
-            if stale_entries == "error":
-                raise StaleEntryError(kernel, key, origin, detail)
-            # One warning per cause: a kernel edit or a Triton upgrade makes every key of the
-            # kernel stale at once, and one line per key would bury the log.
-            use = stale_entries == "use"
-            message = (
-                f"Table entry for kernel {kernel} key {key} in {origin} is stale ({detail}); "
-                f"{'using it anyway' if use else 'ignoring it'} (stale_entries={stale_entries!r}). "
-                f"{'Re-tune to refresh it. ' if use else ''}Other keys of this kernel stale for the same "
-                f"reason are {'used' if use else 'ignored'} without another warning."
-            )
-            warn_once(("stale-entry", arch, kernel, origin, detail), message)
-            if use:
-                return TableHit(MappingProxyType(entry.config), origin, entry.key, numerics=entry.numerics)
+            if detail is not None:
+                if stale_entries == "error":
+                    raise StaleEntryError(kernel, key, origin, detail)
+                # One warning per cause: a kernel edit or a Triton upgrade makes every key of the
+                # kernel stale at once, and one line per key would bury the log.
+                use = stale_entries == "use"
+                message = (
+                    f"Table entry for kernel {kernel} key {key} in {origin} is stale ({detail}); "
+                    f"{'using it anyway' if use else 'ignoring it'} (stale_entries={stale_entries!r}). "
+                    f"{'Re-tune to refresh it. ' if use else ''}Other keys of this kernel stale for the same "
+                    f"reason are {'used' if use else 'ignored'} without another warning."
+                )
+                warn_once(("stale-entry", arch, kernel, origin, detail), message)
+                if not use:
+                    continue
+            return TableHit(MappingProxyType(entry.config), origin, entry.key, numerics=entry.numerics)
         return None
 
     def _all_for(self, ident: _Ident) -> list[tuple[Entry, str]]:
