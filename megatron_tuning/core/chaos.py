@@ -24,8 +24,6 @@ def chaos_index(kernel: str, key: str, rank: int, count: int) -> int:
 
 @dataclass(frozen=True, slots=True)
 class ChaosClaim:
-    """The first chaos pick the job saw for a (kernel, key)."""
-
     rank: int
     signature: str
 

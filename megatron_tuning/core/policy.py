@@ -158,7 +158,6 @@ _BY_FIELD = {knob.field: knob for knob in KNOBS.values()}
 
 
 def default(name: str) -> Any:
-    """The default of knob ``name``: the one place it is declared."""
     return KNOBS[name].default
 
 

@@ -200,7 +200,6 @@ def _concrete(value: Any) -> Any:
 
 
 def _one_config_copy(kernel: Any, config: Any) -> Any:
-    """``triton.autotune(configs=[config])`` over the kernel's function, one per (kernel, config)."""
     import triton
 
     with _lock:

@@ -88,8 +88,6 @@ Launch = tuple[Any, dict[str, Any]]  # a pinned config and the options its launc
 
 @dataclass
 class AutotunerState:
-    """One autotuner's decisions under one installation generation."""
-
     generation: int
     in_scope: bool
     kernel: str
@@ -203,11 +201,9 @@ def decide(
     measure: Measure | None = None,
 ) -> Any:
     """The config of one (kernel, key): decided, logged, then pinned at its first use in this process.
-
     ``candidates()``: the live configs after the kernel's own pruning. ``may_measure=False`` where no
-    real arguments exist (tracing): the miss rule applies, or with ``defer`` ``auto`` raises
-    ``Deferred``. A key first launched during a CUDA graph capture is never measured.
-    """
+    real arguments exist (tracing, a CUDA graph capture): the miss rule applies, or with ``defer``
+    ``auto`` raises ``Deferred``."""
     with state.lock:
         config = state.pins.get(key)
         if config is not None:

@@ -1,10 +1,7 @@
-"""Table encodings: columnar canonical msgpack (on disk) and row-wise JSON (for review).
-
-msgpack: ``[FORMAT, SCHEMA, header, body]``, one list per field; strings, configs and key names stored
-once and referenced by index, so a 100k-entry load checks columns at C speed. Canonical: sorted
-strings, configs by packed bytes, rows by ident, all-nil optional columns omitted. Decoding is bounded
-by msgpack's own limits and size caps. Schema 1 (keys as text) is read, never written.
-"""
+"""Table encodings: columnar canonical msgpack, ``[FORMAT, SCHEMA, header, body]`` with one list per
+field, strings and configs stored once and referenced by index (a 100k-entry load checks columns at C
+speed), bounded by msgpack's own limits and size caps; and row-wise JSON for review. Schema 1 (keys as
+text) is read, never written."""
 
 from __future__ import annotations
 
@@ -73,7 +70,6 @@ _ERRORS[msgpack.FormatError] = "an invalid type byte"
 
 
 def encode_msgpack(library_version: str, meta: dict[str, str], entries: Sequence[Entry]) -> bytes:
-    """Canonical bytes for ``entries``, already in ident order."""
     header: dict[str, Any] = {"library_version": library_version}
     if meta:
         header["meta"] = dict(sorted(meta.items()))
@@ -124,7 +120,6 @@ def decode_msgpack(data: bytes) -> _Decoded:
 
 
 def _unpack(data: bytes) -> tuple[int, dict[str, Any], dict[str, list[Any]]]:
-    """The schema, header and columns, each checked as it is read."""
     up = msgpack.Unpacker(max_buffer_size=max(1, len(data)), max_array_len=0, max_map_len=0, **_LIMITS)
     up.feed(data)
     where, header, body, count = "", {}, {}, None

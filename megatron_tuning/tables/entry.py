@@ -32,8 +32,6 @@ class Invalid(ValueError):
 
 
 class Timing(NamedTuple):
-    """Measurement statistics of the winning config (all optional)."""
-
     median_ms: float | None = None
     spread_ms: float | None = None  # inter-quantile spread (p80 - p20) of the winner's samples
     samples: int | None = None  # timed samples per candidate

@@ -48,8 +48,6 @@ class Disagreement:
 
 @dataclass(slots=True)
 class VoteResult:
-    """The voted table and what the vote found."""
-
     table: Table
     inputs: list[str]
     disagreements: list[Disagreement] = field(default_factory=list)
