@@ -61,9 +61,7 @@ def staleness(entry: Entry, source: str | None, triton: str | None) -> str | Non
     return "; ".join(problems) or None
 
 
-def expand_table_paths(
-    paths: Iterable[str | os.PathLike[str]], *, allow_empty_folders: bool = False
-) -> list[str]:
+def expand_table_paths(paths: Iterable[str | os.PathLike[str]]) -> list[str]:
     """Files named by ``paths`` (folders: their ``*.msgpack`` in name order), deduplicated. A missing
     path or an empty folder raises ``TableError``: a typo must not fall back to the cheapest config."""
     if isinstance(paths, (str, os.PathLike)):  # one path, not a sequence of characters
@@ -75,7 +73,7 @@ def expand_table_paths(
             continue
         if os.path.isdir(path):
             found = sorted(str(p) for p in Path(path).glob("*.msgpack") if p.is_file())
-            if not found and not allow_empty_folders:
+            if not found:
                 hint = " (JSON views load only by file name, or convert them with `import`)"
                 hint = hint if any(Path(path).glob("*.json")) else ""
                 raise TableError(path, f"folder holds no *.msgpack tables{hint}")
@@ -280,7 +278,7 @@ class TableSet:
                 return
             folder = self._shipped_dir / arch
             loaded = {os.path.realpath(name) for name, _ in self._tables}
-            for name in expand_table_paths([folder], allow_empty_folders=True) if folder.is_dir() else []:
+            for name in sorted(str(p) for p in folder.glob("*.msgpack") if p.is_file()):
                 if os.path.realpath(name) not in loaded:
                     table = load_table(name)
                     self._tables.append((name, table))
