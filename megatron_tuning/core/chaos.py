@@ -29,8 +29,7 @@ class ChaosClaim:
 
 
 class ChaosCoordinator(Protocol):
-    """The job's first claim (``distributed.store.StoreChaos``; ``None`` without a process group);
-    ``recall``: the last one seen, without store traffic."""
+    """The job's first claim (``None`` without a process group); ``recall``: without store traffic."""
 
     def claim(self, kernel: str, key: str, arch: str, signature: str) -> ChaosClaim | None: ...
 

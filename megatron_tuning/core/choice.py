@@ -36,8 +36,7 @@ class TableHit:
 
 @runtime_checkable
 class ConfigTable(Protocol):
-    """What choosing asks a table (``tables.search.TableSet``): the usable entries for (kernel, key),
-    at most one, or with ``nearest`` those of comparable keys, nearest first."""
+    """A table's usable entry for (kernel, key), or with ``nearest`` those of comparable keys."""
 
     def lookup(
         self,
@@ -52,8 +51,7 @@ class ConfigTable(Protocol):
 
 
 class InMemoryTable:
-    """A table held in a dict ``{(kernel_id, key): config or config_data}``, any arch; ``nearest``
-    compares the keys ``tuning_key`` built (text typed by hand matches exactly only)."""
+    """A ``{(kernel_id, key): config or config_data}`` dict, any arch; text keys match exactly only."""
 
     def __init__(self, entries: Mapping[tuple[str, str], Any], origin: str = "<memory>") -> None:
         self._entries = {k: (v if isinstance(v, Mapping) else config_data(v)) for k, v in entries.items()}

@@ -63,8 +63,7 @@ class Decision:
     config_list_digest: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        """Plain data; the key in ``Key.to_data`` form (whose maps keep key order: never sort them).
-        A key given as text (not ``"*"``) raises ``ValueError``: a log that held it could not be read."""
+        """Plain data, the key in ``Key.to_data`` form; a key given as text raises ``ValueError``."""
         key = self.key
         if not isinstance(key, Key) and key != "*":
             raise ValueError(f"decision of kernel {self.kernel!r}: {text_key_error(key)}")

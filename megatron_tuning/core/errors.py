@@ -110,8 +110,7 @@ class StaleEntryError(MegatronTuningError, RuntimeError):
 
 
 class NumericsError(MegatronTuningError, RuntimeError):
-    """``numerics`` policy: no live config of (kernel, key) qualifies; ``classes``: class id ->
-    signatures of bit-identical outputs."""
+    """No live config qualifies under ``numerics``; ``classes``: class id -> signatures."""
 
     def __init__(
         self, kernel: str, key: str, numerics: str, reason: str, classes: Mapping[str, Sequence[str]]
@@ -185,8 +184,7 @@ class AgreementTimeoutError(MegatronTuningError, TimeoutError):
 
 
 class InputMismatchError(MegatronTuningError, RuntimeError):
-    """Ranks of one job started with different inputs (policy, tables, versions, session count);
-    ``differences``: input -> rank -> value."""
+    """Ranks of one job started with different inputs; ``differences``: input -> rank -> value."""
 
     def __init__(
         self, where: str, ranks: Sequence[int], differences: Mapping[str, Mapping[int, str]]

@@ -127,8 +127,7 @@ def side_of(key: KeyShape, other: KeyShape) -> int | None:
 
 
 def pick_neighbour(key: Key, signatures: Mapping[Key, str]) -> Key | None:
-    """The neighbour whose entry a miss of ``key`` launches; ``signatures``: each usable neighbour
-    key, nearest first, to its entry's config signature."""
+    """The neighbour a miss launches; ``signatures``: usable neighbours, nearest first, to signatures."""
     ordered = list(signatures)
     if not ordered:
         return None

@@ -173,8 +173,7 @@ def _autotuner_in(wrapper: Any) -> Any:
 
 
 def _module_autotuners_over(fn: Any) -> list[Any]:
-    """Triton autotuners over ``fn`` among its module's globals and at its qualname (a class
-    attribute), through ``.fn`` wrappers."""
+    """Triton autotuners over ``fn`` among its module's globals and at its qualname."""
     autotuner_type = getattr(sys.modules.get("triton.runtime.autotuner"), "Autotuner", None)
     scope = getattr(fn, "__globals__", None)
     if autotuner_type is None or not isinstance(scope, dict):
@@ -218,8 +217,7 @@ def kernel_source_hash(autotuner: Any) -> str | None:
 
 
 def config_data(config: Any) -> dict[str, Any]:
-    """Serializable launch options of a ``triton.Config`` (no hooks); release-specific fields only
-    when not default."""
+    """A ``triton.Config``'s launch options (no hooks); release-specific fields only when not default."""
     data: dict[str, Any] = {
         "kwargs": {k: config.kwargs[k] for k in sorted(config.kwargs)},
         "num_warps": getattr(config, "num_warps", None),

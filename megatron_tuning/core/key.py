@@ -52,8 +52,7 @@ def render(value: Any) -> str:
 
 
 def key_value(value: Any) -> Value:
-    """How a launch's argument value is kept in a key: a scalar a table can store as itself (a
-    numpy integer as an ``int``), anything else ``Shown``."""
+    """A launch's argument value in a key: a scalar a table can store as itself, else ``Shown``."""
     if type(value) is not bool and isinstance(value, numbers.Real):
         value = int(value) if isinstance(value, numbers.Integral) else float(value)
     try:
@@ -121,8 +120,7 @@ class Key(str):
         return (*values, *(dtypes[name] for name in passed if name in dtypes))
 
     def to_data(self) -> dict[str, Any]:
-        """The stored form (JSON views, decision logs): maps in key order (never sort them), a
-        ``Shown`` value as ``{"text": ...}``."""
+        """The stored form (JSON views, decision logs): maps in key order, never sorted."""
         values = {n: stored_value(v) for n, v in zip(self.names, self.values)}
         return {"dtypes": dict(self.dtypes), "values": values}
 

@@ -92,8 +92,7 @@ def _warn_at_caller(text: str) -> None:
 
 
 def _main_program() -> str:
-    """The file of the program the interpreter ran: at exit its ``__file__`` is gone (CPython removes
-    it before exit handlers run), its loader still knows it."""
+    """The program the interpreter ran: at exit its ``__file__`` is gone, its loader still knows it."""
     main = sys.modules.get("__main__")
     where = getattr(main, "__file__", None)
     if where is None:

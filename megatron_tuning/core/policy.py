@@ -42,8 +42,7 @@ _FLOAT = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?"
 
 
 class Knob(NamedTuple):
-    """One ``MEGATRON_TUNING_*`` variable: the ``TuningPolicy`` field it sets, how its text is read
-    (the policy then validates the value), its default (the field's, by construction), its meaning."""
+    """One ``MEGATRON_TUNING_*`` variable: the field it sets, how its text is read, its one default."""
 
     name: str
     field: str
@@ -280,8 +279,7 @@ class TuningPolicy:
         return dataclasses.replace(self, **changes)
 
     def summary(self) -> str:
-        """Every field that changes a choice, but the tables (compared by content): what the ranks of
-        one session must share (the inputs check at init compares it)."""
+        """Every field that changes a choice but the tables: what the inputs check compares."""
         blocks = ",".join(f"{k}={v}" for k, v in self.block_sizes) or "-"
         return (
             f"mode={self.mode} agreement={self.agreement} scope={','.join(self.scope) or 'all'} "

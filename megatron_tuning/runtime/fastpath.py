@@ -56,8 +56,7 @@ def _serves(run: Any) -> pinning.Installation | None:
 def _generate(
     autotuner: Any, state: pinning.AutotunerState, installation: pinning.Installation, args: tuple[Any, ...]
 ) -> Any:
-    """``run`` for ``len(args)`` positional arguments: ``state.launch_key``'s tuple slot by slot, a
-    dtype read directly where the arming call's argument had one."""
+    """``run`` for ``len(args)`` positional arguments: ``state.launch_key``'s tuple slot by slot."""
     n = len(args)
     names = [f"a{i}" for i in range(n)]
     slots = [f"{names[i]}.__class__, {names[i]}" if i < n else "None, None" for _, i in state.key_index]

@@ -254,8 +254,7 @@ def _make_benchmark_all_configs(original: Any) -> Any:
 
 
 def _tune_at_first_run(caching: Any, installation: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """The launcher of a key ``auto`` deferred at trace time, decided now as an eager miss is (timed
-    over Inductor's launchers); ``None`` when none matches."""
+    """The launcher of a key ``auto`` deferred at trace time, decided now over Inductor's launchers."""
     names = _launcher_arg_names(caching)
     if installation.policy.mode != "auto" or names is None:
         return None
@@ -342,8 +341,7 @@ def _generated_name(fn: Any) -> str:
 
 
 def _body_digest(source: str) -> str | None:
-    """sha256 of a kernel's source from its ``def`` line on, its name blanked (Inductor's copy may
-    rename it ``name_N``), trailing whitespace dropped."""
+    """sha256 of a kernel's source from its ``def`` line on, its name blanked (a copy's is ``name_N``)."""
     match = re.search(r"^def\s+\w+\s*\(", source, re.MULTILINE)
     if match is None:
         return None

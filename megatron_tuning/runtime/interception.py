@@ -146,8 +146,7 @@ def _make_run(original: Any) -> Any:
 
 
 def _pin(autotuner: Any, installation: Installation, args: Args, kwargs: Kwargs, **options: Any) -> Launch:
-    """The ``Launch`` of this call, its key decided now if new (``inductor`` passes ``decide``'s
-    options), its config filed in the autotuner's ``cache`` under Triton's key."""
+    """The ``Launch`` of this call, decided now if new and filed in the autotuner's ``cache``."""
     state = pinning.state_for(autotuner, installation)
     launch_key = state.launch_key(args, kwargs)
     launch = state.launches.get(launch_key)

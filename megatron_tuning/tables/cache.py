@@ -60,8 +60,7 @@ def cache_path(policy: TuningPolicy, arch: str | Callable[[], str]) -> str | Non
 
 
 def open_cache(policy: TuningPolicy, arch: str | Callable[[], str]) -> AutoCache | None:
-    """The cache ``policy`` names for ``arch``, read now; ``None`` when it is off, a folder or
-    unreadable (one notice naming the file and the fix; the file is left as is)."""
+    """The cache ``policy`` names for ``arch``, read now; ``None`` when off, a folder or unreadable."""
     path = cache_path(policy, arch)
     if path is None:
         return None
@@ -194,8 +193,7 @@ class AutoCache:
         return plan
 
     def _base(self, data: bytes | None) -> Table:
-        """The file's content, decoded only when its bytes changed; a newer cache format (which this
-        version must not rewrite) raises ``TableError``."""
+        """The file's content, decoded only when its bytes changed; a newer format raises ``TableError``."""
         if data is None:
             return Table(meta=CACHE_META)
         if self._seen is None or self._seen[0] != data:

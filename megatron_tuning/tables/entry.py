@@ -22,8 +22,7 @@ _MAX_DEPTH = 6  # nesting allowed inside config data (kwargs values are scalars 
 
 
 def entry_order(arch: str, kernel: str, key: str) -> tuple[Any, ...]:
-    """The order people read (``show``, the JSON view, ``coverage``): arch, kernel, then the key's
-    numbers as numbers (``M=8`` before ``M=100``)."""
+    """The order people read: arch, kernel, then the key with numbers as numbers (8 before 100)."""
     return (arch, kernel, (0, key.order()) if isinstance(key, Key) else (1, key))
 
 

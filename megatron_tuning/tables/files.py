@@ -54,8 +54,7 @@ def _real_output(path: str) -> str:
 
 
 def write_atomic(path: str | os.PathLike[str], payload: bytes, *, error: ErrorFactory = TableError) -> None:
-    """Temp file (``O_EXCL | O_NOFOLLOW``) in the same folder, fsync, ``os.replace``, fsync the folder.
-    A ``path`` that is a device, FIFO or socket raises ``error``."""
+    """Temp file (``O_EXCL | O_NOFOLLOW``) in the same folder, fsync, ``os.replace``, fsync the folder."""
     target = os.fspath(path)
     try:
         mode = os.stat(target).st_mode
@@ -222,8 +221,7 @@ def locked(
     error: ErrorFactory = TableError,
     wait_level: int = logging.WARNING,
 ) -> Iterator[str]:
-    """Hold ``<resolved path>.lock`` (a symlink and its target share it); yields the resolved path.
-    A writer that waits logs the holder at ``wait_level``, and raises ``error`` after ``timeout_s``."""
+    """Hold ``<resolved path>.lock`` (a symlink and its target share it); yield the resolved path."""
     name, real = os.fspath(path), os.path.realpath(path)
     lock_path = real + ".lock"
     lock = filelock.FileLock(lock_path)

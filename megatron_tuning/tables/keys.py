@@ -78,8 +78,7 @@ def _checked(build: Callable[[Any], Any], data: Any, where: str) -> Any:
 
 
 def key_from_text(text: str) -> Key:
-    """A schema-1 key, ``NAME=VALUE, ... | ARG:DTYPE, ...``, read by Python's own parser (the values
-    are what ``core.key.render`` wrote: literals, or reprs kept as text)."""
+    """A schema-1 key, ``NAME=VALUE, ... | ARG:DTYPE, ...``, read by Python's own parser."""
     if type(text) is not str:
         raise Invalid(f"key must be a string, got {text!r}")
     values_text, bar, dtypes_text = text.rpartition("|")  # dtype names never hold "|"

@@ -134,8 +134,8 @@ def entry_from_decision(decision: Decision, *, triton_version: str | None = None
 
 
 def timing_from_decision(decision: Decision) -> Timing | None:
-    """The winner's timing from ``{"candidates": {signature: [median, p20, p80] | median}}`` (the
-    tuner's and Triton's) or the flat ``Timing`` fields; anything odd is ignored."""
+    """The winner's timing from ``{"candidates": {signature: [median, p20, p80] | median}}`` or the
+    flat ``Timing`` fields; anything odd is ignored."""
     raw = decision.timings
     if not isinstance(raw, Mapping):
         return None

@@ -34,8 +34,7 @@ _PACKAGE_DIR = Path(__file__).resolve().parent.parent  # megatron_tuning/
 
 
 def shipped_tables_dir() -> Path:
-    """The folder of per-arch table folders, maybe absent: an install's ``_configs`` (copied by
-    ``setup.py``), else a checkout's ``configs/`` next to its ``setup.py``."""
+    """The per-arch table folders: an install's ``_configs``, else a checkout's ``configs/``."""
     installed = _PACKAGE_DIR / "_configs"
     checkout = _PACKAGE_DIR.parent / "configs"
     if not installed.is_dir() and checkout.is_dir() and (_PACKAGE_DIR.parent / "setup.py").is_file():

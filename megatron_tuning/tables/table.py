@@ -166,8 +166,7 @@ def save_table(table: Table, path: str | os.PathLike[str]) -> None:
 def update_table(
     path: str | os.PathLike[str], mutate: Callable[[Table], None], *, timeout_s: float = LOCK_TIMEOUT_S
 ) -> Table:
-    """Read-modify-write ``path`` under its lock (a missing file starts empty): ``mutate`` changes the
-    table in place; it is written if it changed, and returned."""
+    """Read-modify-write ``path`` under its lock: ``mutate`` changes the table; written if it changed."""
     name = os.fspath(path)
     with locked(name, timeout_s=timeout_s):
         exists = os.path.exists(name)
