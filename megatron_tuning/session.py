@@ -152,11 +152,11 @@ def _init(policy: TuningPolicy | None, table: Any, group: Any, measure: Measure 
     with _active_lock:
         previous = _active
     if previous is not None:
-        from .distributed.agreement import checks_at_close
+        from .distributed.agreement import checked_mode
 
         # A re-init runs no check of its own where the new session's check at close covers the log:
         # a rank that re-inits more often than the others must not pair that check with their calls.
-        previous._close(final_check=not checks_at_close(policy, group))
+        previous._close(final_check=checked_mode(policy, group) != "verify")
     cache = chaos = None
     consensus: Any = None  # a distributed.store.StoreConsensus: pinning's Consensus
     if policy.mode == "auto":
@@ -361,11 +361,11 @@ def close_at_exit(*, join: bool = False) -> None:
     handle = _active
     try:
         if join:
-            from .distributed.agreement import checks_at_close
+            from .distributed.agreement import checked_mode
             from .distributed.verify import verify_at_close
 
             policy = TuningPolicy.from_env_if_asked()
-            if checks_at_close(policy):
+            if checked_mode(policy) == "verify":
                 verify_at_close(None, policy.agreement_timeout_s)
         elif handle is not None and not handle.closed:
             handle.close()

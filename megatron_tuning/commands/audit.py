@@ -16,8 +16,8 @@ from typing import Any
 from ..core import policy as knobs
 from ..tables.files import output_file_problem, write_atomic
 from . import EXIT_USAGE
-from .bootstrap import ENV_AUDIT_DIR, job_environment, write_bootstrap
-from .job import add_job_argument, command_problem, job_argv, job_command, run_job
+from .bootstrap import ENV_JOB_DIR
+from .job import add_job_argument, command_problem, job_argv, job_command, run_armed
 from .launch import validated_policy
 from .tune import start_job_session
 
@@ -66,9 +66,7 @@ def run_audit(args: argparse.Namespace) -> int:
         return EXIT_USAGE if isinstance(problem, str) else problem[0]
     work = Path(tempfile.mkdtemp(prefix="megatron_tuning_audit_"))
     try:
-        env = job_environment(write_bootstrap(work / "bootstrap", "audit"), "audit")
-        env.update(updates, **{ENV_AUDIT_DIR: str(work)})
-        returncode = run_job(job_argv(command), env, "audit", work / "bootstrap")
+        returncode, _ = run_armed(job_argv(command), updates, "audit", launcher="audit", folder=work)
         entries = [e for f in sorted(work.glob("audited-*.json")) for e in json.loads(f.read_text())]
         report = {"format": "megatron_tuning.audit/2", "mode": mode, "runs": runs, "command": command}
         report.update(exit_status=returncode, entries=entries)
@@ -98,7 +96,7 @@ def activate() -> None:
     from ..runtime import pinning
     from ..tuning.audit import make_audit_hook
 
-    folder = os.environ.get(ENV_AUDIT_DIR, "")
+    folder = os.environ.get(ENV_JOB_DIR, "")
     name = start_job_session(folder)
     if name is None:
         return

@@ -27,8 +27,7 @@ from ..core.decisions import CHAOS_NO_OTHER_CONFIG
 from ..core.policy import AGREEMENT_MODES, ENV_MODE, MAX_AGREEMENT_TIMEOUT_S, PREFIX
 from ..tables.files import write_atomic
 from .bootstrap import PLUMBING
-from .job import EXIT_TIMEOUT, add_job_argument, job_argv
-from .launch import run_armed
+from .job import EXIT_TIMEOUT, add_job_argument, job_argv, run_armed
 
 KERNEL_MODULE = "megatron_tuning.kernels"
 CPU_SHAPES = ((37, 29, 45), (64, 48, 40))  # interpreted launches cost ~0.2 s: small, odd shapes
