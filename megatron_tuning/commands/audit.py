@@ -16,7 +16,6 @@ from typing import Any
 from ..core import policy as knobs
 from ..tables.files import output_file_problem, write_atomic
 from . import EXIT_USAGE
-from .bootstrap import ENV_JOB_DIR
 from .job import add_job_argument, command_problem, job_argv, job_command, run_armed
 from .launch import validated_policy
 from .tune import start_job_session
@@ -96,9 +95,8 @@ def activate() -> None:
     from ..runtime import pinning
     from ..tuning.audit import make_audit_hook
 
-    folder = os.environ.get(ENV_JOB_DIR, "")
-    name = start_job_session(folder)
-    if name is None:
+    path = start_job_session("audited-")
+    if path is None:
         return
 
     def never_tune(installation: pinning.Installation) -> pinning.Installation:
@@ -112,7 +110,7 @@ def activate() -> None:
 
     def record(entry: dict[str, Any]) -> None:
         entries.append({**entry, "arch": arch_tag(), "rank": current_rank()})
-        write_atomic(Path(folder) / f"audited-{name}", json.dumps(entries).encode())
+        write_atomic(path, json.dumps(entries).encode())
 
     policy = pinning.current_policy()  # the command's, started just now
     runs = policy.audit_runs if policy is not None else knobs.default(knobs.ENV_AUDIT_RUNS)

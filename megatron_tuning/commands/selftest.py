@@ -1,10 +1,8 @@
 """``selftest``: prove on this machine that pinning agrees across ranks and that the check is not blind.
 
-A small torchrun job (gloo; the Triton interpreter without a GPU) runs twice: ``deterministic`` must
-agree and match torch with no alarm; ``chaos`` must raise one ``DivergenceError`` on every rank ("no
-error" alone cannot tell a working detector from a blind one). Each rank writes a JSON result the
-parent reads. ``selftest -- <command>`` does the same for the user's own job (``_your_job``): only a
-``DivergenceError`` one of its processes raised in the chaos run is proof, never an exit status.
+A small torchrun job (gloo) runs twice: ``deterministic`` must agree and match torch with no alarm;
+``chaos`` must raise one ``DivergenceError`` on every rank ("no error" alone cannot tell a working
+detector from a blind one). ``selftest -- <command>`` runs the user's job instead (``_your_job``).
 """
 
 from __future__ import annotations

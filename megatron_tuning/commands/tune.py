@@ -1,9 +1,5 @@
-"""``tune``: tune a job's kernels, write a table; and its side inside the job's processes (``activate``).
-
-``tune`` runs the job armed in tune mode, in a fresh folder per job so nothing another job left is
-pooled. Every process writes its ``tuned`` decisions as they happen; after the job each process's
-winners are one table, voted into ``--out`` (``tables.vote.vote_tables``).
-"""
+"""``tune``: run a job armed in tune mode, in a fresh folder (nothing another job left is pooled); each
+process writes its ``tuned`` decisions as they happen (``activate``), voted into ``--out`` after it."""
 
 from __future__ import annotations
 
@@ -173,14 +169,14 @@ def _run_job(
     return returncode, decisions
 
 
-def start_job_session(directory: str | None) -> str | None:
+def start_job_session(prefix: str) -> Path | None:
     """In a ``tune`` or ``audit`` job's process, at ``import triton``: start the session the command's
-    ``MEGATRON_TUNING_*`` variables describe, and return this process's result file name; ``None`` when
-    ``directory`` is unset or the session failed (reported: the command says at the end when nothing
-    was measured). The command's own output, one line per key tuned or audited, goes to stderr; the
-    job's logging is left alone."""
+    variables describe; return this process's result file (``prefix``, host, pid) in the job folder,
+    ``None`` where the session failed (said here; the command says so at the end too). The command's
+    output, a line per key tuned or audited, goes to stderr; the job's logging is left alone."""
     from .. import session
 
+    directory = os.environ.get(ENV_JOB_DIR)
     if not directory:
         return None
     progress = logging.getLogger("megatron_tuning.tuning.tuner.progress")
@@ -192,21 +188,18 @@ def start_job_session(directory: str | None) -> str | None:
     except Exception as exc:
         print(f"megatron_tuning: could not start the session: {exc!r}", file=sys.stderr)
         return None
-    return f"{socket.gethostname()}-{os.getpid()}.json"
+    return Path(directory) / f"{prefix}{socket.gethostname()}-{os.getpid()}.json"
 
 
 def activate() -> None:
     """At ``import triton`` in a ``tune`` job: write this process's tuned decisions as they come
     (a crash loses nothing)."""
-    directory = os.environ.get(ENV_JOB_DIR, "")
-    name = start_job_session(directory)
-    if name is None:
+    path = start_job_session(PROCESS_PREFIX)
+    if path is None:
         return
-    path = Path(directory) / f"{PROCESS_PREFIX}{name}"
 
     def write(decision: Decision) -> None:
         if decision.source == "tuned":
-            path.parent.mkdir(parents=True, exist_ok=True)
             write_decisions(path, [d for d in get_decisions() if d.source == "tuned"])
 
     decision_log().add_listener(write)

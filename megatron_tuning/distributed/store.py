@@ -1,9 +1,6 @@
-"""The job's key-value store: one claim primitive for every first-writer-wins record, and a barrier.
-
-Every record (``auto``'s decisions, chaos claims, the agreement check's records) is made by
-``claim``: one atomic ``compare_set`` keeps the first writer's, so a rank never waits for another.
-Records are JSON objects, never pickles, checked on the way back (``StoreError`` naming a bad one).
-``arrive`` is the one place a rank waits: a barrier with a deadline that names the missing ranks.
+"""The job's key-value store: ``claim``, one atomic ``compare_set`` for every first-writer-wins record
+(``auto``'s decisions, chaos, the agreement check's), so a rank never waits for another; records are
+JSON objects, checked on the way back. ``arrive``, the one wait: a barrier naming missing ranks.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""The numerics audit: which live configs of a (kernel, key) give bit-identical outputs.
-
-Each candidate launches ``runs`` times on the call's own (restored) inputs through the tuner's launcher
-(hooks act as when tuning) and the tensors it wrote are hashed: equal digests form a numerics class; one
-whose own launches differ is not deterministic on its own. Empirical: on these inputs, GPU, toolchain.
-"""
+"""The numerics audit (docs/numerics.md): each live config of a (kernel, key) launches ``runs`` times
+on the call's own, restored inputs; equal digests of what it wrote form a numerics class, and a config
+whose own launches differ is not deterministic on its own. Empirical: these inputs, GPU, toolchain."""
 
 from __future__ import annotations
 
