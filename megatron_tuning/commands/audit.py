@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core import policy as knobs
+from ..core.errors import MegatronTuningError
 from ..tables.files import output_file_problem, write_atomic
 from . import EXIT_USAGE
 from .job import add_job_argument, command_problem, job_argv, job_command, run_armed
@@ -40,7 +41,7 @@ def add_audit(parser: argparse.ArgumentParser) -> None:
 
 
 def run_audit(args: argparse.Namespace) -> int:
-    from ..tuning.audit import audit_table, record_numerics, save_report
+    from ..tuning.audit import audit_table, record_numerics
 
     command = job_command(args, "audit", "audit --out audit.json -- train.py --steps 3")
     if command is None:
@@ -69,7 +70,13 @@ def run_audit(args: argparse.Namespace) -> int:
         entries = [e for f in sorted(work.glob("audited-*.json")) for e in json.loads(f.read_text())]
         report = {"format": "megatron_tuning.audit/2", "mode": mode, "runs": runs, "command": command}
         report.update(exit_status=returncode, entries=entries)
-        written, unwritable = save_report(args.out, report, work)  # where --out fails: into work, kept
+        text = json.dumps(report, indent=1, sort_keys=True).encode()
+        written, unwritable = Path(args.out), None
+        try:
+            write_atomic(args.out, text)
+        except (OSError, MegatronTuningError) as exc:  # its folder went since the check, a full disk...
+            written, unwritable = work / "audit.json", str(exc)  # kept with the per-process reports
+            write_atomic(written, text)
     except BaseException:
         print(f"audit: stopped; the job's per-process reports are kept in {work}", file=sys.stderr)
         raise

@@ -5,13 +5,11 @@ whose own launches differ is not deterministic on its own. Empirical: these inpu
 from __future__ import annotations
 
 import hashlib
-import json
 import time
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 from typing import Any, NamedTuple
 
-from ..core.errors import MegatronTuningError, NumericsError, printable
+from ..core.errors import NumericsError, printable
 from ..core.identity import arch_tag, config_signature
 from ..runtime.pinning import Measure
 from .tuner import benchmark_failures, make_launcher, progress_logger
@@ -270,18 +268,3 @@ def record_numerics(path: str, entries: Sequence[Mapping[str, Any]]) -> int:
 
     update_table(path, mutate)
     return len(updated)
-
-
-def save_report(out: str, report: Mapping[str, Any], folder: Path) -> tuple[Path, str | None]:
-    """Write ``report`` to ``out`` atomically; where that fails (its folder went away since the check
-    before the job, a full disk), to ``folder/audit.json`` instead. Returns the path written and, if
-    ``out`` could not be, why."""
-    from ..tables.files import write_atomic
-
-    text = json.dumps(report, indent=1, sort_keys=True).encode()
-    try:
-        write_atomic(out, text)
-        return Path(out), None
-    except (OSError, MegatronTuningError) as exc:
-        write_atomic(folder / "audit.json", text)
-        return folder / "audit.json", str(exc)
