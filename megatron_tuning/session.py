@@ -82,7 +82,16 @@ class TuningHandle:
             if self.cache is not None:
                 decision_log().remove_listener(self.cache.on_decision)
             decision_log().remove_listener(print_decision)
-            _write_outputs(self.policy)
+            policy = self.policy
+            if policy.mode in ("record", "tune") and policy.record_dir:
+                write_recording(None, policy.record_dir, current_rank())
+            elif policy.mode in ("record", "tune"):
+                message = "mode %s without a record_dir (%s): measured winners are only in the decision log"
+                warn_once(("no-record-dir", policy.mode), message, policy.mode, ENV_RECORD_DIR)
+            if policy.decision_log:
+                path = decision_log_path(policy.decision_log)
+                write_decisions(path)
+                logger.info("decision log written to %s", path)
         finally:
             with _active_lock:
                 if _active is self:
@@ -94,18 +103,6 @@ class TuningHandle:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _write_outputs(policy: TuningPolicy) -> None:
-    if policy.mode in ("record", "tune") and policy.record_dir:
-        write_recording(None, policy.record_dir, current_rank())
-    elif policy.mode in ("record", "tune"):
-        message = "mode %s without a record_dir (%s): measured winners are only in the decision log"
-        warn_once(("no-record-dir", policy.mode), message, policy.mode, ENV_RECORD_DIR)
-    if policy.decision_log:
-        path = decision_log_path(policy.decision_log)
-        write_decisions(path)
-        logger.info("decision log written to %s", path)
 
 
 def decision_log_path(template: str) -> str:

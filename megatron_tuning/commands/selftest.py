@@ -187,10 +187,8 @@ def _launch(args: argparse.Namespace, mode: str, folder: str, interpret: bool) -
             output, _ = process.communicate()
             returncode = None
     write_atomic(os.path.join(folder, "torchrun.log"), output.encode("utf-8"))  # never through a planted link
-    paths = {rank: os.path.join(folder, f"rank{rank}.json") for rank in range(args.nproc)}
-    ranks = {
-        r: json.loads(Path(p).read_text(encoding="utf-8")) for r, p in paths.items() if os.path.exists(p)
-    }
+    files = {r: Path(folder, f"rank{r}.json") for r in range(args.nproc)}
+    ranks = {r: json.loads(path.read_text(encoding="utf-8")) for r, path in files.items() if path.exists()}
     return {"returncode": returncode, "output": output, "ranks": ranks, "seconds": time.monotonic() - start}
 
 
@@ -272,9 +270,9 @@ def _worker(argv: list[str]) -> int:  # argv: the parent's settings, one JSON ob
     except Exception as error:  # a broken install: reported by name, not as a bare exit code
         _keep_error(result, error)
         result["traceback"] = traceback.format_exc()
-        _write_result(args.out, rank, result)
+    write_atomic(os.path.join(args.out, f"rank{rank}.json"), json.dumps(result, indent=1).encode("utf-8"))
+    if "traceback" in result:
         return 1  # torchrun then stops the other ranks
-    _write_result(args.out, rank, result)
     dist.barrier()
     dist.destroy_process_group()
     return 0
@@ -345,10 +343,6 @@ def reference_workload(device: Any, shapes: Any, dtype: Any) -> list[str]:
                     f"{name} {m}x{n}x{k}: max abs error {(got.float() - want.float()).abs().max().item():.3g}"
                 )
     return failures
-
-
-def _write_result(folder: str, rank: int, result: dict[str, Any]) -> None:
-    write_atomic(os.path.join(folder, f"rank{rank}.json"), json.dumps(result, indent=1).encode("utf-8"))
 
 
 def _keep_error(result: dict[str, Any], error: BaseException) -> None:
