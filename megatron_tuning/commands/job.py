@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 from . import EXIT_USAGE
 from .bootstrap import hold_lifeline, job_environment
@@ -99,7 +99,12 @@ def run_armed(
 
 
 def _run(
-    argv: Sequence[str], env: Mapping[str, str], prog: str, lifeline: Path, timeout: float | None, output: Any
+    argv: Sequence[str],
+    env: Mapping[str, str],
+    prog: str,
+    lifeline: Path,
+    timeout: float | None,
+    output: IO[bytes] | None,
 ) -> int:
     problem = command_problem(argv, env)
     if problem is not None:
