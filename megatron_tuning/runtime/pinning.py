@@ -55,8 +55,6 @@ class Consensus(Protocol):
 
     rank: int
 
-    def is_local(self, origin: str | None) -> bool: ...
-
     def lookup(self, kernel: str, key: str, arch: str) -> PublishedDecision | None: ...
 
     def publish(
@@ -252,7 +250,8 @@ def decide(
                 unpinned=unpinned if auto else None,
                 fix=notices.FIX_AN_AUTO_MISS if auto else notices.FIX_A_MISS,
             )
-            if auto and choice.source not in ("tuned", "adopted"):
+            cache_file = getattr(installation.table, "cache_file", None)  # auto's, in a TableSet
+            if auto and cache_file is not None and choice.origin == cache_file:
                 choice = _proposed(choice, live, kernel, key, arch, consensus)
         if state.source_hash is None:
             state.source_hash = kernel_source_hash(autotuner)
@@ -339,8 +338,8 @@ def adopt_or_tune(
 def _proposed(
     choice: Choice, candidates: Sequence[Any], kernel: str, key: str, arch: str, consensus: Consensus | None
 ) -> Choice:
-    """``choice``, unless it came from this node's own cache in a job: then the job's winner."""
-    if consensus is None or not consensus.is_local(choice.origin):
+    """``choice``, a hit in this node's own cache, unless the job's winner differs (in a job)."""
+    if consensus is None:
         return choice
     mine = config_signature(choice.config)
     winner = consensus.publish(kernel, key, arch, config_data(choice.config), mine)
