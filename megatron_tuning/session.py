@@ -26,8 +26,12 @@ from .core.notices import warn_once
 from .core.policy import ENV_DECISION_LOG, ENV_RECORD_DIR, TuningPolicy
 from .runtime import interception, pinning
 from .runtime.pinning import Measure
+from .tables.cache import open_cache
 from .tables.files import output_file_problem, output_folder_problem
 from .tables.records import write_decisions, write_recording
+from .tables.search import TableSet
+from .tuning.audit import with_numerics
+from .tuning.tuner import make_measure
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +82,16 @@ class TuningHandle:
             if self.cache is not None:
                 decision_log().remove_listener(self.cache.on_decision)
             decision_log().remove_listener(print_decision)
-            _write_outputs(self.policy)
+            policy = self.policy
+            if policy.mode in ("record", "tune") and policy.record_dir:
+                write_recording(None, policy.record_dir, current_rank())
+            elif policy.mode in ("record", "tune"):
+                message = "mode %s without a record_dir (%s): measured winners are only in the decision log"
+                warn_once(("no-record-dir", policy.mode), message, policy.mode, ENV_RECORD_DIR)
+            if policy.decision_log:
+                path = decision_log_path(policy.decision_log)
+                write_decisions(path)
+                logger.info("decision log written to %s", path)
         finally:
             with _active_lock:
                 if _active is self:
@@ -90,18 +103,6 @@ class TuningHandle:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _write_outputs(policy: TuningPolicy) -> None:
-    if policy.mode in ("record", "tune") and policy.record_dir:
-        write_recording(None, policy.record_dir, current_rank())
-    elif policy.mode in ("record", "tune"):
-        message = "mode %s without a record_dir (%s): measured winners are only in the decision log"
-        warn_once(("no-record-dir", policy.mode), message, policy.mode, ENV_RECORD_DIR)
-    if policy.decision_log:
-        path = decision_log_path(policy.decision_log)
-        write_decisions(path)
-        logger.info("decision log written to %s", path)
 
 
 def decision_log_path(template: str) -> str:
@@ -120,12 +121,10 @@ def init_deterministic_tuning(
 
     Call it after ``init_process_group`` when you can; called before, it attaches to the default group
     at the first new (kernel, key) launched once the group exists, and checks the earlier decisions.
-    ``policy`` defaults to ``TuningPolicy.from_env()``. ``table`` overrides
-    the policy's tables (a ``ConfigTable`` or ``{(kernel, key): config}``; ``auto`` then still writes
-    its cache). ``group``: the process group for ``allgather`` agreement and chaos (default: world).
-    ``measure``: what ``tune`` and ``auto`` time a key's candidates with (default: the noise-aware
-    tuner, ``tuning.tuner.make_measure``), called as ``measure(autotuner, configs, args, kwargs,
-    kernel, key) -> (config, timings)``.
+    ``policy`` defaults to ``TuningPolicy.from_env()``. ``table`` overrides the policy's tables (a
+    ``ConfigTable`` or ``{(kernel, key): config}``; ``auto`` still writes its cache). ``group``: the
+    process group of the checks and chaos (default: world). ``measure``: what ``tune`` and ``auto``
+    time a key's candidates with (default: ``tuning.tuner.make_measure``'s noise-aware tuner).
     """
     _initializing.depth = getattr(_initializing, "depth", 0) + 1
     try:
@@ -152,39 +151,29 @@ def _init(policy: TuningPolicy | None, table: Any, group: Any, measure: Measure 
     with _active_lock:
         previous = _active
     if previous is not None:
-        from .distributed.agreement import checks_at_close
+        from .distributed.agreement import checked_mode
 
         # A re-init runs no check of its own where the new session's check at close covers the log:
         # a rank that re-inits more often than the others must not pair that check with their calls.
-        previous._close(final_check=not checks_at_close(policy, group))
-    cache = chaos = None
+        previous._close(final_check=checked_mode(policy, group) != "verify")
+    cache = open_cache(policy, _cache_arch) if policy.mode == "auto" else None
     consensus: Any = None  # a distributed.store.StoreConsensus: pinning's Consensus
-    if policy.mode == "auto":
-        from .tables.cache import open_cache
-
-        cache = open_cache(policy, _cache_arch)
-    local_cache = cache.path if cache is not None and table is None else None
+    chaos = None
     # record and tune measure (tune same-class keeps its table's bits); off passes through
     resolved_table = table
     pins = policy.mode in ("deterministic", "chaos", "auto")
     if table is None and (pins or (policy.mode, policy.numerics) == ("tune", "same-class")):
-        from .tables.search import TableSet
-
         resolved_table = TableSet.from_policy(policy, cache=(cache.path, cache.table) if cache else None)
     if policy.mode not in ("tune", "auto"):
         measure = None
     elif measure is None:
-        from .tuning.tuner import make_measure
-
         measure = make_measure(policy)
     if measure is not None and policy.numerics != "any":  # audit first, time only the allowed configs
-        from .tuning.audit import with_numerics
-
         measure = with_numerics(measure, policy.numerics, resolved_table, policy.audit_runs)
     if policy.mode in ("auto", "chaos"):
         from .distributed import store
 
-        consensus = store.start_consensus(local_cache) if policy.mode == "auto" else None
+        consensus = store.start_consensus() if policy.mode == "auto" else None
         chaos = store.StoreChaos(group) if policy.mode == "chaos" else None
     interception.install(policy, table=resolved_table, measure=measure, consensus=consensus, chaos=chaos)
     try:
@@ -197,7 +186,7 @@ def _init(policy: TuningPolicy | None, table: Any, group: Any, measure: Measure 
         raise
     handle = TuningHandle(policy, resolved_table, agreement, cache)
     if _needs_group(policy) and not _group_exists():
-        handle._late = _LateAttach(handle, group, local_cache)
+        handle._late = _LateAttach(handle, group)
     with _active_lock:
         _active = handle
     files = getattr(resolved_table, "files", None)
@@ -267,10 +256,9 @@ class _LateAttach:
     earlier decisions, and leave. If that fails, each later new key raises the same error, and so
     do the rank's checks (``FailedAgreement``): the rank never runs on unchecked or unshared."""
 
-    def __init__(self, handle: TuningHandle, group: Any, local_cache: str | None) -> None:
+    def __init__(self, handle: TuningHandle, group: Any) -> None:
         self.handle = handle
         self.group = group
-        self.local_cache = local_cache
         self.first_decision = len(get_decisions())  # the log is per process: ours start here
         self.attached = False
         self.error: Exception | None = None
@@ -295,10 +283,10 @@ class _LateAttach:
                 return installation
             policy, attached = self.handle.policy, installation
             try:
-                if policy.mode == "auto" and installation.consensus is None:
+                if policy.mode == "auto":  # it started without a group, so without the job's consensus
                     from .distributed.store import start_consensus
 
-                    consensus: Any = start_consensus(self.local_cache)  # hits in it are proposed to the job
+                    consensus: Any = start_consensus()  # a StoreConsensus: pinning's Consensus
                     attached = dataclasses.replace(installation, consensus=consensus)
                 self.handle._agreement = agreement = _start_agreement(policy, self.group, self.handle.table)
             except Exception as error:
@@ -361,11 +349,11 @@ def close_at_exit(*, join: bool = False) -> None:
     handle = _active
     try:
         if join:
-            from .distributed.agreement import checks_at_close
+            from .distributed.agreement import checked_mode
             from .distributed.verify import verify_at_close
 
             policy = TuningPolicy.from_env_if_asked()
-            if checks_at_close(policy):
+            if checked_mode(policy) == "verify":
                 verify_at_close(None, policy.agreement_timeout_s)
         elif handle is not None and not handle.closed:
             handle.close()

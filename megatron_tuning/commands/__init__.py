@@ -1,11 +1,7 @@
-"""``python -m megatron_tuning`` / ``megatron-tuning``: the command line.
+"""``python -m megatron_tuning`` / ``megatron-tuning``: the command line (exit codes: docs/tables.md).
 
-Each command lives in a module of this package defining ``add_<name>(parser)`` and
-``run_<name>(args) -> int``; only the module of the command being run is imported, so ``show`` or
-``diff`` never pay for importing torch. Exit codes: 0 ok; 1 differences or problems found; 2 usage
-error or bad input (one line on stderr, no traceback); 3 a ``DivergenceError``; ``run``, ``tune``
-and ``audit`` pass their job's status on; ``score`` exits 3 for a failed correctness check, 4 for a
-result a clock or integrity flag demoted.
+Each command's module defines ``add_<name>(parser)`` and ``run_<name>(args) -> int``; only the module
+of the command being run is imported, so ``show`` or ``diff`` never pay for importing torch.
 """
 
 from __future__ import annotations

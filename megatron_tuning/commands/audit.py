@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from ..core import policy as knobs
+from ..core.errors import MegatronTuningError
 from ..tables.files import output_file_problem, write_atomic
 from . import EXIT_USAGE
-from .bootstrap import ENV_AUDIT_DIR, job_environment, write_bootstrap
-from .job import add_job_argument, command_problem, job_argv, job_command, run_job
+from .job import add_job_argument, command_problem, job_argv, job_command, run_armed
 from .launch import validated_policy
 from .tune import start_job_session
 
@@ -41,7 +41,7 @@ def add_audit(parser: argparse.ArgumentParser) -> None:
 
 
 def run_audit(args: argparse.Namespace) -> int:
-    from ..tuning.audit import audit_table, record_numerics, save_report
+    from ..tuning.audit import audit_table, record_numerics
 
     command = job_command(args, "audit", "audit --out audit.json -- train.py --steps 3")
     if command is None:
@@ -66,13 +66,17 @@ def run_audit(args: argparse.Namespace) -> int:
         return EXIT_USAGE if isinstance(problem, str) else problem[0]
     work = Path(tempfile.mkdtemp(prefix="megatron_tuning_audit_"))
     try:
-        env = job_environment(write_bootstrap(work / "bootstrap", "audit"), "audit")
-        env.update(updates, **{ENV_AUDIT_DIR: str(work)})
-        returncode = run_job(job_argv(command), env, "audit", work / "bootstrap")
+        returncode, _ = run_armed(job_argv(command), updates, "audit", launcher="audit", folder=work)
         entries = [e for f in sorted(work.glob("audited-*.json")) for e in json.loads(f.read_text())]
         report = {"format": "megatron_tuning.audit/2", "mode": mode, "runs": runs, "command": command}
         report.update(exit_status=returncode, entries=entries)
-        written, unwritable = save_report(args.out, report, work)  # where --out fails: into work, kept
+        text = json.dumps(report, indent=1, sort_keys=True).encode()
+        written, unwritable = Path(args.out), None
+        try:
+            write_atomic(args.out, text)
+        except (OSError, MegatronTuningError) as exc:  # its folder went since the check, a full disk...
+            written, unwritable = work / "audit.json", str(exc)  # kept with the per-process reports
+            write_atomic(written, text)
     except BaseException:
         print(f"audit: stopped; the job's per-process reports are kept in {work}", file=sys.stderr)
         raise
@@ -98,9 +102,8 @@ def activate() -> None:
     from ..runtime import pinning
     from ..tuning.audit import make_audit_hook
 
-    folder = os.environ.get(ENV_AUDIT_DIR, "")
-    name = start_job_session(folder)
-    if name is None:
+    path = start_job_session("audited-")
+    if path is None:
         return
 
     def never_tune(installation: pinning.Installation) -> pinning.Installation:
@@ -114,7 +117,7 @@ def activate() -> None:
 
     def record(entry: dict[str, Any]) -> None:
         entries.append({**entry, "arch": arch_tag(), "rank": current_rank()})
-        write_atomic(Path(folder) / f"audited-{name}", json.dumps(entries).encode())
+        write_atomic(path, json.dumps(entries).encode())
 
     policy = pinning.current_policy()  # the command's, started just now
     runs = policy.audit_runs if policy is not None else knobs.default(knobs.ENV_AUDIT_RUNS)

@@ -1,12 +1,9 @@
 """Arm megatron_tuning in every Python process of a job that was not edited for it.
 
-``run``, ``tune`` and ``audit`` put a ``sitecustomize.py`` in a fresh private folder first on the job's
-``PYTHONPATH``; ``enable`` writes a one-line ``.pth`` into site-packages, armed only when a
-``MEGATRON_TUNING_*`` variable is set. Both load *this file* by path (importing the package costs ~0.2 s,
-which torchrun's launcher, pip or ``python -c`` should never pay): it imports only the standard library.
-At the process's ``import triton`` a meta-path hook runs ``commands.<launcher>.activate``; a rank that
-never imports it still joins the job's check at close, at its exit (``session.close_at_exit``). A
-launcher's job lives only as long as the launcher holds its lifeline (``hold_lifeline``).
+A launcher's ``sitecustomize.py`` (first on the job's ``PYTHONPATH``) or ``enable``'s ``.pth`` loads
+*this file* by path: it imports only the standard library, so processes that never import Triton
+(torchrun's launcher, pip) pay nothing. At ``import triton`` a meta-path hook runs
+``commands.<launcher>.activate``. A launcher's job lives as long as it holds its lifeline.
 """
 
 from __future__ import annotations
@@ -19,7 +16,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,9 +26,7 @@ PREFIX, ENV_MODE = "MEGATRON_TUNING_", "MEGATRON_TUNING_MODE"
 # outside the knobs' prefix. ENV_LAUNCHER names the activation to run (the .pth then stands down).
 PLUMBING = "_MEGATRON_TUNING_"
 ENV_LAUNCHER = PLUMBING + "LAUNCHER"  # run, tune or audit
-ENV_TUNE_DIR = PLUMBING + "TUNE_DIR"  # where a `tune` job's processes write their results
-ENV_AUDIT_DIR = PLUMBING + "AUDIT_DIR"  # where an `audit` job's processes write their reports
-ENV_RESULT_DIR = PLUMBING + "RESULT_DIR"  # where `run`'s processes mark a DivergenceError
+ENV_JOB_DIR = PLUMBING + "JOB_DIR"  # the launcher's folder: its bootstrap, and what its processes write
 ENV_SCORE = PLUMBING + "SCORE"  # what `score` (or `run --score-do-bench`) asks of each process: JSON
 MODULE_NAME = "_megatron_tuning_bootstrap"
 LAUNCHERS = {"run": "launch", "tune": "tune", "audit": "audit"}  # launcher -> its commands module
@@ -67,30 +62,25 @@ PTH_NAME = "megatron_tuning_enable.pth"
 PTH_MARKER = "# megatron_tuning environment switch"
 
 
-def write_bootstrap(folder: Path, launcher: str) -> Path:
-    """Create ``folder`` holding only our ``sitecustomize.py``; return it. It goes first on the job's
-    ``PYTHONPATH``, ahead of the standard library: so it must be new and private (mode 0700)."""
+def job_environment(folder: Path, launcher: str) -> dict[str, str]:
+    """The environment of a job in ``folder``: ``folder/bootstrap``, made now, holds only our
+    ``sitecustomize.py`` and goes first on ``PYTHONPATH``, ahead of the standard library, so it must
+    be new and private (mode 0700); the launcher and ``folder`` named."""
     from megatron_tuning.tables.files import write_atomic
 
-    if launcher not in LAUNCHERS:
-        raise ValueError(f"launcher must be one of {tuple(LAUNCHERS)}, not {launcher!r}")
-    folder.mkdir(mode=0o700)  # FileExistsError for a folder someone else could have filled
+    bootstrap = folder / "bootstrap"
+    bootstrap.mkdir(mode=0o700)  # FileExistsError for a folder someone else could have filled
     loader = "".join(f"    {line}\n" for line in _loader_code().splitlines())
     text = _SITECUSTOMIZE.format(launcher=launcher, loader=loader)
-    write_atomic(folder / "sitecustomize.py", text.encode("utf-8"))
-    return folder
-
-
-def job_environment(bootstrap: Path, launcher: str, base: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The job's environment: ``bootstrap`` first on ``PYTHONPATH``, the launcher named."""
-    env = dict(os.environ if base is None else base)
+    write_atomic(bootstrap / "sitecustomize.py", text.encode("utf-8"))
+    env = dict(os.environ)
     paths = [str(bootstrap), *(p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p)]
     if not is_site_dir(_PACKAGE_PARENT):
         # A source checkout, after the user's entries (its `tests` must not shadow theirs). An
         # installed copy is on the path already; site-packages on PYTHONPATH would shadow the stdlib.
         paths.append(_PACKAGE_PARENT)
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
-    env[ENV_LAUNCHER] = launcher
+    env.update({ENV_LAUNCHER: launcher, ENV_JOB_DIR: str(folder)})
     return env
 
 
@@ -157,8 +147,8 @@ def bootstrap_process(sitecustomize_file: str) -> None:
     _stop_with_launcher(lifeline)
     os.register_at_fork(after_in_child=functools.partial(_stop_with_launcher, lifeline))
     _chain_sitecustomize(os.path.dirname(lifeline))
-    if os.environ.get(ENV_RESULT_DIR):
-        report_divergences(os.environ[ENV_RESULT_DIR])
+    if os.environ.get(ENV_JOB_DIR):
+        report_divergences(os.environ[ENV_JOB_DIR])
     launcher = os.environ.get(ENV_LAUNCHER, "run")
     arm(launcher if launcher in LAUNCHERS else "run")
     if os.environ.get(ENV_SCORE):  # a `score` job: measure() joins it where the job imports the kit
@@ -200,8 +190,8 @@ def _join_at_exit(finder: _AfterImport) -> None:
 
 
 def report_divergences(folder: str) -> None:
-    """In a `run` job's process: once it imports the package, its session marks in ``folder``, at
-    exit, the DivergenceErrors the process raised, handled ones too (`run` makes them the job's status)."""
+    """Once the process imports the package, its session marks in ``folder``, at exit, the
+    DivergenceErrors the process raised, handled ones too (`run` makes them the job's status)."""
 
     def register() -> None:
         hook = functools.partial(_mark_divergences, folder)

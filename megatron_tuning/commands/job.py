@@ -1,7 +1,5 @@
-"""The job a launcher (``run``, ``tune``, ``audit``, ``selftest --``) runs: its words after ``--``, the
-argv, the checks before it starts, and its process: signals passed on, the exit status a shell would
-report, a timeout, and its death with the launcher.
-"""
+"""The job a launcher (``run``, ``tune``, ``audit``, ``selftest --``) runs: its words after ``--``, its
+argv, and its process: armed, signals passed on, a timeout, its death with the launcher."""
 
 from __future__ import annotations
 
@@ -12,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -19,7 +18,7 @@ from pathlib import Path
 from typing import IO
 
 from . import EXIT_USAGE
-from .bootstrap import hold_lifeline
+from .bootstrap import hold_lifeline, job_environment
 
 EXIT_TIMEOUT, EXIT_CANNOT_EXECUTE, EXIT_NOT_FOUND = 124, 126, 127  # as timeout(1), the shell, env(1)
 
@@ -69,22 +68,44 @@ def command_problem(argv: Sequence[str], env: Mapping[str, str]) -> tuple[int, s
     return None
 
 
-def run_job(
+def run_armed(
+    argv: Sequence[str],
+    updates: Mapping[str, str],
+    prog: str,
+    *,
+    launcher: str = "run",
+    folder: Path | None = None,
+    timeout: float | None = None,
+    output: IO[bytes] | None = None,
+) -> tuple[int, int]:
+    """Run the job to its end, each Python process armed for ``launcher``, ``updates`` set and
+    ``folder`` (default: a temporary one, removed) its job folder. Return the status a shell would
+    report (messages prefixed ``prog``) and how many processes raised a ``DivergenceError``, handled
+    or not.
+
+    The job dies with this process, even by SIGKILL (a harness's timeout): its first process by a
+    parent-death signal, each armed process below it (torchrun's workers) once its bootstrap, the
+    lifeline, is let go (``bootstrap.hold_lifeline``). Past ``timeout`` seconds both are done on
+    purpose: exit status 124, as timeout(1). ``output`` gets the job's stdout and stderr.
+    """
+    work = folder or Path(tempfile.mkdtemp(prefix=f"megatron_tuning_{launcher}_"))
+    try:
+        env = {**job_environment(work, launcher), **updates}
+        code = _run(argv, env, prog, work / "bootstrap", timeout, output)
+        return code, len(list(work.glob("divergence-*")))
+    finally:
+        if folder is None:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _run(
     argv: Sequence[str],
     env: Mapping[str, str],
     prog: str,
     lifeline: Path,
-    *,
-    timeout: float | None = None,
-    output: IO[bytes] | None = None,
+    timeout: float | None,
+    output: IO[bytes] | None,
 ) -> int:
-    """Run the job to its end; return the status a shell would report (messages prefixed ``prog``).
-
-    The job dies with this process, even by SIGKILL (a harness's timeout): its first process by a
-    parent-death signal, each armed process below it (torchrun's workers) once ``lifeline``, the job's
-    bootstrap folder, is let go (``bootstrap.hold_lifeline``). Past ``timeout`` seconds both are done
-    on purpose: exit status 124, as timeout(1). ``output`` gets the job's stdout and stderr.
-    """
     problem = command_problem(argv, env)
     if problem is not None:
         print(f"{prog}: {problem[1]}", file=sys.stderr)

@@ -1,22 +1,16 @@
-"""Pinning jobs you do not edit: ``run [policy options] -- <command>``, ``enable``/``disable``.
-
-``run`` sets the policy as ``MEGATRON_TUNING_*`` variables (validated first) and puts the bootstrap
-(``bootstrap.py``) first on the job's ``PYTHONPATH``; ``enable`` writes a ``.pth`` instead. The job's
-process (signals, exit status, its death with the launcher) is ``job.py``'s, shared with ``tune``.
-"""
+"""Pinning jobs you do not edit: ``run [policy options] -- <command>`` sets the policy as
+``MEGATRON_TUNING_*`` variables (validated first) and runs the job armed (``job.py``); ``enable`` /
+``disable`` write or remove a ``.pth`` that arms every process setting ``MEGATRON_TUNING_MODE``."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import shutil
 import sys
 import sysconfig
-import tempfile
 import uuid
 import warnings
-from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,17 +19,8 @@ from ..core.errors import EXIT_DIVERGENCE, MegatronTuningError, PolicyError
 from ..core.notices import TuningWarning, warn_once
 from ..tables.files import output_folder_problem, write_atomic
 from . import EXIT_USAGE
-from .bootstrap import (
-    ENV_RESULT_DIR,
-    ENV_SCORE,
-    PTH_MARKER,
-    PTH_NAME,
-    is_site_dir,
-    job_environment,
-    pth_text,
-    write_bootstrap,
-)
-from .job import add_job_argument, job_argv, job_command, run_job
+from .bootstrap import ENV_SCORE, PTH_MARKER, PTH_NAME, is_site_dir, pth_text
+from .job import add_job_argument, job_argv, job_command, run_armed
 
 RUN_MODES = ("deterministic", "auto", "chaos", "record", "off")  # `tune` pools in its own command
 
@@ -134,20 +119,6 @@ def run_run(args: argparse.Namespace) -> int:
         message = f"{caught} process(es) of the job raised DivergenceError: ranks launched different"
         print(f"run: {message} configs (exit status {EXIT_DIVERGENCE})", file=sys.stderr)
     return EXIT_DIVERGENCE if caught else code
-
-
-def run_armed(argv: Sequence[str], updates: Mapping[str, str], prog: str, **job: Any) -> tuple[int, int]:
-    """Run the job with every Python process armed, ``updates`` set (``job``: ``run_job``'s keywords);
-    return its exit status and how many of its processes raised a ``DivergenceError`` (handled or not)."""
-    folder = Path(tempfile.mkdtemp(prefix="megatron_tuning_run_"))
-    try:
-        bootstrap = write_bootstrap(folder / "bootstrap", "run")
-        environment = job_environment(bootstrap, "run")
-        environment.update({**updates, ENV_RESULT_DIR: str(folder)})
-        code = run_job(argv, environment, prog, bootstrap, **job)
-        return code, len(list(folder.glob("divergence-*")))
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
 
 
 def validated_policy(updates: dict[str, str]) -> knobs.TuningPolicy:

@@ -1,10 +1,8 @@
 """``selftest``: prove on this machine that pinning agrees across ranks and that the check is not blind.
 
-A small torchrun job (gloo; the Triton interpreter without a GPU) runs twice: ``deterministic`` must
-agree and match torch with no alarm; ``chaos`` must raise one ``DivergenceError`` on every rank ("no
-error" alone cannot tell a working detector from a blind one). Each rank writes a JSON result the
-parent reads. ``selftest -- <command>`` does the same for the user's own job (``_your_job``): only a
-``DivergenceError`` one of its processes raised in the chaos run is proof, never an exit status.
+A small torchrun job (gloo) runs twice: ``deterministic`` must agree and match torch with no alarm;
+``chaos`` must raise one ``DivergenceError`` on every rank ("no error" alone cannot tell a working
+detector from a blind one). ``selftest -- <command>`` runs the user's job instead (``_your_job``).
 """
 
 from __future__ import annotations
@@ -27,8 +25,7 @@ from ..core.decisions import CHAOS_NO_OTHER_CONFIG
 from ..core.policy import AGREEMENT_MODES, ENV_MODE, MAX_AGREEMENT_TIMEOUT_S, PREFIX
 from ..tables.files import write_atomic
 from .bootstrap import PLUMBING
-from .job import EXIT_TIMEOUT, add_job_argument, job_argv
-from .launch import run_armed
+from .job import EXIT_TIMEOUT, add_job_argument, job_argv, run_armed
 
 KERNEL_MODULE = "megatron_tuning.kernels"
 CPU_SHAPES = ((37, 29, 45), (64, 48, 40))  # interpreted launches cost ~0.2 s: small, odd shapes
@@ -190,10 +187,8 @@ def _launch(args: argparse.Namespace, mode: str, folder: str, interpret: bool) -
             output, _ = process.communicate()
             returncode = None
     write_atomic(os.path.join(folder, "torchrun.log"), output.encode("utf-8"))  # never through a planted link
-    paths = {rank: os.path.join(folder, f"rank{rank}.json") for rank in range(args.nproc)}
-    ranks = {
-        r: json.loads(Path(p).read_text(encoding="utf-8")) for r, p in paths.items() if os.path.exists(p)
-    }
+    files = {r: Path(folder, f"rank{r}.json") for r in range(args.nproc)}
+    ranks = {r: json.loads(path.read_text(encoding="utf-8")) for r, path in files.items() if path.exists()}
     return {"returncode": returncode, "output": output, "ranks": ranks, "seconds": time.monotonic() - start}
 
 
@@ -275,9 +270,9 @@ def _worker(argv: list[str]) -> int:  # argv: the parent's settings, one JSON ob
     except Exception as error:  # a broken install: reported by name, not as a bare exit code
         _keep_error(result, error)
         result["traceback"] = traceback.format_exc()
-        _write_result(args.out, rank, result)
+    write_atomic(os.path.join(args.out, f"rank{rank}.json"), json.dumps(result, indent=1).encode("utf-8"))
+    if "traceback" in result:
         return 1  # torchrun then stops the other ranks
-    _write_result(args.out, rank, result)
     dist.barrier()
     dist.destroy_process_group()
     return 0
@@ -348,10 +343,6 @@ def reference_workload(device: Any, shapes: Any, dtype: Any) -> list[str]:
                     f"{name} {m}x{n}x{k}: max abs error {(got.float() - want.float()).abs().max().item():.3g}"
                 )
     return failures
-
-
-def _write_result(folder: str, rank: int, result: dict[str, Any]) -> None:
-    write_atomic(os.path.join(folder, f"rank{rank}.json"), json.dumps(result, indent=1).encode("utf-8"))
 
 
 def _keep_error(result: dict[str, Any], error: BaseException) -> None:

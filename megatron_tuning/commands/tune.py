@@ -1,9 +1,5 @@
-"""``tune``: tune a job's kernels, write a table; and its side inside the job's processes (``activate``).
-
-``tune`` runs the job armed in tune mode, in a fresh folder per job so nothing another job left is
-pooled. Every process writes its ``tuned`` decisions as they happen; after the job each process's
-winners are one table, voted into ``--out`` (``tables.vote.vote_tables``).
-"""
+"""``tune``: run a job armed in tune mode, in a fresh folder (nothing another job left is pooled); each
+process writes its ``tuned`` decisions as they happen (``activate``), voted into ``--out`` after it."""
 
 from __future__ import annotations
 
@@ -26,8 +22,8 @@ from ..tables.records import read_decisions, recording_table, write_decisions
 from ..tables.table import add_entries
 from ..tables.vote import vote_tables
 from . import EXIT_USAGE
-from .bootstrap import ENV_TUNE_DIR, job_environment, write_bootstrap
-from .job import add_job_argument, command_problem, job_argv, job_command, run_job
+from .bootstrap import ENV_JOB_DIR
+from .job import add_job_argument, command_problem, job_argv, job_command, run_armed
 from .report import plot_into, require_matplotlib, summary
 
 PROCESS_PREFIX = "tuned-"  # per-process decision logs: tuned-<host>-<pid>.json
@@ -84,8 +80,8 @@ def run_tune(args: argparse.Namespace) -> int:
         returncode, decisions = _run_job(command, work, policy, args)
     except BaseException:
         # Writing the table failed, or the run was interrupted: what was measured stays on disk.
-        if temporary and any((work / "results").glob(f"{PROCESS_PREFIX}*.json")):
-            print(f"tune: per-process results kept in {work / 'results'}", file=sys.stderr)
+        if temporary and any(work.glob(f"{PROCESS_PREFIX}*.json")):
+            print(f"tune: per-process results kept in {work}", file=sys.stderr)
             temporary = False
         raise
     finally:
@@ -146,23 +142,17 @@ def _run_job(
     command: list[str], work: Path, policy: knobs.TuningPolicy, args: argparse.Namespace
 ) -> tuple[int, list[Decision]]:
     """Run the job, pool its per-process results, write ``--results`` and merge into ``--out``."""
-    results = work / "results"
-    results.mkdir()
-    bootstrap = write_bootstrap(work / "bootstrap", "tune")
-    env = job_environment(bootstrap, "tune")
-    env.update({knobs.ENV_MODE: "tune", ENV_TUNE_DIR: str(results)})
-    env.update(
-        {knobs.ENV_RECORD_DIR: str(work / "recordings"), knobs.ENV_TUNE_ROUNDS: str(policy.tune_rounds)}
-    )
-    env[knobs.ENV_TUNE_TIE_BAND] = repr(policy.tune_tie_band)
+    updates = {knobs.ENV_MODE: "tune", knobs.ENV_RECORD_DIR: str(work / "recordings")}
+    updates[knobs.ENV_TUNE_ROUNDS] = str(policy.tune_rounds)
+    updates[knobs.ENV_TUNE_TIE_BAND] = repr(policy.tune_tie_band)
     if args.numerics:  # --out's entries (if any) are the bits to keep: searched first
         keep = args.out if os.path.exists(args.out) else None
-        env[knobs.ENV_NUMERICS] = args.numerics
-        env[knobs.ENV_TABLE] = ":".join(filter(None, (keep, env.get(knobs.ENV_TABLE))))
+        updates[knobs.ENV_NUMERICS] = args.numerics
+        updates[knobs.ENV_TABLE] = ":".join(filter(None, (keep, os.environ.get(knobs.ENV_TABLE))))
     argv = job_argv(command)
-    print(f"tune: running {' '.join(argv)} (per-process results in {results})", file=sys.stderr)
-    returncode = run_job(argv, env, "tune", bootstrap)
-    logs = [(str(f), read_decisions(f)) for f in sorted(results.glob(f"{PROCESS_PREFIX}*.json"))]
+    print(f"tune: running {' '.join(argv)} (per-process results in {work})", file=sys.stderr)
+    returncode, _ = run_armed(argv, updates, "tune", launcher="tune", folder=work)
+    logs = [(str(f), read_decisions(f)) for f in sorted(work.glob(f"{PROCESS_PREFIX}*.json"))]
     decisions = [d for _, ds in logs for d in ds if d.source == "tuned"]
     if not decisions:
         why = "Did it launch an in-scope autotuned kernel with more than one live config?"
@@ -179,14 +169,14 @@ def _run_job(
     return returncode, decisions
 
 
-def start_job_session(directory: str | None) -> str | None:
+def start_job_session(prefix: str) -> Path | None:
     """In a ``tune`` or ``audit`` job's process, at ``import triton``: start the session the command's
-    ``MEGATRON_TUNING_*`` variables describe, and return this process's result file name; ``None`` when
-    ``directory`` is unset or the session failed (reported: the command says at the end when nothing
-    was measured). The command's own output, one line per key tuned or audited, goes to stderr; the
-    job's logging is left alone."""
+    variables describe; return this process's result file (``prefix``, host, pid) in the job folder,
+    ``None`` where the session failed (said here; the command says so at the end too). The command's
+    output, a line per key tuned or audited, goes to stderr; the job's logging is left alone."""
     from .. import session
 
+    directory = os.environ.get(ENV_JOB_DIR)
     if not directory:
         return None
     progress = logging.getLogger("megatron_tuning.tuning.tuner.progress")
@@ -198,21 +188,18 @@ def start_job_session(directory: str | None) -> str | None:
     except Exception as exc:
         print(f"megatron_tuning: could not start the session: {exc!r}", file=sys.stderr)
         return None
-    return f"{socket.gethostname()}-{os.getpid()}.json"
+    return Path(directory) / f"{prefix}{socket.gethostname()}-{os.getpid()}.json"
 
 
 def activate() -> None:
     """At ``import triton`` in a ``tune`` job: write this process's tuned decisions as they come
     (a crash loses nothing)."""
-    directory = os.environ.get(ENV_TUNE_DIR, "")
-    name = start_job_session(directory)
-    if name is None:
+    path = start_job_session(PROCESS_PREFIX)
+    if path is None:
         return
-    path = Path(directory) / f"{PROCESS_PREFIX}{name}"
 
     def write(decision: Decision) -> None:
         if decision.source == "tuned":
-            path.parent.mkdir(parents=True, exist_ok=True)
             write_decisions(path, [d for d in get_decisions() if d.source == "tuned"])
 
     decision_log().add_listener(write)

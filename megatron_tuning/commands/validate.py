@@ -1,9 +1,5 @@
-"""Checks for CI: ``validate`` (would these entries apply here, unchanged?) and ``coverage`` (what did a
-run launch, per kernel, key and rank?).
-
-The runtime validators act per lookup; ``validate`` checks a whole table ahead of time, e.g. after a
-Triton upgrade or a kernel edit (``add_validate`` says what it checks).
-"""
+"""Checks for CI: ``validate`` (would these entries apply here, unchanged? e.g. after a Triton upgrade
+or a kernel edit) and ``coverage`` (what did a run launch, per kernel, key and rank?)."""
 
 from __future__ import annotations
 

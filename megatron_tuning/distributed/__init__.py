@@ -1,5 +1,1 @@
-"""Layer 4: what crosses ranks. The first-use agreement check, ``verify_agreement``, and the wire
-format (fixed-size digests, store barriers) they share.
-
-Imports ``core`` (and torch.distributed); independent of ``tuning``.
-"""
+"""Layer 4: what crosses ranks: the job's store, the agreement checks, ``verify_agreement``."""

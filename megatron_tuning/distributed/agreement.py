@@ -1,10 +1,5 @@
-"""Cross-rank agreement: every rank launches the same config for each (kernel, key), provably.
-
-At start every rank claims its *inputs* (policy, table contents, versions, session number), of which
-every choice is a pure function: a difference raises ``InputMismatchError`` at init. Then, by
-``policy.agreement`` (docs/agreement.md): ``store`` claims each new key's signature before its launch
-(no collective, so no deadlock), ``allgather`` compares digests at first use in SPMD groups, ``verify``
-leaves it to ``verify_agreement()`` and a bounded check at close. Nothing runs inside a CUDA graph capture.
+"""Cross-rank agreement (docs/agreement.md): the inputs check at init, then ``policy.agreement``'s
+per-key checks (``store``, ``allgather``) or ``verify``'s; nothing runs inside a CUDA graph capture.
 The running session's checks (an ``Agreement``) are registered here: ``verify_agreement`` flushes them.
 """
 
@@ -68,15 +63,10 @@ def set_active_checker(checker: Agreement | None, *, replacing: Agreement | None
 
 
 def verify_agreement(group: Any = None, *, timeout_s: float | None = None) -> int:
-    """Compare every rank's decision log at a step boundary; return how many entries were shared.
-
-    Collective over ``group`` (default: the job). Only entries two or more ranks observed are
-    compared; on a mismatch every rank raises the same ``DivergenceError`` naming up to
-    ``verify.MAX_NAMED`` of them, and a rank missing past ``timeout_s`` (default: the policy's) is
-    named in an ``AgreementTimeoutError``. Ranks whose calls pair with another session's, another
-    call or a check at close raise ``InputMismatchError``, as does every later check over ``group``.
-    Runs checks deferred by a CUDA graph capture first.
-    """
+    """Compare every rank's decision log at a step boundary (collective over ``group``, default: the
+    job); return how many entries two or more ranks observed. Every rank raises the same error: a
+    ``DivergenceError``, an ``AgreementTimeoutError`` naming the missing ranks, or an
+    ``InputMismatchError`` where calls pair with another session's or call (docs/agreement.md)."""
     return verify.compare_logs(group, timeout_s, _active)
 
 
@@ -89,11 +79,12 @@ def resolve_mode(policy: TuningPolicy, group: Any = None) -> str:
     return "verify" if len(kv.group_ranks(group)) > STORE_UP_TO_RANKS else "store"
 
 
-def checks_at_close(policy: TuningPolicy, group: Any = None) -> bool:
-    """Whether a session of ``policy`` started now runs verify's check at close, which compares
-    every decision of the process (so a session it replaces need not run its own)."""
-    grouped = dist.is_available() and dist.is_initialized()
-    return grouped and policy.mode in CHECKED_MODES and resolve_mode(policy, group) == "verify"
+def checked_mode(policy: TuningPolicy, group: Any = None) -> str | None:
+    """The agreement mode a session of ``policy`` started now runs; ``None`` where it checks nothing
+    (no process group, agreement ``off``, a measuring mode). ``verify`` checks every decision of the
+    process at close, so a session it replaces need not run its own check."""
+    mode, grouped = resolve_mode(policy, group), dist.is_available() and dist.is_initialized()
+    return mode if grouped and mode != "off" and policy.mode in CHECKED_MODES else None
 
 
 class FailedAgreement:
@@ -125,15 +116,14 @@ def start_agreement(
     """Start cross-rank checks for ``policy`` and make them the active ones; ``None`` without a process
     group, with agreement ``off``, or in a measuring mode. ``inputs`` that differ from the first
     rank's raise ``InputMismatchError`` here, and on that rank at its next check."""
-    mode = resolve_mode(policy, group)
-    checked = mode != "off" and policy.mode in CHECKED_MODES
-    if not (checked and dist.is_available() and dist.is_initialized()):
+    mode = checked_mode(policy, group)
+    if mode is None:
         return None
     if _active is not None:
         _active.stop(final_check=False)
     checker = AgreementChecker(policy, group, session=verify.next_session(), mode=mode)
     checker.compare_inputs(inputs if inputs is not None else describe_inputs(policy))
-    checker.attach()
+    decision_log().add_listener(checker.check)
     set_active_checker(checker)
     return checker
 
@@ -168,7 +158,6 @@ class AgreementChecker:
         self._seen: set[bytes] = set()
         self._pending: list[Decision] = []
         self._seq = 0
-        self._attached = False
 
     def compare_inputs(self, inputs: Mapping[str, str]) -> None:
         """Claim this session's inputs; raise ``InputMismatchError`` if the first rank's differ."""
@@ -189,16 +178,9 @@ class AgreementChecker:
             )
             raise error
 
-    def attach(self) -> None:
-        if not self._attached:
-            decision_log().add_listener(self.check)
-            self._attached = True
-
     def stop(self, *, final_check: bool = True) -> None:
         """Detach; in ``verify`` mode run the bounded final check (may raise ``DivergenceError``)."""
-        if self._attached:
-            decision_log().remove_listener(self.check)
-            self._attached = False
+        decision_log().remove_listener(self.check)
         set_active_checker(None, replacing=self)
         if self._pending and not is_capturing():
             self.flush()

@@ -1,9 +1,6 @@
-"""The job's key-value store: one claim primitive for every first-writer-wins record, and a barrier.
-
-Every record (``auto``'s decisions, chaos claims, the agreement check's records) is made by
-``claim``: one atomic ``compare_set`` keeps the first writer's, so a rank never waits for another.
-Records are JSON objects, never pickles, checked on the way back (``StoreError`` naming a bad one).
-``arrive`` is the one place a rank waits: a barrier with a deadline that names the missing ranks.
+"""The job's key-value store: ``claim``, one atomic ``compare_set`` for every first-writer-wins record
+(``auto``'s decisions, chaos, the agreement check's), so a rank never waits for another; records are
+JSON objects, checked on the way back. ``arrive``, the one wait: a barrier naming missing ranks.
 """
 
 from __future__ import annotations
@@ -228,12 +225,12 @@ def check_auto_world(world: int) -> None:
         )
 
 
-def start_consensus(local_cache: str | None) -> StoreConsensus | None:
+def start_consensus() -> StoreConsensus | None:
     """``auto``'s consensus for the job (``None`` without a process group); refuses large jobs."""
     if not (dist.is_available() and dist.is_initialized()):
         return None
     check_auto_world(dist.get_world_size())
-    return StoreConsensus(local_cache=local_cache)
+    return StoreConsensus()
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,25 +244,13 @@ class Published:  # a decision as the job's store holds it
 
 class StoreConsensus:
     """``auto``'s decisions shared by the job: one config per (arch, kernel, key), first writer wins.
-    A miss adopts the job's decision, else tunes and publishes; a hit in this rank's own cache
-    (``local_cache``) is published too, so ranks whose per-node caches differ still agree."""
+    A miss adopts the job's decision, else tunes and publishes; a hit in this node's own cache is
+    published too (``pinning``), so ranks whose per-node caches differ still agree."""
 
-    def __init__(
-        self,
-        *,
-        store: Any = None,
-        rank: int | None = None,
-        world: int | None = None,
-        local_cache: str | None = None,
-    ) -> None:
+    def __init__(self, *, store: Any = None, rank: int | None = None, world: int | None = None) -> None:
         self._store = prefixed(f"auto/{job_namespace()}", store)
         self.rank = dist.get_rank() if rank is None else int(rank)
         self.world = world if world is not None or not dist.is_initialized() else dist.get_world_size()
-        self.local_cache = os.path.realpath(local_cache) if local_cache else None
-
-    def is_local(self, origin: str | None) -> bool:
-        """Whether a table hit came from this rank's own ``auto`` cache (then it is proposed)."""
-        return origin is not None and os.path.realpath(origin) == self.local_cache
 
     def lookup(self, kernel: str, key: str, arch: str) -> Published | None:
         """The decision published for (arch, kernel, key), or ``None``; one request, never waits."""

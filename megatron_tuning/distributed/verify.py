@@ -1,11 +1,8 @@
 """``verify_agreement``: compare every rank's whole decision log at a step boundary (collective).
 
-After a store barrier with a deadline (a missing rank is named), ranks all-gather a 32-byte header
-(log digest, row count, session number, call number); paired checks of other sessions or calls break
-the pairing for good, on every rank. Equal digests end the call. Otherwise one rank per distinct
-log sends each row to the rank owning its identity (``all_to_all_single``), owners all-gather a
-summary and the named entries' holders broadcast their texts: every rank raises the same error.
-O(ranks) header bytes plus its own rows per rank; byte tensors only.
+A store barrier with a deadline, then a 32-byte header per rank (log digest, row count, session and
+call number); equal digests end it. Otherwise one rank per distinct log sends each row to the rank
+owning its identity, and every rank raises the same error (docs/agreement.md). Byte tensors only.
 """
 
 from __future__ import annotations

@@ -51,8 +51,6 @@ class Consensus(Protocol):
 
     rank: int
 
-    def is_local(self, origin: str | None) -> bool: ...
-
     def lookup(self, kernel: str, key: str, arch: str) -> PublishedDecision | None: ...
 
     def publish(
@@ -261,8 +259,10 @@ def decide(
                 unpinned=adopt_or_tune if auto else None,
                 fix=notices.FIX_AN_AUTO_MISS if auto else notices.FIX_A_MISS,
             )
-            # A hit in this node's own cache is proposed to the job: per-node caches never split ranks.
-            if auto and consensus is not None and consensus.is_local(choice.origin):
+            # A hit in this node's own cache (auto's, in a TableSet) is proposed to the job: per-node
+            # caches never split ranks.
+            cache_file = getattr(installation.table, "cache_file", None)
+            if auto and consensus is not None and cache_file is not None and choice.origin == cache_file:
                 mine = config_signature(choice.config)
                 winner = consensus.publish(kernel, key, arch, config_data(choice.config), mine)
                 if winner.signature != mine:

@@ -125,13 +125,13 @@ class Nvml:
 
 
 class InbandClock:
-    """``InbandSource`` on a CUDA GPU: ``kernels.clock_stamp`` with one program per SM writes each SM's
+    """``InbandSource`` on a CUDA GPU: ``inband.clock_stamp`` with one program per SM writes each SM's
     ``(clock64, globaltimer)``; the clock between two stamps is the median over SMs seen in both."""
 
     SLOTS, MAX_SM = 64, 1024
 
     def __init__(self, torch_module: Any) -> None:
-        from ..kernels import clock_stamp
+        from .inband import clock_stamp
 
         torch = torch_module
         self._kernel = clock_stamp

@@ -111,9 +111,9 @@ class TableSet:
             hint = " (check the policy's tables / MEGATRON_TUNING_TABLE)"
             raise TableError(exc.path, exc.problem + hint) from None
         self._tables: list[tuple[str, Table]] = [(name, load_table(name)) for name in names]
-        self._cache_file: str | None = None
+        self.cache_file: str | None = None  # auto's: its hits are this node's, proposed to the job
         if cache is not None and os.path.realpath(cache[0]) not in {os.path.realpath(n) for n in names}:
-            self._cache_file = cache[0]
+            self.cache_file = cache[0]
             self._tables.append(cache)
         self._shipped_archs: set[str] = set()
         # First wins, O(1); later files' entries for an ident are scanned only when it is stale.
@@ -227,7 +227,7 @@ class TableSet:
         first = self._index.get(ident)
         if first is None:
             return None
-        scan = stale_entries == "miss" or first[1] == self._cache_file
+        scan = stale_entries == "miss" or first[1] == self.cache_file
         return self._pick(ident, self._all_for(ident) if scan else [first], source_hash, stale_entries)
 
     def _pick(
@@ -236,7 +236,7 @@ class TableSet:
         arch, kernel, key = ident
         for entry, origin in candidates:
             detail = staleness(entry, source_hash, self.triton_version)
-            if detail is not None and origin == self._cache_file:  # ours: re-tuned for the running code
+            if detail is not None and origin == self.cache_file:  # ours: re-tuned for the running code
                 logger.debug("stale cache entry %s [%s] in %s (%s): a miss", kernel, key, origin, detail)
                 continue
             if detail is not None:

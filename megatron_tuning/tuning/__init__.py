@@ -1,5 +1,1 @@
-"""Layer 4: measuring. The noise-aware tuner (timers, interleaved rounds), its statistics, the
-pooling of per-process results into tables, and plots.
-
-Imports ``core`` and ``tables``; independent of ``distributed``.
-"""
+"""Layer 4: measuring: the noise-aware tuner, its statistics, the numerics audit."""

@@ -1,20 +1,15 @@
-"""The numerics audit: which live configs of a (kernel, key) give bit-identical outputs.
-
-Each candidate launches ``runs`` times on the call's own (restored) inputs through the tuner's launcher
-(hooks act as when tuning) and the tensors it wrote are hashed: equal digests form a numerics class; one
-whose own launches differ is not deterministic on its own. Empirical: on these inputs, GPU, toolchain.
-"""
+"""The numerics audit (docs/numerics.md): each live config of a (kernel, key) launches ``runs`` times
+on the call's own, restored inputs; equal digests of what it wrote form a numerics class, and a config
+whose own launches differ is not deterministic on its own. Empirical: these inputs, GPU, toolchain."""
 
 from __future__ import annotations
 
 import hashlib
-import json
 import time
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 from typing import Any, NamedTuple
 
-from ..core.errors import MegatronTuningError, NumericsError, printable
+from ..core.errors import NumericsError, printable
 from ..core.identity import arch_tag, config_signature
 from ..runtime.pinning import Measure
 from .tuner import benchmark_failures, make_launcher, progress_logger
@@ -273,18 +268,3 @@ def record_numerics(path: str, entries: Sequence[Mapping[str, Any]]) -> int:
 
     update_table(path, mutate)
     return len(updated)
-
-
-def save_report(out: str, report: Mapping[str, Any], folder: Path) -> tuple[Path, str | None]:
-    """Write ``report`` to ``out`` atomically; where that fails (its folder went away since the check
-    before the job, a full disk), to ``folder/audit.json`` instead. Returns the path written and, if
-    ``out`` could not be, why."""
-    from ..tables.files import write_atomic
-
-    text = json.dumps(report, indent=1, sort_keys=True).encode()
-    try:
-        write_atomic(out, text)
-        return Path(out), None
-    except (OSError, MegatronTuningError) as exc:
-        write_atomic(folder / "audit.json", text)
-        return folder / "audit.json", str(exc)

@@ -1,10 +1,5 @@
-"""The tuner's decision rules, pure (no timing, no I/O: tested on CPU with fake samples).
-
-A candidate is *tied* with the fastest when its median is within ``tie_band`` of the best median, or
-when its p20-p80 range overlaps the best's and its median is within ``overlap_cap``. Among the tied,
-the first in ``order_by_cost`` (the deterministic fallback's total order) wins, so noise inside the
-band cannot move the choice.
-"""
+"""The tuner's decision rules, pure: candidates tied with the fastest (``analyze``) are decided by
+static cost (``order_by_cost``), so noise inside the tie band cannot move the choice."""
 
 from __future__ import annotations
 
@@ -123,7 +118,7 @@ class TuneResult:
         return self.stats[self.winner].signature
 
     def to_timings(self) -> dict[str, Any]:
-        """Serializable (JSON and msgpack) form, stored as ``Decision.timings`` and in tables."""
+        """``Decision.timings``, as stored in decision logs and tables."""
 
         def triple(s: CandidateStats) -> list[float | None]:
             return [None, None, None] if s.failed else [s.median, s.low, s.high]
@@ -144,7 +139,7 @@ class TuneResult:
 
 
 def _quantile(ordered: Sequence[float], q: float) -> float:
-    """Linear-interpolation quantile of sorted data (numpy's default method)."""
+    """numpy's default (linear) quantile of sorted data."""
     pos = (len(ordered) - 1) * q
     lo = math.floor(pos)
     hi = min(lo + 1, len(ordered) - 1)

@@ -1,10 +1,6 @@
-"""Noise-aware tuning: time the candidates robustly, call near-ties ties, break ties statically.
-
-Candidates are compiled, warmed up, then timed in interleaved rounds (the first one rotating, so drift
-hits all alike); medians within ``tie_band`` of the best (or overlapping p20-p80 spreads) tie, and
-static cost (``stats``) breaks the tie, so a re-tune is reproducible. Short kernels are timed cold,
-one launch after an L2 flush, as ``do_bench`` does. ``make_measure`` builds ``install``'s ``measure``.
-"""
+"""Noise-aware tuning (``make_measure``): candidates compiled, warmed up, then timed in interleaved
+rounds (short kernels cold, one launch after an L2 flush, as ``do_bench``); near-ties are ties, broken
+by static cost (``stats``), so a re-tune is reproducible."""
 
 from __future__ import annotations
 
@@ -28,13 +24,15 @@ progress_logger = logging.getLogger(__name__ + ".progress")
 
 
 class Timer(Protocol):
-    """Times launches: ``sample`` returns ms per launch over ``launches`` back-to-back launches.
-    Optional: ``sample_cold(launch, launches)`` (median ms of single launches, each after an L2 flush,
-    as ``do_bench``; default: single-launch ``sample`` calls) and ``warm_up(ms)``."""
+    """Times launches: ``sample``, ms per launch over ``launches`` back-to-back launches;
+    ``sample_cold``, the median ms of single launches, each after an L2 flush (as ``do_bench``).
+    Optional: ``warm_up(ms)``."""
 
     def synchronize(self) -> None: ...
 
     def sample(self, launch: Callable[[], None], launches: int) -> float: ...
+
+    def sample_cold(self, launch: Callable[[], None], launches: int) -> float: ...
 
 
 class ClockTimer:
@@ -254,9 +252,7 @@ def time_candidates(
             logger.info("candidate %d failed to compile or launch: %s", i, errors[i])
         step()
     method = timing_method([e for e, err in zip(estimates, errors) if err is None], settings)
-    sample = timer.sample if method == "batched" else getattr(timer, "sample_cold", None)
-    if sample is None:  # a timer without sample_cold: single back-to-back launches
-        sample = lambda launch, launches: statistics.median(timer.sample(launch, 1) for _ in range(launches))
+    sample = timer.sample if method == "batched" else timer.sample_cold
     if method == "cold":
         launches = [min(settings.cold_launches, settings.max_launches)] * n
     else:  # a NaN estimate (a timer that failed to time) gets single launches, not a crash
@@ -317,29 +313,15 @@ def interleave(
 
 
 def make_measure(
-    settings: TuneSettings | TuningPolicy | None = None,
-    *,
-    timer: Timer | Callable[[], Timer] | None = None,
-    progress: bool = True,
+    settings: TuneSettings | TuningPolicy | None = None, *, timer: Timer | None = None, progress: bool = True
 ) -> Measure:
-    """The ``measure`` callable for ``interception.install(policy, measure=...)`` in ``tune``/``auto``:
-    ``measure(autotuner, candidates, args, kwargs, kernel, key) -> (live config, timings)`` times the
-    candidates on the real arguments. ``timer``: a ``Timer`` or a factory (default: CUDA events on a
-    GPU). With ``progress``, a tqdm bar on a terminal and one ``progress_logger`` line per key."""
+    """The ``measure`` of ``tune`` and ``auto``: ``measure(autotuner, candidates, args, kwargs, kernel,
+    key) -> (live config, timings)`` times the candidates on the real arguments with ``timer`` (default:
+    CUDA events on a GPU). With ``progress``, a tqdm bar on a terminal and a ``progress_logger`` line."""
     if isinstance(settings, TuningPolicy):  # what ``session`` passes: its tuner settings
         settings = TuneSettings(rounds=settings.tune_rounds, tie_band=settings.tune_tie_band)
     settings = settings or TuneSettings()
-    timers: list[Timer] = []
-
-    def get_timer() -> Timer:
-        if not timers:  # created at first use: the CUDA timer allocates on the device
-            if timer is None:
-                timers.append(default_timer(settings))
-            elif hasattr(timer, "sample"):
-                timers.append(timer)  # type: ignore[arg-type]
-            else:
-                timers.append(timer())  # type: ignore[operator]
-        return timers[0]
+    timers = [timer] if timer is not None else []  # the default made at first use: it allocates on the GPU
 
     def measure(
         autotuner: Any,
@@ -354,8 +336,10 @@ def make_measure(
         total = len(candidates) * (1 + settings.warmup_rounds + settings.rounds)
         bar = _progress_bar(total, _bar_label(kernel, key)) if progress else None
         try:
+            if not timers:
+                timers.append(default_timer(settings))
             timed = time_candidates(
-                launchers, timer=get_timer(), settings=settings, on_step=(bar.update if bar else None)
+                launchers, timer=timers[0], settings=settings, on_step=(bar.update if bar else None)
             )
         finally:
             if bar is not None:

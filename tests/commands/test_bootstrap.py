@@ -165,10 +165,10 @@ def test_the_users_own_sitecustomize_still_runs_in_the_job(
     assert "user sitecustomize ran: True" in capfd.readouterr().out
 
 
-def test_write_bootstrap_refuses_an_existing_folder(tmp_path: Path) -> None:
+def test_the_bootstrap_refuses_an_existing_folder(tmp_path: Path) -> None:
     (tmp_path / "bootstrap").mkdir()
     with pytest.raises(FileExistsError):
-        bootstrap.write_bootstrap(tmp_path / "bootstrap", "run")
+        bootstrap.job_environment(tmp_path, "run")
 
 
 def test_a_job_that_starts_its_own_session_replaces_the_armed_one(

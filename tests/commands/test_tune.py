@@ -13,7 +13,6 @@ from typing import Any
 import pytest
 from pytest import CaptureFixture, MonkeyPatch
 
-from megatron_tuning.commands.bootstrap import ENV_TUNE_DIR
 from megatron_tuning.commands.tune import add_tune as add_arguments
 from megatron_tuning.commands.tune import run_tune as run
 from megatron_tuning.core.decisions import Decision
@@ -152,15 +151,14 @@ def _fake_job(monkeypatch: MonkeyPatch, returncode: int = 0, n: int = 100) -> li
 
     calls: list[list[str]] = []
 
-    def fake_run_job(argv: list[str], env: dict[str, str], prog: str, lifeline: Path) -> int:
+    def fake_run_armed(argv: list[str], updates: Any, prog: str, *, launcher: str, folder: Path) -> Any:
         calls.append(argv)
-        directory = Path(env[ENV_TUNE_DIR])
         # One file name per process (the real names carry the pid), so jobs do not overwrite each other.
-        write_decisions(directory / f"tuned-host-{n}.json", tiny_records(n=n)[:1])
-        return returncode
+        write_decisions(folder / f"tuned-host-{n}.json", tiny_records(n=n)[:1])
+        return returncode, 0
 
     monkeypatch.setattr(tune_command, "command_problem", lambda argv, env: None)
-    monkeypatch.setattr(tune_command, "run_job", fake_run_job)
+    monkeypatch.setattr(tune_command, "run_armed", fake_run_armed)
     return calls
 
 
@@ -203,7 +201,7 @@ def test_tune_keeps_the_measurements_when_the_table_cannot_be_written(
     )
     with pytest.raises(OSError):
         run(args)
-    (kept,) = temp.glob("megatron_tuning_tune_*/results/tuned-*.json")
+    (kept,) = temp.glob("megatron_tuning_tune_*/tuned-*.json")
     assert str(kept.parent) in capsys.readouterr().err
 
 

@@ -205,7 +205,7 @@ def test_start_attaches_and_stop_detaches(one_rank_group: None) -> None:
     decision_log().record(_decision(SIG_A))  # one rank: trivially agrees, through a real gather
     assert agreement.verify_agreement() == 0  # an entry seen by one rank only is not "shared"
     replacement = agreement.start_agreement(TuningPolicy())
-    assert agreement.active_checker() is replacement and not handle._attached
+    assert agreement.active_checker() is replacement and handle.check not in decision_log()._listeners
     replacement.stop()
     assert agreement.active_checker() is None
 

@@ -381,9 +381,6 @@ class _PeerWon:
     def __init__(self) -> None:
         self.published: list[str] = []
 
-    def is_local(self, origin: Any) -> bool:
-        return False
-
     def lookup(self, kernel: str, key: str, arch: str) -> Any:
         return None
 

@@ -567,10 +567,9 @@ class Counting:
         return counted
 
 
-def ranks(count: int, store: Any = None, caches: dict[int, str] | None = None) -> list[StoreConsensus]:
+def ranks(count: int, store: Any = None) -> list[StoreConsensus]:
     store = store if store is not None else dist.HashStore()
-    caches = caches or {}
-    return [StoreConsensus(store=store, rank=r, world=count, local_cache=caches.get(r)) for r in range(count)]
+    return [StoreConsensus(store=store, rank=r, world=count) for r in range(count)]
 
 
 def _store_key(kernel: str, key: str, arch: str) -> str:
@@ -664,15 +663,14 @@ def cache_table(blocks: dict[int, int]) -> Table:
     return Table(entries, meta={"kind": "auto-cache"})
 
 
-def cached(tmp_path: Any, rank: int, blocks: dict[int, int]) -> tuple[str, TableSet]:
-    """Rank ``rank``'s cache file holding ``blocks``, and the search path that reads it."""
-    path = str(tmp_path / f"cache{rank}.msgpack")
-    return path, TableSet([], cache=(path, cache_table(blocks)))
+def cached(tmp_path: Any, rank: int, blocks: dict[int, int]) -> TableSet:
+    """The search path that reads rank ``rank``'s cache file, holding ``blocks``."""
+    return TableSet([], cache=(str(tmp_path / f"cache{rank}.msgpack"), cache_table(blocks)))
 
 
 def test_a_cache_hit_in_a_job_is_proposed_with_one_request_and_the_others_adopt_it(tmp_path: Any) -> None:
-    path, table = cached(tmp_path, 0, {100: 64})
-    r0, r1 = ranks(2, caches={0: path})
+    table = cached(tmp_path, 0, {100: 64})
+    r0, r1 = ranks(2)
     counting = r0._store = Counting(r0._store)
     hit, timings = choose(r0, FakeMeasure(block=16), table=table)
     assert (hit.source, block(hit), timings, counting.calls) == ("table", 64, None, 1)
@@ -683,9 +681,9 @@ def test_a_cache_hit_in_a_job_is_proposed_with_one_request_and_the_others_adopt_
 
 @pytest.mark.parametrize("second_has", ["empty", "other config", "tuned first"])
 def test_ranks_with_different_caches_launch_one_config_per_key(tmp_path: Any, second_has: str) -> None:
-    path0, table0 = cached(tmp_path, 0, {100: 64})
-    path1, table1 = cached(tmp_path, 1, {100: 16} if second_has == "other config" else {})
-    r0, r1 = ranks(2, caches={0: path0, 1: path1})
+    table0 = cached(tmp_path, 0, {100: 64})
+    table1 = cached(tmp_path, 1, {100: 16} if second_has == "other config" else {})
+    r0, r1 = ranks(2)
     if second_has == "tuned first":  # rank 1 (no cache entry) tunes and publishes before rank 0 proposes
         first = choose(r1, FakeMeasure(block=128), table=table1)[0]
         second = choose(r0, FakeMeasure(block=8), table=table0)[0]
@@ -699,7 +697,7 @@ def test_ranks_with_different_caches_launch_one_config_per_key(tmp_path: Any, se
 def test_an_explicit_table_hit_is_an_input_every_rank_shares_and_is_not_proposed(tmp_path: Any) -> None:
     explicit = tmp_path / "explicit.msgpack"
     save_table(cache_table({100: 64}), explicit)
-    (r0,) = ranks(1, caches={0: str(tmp_path / "cache0.msgpack")})
+    (r0,) = ranks(1)
     counting = r0._store = Counting(r0._store)
     choice, _ = choose(r0, FakeMeasure(block=16), table=TableSet([explicit]))
     assert (choice.source, block(choice), counting.calls) == ("table", 64, 0)
@@ -709,7 +707,7 @@ def test_auto_refuses_a_job_above_its_cap_naming_the_flow(monkeypatch: Any) -> N
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_world_size", lambda: kv.AUTO_MAX_RANKS + 1)
     with pytest.raises(PolicyError) as raised:
-        kv.start_consensus(None)
+        kv.start_consensus()
     message = str(raised.value)
     for part in (
         "megatron_tuning tune",

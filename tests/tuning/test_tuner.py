@@ -283,14 +283,6 @@ def test_longer_keys_stay_back_to_back_and_a_zero_warm_up_is_skipped() -> None:
     assert timed.method == "batched"
     assert timer.calls[6:] == [("sample", 4), ("sample", 2)]  # sized to ~1 ms; no warm_up
 
-    # A timer without sample_cold times a short key with single back-to-back samples instead.
-    class PlainTimer:
-        synchronize = ClockTimer(clock).synchronize
-        sample = staticmethod(ClockTimer(clock).sample)
-
-    short = time_candidates(_fake_launchers(clock, [0.004], log), timer=PlainTimer(), settings=settings)
-    assert short.method == "cold" and short.samples[0] == pytest.approx([0.004])
-
 
 def test_a_timer_that_returns_nan_does_not_crash_the_sizing() -> None:
     class NanTimer:
