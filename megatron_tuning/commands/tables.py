@@ -249,7 +249,8 @@ def add_cache(p: argparse.ArgumentParser) -> None:
 def run_cache(args: argparse.Namespace) -> int:
     from ..core.identity import arch_tag
     from ..core.policy import ENV_CACHE, TuningPolicy
-    from ..tables.cache import cache_path, read_cache_file
+    from ..tables.cache import cache_path
+    from ..tables.table import load_table
 
     # Only the cache setting: an unrelated bad MEGATRON_TUNING_* value is no reason to fail here.
     policy = TuningPolicy.from_env({ENV_CACHE: os.environ.get(ENV_CACHE, "")}, mode="auto")
@@ -257,7 +258,7 @@ def run_cache(args: argparse.Namespace) -> int:
     if path is None:
         print("auto cache: off (MEGATRON_TUNING_CACHE=off)")
     elif os.path.isfile(path):
-        print(f"{path}\t{len(read_cache_file(path)[1])} entries")
+        print(f"{path}\t{len(load_table(path))} entries")
     else:
         print(f"{path}\t(not written yet)")
     return EXIT_OK

@@ -1,6 +1,3 @@
-"""Layer 1, the ground: pure selection rules, the policy and its knobs, errors, the decision log.
-
-No file I/O and no collectives. Imports nothing else from megatron_tuning.
-"""
+"""Layer 1, the ground: selection rules, the policy, errors, the decision log; no I/O, no collectives."""
 
 __version__ = "0.1.0"

@@ -1,8 +1,6 @@
 """Chaos mode: a per-rank different config, on purpose, as the agreement check's positive control.
-
-In a job the ranks coordinate through a ``ChaosCoordinator`` (a rank formula alone cannot keep
-every pair apart): the first rank to reach a (kernel, key) keeps its pick, every later one differs.
-"""
+In a job the first rank to reach a (kernel, key) keeps its pick and every later one differs (a rank
+formula alone cannot keep every pair apart)."""
 
 from __future__ import annotations
 
@@ -19,22 +17,19 @@ from .key import tuning_key
 
 
 def chaos_index(kernel: str, key: str, rank: int, count: int) -> int:
-    """The rank formula's position among ``count`` distinct configs (ranks fewer apart differ)."""
+    """The rank formula: ranks fewer than ``count`` apart pick different configs."""
     offset = int(hashlib.sha256(f"{kernel}\n{key}".encode()).hexdigest()[:8], 16)
     return (rank + offset) % count
 
 
 @dataclass(frozen=True, slots=True)
 class ChaosClaim:
-    """The first chaos pick the job saw for a (kernel, key): who made it, and its signature."""
-
     rank: int
     signature: str
 
 
 class ChaosCoordinator(Protocol):
-    """What chaos mode needs from the job (``distributed.store.StoreChaos``): ``claim`` the job's first
-    claim (``None`` without a process group); ``recall`` the last one, without store traffic."""
+    """The job's first claim (``None`` without a process group); ``recall``: without store traffic."""
 
     def claim(self, kernel: str, key: str, arch: str, signature: str) -> ChaosClaim | None: ...
 
@@ -51,9 +46,9 @@ def choose_chaos(
     coordinator: ChaosCoordinator | None = None,
     offline: bool = False,
 ) -> Choice:
-    """Chaos mode's pick for one rank among the *distinct* live configs, in cost order: the rank
-    formula (``chaos_index``) without a coordinator, else the first claim wins and later ranks move
-    off it. ``offline`` (CUDA graph capture): the recalled claim (or the rank formula) decides."""
+    """This rank's pick among the distinct live configs, in cost order: the rank formula without a
+    coordinator, else the first claim wins and later ranks move off it. ``offline`` (a CUDA graph
+    capture): the recalled claim, or the rank formula, decides."""
     if not candidates:
         raise ValueError(f"no live configs for kernel {kernel}")
     by_signature: dict[str, Any] = {}  # distinct signatures in cost order, first config of each
@@ -86,7 +81,6 @@ def choose_chaos(
 def chaos_choice(
     autotuner: Any, candidates: Sequence[Any], args: Sequence[Any], kwargs: Mapping[str, Any]
 ) -> Any:
-    """A per-rank different config by the rank formula: with ``n`` distinct configs, ranks fewer than
-    ``n`` apart pick differently (in a job, chaos mode coordinates through the store instead)."""
+    """A per-rank different config by the rank formula (in a job, chaos mode uses the store)."""
     key = tuning_key(autotuner, args, kwargs)
     return choose_chaos(kernel_id(autotuner), key, candidates, rank=current_rank()).config

@@ -1,6 +1,5 @@
-"""Choosing a config without measuring: the one rule, ``choose``. Table entry, then a block-size
-override, then a single config; then what ``auto`` adds (adopt or tune); then the miss rule. Every
-step is a pure function of the candidates and the call, so each rank computes the same answer."""
+"""Choosing a config without measuring: the one rule, ``choose``. Every step is a pure function of
+the candidates and the call, so each rank computes the same answer."""
 
 from __future__ import annotations
 
@@ -21,7 +20,7 @@ from .identity import (
     kernel_source_hash,
 )
 from .key import Key, tuning_key
-from .policy import ON_MISS, TuningPolicy
+from .policy import FALSE_WORDS, ON_MISS, TuningPolicy
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,15 +31,12 @@ class TableHit:
     origin: str
     key: Key  # the entry's own key: the one asked for, or a nearest shape's
     kernel: str | None = None  # the entry's own kernel id when found by content (same code, other module)
-    numerics: Any = None  # the entry's tables.entry.Numerics (what the numerics audit found), if recorded
+    numerics: Any = None  # the entry's tables.entry.Numerics, if the audit recorded one
 
 
 @runtime_checkable
 class ConfigTable(Protocol):
-    """What choosing asks a table (``tables.search.TableSet``): the usable entries for (kernel, key) on
-    ``arch``, its own (at most one), or with ``nearest`` those of comparable keys, nearest first.
-    ``source_hash`` and ``config_list_digest`` name the running code, for matches under another
-    module name."""
+    """A table's usable entry for (kernel, key), or with ``nearest`` those of comparable keys."""
 
     def lookup(
         self,
@@ -55,8 +51,7 @@ class ConfigTable(Protocol):
 
 
 class InMemoryTable:
-    """A table held in a dict ``{(kernel_id, key): config or config_data}``, any arch; ``nearest``
-    compares the keys ``tuning_key`` built (text typed by hand matches exactly only)."""
+    """A ``{(kernel_id, key): config or config_data}`` dict, any arch; text keys match exactly only."""
 
     def __init__(self, entries: Mapping[tuple[str, str], Any], origin: str = "<memory>") -> None:
         self._entries = {k: (v if isinstance(v, Mapping) else config_data(v)) for k, v in entries.items()}
@@ -84,26 +79,24 @@ def as_config_table(table: ConfigTable | Mapping[tuple[str, str], Any] | None) -
 
 @dataclass(frozen=True, slots=True)
 class Choice:
-    """A chosen live config and why: ``source`` is a ``core.decisions.SOURCES`` value."""
+    """A chosen live config and why; the fields are ``core.decisions.Decision``'s."""
 
     config: Any
     source: str
     origin: str | None = None
-    nearest_key: str | None = None  # the rest as in ``core.decisions.Decision``
-    matched_by: str | None = None
-    entry_kernel: str | None = None
+    nearest_key: str | None = None
+    entry_kernel: str | None = None  # found by content: the entry's own kernel id
     chaos: str | None = None
     numerics: Any = None  # ``TableHit.numerics`` of a table or nearest-shape hit
     timings: dict[str, Any] | None = None  # of a measured (or adopted) choice
 
 
 def _from_hit(config: Any, source: str, hit: TableHit, nearest_key: str | None = None) -> Choice:
-    content = "content" if hit.kernel is not None else None
-    return Choice(config, source, hit.origin, nearest_key, content, hit.kernel, numerics=hit.numerics)
+    return Choice(config, source, hit.origin, nearest_key, hit.kernel, numerics=hit.numerics)
 
 
 def match_live(config: Mapping[str, Any], candidates: Sequence[Any]) -> Any | None:
-    """The live candidate whose signature equals ``config``'s (the first in list order), or ``None``."""
+    """The first live candidate whose signature equals ``config``'s, or ``None``."""
     wanted = config_signature(config)
     return next((c for c in candidates if config_signature(c) == wanted), None)
 
@@ -123,15 +116,12 @@ def choose(
     unpinned: Unpinned | None = None,
     fix: str = notices.FIX_A_MISS,
 ) -> Choice:
-    """The deterministic rule, for ``deterministic_choice``, every pinning mode and ``auto``.
-
-    The table entry for this kernel and key, matched back to a live candidate (so its ``pre_hook``
-    survives); then the block-size override; then the only config. A key none of them pins goes to
-    ``unpinned(why)`` where given (``auto``: adopt the job's decision or tune; under ``numerics=
-    'deterministic-only'`` an entry the audit found non-deterministic counts as unpinned there),
-    then to the miss rule: ``'nearest'`` the nearest comparable shape's entry (else the cheapest),
-    ``'min_cost'`` the cheapest by static cost, ``'error'`` a ``TableMissError``. ``fix``: how to pin
-    the key instead, quoted in the notice.
+    """The deterministic rule, for ``deterministic_choice``, every pinning mode and ``auto``: the
+    table entry, matched back to a live candidate (so its ``pre_hook`` survives); the block-size
+    override; the only config. A key none of them pins goes to ``unpinned(why)`` where given
+    (``auto``: adopt the job's decision or tune; under ``numerics='deterministic-only'`` an entry the
+    audit found non-deterministic counts as unpinned there), then to the miss rule. ``fix``: how to
+    pin the key instead, quoted in the notice.
     """
     if on_miss not in ON_MISS:
         raise PolicyError("on_miss", on_miss, "one of " + "|".join(ON_MISS))
@@ -149,13 +139,13 @@ def choose(
             notices.entry_matches_nothing(
                 hit.kernel or kernel, key, hit.origin, config_signature(hit.config), live_signatures
             )
-        elif unpinned is not None and numerics == "deterministic-only" and not _deterministic(hit):
+        elif unpinned is not None and numerics == "deterministic-only" and not _deterministic(hit.numerics):
             reason = "the table marks its config non-deterministic on its own"  # auto re-tunes it
         else:
             return _from_hit(live, "table", hit)
     override = as_block_sizes(block_sizes)
     if override:
-        notices.override_names(kernel, override, candidates)
+        notices.override_names(kernel, candidates)
         matching = filter_configs_by_block_sizes(candidates, override)
         if not matching:
             raise BlockSizeOverrideError(kernel, override, [config_signature(c) for c in candidates])
@@ -185,8 +175,8 @@ def choose(
     return Choice(config, "cheapest")
 
 
-def _deterministic(hit: TableHit) -> bool:
-    return hit.numerics is None or bool(hit.numerics.deterministic)
+def _deterministic(numerics: Any) -> bool:
+    return numerics is None or bool(numerics.deterministic)
 
 
 def deterministic_choice(
@@ -199,19 +189,15 @@ def deterministic_choice(
     on_miss: str = "min_cost",
     block_sizes: Mapping[str, int] | Iterable[tuple[str, int]] = (),
 ) -> Any:
-    """Pick one of ``candidates`` (the live, pruned configs) without measuring (``choose``'s rule;
-    ``on_miss='min_cost'`` by default here)."""
+    """Pick one of ``candidates`` (the live, pruned configs) without measuring: ``choose``'s rule."""
     key = tuning_key(autotuner, args, kwargs)
     return choose(autotuner, candidates, key, table=table, on_miss=on_miss, block_sizes=block_sizes).config
 
 
 def autotune_configs(configs: Sequence[Any], *, policy: TuningPolicy | None = None) -> list[Any]:
-    """For a project's own kernels, at decoration: ``@triton.autotune(configs=autotune_configs([...]))``.
-
-    Under deterministic mode (``TuningPolicy.from_env()``) the list shrinks to the cheapest config,
-    honouring a block-size override, so neither Triton nor torch.compile can benchmark or pick
-    otherwise. (``TRITON_CACHE_AUTOTUNING`` is not enough: a miss still times the candidates.)
-    """
+    """At decoration, ``@triton.autotune(configs=autotune_configs([...]))``: under deterministic
+    mode the list shrinks to the cheapest config (honouring a block-size override), so neither Triton
+    nor torch.compile can benchmark or pick otherwise."""
     policy = policy if policy is not None else TuningPolicy.from_env_if_asked()
     configs = list(configs)
     if policy.mode != "deterministic" or len(configs) <= 1:
@@ -226,19 +212,19 @@ def autotune_configs(configs: Sequence[Any], *, policy: TuningPolicy | None = No
     return [chosen]
 
 
+_TRITON_TIMES = "Triton's own autotuner times the configs and keeps whichever wins in this process"
 _UNPINNED_BECAUSE = {
-    "off": "Triton's own autotuner times the configs and keeps whichever wins in this process",
-    "record": "Triton's own autotuner times the configs and keeps whichever wins in this process",
+    "off": _TRITON_TIMES,
+    "record": _TRITON_TIMES,
     "tune": "every process re-tunes each key with the noise-aware tuner",
     "chaos": "each rank launches a different config on purpose (the positive control)",
 }
 
 
 def warn_if_mamba_env_ignored(policy: TuningPolicy | None = None) -> bool:
-    """Warn once when ``MAMBA_DETERMINISTIC`` asks for determinism but the mode does not pin configs
-    (``deterministic`` and ``auto`` pin, so they are silent)."""
+    """Warn once when ``MAMBA_DETERMINISTIC`` asks for determinism but the mode does not pin configs."""
     raw = os.environ.get("MAMBA_DETERMINISTIC", "").strip().lower()
-    if raw in ("", "0", "false", "no", "off"):
+    if raw in ("", *FALSE_WORDS):
         return False
     policy = policy if policy is not None else TuningPolicy.from_env_if_asked()
     if policy.mode in ("deterministic", "auto"):

@@ -1,7 +1,4 @@
-"""The per-process decision log: what config each in-scope (kernel, key) launched, and why.
-
-Listeners see each new decision before the kernel launches (the agreement check may raise there).
-"""
+"""The per-process decision log: what config each in-scope (kernel, key) launched, and why."""
 
 from __future__ import annotations
 
@@ -28,14 +25,7 @@ SOURCES = (
     "out_of_scope",  # passed through to Triton untouched (key is "*")
 )
 
-# How a chaos pick relates to the other ranks' (``Decision.chaos``).
-CHAOS_OUTCOMES = (
-    "first",  # this rank claimed the (kernel, key) first in the job; every later rank avoids its pick
-    "differs",  # picked a config other than the first claim (so this rank must raise DivergenceError)
-    "rank_formula",  # no process group (or inside a CUDA graph capture): picked by rank alone
-    "no_other_config",  # one distinct live config: ranks cannot differ, so this key proves nothing
-)
-CHAOS_NO_OTHER_CONFIG = "no_other_config"
+CHAOS_NO_OTHER_CONFIG = "no_other_config"  # a chaos key with one distinct config: it proves nothing
 
 
 def unchecked_sources(mode: str | None) -> frozenset[str]:
@@ -62,7 +52,9 @@ class Decision:
     nearest_key: str | None = None  # ``nearest``: the key of the table entry whose config was launched
     matched_by: str | None = None  # ``"content"``: entry found under another module (same qualname, source)
     entry_kernel: str | None = None  # ``matched_by="content"``: the kernel id the entry was tuned under
-    chaos: str | None = None  # ``chaos``: one of ``CHAOS_OUTCOMES``
+    # ``chaos``: ``first`` (claimed first in the job), ``differs`` (off the first claim: this rank must
+    # raise), ``rank_formula`` (no process group, or a graph capture), or ``CHAOS_NO_OTHER_CONFIG``.
+    chaos: str | None = None
     # The table entry's numerics audit of the launched config: ``False`` when its own launches gave
     # different bits (docs/numerics.md); ``None``: not audited.
     deterministic: bool | None = None
@@ -71,19 +63,13 @@ class Decision:
     config_list_digest: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        """Plain data; the key in ``Key.to_data`` form (whose maps keep key order: never sort them).
-        A key given as text (not ``"*"``) raises ``ValueError``: a log that held it could not be read."""
+        """Plain data, the key in ``Key.to_data`` form; a key given as text raises ``ValueError``."""
         key = self.key
         if not isinstance(key, Key) and key != "*":
             raise ValueError(f"decision of kernel {self.kernel!r}: {text_key_error(key)}")
         data = asdict(self)
         data["key"] = key.to_data() if isinstance(key, Key) else key
         return data
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> Decision:
-        key = data["key"]
-        return cls(**{**data, "key": Key.from_data(key) if isinstance(key, dict) else key})
 
 
 Listener = Callable[[Decision], None]
@@ -98,8 +84,8 @@ class DecisionLog:
         self._listeners: list[Listener] = []
 
     def record(self, decision: Decision) -> None:
-        """Append ``decision``, then notify listeners; a listener's exception reaches the launch
-        after the decision is logged, so a divergence still shows in the log."""
+        """Append ``decision``, then notify listeners (before its launch); a listener's exception
+        reaches the launch after the decision is logged, so a divergence still shows in the log."""
         with self._lock:
             self._decisions.append(decision)
             listeners = list(self._listeners)

@@ -1,7 +1,5 @@
-"""The exception hierarchy: one root, subclasses carry structured fields and name the fix;
-``__reduce__`` rebuilds them from their fields, so they survive multiprocessing and elastic error
-files. Notices (what to act on, once per cause) are ``core.notices``'.
-"""
+"""The exception hierarchy: one root; subclasses carry structured fields, name the fix, and are
+rebuilt from their fields when unpickled (multiprocessing, elastic error files)."""
 
 from __future__ import annotations
 
@@ -9,14 +7,14 @@ import inspect
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
+# Exit status of a process that died of (or noticed at exit) a DivergenceError, and of a `run` job
+# any of whose processes raised one; Python itself uses 1 and 2.
 EXIT_DIVERGENCE = 3
-"""Exit status of a process that died of (or noticed at exit) a ``DivergenceError``, and of a ``run``
-job any of whose processes raised one; Python itself uses 1 and 2 (docs/agreement.md)."""
 
 
 class MegatronTuningError(Exception):
-    """Root of every error raised on purpose by megatron_tuning. A subclass with its own ``__init__``
-    keeps each argument as the attribute of that name: ``__reduce__`` rebuilds it from them."""
+    """Root of every error raised on purpose. A subclass with its own ``__init__`` keeps each argument
+    as the attribute of that name: ``__reduce__`` rebuilds it from them."""
 
     def __reduce__(self) -> Any:
         init = type(self).__init__
@@ -112,8 +110,7 @@ class StaleEntryError(MegatronTuningError, RuntimeError):
 
 
 class NumericsError(MegatronTuningError, RuntimeError):
-    """``numerics`` policy: no live config of (kernel, key) qualifies; ``classes``: class id ->
-    signatures, grouped by bit-identical outputs on the call's inputs."""
+    """No live config qualifies under ``numerics``; ``classes``: class id -> signatures."""
 
     def __init__(
         self, kernel: str, key: str, numerics: str, reason: str, classes: Mapping[str, Sequence[str]]
@@ -187,8 +184,7 @@ class AgreementTimeoutError(MegatronTuningError, TimeoutError):
 
 
 class InputMismatchError(MegatronTuningError, RuntimeError):
-    """Ranks of one job started tuning with different inputs (policy, tables, versions, session
-    count), so they would launch different configs; ``differences``: input -> rank -> value."""
+    """Ranks of one job started with different inputs; ``differences``: input -> rank -> value."""
 
     def __init__(
         self, where: str, ranks: Sequence[int], differences: Mapping[str, Mapping[int, str]]
@@ -231,8 +227,8 @@ def _signature_diff(first: str, second: str) -> str:
 
 
 def printable(text: str) -> str:
-    """``text`` with every non-printable character escaped: keys and notes come from files others
-    wrote, and a raw ``\\r``, ANSI sequence or bidi override could rewrite what a reviewer sees."""
+    """``text`` with every non-printable character escaped: a raw ``\\r``, ANSI sequence or bidi
+    override in a file others wrote could rewrite what a reviewer sees."""
     if text.isprintable():
         return text
     return "".join(c if c.isprintable() else _escape(ord(c)) for c in text)

@@ -1,12 +1,8 @@
-"""What a miss launches without measuring: the cheapest config by static cost, or the entry of
-the nearest tuned shape; pure functions, so every rank agrees.
-
-Keys (``core.key``) are *comparable* when they differ only in numeric values (``True`` is not a
-number); distance is the sum of ``|s(a) - s(b)|``, ``s(v) = sign(v) * log2(1 + |v|)``.
-``pick_neighbour`` prefers the lower of two disagreeing brackets while it is at most ``BRACKET_RATIO``
-times as far: a config tuned for the smaller shape keeps more tiles in flight (RESULTS section 9:
-90.7% of the best the other way).
-"""
+"""What a miss launches without measuring: the cheapest config by static cost, or the entry of the
+nearest tuned shape. Keys are comparable when they differ only in numbers (``True`` is not one);
+distance sums ``|s(a) - s(b)|``, ``s(v) = sign(v) * log2(1 + |v|)``. Of two disagreeing brackets the
+lower wins while at most ``BRACKET_RATIO`` times as far: a config tuned for the smaller shape keeps
+more tiles in flight (RESULTS section 9: 90.7% of the best the other way)."""
 
 from __future__ import annotations
 
@@ -16,7 +12,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .identity import config_signature
+from .identity import config_data, config_signature
 from .key import Key, render
 
 _SHORT_BLOCK_NAMES = frozenset({"BM", "BN", "BK", "BD", "BH", "BT", "BS", "BC", "BV"})
@@ -32,13 +28,12 @@ def is_block_size_name(name: str) -> bool:
 
 def estimate_config_cost(cfg: Any) -> tuple[int, int, int]:
     """Static cost ``(block_cost, num_warps, num_stages)``, lower is cheaper; ``block_cost`` (tile
-    extents times stages) is a proxy for shared memory. Never measures."""
-    kwargs = cfg["kwargs"] if isinstance(cfg, Mapping) else cfg.kwargs
-    stages = (cfg.get("num_stages") if isinstance(cfg, Mapping) else getattr(cfg, "num_stages", 1)) or 1
-    warps = (cfg.get("num_warps") if isinstance(cfg, Mapping) else getattr(cfg, "num_warps", 1)) or 1
+    extents times stages) is a proxy for shared memory."""
+    data = cfg if isinstance(cfg, Mapping) else config_data(cfg)
+    stages, warps = data.get("num_stages") or 1, data.get("num_warps") or 1
     block = math.prod(
         int(v)
-        for k, v in kwargs.items()
+        for k, v in data["kwargs"].items()
         if is_block_size_name(k) and isinstance(v, numbers.Integral) and not isinstance(v, bool)
     )
     return (block * int(stages), int(warps), int(stages))
@@ -52,7 +47,6 @@ def order_by_cost(configs: Iterable[Any]) -> list[Any]:
 
 
 def cheapest(configs: Sequence[Any]) -> Any:
-    """The deterministic fallback: the first config of ``order_by_cost``."""
     if not configs:
         raise ValueError("cheapest() needs at least one config")
     return order_by_cost(configs)[0]
@@ -65,8 +59,8 @@ def as_block_sizes(block_sizes: Mapping[str, int] | Iterable[tuple[str, int]]) -
 def filter_configs_by_block_sizes(
     configs: Sequence[Any], block_sizes: Mapping[str, int] | Iterable[tuple[str, int]] = ()
 ) -> list[Any]:
-    """Configs whose kwargs match every override name that these configs use; names no config has
-    are ignored (an override for one kernel family must not break the others)."""
+    """Configs whose kwargs match every override name these configs use; names no config has are
+    ignored (an override for one kernel family must not break the others)."""
     wanted = as_block_sizes(block_sizes)
     relevant = {k: v for k, v in wanted.items() if any(k in c.kwargs for c in configs)}
     if not relevant:
@@ -85,13 +79,11 @@ BRACKET_RATIO = 2.0
 
 @dataclass(frozen=True, slots=True)
 class KeyShape:
-    fixed: tuple[Any, ...]
-    """What comparable keys share: names, non-numeric values (``#`` for a number), dtypes."""
+    fixed: tuple[Any, ...]  # what comparable keys share: names, other values (``#`` for a number), dtypes
     numbers: tuple[float, ...]
 
 
 def key_shape(key: Key) -> KeyShape:
-    """A key's fixed part and its numbers (``True`` is not a number; ``inf`` is kept as text)."""
     fixed: list[Any] = []
     values: list[float] = []
     for name, value in zip(key.names, key.values):
@@ -109,7 +101,7 @@ def _scale(value: float) -> float:
 
 
 def key_distance(a: KeyShape, b: KeyShape) -> float:
-    """Distance in log space between comparable keys (``math.inf`` when they are not comparable)."""
+    """Distance in log space; ``math.inf`` between keys that are not comparable."""
     if a.fixed != b.fixed:
         return math.inf
     return sum(abs(_scale(x) - _scale(y)) for x, y in zip(a.numbers, b.numbers))
@@ -135,8 +127,7 @@ def side_of(key: KeyShape, other: KeyShape) -> int | None:
 
 
 def pick_neighbour(key: Key, signatures: Mapping[Key, str]) -> Key | None:
-    """The neighbour whose entry a miss of ``key`` launches (the rule in the module docstring);
-    ``signatures``: each usable neighbour key, nearest first, to its entry's config signature."""
+    """The neighbour a miss launches; ``signatures``: usable neighbours, nearest first, to signatures."""
     ordered = list(signatures)
     if not ordered:
         return None

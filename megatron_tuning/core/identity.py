@@ -1,8 +1,6 @@
-"""Names that cross processes: GPU arch, kernel identity, config signatures (the call key: ``key``).
-
-Pure functions of the autotuner, the call and the config, never of Python's salted ``hash()`` or of
-set/dict order of ``Config`` objects (identity-hashed before Triton 3.4): every rank derives the same text.
-"""
+"""Names that cross processes: GPU arch, kernel identity, config signatures. Pure functions of the
+code and the config, never of Python's salted ``hash()`` or of set order of ``Config`` objects
+(identity-hashed before Triton 3.4): every rank derives the same text."""
 
 from __future__ import annotations
 
@@ -25,8 +23,8 @@ from .key import render
 from .policy import parse_int
 
 # Config fields beyond kwargs/num_warps/num_stages, with the default that leaves them out of
-# signatures: a field only some Triton releases have must not change the signature of a
-# config that does not set it (3.2/3.3 warp-specialisation fields, 3.4+ ir_override).
+# signatures: a field only some Triton releases have must not change the signature of a config
+# that does not set it.
 _OPTIONAL_FIELDS: tuple[tuple[str, Any], ...] = (
     ("num_ctas", 1),
     ("maxnreg", None),
@@ -58,8 +56,8 @@ def arch_tag() -> str:
 
 
 def node_arch() -> str | None:
-    """The arch every visible device shares; ``None`` when they differ. For use before a rank has
-    picked its device (``current_device()`` would still be device 0)."""
+    """The arch every visible device shares, ``None`` when they differ: for use before a rank has
+    picked its device."""
     torch = _cuda_torch()
     if torch is None:
         return "unknown"
@@ -78,7 +76,6 @@ def _arch_for_device(index: int) -> str:
 
 
 def _user_function(autotuner: Any) -> Any:
-    """Unwrap Autotuner -> Heuristics -> JITFunction/InterpretedFunction -> the Python function."""
     base = getattr(autotuner, "base_fn", None)
     fn = base if inspect.isfunction(base) else autotuner
     for _ in range(16):  # wrappers nest a few levels at most; bound the walk against cycles
@@ -89,31 +86,27 @@ def _user_function(autotuner: Any) -> Any:
 
 
 def kernel_name(autotuner: Any) -> str:
-    """Qualified name of the kernel's Python function (e.g. ``matmul_kernel``)."""
     return str(_user_function(autotuner).__qualname__)
 
 
 def kernel_module(autotuner: Any) -> str:
-    """Module that defines the kernel; what the policy's scope matches against."""
     return str(_user_function(autotuner).__module__)
 
 
 def base_kernel_id(autotuner: Any) -> str:
-    """``module:qualname`` of the kernel's Python function, whatever autotuner wraps it."""
     fn = _user_function(autotuner)
     return f"{fn.__module__}:{fn.__qualname__}"
 
 
 _MAX_WRAPPERS = 8  # heuristics/autotune decorators stacked on one kernel, far above real use
 DIGEST_CHARS = 12  # hex digits of the config-list digest in a ``module:qualname@<digest>`` kernel id
-_DIGEST_SEP = "@"
 _ids: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
 _ids_lock = threading.Lock()
 
 
 def config_list_digest(autotuner: Any) -> str:
-    """12 hex digits naming the autotuner's declared configs (order, duplicates and hooks do not
-    change it) and, for a function made in another function, the values it closes over."""
+    """12 hex digits naming the autotuner's declared configs (not their order, duplicates or hooks)
+    and, for a function made in another function, the values it closes over."""
     parts = sorted({config_signature(c) for c in autotuner.configs})
     fn = _user_function(autotuner)
     for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
@@ -123,7 +116,6 @@ def config_list_digest(autotuner: Any) -> str:
 
 
 def _closure_text(value: Any) -> str:
-    """Stable text of a closed-over value: a module or function by name, else ``key.render``."""
     if isinstance(value, types.ModuleType):
         return value.__name__
     try:
@@ -134,8 +126,7 @@ def _closure_text(value: Any) -> str:
 
 def kernel_id(autotuner: Any) -> str:
     """The kernel's identity in tables, logs and across ranks: ``module:qualname`` for the autotuner
-    its function's module holds, else ``module:qualname@<config_list_digest>`` (docs/choosing.md).
-    A pure function of the code, computed once per autotuner."""
+    its function's module holds, else ``module:qualname@<config_list_digest>`` (docs/choosing.md)."""
     try:
         cached = _ids.get(autotuner)
     except TypeError:  # not weak-referenceable (a test double): compute every time
@@ -148,9 +139,8 @@ def kernel_id(autotuner: Any) -> str:
 
 
 def split_kernel_id(kernel: str) -> tuple[str, str, str | None]:
-    """``(module, qualname, config-list digest or None)`` of a ``kernel_id`` text."""
     module, _, rest = kernel.partition(":")
-    qualname, sep, digest = rest.partition(_DIGEST_SEP)
+    qualname, sep, digest = rest.partition("@")
     return module, qualname, digest if sep else None
 
 
@@ -168,11 +158,10 @@ def _compute_kernel_id(wrapper: Any) -> str:
     # Plain only for what the function's own module holds (alone, or with others of its config
     # list): an autotuner built anywhere else, or over a function made by a factory, is told apart.
     home = {config_list_digest(o) for o in _module_autotuners_over(fn)}
-    return base if home == {mine} and "<locals>" not in fn.__qualname__ else f"{base}{_DIGEST_SEP}{mine}"
+    return base if home == {mine} and "<locals>" not in fn.__qualname__ else f"{base}@{mine}"
 
 
 def _autotuner_in(wrapper: Any) -> Any:
-    """The autotuner ``wrapper`` is or wraps (``triton.heuristics`` outside it), else ``None``."""
     obj = wrapper
     for _ in range(_MAX_WRAPPERS):
         if obj is None or inspect.isfunction(obj):
@@ -184,8 +173,7 @@ def _autotuner_in(wrapper: Any) -> Any:
 
 
 def _module_autotuners_over(fn: Any) -> list[Any]:
-    """Triton autotuners over ``fn`` among the globals of ``fn``'s module and at its qualname (a
-    class attribute), through ``.fn`` wrappers."""
+    """Triton autotuners over ``fn`` among its module's globals and at its qualname."""
     autotuner_type = getattr(sys.modules.get("triton.runtime.autotuner"), "Autotuner", None)
     scope = getattr(fn, "__globals__", None)
     if autotuner_type is None or not isinstance(scope, dict):
@@ -225,13 +213,11 @@ def _source_hash_of(fn: Any) -> str | None:
 
 
 def kernel_source_hash(autotuner: Any) -> str | None:
-    """sha256 of the kernel function's source; ``None`` when the source is unavailable."""
     return _source_hash_of(_user_function(autotuner))
 
 
 def config_data(config: Any) -> dict[str, Any]:
-    """Serializable launch options of a ``triton.Config`` (no hooks); release-specific fields
-    only when not default."""
+    """A ``triton.Config``'s launch options (no hooks); release-specific fields only when not default."""
     data: dict[str, Any] = {
         "kwargs": {k: config.kwargs[k] for k in sorted(config.kwargs)},
         "num_warps": getattr(config, "num_warps", None),
@@ -247,8 +233,7 @@ def config_data(config: Any) -> dict[str, Any]:
 
 
 def config_signature(config: Any) -> str:
-    """Stable text of a ``triton.Config`` or its ``config_data``: sorted typed kwargs, warps and
-    stages, other fields only when non-default, so one config reads the same on Triton 3.3-3.9."""
+    """Stable text of a ``triton.Config`` or its ``config_data``, the same on Triton 3.3-3.9."""
     data = config if isinstance(config, Mapping) else config_data(config)
     parts = [f"{k}={render(v)}" for k, v in sorted(data["kwargs"].items())]
     parts.append(f"num_warps={render(data.get('num_warps'))}")
@@ -261,7 +246,6 @@ def config_signature(config: Any) -> str:
 
 
 def current_rank() -> int:
-    """This process's rank: torch.distributed when initialized, else ``RANK``, else 0."""
     try:
         import torch.distributed as dist
 

@@ -1,16 +1,17 @@
 """The call key: which values of a launch pick its config (docs/choosing.md#keys-and-identity).
 
-Each ``key=`` argument's value, then the dtype of every argument that has one, by name: at least as
-fine as Triton's own key, with ``True``, ``1`` and ``1.0`` apart. A ``Key`` is built once per (kernel,
-key), at its first launch or from a table's stored parts; its text, Triton's cache key and the
-agreement digest derive from it, and nothing reads the text back.
+Each ``key=`` argument's value, then the dtype of every argument that has one: at least as fine as
+Triton's own key, with ``True``, ``1`` and ``1.0`` apart. Built once per (kernel, key), at its first
+launch or from a table's stored parts; its text, Triton's cache key and the agreement digest derive
+from it, and nothing reads the text back.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,14 +52,27 @@ def render(value: Any) -> str:
 
 
 def key_value(value: Any) -> Value:
-    """How a launch's argument value is kept in a key: a scalar a table can store as itself (a
-    numpy integer as an ``int``), anything else ``Shown``."""
+    """A launch's argument value in a key: a scalar a table can store as itself, else ``Shown``."""
     if type(value) is not bool and isinstance(value, numbers.Real):
         value = int(value) if isinstance(value, numbers.Integral) else float(value)
     try:
-        return Key.of(("v",), (value,), ()).values[0]
+        return _checked(value)
     except ValueError:  # not a scalar, a number beyond 64 bits or not finite, a lone surrogate
         return Shown(render(value))
+
+
+def _checked(value: Any) -> Value:
+    kind = type(value)
+    if (kind is int and not INT_MIN <= value <= INT_MAX) or (kind is float and not math.isfinite(value)):
+        raise ValueError(f"key value {value!r}: a number beyond what a table stores as one")
+    if kind not in _KINDS:
+        raise ValueError(f"key value {value!r}: expected None, bool, int, float or str")
+    if kind is str and not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:  # what a JSON "\\ud800" escape gives: no UTF-8 form
+            raise ValueError(f"key value {value!r} is not valid Unicode (lone surrogate)") from None
+    return value  # type: ignore[no-any-return]
 
 
 class Key(str):
@@ -72,13 +86,10 @@ class Key(str):
     dtypes: tuple[tuple[str, str], ...]  # (argument name, dtype text), in parameter order
 
     def __new__(
-        cls,
-        values: Mapping[str, Value] | Iterable[tuple[str, Value]] = (),
-        dtypes: Mapping[str, str] | Iterable[tuple[str, str]] = (),
+        cls, values: Mapping[str, Value] | None = None, dtypes: Mapping[str, str] | None = None
     ) -> Key:
-        pairs = tuple(values.items() if isinstance(values, Mapping) else values)
-        types = tuple(dtypes.items() if isinstance(dtypes, Mapping) else dtypes)
-        return cls.of(tuple(name for name, _ in pairs), tuple(value for _, value in pairs), types)
+        values, dtypes = values or {}, dtypes or {}
+        return cls.of(tuple(values), tuple(values.values()), tuple(dtypes.items()))
 
     @classmethod
     def of(
@@ -87,28 +98,19 @@ class Key(str):
         """The key of these parts; ``ValueError`` names a part no table can store."""
         if len(values) != len(names):
             raise ValueError(f"key values {values!r}: one per name of {names!r}")
-        value: Any
         for value in values:
-            kind = type(value)
-            if (kind is int and not INT_MIN <= value <= INT_MAX) or (
-                kind is float and not math.isfinite(value)
-            ):
-                raise ValueError(f"key value {value!r}: a number beyond what a table stores as one")
-            if kind not in _KINDS:
-                raise ValueError(f"key value {value!r}: expected None, bool, int, float or str")
-            if kind is str and not value.isascii():
-                try:
-                    value.encode("utf-8")
-                except UnicodeEncodeError:  # what a JSON "\\ud800" escape gives: no UTF-8 form
-                    raise ValueError(f"key value {value!r} is not valid Unicode (lone surrogate)") from None
-        names, dtypes_text = _shared(names), _shared(dtypes, dtypes=True)  # checked once per kernel
+            _checked(value)
+        try:
+            names, dtypes_text = _parts(names, dtypes)
+        except TypeError:  # a list or a map where a name belongs
+            raise ValueError(f"key names {names!r}: expected distinct strings") from None
         text = ", ".join([f"{n}={render(v)}" for n, v in zip(names, values)]) + dtypes_text
         key = super().__new__(cls, text)
         key.names, key.values, key.dtypes = names, values, dtypes
         return key
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (Key, (tuple(zip(self.names, self.values)), self.dtypes))
+        return (Key.of, (self.names, self.values, self.dtypes))
 
     def triton_key(self, passed: Sequence[str]) -> tuple[Any, ...]:
         """Triton's ``Autotuner.cache`` key of a call with this key: its values, then its dtypes in the
@@ -118,8 +120,7 @@ class Key(str):
         return (*values, *(dtypes[name] for name in passed if name in dtypes))
 
     def to_data(self) -> dict[str, Any]:
-        """The stored form (JSON views, decision logs): maps in key order (never sort them), a
-        ``Shown`` value as ``{"text": ...}``."""
+        """The stored form (JSON views, decision logs): maps in key order, never sorted."""
         values = {n: stored_value(v) for n, v in zip(self.names, self.values)}
         return {"dtypes": dict(self.dtypes), "values": values}
 
@@ -143,6 +144,18 @@ class Key(str):
         return (*parts, self.dtypes, str(self))
 
 
+@functools.lru_cache(maxsize=4096)
+def _parts(names: tuple[str, ...], dtypes: tuple[tuple[str, str], ...]) -> tuple[tuple[str, ...], str]:
+    """Names and dtypes checked once per kernel (whose keys share one names tuple), and the text
+    the dtypes add."""
+    if not all(type(n) is str for n in names) or len(set(names)) != len(names):
+        raise ValueError(f"key names {names!r}: expected distinct strings")
+    pairs = all(type(p) is tuple and len(p) == 2 and type(p[0]) is type(p[1]) is str for p in dtypes)
+    if not pairs or len({p[0] for p in dtypes}) != len(dtypes):
+        raise ValueError(f"key dtypes {dtypes!r}: expected (name, dtype text) pairs, each name once")
+    return names, " | " + ", ".join(f"{n}:{d}" for n, d in dtypes)
+
+
 def text_key_error(text: str) -> ValueError:
     """Why a key given as text is refused where its parts are stored, and what to pass instead."""
     return ValueError(
@@ -163,28 +176,6 @@ def value_from_stored(data: Any) -> Any:
     return data  # anything else is checked by ``Key``
 
 
-_SHARED: dict[Any, Any] = {}
-
-
-def _shared(parts: tuple[Any, ...], dtypes: bool = False) -> Any:
-    """Names (checked, and shared by the keys of one kernel), or the text dtypes add (checked)."""
-    try:
-        known = _SHARED.get((dtypes, parts))
-    except TypeError:  # a list or a map where a name belongs
-        raise ValueError(f"key names {parts!r}: expected distinct strings") from None
-    if known is None:
-        names = [p[0] for p in parts] if dtypes else list(parts)
-        if not all(type(n) is str for n in names) or len(set(names)) != len(names):
-            raise ValueError(f"key names {parts!r}: expected distinct strings")
-        if dtypes and not all(type(p) is tuple and len(p) == 2 and type(p[1]) is str for p in parts):
-            raise ValueError(f"key dtypes {parts!r}: expected (name, dtype text) pairs")
-        if len(_SHARED) > 4096:
-            _SHARED.clear()
-        known = " | " + ", ".join(f"{n}:{d}" for n, d in parts) if dtypes else parts
-        _SHARED[(dtypes, parts)] = known
-    return known
-
-
 def call_key(
     arg_names: Sequence[str], key_names: Sequence[str], args: Sequence[Any], kwargs: Mapping[str, Any]
 ) -> Key:
@@ -192,8 +183,9 @@ def call_key(
     named: dict[str, Any] = dict(zip(arg_names, args))
     named.update((name, value) for name, value in kwargs.items() if name in arg_names)
     values = {name: key_value(named[name]) for name in key_names if name in named}
-    dtypes = [(name, str(named[name].dtype)) for name in arg_names if hasattr(named.get(name), "dtype")]
-    return Key(values, dtypes)
+    return Key(
+        values, {name: str(named[name].dtype) for name in arg_names if hasattr(named.get(name), "dtype")}
+    )
 
 
 def tuning_key(autotuner: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Key:

@@ -1,11 +1,7 @@
-"""Notices: what the user must act on (DESIGN 14), told once per cause through ``warnings``.
-
-A notice is a ``TuningWarning`` issued at the user's frame, once per cause and policy, by rank 0
-alone unless the cause is rank-local (other ranks log it at INFO): it reaches stderr with no setup,
-and ``-W "error:megatron_tuning"`` or ``warnings.filterwarnings`` filter it. Diagnostics stay in
-``logging``. Tallies count what a notice stands for (keys that fell back) until the policy ends.
-What choosing says (fallbacks, unusable entries, numerics, the policy's end) is below.
-"""
+"""Notices: what the user must act on, a ``TuningWarning`` at the user's frame once per cause and
+policy, by rank 0 alone unless the cause is rank-local (other ranks log it at INFO); ``-W`` and
+``warnings.filterwarnings`` filter it. Then what choosing says: fallbacks, unusable entries, numerics,
+and the policy's end, which counts the keys that fell back (the tallies)."""
 
 from __future__ import annotations
 
@@ -16,7 +12,7 @@ import os
 import sys
 import threading
 import warnings
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 from .errors import NumericsError
@@ -36,7 +32,7 @@ _lock = threading.Lock()
 
 
 def reset_warnings() -> None:
-    """Forget which causes were reported and what was tallied, so a new policy reports again."""
+    """Forget which causes were reported and what was tallied: a new policy reports again."""
     with _lock:
         _warned.clear()
         _tallies.clear()
@@ -44,9 +40,8 @@ def reset_warnings() -> None:
 
 def warn_once(cause: tuple[Any, ...], message: str, *args: Any, rank_local: bool = False) -> bool:
     """Issue ``message % args`` as a ``TuningWarning`` the first time ``cause`` is seen; return
-    whether it was. Under an ``error`` filter it raises, and the next occurrence raises too.
-    ``rank_local``: a cause only the ranks that meet it know of (timing on the host clock: rank 0 may
-    have adopted every key), so each of them says it, not rank 0 alone."""
+    whether it was (under an ``error`` filter it raises, each time). ``rank_local``: a cause only the
+    ranks that meet it know of, so each of them says it, not rank 0 alone."""
     with _lock:
         if cause in _warned:
             return False
@@ -67,7 +62,6 @@ def warn_once(cause: tuple[Any, ...], message: str, *args: Any, rank_local: bool
 
 
 def tally(group: tuple[Any, ...], item: Hashable) -> int:
-    """Add ``item`` to ``group``'s set for this policy; return how many distinct items it holds."""
     with _lock:
         items = _tallies.setdefault(group, set())
         items.add(item)
@@ -75,14 +69,13 @@ def tally(group: tuple[Any, ...], item: Hashable) -> int:
 
 
 def tallies(kind: str) -> dict[tuple[Any, ...], frozenset[Hashable]]:
-    """The groups whose first element is ``kind``, with their items, tallied under this policy."""
     with _lock:
         return {group: frozenset(items) for group, items in _tallies.items() if group and group[0] == kind}
 
 
 def _warn_at_caller(text: str) -> None:
-    """``warnings.warn`` attributed to the first frame outside this library, Triton and torch, with
-    a fresh registry: ``warn_once`` decides repeats (reset per policy), not Python's per location."""
+    """``warnings.warn`` at the first frame outside this library, Triton and torch, with a fresh
+    registry: ``warn_once`` decides repeats, not Python's per location."""
     paths = (getattr(sys.modules.get(n), "__file__", None) for n in ("megatron_tuning", "triton", "torch"))
     # Also skipped: the stdlib's frozen modules and the launch code interception generates.
     internal = tuple(os.path.dirname(os.path.abspath(p)) + os.sep for p in paths if p)
@@ -99,8 +92,7 @@ def _warn_at_caller(text: str) -> None:
 
 
 def _main_program() -> str:
-    """The file of the program the interpreter ran. Its ``__file__`` is gone at exit (CPython removes
-    it once a script returns, before exit handlers run); the module's loader still knows it."""
+    """The program the interpreter ran: at exit its ``__file__`` is gone, its loader still knows it."""
     main = sys.modules.get("__main__")
     where = getattr(main, "__file__", None)
     if where is None:
@@ -110,16 +102,13 @@ def _main_program() -> str:
 
 
 def _other_rank() -> bool:
-    """Whether this process is a rank other than 0 (torch.distributed's, else torchrun's ``RANK``)."""
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
         return bool(dist.get_rank() != 0)
     return os.environ.get("RANK", "0").strip() not in ("", "0")
 
 
-# --------------------------------------------------------------------------- what choosing says
-
-# What the cheapest-config rule costs, measured (benchmarks/RESULTS.md): quoted where it is used.
+# What the cheapest-config rule costs, measured (benchmarks/RESULTS.md).
 CHEAPEST_COST = "on an H200 the cheapest-config rule ran large GEMMs at 12-14% of the best config's speed"
 FIX_A_MISS = (
     "use MEGATRON_TUNING_MODE=auto (tunes each new key once per job and caches it), a tuning table "
@@ -133,7 +122,6 @@ FIX_AN_AUTO_MISS = (
 
 
 def entry_matches_nothing(kernel: str, key: str, origin: str, entry: str, live: Sequence[str]) -> None:
-    """A table entry's config (signature ``entry``) is none of the ``live`` configs' signatures."""
     offered = "; ".join(live[:8]) + "; ..." * (len(live) > 8)
     message = (
         f"table entry for kernel {kernel} key {key} in {origin} ({entry}) matches none "
@@ -145,7 +133,6 @@ def entry_matches_nothing(kernel: str, key: str, origin: str, entry: str, live: 
 
 
 def ambiguous_entry(base: str, kernel: str, key: str, origin: str) -> None:
-    """An entry under the plain ``module:qualname`` is not used for ``kernel`` (``...@digest``)."""
     message = (
         f"Table {origin} has an entry for kernel {base} (key {key}) but several autotuners with different "
         f"config lists wrap that function, so it is now told apart as {kernel} and the others; the entry "
@@ -155,12 +142,9 @@ def ambiguous_entry(base: str, kernel: str, key: str, origin: str) -> None:
     warn_once(("ambiguous-entry", base, origin), message)
 
 
-def override_names(kernel: str, override: Mapping[str, int], live: Sequence[Any]) -> None:
-    """Tally which override names this kernel has, for ``report_policy_end``."""
-    names = {name for c in live for name in getattr(c, "kwargs", {})}
-    for name in override.keys() & names:
-        tally(("override-name-used", name), kernel)
-    for name in names:
+def override_names(kernel: str, live: Sequence[Any]) -> None:
+    """Tally the config names of a kernel launched with an override, for ``report_policy_end``."""
+    for name in {name for c in live for name in getattr(c, "kwargs", {})}:
         tally(("kernel-config-names", kernel), name)
 
 
@@ -189,7 +173,6 @@ def cheapest_used(
 
 
 def cheapest_at_decoration(configs: Sequence[str], chosen: str) -> None:
-    """``autotune_configs`` has no kernel name: the notice names the configs (their signatures)."""
     message = (
         f"autotune_configs shrank {len(configs)} configs to the cheapest by static cost "
         f"({chosen}) under deterministic mode (at decoration, where no table is read): "
@@ -209,9 +192,9 @@ def cannot_measure(kernel: str, key: str) -> None:
 
 
 def check_numerics(numerics: str, kernel: str, key: str, choice: Any, signature: str) -> None:
-    """Where the table marks the pinned config (``signature``) non-deterministic on its own: under
-    ``numerics='deterministic-only'`` a ``NumericsError`` naming the entry (``auto`` re-tunes such an
-    entry before this; other modes cannot), else one notice per kernel."""
+    """Where the table marks the pinned config non-deterministic on its own: a ``NumericsError``
+    under ``numerics='deterministic-only'`` (``auto`` re-tunes such an entry before this), else one
+    notice per kernel."""
     if choice.numerics is None or choice.numerics.deterministic:
         return
     others = "; ".join(choice.numerics.alternatives) or "none among the live configs"
@@ -249,10 +232,9 @@ def report_policy_end(policy: Any) -> None:
     kernels = {group[1]: sorted(map(str, names)) for group, names in tallies("kernel-config-names").items()}
     if policy is None or not policy.block_sizes or not kernels:
         return  # no in-scope kernel launched with the override: nothing to compare it with
-    used = {group[1] for group in tallies("override-name-used")}
     everything = sorted({name for names in kernels.values() for name in names})
     for name, value in policy.block_sizes:
-        if name not in used:
+        if name not in everything:
             close = difflib.get_close_matches(name, everything, n=1)
             message = (
                 f"block-size override {name}={value} (MEGATRON_TUNING_BLOCK_SIZES / block_sizes) names a "

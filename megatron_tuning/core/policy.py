@@ -3,8 +3,8 @@
 
 ``TuningPolicy.from_env`` is the one reader of the variables, when called, never at import;
 ``docs/policy.md`` lists exactly ``KNOBS`` (a test checks). Whitespace is ignored, empty means unset,
-words in any case, numbers finite ASCII decimals; a bad value raises ``PolicyError`` naming the
-variable, the value and what is allowed.
+words in any case, numbers finite ASCII decimals. The policy validates every field, built in code
+or from the environment; a bad value raises ``PolicyError`` naming the field or variable.
 """
 
 from __future__ import annotations
@@ -32,19 +32,17 @@ FALSE_WORDS = ("0", "false", "no", "off")
 CACHE_OFF = "off"
 MAX_AGREEMENT_TIMEOUT_S = 7 * 24 * 3600.0  # a week: longer is a typo (and overflows a timedelta)
 _A_PATH = "a file system path: a non-empty str or os.PathLike without NUL characters"
-_REMOVED: dict[tuple[tuple[str, ...], str], str] = {
-    (AGREEMENT_MODES, "digest"): "store, allgather, verify or off: 'digest' was removed; jobs above 64 ranks "
-    "now use 'verify' (the inputs check at init, verify_agreement() at step boundaries, a bounded "
-    "check at close; docs/agreement.md)",
-}
+_DIGEST_REMOVED = (
+    "store, allgather, verify or off: 'digest' was removed; jobs above 64 ranks now use 'verify' (the inputs "
+    "check at init, verify_agreement() at step boundaries, a bounded check at close; docs/agreement.md)"
+)
 # ASCII only, written out: int()/float() also accept "١", "1_000", "nan", "inf" and "1e400".
 _INT = re.compile(r"[+-]?[0-9]+")
 _FLOAT = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
 
 
 class Knob(NamedTuple):
-    """One ``MEGATRON_TUNING_*`` variable: the ``TuningPolicy`` field it sets, how its text is read,
-    its default (the field's, by construction) and what it means."""
+    """One ``MEGATRON_TUNING_*`` variable: the field it sets, how its text is read, its one default."""
 
     name: str
     field: str
@@ -76,8 +74,9 @@ def _word(name: str, value: object, allowed: tuple[str, ...]) -> str:
     text = value.strip().lower() if isinstance(value, str) else ""
     if text in allowed:
         return text
+    removed = allowed is AGREEMENT_MODES and text == "digest"
     raise PolicyError(
-        name, value, _REMOVED.get((allowed, text), "one of " + "|".join(allowed) + " (any case)")
+        name, value, _DIGEST_REMOVED if removed else "one of " + "|".join(allowed) + " (any case)"
     )
 
 
@@ -117,49 +116,26 @@ _seconds = _decimal(
 _fraction = _decimal(lambda f: 0 <= f < 1, "a finite decimal number, a fraction in [0, 1)")
 
 
-def _paths(name: str, raw: str) -> tuple[str, ...]:
-    return tuple(p.strip() for p in raw.split(":") if p.strip())
+def _split(separator: str) -> Callable[[str, str], tuple[str, ...]]:
+    return lambda name, raw: tuple(p.strip() for p in raw.split(separator) if p.strip())
 
 
-def is_module_prefix(text: str) -> bool:
-    """Whether ``text`` could name a module: dot-separated Python identifiers (``pkg.kernels``)."""
-    return bool(text) and all(part.isidentifier() for part in text.split("."))
+def _assignments(name: str, raw: str) -> list[tuple[str, int | None]]:
+    items = [item.partition("=") for item in _split(",")(name, raw)]
+    return [(key.strip(), parse_int(value) if sep else None) for key, sep, value in items]
 
 
-def _modules(name: str, raw: str) -> tuple[str, ...]:
-    items = tuple(p.strip() for p in raw.split(",") if p.strip())
-    bad = [item for item in items if not is_module_prefix(item)]
-    if bad:
-        allowed = f"comma-separated module names such as my_pkg.kernels ({', '.join(map(repr, bad))} cannot"
-        raise PolicyError(name, raw, allowed + " name a module, so it would pin nothing)")
-    return items
-
-
-def _assignments(name: str, raw: str) -> tuple[tuple[str, int], ...]:
-    """``NAME=INT,NAME=INT``, each name once (a repeat would silently keep its last value)."""
-    items = [item.partition("=") for item in (p.strip() for p in raw.split(",") if p.strip())]
-    pairs = [(key.strip(), parse_int(value) if sep else None) for key, sep, value in items]
-    return _pairs(name, raw, pairs, "comma-separated NAME=INT pairs, e.g. BLOCK_SIZE_M=64")
-
-
-def _cache(name: str, raw: str) -> str | None:
-    # Words are settings, never file names: MEGATRON_TUNING_CACHE=OFF must not create a file "OFF".
-    word = raw.lower()
-    return CACHE_OFF if word in FALSE_WORDS else None if word in TRUE_WORDS else raw
-
-
-def _path(name: str, value: object, allowed: str = _A_PATH) -> str:
-    text = os.fspath(value) if isinstance(value, os.PathLike) else value
-    if not isinstance(text, str) or not text or "\0" in text:
-        raise PolicyError(name, value, allowed)
-    return text
+def _text(name: str, raw: str) -> str:
+    return raw
 
 
 # Each knob, the field it sets (its name in lower case unless given) and its one default.
 ENV_MODE = _knob("MODE", _words(MODES), "deterministic", "what the library does")
-ENV_SCOPE = _knob("SCOPE", _modules, (), "module prefixes of the kernels to pin; empty: all")
+ENV_SCOPE = _knob("SCOPE", _split(","), (), "module prefixes of the kernels to pin; empty: all")
 ENV_ON_MISS = _knob("ON_MISS", _words(ON_MISS), "nearest", "what a miss launches")
-ENV_TABLE = _knob("TABLE", _paths, (), "colon-separated table files or folders, searched first", "tables")
+ENV_TABLE = _knob(
+    "TABLE", _split(":"), (), "colon-separated table files or folders, searched first", "tables"
+)
 ENV_SHIPPED_TABLES = _knob("SHIPPED_TABLES", _bool, True, "search the shipped tables", "use_shipped_tables")
 ENV_AGREEMENT = _knob("AGREEMENT", _words(AGREEMENT_MODES), None, "cross-rank check; unset: by world size")
 ENV_AGREEMENT_TIMEOUT = _knob(
@@ -169,10 +145,10 @@ ENV_STRICT = _knob("STRICT", _bool, False, "raise on stale entries and unpinned 
 ENV_STALE_ENTRIES = _knob("STALE_ENTRIES", _words(STALE_ENTRIES), "use", "what a stale entry does")
 ENV_NUMERICS = _knob("NUMERICS", _words(NUMERICS), "any", "which configs tune and auto may pick")
 ENV_BLOCK_SIZES = _knob("BLOCK_SIZES", _assignments, (), "explicit block-size override")
-ENV_RECORD_DIR = _knob("RECORD_DIR", _path, None, "where record mode writes one file per rank")
-ENV_DECISION_LOG = _knob("DECISION_LOG", _path, None, "write the decision log here at exit")
+ENV_RECORD_DIR = _knob("RECORD_DIR", _text, None, "where record mode writes one file per rank")
+ENV_DECISION_LOG = _knob("DECISION_LOG", _text, None, "write the decision log here at exit")
 ENV_PRINT_DECISIONS = _knob("PRINT_DECISIONS", _bool, False, "print each decision (kernel, key, config)")
-ENV_CACHE = _knob("CACHE", _cache, None, "auto mode's cache table: a path or off")
+ENV_CACHE = _knob("CACHE", _text, None, "auto mode's cache table: a path or off")
 ENV_CACHE_MAX_ENTRIES = _knob("CACHE_MAX_ENTRIES", _int(1, 1_000_000), 50_000, "entries auto's cache keeps")
 ENV_TUNE_ROUNDS = _knob("TUNE_ROUNDS", _int(1, 10_000), 10, "timed rounds per candidate when tuning")
 ENV_TUNE_TIE_BAND = _knob("TUNE_TIE_BAND", _fraction, 0.02, "fraction of the best median called a tie")
@@ -181,7 +157,6 @@ _BY_FIELD = {knob.field: knob for knob in KNOBS.values()}
 
 
 def default(name: str) -> Any:
-    """The default of knob ``name``: the one place it is declared."""
     return KNOBS[name].default
 
 
@@ -203,9 +178,8 @@ class TuningPolicy:
     of a job must use the same. Each field's default is its knob's (``default``)."""
 
     mode: str = default(ENV_MODE)
-    """off: stock Triton. deterministic: table entry, else the miss rule; never measures. chaos: a
-    different pick per rank (the agreement check's positive control). record: Triton's winners are
-    recorded. tune: the noise-aware tuner. auto: entry, else the job's decision, else tune once."""
+    """off: stock Triton. deterministic: table entry, else the miss rule. chaos: a different pick per
+    rank. record: Triton's winners recorded. tune: our tuner. auto: entry, else the job's, else tune."""
 
     scope: tuple[str, ...] = default(ENV_SCOPE)
     """Module prefixes of the kernels to pin (``pkg`` covers ``pkg`` and ``pkg.sub``); empty: all."""
@@ -220,8 +194,7 @@ class TuningPolicy:
     """Search the tables shipped in the package's ``configs/<arch>/`` last."""
 
     agreement: str | None = default(ENV_AGREEMENT)
-    """Cross-rank check (docs/agreement.md): store, allgather, verify or off; None: store up to 64
-    ranks, verify above."""
+    """Cross-rank check: store, allgather, verify or off; None: store up to 64 ranks, verify above."""
 
     agreement_timeout_s: float = default(ENV_AGREEMENT_TIMEOUT)
     """How long a cross-rank check waits for missing ranks before naming them."""
@@ -264,8 +237,7 @@ class TuningPolicy:
     """Launches per config when the numerics audit compares output bits."""
 
     def __post_init__(self) -> None:
-        # Words and numbers follow their variable's rule (numbers as numbers); normalised values
-        # are written back.
+        # Words and numbers follow their variable's rule (numbers as numbers), normalised.
         numbers = ("agreement_timeout_s", "cache_max_entries", "tune_rounds", "tune_tie_band", "audit_runs")
         for name in ("mode", "on_miss", "stale_entries", "numerics", "agreement", *numbers):
             value = getattr(self, name)
@@ -274,10 +246,15 @@ class TuningPolicy:
             if name != "agreement" or value is not None:
                 _set(self, name, _BY_FIELD[name].parse(name, value))
         modules = "module-name prefixes such as ['my_pkg.kernels']"
-        scope = _sequence("scope", self.scope, modules)
-        if any(not isinstance(p, str) or not is_module_prefix(p.strip()) for p in scope):
-            raise PolicyError("scope", self.scope, modules)
-        _set(self, "scope", tuple(p.strip() for p in scope))
+        scope = tuple(p.strip() if isinstance(p, str) else p for p in _sequence("scope", self.scope, modules))
+        # A prefix that cannot name a module (``my-pkg``) would pin nothing.
+        if bad := [
+            p for p in scope if not isinstance(p, str) or not all(map(str.isidentifier, p.split(".")))
+        ]:
+            raise PolicyError(
+                "scope", self.scope, f"{modules} ({', '.join(map(repr, bad))} would pin nothing)"
+            )
+        _set(self, "scope", scope)
         paths = _sequence("tables", self.tables, "file system paths such as ['tables/sm90.msgpack']")
         _set(self, "tables", tuple(_path("tables", p) for p in paths))
         _set(self, "block_sizes", _block_sizes(self.block_sizes))
@@ -287,10 +264,8 @@ class TuningPolicy:
         for name in ("decision_log", "record_dir"):
             if getattr(self, name) is not None:
                 _set(self, name, _path(name, getattr(self, name)))
-        if isinstance(self.cache, str) and self.cache.strip():
-            _set(self, "cache", _cache("cache", self.cache.strip()))
-        elif self.cache is not None:
-            _set(self, "cache", _path("cache", self.cache, "a file path, 'off' (no cache), or None"))
+        if self.cache is not None:
+            _set(self, "cache", _cache(self.cache))
 
     @property
     def effective_stale_entries(self) -> str:
@@ -304,8 +279,7 @@ class TuningPolicy:
         return dataclasses.replace(self, **changes)
 
     def summary(self) -> str:
-        """Every field that changes a choice, but the tables (compared by content): what the ranks of
-        one session must share (the inputs check at init compares it)."""
+        """Every field that changes a choice but the tables: what the inputs check compares."""
         blocks = ",".join(f"{k}={v}" for k, v in self.block_sizes) or "-"
         return (
             f"mode={self.mode} agreement={self.agreement} scope={','.join(self.scope) or 'all'} "
@@ -324,11 +298,16 @@ class TuningPolicy:
         """The policy the ``MEGATRON_TUNING_*`` variables of ``environ`` (default: ``os.environ``, read
         now) set, each unset one at its default; ``overrides`` win. Nothing else reads them."""
         environ = os.environ if environ is None else environ
-        fields = {
-            k.field: k.parse(k.name, raw) for k in KNOBS.values() if (raw := environ.get(k.name, "").strip())
-        }
+        raw = {k.field: (k, text) for k in KNOBS.values() if (text := environ.get(k.name, "").strip())}
+        fields = {field: knob.parse(knob.name, text) for field, (knob, text) in raw.items()}
         _warn_unknown_variables(environ)  # a misspelt name (..._TABLES) would otherwise be ignored silently
-        return cls(**{**fields, **overrides})
+        try:
+            return cls(**{**fields, **overrides})
+        except PolicyError as exc:  # a value the policy refuses: name the variable it came from
+            if exc.name not in raw or exc.name in overrides:
+                raise
+            knob, text = raw[exc.name]
+            raise PolicyError(knob.name, text, exc.allowed) from None
 
     @classmethod
     def from_env_if_asked(cls) -> TuningPolicy:
@@ -350,21 +329,34 @@ def _sequence(name: str, value: object, allowed: str) -> tuple[Any, ...]:
 
 def _block_sizes(value: object) -> tuple[tuple[str, int], ...]:
     allowed = (
-        "{NAME: int} or (NAME, int) pairs with identifier names, each name once, e.g. {'BLOCK_SIZE_M': 64}"
+        "{NAME: int} or (NAME, int) pairs with identifier names, each name once, e.g. {'BLOCK_SIZE_M': 64} "
+        "(in the environment, comma-separated NAME=INT pairs: BLOCK_SIZE_M=64)"
     )
     items: Any = list(value.items()) if isinstance(value, Mapping) else value
     if isinstance(items, (str, bytes)) or not isinstance(items, Sequence):
         raise PolicyError("block_sizes", value, allowed)
-    return _pairs("block_sizes", value, items, allowed)
-
-
-def _pairs(name: str, value: object, items: Sequence[Any], allowed: str) -> tuple[tuple[str, int], ...]:
     seen: dict[str, int] = {}
     for item in items:
         ok = isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], str)
         if not ok or not item[0].isidentifier() or type(item[1]) is not int:
-            raise PolicyError(name, value, allowed)
+            raise PolicyError("block_sizes", value, allowed)
         if item[0] in seen:
-            raise PolicyError(name, value, f"each name once ({item[0]} is given twice)")
+            raise PolicyError("block_sizes", value, f"each name once ({item[0]} is given twice)")
         seen[item[0]] = item[1]
     return tuple(sorted(seen.items()))
+
+
+def _path(name: str, value: object, allowed: str = _A_PATH) -> str:
+    text = os.fspath(value) if isinstance(value, os.PathLike) else value
+    if not isinstance(text, str) or not text or "\0" in text:
+        raise PolicyError(name, value, allowed)
+    return text
+
+
+def _cache(value: object) -> str | None:
+    # Words are settings, never file names: cache=OFF must not create a file "OFF".
+    text = _path(
+        "cache", value.strip() if isinstance(value, str) else value, "a file path, 'off' (no cache), or None"
+    )
+    word = text.lower()
+    return CACHE_OFF if word in FALSE_WORDS else None if word in TRUE_WORDS else text

@@ -1,13 +1,9 @@
 """The generated hit path: after a pinned ``kernel[grid](*args)`` launch, ``arm`` gives the autotuner
-an instance ``run`` for calls of that many positional arguments (plus ``grid`` and ``warmup``).
-
-It computes the state's ``launch_key`` from positions, finds the decided ``Launch`` and launches it
-as the class path does (``best_config``, the config's ``pre_hook`` with every argument, ``fn.run``);
-any other call, a launch key not decided yet, or a change of installation goes to the class path.
-Generated, as Triton's JIT binder is, because a closure measured 0.26x of Triton's hit-path cost and
-this 0.13x, the goal 0.2x (``benchmarks/bench_launch_overhead.py --cpu``). Only positions enter the
-source, never names. ``tests/runtime/test_fastpath.py`` holds it to the class path.
-"""
+an instance ``run`` for calls of that many positional arguments that launches the decided ``Launch``
+as the class path does; any other call goes to the class path. Generated, as Triton's JIT binder is:
+a closure measured 0.26x of Triton's hit-path cost, this 0.13x (``bench_launch_overhead.py --cpu``).
+Only positions enter the source, never names; ``tests/runtime/test_fastpath.py`` holds it to the class
+path."""
 
 from __future__ import annotations
 
@@ -27,9 +23,8 @@ __all__ = ["arm", "disarm", "launch_options", "serving"]
 def arm(
     autotuner: Any, state: pinning.AutotunerState, installation: pinning.Installation, args: tuple[Any, ...]
 ) -> None:
-    """Serve calls shaped like ``args`` with a generated instance ``run``, unless one already serves
-    ``installation``; never over a user's own instance ``run`` or where a subclass overrides ``run``,
-    and only while ``installation`` is active."""
+    """Serve calls shaped like ``args`` with a generated instance ``run`` while ``installation`` is
+    active; never over a user's own instance ``run`` or where a subclass overrides ``run``."""
     current = autotuner.__dict__.get("run")
     if not installation.fast_path or (current is not None and _serves(current) is installation):
         return
@@ -45,12 +40,10 @@ def arm(
 
 
 def serving(autotuner: Any) -> pinning.Installation | None:
-    """The installation ``autotuner``'s generated instance ``run`` serves, if it has one."""
     return _serves(autotuner.__dict__.get("run"))
 
 
 def disarm(autotuner: Any) -> None:
-    """Remove ``autotuner``'s generated instance ``run`` (a user's own stays)."""
     if serving(autotuner) is not None:
         del autotuner.__dict__["run"]
 
@@ -63,8 +56,7 @@ def _serves(run: Any) -> pinning.Installation | None:
 def _generate(
     autotuner: Any, state: pinning.AutotunerState, installation: pinning.Installation, args: tuple[Any, ...]
 ) -> Any:
-    """``run`` for ``len(args)`` positional arguments: ``state.launch_key``'s tuple, slot by slot
-    (a dtype read directly where the arming call's argument had one)."""
+    """``run`` for ``len(args)`` positional arguments: ``state.launch_key``'s tuple slot by slot."""
     n = len(args)
     names = [f"a{i}" for i in range(n)]
     slots = [f"{names[i]}.__class__, {names[i]}" if i < n else "None, None" for _, i in state.key_index]
@@ -96,7 +88,6 @@ def run(*args, grid=_ABSENT, warmup=_ABSENT, **kwargs):
 """
 
     def slow(args: tuple[Any, ...], grid: Any, warmup: Any, kwargs: dict[str, Any]) -> Any:
-        """To the class's ``run`` (the interception's; Triton's once uninstalled)."""
         launch = {name: value for name, value in (("grid", grid), ("warmup", warmup)) if value is not _ABSENT}
         return type(autotuner).run(autotuner, *args, **launch, **kwargs)
 
@@ -117,15 +108,14 @@ def run(*args, grid=_ABSENT, warmup=_ABSENT, **kwargs):
 
 def launch_options(config: Any, defaults: dict[str, Any] | None = None) -> dict[str, Any]:
     """The options a pinned launch passes ``fn.run``: the config's, less those equal to the backend's
-    ``defaults`` (default: the active driver's; ``fn.run`` fills those in itself, and each one passed
-    lengthens its per-launch cache key). ``Config.pre_hook`` still sees them all."""
+    ``defaults`` (default: the active driver's), which ``fn.run`` fills in itself (each one passed
+    lengthens its per-launch cache key)."""
     defaults = _launch_option_defaults() if defaults is None else defaults
     return {k: v for k, v in config.all_kwargs().items() if k not in defaults or defaults[k] != v}
 
 
 def _launch_option_defaults() -> dict[str, Any]:
-    """The backend's defaults (``parse_options({})``) for ``LAUNCH_OPTIONS``; ``{}`` without a GPU
-    driver, so nothing is left out there."""
+    """The backend's defaults for ``LAUNCH_OPTIONS``; ``{}`` without a GPU driver."""
     try:
         from triton.runtime.driver import driver
 

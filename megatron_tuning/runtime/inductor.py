@@ -1,12 +1,8 @@
-"""The torch.compile adapter: compiled graphs launch the decided config of in-scope kernels.
-
-Inductor never calls ``Autotuner.run``; it benchmarks a user kernel's configs at a graph's first run.
-``patch()`` wraps ``TritonHOPifier.call_triton_kernel`` (trace time: key arguments become graph
-constants, the decision is made and a one-config copy handed on; ``auto`` may defer a key) and
-``CachingAutotuner.benchmark_all_configs`` (first run: deferred keys are tuned there; any other
-in-scope kernel benchmarked there bypassed the pin: a warning, or an error under ``strict``).
-``tests/runtime/test_torch_contract.py`` pins every private torch attribute used.
-"""
+"""The torch.compile adapter: compiled graphs launch the decided config of in-scope kernels. At
+trace time ``TritonHOPifier.call_triton_kernel`` makes key arguments graph constants, decides, and
+hands on a one-config copy (``auto`` may defer a key); at a graph's first run
+``CachingAutotuner.benchmark_all_configs`` tunes deferred keys, and any other in-scope kernel
+benchmarked there bypassed the pin (a warning, or an error under ``strict``)."""
 
 from __future__ import annotations
 
@@ -46,13 +42,12 @@ def torch_version() -> str:
 
 
 def supported() -> bool:
-    """Whether compiled launches are pinned in this process (meaningful after ``patch()``)."""
     return "call_triton_kernel" in _originals
 
 
 def patch(pin: Any) -> None:
-    """Wrap torch's handling of user Triton kernels (``pin`` decides a traced call's config); a
-    torch without it only records why. Inductor is wrapped once imported (at the first trace)."""
+    """Wrap torch's handling of user Triton kernels (``pin`` decides a traced call's config); a torch
+    without it only records why. Inductor is wrapped once imported."""
     global _unsupported, _pin
     with _lock:
         _pin = pin
@@ -85,7 +80,6 @@ def _patch_tripwire() -> None:
 
 
 def unpatch() -> None:
-    """Restore every attribute ``patch()`` replaced, exactly."""
     with _lock:
         for name, (owner, original) in _originals.items():
             setattr(owner, name, original)
@@ -94,7 +88,6 @@ def unpatch() -> None:
 
 
 def warn_if_unsupported(policy: TuningPolicy) -> None:
-    """One warning per process when compiled launches of in-scope kernels cannot be pinned."""
     if _unsupported is None or policy.mode in PASS_THROUGH_MODES:
         return
     tripwire = "benchmark_all_configs" in _originals  # then strict mode can fail on them
@@ -110,7 +103,7 @@ def warn_if_unsupported(policy: TuningPolicy) -> None:
 
 
 def _hopifier_class() -> tuple[Any, str]:
-    """``TritonHOPifier`` when its ``call_triton_kernel`` has the shape the hook relies on."""
+    """``TritonHOPifier`` when its ``call_triton_kernel`` has the shape the hook relies on, else why not."""
     try:
         from torch._higher_order_ops import triton_kernel_wrap as tkw
     except Exception as e:  # ImportError, or a torch whose module fails to import
@@ -193,7 +186,7 @@ def _realized(value: Any) -> Any:
 
 
 def _concrete(value: Any) -> Any:
-    """A traced argument as the decision code sees eager ones: ints, bools, tensors with a dtype."""
+    """A traced argument as decisions see eager ones: ints, bools, tensors with a dtype."""
     value = _realized(value)
     if not hasattr(value, "is_python_constant") or not hasattr(value, "as_proxy"):
         return value  # wrap_triton tracing: already FakeTensors, ints and SymInts
@@ -207,8 +200,6 @@ def _concrete(value: Any) -> Any:
 
 
 def _one_config_copy(kernel: Any, config: Any) -> Any:
-    """``triton.autotune(configs=[config])`` over the kernel's function, one per (kernel, config);
-    Inductor's mutation analysis reads ``reset_to_zero``/``restore_value``, pruning already ran."""
     import triton
 
     with _lock:
@@ -228,7 +219,7 @@ def _one_config_copy(kernel: Any, config: Any) -> Any:
 
 
 def _mark_nested_copy(kernel: Any) -> None:
-    """A one-config copy (ours, or one torch made) launches its config, never a state or ``run`` it copied."""
+    """A one-config copy (ours, or torch's) launches its config, never a state or ``run`` it copied."""
     configs = getattr(kernel, "configs", None)  # an Autotuner (a JITFunction has none)
     if isinstance(configs, list) and len(configs) == 1 and PINNED_ATTR not in kernel.__dict__:
         kernel.__dict__[PINNED_ATTR] = configs[0]
@@ -263,37 +254,32 @@ def _make_benchmark_all_configs(original: Any) -> Any:
 
 
 def _tune_at_first_run(caching: Any, installation: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """The launcher of a key ``auto`` deferred at trace time, decided now as an eager miss is (timed
-    over Inductor's launchers); ``None`` when no deferred key matches."""
+    """The launcher of a key ``auto`` deferred at trace time, decided now over Inductor's launchers."""
     names = _launcher_arg_names(caching)
     if installation.policy.mode != "auto" or names is None:
         return None
     named = dict(zip(names, args))
     for kernel in _matching_kernels(caching.fn, list(_deferred)):
         state = pinning.state_for(kernel, installation)
-        key = state.key((), named)
-        if key not in _deferred.get(kernel, ()):
-            continue
-        launchers = {config_signature(launcher.config): launcher for launcher in caching.launchers}
-        own = {config_signature(config): config for config in kernel.configs}
-        candidates = [own.get(signature, launcher.config) for signature, launcher in launchers.items()]
-        measure = installation.measure and functools.partial(
-            _measure_launchers, installation.measure, caching, args, kwargs, launchers
-        )
-        listed: Any = functools.partial(list, candidates)
-        config = pinning.decide(
-            kernel, state, installation, key, (), named, candidates=listed, measure=measure
-        )
-        caching.reset_to_zero_args(*args, **kwargs)  # as Inductor's own benchmark ends
-        return launchers.get(config_signature(config))
-    return None
+        if (key := state.key((), named)) in _deferred.get(kernel, ()):
+            break
+    else:
+        return None
+    launchers = {config_signature(launcher.config): launcher for launcher in caching.launchers}
+    own = {config_signature(config): config for config in kernel.configs}
+    candidates = [own.get(signature, launcher.config) for signature, launcher in launchers.items()]
 
+    def measure(_: Any, candidates: list[Any], *call: Any) -> Any:
+        by_options = {_options(c.all_kwargs()): launchers[config_signature(c)] for c in candidates}
+        return installation.measure(
+            _Launchers(caching, args, kwargs, by_options), candidates, (), {}, *call[2:]
+        )
 
-def _measure_launchers(measure: Any, caching: Any, args: Any, kwargs: Any, launchers: Any, *call: Any) -> Any:
-    """The tuner's ``measure(autotuner, candidates, args, kwargs, kernel, key)`` over Inductor's launchers."""
-    candidates = call[1]
-    by_options = {_options(c.all_kwargs()): launchers[config_signature(c)] for c in candidates}
-    return measure(_Launchers(caching, args, kwargs, by_options), candidates, (), {}, *call[4:])
+    listed: Any = functools.partial(list, candidates)
+    timed = installation.measure and measure
+    config = pinning.decide(kernel, state, installation, key, (), named, candidates=listed, measure=timed)
+    caching.reset_to_zero_args(*args, **kwargs)  # as Inductor's own benchmark ends
+    return launchers.get(config_signature(config))
 
 
 def _options(options: dict[str, Any]) -> tuple[tuple[str, str], ...]:
@@ -355,8 +341,7 @@ def _generated_name(fn: Any) -> str:
 
 
 def _body_digest(source: str) -> str | None:
-    """sha256 of a kernel's source from its ``def`` line on, with the function name blanked
-    (Inductor's copy may rename it ``name_N``) and trailing whitespace dropped."""
+    """sha256 of a kernel's source from its ``def`` line on, its name blanked (a copy's is ``name_N``)."""
     match = re.search(r"^def\s+\w+\s*\(", source, re.MULTILINE)
     if match is None:
         return None
@@ -386,7 +371,6 @@ def _matching_kernels(generated: Any, kernels: list[Any]) -> list[Any]:
 
 
 def _launcher_arg_names(caching_autotuner: Any) -> list[str] | None:
-    """The names of the (non-constexpr) arguments Inductor passes a user kernel's launchers."""
     try:
         names = getattr(caching_autotuner.launchers[0], "def_args", None)
         if names is None:

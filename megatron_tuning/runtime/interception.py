@@ -1,11 +1,7 @@
-"""The Triton adapter: the only module that patches Triton's private ``Autotuner`` class.
-
-``run`` launches ``pinning.decide``'s config as Triton's cache-hit path does (``best_config``, the
-config's ``pre_hook`` with all arguments, ``fn.run``; autotuner-level hooks guard benchmarking only);
-after a ``kernel[grid](*args)`` launch ``fastpath.arm`` serves that call shape. ``_bench`` refuses to
-time in deterministic, chaos and auto; ``record`` logs Triton's winner. ``install`` also patches
-torch.compile (``inductor``); ``uninstall()`` restores Triton exactly (``test_triton_contract``).
-"""
+"""The Triton adapter: the only module that patches Triton's private ``Autotuner`` class. ``run``
+launches ``pinning.decide``'s config as Triton's cache-hit path does (``fastpath`` serves a
+``kernel[grid](*args)`` call shape after its first launch); ``_bench`` refuses to time where nothing
+may; ``record`` logs Triton's winner; ``uninstall()`` restores Triton exactly."""
 
 from __future__ import annotations
 
@@ -21,7 +17,7 @@ from typing import Any
 from ..core.chaos import ChaosCoordinator
 from ..core.choice import Choice, as_config_table
 from ..core.errors import BenchmarkForbiddenError, UnsupportedTritonError
-from ..core.identity import config_signature, kernel_source_hash
+from ..core.identity import config_signature
 from ..core.notices import report_policy_end, reset_warnings
 from ..core.policy import TuningPolicy
 from . import fastpath, inductor, pinning
@@ -54,14 +50,11 @@ def install(
     chaos: ChaosCoordinator | None = None,
     fast_path: bool = True,
 ) -> None:
-    """Patch Triton's Autotuner for ``policy``; a second call replaces the policy.
-
-    ``table``: a ``core.choice.ConfigTable`` or a ``{(kernel, key): config}`` mapping. ``measure`` is
-    required in ``tune``; ``auto`` without one applies the miss rule. ``consensus`` (``auto``) and
-    ``chaos`` coordinate the job's ranks (``distributed.store``); ``None``: this process alone.
-    ``fast_path=False`` launches every call through the class path, never ``fastpath``'s (what
-    ``benchmarks/bench_launch_overhead.py`` compares).
-    """
+    """Patch Triton's Autotuner (and torch.compile's handling of it) for ``policy``; a second call
+    replaces the policy. ``table``: a ``core.choice.ConfigTable`` or a ``{(kernel, key): config}``
+    mapping. ``measure`` is required in ``tune``; ``auto`` without one applies the miss rule.
+    ``consensus`` (``auto``) and ``chaos`` coordinate the job's ranks; ``None``: this process alone.
+    ``fast_path=False``: every call takes the class path (what the launch benchmark compares)."""
     global _generation
     if policy.mode == "tune" and measure is None:
         raise ValueError("policy mode 'tune' needs a measure function (see megatron_tuning.tuning.tuner)")
@@ -88,7 +81,6 @@ def install(
 
 
 def uninstall() -> None:
-    """Restore Triton's Autotuner exactly as it was before ``install``."""
     with _lock:
         previous = pinning.active
         pinning.set_active(None)
@@ -154,8 +146,7 @@ def _make_run(original: Any) -> Any:
 
 
 def _pin(autotuner: Any, installation: Installation, args: Args, kwargs: Kwargs, **options: Any) -> Launch:
-    """The ``Launch`` of this call: its key decided now if new (``inductor`` calls this too, with
-    ``pinning.decide``'s options), and its config filed in the autotuner's ``cache`` under Triton's key."""
+    """The ``Launch`` of this call, decided now if new and filed in the autotuner's ``cache``."""
     state = pinning.state_for(autotuner, installation)
     launch_key = state.launch_key(args, kwargs)
     launch = state.launches.get(launch_key)
@@ -202,8 +193,6 @@ def _record(
             as_list = lambda t: list(t) if isinstance(t, (list, tuple)) else [t]  # noqa: E731
             candidates = {config_signature(c): [float(x) for x in as_list(t)] for c, t in after.items()}
             timings = {"candidates": candidates, "bench_time_s": getattr(autotuner, "bench_time", None)}
-        if state.source_hash is None:
-            state.source_hash = kernel_source_hash(autotuner)
         choice = Choice(autotuner.best_config, "recorded", timings=timings)
         pinning.log(state, key, choice, arch)
         state.pins[key] = choice.config
@@ -217,7 +206,6 @@ def autotuner_class() -> Any:
 
 
 def check_triton_contract() -> None:
-    """Raise ``UnsupportedTritonError`` unless Triton has every attribute the patch relies on."""
     import triton
 
     major, minor = triton.__version__.split(".")[:2]
@@ -254,8 +242,7 @@ def _live_candidates(autotuner: Any, args: Args, kwargs: Kwargs) -> list[Any]:
 @contextlib.contextmanager
 def lazy_benchmarker() -> Iterator[None]:
     """Let ``@triton.autotune`` decorate without a GPU driver: Triton 3.3 resolves its benchmarker at
-    decoration ("0 active drivers"); inside this block (and while installed) it is resolved at first
-    use. Triton 3.4+ resolve it lazily themselves: nothing to do there."""
+    decoration ("0 active drivers"); inside this block (and while installed), at first use."""
     _use_lazy_init(+1)
     try:
         yield
@@ -264,8 +251,8 @@ def lazy_benchmarker() -> Iterator[None]:
 
 
 def _use_lazy_init(change: int) -> None:
-    """Count the lazy benchmarker's users: the first patches ``Autotuner.__init__`` where Triton 3.3
-    resolves its benchmarker eagerly, the last restores it (importing nothing: it may run at exit)."""
+    """The first user patches ``Autotuner.__init__`` where Triton resolves its benchmarker eagerly,
+    the last restores it (importing nothing: it may run at exit)."""
     global _init_original, _init_users
     with _lock:
         _init_users += change

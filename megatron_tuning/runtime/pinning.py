@@ -1,10 +1,6 @@
 """Decisions: which config an in-scope kernel launches for a key, in every mode, once per process.
-
-Holds the active ``Installation`` and each autotuner's state; ``interception`` (eager) and ``inductor``
-(compiled) decide here. ``auto``: a table entry pins the key; else a decision another rank published is
-adopted; else this rank tunes and publishes (first writer wins). A hit in this node's own ``auto`` cache
-is proposed to the job the same way, so per-node caches never split ranks.
-"""
+Holds the active ``Installation`` and each autotuner's state; ``interception`` (eager) and
+``inductor`` (compiled) decide here."""
 
 from __future__ import annotations
 
@@ -19,7 +15,7 @@ from typing import Any, Protocol
 
 from ..core import notices
 from ..core.chaos import ChaosCoordinator, choose_chaos
-from ..core.choice import Choice, ConfigTable, Unpinned, choose
+from ..core.choice import Choice, ConfigTable, choose
 from ..core.decisions import Decision, decision_log
 from ..core.errors import ConsensusError
 from ..core.identity import (
@@ -90,8 +86,6 @@ Launch = tuple[Any, dict[str, Any]]  # a pinned config and the options its launc
 
 @dataclass
 class AutotunerState:
-    """One autotuner's decisions under one installation generation."""
-
     generation: int
     in_scope: bool
     kernel: str
@@ -105,14 +99,12 @@ class AutotunerState:
     config_list_digest: str | None = None
 
     def key(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Key:
-        """The call's ``core.key.Key``: built at the first launch of each call shape."""
         return call_key(self.arg_names, [name for name, _ in self.key_index], args, kwargs)
 
     def launch_key(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
         """What each launch looks its ``Launch`` up by, without building a ``Key``: each ``key=``
-        value with its type (``True``, ``1``, ``1.0`` apart; ``None, None`` when not passed), then
-        each parameter's dtype (``None`` without one). Equal launch keys have equal ``Key``s;
-        ``fastpath`` computes the same tuple from positions."""
+        value with its type (``True``, ``1``, ``1.0`` apart), then each parameter's dtype. Equal
+        launch keys have equal ``Key``s; ``fastpath`` computes the same tuple from positions."""
         named = dict(zip(self.arg_names, args))
         named.update((name, value) for name, value in kwargs.items() if name in self.arg_names)
         parts: list[Any] = []
@@ -146,13 +138,11 @@ def set_active(installation: Installation | None, *, replacing: Any = _ANY) -> b
 
 @contextlib.contextmanager
 def while_active(installation: Installation) -> Iterator[bool]:
-    """Hold ``set_active``'s lock; yield whether ``installation`` is the active one."""
     with _active_lock:
         yield active is installation
 
 
 def touched() -> list[Any]:
-    """The autotuners that were given a state, so ``uninstall`` can clear them."""
     with _active_lock:
         return list(_touched)
 
@@ -182,6 +172,8 @@ def state_for(autotuner: Any, installation: Installation) -> AutotunerState:
         arg_names=tuple(arg_names),
         config_list_digest=config_list_digest(autotuner),
     )
+    if new.in_scope:
+        new.source_hash = kernel_source_hash(autotuner)
     with _active_lock:  # ordered with set_active, and a WeakSet is not iterated while it grows
         if installation is active:
             autotuner.__dict__[STATE_ATTR] = new
@@ -207,11 +199,9 @@ def decide(
     measure: Measure | None = None,
 ) -> Any:
     """The config of one (kernel, key): decided, logged, then pinned at its first use in this process.
-
     ``candidates()``: the live configs after the kernel's own pruning. ``may_measure=False`` where no
-    real arguments exist (tracing): the miss rule applies, or with ``defer`` ``auto`` raises
-    ``Deferred``. A key first launched during a CUDA graph capture is never measured.
-    """
+    real arguments exist (tracing, a CUDA graph capture): the miss rule applies, or with ``defer``
+    ``auto`` raises ``Deferred``."""
     with state.lock:
         config = state.pins.get(key)
         if config is not None:
@@ -223,12 +213,32 @@ def decide(
                 installation = new
         capturing, live = is_capturing(), candidates()
         kernel, policy, arch = state.kernel, installation.policy, installation.arch  # arch: once per decision
-        launchable, call = may_measure and not capturing, (args, kwargs)
+        launchable, call, consensus = may_measure and not capturing, (args, kwargs), installation.consensus
         measure = measure or installation.measure
+
+        def adopt_or_tune(reason: str) -> Choice | None:
+            """``auto``'s step for a key no table pins: adopt the decision another rank published, else
+            tune and publish it (the first writer wins); ``None`` where nothing may be measured."""
+            if consensus is not None and (published := consensus.lookup(kernel, key, arch)) is not None:
+                return _adopt(published, live, kernel, key, consensus.rank)
+            if not launchable or measure is None:
+                if defer and measure is not None:
+                    raise Deferred
+                return None
+            config, timings = measure(autotuner, live, *call, kernel, key)
+            if consensus is None:
+                return Choice(config, "tuned", timings=timings)
+            mine = config_signature(config)
+            winner = consensus.publish(kernel, key, arch, config_data(config), mine, timings)
+            if winner.rank == consensus.rank and winner.signature == mine:
+                return Choice(config, "tuned", timings=timings)
+            # Another rank published first (maybe the same config): launch its config, cache its timings.
+            return _adopt(winner, live, kernel, key, consensus.rank)
+
         if policy.mode == "chaos":
-            rank, coordinator = current_rank(), installation.chaos
+            offline, coordinator = capturing, installation.chaos
             choice = choose_chaos(
-                kernel, key, live, rank=rank, arch=arch, coordinator=coordinator, offline=capturing
+                kernel, key, live, rank=current_rank(), arch=arch, coordinator=coordinator, offline=offline
             )
         elif policy.mode == "tune" and len(live) > 1 and launchable:
             assert measure is not None
@@ -237,8 +247,7 @@ def decide(
         else:
             if policy.mode == "tune" and len(live) > 1:
                 notices.cannot_measure(kernel, key)
-            auto, consensus = policy.mode == "auto", installation.consensus
-            unpinned = adopt_or_tune(autotuner, live, key, call, arch, consensus, measure, launchable, defer)
+            auto = policy.mode == "auto"
             choice = choose(
                 autotuner,
                 live,
@@ -247,14 +256,17 @@ def decide(
                 on_miss=policy.on_miss,
                 block_sizes=policy.block_sizes,
                 numerics=policy.numerics,
-                unpinned=unpinned if auto else None,
+                unpinned=adopt_or_tune if auto else None,
                 fix=notices.FIX_AN_AUTO_MISS if auto else notices.FIX_A_MISS,
             )
-            cache_file = getattr(installation.table, "cache_file", None)  # auto's, in a TableSet
-            if auto and cache_file is not None and choice.origin == cache_file:
-                choice = _proposed(choice, live, kernel, key, arch, consensus)
-        if state.source_hash is None:
-            state.source_hash = kernel_source_hash(autotuner)
+            # A hit in this node's own cache (auto's, in a TableSet) is proposed to the job: per-node
+            # caches never split ranks.
+            cache_file = getattr(installation.table, "cache_file", None)
+            if auto and consensus is not None and cache_file is not None and choice.origin == cache_file:
+                mine = config_signature(choice.config)
+                winner = consensus.publish(kernel, key, arch, config_data(choice.config), mine)
+                if winner.signature != mine:
+                    choice = _adopt(winner, live, kernel, key, consensus.rank)
         signature = config_signature(choice.config)
         notices.check_numerics(policy.numerics, kernel, key, choice, signature)  # may raise: nothing pinned
         log(state, key, choice, arch)  # listeners (agreement) may raise: nothing is pinned
@@ -265,7 +277,6 @@ def decide(
 
 
 def log(state: AutotunerState, key: Key, choice: Choice, arch: str) -> None:
-    """Record ``choice`` for (``state.kernel``, ``key``) in the decision log (its listeners run)."""
     decision = Decision(
         kernel=state.kernel,
         key=key,
@@ -279,7 +290,7 @@ def log(state: AutotunerState, key: Key, choice: Choice, arch: str) -> None:
         config_list_digest=state.config_list_digest,
         timings=choice.timings,
         nearest_key=choice.nearest_key,
-        matched_by=choice.matched_by,
+        matched_by="content" if choice.entry_kernel else None,
         entry_kernel=choice.entry_kernel,
         chaos=choice.chaos,
         deterministic=None if choice.numerics is None else choice.numerics.deterministic,
@@ -292,58 +303,9 @@ def log(state: AutotunerState, key: Key, choice: Choice, arch: str) -> None:
         choice.source,
         f" from {choice.origin}" if choice.origin else "",
         f", entry for {choice.nearest_key}" if choice.nearest_key else "",
-        f", matched by content: tuned as {choice.entry_kernel}" if choice.matched_by else "",
+        f", matched by content: tuned as {choice.entry_kernel}" if choice.entry_kernel else "",
     )
     decision_log().record(decision)
-
-
-def adopt_or_tune(
-    autotuner: Any,
-    live: list[Any],
-    key: Key,
-    call: tuple[tuple[Any, ...], dict[str, Any]],
-    arch: str,
-    consensus: Consensus | None,
-    measure: Measure | None,
-    may_measure: bool = True,
-    defer: bool = False,
-) -> Unpinned:
-    """``auto``'s step for a key no table pins (``choose``'s ``unpinned``): adopt the decision another
-    rank published, else tune and publish it (the first writer wins); ``None`` where nothing may be
-    measured (then the miss rule applies), or ``Deferred`` with ``defer``."""
-    kernel = kernel_id(autotuner)
-
-    def unpinned(reason: str) -> Choice | None:
-        if consensus is not None:
-            published = consensus.lookup(kernel, key, arch)
-            if published is not None:
-                return _adopt(published, live, kernel, key, consensus.rank)
-        if not may_measure or measure is None:
-            if defer and measure is not None:
-                raise Deferred
-            return None
-        config, timings = measure(autotuner, live, *call, kernel, key)
-        if consensus is None:
-            return Choice(config, "tuned", timings=timings)
-        mine = config_signature(config)
-        winner = consensus.publish(kernel, key, arch, config_data(config), mine, timings)
-        if winner.rank == consensus.rank and winner.signature == mine:
-            return Choice(config, "tuned", timings=timings)
-        # Another rank published first (maybe the same config): launch its config, cache its timings.
-        return _adopt(winner, live, kernel, key, consensus.rank)
-
-    return unpinned
-
-
-def _proposed(
-    choice: Choice, candidates: Sequence[Any], kernel: str, key: str, arch: str, consensus: Consensus | None
-) -> Choice:
-    """``choice``, a hit in this node's own cache, unless the job's winner differs (in a job)."""
-    if consensus is None:
-        return choice
-    mine = config_signature(choice.config)
-    winner = consensus.publish(kernel, key, arch, config_data(choice.config), mine)
-    return choice if winner.signature == mine else _adopt(winner, candidates, kernel, key, consensus.rank)
 
 
 def _adopt(
@@ -362,7 +324,7 @@ def _adopt(
 
 
 def is_capturing() -> bool:
-    """Whether the current CUDA stream captures a graph (never imports torch): nothing may be measured
-    then, and the agreement layer sends no store or collective traffic."""
+    """Whether the current CUDA stream captures a graph (never imports torch): then nothing may be
+    measured, and the agreement layer sends no store or collective traffic."""
     torch = sys.modules.get("torch")
     return torch is not None and torch.cuda.is_available() and bool(torch.cuda.is_current_stream_capturing())

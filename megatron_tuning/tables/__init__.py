@@ -1,5 +1,1 @@
-"""Layer 2: everything persisted. Table entries, the msgpack codec, safe file writes, the table
-search path, record-mode recordings, merges, review, and decision-log coverage.
-
-Imports only ``core``.
-"""
+"""Layer 2: everything persisted: tables, their search path, the auto cache, recordings, merges."""

@@ -1,10 +1,6 @@
-"""``auto`` mode's cache: one table file per user and GPU arch (docs/cache.md).
-
-First persisted wins: a fresh entry is never replaced, so overlapping jobs converge on one config
-per key. A persist evicts stale entries, then the oldest past the entry cap or a byte bound; with
-every key already there it writes nothing, else it merges under ``<file>.lock`` and replaces the
-file atomically. Never stops a job: each problem is one notice naming the file and the fix.
-"""
+"""``auto`` mode's cache: one table file per user and GPU arch (docs/cache.md). First persisted
+wins, so overlapping jobs converge on one config per key; a persist evicts stale entries, then the
+oldest past the entry cap or a byte bound. Never stops a job: each problem is one notice."""
 
 from __future__ import annotations
 
@@ -18,6 +14,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..core import __version__
 from ..core.decisions import Decision
 from ..core.errors import TableError
 from ..core.identity import config_signature
@@ -27,7 +24,7 @@ from . import files
 from .entry import Entry, entry_with, same_config
 from .records import content_ident, entry_from_decision
 from .search import installed_triton_version, staleness
-from .table import Table, library_version, table_from_data
+from .table import Table, table_bytes, table_from_data
 
 logger = logging.getLogger(__name__)
 
@@ -48,15 +45,13 @@ _provenance = operator.attrgetter("arch", "kernel", "source_hash", "triton_versi
 
 
 def default_cache_dir() -> Path:
-    """``<user cache dir>/megatron_tuning``: ``$XDG_CACHE_HOME/megatron_tuning`` or ``~/.cache/...``."""
     import platformdirs
 
     return Path(platformdirs.user_cache_dir("megatron_tuning", appauthor=False))
 
 
 def cache_path(policy: TuningPolicy, arch: str | Callable[[], str]) -> str | None:
-    """The cache file for ``arch``: the policy's ``cache``, else the per-user default; ``None`` when
-    ``off``. A callable ``arch`` is called only for the default."""
+    """The policy's cache file, else the per-user one for ``arch`` (a callable is called only then)."""
     if policy.cache == CACHE_OFF:
         return None
     if policy.cache:
@@ -65,8 +60,7 @@ def cache_path(policy: TuningPolicy, arch: str | Callable[[], str]) -> str | Non
 
 
 def open_cache(policy: TuningPolicy, arch: str | Callable[[], str]) -> AutoCache | None:
-    """The cache ``policy`` names for ``arch``, read now (no file yet: empty). ``None`` when it is
-    off, a folder or unreadable (one notice naming the file and the fix; the file is left as is)."""
+    """The cache ``policy`` names for ``arch``, read now; ``None`` when off, a folder or unreadable."""
     path = cache_path(policy, arch)
     if path is None:
         return None
@@ -79,7 +73,8 @@ def open_cache(policy: TuningPolicy, arch: str | Callable[[], str]) -> AutoCache
         )
         return None
     try:
-        data, loaded = read_cache_file(path) if os.path.exists(path) else (None, Table(meta=CACHE_META))
+        data = _read(path)
+        loaded = Table(meta=CACHE_META) if data is None else table_from_data(data, path)
     except (OSError, TableError) as exc:
         _notice(
             path,
@@ -118,14 +113,6 @@ def open_cache(policy: TuningPolicy, arch: str | Callable[[], str]) -> AutoCache
     )
 
 
-def read_cache_file(path: str) -> tuple[bytes, Table]:
-    """A cache file's bytes and table as ``open_cache`` reads them; a bad file raises ``TableError``."""
-    data = _read(path)
-    if data is None:
-        raise TableError(path, "no such file")
-    return data, table_from_data(data, path)
-
-
 @dataclass
 class AutoCache:
     """One run's cache: what lookups see, and the decisions still to persist into the file."""
@@ -141,8 +128,8 @@ class AutoCache:
 
     def persist(self, decisions: Iterable[Decision]) -> int:
         """Merge this run's ``tuned``/``adopted`` decisions not yet persisted into the file; return
-        how many entries that added (first persisted wins). Never raises: a failed write is one
-        warning, its entries kept for the next persist. Thread-safe, and cheap with nothing new."""
+        how many entries that added. Never raises: a failed write is one warning, its entries kept
+        for the next persist."""
         if not self.writable:
             return 0
         decisions = list(decisions)
@@ -169,8 +156,8 @@ class AutoCache:
             return sum(plan.table.get(*entry.ident) is entry for entry in plan.added)
 
     def on_decision(self, decision: Decision) -> None:
-        """Decision-log listener: a decision this rank measured is persisted at once, so a run killed
-        after a tune keeps it; adopted keys wait for the next persist (their winner's node has them)."""
+        """Decision-log listener: what this rank measured is persisted at once (a run killed after a
+        tune keeps it); adopted keys wait for the next persist."""
         if decision.source in PERSISTED_SOURCES and decision.timings is not None:
             self.persist([decision])
 
@@ -187,8 +174,8 @@ class AutoCache:
         return list(pending.values())
 
     def _write(self, pending: list[Entry], hashes: _Hashes, offered: _Offered, version: str | None) -> _Plan:
-        # Without the lock first: when every key is already there (the common case at close, where
-        # the ranks of a node persist the same adopted keys), nothing is locked or written.
+        # Without the lock first: when every key is already there (the ranks of a node persisting
+        # the same adopted keys at close), nothing is locked or written.
         data = _read(self.path)
         plan = _keep_first(self._base(data), pending, hashes, offered, version, self.max_entries)
         if not plan.changed:
@@ -199,8 +186,6 @@ class AutoCache:
                 plan = _keep_first(self._base(current), pending, hashes, offered, version, self.max_entries)
                 if not plan.changed:
                     return plan
-            # Encoded under the lock: done outside, the work would be wasted whenever another
-            # writer got in first, which is when CPU time is scarce.
             # A quarter of the read limit: the file stays readable, with room for its JSON view.
             payload = _encode(plan, files.MAX_FILE_BYTES // 4, as_json=self.path.endswith(".json"))
             files.write_atomic(self.path, payload)
@@ -208,8 +193,7 @@ class AutoCache:
         return plan
 
     def _base(self, data: bytes | None) -> Table:
-        """The file's content, decoded only when its bytes are not those this process last saw.
-        Raises ``TableError`` for a newer cache format: this version must not rewrite it."""
+        """The file's content, decoded only when its bytes changed; a newer format raises ``TableError``."""
         if data is None:
             return Table(meta=CACHE_META)
         if self._seen is None or self._seen[0] != data:
@@ -221,20 +205,16 @@ class AutoCache:
         return self._seen[1]
 
     def _report(self, plan: _Plan) -> None:
-        if plan.replaced:
-            old, ours = plan.replaced[0]
-            logger.info(
-                f"auto cache {self.path}: replaced {_count(len(plan.replaced), 'entry')} whose config the "
-                f"kernel no longer offers (e.g. {old.kernel} [{_shortened(old.key)}]: cache "
-                f"{config_signature(old.config)}, re-tuned {config_signature(ours.config)})"
-            )
-        if plan.kept:
-            old, ours = plan.kept[0]
-            logger.info(
-                f"auto cache {self.path}: kept {_count(len(plan.kept), 'entry')} another run persisted "
-                f"first (e.g. {old.kernel} [{_shortened(old.key)}]: cache {config_signature(old.config)}, "
-                f"this run {config_signature(ours.config)}); later runs launch the cache's"
-            )
+        for pairs, what, ours_as in (
+            (plan.replaced, "replaced {} whose config the kernel no longer offers", "re-tuned"),
+            (plan.kept, "kept {} another run persisted first (later runs launch the cache's)", "this run"),
+        ):
+            if pairs:
+                old, ours = pairs[0]
+                done = what.format(_count(len(pairs), "entry"))
+                example = f"{old.kernel} [{_shortened(old.key)}]: cache {config_signature(old.config)}"
+                example += f", {ours_as} {config_signature(ours.config)}"
+                logger.info(f"auto cache {self.path}: {done} (e.g. {example})")
         if plan.stale:
             reasons = sorted(collections.Counter(reason for _, reason in plan.stale).items())
             why = ", ".join(f"{count} {reason}" for reason, count in reasons)
@@ -273,7 +253,7 @@ def _notice(path: str, kind: str, message: str) -> bool:
 
 @dataclass
 class _Plan:
-    """What one persist does to the file's content: the table to write, and what happened to which entries."""
+    """What one persist does: the table to write, and what happened to which entries."""
 
     table: Table
     added: list[Entry] = field(default_factory=list)
@@ -293,20 +273,19 @@ def _keep_first(
     base: Table, pending: list[Entry], hashes: _Hashes, offered: _Offered, version: str | None, cap: int
 ) -> _Plan:
     """``pending`` merged into a copy of ``base``: stale entries evicted, new keys added (first
-    persisted wins, unless the kernel no longer offers its config), the oldest evicted past ``cap``
-    (the byte bound is ``_encode``'s)."""
+    persisted wins, unless the kernel no longer offers its config), the oldest evicted past ``cap``."""
     found, order = _format(base)
     plan = _Plan(base.copy())
     table = plan.table
     if order:
-        plan.stale = [(entry, f"in cache format {found}") for entry in table.entries_in_order()]
+        plan.stale = [(entry, f"in cache format {found}") for entry in table.values()]
     else:
         # Staleness depends only on an entry's provenance, and a cache holds few distinct ones:
         # judge those, and walk the entries only when one is stale.
         kinds = {_provenance(entry): entry for entry in table.values()}
         reasons = {kind: staleness(entry, hashes.get(kind[:2]), version) for kind, entry in kinds.items()}
         if any(reasons.values()):
-            plan.stale = [(e, why) for e in table.entries_in_order() if (why := reasons[_provenance(e)])]
+            plan.stale = [(e, why) for e in table.values() if (why := reasons[_provenance(e)])]
     for entry, _ in plan.stale:
         table.remove(*entry.ident)
     # One kernel by content under another module name (an eval pipeline's loads) holds the key too.
@@ -327,7 +306,7 @@ def _keep_first(
     if len(table) > cap:
         plan.evicted = _evict_oldest(table, len(table) - cap)
     table.meta = {**base.meta, **CACHE_META}
-    table.library_version = library_version()
+    table.library_version = __version__
     return plan
 
 
@@ -343,7 +322,7 @@ def _offered(decisions: list[Decision]) -> _Offered:
 
 
 def _encode(plan: _Plan, max_bytes: int, *, as_json: bool) -> bytes:
-    """``plan.table`` encoded with rows in entry order, its oldest entries evicted until it fits."""
+    """``plan.table`` encoded in entry order, its oldest entries evicted until it fits."""
     table = plan.table
     while True:
         payload = table.to_json(keep_order=True).encode() if as_json else table.to_bytes(keep_order=True)
@@ -357,30 +336,19 @@ def _encode(plan: _Plan, max_bytes: int, *, as_json: bool) -> bytes:
 
 
 def _evict_oldest(table: Table, count: int) -> list[Entry]:
-    oldest = table.entries_in_order()[:count]
+    oldest = table.values()[:count]
     for entry in oldest:
         table.remove(*entry.ident)
     return oldest
 
 
 def _read(path: str) -> bytes | None:
-    """The cache file's bytes; ``None`` when there is none yet (a dangling symlink: written through).
-    Raises ``TableError`` for what is not a readable table file, or is over the table read limit."""
-    if not os.path.exists(path):
-        return None
-    size = os.path.getsize(path)
-    if size > files.MAX_FILE_BYTES:  # an older version let caches grow: never read, never rewritten
-        raise TableError(
-            path,
-            f"it is {size} bytes, over the {files.MAX_FILE_BYTES}-byte read limit for tables; `show` "
-            f"and `export` read it with `--max-size {-(-size // 2**20)}`",
-        )
-    return files.read_regular_file(path, error=TableError)
+    """The cache file's bytes; ``None`` when there is none yet (a dangling symlink: written through)."""
+    return table_bytes(path) if os.path.exists(path) else None
 
 
 def _format(table: Table) -> tuple[str, int]:
-    """The cache format a table's header names (none: 1, from before formats were numbered), and how
-    it compares with this version's: -1 older, 0 the same, 1 newer (or not a number)."""
+    """The cache format a header names (none: 1), and -1, 0 or 1: older, this version's, newer."""
     found = table.meta.get("cache_format", "1")
     number = int(found) if found.isascii() and found.isdigit() else CACHE_FORMAT + 1
     return found, (number > CACHE_FORMAT) - (number < CACHE_FORMAT)

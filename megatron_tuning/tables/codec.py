@@ -1,11 +1,7 @@
-"""Table encodings: columnar canonical msgpack (on disk) and row-wise JSON (for review).
-
-msgpack, schema 2: ``[FORMAT, SCHEMA, header, body]``, one list per field; strings, configs and
-key names are stored once and referenced by index (keys: ``keys.py``), so a 100k-entry load checks
-columns at C speed. Canonical: sorted strings, configs by packed bytes, rows by (arch, kernel,
-key), all-nil optional columns omitted. Decoding is bounded by msgpack's own limits and size caps
-(``_unpack``). Schema 1 (keys as text) is read, never written.
-"""
+"""Table encodings: columnar canonical msgpack, ``[FORMAT, SCHEMA, header, body]`` with one list per
+field, strings and configs stored once and referenced by index (a 100k-entry load checks columns at C
+speed), bounded by msgpack's own limits and size caps; and row-wise JSON for review. Schema 1 (keys as
+text) is read, never written."""
 
 from __future__ import annotations
 
@@ -74,7 +70,6 @@ _ERRORS[msgpack.FormatError] = "an invalid type byte"
 
 
 def encode_msgpack(library_version: str, meta: dict[str, str], entries: Sequence[Entry]) -> bytes:
-    """Canonical bytes for ``entries`` (already in (arch, kernel, key) order)."""
     header: dict[str, Any] = {"library_version": library_version}
     if meta:
         header["meta"] = dict(sorted(meta.items()))
@@ -112,7 +107,6 @@ def encode_msgpack(library_version: str, meta: dict[str, str], entries: Sequence
 
 
 def decode_msgpack(data: bytes) -> _Decoded:
-    """Validate and decode a whole file; any problem raises ``Invalid`` (bounded: see above)."""
     if not data:
         raise Invalid("empty file")
     if data.lstrip()[:1] == b"{":
@@ -126,7 +120,6 @@ def decode_msgpack(data: bytes) -> _Decoded:
 
 
 def _unpack(data: bytes) -> tuple[int, dict[str, Any], dict[str, list[Any]]]:
-    """The header and the columns of ``[FORMAT, SCHEMA, header, body]``, each checked as it is read."""
     up = msgpack.Unpacker(max_buffer_size=max(1, len(data)), max_array_len=0, max_map_len=0, **_LIMITS)
     up.feed(data)
     where, header, body, count = "", {}, {}, None
@@ -207,7 +200,7 @@ def _fields(up: msgpack.Unpacker, what: str, limit: int, item: str = "field") ->
 
 
 def unique_map(pairs: list[tuple[Any, Any]], what: str = "map key") -> dict[Any, Any]:
-    """A dict of ``pairs``, refusing a repeated key (msgpack and json would keep the last silently)."""
+    """A dict of ``pairs``, refusing a repeated key (msgpack and json would keep the last)."""
     out: dict[Any, Any] = {}
     for key, value in pairs:
         if key in out:
@@ -228,7 +221,6 @@ def _decode_body(body: dict[str, list[Any]], schema: int) -> dict[_Ident, Entry]
             raise Invalid(f"configs[{index}]: {exc}") from None
 
     def column(name: str, values: list[Any] = strings) -> Iterable[Any]:
-        """An index column's values (nil stays nil); absent: all nil."""
         if name not in body:
             return repeat(None)
         present = [i for i in body[name] if i is not None]
@@ -295,8 +287,8 @@ def check_header(version: Any, meta: Any) -> tuple[str, dict[str, str]]:
 
 
 def encode_json(library_version: str, meta: dict[str, str], entries: Sequence[Entry]) -> str:
-    """Row-wise JSON view: one object per entry, fields sorted, so reviews diff per field. Not
-    ``sort_keys``: a key's maps keep its order (``Entry.to_data`` sorts every other map)."""
+    """One object per entry, fields sorted, so reviews diff per field. Not ``sort_keys``: a key's maps
+    keep its order (``Entry.to_data`` sorts every other map)."""
     doc: dict[str, Any] = {"entries": [entry.to_data() for entry in entries], "format": FORMAT}
     doc.update(library_version=library_version, meta=dict(sorted(meta.items())), schema=SCHEMA)
     if not meta:
@@ -305,7 +297,6 @@ def encode_json(library_version: str, meta: dict[str, str], entries: Sequence[En
 
 
 def decode_json(text: str | bytes) -> _Decoded:
-    """Validate and decode the JSON view (UTF-8, no BOM); any problem raises ``Invalid``."""
     size = len(text) if isinstance(text, bytes) else None
     text = json_text(text)
     if not text.strip():

@@ -1,8 +1,5 @@
-"""Tuning-table entries: the data model and its one validation path, ``entry_from_data``.
-
-The loader and code that builds an ``Entry`` by hand share that path, so an entry made in memory
-encodes exactly like one read back from disk: that is what makes the encoding canonical.
-"""
+"""Tuning-table entries and their one validation path, ``entry_from_data``, shared by the loaders
+and code that builds an ``Entry``: an entry made in memory encodes exactly like one read back."""
 
 from __future__ import annotations
 
@@ -25,8 +22,7 @@ _MAX_DEPTH = 6  # nesting allowed inside config data (kwargs values are scalars 
 
 
 def entry_order(arch: str, kernel: str, key: str) -> tuple[Any, ...]:
-    """The one order of entries and keys people read (``show``, the JSON view, ``coverage``):
-    arch, kernel, then the key's numbers as numbers (``M=8`` before ``M=100``)."""
+    """The order people read: arch, kernel, then the key with numbers as numbers (8 before 100)."""
     return (arch, kernel, (0, key.order()) if isinstance(key, Key) else (1, key))
 
 
@@ -35,8 +31,6 @@ class Invalid(ValueError):
 
 
 class Timing(NamedTuple):
-    """Measurement statistics of the winning config (all optional)."""
-
     median_ms: float | None = None
     spread_ms: float | None = None  # inter-quantile spread (p80 - p20) of the winner's samples
     samples: int | None = None  # timed samples per candidate
@@ -48,7 +42,7 @@ class Timing(NamedTuple):
 
 
 class Numerics(NamedTuple):
-    """What the numerics audit found for an entry's config (``audit``; docs/numerics.md)."""
+    """What the numerics audit found for an entry's config (docs/numerics.md)."""
 
     class_id: str  # 16 hex: the distinct outputs its launches gave on the audited inputs
     inputs: str  # 16 hex: digest of those inputs; class ids compare only between equal inputs
@@ -63,7 +57,6 @@ _HEX16 = re.compile(r"[0-9a-f]{16}")
 
 
 def check_numerics(value: Any) -> Numerics | None:
-    """Validate ``Numerics`` data (its ``to_data`` form); ``None`` stays ``None``."""
     if value is None or isinstance(value, Numerics):
         return value
     if type(value) is not dict or not set(Numerics._fields[:3]) <= value.keys() <= set(Numerics._fields):
@@ -100,8 +93,7 @@ class _EntryFields(NamedTuple):
 
 class Entry(_EntryFields):
     """One table entry: immutable, validated and canonicalised when built. A named tuple because the
-    loader builds 100k per table: ``tuple.__new__`` is several times cheaper than a dataclass.
-    ``key``: a ``core.key.Key`` or its stored form; text alone is refused (it cannot say its parts)."""
+    loader builds 100k per table. ``key``: a ``core.key.Key`` or its stored form, never text."""
 
     __slots__ = ()
 
@@ -145,7 +137,7 @@ class Entry(_EntryFields):
         return (self.arch, self.kernel, self.key)
 
     def to_data(self) -> dict[str, Any]:
-        """Plain dict form (the JSON view's entry), fields sorted, absent optional fields omitted."""
+        """The JSON view's entry: fields sorted, absent optional fields omitted."""
         data = {name: getattr(self, name) for name in sorted(self._fields) if getattr(self, name) is not None}
         for name in data.keys() & {"key", "timing", "numerics"}:
             data[name] = data[name].to_data()
@@ -164,12 +156,11 @@ def same_config(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
         return False
 
 
-# Loader fast path: build an already-validated entry without re-validating it.
+# The loaders' fast path: an already-validated entry.
 make_entry = functools.partial(tuple.__new__, Entry)
 
 
 def entry_from_data(row: Any) -> Entry:
-    """Validate one entry's plain data and build it (the single validation path)."""
     if type(row) is not dict:
         raise Invalid(f"must be a map, got {type(row).__name__}")
     if unknown := row.keys() - _EntryFields._fields:
@@ -205,8 +196,7 @@ def entry_from_data(row: Any) -> Entry:
 
 
 def check_text(name: str, text: str) -> None:
-    """Raise ``Invalid`` unless ``text`` can be stored: msgpack strings are UTF-8, and a
-    lone surrogate (which a JSON ``\\ud800`` escape produces) has no UTF-8 form."""
+    """Refuse text msgpack cannot store: a lone surrogate (a JSON ``\\ud800``) has no UTF-8 form."""
     if not text.isascii():
         try:
             text.encode("utf-8")
@@ -221,7 +211,7 @@ _INTERN_LIMIT = 65536
 
 
 def check_config(config: Any) -> dict[str, Any]:
-    """Validate config data (``config_data`` form) and return its canonical, shared form."""
+    """Config data (``config_data`` form) validated, in its canonical, shared form."""
     try:
         blob = msgpack.packb(config, use_bin_type=True, strict_types=True)
     except Exception:  # anything msgpack cannot pack exactly: the slow path says what is wrong
@@ -254,7 +244,7 @@ def check_config(config: Any) -> dict[str, Any]:
 
 
 def _canonical(value: Any, depth: int) -> Any:
-    """Validate a msgpack/JSON-safe value; return it with every map's keys sorted."""
+    """A msgpack/JSON-safe value validated, every map's keys sorted."""
     kind = type(value)
     if kind is str:
         check_text("config string", value)
@@ -309,7 +299,6 @@ def _check_votes(votes: Any) -> tuple[int, int] | None:
 
 
 def key_from_data(data: Any, kernel: Any = None) -> Key:
-    """A key in its stored form (``Key.to_data``); anything else raises ``Invalid`` naming the form."""
     try:
         return Key.from_data(data)
     except ValueError as exc:
@@ -320,5 +309,4 @@ def key_from_data(data: Any, kernel: Any = None) -> Key:
 
 
 def entry_with(entry: Entry, **changes: Any) -> Entry:
-    """A copy of ``entry`` with some fields changed (validated)."""
     return Entry(**{**entry._asdict(), **changes})

@@ -1,23 +1,17 @@
-"""Files on disk, written and read safely: atomic replace, bounded reads, locks, named errors.
-
-Every persisted artefact is written with ``write_atomic`` (a crash leaves the old file or the new
-one) and read with ``read_regular_file`` (regular files only, at most ``MAX_FILE_BYTES``). JSON is
-refused before it is parsed when it could cost more than ``BUDGET_FACTOR`` times its size (msgpack
-tables: ``codec``). Read-modify-writes hold ``locked`` on the file really written.
-"""
+"""Files on disk, written and read safely: atomic replace (a crash leaves the old file or the new
+one), bounded reads of regular files only, JSON refused unread when it could cost too much, locks on
+the file really written, and errors that name the path."""
 
 from __future__ import annotations
 
 import codecs
 import contextlib
 import errno
-import json
 import logging
 import os
 import secrets
 import stat
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import filelock
 
@@ -50,7 +44,6 @@ _KINDS = {
 
 
 def file_kind(mode: int) -> str:
-    """What ``st_mode`` describes, in words (for errors)."""
     return _KINDS.get(stat.S_IFMT(mode), "special file")
 
 
@@ -61,8 +54,7 @@ def _real_output(path: str) -> str:
 
 
 def write_atomic(path: str | os.PathLike[str], payload: bytes, *, error: ErrorFactory = TableError) -> None:
-    """Temp file (``.<name>.<pid>.<random>.tmp``, ``O_EXCL | O_NOFOLLOW``) in the same folder, fsync,
-    ``os.replace``, fsync the folder. A ``path`` that is a device, FIFO or socket raises ``error``."""
+    """Temp file (``O_EXCL | O_NOFOLLOW``) in the same folder, fsync, ``os.replace``, fsync the folder."""
     target = os.fspath(path)
     try:
         mode = os.stat(target).st_mode
@@ -148,8 +140,8 @@ def read_regular_file(
     path: str | os.PathLike[str], *, error: ErrorFactory = TableError, max_bytes: int | None = None
 ) -> bytes:
     """The bytes of the regular file at ``path``, at most ``max_bytes`` (default ``MAX_FILE_BYTES``);
-    anything else (missing, a folder, a FIFO or device: opened non-blocking and checked with
-    ``fstat`` before anything could block, a file over the limit) raises ``error(path, problem)``."""
+    anything else (missing, a folder, a FIFO or device: checked before anything could block, a file
+    over the limit) raises ``error(path, problem)``."""
     name = os.fspath(path)
     limit = MAX_FILE_BYTES if max_bytes is None else max_bytes
     try:
@@ -192,7 +184,7 @@ def broken_link_problem(path: str | os.PathLike[str]) -> str | None:
 
 
 def json_text(data: str | bytes) -> str:
-    """The text of a JSON file: strict UTF-8, no byte-order mark (JSON files here are UTF-8)."""
+    """The text of a JSON file: strict UTF-8, no byte-order mark."""
     if isinstance(data, str):
         return data
     if data.startswith(codecs.BOM_UTF8):
@@ -221,21 +213,6 @@ def check_json_budget(text: str, *, per_object: int = 0, size: int | None = None
         )
 
 
-def read_json_file(path: str | os.PathLike[str], *, error: ErrorFactory, what: str) -> Any:
-    """Parse the JSON file at ``path`` (bounded read, strict UTF-8, budget checked before parsing);
-    any problem raises ``error(path, problem)`` naming ``what``, e.g. ``"decision log"``."""
-    name = os.fspath(path)
-    data = read_regular_file(name, error=error)
-    try:
-        text = json_text(data)
-        check_json_budget(text, size=len(data))
-        return json.loads(text)
-    except Invalid as exc:
-        raise error(name, f"not a readable {what}: {exc}") from None
-    except (ValueError, RecursionError) as exc:  # json errors are ValueErrors
-        raise error(name, f"not a readable {what} ({type(exc).__name__}: {exc})") from None
-
-
 @contextlib.contextmanager
 def locked(
     path: str | os.PathLike[str],
@@ -244,9 +221,7 @@ def locked(
     error: ErrorFactory = TableError,
     wait_level: int = logging.WARNING,
 ) -> Iterator[str]:
-    """Hold ``<resolved path>.lock`` (a symlink and its target share it); yields the resolved path.
-    A writer that waits logs the holder at ``wait_level``, and raises ``error`` after ``timeout_s``.
-    filelock (>= 3.20.1, CVE-2025-68146) refuses a symlinked lock file; that is reported, named."""
+    """Hold ``<resolved path>.lock`` (a symlink and its target share it); yield the resolved path."""
     name, real = os.fspath(path), os.path.realpath(path)
     lock_path = real + ".lock"
     lock = filelock.FileLock(lock_path)
@@ -264,7 +239,7 @@ def locked(
             f"{describe_holders(lock_path)}: another process (tune, merge or a record-mode run) is "
             "writing this table; let it finish or stop it, then retry",
         ) from None
-    except OSError:
+    except OSError:  # filelock (>= 3.20.1, CVE-2025-68146) refuses a symlinked lock file: say so
         if not os.path.islink(lock_path):
             raise  # an unwritable folder and the like
         raise error(

@@ -1,8 +1,6 @@
-"""How tables store keys: schema 2's columns of parts, and schema 1's text, read once (never written).
-
+"""How tables store keys: schema 2's columns of parts, and schema 1's text, read (never written).
 Schema 2: each distinct (names, dtypes) once in ``key_shapes``; each row's key as its index in
-``key``, its values one after another in ``key_values`` (a ``Shown`` one as ``{"text": ...}``).
-"""
+``key``, its values one after another in ``key_values``."""
 
 from __future__ import annotations
 
@@ -20,8 +18,6 @@ MAX_KEYS_TEXT = 256 * 1024 * 1024  # all keys of a table together (a million rea
 
 
 def key_columns(keys: Sequence[Key]) -> dict[str, list[Any]]:
-    """Each distinct (names, dtypes) once, in the order of their packed bytes; each row's key as
-    its index, its values one after another in ``key_values``."""
     shapes = {(key.names, key.dtypes) for key in keys}
     index = {
         shape: i for i, shape in enumerate(sorted(shapes, key=lambda s: msgpack.packb([s[0], dict(s[1])])))
@@ -34,7 +30,6 @@ def key_columns(keys: Sequence[Key]) -> dict[str, list[Any]]:
 
 
 def keys_from_columns(body: dict[str, list[Any]], schema: int) -> list[Key]:
-    """Each row's key, from schema 2's columns or schema 1's text."""
     if schema == 1:
         return [_checked(key_from_text, text, f"key[{i}]") for i, text in enumerate(body["key"])]
     shapes = [
@@ -66,7 +61,7 @@ def keys_from_columns(body: dict[str, list[Any]], schema: int) -> list[Key]:
 
 
 def _key_shape(shape: Any) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...], int]:
-    """Names, dtypes, and the text they add to each key of theirs."""
+    """Names, dtypes, and how much text they add to each key of theirs."""
     if type(shape) is not list or len(shape) != 2 or type(shape[0]) is not list or type(shape[1]) is not dict:
         raise ValueError("not [names, dtypes]")
     names, dtypes = tuple(shape[0]), tuple(shape[1].items())
@@ -83,8 +78,7 @@ def _checked(build: Callable[[Any], Any], data: Any, where: str) -> Any:
 
 
 def key_from_text(text: str) -> Key:
-    """A schema-1 key: its text, ``NAME=VALUE, ... | ARG:DTYPE, ...``, read once by Python's own
-    parser (the values are what ``core.key.render`` wrote: literals, or reprs kept as text)."""
+    """A schema-1 key, ``NAME=VALUE, ... | ARG:DTYPE, ...``, read by Python's own parser."""
     if type(text) is not str:
         raise Invalid(f"key must be a string, got {text!r}")
     values_text, bar, dtypes_text = text.rpartition("|")  # dtype names never hold "|"
@@ -115,6 +109,7 @@ def key_from_text(text: str) -> Key:
     if any(not sep or not name.strip().isidentifier() for name, sep, _ in dtypes):
         raise Invalid(problem)
     try:
-        return Key(values, [(name.strip(), dtype.strip()) for name, _, dtype in dtypes])
+        pairs = tuple((name.strip(), dtype.strip()) for name, _, dtype in dtypes)
+        return Key.of(tuple(values), tuple(values.values()), pairs)
     except ValueError as exc:
         raise Invalid(f"{problem}: {exc}") from None

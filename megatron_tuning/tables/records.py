@@ -14,7 +14,7 @@ from ..core.decisions import Decision, get_decisions
 from ..core.errors import TableError
 from ..core.identity import content_name, current_rank
 from .entry import Invalid, Numerics, check_numerics, key_from_data
-from .files import read_json_file, write_atomic
+from .files import check_json_budget, json_text, read_regular_file, write_atomic
 from .keys import key_from_text
 from .search import installed_triton_version
 from .table import Entry, Table, Timing, update_table
@@ -27,16 +27,23 @@ _HOW = {"recorded": "recorded", "tuned": "tuned", "adopted": "tuned"}
 
 
 def write_decisions(path: str | os.PathLike[str], decisions: Iterable[Decision] | None = None) -> None:
-    """Write decisions (default: this process's log) as JSON, atomically: what ``coverage`` reads."""
+    """Write decisions (default: this process's log) as JSON: what ``coverage`` reads."""
     rows = [d.to_json() for d in (get_decisions() if decisions is None else decisions)]
     doc = {"format": DECISIONS_FORMAT, "version": 2, "decisions": rows}  # not sort_keys: keys keep order
     write_atomic(path, json.dumps(doc, indent=1).encode("utf-8"), error=_log_error)
 
 
 def read_decisions(path: str | os.PathLike[str]) -> list[Decision]:
-    """Read a file ``write_decisions`` wrote; any problem raises one ``TableError`` naming it."""
     name = os.fspath(path)
-    data = read_json_file(name, error=_log_error, what="decision log")
+    raw = read_regular_file(name, error=_log_error)
+    try:
+        text = json_text(raw)
+        check_json_budget(text, size=len(raw))
+        data = json.loads(text)
+    except Invalid as exc:
+        raise _log_error(name, f"not a readable decision log: {exc}") from None
+    except (ValueError, RecursionError) as exc:  # json errors are ValueErrors
+        raise _log_error(name, f"not a readable decision log ({type(exc).__name__}: {exc})") from None
     if not isinstance(data, dict) or data.get("format") != DECISIONS_FORMAT:
         raise _log_error(name, "not a megatron_tuning decision log (wrong or missing 'format')")
     rows, version = data.get("decisions"), data.get("version", 1)
@@ -61,39 +68,37 @@ def _log_error(path: str, problem: str) -> TableError:
     return TableError(path, problem, "Decision log")
 
 
-_TEXT_FIELDS = ("kernel", "signature", "source")
-_OPTIONAL_TEXT = (
-    *("arch", "origin", "source_hash", "config_list_digest"),
-    *("nearest_key", "matched_by", "entry_kernel", "chaos"),
-)
+_REQUIRED = ("kernel", "signature", "source")
+_ROW_TYPES: dict[str, tuple[type, ...]] = {
+    **dict.fromkeys(_REQUIRED, (str,)),
+    **dict.fromkeys(("arch", "origin", "source_hash", "config_list_digest"), (str, type(None))),
+    **dict.fromkeys(("nearest_key", "matched_by", "entry_kernel", "chaos"), (str, type(None))),
+    **{"rank": (int,), "deterministic": (bool, type(None)), "config": (dict,), "timings": (dict, type(None))},
+}
+_TYPE_NAMES = {
+    str: "a string",
+    int: "an integer",
+    bool: "true or false",
+    dict: "an object",
+    type(None): "null",
+}
 
 
 def _row_problem(row: Any) -> str | None:
-    """Why a hand-edited or hostile row cannot be a ``Decision`` (every reader relies on the types)."""
+    """Why a hand-edited or hostile row cannot be a ``Decision`` (readers rely on the types)."""
     if type(row) is not dict:
         return f"must be an object, got {type(row).__name__}"
     if unknown := sorted(map(str, row.keys() - Decision.__dataclass_fields__.keys())):
         return f"unknown fields {unknown}"
-    for name in _TEXT_FIELDS:
-        if type(row.get(name)) is not str:
-            return f"{name} must be a string, got {row.get(name)!r}"
-    if "rank" in row and type(row["rank"]) is not int:
-        return f"rank must be an integer, got {row['rank']!r}"
-    if row.get("deterministic") is not None and type(row["deterministic"]) is not bool:
-        return f"deterministic must be true, false or null, got {row['deterministic']!r}"
-    for name in _OPTIONAL_TEXT:
-        if row.get(name) is not None and type(row[name]) is not str:
-            return f"{name} must be a string or null, got {row[name]!r}"
-    if "config" in row and type(row["config"]) is not dict:
-        return f"config must be an object, got {type(row['config']).__name__}"
-    if row.get("timings") is not None and type(row["timings"]) is not dict:
-        return f"timings must be an object or null, got {type(row['timings']).__name__}"
+    for name, types in _ROW_TYPES.items():
+        if (name in row or name in _REQUIRED) and type(row.get(name)) not in types:
+            return f"{name} must be {' or '.join(_TYPE_NAMES[t] for t in types)}, got {row.get(name)!r}"
     return None
 
 
 def content_ident(entry: Entry) -> tuple[str | None, ...]:
     """What makes entries under different module names one (kernel, key): the id without its module,
-    the same source hash and config list. An entry without a source hash is only its own ident."""
+    the source hash and config list. Without a source hash, an entry is only its own ident."""
     if entry.source_hash is None:
         return entry.ident
     return (entry.arch, content_name(entry.kernel), entry.key, entry.source_hash, entry.config_list_digest)
@@ -129,8 +134,8 @@ def entry_from_decision(decision: Decision, *, triton_version: str | None = None
 
 
 def timing_from_decision(decision: Decision) -> Timing | None:
-    """The winner's timing statistics from ``{"candidates": {signature: [median, p20, p80] | median}}``
-    (the tuner's and Triton's timings) or the flat ``Timing`` fields; anything odd is ignored."""
+    """The winner's timing from ``{"candidates": {signature: [median, p20, p80] | median}}`` or the
+    flat ``Timing`` fields; anything odd is ignored."""
     raw = decision.timings
     if not isinstance(raw, Mapping):
         return None
@@ -173,7 +178,7 @@ def _quantiles(timing: Any) -> list[float]:
 def recording_table(
     decisions: Iterable[Decision], *, rank: int | None = None, triton_version: str | None = None
 ) -> Table:
-    """The measured winners in ``decisions`` (first per ident wins), stamped with ``triton_version``."""
+    """The measured winners in ``decisions``, first per ident, stamped with ``triton_version``."""
     version = triton_version or installed_triton_version()
     table = Table(meta={"kind": "recording"} if rank is None else {"kind": "recording", "rank": str(rank)})
     for decision in decisions:
@@ -190,8 +195,8 @@ def recording_path(directory: str | os.PathLike[str], rank: int) -> Path:
 def write_recording(
     decisions: Iterable[Decision] | None, directory: str | os.PathLike[str], rank: int | None = None
 ) -> Path:
-    """Write this rank's recorded winners (default: this process's log) to ``recording_path``.
-    A recording from an earlier run is updated: new winners replace old ones, the others stay."""
+    """Write this rank's recorded winners (default: this process's log) to ``recording_path``,
+    updating an earlier run's: new winners replace old ones, the others stay."""
     rank = current_rank() if rank is None else rank
     fresh = recording_table(get_decisions() if decisions is None else decisions, rank=rank)
     os.makedirs(directory, exist_ok=True)

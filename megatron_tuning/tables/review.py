@@ -15,8 +15,8 @@ _PROVENANCE = ("kernel", "how", "source_hash", "triton_version", "timing", "vote
 
 def diff_tables(a: Table, b: Table, *, ignore_provenance: bool = False) -> dict[str, list[dict[str, Any]]]:
     """Entries only in ``a`` (removed), only in ``b`` (added), in both but different (changed: each
-    differing field as ``[old, new]``, and a config change's ``numerics`` verdict). An entry of the
-    same source under another module name is the same kernel with its ``kernel`` changed."""
+    differing field as ``[old, new]``, and a config change's ``numerics`` verdict); an entry of the
+    same source under another module name is the same kernel."""
 
     def brief(entry: Entry) -> dict[str, str]:
         return {"arch": entry.arch, "kernel": entry.kernel, "key": entry.key}
@@ -55,9 +55,8 @@ def _numerics_verdict(old: Entry, new: Entry) -> str:
 
 
 def review_view(table: Table) -> Table:
-    """Configs, how each was chosen, and what content matches need (source hash, config list) only
-    (``export --no-provenance``), so a re-tune's pull request does not show every timing and vote
-    that moved. No header meta: a view is no cache or recording, whatever file it was made from."""
+    """Configs, how each was chosen, and what content matches need only (``export --no-provenance``):
+    a re-tune's pull request does not show every timing that moved. No header meta."""
     keep = ("arch", "kernel", "key", "config", "how", "source_hash", "config_list_digest")
     return Table(
         [Entry(**{n: getattr(e, n) for n in keep}) for e in table.entries()],

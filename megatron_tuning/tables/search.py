@@ -1,10 +1,7 @@
-"""The table search path: several table files behind one ``lookup`` (``core.choice.ConfigTable``).
-
-Order, earlier wins: the policy's ``tables``, ``MEGATRON_TUNING_TABLE``, ``auto``'s cache, then the
-shipped ``configs/<arch>/`` (lazily, per arch). A kernel id without a fresh entry of its own is
-answered by an entry of the same code (same content name and source hash) under another module
-name. A stale entry is warned about once per cause, then used, skipped or raised (``stale_entries``).
-"""
+"""The table search path behind one ``lookup``: the policy's tables, ``auto``'s cache, then the
+shipped ``configs/<arch>/`` (lazily), earlier wins. A kernel id without a fresh entry of its own is
+answered by one of the same code under another module name; a stale entry is warned about once per
+cause, then used, skipped or raised (``stale_entries``)."""
 
 from __future__ import annotations
 
@@ -32,15 +29,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-STALE_CHOICES = ("use", "miss", "error")
-
 _Ident = tuple[str, str, str]
 _PACKAGE_DIR = Path(__file__).resolve().parent.parent  # megatron_tuning/
 
 
 def shipped_tables_dir() -> Path:
-    """The folder of per-arch table folders (``sm90/`` ...), maybe absent. An install's ``_configs``
-    (copied by ``setup.py``) wins; a checkout's ``configs/`` counts only next to its ``setup.py``."""
+    """The per-arch table folders: an install's ``_configs``, else a checkout's ``configs/``."""
     installed = _PACKAGE_DIR / "_configs"
     checkout = _PACKAGE_DIR.parent / "configs"
     if not installed.is_dir() and checkout.is_dir() and (_PACKAGE_DIR.parent / "setup.py").is_file():
@@ -49,7 +43,7 @@ def shipped_tables_dir() -> Path:
 
 
 def installed_triton_version() -> str | None:
-    """The installed Triton's version, read from package metadata (no ``import triton``)."""
+    """The installed Triton's version, from package metadata (no ``import triton``)."""
     try:
         return importlib.metadata.version("triton")
     except Exception:  # not installed, or broken metadata: staleness checks then skip Triton
@@ -57,7 +51,7 @@ def installed_triton_version() -> str | None:
 
 
 def staleness(entry: Entry, source: str | None, triton: str | None) -> str | None:
-    """Why ``entry`` is stale for the running ``source`` hash and ``triton`` version (unknown: not)."""
+    """Why ``entry`` is stale for the running ``source`` hash and ``triton`` version, if it is."""
     problems = []
     if entry.source_hash not in (None, source) and source is not None:
         problems.append(f"kernel source hash {entry.source_hash[:12]} in the table, {source[:12]} running")
@@ -66,9 +60,7 @@ def staleness(entry: Entry, source: str | None, triton: str | None) -> str | Non
     return "; ".join(problems) or None
 
 
-def expand_table_paths(
-    paths: Iterable[str | os.PathLike[str]], *, allow_empty_folders: bool = False
-) -> list[str]:
+def expand_table_paths(paths: Iterable[str | os.PathLike[str]]) -> list[str]:
     """Files named by ``paths`` (folders: their ``*.msgpack`` in name order), deduplicated. A missing
     path or an empty folder raises ``TableError``: a typo must not fall back to the cheapest config."""
     if isinstance(paths, (str, os.PathLike)):  # one path, not a sequence of characters
@@ -80,7 +72,7 @@ def expand_table_paths(
             continue
         if os.path.isdir(path):
             found = sorted(str(p) for p in Path(path).glob("*.msgpack") if p.is_file())
-            if not found and not allow_empty_folders:
+            if not found:
                 hint = " (JSON views load only by file name, or convert them with `import`)"
                 hint = hint if any(Path(path).glob("*.json")) else ""
                 raise TableError(path, f"folder holds no *.msgpack tables{hint}")
@@ -108,10 +100,7 @@ class TableSet:
         triton_version: str | None = None,
         cache: tuple[str, Table] | None = None,
     ) -> None:
-        """``shipped_dir``: a folder of ``<arch>/`` folders, searched last; ``cache``: ``auto``'s
-        (path, content), searched before them, where a stale entry is always a miss."""
-        if stale_entries not in STALE_CHOICES:
-            raise ValueError(f"stale_entries={stale_entries!r}: expected one of {STALE_CHOICES}")
+        # ``cache``: ``auto``'s (path, content), searched before the shipped tables; its stale entries miss.
         self.stale_entries = stale_entries
         self.triton_version = triton_version if triton_version is not None else installed_triton_version()
         self._shipped_dir = Path(shipped_dir) if shipped_dir is not None else None
@@ -127,8 +116,7 @@ class TableSet:
             self.cache_file = cache[0]
             self._tables.append(cache)
         self._shipped_archs: set[str] = set()
-        # First-wins index over all loaded files: O(1) lookups. Later files' entries for the same
-        # ident are scanned for only when the first one is skipped as stale.
+        # First wins, O(1); later files' entries for an ident are scanned only when it is stale.
         self._index: dict[_Ident, tuple[Entry, str]] = {}
         self._keys: dict[tuple[str, str], list[Key]] = {}  # (arch, kernel) -> keys, for nearest
         self._content: dict[tuple[str, str], list[str]] | None = None  # (arch, content name) -> ids
@@ -144,7 +132,6 @@ class TableSet:
         triton_version: str | None = None,
         cache: tuple[str, Table] | None = None,
     ) -> TableSet:
-        """The search path a policy asks for (``cache``: ``auto``'s, loaded by ``tables.cache``)."""
         return cls(
             policy.tables,
             shipped_dir=shipped_tables_dir() if policy.use_shipped_tables else None,
@@ -171,11 +158,10 @@ class TableSet:
         config_list_digest: str | None = None,
         nearest: bool = False,
     ) -> list[TableHit]:
-        """``core.choice.ConfigTable.lookup``. The kernel id's own entry, else, where that is missing
-        or tuned for other source, a content match (same source and, where both are known, the same
-        ``config_list_digest``); with ``nearest``, usable entries of comparable keys, nearest first,
-        then twin by twin those of the same code under other module names (stale ones only under
-        ``'use'``, never raised)."""
+        """The kernel id's own entry, else, where that is missing or tuned for other source, one of
+        the same source (and config list, where both are known) under another module name; with
+        ``nearest``, usable entries of comparable keys, nearest first, then those of such twins
+        (stale ones only under ``'use'``, never raised)."""
         self._load_shipped(arch)
         if nearest:
             return self._neighbours(kernel, key, arch, source_hash, config_list_digest)
@@ -213,7 +199,6 @@ class TableSet:
         return hits
 
     def _say_if_ambiguous(self, kernel: str, key: Key, arch: str) -> None:
-        """Say once why an entry under the plain ``module:qualname`` is not used for ``...@digest``."""
         module, qualname, digest = split_kernel_id(kernel)
         found = None if digest is None else self._index.get((arch, f"{module}:{qualname}", key))
         if found is not None:
@@ -231,7 +216,6 @@ class TableSet:
         return self._pick(ident, same_code, source_hash, stale_entries)
 
     def _twins(self, arch: str, kernel: str) -> list[str]:
-        """Other kernel ids with this one's content name on ``arch``, in search order."""
         with self._lock:
             if self._content is None:
                 self._content = {}
@@ -252,25 +236,25 @@ class TableSet:
         arch, kernel, key = ident
         for entry, origin in candidates:
             detail = staleness(entry, source_hash, self.triton_version)
-            if detail is None:
-                return TableHit(MappingProxyType(entry.config), origin, entry.key, numerics=entry.numerics)
-            if origin == self.cache_file:  # a cache is ours: an entry tuned for other code is re-tuned
+            if detail is not None and origin == self.cache_file:  # ours: re-tuned for the running code
                 logger.debug("stale cache entry %s [%s] in %s (%s): a miss", kernel, key, origin, detail)
                 continue
-            if stale_entries == "error":
-                raise StaleEntryError(kernel, key, origin, detail)
-            # One warning per cause: a kernel edit or a Triton upgrade makes every key of the
-            # kernel stale at once, and one line per key would bury the log.
-            use = stale_entries == "use"
-            message = (
-                f"Table entry for kernel {kernel} key {key} in {origin} is stale ({detail}); "
-                f"{'using it anyway' if use else 'ignoring it'} (stale_entries={stale_entries!r}). "
-                f"{'Re-tune to refresh it. ' if use else ''}Other keys of this kernel stale for the same "
-                f"reason are {'used' if use else 'ignored'} without another warning."
-            )
-            warn_once(("stale-entry", arch, kernel, origin, detail), message)
-            if use:
-                return TableHit(MappingProxyType(entry.config), origin, entry.key, numerics=entry.numerics)
+            if detail is not None:
+                if stale_entries == "error":
+                    raise StaleEntryError(kernel, key, origin, detail)
+                # One warning per cause: a kernel edit or a Triton upgrade makes every key of the
+                # kernel stale at once, and one line per key would bury the log.
+                use = stale_entries == "use"
+                message = (
+                    f"Table entry for kernel {kernel} key {key} in {origin} is stale ({detail}); "
+                    f"{'using it anyway' if use else 'ignoring it'} (stale_entries={stale_entries!r}). "
+                    f"{'Re-tune to refresh it. ' if use else ''}Other keys of this kernel stale for the same "
+                    f"reason are {'used' if use else 'ignored'} without another warning."
+                )
+                warn_once(("stale-entry", arch, kernel, origin, detail), message)
+                if not use:
+                    continue
+            return TableHit(MappingProxyType(entry.config), origin, entry.key, numerics=entry.numerics)
         return None
 
     def _all_for(self, ident: _Ident) -> list[tuple[Entry, str]]:
@@ -293,7 +277,7 @@ class TableSet:
                 return
             folder = self._shipped_dir / arch
             loaded = {os.path.realpath(name) for name, _ in self._tables}
-            for name in expand_table_paths([folder], allow_empty_folders=True) if folder.is_dir() else []:
+            for name in sorted(str(p) for p in folder.glob("*.msgpack") if p.is_file()):
                 if os.path.realpath(name) not in loaded:
                     table = load_table(name)
                     self._tables.append((name, table))

@@ -1,8 +1,5 @@
-"""Persisted per-shape tuning tables: canonical msgpack on disk, a lossless JSON view.
-
-A table maps (GPU arch, kernel id, tuning-key text) to a config plus provenance. Loading is
-all-or-nothing (one ``TableError`` naming the file); ``update_table`` writes under the table's lock.
-"""
+"""Tuning tables: (GPU arch, kernel id, key) to a config with provenance, canonical msgpack on disk
+and a lossless JSON view. Loading is all-or-nothing, one ``TableError`` naming the file."""
 
 from __future__ import annotations
 
@@ -23,14 +20,7 @@ _Ident = tuple[str, str, str]
 _Decoded = tuple[str, dict[str, str], dict[_Ident, Entry]]
 
 
-def library_version() -> str:
-    """The running megatron_tuning version, stamped into tables this process writes."""
-    return __version__
-
-
 class Table:
-    """An in-memory tuning table: O(1) lookup by (arch, kernel, key)."""
-
     def __init__(
         self,
         entries: Iterable[Entry] = (),
@@ -38,7 +28,6 @@ class Table:
         library_version: str | None = None,
         meta: Mapping[str, str] | None = None,
     ) -> None:
-        """``library_version`` defaults to this library's; ``meta`` is free str->str header data."""
         version = __version__ if library_version is None else library_version
         self.library_version, self.meta = check_header(version, dict(meta or {}))
         self._entries: dict[_Ident, Entry] = {}
@@ -61,20 +50,15 @@ class Table:
     def remove(self, arch: str, kernel: str, key: str) -> Entry | None:
         return self._entries.pop((arch, kernel, key), None)
 
-    def values(self) -> Iterable[Entry]:
-        """Entries in no particular order (cheaper than ``entries()`` when order is irrelevant)."""
-        return self._entries.values()
-
-    def entries(self) -> list[Entry]:
-        """Entries in the order people read them (``entry.entry_order``: numbers in keys as numbers)."""
-        return sorted(self._entries.values(), key=lambda e: entry_order(*e.ident))
-
-    def entries_in_order(self) -> list[Entry]:
-        """Entries in the order they were added (a loaded table: its file's row order)."""
+    def values(self) -> list[Entry]:
+        """Entries in the order they were added (loaded: the file's row order)."""
         return list(self._entries.values())
 
+    def entries(self) -> list[Entry]:
+        """Entries in the order people read them (``entry_order``)."""
+        return sorted(self._entries.values(), key=lambda e: entry_order(*e.ident))
+
     def copy(self) -> Table:
-        """A shallow copy: entries are immutable and shared, the mapping is not."""
         twin = Table(library_version=self.library_version, meta=self.meta)
         twin._entries = dict(self._entries)
         return twin
@@ -102,23 +86,20 @@ class Table:
     def to_bytes(self, *, keep_order: bool = False) -> bytes:
         """Canonical msgpack bytes: same content, same bytes. ``keep_order`` (``auto``'s cache:
         its eviction order) writes rows as added: readable, but not canonical, so not for commits."""
-        rows = self.entries_in_order() if keep_order else [self._entries[i] for i in sorted(self._entries)]
+        rows = self.values() if keep_order else [self._entries[i] for i in sorted(self._entries)]
         with _no_gc():
             return encode_msgpack(self.library_version, self.meta, rows)
 
     def to_json(self, *, keep_order: bool = False) -> str:
-        """Lossless, reviewable JSON text (sorted keys, one field per line)."""
-        rows = self.entries_in_order() if keep_order else self.entries()
+        rows = self.values() if keep_order else self.entries()
         return encode_json(self.library_version, self.meta, rows)
 
     @classmethod
     def from_bytes(cls, data: bytes, *, path: str = "<bytes>") -> Table:
-        """Decode canonical msgpack; any problem raises one ``TableError`` naming ``path``."""
         return cls._decode(decode_msgpack, data, path)
 
     @classmethod
     def from_json(cls, text: str | bytes, *, path: str = "<json>") -> Table:
-        """Parse the JSON view written by ``to_json``; problems raise one ``TableError``."""
         return cls._decode(decode_json, text, path)
 
     @classmethod
@@ -152,28 +133,32 @@ def load_table(path: str | os.PathLike[str], *, max_bytes: int | None = None) ->
     """Load a msgpack table, or the JSON view when the name ends in ``.json``; ``max_bytes`` raises
     the read limit (default ``files.MAX_FILE_BYTES``) for a file known to be genuine."""
     name = os.fspath(path)
+    return table_from_data(table_bytes(name, max_bytes=max_bytes), name)
+
+
+def table_bytes(path: str, *, max_bytes: int | None = None) -> bytes:
+    """The bytes of a table file; one over the read limit is refused saying how to read it anyway."""
     limit = files.MAX_FILE_BYTES if max_bytes is None else max_bytes
     with contextlib.suppress(OSError):  # the reader reports missing files and odd kinds itself
-        size = os.stat(name).st_size
+        size = os.stat(path).st_size
         if size > limit:
             raise TableError(
-                name,
+                path,
                 f"file is {size} bytes, over the {limit}-byte limit for reading a table. If it is "
                 "genuine (e.g. an auto cache an older megatron_tuning let grow), `show` and `export` "
                 f"read it with `--max-size {-(-size // 2**20)}` (MiB)",
             )
-    return table_from_data(read_regular_file(name, max_bytes=limit), name)
+    return read_regular_file(path, max_bytes=limit)
 
 
 def table_from_data(data: bytes, name: str) -> Table:
-    """Decode a table file's bytes: the JSON view when ``name`` ends in ``.json``, else msgpack."""
     if name.endswith(".json"):
         return Table.from_json(data, path=name)
     return Table.from_bytes(data, path=name)
 
 
 def save_table(table: Table, path: str | os.PathLike[str]) -> None:
-    """Write atomically: msgpack, or the JSON view when the name ends in ``.json``."""
+    """Write atomically, the JSON view when the name ends in ``.json``."""
     name = os.fspath(path)
     write_atomic(name, table.to_json().encode("utf-8") if name.endswith(".json") else table.to_bytes())
 
@@ -181,8 +166,7 @@ def save_table(table: Table, path: str | os.PathLike[str]) -> None:
 def update_table(
     path: str | os.PathLike[str], mutate: Callable[[Table], None], *, timeout_s: float = LOCK_TIMEOUT_S
 ) -> Table:
-    """Read-modify-write ``path`` under its lock; a missing file starts empty. ``mutate`` changes the
-    table in place; it is stamped with this version, written if it changed, and returned."""
+    """Read-modify-write ``path`` under its lock: ``mutate`` changes the table; written if it changed."""
     name = os.fspath(path)
     with locked(name, timeout_s=timeout_s):
         exists = os.path.exists(name)
@@ -204,7 +188,6 @@ def add_entries(
     replace: bool = True,
     timeout_s: float = LOCK_TIMEOUT_S,
 ) -> Table:
-    """Add ``entries`` to the table at ``path`` under its lock (``replace``: new ones win)."""
     items = list(entries)
 
     def _mutate(table: Table) -> None:
@@ -214,4 +197,4 @@ def add_entries(
     return update_table(path, _mutate, timeout_s=timeout_s)
 
 
-__all__ = ["Entry", "Table", "Timing", "entry_with", "library_version", "load_table", "save_table"]
+__all__ = ["Entry", "Table", "Timing", "entry_with", "load_table", "save_table"]

@@ -1,8 +1,6 @@
-"""The vote: recordings and tables of many runs into one table, one vote per input for each (arch,
-kernel, key). The majority wins; ties go to the lowest median time, static cost, then signature text,
-so inputs in any order give the same bytes. Every disagreement is reported: it measures how unstable
-autotuning was.
-"""
+"""The vote: recordings and tables of many runs into one table, one vote per input for each ident.
+The majority wins; ties go to the lowest median time, static cost, then signature text, so inputs in
+any order give the same bytes. Every disagreement is reported."""
 
 from __future__ import annotations
 
@@ -30,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class Vote:
-    """The inputs that chose one config for an entry; ``median_ms``: the median of their medians."""
+    """The inputs that chose one config; ``median_ms``: the median of their medians."""
 
     signature: str
     inputs: tuple[str, ...]
@@ -50,8 +48,6 @@ class Disagreement:
 
 @dataclass(slots=True)
 class VoteResult:
-    """The voted table and what the vote found."""
-
     table: Table
     inputs: list[str]
     disagreements: list[Disagreement] = field(default_factory=list)
@@ -80,8 +76,8 @@ _RULES = ("majority", "tie: lowest median time", "tie: lowest static cost", "tie
 
 
 def vote_tables(inputs: Sequence[tuple[str, Table]]) -> VoteResult:
-    """One vote per input (name, table) for each (arch, kernel, key); see the module docstring.
-    Entries of one source under several module names vote as one kernel, kept under the first name."""
+    """One vote per input (name, table) for each ident; entries of one source under several module
+    names vote as one kernel, kept under the first name."""
     names: dict[tuple[str | None, ...], str] = {}
     for entry in (entry for _, table in inputs for entry in table.values()):
         names[content_ident(entry)] = min(names.get(content_ident(entry), entry.kernel), entry.kernel)
@@ -118,7 +114,6 @@ def vote_tables(inputs: Sequence[tuple[str, Table]]) -> VoteResult:
 
 
 def _vote(signature: str, voters: list[tuple[str, Entry]]) -> tuple[tuple[Any, ...], Vote]:
-    """The vote for ``signature`` and its rank key: most votes, lowest median, cost, signature."""
     medians = [e.timing.median_ms for _, e in voters if e.timing and e.timing.median_ms is not None]
     median = statistics.median(medians) if medians else None
     cost = estimate_config_cost(voters[0][1].config)
@@ -139,8 +134,8 @@ def vote_files(
     *,
     timeout_s: float = LOCK_TIMEOUT_S,
 ) -> VoteResult:
-    """Vote recordings/tables (folders: their ``*.msgpack``) into ``out``, replaced atomically. To
-    keep what ``out`` holds, list it among ``inputs``: it votes once, and the merge holds its lock."""
+    """Vote recordings/tables (folders: their ``*.msgpack``) into ``out``. To keep what ``out`` holds,
+    list it among ``inputs``: it votes once, and the merge holds its lock."""
     target, inputs = os.fspath(out), list(inputs)
     listed = any(os.path.realpath(os.fspath(p)) == os.path.realpath(target) for p in inputs)
     with locked(target, timeout_s=timeout_s) if listed else contextlib.nullcontext():

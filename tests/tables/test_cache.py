@@ -297,9 +297,9 @@ def test_past_its_cap_the_cache_evicts_the_entries_persisted_longest_ago_with_on
         assert cache.persist([decision(k) for k in (nx(5), nx(1), nx(9))]) == 3
         assert notices.messages == []
         assert cache.persist([decision(nx(0))]) == 1
-        assert [e.key for e in load_table(path).entries_in_order()] == [nx(1), nx(9), nx(0)]
+        assert [e.key for e in load_table(path).values()] == [nx(1), nx(9), nx(0)]
         assert cache.persist([decision(nx(7))]) == 1
-    assert [e.key for e in load_table(path).entries_in_order()] == [nx(9), nx(0), nx(7)]
+    assert [e.key for e in load_table(path).values()] == [nx(9), nx(0), nx(7)]
     (warning,) = notices.messages
     for part in (str(path), "cap of 3 entries", "evicted the 1 entry persisted longest ago", nx(5)):
         assert part in warning
@@ -309,7 +309,7 @@ def test_past_its_cap_the_cache_evicts_the_entries_persisted_longest_ago_with_on
     assert any("cap" in r.getMessage() and r.levelno == logging.INFO for r in caplog.records)
     # A lower cap set later shrinks the cache at its next write.
     assert auto(path, cache_max_entries=1).persist([decision(nx(8))]) == 1
-    assert [e.key for e in load_table(path).entries_in_order()] == [nx(8)]
+    assert [e.key for e in load_table(path).values()] == [nx(8)]
 
 
 def test_the_byte_bound_keeps_every_file_the_cache_writes_readable(tmp_path, monkeypatch, notices):
@@ -322,7 +322,7 @@ def test_the_byte_bound_keeps_every_file_the_cache_writes_readable(tmp_path, mon
         cache.persist([decision(nx(batch * 20 + i)) for i in range(20)])
         assert os.path.getsize(path) <= 1024
         assert len(load_table(path)) > 0  # the plain table reader, at its plain limit
-    kept = [e.key for e in load_table(path).entries_in_order()]
+    kept = [e.key for e in load_table(path).values()]
     assert kept[-1] == nx(119) and nx(0) not in kept  # the newest kept, the oldest gone
     (warning,) = notices.messages
     assert "bound of 1024 bytes" in warning and str(path) in warning
@@ -413,7 +413,7 @@ def test_a_cache_over_its_byte_bound_shrinks_at_its_next_write_from_its_first_ro
     assert len(cache.table) == 400
     assert cache.persist([decision(tag("new"))]) == 1
     assert os.path.getsize(path) <= size // 2
-    kept = [e.key for e in load_table(path).entries_in_order()]
+    kept = [e.key for e in load_table(path).values()]
     assert kept[-1] == tag("new") and kept[:-1] == [tag(f"{i:03}") for i in range(401 - len(kept), 400)]
     (warning,) = notices.messages
     assert f"bound of {size * 2 // 4} bytes" in warning and str(path) in warning

@@ -146,8 +146,6 @@ def test_missing_or_corrupt_paths_fail_at_construction(tmp_path):
     bad.write_bytes(b"\x01\x02")
     with pytest.raises(TableError, match="bad.msgpack"):
         TableSet([bad])
-    with pytest.raises(ValueError, match="stale_entries"):
-        TableSet([], stale_entries="sometimes")
 
 
 def test_empty_folder_or_relative_typo_fails_naming_the_path(tmp_path, monkeypatch):

@@ -18,7 +18,6 @@ import pytest
 from megatron_tuning.core import __version__
 from megatron_tuning.core.errors import MegatronTuningError, TableError
 from megatron_tuning.core.key import Key
-from megatron_tuning.tables import table as table_mod
 from megatron_tuning.tables.entry import Entry, Timing, entry_with
 from megatron_tuning.tables.files import write_atomic
 from megatron_tuning.tables.table import Table, add_entries, load_table, save_table, update_table
@@ -366,7 +365,7 @@ def test_update_table_creates_merges_and_skips_unchanged_writes(tmp_path):
     assert path.stat().st_mtime_ns == stamp
     add_entries(path, [entry_with(make_entry(1), note="x")], replace=False)
     assert load_table(path).get(*make_entry(1).ident).note is None
-    assert load_table(path).library_version == table_mod.library_version()
+    assert load_table(path).library_version == __version__
 
 
 def test_update_table_refuses_a_corrupt_existing_file(tmp_path):

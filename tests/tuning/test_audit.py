@@ -239,7 +239,7 @@ def test_numerics_refuses_what_it_cannot_audit_instead_of_picking_unrestricted()
         raise AssertionError("measured without the numerics restriction")
 
     audited = with_numerics(unrestricted, "same-class", None, 3)
-    launchers = object.__new__(_Launchers)  # what inductor._measure_launchers hands the measure
+    launchers = object.__new__(_Launchers)  # what inductor hands the measure
     with pytest.raises(NumericsError, match="torch.compile"):
         audited(launchers, list(kernels.ADD_ONE_CONFIGS), (), {}, "k:add_one", "n=8")
 
