@@ -22,7 +22,7 @@ cd "$MT_ROOT"
 # modules that import Triton (core/, runtime/ with the contract and Inductor tests, tuning/, the
 # kernels, the session, and the commands that reach Triton: validate, tune, the launcher's arming at
 # `import triton`). They skip what never touches Triton (tables/, the in-process store and agreement
-# tests of distributed/, the launcher's process handling,
+# tests of distributed/, the launcher's and the `score` command's process handling,
 # `enable`, the CLI's argument handling, the layer contracts, the docs), the torchrun jobs of
 # tests_distributed/ and the benchmark smoke runs, which drive the same interception again through
 # subprocesses; MT_FULL_MATRIX=1 runs everything on every release. Explicit paths or pytest
@@ -96,7 +96,8 @@ for index in "${!versions[@]}"; do
     scope=(tests)  # see "Supported releases" above
     for unaffected in tables distributed commands/test_run.py commands/test_enable.py commands/test_selftest_args.py \
       commands/test_launcher_docs.py test_cli.py test_architecture.py test_docs.py \
-      test_benchmark_harness.py test_benchmarks_smoke.py test_benchmark_jobs_smoke.py; do
+      test_benchmark_harness.py test_benchmarks_smoke.py test_benchmark_jobs_smoke.py test_bench_score.py \
+      commands/test_score.py; do
       scope+=("--ignore=tests/$unaffected")
     done
   fi
