@@ -18,6 +18,9 @@ Stages (expected minutes on an H100/H200; each stops starting runs at its budget
                    fresh processes for contrast
   soak       ~1.5  a process on an idle GPU and one right after a 30 s GEMM soak: each median inside
                    the other's CI95 (and the requester's do_bench(warmup=10, rep=100) for contrast)
+  thermal    ~3    what the settle phase must wait for: the pinned GEMM's blocks back to back for
+                   120 s from the GPU's state at the start (idle, on a fresh machine), then 20 s
+                   idle, then 30 s again; per block its time and in-band clock, NVML every 0.2 s
 Every record must carry in-band and NVML clocks per arm (checked over all stages). One JSON per stage
 under --out (a folder); a table last. The per-round noise it prints (per_round_cv) is the number the
 CPU tests' PER_ROUND_CV (tests/score/test_stats.py) stands in for.
@@ -46,6 +49,7 @@ STAGES = {
     "overhead": 40,
     "processes": 300,
     "soak": 150,
+    "thermal": 200,
 }
 SHAPE, SMOKE_SHAPE = (4096, 4096, 4096), (64, 48, 40)
 TABLE = common.REPO / "configs" / "sm90" / "matmul.msgpack"
@@ -135,6 +139,7 @@ def stage_gemm(args: argparse.Namespace, deadline: float) -> dict[str, Any]:
     checks = [
         row("latency CI95 half-width", half, "<= 1.0%", half <= 0.01),
         row("latency wall s", latency_s, "<= 10", latency_s <= 10),
+        row("of which settling the clock, s", latency["timing"]["settle"]["seconds"]),
         row("A/A ratio CI95 half-width", ratio_half, "<= 0.5%", ratio_half <= 0.005),
         row("A/A wall s", aa_s, "<= 10", aa_s <= 10),
         row("per-round CV", per_round_cv(latency)),
@@ -402,6 +407,51 @@ def stage_soak(args: argparse.Namespace, deadline: float) -> dict[str, Any]:
     }
 
 
+def stage_thermal(args: argparse.Namespace, deadline: float) -> dict[str, Any]:
+    """The clock and block time of the pinned GEMM under sustained load, from the state the GPU
+    starts in: the data the settle rule is chosen from (docs/score.md, "Settle phase")."""
+    from megatron_tuning.score.timers import default_backend
+
+    backend = default_backend()
+    nv, ib = backend.clock_sources()
+    call = _bound(args.shape, args.smoke)
+    call()  # compiles
+    backend.synchronize()
+    scale = 0.002 if args.smoke else 1.0
+    started = time.monotonic()
+    blocks: list[list[float | None]] = []  # seconds since start, ms per launch (median), in-band MHz
+    nvml: list[dict[str, Any]] = []
+
+    def sample(now: float) -> None:
+        if nv is not None and (not nvml or now - nvml[-1]["t"] >= 0.2):
+            nvml.append({"t": now, **nv.sample()})
+
+    phases = []
+    for load_s, idle_s in ((120.0 * scale, 20.0 * scale), (30.0 * scale, 0.0)):
+        phases.append({"load_from": time.monotonic() - started, "load_s": load_s, "idle_s": idle_s})
+        until = time.monotonic() + load_s
+        while time.monotonic() < until and time.monotonic() < deadline:
+            start = ib.stamp() if ib is not None else None
+            times = backend.time_block(call, 8, True)
+            end = ib.stamp() if ib is not None else None
+            mhz = ib.mhz(start, end) if ib is not None else None
+            now = time.monotonic() - started
+            blocks.append([now, float(np.median(times)), mhz])
+            sample(now)
+        until = time.monotonic() + idle_s
+        while time.monotonic() < until:
+            sample(time.monotonic() - started)
+            time.sleep(0.05)
+    first = [b for b in blocks if b[0] < phases[0]["load_from"] + 1.0]
+    last = [b for b in blocks if phases[0]["load_from"] + phases[0]["load_s"] - 5.0 <= b[0]]
+    last = [b for b in last if b[0] < phases[0]["load_from"] + phases[0]["load_s"]]
+    ratio = (
+        float(np.median([b[1] for b in last]) / np.median([b[1] for b in first])) if first and last else None
+    )
+    checks = [row("block ms, last 5 s / first 1 s of the 120 s load", ratio)]
+    return {"checks": checks, "phases": phases, "blocks": blocks, "nvml": nvml}
+
+
 def child(args: argparse.Namespace) -> None:
     from megatron_tuning.score import measure
 
@@ -443,7 +493,7 @@ def parent(args: argparse.Namespace) -> int:
         return 2
     out = Path(args.out or tempfile.mkdtemp(prefix="bench_score_"))
     out.mkdir(parents=True, exist_ok=True)
-    in_process = {"gemm", "aa", "slower", "graph", "integrity", "overhead"}
+    in_process = {"gemm", "aa", "slower", "graph", "integrity", "overhead", "thermal"}
     if in_process & set(stages):
         _pin(args)
     rows, clocks = [], [0, 0]

@@ -37,7 +37,7 @@ def test_every_stage_runs_and_writes_one_json_each(tmp_path: Path) -> None:
         timeout=300,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    stages = ["gemm", "aa", "slower", "graph", "integrity", "overhead", "processes", "soak"]
+    stages = ["gemm", "aa", "slower", "graph", "integrity", "overhead", "processes", "soak", "thermal"]
     assert sorted(p.stem for p in tmp_path.glob("*.json")) == sorted(stages)
     integrity = json.loads((tmp_path / "integrity.json").read_text())
     assert [r["name"] for r in integrity["records"]] == ["side stream", "pointer cache", "patched timer"]
