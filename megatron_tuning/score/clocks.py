@@ -160,25 +160,31 @@ def clock_mhz(start: np.ndarray, end: np.ndarray) -> float | None:
     return float(np.median(cycles / (end[seen, 1] - start[seen, 1]) * 1e3))
 
 
-def settled(points: Sequence[tuple[float, float | None]], horizon_s: float) -> bool:
-    """Whether settle blocks ``(seconds, clock or time)`` held steady: the least-squares trend of the
-    signal's log, per second, times ``horizon_s`` (the rounds to come) is within ``SETTLE_DRIFT``, or
-    its 95% interval reaches there (a noisy signal cannot show a drift: waiting would not help). A
-    GPU warming under load lowers its clock for tens of seconds, too slowly for any spread test over
-    a short window to see (benchmarks/RESULTS.md §28)."""
+def trend(points: Sequence[tuple[float, float | None]]) -> tuple[float, float] | None:
+    """The least-squares slope of the log of ``(seconds, value)`` points (relative change per second)
+    and its standard error; ``None`` under ``SETTLE_BLOCKS`` known values."""
     known = [(t, v) for t, v in points if v is not None and v > 0]
     if len(known) < SETTLE_BLOCKS:
-        return False
+        return None
     t = np.array([p[0] for p in known], dtype=float)
     y = np.log(np.array([p[1] for p in known], dtype=float))
     t, y = t - t.mean(), y - y.mean()
     spread = float(t @ t)
     if spread <= 0.0:
-        return False
+        return None
     slope = float(t @ y) / spread
     residual = y - slope * t
-    se = float(np.sqrt(float(residual @ residual) / (len(known) - 2) / spread))
-    return (abs(slope) - 1.96 * se) * horizon_s <= SETTLE_DRIFT
+    return slope, float(np.sqrt(float(residual @ residual) / (len(known) - 2) / spread))
+
+
+def settled(points: Sequence[tuple[float, float | None]], horizon_s: float) -> bool:
+    """Whether settle blocks ``(seconds, clock or time)`` held steady: their ``trend`` times
+    ``horizon_s`` (the rounds to come) is within ``SETTLE_DRIFT``, or its 95% interval reaches there
+    (a noisy signal cannot show a drift: waiting would not help). A GPU warming under load lowers
+    its clock for tens of seconds, too slowly for a spread test over a short window to see
+    (benchmarks/RESULTS.md §28)."""
+    found = trend(points)
+    return found is not None and (abs(found[0]) - 1.96 * found[1]) * horizon_s <= SETTLE_DRIFT
 
 
 def kept_rounds(round_mhz: np.ndarray) -> np.ndarray:

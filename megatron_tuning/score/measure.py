@@ -141,7 +141,9 @@ def measure(
         name or _name(fn),
     )
     samples, analysis = run.samples, run.analysis
-    flags = _integrity(backend, calls[0], arms, samples, analysis, aa)
+    flags = _integrity(backend, calls[0], arms, samples, analysis, aa) + _unsettled(
+        settle, settle_s, budget_s
+    )
     correctness.update(integrity.check_after(fn, reference, make_inputs, inputs, check, correctness, flags))
     record = report.build(
         name=name or _name(fn),
@@ -254,9 +256,11 @@ def _settle(
             mhz = nv.sample().get("sm_mhz")
         now = clock() - started
         seen.append((now, float(mhz) if mhz is not None else float(statistics.median(times))))
-        steady = now >= window and clk.settled([p for p in seen if p[0] >= now - window], budget_s)
+        recent = [p for p in seen if p[0] >= now - window]
+        steady = now >= window and clk.settled(recent, budget_s)
         if steady or now >= cap_s:
             break
+    found = clk.trend(recent)
     return {
         "seconds": now,
         "blocks": len(seen),
@@ -264,8 +268,22 @@ def _settle(
         "signal": source,
         "before": seen[0][1],
         "after": seen[-1][1],
+        "trend_per_s": None if found is None else found[0],
         "block_s": now / len(seen),
     }
+
+
+def _unsettled(settle: dict[str, Any], settle_s: float, budget_s: float) -> list[integrity.Flag]:
+    """A clock still moving when the settle phase reached its cap: the rounds ran on a drifting GPU,
+    so the latency reads what the GPU did then, not what it settles at."""
+    if settle["steady"] or settle["signal"] == "time" or settle["trend_per_s"] is None:
+        return []
+    move = settle["trend_per_s"] * budget_s
+    message = (
+        f"the {settle['signal']} SM clock still moved {move:+.2%} per {budget_s:g} s when the settle "
+        f"phase ended at settle_s={settle_s:g}: the GPU was still warming up (or cooling); raise settle_s"
+    )
+    return [integrity.flag("clock_unsettled", message)]
 
 
 def _add_round(

@@ -99,6 +99,7 @@ def test_the_settle_phase_waits_out_a_gpu_warming_up_under_load() -> None:
     settle = record["timing"]["settle"]
     assert settle["steady"] and settle["before"] > 1.07 * 1750.0
     assert 35.0 <= settle["seconds"] <= 45.0  # until its trend moves the clock < 0.2% over 10 s of rounds
+    assert abs(settle["trend_per_s"]) * 10.0 < 0.003 and record["flags"] == []  # 0.2%, within its CI
     assert record["latency"]["median"] == pytest.approx(0.5 * MAX_MHZ / 1750.0, rel=0.003)
 
 
@@ -109,6 +110,10 @@ def test_a_clock_that_keeps_falling_ends_the_settle_phase_at_its_cap() -> None:
     settle = score.record["timing"]["settle"]
     assert not settle["steady"] and settle["seconds"] == pytest.approx(5.0, abs=0.01)
     assert score.record["timing"]["settle_s"] == 5.0 and score.record["rounds"]["seconds"] <= 4.0
+    assert settle["trend_per_s"] == pytest.approx(-0.002 / (1 - 0.002 * 5), rel=0.1)
+    assert _names(score) == ["clock_unsettled"] and score.status == "demoted"
+    (message,) = [f["message"] for f in score.record["flags"]]
+    assert "moved -0.8" in message and "settle_s=5" in message and "raise settle_s" in message
 
 
 def test_side_stream_work_is_flagged() -> None:
