@@ -29,6 +29,7 @@ CPU tests' PER_ROUND_CV (tests/score/test_stats.py) stands in for.
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import subprocess
 import sys
@@ -410,6 +411,8 @@ def stage_soak(args: argparse.Namespace, deadline: float) -> dict[str, Any]:
 def stage_thermal(args: argparse.Namespace, deadline: float) -> dict[str, Any]:
     """The clock and block time of the pinned GEMM under sustained load, from the state the GPU
     starts in: the data the settle rule is chosen from (docs/score.md, "Settle phase")."""
+    from megatron_tuning.score.clocks import settled
+    from megatron_tuning.score.measure import SETTLE_WINDOW_S
     from megatron_tuning.score.timers import default_backend
 
     backend = default_backend()
@@ -442,14 +445,47 @@ def stage_thermal(args: argparse.Namespace, deadline: float) -> dict[str, Any]:
         while time.monotonic() < until:
             sample(time.monotonic() - started)
             time.sleep(0.05)
-    first = [b for b in blocks if b[0] < phases[0]["load_from"] + 1.0]
-    last = [b for b in blocks if phases[0]["load_from"] + phases[0]["load_s"] - 5.0 <= b[0]]
-    last = [b for b in last if b[0] < phases[0]["load_from"] + phases[0]["load_s"]]
-    ratio = (
-        float(np.median([b[1] for b in last]) / np.median([b[1] for b in first])) if first and last else None
+    end = phases[0]["load_from"] + phases[0]["load_s"]
+    checks = [
+        row("block ms, last 5 s / first 1 s of load", _ms_between(blocks, 0, scale, end - 5 * scale, end)),
+        row(
+            "SM MHz (in-band), first 1 s -> last 5 s",
+            _mhz_between(blocks, (0, scale), (end - 5 * scale, end)),
+        ),
+    ]
+    # measure's settle rule at the default budget (10 s), replayed on the trajectory: when it calls
+    # the clock steady, and how the next 10 s of blocks read against the load's last 5 s.
+    window, horizon = SETTLE_WINDOW_S * scale, 10.0 * scale
+    times = [b[0] for b in blocks]
+    steady_at = next(
+        (
+            t
+            for k, t in enumerate(times)
+            if window <= t < end
+            and settled([(u, c) for u, _, c in blocks[bisect.bisect_left(times, t - window) : k + 1]], 10.0)
+        ),
+        None,
     )
-    checks = [row("block ms, last 5 s / first 1 s of the 120 s load", ratio)]
-    return {"checks": checks, "phases": phases, "blocks": blocks, "nvml": nvml}
+    if steady_at is not None:
+        after = _ms_between(blocks, end - 5 * scale, end, steady_at, steady_at + horizon)
+        checks += [
+            row("settle rule: steady after s", steady_at),
+            row("next 10 s / last 5 s, block ms", after),
+        ]
+    return {"checks": checks, "phases": phases, "blocks": blocks, "nvml": nvml, "steady_at": steady_at}
+
+
+def _ms_between(blocks: list[list[Any]], a0: float, a1: float, b0: float, b1: float) -> float | None:
+    """Median block time in ``[b0, b1)`` over that in ``[a0, a1)``."""
+    one = [b[1] for b in blocks if a0 <= b[0] < a1]
+    two = [b[1] for b in blocks if b0 <= b[0] < b1]
+    return float(np.median(two) / np.median(one)) if one and two else None
+
+
+def _mhz_between(blocks: list[list[Any]], first: tuple[float, float], last: tuple[float, float]) -> str:
+    pick = lambda a, b: [x[2] for x in blocks if a <= x[0] < b and x[2] is not None]
+    one, two = pick(*first), pick(*last)
+    return f"{np.median(one):.0f} -> {np.median(two):.0f}" if one and two else "-"
 
 
 def child(args: argparse.Namespace) -> None:
