@@ -24,7 +24,7 @@ from typing import Any
 from ..core.decisions import CHAOS_NO_OTHER_CONFIG
 from ..core.policy import AGREEMENT_MODES, ENV_MODE, MAX_AGREEMENT_TIMEOUT_S, PREFIX
 from ..tables.files import write_atomic
-from .bootstrap import PLUMBING
+from .bootstrap import PACKAGE_PARENT, PLUMBING
 from .job import EXIT_TIMEOUT, add_job_argument, job_argv, run_armed
 
 KERNEL_MODULE = "megatron_tuning.kernels"
@@ -95,7 +95,7 @@ def run_selftest(args: argparse.Namespace, *, launch: Launch | None = None) -> i
             outcome = (launch or _launch)(args, mode, os.path.join(root, mode), interpret)
             ok, summary = _judge(mode, outcome, args.nproc)
             verdicts.append(ok)
-            print(f"  {mode:<13} {'PASS' if ok else 'FAIL'}  {summary}")
+            print(f"  {mode:<13} {'PASS' if ok else 'FAIL'}  {summary} ({outcome['seconds']:.1f}s)")
             if args.show:
                 _show(mode, outcome)
             if not ok and outcome.get("output"):
@@ -168,8 +168,7 @@ def _launch(args: argparse.Namespace, mode: str, folder: str, interpret: bool) -
     env["TRITON_INTERPRET"] = "1" if interpret else env.get("TRITON_INTERPRET", "0")
     env.setdefault("OMP_NUM_THREADS", "1")
     # The job must import this very copy of the package, installed or not.
-    package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (PACKAGE_PARENT, env.get("PYTHONPATH", "")) if p)
     worker = {"mode": mode, "out": folder, "agreement": args.agreement, "timeout": args.timeout}
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}"]
     command = [*argv, "-m", __name__, json.dumps(worker)]
@@ -193,44 +192,43 @@ def _launch(args: argparse.Namespace, mode: str, folder: str, interpret: bool) -
 
 
 def _judge(mode: str, outcome: dict[str, Any], nproc: int) -> tuple[bool, str]:
-    """Whether a job behaved as its mode requires, and one line saying why."""
-    took = f"({outcome['seconds']:.1f}s)"
+    """Whether a job behaved as its mode requires, and one line saying why (the caller adds the time)."""
     if outcome["returncode"] is None:
-        return False, f"torchrun did not finish within the timeout {took}"
+        return False, "torchrun did not finish within the timeout"
     ranks = outcome["ranks"]
     errors = {r: res for r, res in ranks.items() if res.get("error")}
     unexpected = {r: res for r, res in errors.items() if res["error"] != "DivergenceError"}
     if unexpected:
-        rank, res = next(iter(sorted(unexpected.items())))
-        return False, f"rank {rank} failed with {res['error']}: {res['message'].splitlines()[0]} {took}"
+        rank, res = min(unexpected.items())
+        return False, f"rank {rank} failed with {res['error']}: {res['message'].splitlines()[0]}"
     if len(ranks) != nproc:
-        return False, f"only ranks {sorted(ranks)} reported (torchrun exit {outcome['returncode']}) {took}"
+        return False, f"only ranks {sorted(ranks)} reported (torchrun exit {outcome['returncode']})"
     if mode == "deterministic":
         if errors:
-            rank, res = next(iter(sorted(errors.items())))
-            return False, f"false alarm on ranks {sorted(errors)}: {res['message'].splitlines()[0]} {took}"
+            rank, res = min(errors.items())
+            return False, f"false alarm on ranks {sorted(errors)}: {res['message'].splitlines()[0]}"
         pinned = min(sum(d[3] != "out_of_scope" for d in res.get("decisions", [])) for res in ranks.values())
         if pinned == 0:
-            return False, f"no launch went through the interception, nothing was checked {took}"
+            return False, "no launch went through the interception, nothing was checked"
         shared = min(res.get("shared", 0) for res in ranks.values())
         compared = f"(verify_agreement compared {shared})"
-        return True, f"all ranks agree on {pinned} (kernel, key) choices {compared}, no alarm {took}"
+        return True, f"all ranks agree on {pinned} (kernel, key) choices {compared}, no alarm"
     # A key with one distinct config cannot differ between ranks: it proves nothing either way.
     chaos = [d for res in ranks.values() for d in res.get("decisions", []) if d[3] == "chaos"]
     provable = {(d[0], d[1]) for d in chaos if len(d) < 5 or d[4] != CHAOS_NO_OTHER_CONFIG}
     if not errors:
         if not provable:
             why = "no chaos key had two distinct configs, so the ranks could not differ"
-            return False, f"inconclusive: {why} and this run proves nothing about the check {took}"
+            return False, f"inconclusive: {why} and this run proves nothing about the check"
         blind = "chaos ranks launched different configs and nothing noticed: the agreement check is blind"
-        return False, f"{blind} {took}"
+        return False, blind
     if len({res["message"] for res in errors.values()}) != 1:
-        return False, f"ranks raised different messages for the same divergence {took}"
-    first = next(iter(sorted(errors.items())))[1]
+        return False, "ranks raised different messages for the same divergence"
+    first = errors[min(errors)]
     return True, (
         f"DivergenceError on ranks {sorted(errors)} for {first['kernel']} key {first['key']}, naming "
         f"ranks {first.get('signature_ranks', [])}; at least {len(provable)} chaos key(s) could differ "
-        f"(those reached before the error stopped the run) {took}"
+        f"(those reached before the error stopped the run)"
     )
 
 
