@@ -24,8 +24,9 @@ from typing import Any
 from ..core.decisions import CHAOS_NO_OTHER_CONFIG
 from ..core.policy import AGREEMENT_MODES, ENV_MODE, MAX_AGREEMENT_TIMEOUT_S, PREFIX
 from ..tables.files import write_atomic
+from . import EXIT_USAGE
 from .bootstrap import PACKAGE_PARENT, PLUMBING
-from .job import EXIT_TIMEOUT, add_job_argument, job_argv, run_armed
+from .job import EXIT_TIMEOUT, add_job_argument, job_argv, job_command, run_armed
 
 KERNEL_MODULE = "megatron_tuning.kernels"
 CPU_SHAPES = ((37, 29, 45), (64, 48, 40))  # interpreted launches cost ~0.2 s: small, odd shapes
@@ -78,7 +79,8 @@ def run_selftest(args: argparse.Namespace, *, launch: Launch | None = None) -> i
     """Run both jobs and print a report; 0 when deterministic passed and chaos was detected.
     ``launch`` runs one job and returns its outcome (default: torchrun over this package's workers)."""
     if args.job:
-        return _your_job(args.job[1:] if args.job[0] == "--" else args.job, args.timeout, args.keep)
+        command = job_command(args, "selftest", "selftest -- torchrun --nproc_per_node 2 train.py")
+        return EXIT_USAGE if command is None else _your_job(command, args.timeout, args.keep)
     import torch
 
     interpret = args.interpret or not torch.cuda.is_available()
@@ -291,17 +293,14 @@ def _exercise(args: argparse.Namespace, result: dict[str, Any]) -> None:
     policy = TuningPolicy(
         mode=args.mode, scope=(KERNEL_MODULE,), agreement=args.agreement, agreement_timeout_s=timeout
     )
-    handle = init_deterministic_tuning(policy)
-    if args.agreement != "off" and active_checker() is None:
-        raise RuntimeError("init_deterministic_tuning started no agreement check")
     on_gpu = os.environ.get("TRITON_INTERPRET") != "1" and torch.cuda.is_available()
     device = torch.device("cuda", dist.get_rank() % torch.cuda.device_count()) if on_gpu else "cpu"
-    try:
+    shapes, dtype = (GPU_SHAPES, torch.bfloat16) if on_gpu else (CPU_SHAPES, torch.float32)
+    with init_deterministic_tuning(policy):
+        if args.agreement != "off" and active_checker() is None:
+            raise RuntimeError("init_deterministic_tuning started no agreement check")
         try:
-            failures = reference_workload(
-                device, GPU_SHAPES if on_gpu else CPU_SHAPES, torch.bfloat16 if on_gpu else torch.float32
-            )
-            if failures:
+            if failures := reference_workload(device, shapes, dtype):
                 raise AssertionError("wrong results: " + "; ".join(failures))
         except (MegatronTuningError, AssertionError) as error:
             _keep_error(result, error)
@@ -310,8 +309,6 @@ def _exercise(args: argparse.Namespace, result: dict[str, Any]) -> None:
         except MegatronTuningError as error:
             if result["error"] is None:
                 _keep_error(result, error)
-    finally:
-        handle.close()
     result["decisions"] = [
         [d.kernel, d.key, d.signature, d.source, d.chaos, d.origin] for d in decision_log().decisions()
     ]
