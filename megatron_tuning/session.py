@@ -158,7 +158,7 @@ def _init(policy: TuningPolicy | None, table: Any, group: Any, measure: Measure 
         previous._close(final_check=checked_mode(policy, group) != "verify")
     cache = open_cache(policy, _cache_arch) if policy.mode == "auto" else None
     consensus: Any = None  # a distributed.store.StoreConsensus: pinning's Consensus
-    chaos: Any = None
+    chaos = None
     # record and tune measure (tune same-class keeps its table's bits); off passes through
     resolved_table = table
     pins = policy.mode in ("deterministic", "chaos", "auto")
