@@ -72,10 +72,9 @@ def _import_kernels(modules: Sequence[str], report: ValidationReport) -> tuple[s
         except (Exception, SystemExit) as exc:  # a finding about the user's code, not a crash
             report.problems.append(Problem("-", "-", f"{name}:*", "-", f"cannot import module: {exc!r}"))
             continue
-        name = module.__name__
         # A package that re-exports some kernels of a submodule: scan that submodule too, so its
         # other kernels are not reported missing. Only scanned modules count as covered.
-        pending = [(name, module)]
+        pending = [(module.__name__, module)]
         while pending:
             module_name, scanned = pending.pop()
             if module_name in covered:
