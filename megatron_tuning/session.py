@@ -185,7 +185,9 @@ def _init(policy: TuningPolicy | None, table: Any, group: Any, measure: Measure 
         interception.uninstall()
         raise
     handle = TuningHandle(policy, resolved_table, agreement, cache)
-    if _needs_group(policy) and not _group_exists():
+    # What crosses ranks (the agreement check, auto's consensus) waits for a group that does not exist yet.
+    checks = policy.mode in ("deterministic", "chaos") and policy.agreement != "off"
+    if (policy.mode == "auto" or checks) and not _group_exists():
         handle._late = _LateAttach(handle, group)
     with _active_lock:
         _active = handle
@@ -231,11 +233,6 @@ def _start_agreement(policy: TuningPolicy, group: Any, table: Any) -> Any:
 
     # Tables and versions are compared once here, so a rank with other tables fails at init.
     return start_agreement(policy, group, inputs=describe_inputs(policy, table))
-
-
-def _needs_group(policy: TuningPolicy) -> bool:
-    """Whether the policy does anything across ranks: the agreement check, or auto's consensus."""
-    return policy.mode == "auto" or (policy.mode in ("deterministic", "chaos") and policy.agreement != "off")
 
 
 def _group_exists() -> bool:

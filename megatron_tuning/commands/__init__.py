@@ -7,6 +7,7 @@ of the command being run is imported, so ``show`` or ``diff`` never pay for impo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import logging
 import os
@@ -65,10 +66,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m megatron_tuning`` and the ``megatron-tuning`` script."""
     args = build_parser(argv).parse_args(argv)
     for stream in (sys.stdout, sys.stderr):  # a terminal that cannot show a character: escape it
-        try:
+        with contextlib.suppress(AttributeError, ValueError, OSError):
             stream.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]
-        except (AttributeError, ValueError, OSError):
-            pass
     level = (logging.WARNING, logging.INFO, logging.DEBUG)[min(args.verbose, 2)]
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:

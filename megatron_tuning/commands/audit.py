@@ -108,9 +108,8 @@ def activate() -> None:
 
     def never_tune(installation: pinning.Installation) -> pinning.Installation:
         # An audit never tunes, also after the job's own init: an ``auto`` miss takes the miss rule.
-        if installation.policy.mode != "auto" or installation.measure is None:
-            return installation
-        return dataclasses.replace(installation, measure=None)
+        tunes = installation.policy.mode == "auto" and installation.measure is not None
+        return dataclasses.replace(installation, measure=None) if tunes else installation
 
     pinning.before_decision.append(never_tune)
     entries: list[dict[str, Any]] = []

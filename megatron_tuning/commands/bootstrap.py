@@ -28,13 +28,12 @@ PLUMBING = "_MEGATRON_TUNING_"
 ENV_LAUNCHER = PLUMBING + "LAUNCHER"  # run, tune or audit
 ENV_JOB_DIR = PLUMBING + "JOB_DIR"  # the launcher's folder: its bootstrap, and what its processes write
 ENV_SCORE = PLUMBING + "SCORE"  # what `score` (or `run --score-do-bench`) asks of each process: JSON
-MODULE_NAME = "_megatron_tuning_bootstrap"
 LAUNCHERS = {"run": "launch", "tune": "tune", "audit": "audit"}  # launcher -> its commands module
 
 _HERE = os.path.abspath(__file__)
-_PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(_HERE)))
+PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(_HERE)))
 
-# Loads this file by path (once per process), then calls ``entry`` on it.
+# Loads this file by path, once per process, as ``_mt_boot``.
 _LOADER = """\
 _mt_boot = _mt_sys.modules.get({name!r})
 if _mt_boot is None:
@@ -43,7 +42,7 @@ if _mt_boot is None:
     _mt_boot = _mt_util.module_from_spec(_mt_spec)
     _mt_sys.modules[{name!r}] = _mt_boot
     _mt_spec.loader.exec_module(_mt_boot)
-"""
+""".format(name="_megatron_tuning_bootstrap", path=_HERE)
 
 _SITECUSTOMIZE = """\
 # Written by `python -m megatron_tuning {launcher}` for one job: arms megatron_tuning in each of its
@@ -70,15 +69,15 @@ def job_environment(folder: Path, launcher: str) -> dict[str, str]:
 
     bootstrap = folder / "bootstrap"
     bootstrap.mkdir(mode=0o700)  # FileExistsError for a folder someone else could have filled
-    loader = "".join(f"    {line}\n" for line in _loader_code().splitlines())
+    loader = "".join(f"    {line}\n" for line in _LOADER.splitlines())
     text = _SITECUSTOMIZE.format(launcher=launcher, loader=loader)
     write_atomic(bootstrap / "sitecustomize.py", text.encode("utf-8"))
     env = dict(os.environ)
     paths = [str(bootstrap), *(p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p)]
-    if not is_site_dir(_PACKAGE_PARENT):
+    if not is_site_dir(PACKAGE_PARENT):
         # A source checkout, after the user's entries (its `tests` must not shadow theirs). An
         # installed copy is on the path already; site-packages on PYTHONPATH would shadow the stdlib.
-        paths.append(_PACKAGE_PARENT)
+        paths.append(PACKAGE_PARENT)
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     env.update({ENV_LAUNCHER: launcher, ENV_JOB_DIR: str(folder)})
     return env
@@ -88,9 +87,7 @@ def pth_text(pth_path: str) -> str:
     """The ``.pth`` ``enable`` writes: a marker comment, then one line Python executes (one scan of
     the environment's names when no ``MEGATRON_TUNING_*`` variable is set)."""
     code = (
-        "try:\n"
-        + "".join(f" {line}\n" for line in _loader_code().splitlines())
-        + " _mt_boot.arm_environment()\n"
+        "try:\n" + "".join(f" {line}\n" for line in _LOADER.splitlines()) + " _mt_boot.arm_environment()\n"
         "except Exception as _mt_exc:\n"
         " print('megatron_tuning: the environment switch %s failed (%r); this process is NOT armed. "
         "Remove it with: python -m megatron_tuning disable'"
@@ -102,10 +99,6 @@ def pth_text(pth_path: str) -> str:
         "`python -m megatron_tuning disable`.\n"
         f"{line}\n"
     )
-
-
-def _loader_code() -> str:
-    return _LOADER.format(name=MODULE_NAME, path=_HERE)
 
 
 def is_site_dir(path: str) -> bool:
@@ -147,16 +140,15 @@ def bootstrap_process(sitecustomize_file: str) -> None:
     _stop_with_launcher(lifeline)
     os.register_at_fork(after_in_child=functools.partial(_stop_with_launcher, lifeline))
     _chain_sitecustomize(os.path.dirname(lifeline))
-    if os.environ.get(ENV_JOB_DIR):
-        report_divergences(os.environ[ENV_JOB_DIR])
+    if os.environ.get(ENV_JOB_DIR):  # the session marks there, at exit, the DivergenceErrors raised
+        mark = functools.partial(_mark_divergences, os.environ[ENV_JOB_DIR])
+        sys.meta_path.insert(0, _AfterImport("megatron_tuning.session", lambda m: m.exit_hooks.append(mark)))
     launcher = os.environ.get(ENV_LAUNCHER, "run")
     arm(launcher if launcher in LAUNCHERS else "run")
-    if os.environ.get(ENV_SCORE):  # a `score` job: measure() joins it where the job imports the kit
-        sys.meta_path.insert(0, _AfterImport("megatron_tuning.score", _join_score))
-
-
-def _join_score() -> None:
-    sys.modules["megatron_tuning.score.pooling"].join_job(os.environ[ENV_SCORE], ENV_SCORE)
+    if job := os.environ.get(ENV_SCORE):  # a `score` job: measure() joins it where the job imports the kit
+        sys.meta_path.insert(
+            0, _AfterImport("megatron_tuning.score", lambda m: m.pooling.join_job(job, ENV_SCORE))
+        )
 
 
 def arm_environment() -> None:
@@ -169,13 +161,16 @@ def arm_environment() -> None:
 def arm(launcher: str) -> None:
     """Activate ``launcher`` once Triton is imported (now, if it already is)."""
 
-    activate = functools.partial(_activate, launcher)
+    def activate() -> None:
+        module = _package_module(f"commands.{LAUNCHERS.get(launcher, 'launch')}")
+        module.activate(launcher) if module.__name__.endswith(".launch") else module.activate()
+
     if "triton" in sys.modules:
         activate()
     elif not any(isinstance(f, _AfterImport) and f.name == "triton" for f in sys.meta_path):
         # Importing Triton (and torch) in every Python process of the job, the torchrun launcher
         # included, would be slow and pointless: wait until the process imports Triton itself.
-        finder = _AfterImport("triton", activate)
+        finder = _AfterImport("triton", lambda triton: activate())
         sys.meta_path.insert(0, finder)
         if launcher in ("run", "enable"):
             atexit.register(_join_at_exit, finder)
@@ -189,27 +184,13 @@ def _join_at_exit(finder: _AfterImport) -> None:
         _package_module("session").close_at_exit(join=True)
 
 
-def report_divergences(folder: str) -> None:
-    """Once the process imports the package, its session marks in ``folder``, at exit, the
-    DivergenceErrors the process raised, handled ones too (`run` makes them the job's status)."""
-
-    def register() -> None:
-        hook = functools.partial(_mark_divergences, folder)
-        sys.modules["megatron_tuning.session"].exit_hooks.append(hook)
-
-    sys.meta_path.insert(0, _AfterImport("megatron_tuning.session", register))
-
-
 def _mark_divergences(folder: str) -> None:
+    """Mark in ``folder`` how many DivergenceErrors this process raised, handled ones too (`run` makes
+    them the job's status)."""
     raised = _package_module("core.errors").DivergenceError.raised
     if raised:  # a vanished folder raises: close_at_exit goes on, and the exit status still tells
         write = _package_module("tables.files").write_atomic
         write(os.path.join(folder, f"divergence-{os.getpid()}"), b"%d" % raised)
-
-
-def _activate(launcher: str) -> None:
-    module = _package_module(f"commands.{LAUNCHERS.get(launcher, 'launch')}")
-    module.activate(launcher) if module.__name__.endswith(".launch") else module.activate()
 
 
 def _package_module(name: str) -> Any:
@@ -219,19 +200,19 @@ def _package_module(name: str) -> Any:
     import importlib.util
 
     if "megatron_tuning" not in sys.modules and importlib.util.find_spec("megatron_tuning") is None:
-        sys.path.insert(0, _PACKAGE_PARENT)
+        sys.path.insert(0, PACKAGE_PARENT)
         try:
             importlib.import_module("megatron_tuning")
         finally:
-            sys.path.remove(_PACKAGE_PARENT)
+            sys.path.remove(PACKAGE_PARENT)
     return importlib.import_module(f"megatron_tuning.{name}")
 
 
 class _AfterImport:
-    """A meta-path finder that runs ``callback`` once module ``name`` has finished importing; an
+    """A meta-path finder that runs ``callback(module)`` once module ``name`` has finished importing; an
     exception from ``callback`` propagates out of the ``import`` (``run`` stops an unpinned process)."""
 
-    def __init__(self, name: str, callback: Callable[[], None]) -> None:
+    def __init__(self, name: str, callback: Callable[[Any], None]) -> None:
         self.name = name
         self.callback = callback
 
@@ -247,15 +228,12 @@ class _AfterImport:
         loader, callback = spec.loader, self.callback
 
         class _Loader:
-            def create_module(self, spec: Any) -> Any:
-                return loader.create_module(spec)
-
             def __getattr__(self, attr: str) -> Any:  # everything else: the real loader
                 return getattr(loader, attr)
 
             def exec_module(self, module: Any) -> None:
                 loader.exec_module(module)
-                callback()
+                callback(module)
 
         spec.loader = _Loader()  # type: ignore[assignment]
         return spec

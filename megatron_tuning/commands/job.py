@@ -88,57 +88,47 @@ def run_armed(
     lifeline, is let go (``bootstrap.hold_lifeline``). Past ``timeout`` seconds both are done on
     purpose: exit status 124, as timeout(1). ``output`` gets the job's stdout and stderr.
     """
+    problem = command_problem(argv, os.environ)
+    if problem is not None:
+        print(f"{prog}: {problem[1]}", file=sys.stderr)
+        return problem[0], 0
     work = folder or Path(tempfile.mkdtemp(prefix=f"megatron_tuning_{launcher}_"))
     try:
         env = {**job_environment(work, launcher), **updates}
-        code = _run(argv, env, prog, work / "bootstrap", timeout, output)
-        return code, len(list(work.glob("divergence-*")))
+        held = hold_lifeline(work / "bootstrap")
+        try:
+            try:
+                process = subprocess.Popen(
+                    list(argv),
+                    env=env,
+                    stdout=output,
+                    stderr=None if output is None else subprocess.STDOUT,
+                    preexec_fn=_die_with_launcher(),
+                )
+            except OSError as exc:  # vanished since the check, or a bad #! interpreter
+                print(f"{prog}: cannot run {argv[0]!r}: {exc.strerror or exc}", file=sys.stderr)
+                return (EXIT_NOT_FOUND if isinstance(exc, FileNotFoundError) else EXIT_CANNOT_EXECUTE), 0
+            code = _wait_passing_signals(process, timeout)
+        finally:
+            os.close(held)  # armed processes of the job still running die now
+        if code is None:  # past the timeout; a first process that is not armed is stopped here
+            process.kill()
+            process.wait()
+        caught = len(list(work.glob("divergence-*")))
     finally:
         if folder is None:
             shutil.rmtree(work, ignore_errors=True)
-
-
-def _run(
-    argv: Sequence[str],
-    env: Mapping[str, str],
-    prog: str,
-    lifeline: Path,
-    timeout: float | None,
-    output: IO[bytes] | None,
-) -> int:
-    problem = command_problem(argv, env)
-    if problem is not None:
-        print(f"{prog}: {problem[1]}", file=sys.stderr)
-        return problem[0]
-    held = hold_lifeline(lifeline)
-    try:
-        try:
-            process = subprocess.Popen(
-                list(argv),
-                env=dict(env),
-                stdout=output,
-                stderr=None if output is None else subprocess.STDOUT,
-                preexec_fn=_die_with_launcher(),
-            )
-        except OSError as exc:  # vanished since the check, or a bad #! interpreter
-            print(f"{prog}: cannot run {argv[0]!r}: {exc.strerror or exc}", file=sys.stderr)
-            return EXIT_NOT_FOUND if isinstance(exc, FileNotFoundError) else EXIT_CANNOT_EXECUTE
-        code = _wait_passing_signals(process, timeout)
-    finally:
-        os.close(held)  # armed processes of the job still running die now
-    if code is None:  # past the timeout; a first process that is not armed is stopped here
-        process.kill()
-        process.wait()
+    if code is None:
         print(f"{prog}: the job ran past {timeout:g} s: stopped it (exit status 124)", file=sys.stderr)
-        return EXIT_TIMEOUT
+        return EXIT_TIMEOUT, caught
     if code >= 0:
-        return code
+        return code, caught
     try:
         name = signal.Signals(-code).name
     except ValueError:
         name = f"signal {-code}"
     print(f"{prog}: the job was killed by {name} (exit status {128 - code})", file=sys.stderr)
-    return 128 - code
+    return 128 - code, caught
 
 
 def _die_with_launcher() -> Callable[[], None] | None:

@@ -96,24 +96,22 @@ def require_matplotlib() -> None:
         raise ImportError(f"Plotting needs matplotlib: {how}.") from exc
 
 
-def plot_into(decisions: Sequence[Decision], directory: str, *, prog: str) -> list[Path]:
+def plot_into(decisions: Sequence[Decision], directory: str, *, prog: str) -> None:
     """One PNG per decision (candidate medians, p20-p80 bars, the tie band, the winner) under ``directory``.
 
     File names keep only ``[A-Za-z0-9_]`` of kernel and key (a hand-made log's ``/`` or ``..`` cannot
     place a plot elsewhere), plus a digest so they stay unique."""
-    paths = []
     for d in decisions:
         slug = "__".join(
             re.sub(r"[^A-Za-z0-9]+", "_", text).strip("_")[:60] or "x"
             for text in (d.kernel.rsplit(":", 1)[-1], d.key.split("|")[0])
         )
         digest = hashlib.sha256(f"{d.kernel}\n{d.key}\n{d.rank}".encode()).hexdigest()[:10]
-        paths.append(plot_decision(d, Path(directory) / f"{slug}__{digest}.png"))
-    print(f"{prog}: {len(paths)} plot(s) written to {directory}")
-    return paths
+        plot_decision(d, Path(directory) / f"{slug}__{digest}.png")
+    print(f"{prog}: {len(decisions)} plot(s) written to {directory}")
 
 
-def plot_decision(d: Decision, path: Path) -> Path:
+def plot_decision(d: Decision, path: Path) -> None:
     """Draw one decision's candidate timings to ``path`` as a PNG (no pyplot state, no display)."""
     require_matplotlib()
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -163,4 +161,3 @@ def plot_decision(d: Decision, path: Path) -> Path:
     figure.savefig(image, format="png")
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(path, image.getvalue(), error=lambda p, problem: TableError(p, problem, "Plot"))
-    return path

@@ -24,8 +24,9 @@ from typing import Any
 from ..core.decisions import CHAOS_NO_OTHER_CONFIG
 from ..core.policy import AGREEMENT_MODES, ENV_MODE, MAX_AGREEMENT_TIMEOUT_S, PREFIX
 from ..tables.files import write_atomic
-from .bootstrap import PLUMBING
-from .job import EXIT_TIMEOUT, add_job_argument, job_argv, run_armed
+from . import EXIT_USAGE
+from .bootstrap import PACKAGE_PARENT, PLUMBING
+from .job import EXIT_TIMEOUT, add_job_argument, job_argv, job_command, run_armed
 
 KERNEL_MODULE = "megatron_tuning.kernels"
 CPU_SHAPES = ((37, 29, 45), (64, 48, 40))  # interpreted launches cost ~0.2 s: small, odd shapes
@@ -78,7 +79,8 @@ def run_selftest(args: argparse.Namespace, *, launch: Launch | None = None) -> i
     """Run both jobs and print a report; 0 when deterministic passed and chaos was detected.
     ``launch`` runs one job and returns its outcome (default: torchrun over this package's workers)."""
     if args.job:
-        return _your_job(args.job[1:] if args.job[0] == "--" else args.job, args.timeout, args.keep)
+        command = job_command(args, "selftest", "selftest -- torchrun --nproc_per_node 2 train.py")
+        return EXIT_USAGE if command is None else _your_job(command, args.timeout, args.keep)
     import torch
 
     interpret = args.interpret or not torch.cuda.is_available()
@@ -95,7 +97,7 @@ def run_selftest(args: argparse.Namespace, *, launch: Launch | None = None) -> i
             outcome = (launch or _launch)(args, mode, os.path.join(root, mode), interpret)
             ok, summary = _judge(mode, outcome, args.nproc)
             verdicts.append(ok)
-            print(f"  {mode:<13} {'PASS' if ok else 'FAIL'}  {summary}")
+            print(f"  {mode:<13} {'PASS' if ok else 'FAIL'}  {summary} ({outcome['seconds']:.1f}s)")
             if args.show:
                 _show(mode, outcome)
             if not ok and outcome.get("output"):
@@ -168,8 +170,7 @@ def _launch(args: argparse.Namespace, mode: str, folder: str, interpret: bool) -
     env["TRITON_INTERPRET"] = "1" if interpret else env.get("TRITON_INTERPRET", "0")
     env.setdefault("OMP_NUM_THREADS", "1")
     # The job must import this very copy of the package, installed or not.
-    package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (PACKAGE_PARENT, env.get("PYTHONPATH", "")) if p)
     worker = {"mode": mode, "out": folder, "agreement": args.agreement, "timeout": args.timeout}
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}"]
     command = [*argv, "-m", __name__, json.dumps(worker)]
@@ -193,44 +194,43 @@ def _launch(args: argparse.Namespace, mode: str, folder: str, interpret: bool) -
 
 
 def _judge(mode: str, outcome: dict[str, Any], nproc: int) -> tuple[bool, str]:
-    """Whether a job behaved as its mode requires, and one line saying why."""
-    took = f"({outcome['seconds']:.1f}s)"
+    """Whether a job behaved as its mode requires, and one line saying why (the caller adds the time)."""
     if outcome["returncode"] is None:
-        return False, f"torchrun did not finish within the timeout {took}"
+        return False, "torchrun did not finish within the timeout"
     ranks = outcome["ranks"]
     errors = {r: res for r, res in ranks.items() if res.get("error")}
     unexpected = {r: res for r, res in errors.items() if res["error"] != "DivergenceError"}
     if unexpected:
-        rank, res = next(iter(sorted(unexpected.items())))
-        return False, f"rank {rank} failed with {res['error']}: {res['message'].splitlines()[0]} {took}"
+        rank, res = min(unexpected.items())
+        return False, f"rank {rank} failed with {res['error']}: {res['message'].splitlines()[0]}"
     if len(ranks) != nproc:
-        return False, f"only ranks {sorted(ranks)} reported (torchrun exit {outcome['returncode']}) {took}"
+        return False, f"only ranks {sorted(ranks)} reported (torchrun exit {outcome['returncode']})"
     if mode == "deterministic":
         if errors:
-            rank, res = next(iter(sorted(errors.items())))
-            return False, f"false alarm on ranks {sorted(errors)}: {res['message'].splitlines()[0]} {took}"
+            rank, res = min(errors.items())
+            return False, f"false alarm on ranks {sorted(errors)}: {res['message'].splitlines()[0]}"
         pinned = min(sum(d[3] != "out_of_scope" for d in res.get("decisions", [])) for res in ranks.values())
         if pinned == 0:
-            return False, f"no launch went through the interception, nothing was checked {took}"
+            return False, "no launch went through the interception, nothing was checked"
         shared = min(res.get("shared", 0) for res in ranks.values())
         compared = f"(verify_agreement compared {shared})"
-        return True, f"all ranks agree on {pinned} (kernel, key) choices {compared}, no alarm {took}"
+        return True, f"all ranks agree on {pinned} (kernel, key) choices {compared}, no alarm"
     # A key with one distinct config cannot differ between ranks: it proves nothing either way.
     chaos = [d for res in ranks.values() for d in res.get("decisions", []) if d[3] == "chaos"]
     provable = {(d[0], d[1]) for d in chaos if len(d) < 5 or d[4] != CHAOS_NO_OTHER_CONFIG}
     if not errors:
         if not provable:
             why = "no chaos key had two distinct configs, so the ranks could not differ"
-            return False, f"inconclusive: {why} and this run proves nothing about the check {took}"
+            return False, f"inconclusive: {why} and this run proves nothing about the check"
         blind = "chaos ranks launched different configs and nothing noticed: the agreement check is blind"
-        return False, f"{blind} {took}"
+        return False, blind
     if len({res["message"] for res in errors.values()}) != 1:
-        return False, f"ranks raised different messages for the same divergence {took}"
-    first = next(iter(sorted(errors.items())))[1]
+        return False, "ranks raised different messages for the same divergence"
+    first = errors[min(errors)]
     return True, (
         f"DivergenceError on ranks {sorted(errors)} for {first['kernel']} key {first['key']}, naming "
         f"ranks {first.get('signature_ranks', [])}; at least {len(provable)} chaos key(s) could differ "
-        f"(those reached before the error stopped the run) {took}"
+        f"(those reached before the error stopped the run)"
     )
 
 
@@ -293,17 +293,14 @@ def _exercise(args: argparse.Namespace, result: dict[str, Any]) -> None:
     policy = TuningPolicy(
         mode=args.mode, scope=(KERNEL_MODULE,), agreement=args.agreement, agreement_timeout_s=timeout
     )
-    handle = init_deterministic_tuning(policy)
-    if args.agreement != "off" and active_checker() is None:
-        raise RuntimeError("init_deterministic_tuning started no agreement check")
     on_gpu = os.environ.get("TRITON_INTERPRET") != "1" and torch.cuda.is_available()
     device = torch.device("cuda", dist.get_rank() % torch.cuda.device_count()) if on_gpu else "cpu"
-    try:
+    shapes, dtype = (GPU_SHAPES, torch.bfloat16) if on_gpu else (CPU_SHAPES, torch.float32)
+    with init_deterministic_tuning(policy):
+        if args.agreement != "off" and active_checker() is None:
+            raise RuntimeError("init_deterministic_tuning started no agreement check")
         try:
-            failures = reference_workload(
-                device, GPU_SHAPES if on_gpu else CPU_SHAPES, torch.bfloat16 if on_gpu else torch.float32
-            )
-            if failures:
+            if failures := reference_workload(device, shapes, dtype):
                 raise AssertionError("wrong results: " + "; ".join(failures))
         except (MegatronTuningError, AssertionError) as error:
             _keep_error(result, error)
@@ -312,8 +309,6 @@ def _exercise(args: argparse.Namespace, result: dict[str, Any]) -> None:
         except MegatronTuningError as error:
             if result["error"] is None:
                 _keep_error(result, error)
-    finally:
-        handle.close()
     result["decisions"] = [
         [d.kernel, d.key, d.signature, d.source, d.chaos, d.origin] for d in decision_log().decisions()
     ]

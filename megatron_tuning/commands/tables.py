@@ -189,12 +189,9 @@ def run_diff(args: argparse.Namespace) -> int:
         effect = item.get("numerics", "")
         effect = f"  ({effect.upper() if effect == 'changes numerics' else effect})" if effect else ""
         print(printable(f"~ {item['arch']}  {item['kernel']}  [{item['key']}]{effect}"))
-        for name, (before, after) in item["fields"].items():
-            print(
-                printable(
-                    f"    {name}: {'-' if before is None else before} -> {'-' if after is None else after}"
-                )
-            )
+        for name, values in item["fields"].items():
+            before, after = ("-" if value is None else value for value in values)
+            print(printable(f"    {name}: {before} -> {after}"))
     counts = {k: len(v) for k, v in changes.items()}
     summary = f"{counts['added']} added, {counts['removed']} removed, {counts['changed']} changed"
     print(summary if any(counts.values()) else "no differences")

@@ -70,6 +70,8 @@ def run_tune(args: argparse.Namespace) -> int:
     if problem is not None:
         print(f"tune: {problem[1]}", file=sys.stderr)
         return problem[0]
+    out = Path(args.out)
+    args.results = args.results or str(out.with_name(out.name.split(".")[0] + ".tuning.json"))
     try:
         _check_outputs(args)  # written after the job: a path that cannot be written fails now
         work, temporary = _job_folder(args.work_dir)
@@ -95,13 +97,8 @@ def run_tune(args: argparse.Namespace) -> int:
     return returncode
 
 
-def _results_path(args: argparse.Namespace) -> Path:
-    out = Path(args.out)
-    return Path(args.results) if args.results else out.with_name(out.name.split(".")[0] + ".tuning.json")
-
-
 def _check_outputs(args: argparse.Namespace) -> None:
-    for flag, path in (("--out", Path(args.out)), ("--results", _results_path(args))):
+    for flag, path in (("--out", Path(args.out)), ("--results", Path(args.results))):
         # A missing folder is created when the file is written: then that folder must be creatable.
         parent = path.parent if str(path.parent) else Path(".")
         problem = output_file_problem(str(path)) if parent.is_dir() else output_folder_problem(str(parent))
@@ -160,12 +157,12 @@ def _run_job(
         print(f"tune: the job recorded no tuned (kernel, key). {why} {scope}", file=sys.stderr)
         return returncode or 1, []
     merged = vote_tables([(name, recording_table(ds)) for name, ds in logs])
-    write_decisions(_results_path(args), decisions)
+    write_decisions(args.results, decisions)
     add_entries(args.out, merged.table.entries())
     print(summary(decisions))
     count = len(merged.table)
     entries = f"{count} entr{'y' if count == 1 else 'ies'}"
-    print(f"tune: {entries} merged into {args.out}; statistics in {_results_path(args)}")
+    print(f"tune: {entries} merged into {args.out}; statistics in {args.results}")
     return returncode, decisions
 
 

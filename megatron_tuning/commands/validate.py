@@ -39,12 +39,6 @@ class ValidationReport:
     notes: list[str] = field(default_factory=list)
 
 
-class _Kernel(NamedTuple):
-    source_hash: str | None
-    signatures: frozenset[str]
-    prunes: bool
-
-
 def _wrappers(obj: Any) -> Iterator[Any]:
     """``obj``, then what it wraps (``.fn``), down a bounded chain."""
     for _ in range(8):  # heuristics/autotune decorators stacked on one kernel: far above real use
@@ -66,11 +60,11 @@ def find_autotuners(module: Any) -> list[Any]:
     return found
 
 
-def _import_kernels(modules: Sequence[str], report: ValidationReport) -> tuple[set[str], dict[str, _Kernel]]:
+def _import_kernels(modules: Sequence[str], report: ValidationReport) -> tuple[set[str], dict[str, Any]]:
     from ..runtime.interception import lazy_benchmarker  # Triton 3.2/3.3 without a GPU needs it
 
     covered: set[str] = set()
-    kernels: dict[str, _Kernel] = {}
+    kernels: dict[str, Any] = {}
     for name in modules:
         try:
             with lazy_benchmarker():
@@ -78,10 +72,9 @@ def _import_kernels(modules: Sequence[str], report: ValidationReport) -> tuple[s
         except (Exception, SystemExit) as exc:  # a finding about the user's code, not a crash
             report.problems.append(Problem("-", "-", f"{name}:*", "-", f"cannot import module: {exc!r}"))
             continue
-        name = module.__name__
         # A package that re-exports some kernels of a submodule: scan that submodule too, so its
         # other kernels are not reported missing. Only scanned modules count as covered.
-        pending = [(name, module)]
+        pending = [(module.__name__, module)]
         while pending:
             module_name, scanned = pending.pop()
             if module_name in covered:
@@ -91,7 +84,7 @@ def _import_kernels(modules: Sequence[str], report: ValidationReport) -> tuple[s
                 home = identity.kernel_module(autotuner)
                 if home not in covered and sys.modules.get(home) is not None:
                     pending.append((home, sys.modules[home]))
-                kernels[identity.kernel_id(autotuner)] = _describe(autotuner)
+                kernels[identity.kernel_id(autotuner)] = autotuner
     return covered, kernels
 
 
@@ -108,13 +101,7 @@ def _import(name: str) -> Any:
     return module
 
 
-def _describe(autotuner: Any) -> _Kernel:
-    signatures = frozenset(identity.config_signature(c) for c in autotuner.configs)
-    prunes = getattr(autotuner, "early_config_prune", None) is not None  # may create new configs
-    return _Kernel(identity.kernel_source_hash(autotuner), signatures, prunes)
-
-
-def _resolve_kernel(kernel: str, kernels: dict[str, _Kernel]) -> _Kernel | None:
+def _resolve_kernel(kernel: str) -> Any:
     """A kernel that is no module global (e.g. a class attribute), found by its qualname."""
     from triton.runtime.autotuner import Autotuner
 
@@ -123,10 +110,8 @@ def _resolve_kernel(kernel: str, kernels: dict[str, _Kernel]) -> _Kernel | None:
     for part in qualname.split("."):
         obj = getattr(obj, part, None)
     found = next((o for o in _wrappers(obj) if isinstance(o, Autotuner)), None)
-    if found is None or identity.kernel_id(found) != kernel:
-        return None  # a ``@digest`` id names a module-level autotuner, found by the scan or nowhere
-    kernels[kernel] = _describe(found)
-    return kernels[kernel]
+    # A ``@digest`` id names a module-level autotuner, found by the scan or nowhere.
+    return found if found is not None and identity.kernel_id(found) == kernel else None
 
 
 def validate_tables(
@@ -157,7 +142,7 @@ def validate_tables(
 
 
 def _entry_problems(
-    entry: Entry, arch: str | None, version: str | None, covered: set[str], kernels: dict[str, _Kernel]
+    entry: Entry, arch: str | None, version: str | None, covered: set[str], kernels: dict[str, Any]
 ) -> list[str]:
     problems = []
     if arch is not None and entry.arch != arch:
@@ -167,8 +152,8 @@ def _entry_problems(
     module = entry.kernel.split(":", 1)[0]
     if module not in covered:
         return problems
-    kernel = kernels.get(entry.kernel) or _resolve_kernel(entry.kernel, kernels)
-    if kernel is None:
+    autotuner = kernels.get(entry.kernel) or _resolve_kernel(entry.kernel)
+    if autotuner is None:
         # Autotuners with different config lists over one function are told apart by ``@digest``.
         split = sorted(k for k in kernels if k.startswith(entry.kernel + "@"))
         if split:
@@ -180,12 +165,15 @@ def _entry_problems(
         elif "<locals>" not in entry.kernel:  # one made inside a function: only a run can tell
             problems.append(f"no autotuned kernel {entry.kernel} in module {module} (renamed or removed?)")
         return problems
-    if entry.source_hash and kernel.source_hash and entry.source_hash != kernel.source_hash:
-        hashes = f"table {entry.source_hash[:12]}, code {kernel.source_hash[:12]}"
+    source_hash = identity.kernel_source_hash(autotuner)
+    if entry.source_hash and source_hash and entry.source_hash != source_hash:
+        hashes = f"table {entry.source_hash[:12]}, code {source_hash[:12]}"
         problems.append(f"kernel source changed since tuning ({hashes})")
-    signature, count = identity.config_signature(entry.config), len(kernel.signatures)
-    if signature not in kernel.signatures and not kernel.prunes:
-        problems.append(f"config {signature} is none of the kernel's {count} declared configs")
+    signature = identity.config_signature(entry.config)
+    declared = {identity.config_signature(c) for c in autotuner.configs}
+    # A kernel with an early_config_prune may launch configs it does not declare.
+    if signature not in declared and getattr(autotuner, "early_config_prune", None) is None:
+        problems.append(f"config {signature} is none of the kernel's {len(declared)} declared configs")
     return problems
 
 
@@ -254,6 +242,10 @@ class Row:
     def diverged(self) -> bool:
         return len({c.signature for c in self.cells.values() if c.status != "out_of_scope"}) > 1
 
+    def to_json(self) -> dict[str, Any]:
+        ranks = {label: cell.to_json() for label, cell in self.cells.items()}
+        return {"kernel": self.kernel, "key": self.key, "diverged": self.diverged, "ranks": ranks}
+
 
 def coverage_of(logs: list[tuple[str, list[Decision]]]) -> tuple[list[str], list[Row]]:
     """Rank labels and one row per (kernel, key). A rank claimed by two files (separate
@@ -307,20 +299,11 @@ def run_coverage(args: argparse.Namespace) -> int:
     )
     diverged = [row for row in rows if row.diverged]
     if args.json:
-        entries = [
-            {
-                "kernel": r.kernel,
-                "key": r.key,
-                "diverged": r.diverged,
-                "ranks": {k: c.to_json() for k, c in r.cells.items()},
-            }
-            for r in rows
-        ]
         doc = {
             "files": list(args.logs),
             "ranks": labels,
             "counts": dict(sorted(counts.items())),
-            "entries": entries,
+            "entries": [row.to_json() for row in rows],
             "nondeterministic": [{"kernel": k, "key": key, "signature": sig} for k, key, sig in nondet],
         }
         print(json.dumps(doc, indent=1, sort_keys=True))

@@ -36,3 +36,9 @@ def test_good_values_are_accepted() -> None:
     selftest.add_selftest(parser)
     args = parser.parse_args(["--timeout", "2.5", "--nproc", "3"])
     assert (args.timeout, args.nproc) == (2.5, 3)
+
+
+def test_a_dash_dash_without_a_command_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    words = ["selftest", "--"]
+    assert selftest.run_selftest(build_parser(words).parse_args(words)) == 2  # an IndexError before
+    assert "give the command to run after `--`" in capsys.readouterr().err
