@@ -101,9 +101,6 @@ def match_live(config: Mapping[str, Any], candidates: Sequence[Any]) -> Any | No
     return next((c for c in candidates if config_signature(c) == wanted), None)
 
 
-Unpinned = Callable[[str], "Choice | None"]
-
-
 def choose(
     autotuner: Any,
     candidates: Sequence[Any],
@@ -113,7 +110,7 @@ def choose(
     on_miss: str = "min_cost",
     block_sizes: Mapping[str, int] | Iterable[tuple[str, int]] = (),
     numerics: str = "any",
-    unpinned: Unpinned | None = None,
+    unpinned: Callable[[str], Choice | None] | None = None,
     fix: str = notices.FIX_A_MISS,
 ) -> Choice:
     """The deterministic rule, for ``deterministic_choice``, every pinning mode and ``auto``: the
@@ -139,7 +136,9 @@ def choose(
             notices.entry_matches_nothing(
                 hit.kernel or kernel, key, hit.origin, config_signature(hit.config), live_signatures
             )
-        elif unpinned is not None and numerics == "deterministic-only" and not _deterministic(hit.numerics):
+        elif (
+            unpinned and numerics == "deterministic-only" and hit.numerics and not hit.numerics.deterministic
+        ):
             reason = "the table marks its config non-deterministic on its own"  # auto re-tunes it
         else:
             return _from_hit(live, "table", hit)
@@ -173,10 +172,6 @@ def choose(
     config = cheapest(candidates)
     notices.cheapest_used(kernel, key, reason, on_miss, config_signature(config), len(candidates), fix)
     return Choice(config, "cheapest")
-
-
-def _deterministic(numerics: Any) -> bool:
-    return numerics is None or bool(numerics.deterministic)
 
 
 def deterministic_choice(

@@ -16,6 +16,7 @@ from ..core.identity import CONFIG_FIELDS
 from ..core.key import INT_MAX, INT_MIN, Key
 
 HOW_VALUES = ("tuned", "recorded", "hand")
+Ident = tuple[str, str, str]  # (arch, kernel id, key): what a table holds one entry of
 _LARGEST = {int: INT_MAX, float: sys.float_info.max}
 _MAX_WARPS_OR_STAGES = 1024
 _MAX_DEPTH = 6  # nesting allowed inside config data (kwargs values are scalars in practice)
@@ -133,7 +134,7 @@ class Entry(_EntryFields):
     __hash__ = None  # type: ignore[assignment]  # config is a dict
 
     @property
-    def ident(self) -> tuple[str, str, str]:
+    def ident(self) -> Ident:
         return (self.arch, self.kernel, self.key)
 
     def to_data(self) -> dict[str, Any]:

@@ -218,12 +218,10 @@ def locked(
     path: str | os.PathLike[str],
     *,
     timeout_s: float = LOCK_TIMEOUT_S,
-    error: ErrorFactory = TableError,
     wait_level: int = logging.WARNING,
-) -> Iterator[str]:
-    """Hold ``<resolved path>.lock`` (a symlink and its target share it); yield the resolved path."""
-    name, real = os.fspath(path), os.path.realpath(path)
-    lock_path = real + ".lock"
+) -> Iterator[None]:
+    """Hold ``<resolved path>.lock`` (a symlink and its target share it)."""
+    name, lock_path = os.fspath(path), os.path.realpath(path) + ".lock"
     lock = filelock.FileLock(lock_path)
     try:
         try:
@@ -233,7 +231,7 @@ def locked(
             logger.log(wait_level, message, timeout_s, lock_path, describe_holders(lock_path), name)
             lock.acquire(timeout=timeout_s)
     except filelock.Timeout:
-        raise error(
+        raise TableError(
             name,
             f"timed out after {timeout_s:g}s waiting for the lock {lock_path}, held by "
             f"{describe_holders(lock_path)}: another process (tune, merge or a record-mode run) is "
@@ -242,13 +240,13 @@ def locked(
     except OSError:  # filelock (>= 3.20.1, CVE-2025-68146) refuses a symlinked lock file: say so
         if not os.path.islink(lock_path):
             raise  # an unwritable folder and the like
-        raise error(
+        raise TableError(
             name,
             f"the lock file {lock_path} is a symbolic link to {os.readlink(lock_path)!r}: refusing to "
             "lock through it (taking the lock would truncate the file it leads to). Remove it and retry",
         ) from None
     try:
-        yield real
+        yield
     finally:
         lock.release()
 
