@@ -114,10 +114,8 @@ class Entry(_EntryFields):
         numerics: Numerics | Mapping[str, Any] | None = None,
         config_list_digest: str | None = None,
     ) -> Entry:
-        data: dict[str, Any] = {"arch": arch, "kernel": kernel, "key": key, "how": how, "note": note}
-        data.update(config=dict(config) if isinstance(config, Mapping) else config, votes=votes)
-        data.update(source_hash=source_hash, triton_version=triton_version, timing=timing, numerics=numerics)
-        data.update(config_list_digest=config_list_digest)
+        data = {name: value for name, value in locals().items() if name in _EntryFields._fields}
+        data["config"] = dict(config) if isinstance(config, Mapping) else config
         return entry_from_data(data)  # the loader's path: built in code, encoded as if read back
 
     # Tuple equality would say a config with True equals one with 1 (True == 1 in Python);
@@ -149,12 +147,8 @@ class Entry(_EntryFields):
 
 def same_config(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
     """Exact equality of config data: ``True`` differs from ``1`` and ``1.0``, ``(1,)`` equals ``[1]``."""
-    if a is b:
-        return True
-    try:
-        return bool(msgpack.packb(a, use_bin_type=True) == msgpack.packb(b, use_bin_type=True))
-    except Exception:
-        return False
+    # Entries' configs passed check_config, which packs them: packing cannot fail here.
+    return a is b or bool(msgpack.packb(a, use_bin_type=True) == msgpack.packb(b, use_bin_type=True))
 
 
 # The loaders' fast path: an already-validated entry.

@@ -105,8 +105,6 @@ def write_atomic(path: str | os.PathLike[str], payload: bytes, *, error: ErrorFa
 def output_file_problem(path: str) -> str | None:
     """Why ``write_atomic(path, ...)`` would fail, checked up front (a job's outputs are written
     at its end: a typo must fail at start-up); ``None`` when it should succeed."""
-    if "\0" in path:
-        return "contains a NUL character"
     try:
         mode = os.stat(path).st_mode
     except FileNotFoundError:
@@ -125,8 +123,6 @@ def output_file_problem(path: str) -> str | None:
 
 def output_folder_problem(path: str) -> str | None:
     """Why files could not be written into folder ``path`` (created if missing); ``None`` if they can."""
-    if "\0" in path:
-        return "contains a NUL character"
     current = os.path.abspath(path)
     while not os.path.exists(current) and os.path.dirname(current) != current:
         current = os.path.dirname(current)  # the nearest existing ancestor decides whether mkdir works

@@ -145,9 +145,6 @@ class TableSet:
         """Loaded table files in search order (shipped ones appear once loaded)."""
         return [name for name, _ in self._tables]
 
-    def __len__(self) -> int:
-        return len(self._index)
-
     def lookup(
         self,
         kernel: str,
