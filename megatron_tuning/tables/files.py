@@ -31,9 +31,6 @@ LOCK_TIMEOUT_S = 300.0  # how long a read-modify-write waits for another writer 
 
 ErrorFactory = Callable[[str, str], Exception]  # (path, problem) -> TableError or another kind's error
 
-_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
-_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 _KINDS = {
     stat.S_IFREG: "regular file",
     stat.S_IFCHR: "character device",
@@ -75,7 +72,7 @@ def write_atomic(path: str | os.PathLike[str], payload: bytes, *, error: ErrorFa
     tmp = os.path.join(folder, f".{os.path.basename(dest)}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     try:
         # 0o666 lets the umask decide, as for any new file (mkstemp would make it owner-only).
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, 0o666)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
     except OSError as exc:  # name the file the caller asked for, not our temp name
         raise OSError(exc.errno, f"cannot write {target}: {exc.strerror}") from exc
     try:
@@ -141,7 +138,7 @@ def read_regular_file(
     name = os.fspath(path)
     limit = MAX_FILE_BYTES if max_bytes is None else max_bytes
     try:
-        fd = os.open(name, os.O_RDONLY | _NONBLOCK | _CLOEXEC)
+        fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
         raise error(name, broken_link_problem(name) or f"cannot read ({exc.strerror or exc})") from None
     try:
