@@ -53,18 +53,17 @@ class ConfigTable(Protocol):
 class InMemoryTable:
     """A ``{(kernel_id, key): config or config_data}`` dict, any arch; text keys match exactly only."""
 
-    def __init__(self, entries: Mapping[tuple[str, str], Any], origin: str = "<memory>") -> None:
+    def __init__(self, entries: Mapping[tuple[str, str], Any]) -> None:
         self._entries = {k: (v if isinstance(v, Mapping) else config_data(v)) for k, v in entries.items()}
-        self._origin = origin
 
     def lookup(
         self, kernel: str, key: Key, *, arch: str, nearest: bool = False, **code: Any
     ) -> list[TableHit]:
         if nearest:
             keys = [k for (name, k) in self._entries if name == kernel and isinstance(k, Key)]
-            return [TableHit(self._entries[(kernel, k)], self._origin, k) for k in nearest_keys(key, keys)]
+            return [TableHit(self._entries[(kernel, k)], "<memory>", k) for k in nearest_keys(key, keys)]
         data = self._entries.get((kernel, key))
-        return [] if data is None else [TableHit(data, self._origin, key)]
+        return [] if data is None else [TableHit(data, "<memory>", key)]
 
 
 def as_config_table(table: ConfigTable | Mapping[tuple[str, str], Any] | None) -> ConfigTable | None:
