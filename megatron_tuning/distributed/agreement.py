@@ -95,13 +95,10 @@ class FailedAgreement:
         self.timeout_s = policy.agreement_timeout_s
         set_active_checker(self)
 
-    def flush(self) -> None:
+    def check(self, decision: Decision | None = None) -> None:
         raise self.error
 
-    poll = flush
-
-    def check(self, decision: Decision) -> None:
-        raise self.error
+    flush = poll = check
 
     def stop(self, *, final_check: bool = True) -> None:
         set_active_checker(None, replacing=self)
