@@ -53,18 +53,17 @@ class ConfigTable(Protocol):
 class InMemoryTable:
     """A ``{(kernel_id, key): config or config_data}`` dict, any arch; text keys match exactly only."""
 
-    def __init__(self, entries: Mapping[tuple[str, str], Any], origin: str = "<memory>") -> None:
+    def __init__(self, entries: Mapping[tuple[str, str], Any]) -> None:
         self._entries = {k: (v if isinstance(v, Mapping) else config_data(v)) for k, v in entries.items()}
-        self._origin = origin
 
     def lookup(
         self, kernel: str, key: Key, *, arch: str, nearest: bool = False, **code: Any
     ) -> list[TableHit]:
         if nearest:
             keys = [k for (name, k) in self._entries if name == kernel and isinstance(k, Key)]
-            return [TableHit(self._entries[(kernel, k)], self._origin, k) for k in nearest_keys(key, keys)]
+            return [TableHit(self._entries[(kernel, k)], "<memory>", k) for k in nearest_keys(key, keys)]
         data = self._entries.get((kernel, key))
-        return [] if data is None else [TableHit(data, self._origin, key)]
+        return [] if data is None else [TableHit(data, "<memory>", key)]
 
 
 def as_config_table(table: ConfigTable | Mapping[tuple[str, str], Any] | None) -> ConfigTable | None:
@@ -101,9 +100,6 @@ def match_live(config: Mapping[str, Any], candidates: Sequence[Any]) -> Any | No
     return next((c for c in candidates if config_signature(c) == wanted), None)
 
 
-Unpinned = Callable[[str], "Choice | None"]
-
-
 def choose(
     autotuner: Any,
     candidates: Sequence[Any],
@@ -113,7 +109,7 @@ def choose(
     on_miss: str = "min_cost",
     block_sizes: Mapping[str, int] | Iterable[tuple[str, int]] = (),
     numerics: str = "any",
-    unpinned: Unpinned | None = None,
+    unpinned: Callable[[str], Choice | None] | None = None,
     fix: str = notices.FIX_A_MISS,
 ) -> Choice:
     """The deterministic rule, for ``deterministic_choice``, every pinning mode and ``auto``: the
@@ -139,7 +135,9 @@ def choose(
             notices.entry_matches_nothing(
                 hit.kernel or kernel, key, hit.origin, config_signature(hit.config), live_signatures
             )
-        elif unpinned is not None and numerics == "deterministic-only" and not _deterministic(hit.numerics):
+        elif (
+            unpinned and numerics == "deterministic-only" and hit.numerics and not hit.numerics.deterministic
+        ):
             reason = "the table marks its config non-deterministic on its own"  # auto re-tunes it
         else:
             return _from_hit(live, "table", hit)
@@ -173,10 +171,6 @@ def choose(
     config = cheapest(candidates)
     notices.cheapest_used(kernel, key, reason, on_miss, config_signature(config), len(candidates), fix)
     return Choice(config, "cheapest")
-
-
-def _deterministic(numerics: Any) -> bool:
-    return numerics is None or bool(numerics.deterministic)
 
 
 def deterministic_choice(

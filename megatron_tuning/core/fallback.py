@@ -61,10 +61,7 @@ def filter_configs_by_block_sizes(
 ) -> list[Any]:
     """Configs whose kwargs match every override name these configs use; names no config has are
     ignored (an override for one kernel family must not break the others)."""
-    wanted = as_block_sizes(block_sizes)
-    relevant = {k: v for k, v in wanted.items() if any(k in c.kwargs for c in configs)}
-    if not relevant:
-        return list(configs)
+    relevant = {k: v for k, v in as_block_sizes(block_sizes).items() if any(k in c.kwargs for c in configs)}
     return [
         c
         for c in configs

@@ -20,7 +20,7 @@ from typing import Any
 
 from .errors import PolicyError
 from .key import render
-from .policy import parse_int
+from .policy import TRUE_WORDS, parse_int
 
 # Config fields beyond kwargs/num_warps/num_stages, with the default that leaves them out of
 # signatures: a field only some Triton releases have must not change the signature of a config
@@ -40,7 +40,7 @@ CONFIG_FIELDS = ("kwargs", "num_warps", "num_stages", *(name for name, _ in _OPT
 
 def _cuda_torch() -> Any:
     """torch when kernels run on a CUDA/HIP device here (not under the interpreter), else ``None``."""
-    if os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on"):
+    if os.environ.get("TRITON_INTERPRET", "0").strip().lower() in TRUE_WORDS:
         return None
     try:
         import torch

@@ -66,18 +66,17 @@ def parse_int(text: str) -> int | None:
     return int(stripped) if _INT.fullmatch(stripped) else None
 
 
-def _words(choices: tuple[str, ...]) -> Callable[[str, Any], str]:
-    return lambda name, value: _word(name, value, choices)
+def _words(allowed: tuple[str, ...]) -> Callable[[str, Any], str]:
+    def parse(name: str, value: object) -> str:
+        text = value.strip().lower() if isinstance(value, str) else ""
+        if text in allowed:
+            return text
+        removed = allowed is AGREEMENT_MODES and text == "digest"
+        raise PolicyError(
+            name, value, _DIGEST_REMOVED if removed else "one of " + "|".join(allowed) + " (any case)"
+        )
 
-
-def _word(name: str, value: object, allowed: tuple[str, ...]) -> str:
-    text = value.strip().lower() if isinstance(value, str) else ""
-    if text in allowed:
-        return text
-    removed = allowed is AGREEMENT_MODES and text == "digest"
-    raise PolicyError(
-        name, value, _DIGEST_REMOVED if removed else "one of " + "|".join(allowed) + " (any case)"
-    )
+    return parse
 
 
 def _bool(name: str, raw: str) -> bool:

@@ -50,7 +50,6 @@ _active_lock = threading.Lock()
 
 
 def active_checker() -> Agreement | None:
-    """The running session's checks, if any."""
     return _active
 
 
@@ -96,13 +95,10 @@ class FailedAgreement:
         self.timeout_s = policy.agreement_timeout_s
         set_active_checker(self)
 
-    def flush(self) -> None:
+    def check(self, decision: Decision | None = None) -> None:
         raise self.error
 
-    poll = flush
-
-    def check(self, decision: Decision) -> None:
-        raise self.error
+    flush = poll = check
 
     def stop(self, *, final_check: bool = True) -> None:
         set_active_checker(None, replacing=self)
@@ -311,10 +307,21 @@ def describe_inputs(policy: TuningPolicy, table: Any = None) -> dict[str, str]:
         "triton": installed_triton_version() or "not installed",
         "torch": str(torch.__version__),
     }
-    if table is not None and not hasattr(table, "files"):
-        inputs["tables"] = _mapping_digest(table)
+    if table is None or hasattr(table, "files"):  # a TableSet reads the policy's tables
+        try:
+            inputs["tables"] = _digest_of([Path(name) for name in expand_table_paths(policy.tables)])
+        except TableError as exc:  # the table search path reports it too, naming the file
+            inputs["tables"] = f"unreadable ({exc})"
+    elif isinstance(table, Mapping):
+        rows = sorted(
+            json.dumps([list(k), dict(v) if isinstance(v, Mapping) else repr(v)], sort_keys=True, default=str)
+            for k, v in table.items()
+        )
+        inputs["tables"] = (
+            f"{len(rows)} in-memory entries@{hashlib.sha256(chr(10).join(rows).encode()).hexdigest()[:12]}"
+        )
     else:
-        inputs["tables"] = _files_digest(policy.tables)
+        inputs["tables"] = f"a {type(table).__name__} object (not compared)"
     if policy.use_shipped_tables:
         folder = shipped_tables_dir()
         files = sorted(p for p in folder.rglob("*.msgpack") if p.is_file()) if folder.is_dir() else []
@@ -331,20 +338,3 @@ def _digest_of(files: Sequence[Path], root: Path | None = None) -> str:
         except OSError as exc:
             return f"{path} unreadable ({exc.strerror or exc})"
     return f"{len(files)} files@{hasher.hexdigest()[:12]}" if files else "(none)"
-
-
-def _files_digest(paths: tuple[str, ...]) -> str:
-    try:
-        return _digest_of([Path(name) for name in expand_table_paths(paths)])
-    except TableError as exc:  # the table search path reports it too, naming the file
-        return f"unreadable ({exc})"
-
-
-def _mapping_digest(table: Any) -> str:
-    if not isinstance(table, Mapping):
-        return f"a {type(table).__name__} object (not compared)"
-    rows = sorted(
-        json.dumps([list(k), dict(v) if isinstance(v, Mapping) else repr(v)], sort_keys=True, default=str)
-        for k, v in table.items()
-    )
-    return f"{len(rows)} in-memory entries@{hashlib.sha256(chr(10).join(rows).encode()).hexdigest()[:12]}"

@@ -27,13 +27,13 @@ from ..core.errors import (
     StoreError,
 )
 from ..core.notices import warn_once
+from ..core.policy import ENV_AGREEMENT_TIMEOUT, default
 from ..runtime.interception import current_policy
 from . import store as kv
 
 logger = logging.getLogger(__name__)
 
 CLOSE_TIMEOUT_S = 60.0  # the final check at close waits at most this long (or the policy's timeout)
-DEFAULT_TIMEOUT_S = 300.0
 FIELD_BYTES = (256, 768, 512)  # kernel, key, signature text in a fixed-size naming row
 TEXT_BYTES = sum(FIELD_BYTES)
 MAX_NAMED = 8  # differing entries named by verify_agreement; the rest are counted
@@ -59,7 +59,6 @@ _sessions_lock = threading.Lock()
 
 
 def next_session() -> int:
-    """Start this process's next checked session; return its number."""
     global _sessions
     with _sessions_lock:
         _sessions += 1
@@ -84,12 +83,13 @@ def compare_logs(group: Any, timeout_s: float | None, checker: Any, *, at_close:
             if checker.mode == "allgather" and isinstance(error, DivergenceError):
                 raise  # allgather errors are raised on every rank alike
             late_error = error  # one-sided: raising before the collective would hang the others
-    timeout = timeout_s if timeout_s is not None else (checker.timeout_s if checker else DEFAULT_TIMEOUT_S)
+    if timeout_s is None:
+        timeout_s = checker.timeout_s if checker else default(ENV_AGREEMENT_TIMEOUT)
     calls.paired += 1
     calls.user += not at_close
     seq, call = calls.paired, 0 if at_close else calls.user
     store = kv.prefixed(f"verify/{kv.job_namespace()}/{scope}")
-    kv.arrive(store, str(seq), dist.get_rank(), ranks, f"verify_agreement call #{seq}", timeout)
+    kv.arrive(store, str(seq), dist.get_rank(), ranks, f"verify_agreement call #{seq}", timeout_s)
 
     policy = current_policy()
     unchecked = unchecked_sources(policy.mode if policy is not None else None)

@@ -53,14 +53,12 @@ def patch(pin: Any) -> None:
         _pin = pin
         if _originals:
             return
-        _unsupported = None
         hopifier, reason = _hopifier_class()
+        _unsupported = reason or None
         if hopifier is not None:
             original = hopifier.__dict__["call_triton_kernel"]
             _originals["call_triton_kernel"] = (hopifier, original)
             hopifier.call_triton_kernel = _make_call_triton_kernel(original)
-        else:
-            _unsupported = reason
         if hopifier is None or "torch._inductor.runtime.triton_heuristics" in sys.modules:
             _patch_tripwire()
 
@@ -210,8 +208,8 @@ def _one_config_copy(kernel: Any, config: Any) -> Any:
         copy = triton.autotune(
             configs=[config],
             key=list(kernel.keys),
-            reset_to_zero=list(getattr(kernel, "reset_to_zero", None) or []) or None,
-            restore_value=list(getattr(kernel, "restore_value", None) or []) or None,
+            reset_to_zero=kernel.reset_to_zero,  # lists on every supported Triton (a copy each)
+            restore_value=kernel.restore_value,
         )(kernel.fn)
         _mark_nested_copy(copy)
         per_kernel[id(config)] = (copy, config)  # holding config keeps its id() unique

@@ -21,7 +21,7 @@ from ..core.identity import config_signature
 from ..core.notices import warn_once
 from ..core.policy import CACHE_OFF, ENV_CACHE, ENV_CACHE_MAX_ENTRIES, TuningPolicy
 from . import files
-from .entry import Entry, entry_with, same_config
+from .entry import Entry, Ident, entry_with, same_config
 from .records import content_ident, entry_from_decision
 from .search import installed_triton_version, staleness
 from .table import Table, table_bytes, table_from_data
@@ -38,9 +38,8 @@ PERSISTED_SOURCES = ("tuned", "adopted")
 # machine: the slowest took 72 s (docs/cache.md).
 LOCK_TIMEOUT_S = 120.0
 
-_Ident = tuple[str, str, str]
 _Hashes = dict[tuple[str, str], str]  # (arch, kernel) -> the source hash this run used
-_Offered = dict[_Ident, frozenset[str]]  # (arch, kernel, key) -> the signatures its tuning timed
+_Offered = dict[Ident, frozenset[str]]  # (arch, kernel, key) -> the signatures its tuning timed
 _provenance = operator.attrgetter("arch", "kernel", "source_hash", "triton_version")
 
 
@@ -123,7 +122,7 @@ class AutoCache:
     max_entries: int
     lock_timeout_s: float = LOCK_TIMEOUT_S
     _seen: tuple[bytes, Table] | None = None  # the file as this process last read or wrote it
-    _written: set[_Ident] = field(default_factory=set)
+    _written: set[Ident] = field(default_factory=set)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def persist(self, decisions: Iterable[Decision]) -> int:
@@ -162,7 +161,7 @@ class AutoCache:
             self.persist([decision])
 
     def _pending(self, decisions: list[Decision], version: str | None) -> list[Entry]:
-        pending: dict[_Ident, Entry] = {}
+        pending: dict[Ident, Entry] = {}
         for decision in decisions:
             ident = (decision.arch, decision.kernel, decision.key)
             if decision.source not in PERSISTED_SOURCES or ident in self._written or ident in pending:

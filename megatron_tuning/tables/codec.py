@@ -20,6 +20,7 @@ from ..core.key import INT_MAX
 from .entry import (
     HOW_VALUES,
     Entry,
+    Ident,
     Invalid,
     Timing,
     check_config,
@@ -36,8 +37,7 @@ SCHEMA = 2
 SCHEMAS = (1, 2)  # read; 1 stored keys as text
 MAX_ENTRIES = 1_000_000  # as many as auto's cache may be allowed to keep
 
-_Ident = tuple[str, str, str]
-_Decoded = tuple[str, dict[str, str], dict[_Ident, Entry]]
+Decoded = tuple[str, dict[str, str], dict[Ident, Entry]]  # library version, header meta, entries
 
 _HEADER_FIELDS = frozenset({"library_version", "meta"})
 _STRING_COLUMNS = ("source_hash", "triton_version", "note", "config_list_digest")
@@ -106,7 +106,7 @@ def encode_msgpack(library_version: str, meta: dict[str, str], entries: Sequence
     return msgpack.packb([FORMAT, SCHEMA, header, dict(sorted(body.items()))], use_bin_type=True)
 
 
-def decode_msgpack(data: bytes) -> _Decoded:
+def decode_msgpack(data: bytes) -> Decoded:
     if not data:
         raise Invalid("empty file")
     if data.lstrip()[:1] == b"{":
@@ -209,7 +209,7 @@ def unique_map(pairs: list[tuple[Any, Any]], what: str = "map key") -> dict[Any,
     return out
 
 
-def _decode_body(body: dict[str, list[Any]], schema: int) -> dict[_Ident, Entry]:
+def _decode_body(body: dict[str, list[Any]], schema: int) -> dict[Ident, Entry]:
     # ``_unpack`` checked each column's value types and that entry columns have one length.
     if missing := [name for name in _REQUIRED if name not in body]:
         raise Invalid(f"table body: missing columns {missing}")
@@ -296,7 +296,7 @@ def encode_json(library_version: str, meta: dict[str, str], entries: Sequence[En
     return json.dumps(doc, indent=1, allow_nan=False, ensure_ascii=False) + "\n"
 
 
-def decode_json(text: str | bytes) -> _Decoded:
+def decode_json(text: str | bytes) -> Decoded:
     size = len(text) if isinstance(text, bytes) else None
     text = json_text(text)
     if not text.strip():
@@ -324,7 +324,7 @@ def decode_json(text: str | bytes) -> _Decoded:
     rows = doc.get("entries")
     if type(rows) is not list:
         raise Invalid("entries must be a list")
-    entries: dict[_Ident, Entry] = {}
+    entries: dict[Ident, Entry] = {}
     for index, row in enumerate(rows):
         try:
             if schema == 1 and type(row) is dict and type(row.get("key")) is str:  # text, maybe hand-spaced

@@ -16,6 +16,7 @@ from ..core.identity import CONFIG_FIELDS
 from ..core.key import INT_MAX, INT_MIN, Key
 
 HOW_VALUES = ("tuned", "recorded", "hand")
+Ident = tuple[str, str, str]  # (arch, kernel id, key): what a table holds one entry of
 _LARGEST = {int: INT_MAX, float: sys.float_info.max}
 _MAX_WARPS_OR_STAGES = 1024
 _MAX_DEPTH = 6  # nesting allowed inside config data (kwargs values are scalars in practice)
@@ -113,10 +114,8 @@ class Entry(_EntryFields):
         numerics: Numerics | Mapping[str, Any] | None = None,
         config_list_digest: str | None = None,
     ) -> Entry:
-        data: dict[str, Any] = {"arch": arch, "kernel": kernel, "key": key, "how": how, "note": note}
-        data.update(config=dict(config) if isinstance(config, Mapping) else config, votes=votes)
-        data.update(source_hash=source_hash, triton_version=triton_version, timing=timing, numerics=numerics)
-        data.update(config_list_digest=config_list_digest)
+        data = {name: value for name, value in locals().items() if name in _EntryFields._fields}
+        data["config"] = dict(config) if isinstance(config, Mapping) else config
         return entry_from_data(data)  # the loader's path: built in code, encoded as if read back
 
     # Tuple equality would say a config with True equals one with 1 (True == 1 in Python);
@@ -133,7 +132,7 @@ class Entry(_EntryFields):
     __hash__ = None  # type: ignore[assignment]  # config is a dict
 
     @property
-    def ident(self) -> tuple[str, str, str]:
+    def ident(self) -> Ident:
         return (self.arch, self.kernel, self.key)
 
     def to_data(self) -> dict[str, Any]:
@@ -148,12 +147,8 @@ class Entry(_EntryFields):
 
 def same_config(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
     """Exact equality of config data: ``True`` differs from ``1`` and ``1.0``, ``(1,)`` equals ``[1]``."""
-    if a is b:
-        return True
-    try:
-        return bool(msgpack.packb(a, use_bin_type=True) == msgpack.packb(b, use_bin_type=True))
-    except Exception:
-        return False
+    # Entries' configs passed check_config, which packs them: packing cannot fail here.
+    return a is b or bool(msgpack.packb(a, use_bin_type=True) == msgpack.packb(b, use_bin_type=True))
 
 
 # The loaders' fast path: an already-validated entry.

@@ -31,9 +31,6 @@ LOCK_TIMEOUT_S = 300.0  # how long a read-modify-write waits for another writer 
 
 ErrorFactory = Callable[[str, str], Exception]  # (path, problem) -> TableError or another kind's error
 
-_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
-_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 _KINDS = {
     stat.S_IFREG: "regular file",
     stat.S_IFCHR: "character device",
@@ -75,7 +72,7 @@ def write_atomic(path: str | os.PathLike[str], payload: bytes, *, error: ErrorFa
     tmp = os.path.join(folder, f".{os.path.basename(dest)}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     try:
         # 0o666 lets the umask decide, as for any new file (mkstemp would make it owner-only).
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, 0o666)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
     except OSError as exc:  # name the file the caller asked for, not our temp name
         raise OSError(exc.errno, f"cannot write {target}: {exc.strerror}") from exc
     try:
@@ -105,8 +102,6 @@ def write_atomic(path: str | os.PathLike[str], payload: bytes, *, error: ErrorFa
 def output_file_problem(path: str) -> str | None:
     """Why ``write_atomic(path, ...)`` would fail, checked up front (a job's outputs are written
     at its end: a typo must fail at start-up); ``None`` when it should succeed."""
-    if "\0" in path:
-        return "contains a NUL character"
     try:
         mode = os.stat(path).st_mode
     except FileNotFoundError:
@@ -125,8 +120,6 @@ def output_file_problem(path: str) -> str | None:
 
 def output_folder_problem(path: str) -> str | None:
     """Why files could not be written into folder ``path`` (created if missing); ``None`` if they can."""
-    if "\0" in path:
-        return "contains a NUL character"
     current = os.path.abspath(path)
     while not os.path.exists(current) and os.path.dirname(current) != current:
         current = os.path.dirname(current)  # the nearest existing ancestor decides whether mkdir works
@@ -145,7 +138,7 @@ def read_regular_file(
     name = os.fspath(path)
     limit = MAX_FILE_BYTES if max_bytes is None else max_bytes
     try:
-        fd = os.open(name, os.O_RDONLY | _NONBLOCK | _CLOEXEC)
+        fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
         raise error(name, broken_link_problem(name) or f"cannot read ({exc.strerror or exc})") from None
     try:
@@ -218,12 +211,10 @@ def locked(
     path: str | os.PathLike[str],
     *,
     timeout_s: float = LOCK_TIMEOUT_S,
-    error: ErrorFactory = TableError,
     wait_level: int = logging.WARNING,
-) -> Iterator[str]:
-    """Hold ``<resolved path>.lock`` (a symlink and its target share it); yield the resolved path."""
-    name, real = os.fspath(path), os.path.realpath(path)
-    lock_path = real + ".lock"
+) -> Iterator[None]:
+    """Hold ``<resolved path>.lock`` (a symlink and its target share it)."""
+    name, lock_path = os.fspath(path), os.path.realpath(path) + ".lock"
     lock = filelock.FileLock(lock_path)
     try:
         try:
@@ -233,7 +224,7 @@ def locked(
             logger.log(wait_level, message, timeout_s, lock_path, describe_holders(lock_path), name)
             lock.acquire(timeout=timeout_s)
     except filelock.Timeout:
-        raise error(
+        raise TableError(
             name,
             f"timed out after {timeout_s:g}s waiting for the lock {lock_path}, held by "
             f"{describe_holders(lock_path)}: another process (tune, merge or a record-mode run) is "
@@ -242,13 +233,13 @@ def locked(
     except OSError:  # filelock (>= 3.20.1, CVE-2025-68146) refuses a symlinked lock file: say so
         if not os.path.islink(lock_path):
             raise  # an unwritable folder and the like
-        raise error(
+        raise TableError(
             name,
             f"the lock file {lock_path} is a symbolic link to {os.readlink(lock_path)!r}: refusing to "
             "lock through it (taking the lock would truncate the file it leads to). Remove it and retry",
         ) from None
     try:
-        yield real
+        yield
     finally:
         lock.release()
 

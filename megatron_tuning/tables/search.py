@@ -21,15 +21,15 @@ from ..core.fallback import nearest_keys
 from ..core.identity import content_name, split_kernel_id
 from ..core.key import Key
 from ..core.notices import warn_once
+from .entry import Entry, Ident
 from .files import broken_link_problem
-from .table import Entry, Table, load_table
+from .table import Table, load_table
 
 if TYPE_CHECKING:
     from ..core.policy import TuningPolicy
 
 logger = logging.getLogger(__name__)
 
-_Ident = tuple[str, str, str]
 _PACKAGE_DIR = Path(__file__).resolve().parent.parent  # megatron_tuning/
 
 
@@ -117,7 +117,7 @@ class TableSet:
             self._tables.append(cache)
         self._shipped_archs: set[str] = set()
         # First wins, O(1); later files' entries for an ident are scanned only when it is stale.
-        self._index: dict[_Ident, tuple[Entry, str]] = {}
+        self._index: dict[Ident, tuple[Entry, str]] = {}
         self._keys: dict[tuple[str, str], list[Key]] = {}  # (arch, kernel) -> keys, for nearest
         self._content: dict[tuple[str, str], list[str]] | None = None  # (arch, content name) -> ids
         for name, table in self._tables:
@@ -144,9 +144,6 @@ class TableSet:
     def files(self) -> list[str]:
         """Loaded table files in search order (shipped ones appear once loaded)."""
         return [name for name, _ in self._tables]
-
-    def __len__(self) -> int:
-        return len(self._index)
 
     def lookup(
         self,
@@ -175,9 +172,13 @@ class TableSet:
                 if hit is not None:
                     return [TableHit(hit.config, hit.origin, key, kernel=twin, numerics=hit.numerics)]
         hit = self._resolve(ident, source_hash, self.stale_entries)
-        if hit is None:
-            self._say_if_ambiguous(kernel, key, arch)
-        return [] if hit is None else [hit]
+        if hit is not None:
+            return [hit]
+        module, qualname, digest = split_kernel_id(kernel)
+        found = None if digest is None else self._index.get((arch, f"{module}:{qualname}", key))
+        if found is not None:
+            notices.ambiguous_entry(f"{module}:{qualname}", kernel, key, found[1])
+        return []
 
     def _neighbours(
         self, kernel: str, key: Key, arch: str, source_hash: str | None, digest: str | None
@@ -198,14 +199,8 @@ class TableSet:
                     hits.append(TableHit(hit.config, hit.origin, other, kernel=twin))
         return hits
 
-    def _say_if_ambiguous(self, kernel: str, key: Key, arch: str) -> None:
-        module, qualname, digest = split_kernel_id(kernel)
-        found = None if digest is None else self._index.get((arch, f"{module}:{qualname}", key))
-        if found is not None:
-            notices.ambiguous_entry(f"{module}:{qualname}", kernel, key, found[1])
-
     def _twin_hit(
-        self, ident: _Ident, source_hash: str, digest: str | None, stale_entries: str
+        self, ident: Ident, source_hash: str, digest: str | None, stale_entries: str
     ) -> TableHit | None:
         # Same source, and the same config list where both are known: another list is another kernel.
         same_code = [
@@ -223,7 +218,7 @@ class TableSet:
                     self._content.setdefault((entry_arch, content_name(name)), []).append(name)
             return [other for other in self._content.get((arch, content_name(kernel)), ()) if other != kernel]
 
-    def _resolve(self, ident: _Ident, source_hash: str | None, stale_entries: str) -> TableHit | None:
+    def _resolve(self, ident: Ident, source_hash: str | None, stale_entries: str) -> TableHit | None:
         first = self._index.get(ident)
         if first is None:
             return None
@@ -231,7 +226,7 @@ class TableSet:
         return self._pick(ident, self._all_for(ident) if scan else [first], source_hash, stale_entries)
 
     def _pick(
-        self, ident: _Ident, candidates: list[tuple[Entry, str]], source_hash: str | None, stale_entries: str
+        self, ident: Ident, candidates: list[tuple[Entry, str]], source_hash: str | None, stale_entries: str
     ) -> TableHit | None:
         arch, kernel, key = ident
         for entry, origin in candidates:
@@ -257,7 +252,7 @@ class TableSet:
             return TableHit(MappingProxyType(entry.config), origin, entry.key, numerics=entry.numerics)
         return None
 
-    def _all_for(self, ident: _Ident) -> list[tuple[Entry, str]]:
+    def _all_for(self, ident: Ident) -> list[tuple[Entry, str]]:
         with self._lock:
             tables = list(self._tables)
         return [(entry, name) for name, table in tables if (entry := table.get(*ident)) is not None]

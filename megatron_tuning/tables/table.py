@@ -12,12 +12,9 @@ from typing import Any
 from ..core import __version__
 from ..core.errors import TableError
 from . import files
-from .codec import check_header, decode_json, decode_msgpack, encode_json, encode_msgpack
-from .entry import Entry, Invalid, Timing, entry_order, entry_with
+from .codec import Decoded, check_header, decode_json, decode_msgpack, encode_json, encode_msgpack
+from .entry import Entry, Ident, Invalid, Timing, entry_order, entry_with
 from .files import LOCK_TIMEOUT_S, locked, read_regular_file, write_atomic
-
-_Ident = tuple[str, str, str]
-_Decoded = tuple[str, dict[str, str], dict[_Ident, Entry]]
 
 
 class Table:
@@ -30,7 +27,7 @@ class Table:
     ) -> None:
         version = __version__ if library_version is None else library_version
         self.library_version, self.meta = check_header(version, dict(meta or {}))
-        self._entries: dict[_Ident, Entry] = {}
+        self._entries: dict[Ident, Entry] = {}
         for entry in entries:
             self.add(entry)
 
@@ -103,7 +100,7 @@ class Table:
         return cls._decode(decode_json, text, path)
 
     @classmethod
-    def _decode(cls, decode: Callable[[Any], _Decoded], data: bytes | str, path: str) -> Table:
+    def _decode(cls, decode: Callable[[Any], Decoded], data: bytes | str, path: str) -> Table:
         try:
             with _no_gc():
                 version, meta, entries = decode(data)

@@ -166,18 +166,11 @@ def default_timer(settings: TuneSettings) -> Timer:
 
 
 def benchmark_failures() -> tuple[type[BaseException], ...]:
-    """Errors that score a candidate as infinitely slow, as in ``Autotuner._bench``."""
-    found: list[type[BaseException]] = []
-    for module, name in (
-        ("triton.runtime.errors", "OutOfResources"),
-        ("triton.runtime.errors", "PTXASError"),
-        ("triton.compiler.errors", "CompileTimeAssertionFailure"),
-    ):
-        try:
-            found.append(getattr(__import__(module, fromlist=[name]), name))
-        except (ImportError, AttributeError):  # not every Triton release has every one
-            continue
-    return tuple(found)
+    """Errors that score a candidate as infinitely slow: those ``Autotuner._bench`` catches."""
+    from triton.compiler.errors import CompileTimeAssertionFailure
+    from triton.runtime.errors import OutOfResources, PTXASError
+
+    return (OutOfResources, PTXASError, CompileTimeAssertionFailure)
 
 
 def make_launcher(

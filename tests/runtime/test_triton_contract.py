@@ -25,6 +25,13 @@ def test_supported_version():
     assert tuple(int(part) for part in triton.__version__.split(".")[:2]) >= interception.MIN_TRITON
 
 
+def test_the_errors_the_tuner_scores_as_failures_are_those_triton_bench_catches():
+    from megatron_tuning.tuning.tuner import benchmark_failures
+
+    source = inspect.getsource(Autotuner._bench)
+    assert all(error.__name__ in source for error in benchmark_failures())
+
+
 def test_autotuner_class_attributes():
     for name in ("run", "_bench", "prune_configs", "warmup"):
         assert callable(Autotuner.__dict__.get(name)), name
