@@ -18,9 +18,11 @@ Stages (expected minutes on an H100/H200; each stops starting runs at its budget
                    fresh processes for contrast
   soak       ~1.5  a process on an idle GPU and one right after a 30 s GEMM soak: each median inside
                    the other's CI95 (and the requester's do_bench(warmup=10, rep=100) for contrast)
-  thermal    ~3    what the settle phase must wait for: the pinned GEMM's blocks back to back for
-                   120 s from the GPU's state at the start (idle, on a fresh machine), then 20 s
-                   idle, then 30 s again; per block its time and in-band clock, NVML every 0.2 s
+  thermal    ~3    the pinned GEMM's blocks back to back for 120 s from the GPU's state at the start
+                   (idle on a fresh machine), 20 s idle, 30 s again; per block its time and in-band
+                   clock, NVML every 0.2 s. Reports how much windows of 1, 5, 10 s vary past the
+                   first 20 s, how closely that follows the clock (and what is left once adjusted
+                   to one clock), and how much faster the first 20 s ran
 Every record must carry in-band and NVML clocks per arm (checked over all stages). One JSON per stage
 under --out (a folder); a table last. The per-round noise it prints (per_round_cv) is the number the
 CPU tests' PER_ROUND_CV (tests/score/test_stats.py) stands in for.
@@ -29,7 +31,6 @@ CPU tests' PER_ROUND_CV (tests/score/test_stats.py) stands in for.
 from __future__ import annotations
 
 import argparse
-import bisect
 import json
 import subprocess
 import sys
@@ -411,8 +412,6 @@ def stage_soak(args: argparse.Namespace, deadline: float) -> dict[str, Any]:
 def stage_thermal(args: argparse.Namespace, deadline: float) -> dict[str, Any]:
     """The clock and block time of the pinned GEMM under sustained load, from the state the GPU
     starts in: the data the settle rule is chosen from (docs/score.md, "Settle phase")."""
-    from megatron_tuning.score.clocks import settled
-    from megatron_tuning.score.measure import SETTLE_WINDOW_S
     from megatron_tuning.score.timers import default_backend
 
     backend = default_backend()
@@ -445,47 +444,44 @@ def stage_thermal(args: argparse.Namespace, deadline: float) -> dict[str, Any]:
         while time.monotonic() < until:
             sample(time.monotonic() - started)
             time.sleep(0.05)
-    end = phases[0]["load_from"] + phases[0]["load_s"]
-    checks = [
-        row("block ms, last 5 s / first 1 s of load", _ms_between(blocks, 0, scale, end - 5 * scale, end)),
-        row(
-            "SM MHz (in-band), first 1 s -> last 5 s",
-            _mhz_between(blocks, (0, scale), (end - 5 * scale, end)),
-        ),
-    ]
-    # measure's settle rule at the default budget (10 s), replayed on the trajectory: when it calls
-    # the clock steady, and how the next 10 s of blocks read against the load's last 5 s.
-    window, horizon = SETTLE_WINDOW_S * scale, 10.0 * scale
-    times = [b[0] for b in blocks]
-    steady_at = next(
-        (
-            t
-            for k, t in enumerate(times)
-            if window <= t < end
-            and settled([(u, c) for u, _, c in blocks[bisect.bisect_left(times, t - window) : k + 1]], 10.0)
-        ),
-        None,
-    )
-    if steady_at is not None:
-        after = _ms_between(blocks, end - 5 * scale, end, steady_at, steady_at + horizon)
-        checks += [
-            row("settle rule: steady after s", steady_at),
-            row("next 10 s / last 5 s, block ms", after),
-        ]
-    return {"checks": checks, "phases": phases, "blocks": blocks, "nvml": nvml, "steady_at": steady_at}
+    checks = [row(name, value) for name, value in _wander(blocks, phases[0]["load_s"], scale).items()]
+    return {"checks": checks, "phases": phases, "blocks": blocks, "nvml": nvml}
 
 
-def _ms_between(blocks: list[list[Any]], a0: float, a1: float, b0: float, b1: float) -> float | None:
-    """Median block time in ``[b0, b1)`` over that in ``[a0, a1)``."""
-    one = [b[1] for b in blocks if a0 <= b[0] < a1]
-    two = [b[1] for b in blocks if b0 <= b[0] < b1]
-    return float(np.median(two) / np.median(one)) if one and two else None
-
-
-def _mhz_between(blocks: list[list[Any]], first: tuple[float, float], last: tuple[float, float]) -> str:
-    pick = lambda a, b: [x[2] for x in blocks if a <= x[0] < b and x[2] is not None]
-    one, two = pick(*first), pick(*last)
-    return f"{np.median(one):.0f} -> {np.median(two):.0f}" if one and two else "-"
+def _wander(blocks: list[list[Any]], load_s: float, scale: float) -> dict[str, Any]:
+    """What the first load shows, in 1 s bins (medians): how much a window of the same pinned GEMM
+    varies once past the first 20 s, as windows grow; how closely that follows the in-band clock
+    (beta: d log ms / d log MHz over the bins) and what is left once the bins are adjusted to one
+    clock; and how much faster the first 20 s ran (a cold GPU), raw and adjusted."""
+    bins = np.arange(0.0, load_s, scale)
+    ms, mhz = [], []
+    for lo in bins:
+        inside = [b for b in blocks if lo <= b[0] < lo + scale]
+        clocks = [b[2] for b in inside if b[2] is not None]
+        if inside:
+            ms.append(float(np.median([b[1] for b in inside])))
+            mhz.append(float(np.median(clocks)) if clocks else np.nan)
+    log_ms, log_mhz = np.log(ms), np.log(mhz)
+    warm = slice(min(20, len(ms) // 2), None)
+    found: dict[str, Any] = {}
+    for width in (1, 5, 10):
+        tail = log_ms[warm]
+        whole = len(tail) // width
+        if whole >= 2:
+            found[f"CV of {width} s windows past 20 s"] = float(
+                np.std(tail[: whole * width].reshape(whole, width).mean(axis=1))
+            )
+    found["cold: first 20 s vs the rest, log ms"] = float(log_ms[: warm.start].mean() - log_ms[warm].mean())
+    if np.isfinite(log_mhz).all() and np.ptp(log_mhz) > 0:
+        beta = float(-np.polyfit(log_mhz, log_ms, 1)[0])
+        adjusted = log_ms + beta * (log_mhz - np.median(log_mhz))
+        found["beta (d log ms / d log MHz)"] = beta
+        found["CV of 1 s windows past 20 s, clock-adjusted"] = float(np.std(adjusted[warm]))
+        found["cold: first 20 s vs the rest, clock-adjusted"] = float(
+            adjusted[: warm.start].mean() - adjusted[warm].mean()
+        )
+        found["SM MHz (in-band), first 1 s -> last 5 s"] = f"{mhz[0]:.0f} -> {np.median(mhz[-5:]):.0f}"
+    return found
 
 
 def child(args: argparse.Namespace) -> None:

@@ -57,9 +57,6 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--budget-s", type=float, help="each measure call's time budget (overrides the job's)"
     )
-    parser.add_argument(
-        "--settle-s", type=float, help="each measure call's cap on its settle phase (overrides the job's)"
-    )
     parser.add_argument("--target-ci", type=float, help="stop at this 95%% half-width (overrides the job's)")
     parser.add_argument("--out", default="score.json", help="the pooled JSON (default score.json)")
     parser.add_argument(
@@ -96,17 +93,12 @@ def run_score(args: argparse.Namespace) -> int:
         return EXIT_USAGE if problem else started[0]  # type: ignore[index]
     job = {
         "budget_s": args.budget_s,
-        "settle_s": args.settle_s,
         "target_ci": args.target_ci,
         "noise_floor": noise,
         "do_bench": args.do_bench,
     }
     return _score_job(
-        job_argv(command),
-        updates,
-        {k: v for k, v in job.items() if v is not None and v is not False},
-        args.out,
-        args.processes,
+        job_argv(command), updates, {k: v for k, v in job.items() if v}, args.out, args.processes
     )
 
 
@@ -115,8 +107,6 @@ def _options_problem(args: argparse.Namespace) -> str | None:
         return f"--processes {args.processes}: give 1 to 1000 processes"
     if args.budget_s is not None and not 0 < args.budget_s < 1e6:
         return f"--budget-s {args.budget_s}: give a positive number of seconds"
-    if args.settle_s is not None and not 0 <= args.settle_s < 1e6:
-        return f"--settle-s {args.settle_s}: give a number of seconds, 0 or more"
     if args.target_ci is not None and not 0 < args.target_ci < 1:
         return f"--target-ci {args.target_ci}: give a fraction in (0, 1), e.g. 0.01"
     return None

@@ -18,8 +18,8 @@ logger = logging.getLogger(__name__)
 
 DISCARD_BELOW = 0.9  # a round whose clock is under this fraction of the run's highest is discarded
 ARM_OFFSET = 0.01  # arms whose clocks differ by more than this demote the verdict
-SETTLE_BLOCKS = 8  # the settle rule fits a trend to at least this many blocks ...
-SETTLE_DRIFT = 0.002  # ... and calls the clock steady once that trend moves it less than this over the rounds
+SETTLE_BLOCKS = 4  # the settle phase ends once a window of at least this many blocks ...
+SETTLE_SPREAD = 0.01  # ... has clocks (or times) within this fraction of their median
 # NVML's clock event ("throttle") reason bits, stable across driver releases (nvml.h).
 THROTTLE_REASONS = {
     0x1: "gpu_idle",
@@ -160,31 +160,13 @@ def clock_mhz(start: np.ndarray, end: np.ndarray) -> float | None:
     return float(np.median(cycles / (end[seen, 1] - start[seen, 1]) * 1e3))
 
 
-def trend(points: Sequence[tuple[float, float | None]]) -> tuple[float, float] | None:
-    """The least-squares slope of the log of ``(seconds, value)`` points (relative change per second)
-    and its standard error; ``None`` under ``SETTLE_BLOCKS`` known values."""
-    known = [(t, v) for t, v in points if v is not None and v > 0]
+def settled(signal: Sequence[float | None]) -> bool:
+    """Whether a window of settle blocks held steady (clock, or time without one): at least
+    ``SETTLE_BLOCKS`` of them, all within ``SETTLE_SPREAD`` of their median."""
+    known = [v for v in signal if v is not None]
     if len(known) < SETTLE_BLOCKS:
-        return None
-    t = np.array([p[0] for p in known], dtype=float)
-    y = np.log(np.array([p[1] for p in known], dtype=float))
-    t, y = t - t.mean(), y - y.mean()
-    spread = float(t @ t)
-    if spread <= 0.0:
-        return None
-    slope = float(t @ y) / spread
-    residual = y - slope * t
-    return slope, float(np.sqrt(float(residual @ residual) / (len(known) - 2) / spread))
-
-
-def settled(points: Sequence[tuple[float, float | None]], horizon_s: float) -> bool:
-    """Whether settle blocks ``(seconds, clock or time)`` held steady: their ``trend`` times
-    ``horizon_s`` (the rounds to come) is within ``SETTLE_DRIFT``, or its 95% interval reaches there
-    (a noisy signal cannot show a drift: waiting would not help). A GPU warming under load lowers
-    its clock for tens of seconds, too slowly for a spread test over a short window to see
-    (benchmarks/RESULTS.md §28)."""
-    found = trend(points)
-    return found is not None and (abs(found[0]) - 1.96 * found[1]) * horizon_s <= SETTLE_DRIFT
+        return False
+    return (max(known) - min(known)) <= SETTLE_SPREAD * float(np.median(known))
 
 
 def kept_rounds(round_mhz: np.ndarray) -> np.ndarray:

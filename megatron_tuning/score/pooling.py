@@ -26,7 +26,6 @@ PREFIX = "score-"  # per-process record files: score-<host>-<pid>.json
 _JOB_KEYS: dict[str, type | tuple[type, ...]] = {
     "dir": str,
     "budget_s": (int, float),
-    "settle_s": (int, float),
     "target_ci": (int, float),
     "noise_floor": bool,
     "do_bench": bool,

@@ -201,7 +201,6 @@ def build(
             "launch": settings["launch"],
             "target_ci": settings["target_ci"],
             "budget_s": settings["budget_s"],
-            "settle_s": settings["settle_s"],
         },
         "clocks": _clocks(analysis, samples, nvml),
         "environment": environment(device, nvml),

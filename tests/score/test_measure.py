@@ -4,7 +4,6 @@ clock evidence, and each integrity flag firing on its fake and staying quiet on 
 from __future__ import annotations
 
 import json
-import math
 from typing import Any
 
 import pytest
@@ -56,7 +55,7 @@ def test_looks_double_until_the_interval_is_tight() -> None:
 
 
 def test_throttled_rounds_are_discarded_and_counted() -> None:
-    throttle = lambda t: 900.0 if 0.7 <= t < 0.8 else MAX_MHZ  # a step throttle, 100 ms long
+    throttle = lambda t: 900.0 if 0.4 <= t < 0.5 else MAX_MHZ  # a step throttle, 100 ms long
     dev = FakeDevice(mhz_at=throttle)
     score = measure(
         dev.kernel(1.0), reference=dev.kernel(1.0), target_ci=0.002, margin=0.0, budget_s=2.0, **seams(dev)
@@ -87,33 +86,14 @@ def test_the_settle_phase_waits_for_the_clock_to_drop_from_boost() -> None:
     settle = measure(dev.kernel(0.5), **seams(dev)).record["timing"]["settle"]
     assert settle["steady"] and settle["signal"] == "inband"
     assert settle["before"] == pytest.approx(MAX_MHZ) and settle["after"] == pytest.approx(1750.0)
-    assert 2.2 <= settle["seconds"] <= 2.3  # a window (2 s) past the drop
+    assert 0.34 <= settle["seconds"] <= 0.4  # steady for 0.1 s after the drop
 
 
-def test_the_settle_phase_waits_out_a_gpu_warming_up_under_load() -> None:
-    # The clock falls 8% as the GPU warms, with a 10 s time constant (measured on an H100:
-    # benchmarks/RESULTS.md §28): a score taken at once reads that much faster than one taken warm.
-    warming = lambda t: 1750.0 * (1 + 0.08 * math.exp(-t / 10.0))
-    dev = FakeDevice(mhz_at=warming, noise=0.002)
-    record = measure(dev.kernel(0.5), settle_s=60.0, **seams(dev)).record
-    settle = record["timing"]["settle"]
-    assert settle["steady"] and settle["before"] > 1.07 * 1750.0
-    assert 35.0 <= settle["seconds"] <= 45.0  # until its trend moves the clock < 0.2% over 10 s of rounds
-    assert abs(settle["trend_per_s"]) * 10.0 < 0.003 and record["flags"] == []  # 0.2%, within its CI
-    assert record["latency"]["median"] == pytest.approx(0.5 * MAX_MHZ / 1750.0, rel=0.003)
-
-
-def test_a_clock_that_keeps_falling_ends_the_settle_phase_at_its_cap() -> None:
-    falling = lambda t: MAX_MHZ * (1 - 0.002 * t)  # 0.2% lower every second, for good
-    dev = FakeDevice(mhz_at=falling)
-    score = measure(dev.kernel(0.5), budget_s=4.0, settle_s=5.0, **seams(dev))
-    settle = score.record["timing"]["settle"]
-    assert not settle["steady"] and settle["seconds"] == pytest.approx(5.0, abs=0.01)
-    assert score.record["timing"]["settle_s"] == 5.0 and score.record["rounds"]["seconds"] <= 4.0
-    assert settle["trend_per_s"] == pytest.approx(-0.002 / (1 - 0.002 * 5), rel=0.1)
-    assert _names(score) == ["clock_unsettled"] and score.status == "demoted"
-    (message,) = [f["message"] for f in score.record["flags"]]
-    assert "moved -0.8" in message and "settle_s=5" in message and "raise settle_s" in message
+def test_a_clock_that_never_holds_still_ends_the_settle_phase_at_its_cap() -> None:
+    wobble = lambda t: MAX_MHZ * (1 - 0.05 * (int(t * 50) % 2))  # 5% down every other 20 ms
+    dev = FakeDevice(mhz_at=wobble)
+    settle = measure(dev.kernel(0.5), budget_s=4.0, **seams(dev)).record["timing"]["settle"]
+    assert not settle["steady"] and settle["seconds"] == pytest.approx(1.0, abs=0.01)  # 0.25 x budget
 
 
 def test_side_stream_work_is_flagged() -> None:
