@@ -163,11 +163,11 @@ def summarize_gpu(per_launch: dict[str, list[float]]) -> dict[str, Any]:
     print(f"goal pinned <= {GPU_GOAL_VS_BARE}x bare: {'met' if goal['met'] else 'MISSED'} ({ratio:.3f}x)")
     # Each trial runs every path once, back to back: a ratio within a trial cancels the host's drift
     # between trials (the bare launch alone moved 14 -> 23 us between runs on an H100, RESULTS §27).
-    paired = [p / b for p, b in zip(per_launch["pinned"], per_launch["bare"])]
-    goal["pinned_vs_bare_paired"] = common.spread(paired)
+    paired = common.spread([p / b for p, b in zip(per_launch["pinned"], per_launch["bare"])])
+    goal["pinned_vs_bare_paired"] = paired
     print(
-        f"pinned / bare within a trial: median {statistics.median(paired):.3f}x "
-        f"({min(paired):.3f}-{max(paired):.3f}x over {len(paired)} trials)"
+        f"pinned / bare within a trial: median {paired['median']:.3f}x "
+        f"({paired['min']:.3f}-{paired['max']:.3f}x over {paired['n']} trials)"
     )
     median = {path: summary[path]["us_per_launch"]["median"] for path in GPU_PATHS}
     same = median["pinned"] / median["bare_same_config"]

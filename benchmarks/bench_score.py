@@ -411,7 +411,7 @@ def stage_soak(args: argparse.Namespace, deadline: float) -> dict[str, Any]:
 
 def stage_thermal(args: argparse.Namespace, deadline: float) -> dict[str, Any]:
     """The clock and block time of the pinned GEMM under sustained load, from the state the GPU
-    starts in: the data the settle rule is chosen from (docs/score.md, "Settle phase")."""
+    starts in: how the clock wanders at the power cap (benchmarks/RESULTS.md §28)."""
     from megatron_tuning.score.timers import default_backend
 
     backend = default_backend()
@@ -453,16 +453,14 @@ def _wander(blocks: list[list[Any]], load_s: float, scale: float) -> dict[str, A
     varies once past the first 20 s, as windows grow; how closely that follows the in-band clock
     (beta: d log ms / d log MHz over the bins) and what is left once the bins are adjusted to one
     clock; and how much faster the first 20 s ran (a cold GPU), raw and adjusted."""
-    bins = np.arange(0.0, load_s, scale)
-    ms, mhz = [], []
-    for lo in bins:
-        inside = [b for b in blocks if lo <= b[0] < lo + scale]
-        clocks = [b[2] for b in inside if b[2] is not None]
-        if inside:
-            ms.append(float(np.median([b[1] for b in inside])))
-            mhz.append(float(np.median(clocks)) if clocks else np.nan)
-    log_ms, log_mhz = np.log(ms), np.log(mhz)
-    warm = slice(min(20, len(ms) // 2), None)
+    data = np.array([[t, ms, np.nan if mhz is None else mhz] for t, ms, mhz in blocks if t < load_s], float)
+    index = (data[:, 0] // scale).astype(int)
+    groups = [data[index == i] for i in np.unique(index)]  # the non-empty bins, in time order
+    log_ms = np.log([np.median(g[:, 1]) for g in groups])
+    clocks = [g[np.isfinite(g[:, 2]), 2] for g in groups]
+    log_mhz = np.log([np.median(c) if len(c) else np.nan for c in clocks])
+    mhz = np.exp(log_mhz)
+    warm = slice(min(20, len(log_ms) // 2), None)
     found: dict[str, Any] = {}
     for width in (1, 5, 10):
         tail = log_ms[warm]
