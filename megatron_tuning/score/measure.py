@@ -204,7 +204,10 @@ def _name(fn: Any) -> str:
 def _arm(
     backend: Backend, call: Callable[[], Any], launch: str, cold: bool, clock: Callable[[], float]
 ) -> _Arm:
-    """Size an arm's blocks: three launches estimate the wall cost of one (flush included when cold)."""
+    """Size an arm's blocks: three launches estimate the wall cost of one (flush included when cold),
+    after one untimed block: a first block pays for loading the timer's own kernels (the spin, the
+    flush), which sized a 0.2 ms GEMM's blocks at one launch, its GPU idle between them (H100)."""
+    backend.time_block(call, 1, cold)
     started = clock()
     backend.time_block(call, 3, cold)
     per_launch_s = max((clock() - started) / 3, 1e-7)

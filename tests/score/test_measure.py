@@ -238,3 +238,21 @@ def test_a_noise_floor_job_makes_every_measure_an_aa_run(job) -> None:
     dev = FakeDevice()
     score = measure(dev.kernel(0.5), reference=dev.kernel(0.6), **seams(dev))
     assert score.ratio == pytest.approx(1.0, abs=0.01) and score.record["noise_floor"]["aa_p95"] is not None
+
+
+def test_blocks_are_sized_by_a_launch_s_steady_cost_not_by_the_first_block_s() -> None:
+    dev = FakeDevice(noise=0.0)
+    backend = seams(dev)["backend"]
+    first = [True]
+    time_block = backend.time_block
+
+    def slow_first_block(call: Any, launches: int, cold: bool) -> list[float]:
+        if first[0]:  # the timer's own kernels load on first use (CUDA lazy loading): 30 ms, once
+            first[0] = False
+            dev.advance(0.03)
+        return time_block(call, launches, cold)
+
+    backend.time_block = slow_first_block
+    score = measure(dev.kernel(0.2), budget_s=0.5, **{**seams(dev), "backend": backend})
+    # 2 ms blocks of 0.2 ms launches with 20 us of host each: 10 launches, not 1
+    assert score.record["timing"]["launches_per_block"] == [10]
