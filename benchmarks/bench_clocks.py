@@ -1,6 +1,7 @@
 """What the in-band clock reads, and whether latency at one SM clock agrees between processes.
 
     PYTHONPATH=. python benchmarks/bench_clocks.py --out $OUT/clocks          # GPU, about 2.5 min
+    PYTHONPATH=. python benchmarks/bench_clocks.py --smoke --out /tmp/clocks  # CPU: plumbing only
 
 Issue 34's soak check asks a process on a cold GPU and one right after a 30 s soak to score alike.
 RESULTS §28 found the pinned GEMM's time following the windowed in-band clock within one trace
@@ -27,14 +28,15 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
+import common
 import numpy as np
 import triton
 import triton.language as tl
 
 HERE = Path(__file__).resolve()
-SHAPE = (4096, 4096, 4096)
+SHAPE, SMOKE_SHAPE = (4096, 4096, 4096), (64, 48, 40)
 # (process, seconds of blocks, seconds idle before it)
 PHASES = [
     ("cold", 10.0, 0.0),
@@ -85,31 +87,79 @@ def readings(pair: np.ndarray) -> dict[str, Any]:
     }
 
 
-def child(label: str, seconds: float, out: Path) -> None:
+class _Rig(NamedTuple):
+    call: Any  # one launch of the pinned GEMM
+    backend: Any  # times blocks (score.timers)
+    nvml: Any  # score.clocks.NvmlSource or None
+    sms: int
+    buf: Any  # (2, MAX_SM, 4) int64: the probes before and after a block
+    probe: Any  # probe(i) writes buf[i]
+    spin: Any  # spin(ms): one SM busy, the rest idle
+    synchronize: Any
+
+
+def _gpu_rig() -> _Rig:
     import torch
 
-    import megatron_tuning
     from megatron_tuning.kernels import matmul_grid, matmul_kernel
     from megatron_tuning.score.timers import CudaBackend
 
-    table = HERE.parent.parent / "configs" / "sm90" / "matmul.msgpack"
-    megatron_tuning.init_deterministic_tuning(
-        megatron_tuning.TuningPolicy(mode="deterministic", agreement="off", tables=(str(table),))
-    )
-    m, n, k = SHAPE
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    a = torch.randn((m, k), device="cuda", dtype=torch.bfloat16, generator=gen)
-    b = torch.randn((k, n), device="cuda", dtype=torch.bfloat16, generator=gen)
-    c = torch.empty((m, n), device="cuda", dtype=torch.bfloat16)
-    grid = matmul_grid(m, n)
-    call = lambda: matmul_kernel[grid](a, b, c)
+    args = common.matmul_operands(SHAPE, False)[3]
+    grid = matmul_grid(SHAPE[0], SHAPE[1])
     backend = CudaBackend(torch)
-    nv, _ = backend.clock_sources()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     buf = torch.zeros((2, MAX_SM, 4), dtype=torch.int64, device="cuda")
+    return _Rig(
+        call=lambda: matmul_kernel[grid](*args),
+        backend=backend,
+        nvml=backend.clock_sources()[0],
+        sms=sms,
+        buf=buf,
+        probe=lambda i: clock_probe[(sms,)](buf[i], SPIN_CYCLES, MAX_SM, num_warps=1),
+        spin=lambda ms: torch.cuda._sleep(int(ms * 1.98e6)),
+        synchronize=torch.cuda.synchronize,
+    )
+
+
+def _smoke_rig() -> _Rig:
+    """The same plumbing on CPU: torch.matmul on the host clock, and a probe that writes the host's
+    nanoseconds with a 2 GHz cycle count (numbers mean nothing)."""
+    import torch
+
+    from megatron_tuning.score.timers import HostBackend
+
+    a, b, c, _ = common.matmul_operands(SMOKE_SHAPE, True)
+    buf = torch.zeros((2, MAX_SM, 4), dtype=torch.int64)
 
     def probe(i: int) -> None:
-        clock_probe[(sms,)](buf[i], SPIN_CYCLES, MAX_SM, num_warps=1)
+        start = time.perf_counter_ns()
+        while time.perf_counter_ns() - start < 20_000:
+            pass
+        end = time.perf_counter_ns()
+        buf[i, :4] = torch.tensor([2 * start, start, 2 * end, end])
+
+    return _Rig(
+        call=lambda: torch.matmul(a, b, out=c),
+        backend=HostBackend(),
+        nvml=None,
+        sms=4,
+        buf=buf,
+        probe=probe,
+        spin=lambda ms: time.sleep(ms * 1e-3),
+        synchronize=lambda: None,
+    )
+
+
+def child(label: str, seconds: float, out: Path, smoke: bool) -> None:
+    import megatron_tuning
+
+    table = HERE.parent.parent / "configs" / "sm90" / "matmul.msgpack"
+    tables = () if smoke else (str(table),)
+    megatron_tuning.init_deterministic_tuning(
+        megatron_tuning.TuningPolicy(mode="deterministic", agreement="off", tables=tables)
+    )
+    rig = _smoke_rig() if smoke else _gpu_rig()
+    call, backend, nv, sms, buf, probe = rig.call, rig.backend, rig.nvml, rig.sms, rig.buf, rig.probe
 
     def read() -> dict[str, Any]:
         return readings(buf.cpu().numpy())
@@ -117,10 +167,9 @@ def child(label: str, seconds: float, out: Path) -> None:
     call()
     probe(0)
     backend.time_block(call, 2, True)  # loads the timer's kernels
-    torch.cuda.synchronize()
+    rig.synchronize()
     result: dict[str, Any] = {"label": label, "seconds": seconds, "gaps": []}
     if label == "cold":  # what each clock reads across gaps of known content
-        cycles_per_ms = 1.98e6
         gaps = [
             ("host sleep", 1),
             ("host sleep", 5),
@@ -133,10 +182,10 @@ def child(label: str, seconds: float, out: Path) -> None:
                 buf.zero_()
                 probe(0)
                 if what == "host sleep":
-                    torch.cuda.synchronize()
+                    rig.synchronize()
                     time.sleep(gap_ms * 1e-3)
                 elif what == "one-SM spin":
-                    torch.cuda._sleep(int(gap_ms * cycles_per_ms))
+                    rig.spin(gap_ms)
                 else:
                     for _ in range(8):
                         call()
@@ -161,14 +210,13 @@ def child(label: str, seconds: float, out: Path) -> None:
     (out / f"{label}.json").write_text(json.dumps(result))
 
 
-def summary(result: dict[str, Any]) -> dict[str, float]:
-    data = np.array(result["blocks"], dtype=float)
-    data = data[data[:, 0] >= 0.5]  # past the first half second: the process's own start
+def summary(result: dict[str, Any], scale: float = 1.0) -> dict[str, float]:
+    """One process's numbers past its first half second, in 0.25 s bins (``scale``: smoke's time)."""
+    data = _past_start(result, scale)
     probe = (data[:, 2] + data[:, 3]) / 2
     nvml = [s["sm_mhz"] for s in result["nvml"] if s.get("sm_mhz")]
     power = [s["power_w"] for s in result["nvml"] if s.get("power_w")]
-    bins = (data[:, 0] // 0.25).astype(int)
-    groups = [data[bins == i] for i in np.unique(bins)]
+    groups = _bins(data, scale)
     log_ms = np.log([np.median(g[:, 1]) for g in groups])
     log_probe = np.log([np.median((g[:, 2] + g[:, 3]) / 2) for g in groups])
     log_win = np.log([np.median(g[:, 4]) for g in groups])
@@ -189,13 +237,25 @@ def summary(result: dict[str, Any]) -> dict[str, float]:
     }
 
 
-def parent(out: Path) -> int:
+def _past_start(result: dict[str, Any], scale: float) -> np.ndarray:
+    data = np.array(result["blocks"], dtype=float)
+    return data[data[:, 0] >= 0.5 * scale]  # past the first half second: the process's own start
+
+
+def _bins(data: np.ndarray, scale: float) -> list[np.ndarray]:
+    index = (data[:, 0] // (0.25 * scale)).astype(int)
+    return [data[index == i] for i in np.unique(index)]
+
+
+def parent(out: Path, smoke: bool) -> int:
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": f"{HERE.parent.parent}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    scale = 0.02 if smoke else 1.0
     for label, seconds, idle_before in PHASES:
-        time.sleep(idle_before)
+        time.sleep(idle_before * scale)
+        command = [sys.executable, str(HERE), "--child", label, "--seconds", str(seconds * scale)]
         done = subprocess.run(
-            [sys.executable, str(HERE), "--child", label, "--seconds", str(seconds), "--out", str(out)],
+            [*command, "--out", str(out), *(["--smoke"] if smoke else [])],
             env=env,
             capture_output=True,
             text=True,
@@ -204,20 +264,17 @@ def parent(out: Path) -> int:
             print(done.stdout[-2000:], done.stderr[-4000:], file=sys.stderr)
             return done.returncode
     results = {label: json.loads((out / f"{label}.json").read_text()) for label, _, _ in PHASES}
-    rows = {label: summary(r) for label, r in results.items()}
+    rows = {label: summary(r, scale) for label, r in results.items()}
     # One slope for every process: pooled within processes (each process's bins centred on its own mean).
     xs, ys = [], []
     for r in results.values():
-        d = np.array(r["blocks"], dtype=float)
-        d = d[d[:, 0] >= 0.5]
-        bins = (d[:, 0] // 0.25).astype(int)
-        g = [d[bins == i] for i in np.unique(bins)]
+        g = _bins(_past_start(r, scale), scale)
         x = np.log([np.median((b[:, 2] + b[:, 3]) / 2) for b in g])
         y = np.log([np.median(b[:, 1]) for b in g])
         xs.append(x - x.mean())
         ys.append(y - y.mean())
     x, y = np.concatenate(xs), np.concatenate(ys)
-    beta = float(-np.polyfit(x, y, 1)[0])
+    beta = float(-np.polyfit(x, y, 1)[0]) if np.ptp(x) > 0 else float("nan")
     ref = rows["cold"]["probe_mhz"]
     for row in rows.values():
         row["adjusted_ms"] = row["median_ms"] * (row["probe_mhz"] / ref) ** beta
@@ -248,11 +305,12 @@ def main() -> int:
     parser.add_argument("--out", required=True, help="folder for the raw JSON per process and summary.json")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--seconds", type=float, help=argparse.SUPPRESS)
+    parser.add_argument("--smoke", action="store_true", help="CPU: the plumbing, in 1/50 of the time")
     args = parser.parse_args()
     if args.child:
-        child(args.child, args.seconds, Path(args.out))
+        child(args.child, args.seconds, Path(args.out), args.smoke)
         return 0
-    return parent(Path(args.out))
+    return parent(Path(args.out), args.smoke)
 
 
 if __name__ == "__main__":

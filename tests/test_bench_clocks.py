@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
 import bench_clocks  # noqa: E402
 
 
@@ -43,3 +47,22 @@ def test_summary_recovers_the_slope_of_time_on_the_probe_clock() -> None:
     assert found["probe_mhz"] == pytest.approx(1750.0, rel=0.01)
     assert found["windowed_mhz"] == pytest.approx(0.9 * found["probe_mhz"], rel=0.01)
     assert found["nvml_mhz"] == 1900 and found["power_w"] == 690.0
+
+
+@pytest.mark.slow
+def test_smoke_runs_every_process_and_writes_their_json(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRON_TUNING_")}
+    env["PYTHONPATH"] = str(REPO)
+    done = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "bench_clocks.py"), "--smoke", "--out", str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert list(summary["processes"]) == [label for label, _, _ in bench_clocks.PHASES]
+    cold = json.loads((tmp_path / "cold.json").read_text())
+    assert len(cold["gaps"]) == 25 and all(g["sms"] == 4 for g in cold["gaps"])
+    assert all(row["blocks"] > 0 for row in summary["processes"].values())
