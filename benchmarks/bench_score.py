@@ -401,6 +401,9 @@ def stage_soak(args: argparse.Namespace, deadline: float) -> dict[str, Any]:
                 f"{settle['seconds']:.2f} ({settle['before']:.4g} -> {settle['after']:.4g} {unit})",
             )
         )
+        power = ((result["clocks"]["nvml"] or {}).get("candidate") or {}).get("power_w")
+        blocks = result["timing"]["launches_per_block"][0]
+        checks.append(row(f"{name} launches per block, NVML W", f"{blocks}, {power and power['median']}"))
     return {
         "checks": checks,
         "cold": a,
