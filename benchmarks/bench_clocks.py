@@ -1,7 +1,7 @@
 """What the in-band clock reads, and whether latency at one SM clock agrees between processes.
 
     PYTHONPATH=. python benchmarks/bench_clocks.py --out $OUT/clocks          # GPU, about 2.5 min
-    PYTHONPATH=. python benchmarks/bench_clocks.py --smoke --out /tmp/clocks  # CPU: plumbing only
+    PYTHONPATH=. python benchmarks/bench_clocks.py --smoke --out /tmp/clocks  # CPU: plumbing, 1/50 time
 
 Issue 34's soak check asks a process on a cold GPU and one right after a 30 s soak to score alike.
 RESULTS §28 found the pinned GEMM's time following the windowed in-band clock within one trace
@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -153,8 +153,7 @@ def _smoke_rig() -> _Rig:
 def child(label: str, seconds: float, out: Path, smoke: bool) -> None:
     import megatron_tuning
 
-    table = HERE.parent.parent / "configs" / "sm90" / "matmul.msgpack"
-    tables = () if smoke else (str(table),)
+    tables = () if smoke else (str(common.REPO / "configs" / "sm90" / "matmul.msgpack"),)
     megatron_tuning.init_deterministic_tuning(
         megatron_tuning.TuningPolicy(mode="deterministic", agreement="off", tables=tables)
     )
@@ -210,46 +209,55 @@ def child(label: str, seconds: float, out: Path, smoke: bool) -> None:
     (out / f"{label}.json").write_text(json.dumps(result))
 
 
-def summary(result: dict[str, Any], scale: float = 1.0) -> dict[str, float]:
-    """One process's numbers past its first half second, in 0.25 s bins (``scale``: smoke's time)."""
-    data = _past_start(result, scale)
-    probe = (data[:, 2] + data[:, 3]) / 2
+class Binned(NamedTuple):
+    """One process past its first half second, in 0.25 s bins: the log of each bin's median."""
+
+    ms: np.ndarray
+    probe: np.ndarray  # the probe clock, the mean of the probes before and after each block
+    windowed: np.ndarray
+
+
+def past_start(result: dict[str, Any], scale: float = 1.0) -> np.ndarray:
+    """The process's blocks past its first half second (its own start; ``scale``: smoke's time)."""
+    data = np.array(result["blocks"], dtype=float)
+    return data[data[:, 0] >= 0.5 * scale]
+
+
+def binned(data: np.ndarray, scale: float = 1.0) -> Binned:
+    index = (data[:, 0] // (0.25 * scale)).astype(int)
+    groups = [data[index == i] for i in np.unique(index)]
+    log_median = lambda values: np.log([np.median(v) for v in values])
+    return Binned(
+        ms=log_median(g[:, 1] for g in groups),
+        probe=log_median((g[:, 2] + g[:, 3]) / 2 for g in groups),
+        windowed=log_median(g[:, 4] for g in groups),
+    )
+
+
+def summary(result: dict[str, Any], data: np.ndarray, bins: Binned) -> dict[str, float]:
+    """One process's numbers from its blocks past the start (``data``) and their bins."""
     nvml = [s["sm_mhz"] for s in result["nvml"] if s.get("sm_mhz")]
     power = [s["power_w"] for s in result["nvml"] if s.get("power_w")]
-    groups = _bins(data, scale)
-    log_ms = np.log([np.median(g[:, 1]) for g in groups])
-    log_probe = np.log([np.median((g[:, 2] + g[:, 3]) / 2) for g in groups])
-    log_win = np.log([np.median(g[:, 4]) for g in groups])
-    fit = lambda x: float(-np.polyfit(x, log_ms, 1)[0]) if np.ptp(x) > 0 else float("nan")
-    corr = lambda x: float(np.corrcoef(x, log_ms)[0, 1]) if np.ptp(x) > 0 else float("nan")
+    fit = lambda x: float(-np.polyfit(x, bins.ms, 1)[0]) if np.ptp(x) > 0 else float("nan")
+    corr = lambda x: float(np.corrcoef(x, bins.ms)[0, 1]) if np.ptp(x) > 0 else float("nan")
     return {
         "blocks": len(data),
         "median_ms": float(np.median(data[:, 1])),
-        "probe_mhz": float(np.median(probe)),
+        "probe_mhz": float(np.median((data[:, 2] + data[:, 3]) / 2)),
         "windowed_mhz": float(np.median(data[:, 4])),
         "nvml_mhz": float(np.median(nvml)) if nvml else float("nan"),
         "power_w": float(np.median(power)) if power else float("nan"),
-        "beta_probe": fit(log_probe),
-        "r_probe": corr(log_probe),
-        "beta_windowed": fit(log_win),
-        "r_windowed": corr(log_win),
-        "cv_250ms_bins": float(np.std(log_ms)),
+        "beta_probe": fit(bins.probe),
+        "r_probe": corr(bins.probe),
+        "beta_windowed": fit(bins.windowed),
+        "r_windowed": corr(bins.windowed),
+        "cv_250ms_bins": float(np.std(bins.ms)),
     }
-
-
-def _past_start(result: dict[str, Any], scale: float) -> np.ndarray:
-    data = np.array(result["blocks"], dtype=float)
-    return data[data[:, 0] >= 0.5 * scale]  # past the first half second: the process's own start
-
-
-def _bins(data: np.ndarray, scale: float) -> list[np.ndarray]:
-    index = (data[:, 0] // (0.25 * scale)).astype(int)
-    return [data[index == i] for i in np.unique(index)]
 
 
 def parent(out: Path, smoke: bool) -> int:
     out.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONPATH": f"{HERE.parent.parent}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env = common.child_env(smoke)
     scale = 0.02 if smoke else 1.0
     for label, seconds, idle_before in PHASES:
         time.sleep(idle_before * scale)
@@ -264,16 +272,12 @@ def parent(out: Path, smoke: bool) -> int:
             print(done.stdout[-2000:], done.stderr[-4000:], file=sys.stderr)
             return done.returncode
     results = {label: json.loads((out / f"{label}.json").read_text()) for label, _, _ in PHASES}
-    rows = {label: summary(r, scale) for label, r in results.items()}
+    data = {label: past_start(r, scale) for label, r in results.items()}
+    bins = {label: binned(d, scale) for label, d in data.items()}
+    rows = {label: summary(r, data[label], bins[label]) for label, r in results.items()}
     # One slope for every process: pooled within processes (each process's bins centred on its own mean).
-    xs, ys = [], []
-    for r in results.values():
-        g = _bins(_past_start(r, scale), scale)
-        x = np.log([np.median((b[:, 2] + b[:, 3]) / 2) for b in g])
-        y = np.log([np.median(b[:, 1]) for b in g])
-        xs.append(x - x.mean())
-        ys.append(y - y.mean())
-    x, y = np.concatenate(xs), np.concatenate(ys)
+    x = np.concatenate([b.probe - b.probe.mean() for b in bins.values()])
+    y = np.concatenate([b.ms - b.ms.mean() for b in bins.values()])
     beta = float(-np.polyfit(x, y, 1)[0]) if np.ptp(x) > 0 else float("nan")
     ref = rows["cold"]["probe_mhz"]
     for row in rows.values():
@@ -299,18 +303,16 @@ def parent(out: Path, smoke: bool) -> int:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--out", required=True, help="folder for the raw JSON per process and summary.json")
-    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser = common.script_parser(__doc__)  # --out: a folder here (default: a new temporary one)
     parser.add_argument("--seconds", type=float, help=argparse.SUPPRESS)
-    parser.add_argument("--smoke", action="store_true", help="CPU: the plumbing, in 1/50 of the time")
     args = parser.parse_args()
+    if not common.require_device(args, "bench_clocks"):
+        return 2
+    out = Path(args.out or tempfile.mkdtemp(prefix="bench_clocks_"))
     if args.child:
-        child(args.child, args.seconds, Path(args.out), args.smoke)
+        child(args.child, args.seconds, out, args.smoke)
         return 0
-    return parent(Path(args.out), args.smoke)
+    return parent(out, args.smoke)
 
 
 if __name__ == "__main__":

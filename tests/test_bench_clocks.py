@@ -42,7 +42,9 @@ def test_summary_recovers_the_slope_of_time_on_the_probe_clock() -> None:
     ms = 0.2 * (mhz / 1750.0) ** -0.6 * np.exp(rng.normal(0, 1e-4, t.size))
     blocks = np.column_stack([t, ms, mhz, mhz, 0.9 * mhz]).tolist()
     nvml = [{"t": float(x), "sm_mhz": 1900, "power_w": 690.0} for x in t[::80]]
-    found = bench_clocks.summary({"blocks": blocks, "nvml": nvml})
+    result = {"blocks": blocks, "nvml": nvml}
+    data = bench_clocks.past_start(result)
+    found = bench_clocks.summary(result, data, bench_clocks.binned(data))
     assert found["beta_probe"] == pytest.approx(0.6, abs=0.01) and found["r_probe"] < -0.99
     assert found["probe_mhz"] == pytest.approx(1750.0, rel=0.01)
     assert found["windowed_mhz"] == pytest.approx(0.9 * found["probe_mhz"], rel=0.01)
