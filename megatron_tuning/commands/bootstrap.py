@@ -146,9 +146,19 @@ def bootstrap_process(sitecustomize_file: str) -> None:
     launcher = os.environ.get(ENV_LAUNCHER, "run")
     arm(launcher if launcher in LAUNCHERS else "run")
     if job := os.environ.get(ENV_SCORE):  # a `score` job: measure() joins it where the job imports the kit
-        sys.meta_path.insert(
-            0, _AfterImport("megatron_tuning.score", lambda m: m.pooling.join_job(job, ENV_SCORE))
-        )
+        sys.meta_path.insert(0, _AfterImport("megatron_tuning.score", functools.partial(_join_score, job)))
+
+
+def _join_score(job: str, score: Any) -> None:
+    """A ``score`` job's process: take part in the job, and print each result's line to stderr as
+    ``tune``'s jobs print theirs (the job's own logging is left alone)."""
+    import logging
+
+    score.pooling.join_job(job, ENV_SCORE)
+    progress = logging.getLogger("megatron_tuning.score.measure.progress")
+    progress.addHandler(logging.StreamHandler())  # stderr
+    progress.setLevel(logging.INFO)
+    progress.propagate = False
 
 
 def arm_environment() -> None:

@@ -38,8 +38,9 @@ MAX_ROUNDS = 1 << 16
 ESCAPE_PROBE_MS, ESCAPE_PROBE_LAUNCHES = 5.0, 64
 NVML_SHARE = 0.02  # NVML is read every round, or every few when a read costs more than this of one
 
-progress = logging.getLogger(__name__ + ".progress")  # one line per result; per look on a terminal
-progress.setLevel(logging.INFO)
+# One line per result, and per look on a terminal: INFO records, shown where the application (or the
+# `score` job, commands/bootstrap.py) turns them on.
+progress = logging.getLogger(__name__ + ".progress")
 
 
 def abba(round_index: int, live: Sequence[int]) -> list[int]:

@@ -48,6 +48,7 @@ def test_score_pools_three_fresh_processes_and_exits_0(tmp_path: Path) -> None:
     )
     assert len({r[0]["environment"]["host"] for r in report["per_process"]}) == 1
     assert done.stdout.startswith("twice: 0.") and "x 3 processes" in done.stdout
+    assert done.stderr.count("\ntwice: 0.") == 3  # each process's own line, as it finished
     assert set(skeleton(report)) == {
         "format",
         "command",

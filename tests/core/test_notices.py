@@ -64,7 +64,7 @@ def test_logging_is_the_applications_to_configure():
     its own level: records reached stderr whatever the application had decided."""
     quiet = _python(
         """
-        import logging, megatron_tuning, megatron_tuning.tuning.tuner
+        import logging, megatron_tuning, megatron_tuning.tuning.tuner, megatron_tuning.score.measure
         for name, log in logging.root.manager.loggerDict.items():
             if name.startswith("megatron_tuning") and isinstance(log, logging.Logger):
                 assert log.level == logging.NOTSET, name
@@ -73,6 +73,7 @@ def test_logging_is_the_applications_to_configure():
         assert [type(h) for h in package.handlers] == [logging.NullHandler]
         logging.getLogger("megatron_tuning.tables.search").warning("not shown: no logging setup")
         logging.getLogger("megatron_tuning.tuning.tuner.progress").info("not shown either")
+        logging.getLogger("megatron_tuning.score.measure.progress").info("nor this")
         """
     )
     assert quiet.returncode == 0 and quiet.stderr == "", quiet.stderr
