@@ -379,6 +379,8 @@ def stage_processes(args: argparse.Namespace, deadline: float) -> dict[str, Any]
 def stage_soak(args: argparse.Namespace, deadline: float) -> dict[str, Any]:
     """A process on a GPU idle for 20 s, then one right after a 30 s GEMM soak (the next process's
     start, a few seconds, lies between)."""
+    from megatron_tuning.score import compare
+
     budget, smoke = min(args.budget_s, 5.0), ["--smoke"] if args.smoke else []
     with tempfile.TemporaryDirectory() as folder:
         time.sleep(0 if args.smoke else 20)
@@ -390,6 +392,8 @@ def stage_soak(args: argparse.Namespace, deadline: float) -> dict[str, Any]:
     inside = lambda x, r: r["latency"]["ci95"][0] <= x["latency"]["median"] <= r["latency"]["ci95"][1]
     ratio = b["latency"]["median"] / a["latency"]["median"]
     checks = [row("hot/cold median", ratio, "each in the other's CI95", inside(a, b) and inside(b, a))]
+    verdict = compare(b, a)["outcome"]  # the verdict a user of `score compare` gets
+    checks.append(row("score compare hot cold", verdict, "report"))
     if cold["do_bench_ms"] and hot["do_bench_ms"]:
         checks.append(row("do_bench(10, 100) hot/cold", hot["do_bench_ms"][0] / cold["do_bench_ms"][0]))
     for name, result in (("cold", a), ("hot", b)):

@@ -186,8 +186,11 @@ def _compare(words: list[str]) -> int:
     demoted = False
     for a, b in pairs:
         verdict = pooling.compare(a, b, margin=args.margin)
-        demoted |= any(f["demotes"] for r in (a, b) for f in r["flags"])
+        demoting = [f for f in verdict["flags"] if f["demotes"]]
+        demoted |= bool(demoting)
         low, high = verdict["ci95"]
         text = f"{a['name']}: {verdict['ratio']:.4f} [{low:.4f}, {high:.4f}] of {b['name']}"
         print(printable(f"{text} -> {verdict['outcome']} ({verdict['reason']})"))
+        for found in demoting:
+            print(printable(f"  {found['name']}: {found['message']}"))
     return EXIT_DEMOTED if demoted else 0

@@ -160,3 +160,17 @@ def test_score_compare_exits_4_when_a_side_is_flagged(
     new.write_text(json.dumps(report))
     assert cli.main(["score", "compare", str(new), str(old)]) == 4
     assert "-> inconclusive" in capsys.readouterr().out
+
+
+def test_score_compare_exits_4_and_says_why_when_the_clocks_differ(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before, a verdict demoted by compare's own clock rule exited 0: only the results' flags counted."""
+    new, old = _write(tmp_path, "new.json", 0.50, 1), _write(tmp_path, "old.json", 0.50, 2)
+    report = json.loads(new.read_text())
+    report["results"][0]["clocks"]["nvml"]["candidate"]["sm_mhz"]["median"] = 1890.0
+    new.write_text(json.dumps(report))
+    assert cli.main(["score", "compare", str(new), str(old)]) == 4
+    out = capsys.readouterr().out
+    assert "-> inconclusive" in out and "demoted by clock_offset" in out
+    assert "\n  clock_offset: k ran at 1890 MHz, k at 1980 MHz (nvml SM clock)\n" in out

@@ -108,7 +108,27 @@ def test_compare_demotes_results_taken_at_different_clocks() -> None:
     cold, hot, hot_again = score(1980, 1), score(1890, 2), score(1890, 3)
     demoted = compare(cold, hot)
     assert demoted["outcome"] == "inconclusive" and "demoted by clock_offset" in demoted["reason"]
+    assert [f["name"] for f in demoted["flags"]] == ["clock_offset"]
+    assert demoted["flags"][0]["message"].endswith("at 1890 MHz (nvml SM clock)")
     assert compare(hot, hot_again)["outcome"] == "same"
+
+
+def test_compare_reads_the_clock_both_results_have_nvml_s_first() -> None:
+    """The in-band reading moved 2% between a cold and a hot process where NVML's clock moved 0.8%
+    and the latency 0.3% (RESULTS §31): it demoted a right "same". NVML's clock decides when both
+    results have it; one side's in-band against the other's NVML is never compared."""
+    dev = FakeDevice(seed=1, noise=0.002)
+    a, b = (measure(dev.kernel(0.50), name="k", **seams(dev)).record for _ in range(2))
+    offset = lambda: [f["message"].rsplit("(", 1)[1] for f in compare(a, b)["flags"]]
+    b["clocks"]["inband"]["candidate"]["median"] *= 0.98
+    assert compare(a, b)["outcome"] == "same" and offset() == []
+    b["clocks"]["nvml"]["candidate"]["sm_mhz"]["median"] *= 0.98
+    assert compare(a, b)["outcome"] == "inconclusive" and offset() == ["nvml SM clock)"]
+    b["clocks"]["nvml"] = None  # NVML on one side only: both in-band readings
+    assert offset() == ["inband SM clock)"]
+    b["clocks"]["inband"] = None  # no source in common: no clock judged
+    a["clocks"]["nvml"] = None
+    assert compare(a, b)["outcome"] == "same" and offset() == []
 
 
 def test_compare_reads_files_and_refuses_ambiguous_ones(tmp_path: Path) -> None:
