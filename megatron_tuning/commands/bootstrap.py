@@ -150,12 +150,18 @@ def bootstrap_process(sitecustomize_file: str) -> None:
 
 
 def _join_score(job: str, score: Any) -> None:
-    """A ``score`` job's process: take part in the job, and print each result's line to stderr as
-    ``tune``'s jobs print theirs (the job's own logging is left alone)."""
+    """A ``score`` job's process: take part in the job, and print each result's line to stderr."""
+    score.pooling.join_job(job, ENV_SCORE)
+    print_progress("megatron_tuning.score.measure.progress")
+
+
+def print_progress(name: str) -> None:
+    """In a command's job process: the INFO lines of logger ``name`` (the command's output, a line
+    per key tuned or result scored) go to stderr, and nowhere else; the job's own logging is left
+    alone."""
     import logging
 
-    score.pooling.join_job(job, ENV_SCORE)
-    progress = logging.getLogger("megatron_tuning.score.measure.progress")
+    progress = logging.getLogger(name)
     progress.addHandler(logging.StreamHandler())  # stderr
     progress.setLevel(logging.INFO)
     progress.propagate = False

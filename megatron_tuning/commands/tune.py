@@ -4,7 +4,6 @@ process writes its ``tuned`` decisions as they happen (``activate``), voted into
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import shutil
 import socket
@@ -22,7 +21,7 @@ from ..tables.records import read_decisions, recording_table, write_decisions
 from ..tables.table import add_entries
 from ..tables.vote import vote_tables
 from . import EXIT_USAGE
-from .bootstrap import ENV_JOB_DIR
+from .bootstrap import ENV_JOB_DIR, print_progress
 from .job import add_job_argument, command_problem, job_argv, job_command, run_armed
 from .report import plot_into, require_matplotlib, summary
 
@@ -176,10 +175,7 @@ def start_job_session(prefix: str) -> Path | None:
     directory = os.environ.get(ENV_JOB_DIR)
     if not directory:
         return None
-    progress = logging.getLogger("megatron_tuning.tuning.tuner.progress")
-    progress.addHandler(logging.StreamHandler())  # stderr
-    progress.setLevel(logging.INFO)
-    progress.propagate = False
+    print_progress("megatron_tuning.tuning.tuner.progress")
     try:
         session.init_deterministic_tuning()
     except Exception as exc:
