@@ -393,20 +393,17 @@ def stage_soak(args: argparse.Namespace, deadline: float) -> dict[str, Any]:
         common.run_child("bench_score.py", soak, common.child_env(args.smoke))
         hot = _score_cli(args, count, budget, Path(folder) / "hot.json", "--do-bench-first")
     inside = lambda x, r: r["latency"]["ci95"][0] <= x["latency"]["median"] <= r["latency"]["ci95"][1]
+    covered = lambda x, y: inside(x, y) and inside(y, x)
+    ratio = lambda x, y: y["latency"]["median"] / x["latency"]["median"]
     a, b = cold["per_process"][0][0], hot["per_process"][0][0]
     pooled_a, pooled_b = cold["results"][0], hot["results"][0]
-    checks = []
-    for what, x, y, limit in (
-        ("hot/cold median, first process", a, b, "each in the other's CI95"),
-        (f"hot/cold, pooled ({count} per state)", pooled_a, pooled_b, "report"),
-    ):
-        ratio = y["latency"]["median"] / x["latency"]["median"]
-        ok = inside(x, y) and inside(y, x)
-        checks.append(row(what, ratio, limit, ok if limit != "report" else None))
-        if limit == "report":
-            checks.append(row("  each in the other's CI95", "yes" if ok else "no"))
-        # The verdict a user of `score compare` gets on them.
-        checks.append(row("  score compare hot cold", compare(y, x)["outcome"]))
+    checks = [  # and the verdict a user of `score compare` gets on each pair
+        row("hot/cold median, first process", ratio(a, b), "each in the other's CI95", covered(a, b)),
+        row("  score compare hot cold", compare(b, a)["outcome"]),
+        row(f"hot/cold, pooled ({count} per state)", ratio(pooled_a, pooled_b)),
+        row("  each in the other's CI95", "yes" if covered(pooled_a, pooled_b) else "no"),
+        row("  score compare hot cold", compare(pooled_b, pooled_a)["outcome"]),
+    ]
     if cold["do_bench_ms"] and hot["do_bench_ms"]:
         checks.append(row("do_bench(10, 100) hot/cold", hot["do_bench_ms"][0] / cold["do_bench_ms"][0]))
     for name, result in (("cold", a), ("hot", b)):
