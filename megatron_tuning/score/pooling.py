@@ -17,7 +17,7 @@ import numpy as np
 from ..core.errors import PolicyError
 from ..tables.files import locked, write_atomic
 from . import stats
-from .clocks import ARM_OFFSET
+from .clocks import ARM_OFFSET, candidate_clock
 from .integrity import flag
 from .report import FORMAT, Score
 
@@ -216,9 +216,9 @@ def compare(a: Any, b: Any, margin: float = 0.01) -> dict[str, Any]:
     floors = [r["noise_floor"]["aa_p95"] for r in (ra, rb) if r["noise_floor"]["aa_p95"] is not None]
     delta = max([margin, *floors])
     flags = [flag(f["name"], f"{r['name']}: {f['message']}") for r in (ra, rb) for f in r["flags"]]
-    clocks = _candidate_clocks(ra, rb)
-    if clocks and abs(clocks[1] / clocks[2] - 1) > ARM_OFFSET:  # e.g. a cold GPU and a hot one
-        source, mhz_a, mhz_b = clocks
+    clocks = candidate_clock(ra, rb)
+    if clocks and abs(clocks[1][0] / clocks[1][1] - 1) > ARM_OFFSET:  # e.g. a cold GPU and a hot one
+        source, (mhz_a, mhz_b) = clocks
         message = f"{ra['name']} ran at {mhz_a:.0f} MHz, {rb['name']} at {mhz_b:.0f} MHz ({source} SM clock)"
         flags.append(flag("clock_offset", message))
     verdict = _decide(math.exp(centre - half), math.exp(centre + half), delta, margin, flags, "latency ratio")
@@ -230,19 +230,6 @@ def compare(a: Any, b: Any, margin: float = 0.01) -> dict[str, Any]:
         "ci95": [math.exp(centre - half), math.exp(centre + half)],
         "flags": flags,  # both results' flags, each naming its result, and the comparison's own
     }
-
-
-def _candidate_clocks(*records: dict[str, Any]) -> tuple[str, float, float] | None:
-    """The SM clock each result's candidate ran at, from one source both have: NVML's first, the
-    clock the driver set, which reads alike in any process; else the in-band one. Between processes
-    the in-band reading (cycles over a block's wall time) also moves with how the blocks ran: in
-    RESULTS §31's cold/hot pairs it differed by 2%, NVML's by 0.8%, the latency by 0.3% or less."""
-    for source in ("nvml", "inband"):
-        arms = [(r["clocks"].get(source) or {}).get("candidate") or {} for r in records]
-        mhz = [(arm.get("sm_mhz") if source == "nvml" else arm) or {} for arm in arms]
-        if all(m.get("median") for m in mhz):
-            return source, mhz[0]["median"], mhz[1]["median"]
-    return None
 
 
 def _one(value: Any) -> dict[str, Any]:

@@ -387,9 +387,9 @@ def line(record: dict[str, Any]) -> str:
         f"{rounds['used']} rounds ({rounds['stopped_by']})"
         + (f" x {processes} processes" if processes > 1 else "")
     )
-    inband = (record["clocks"]["inband"] or {}).get("candidate")
-    if inband:
-        parts.append(f"SM {inband['median']:.0f} MHz")
+    clock = clk.candidate_clock(record)
+    if clock:
+        parts.append(f"SM {clock[1][0]:.0f} MHz ({clock[0]})")
     parts.append(
         record["status"] + (f" [{', '.join(f['name'] for f in record['flags'])}]" if record["flags"] else "")
     )

@@ -15,7 +15,7 @@ import torch
 
 from megatron_tuning.core.decisions import Decision, decision_log
 from megatron_tuning.score import compare, load, measure, pooling
-from megatron_tuning.score.report import FORMAT
+from megatron_tuning.score.report import FORMAT, line
 from tests.score.fakes import FakeDevice, seams
 
 GOLDEN = Path(__file__).with_name("score_schema.json")
@@ -129,6 +129,20 @@ def test_compare_reads_the_clock_both_results_have_nvml_s_first() -> None:
     b["clocks"]["inband"] = None  # no source in common: no clock judged
     a["clocks"]["nvml"] = None
     assert compare(a, b)["outcome"] == "same" and offset() == []
+
+
+def test_the_result_line_names_the_clock_it_shows_nvml_s_first() -> None:
+    """The line a log shows reads the clock ``compare`` judges: NVML's, else the in-band reading
+    (0.87 of NVML's under a GEMM, RESULTS §31), each named; none when neither was read."""
+    dev = FakeDevice(seed=1, noise=0.002)
+    record = measure(dev.kernel(0.50), name="k", **seams(dev)).record
+    record["clocks"]["nvml"]["candidate"]["sm_mhz"]["median"] = 1965.0
+    record["clocks"]["inband"]["candidate"]["median"] = 1712.4
+    assert "; SM 1965 MHz (nvml); " in line(record)
+    record["clocks"]["nvml"] = None
+    assert "; SM 1712 MHz (inband); " in line(record)
+    record["clocks"]["inband"] = None
+    assert "MHz" not in line(record)
 
 
 def test_compare_reads_files_and_refuses_ambiguous_ones(tmp_path: Path) -> None:
