@@ -53,7 +53,7 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--table", action="append", metavar="PATH", help="pin from this table first; repeatable"
     )
-    parser.add_argument("--processes", type=int, default=3, help="fresh processes to run (default 3)")
+    parser.add_argument("--processes", type=int, default=5, help="fresh processes to run (default 5)")
     parser.add_argument(
         "--budget-s", type=float, help="each measure call's time budget (overrides the job's)"
     )
@@ -75,7 +75,7 @@ def run_score(args: argparse.Namespace) -> int:
         add_job_argument(sub)
         given = {k: v for k, v in vars(args).items() if k != "job"}
         args = sub.parse_args(words[1:], namespace=argparse.Namespace(**given))
-    command = job_command(args, "score", "score --processes 3 -- eval.py")
+    command = job_command(args, "score", "score --processes 5 -- eval.py")
     if command is None:
         return EXIT_USAGE
     problem = _options_problem(args)
