@@ -391,6 +391,7 @@ def line(record: dict[str, Any]) -> str:
     if clock:
         parts.append(f"SM {clock[1][0]:.0f} MHz ({clock[0]})")
     parts.append(
-        record["status"] + (f" [{', '.join(f['name'] for f in record['flags'])}]" if record["flags"] else "")
+        record["status"]  # each flag named once: a pooled record holds every process's
+        + (f" [{', '.join(dict.fromkeys(f['name'] for f in record['flags']))}]" if record["flags"] else "")
     )
     return "; ".join(parts)

@@ -143,6 +143,8 @@ def test_the_result_line_names_the_clock_it_shows_nvml_s_first() -> None:
     assert "; SM 1712 MHz (inband); " in line(record)
     record["clocks"]["inband"] = None
     assert "MHz" not in line(record)
+    record["flags"] = [{"name": n, "message": "", "demotes": True} for n in ("host_clock", "x", "host_clock")]
+    assert line(record).endswith("; ok [host_clock, x]")  # a pooled record's flags, each named once
 
 
 def test_compare_reads_files_and_refuses_ambiguous_ones(tmp_path: Path) -> None:
