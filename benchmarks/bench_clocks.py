@@ -35,6 +35,8 @@ import numpy as np
 import triton
 import triton.language as tl
 
+from megatron_tuning.score.inband import cycles, global_ns, sm_id
+
 HERE = Path(__file__).resolve()
 SHAPE, SMOKE_SHAPE = (4096, 4096, 4096), (64, 48, 40)
 # (process, seconds of blocks, seconds idle before it)
@@ -52,19 +54,13 @@ MAX_SM = 1024
 @triton.jit
 def clock_probe(out_ptr, spin, max_sm):
     """Each program's SM writes (clock64, globaltimer) at its start and after ``spin`` cycles."""
-    sm = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
-    c0 = tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
-    t0 = tl.inline_asm_elementwise(
-        "mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1
-    )
+    sm = sm_id()
+    c0 = cycles()
+    t0 = global_ns()
     c1 = c0
     while c1 - c0 < spin:
-        c1 = tl.inline_asm_elementwise(
-            "mov.u64 $0, %clock64;", "=l", [], dtype=tl.int64, is_pure=False, pack=1
-        )
-    t1 = tl.inline_asm_elementwise(
-        "mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1
-    )
+        c1 = cycles()
+    t1 = global_ns()
     if sm < max_sm:
         tl.store(out_ptr + 4 * sm, c0)
         tl.store(out_ptr + 4 * sm + 1, t0)
