@@ -205,14 +205,17 @@ def load(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
 
 def compare(a: Any, b: Any, margin: float = 0.01) -> dict[str, Any]:
     """The verdict on ``a``'s latency against ``b``'s, from two results (``Score``, record or a file
-    holding one): unpaired, so the interval of the log ratio adds both intervals' variances (read
-    off their 95% half-widths); the margin is widened to either's A/A noise floor. Results taken at
-    SM clocks more than ``ARM_OFFSET`` apart (a cold GPU against a hot one) are demoted."""
+    holding one): unpaired, so the interval of the log ratio adds both intervals' variances, each
+    read off its 95% half-width (``t_{P-1}`` errors wide for P pooled processes, normal for one),
+    and is Welch's t wide; the margin is widened to either's A/A noise floor. Results taken at SM
+    clocks more than ``ARM_OFFSET`` apart (a cold GPU against a hot one) are demoted."""
     ra, rb = _one(a), _one(b)
-    z = stats.normal_quantile(0.975)
-    errors = [math.log(r["latency"]["ci95"][1] / r["latency"]["ci95"][0]) / (2 * z) for r in (ra, rb)]
+    errors, dfs = zip(*(_error(r) for r in (ra, rb)))
     centre = math.log(ra["latency"]["median"] / rb["latency"]["median"])
-    half = z * math.hypot(*errors)
+    error = math.hypot(*errors)
+    finite = [e**4 / d for e, d in zip(errors, dfs) if d != math.inf]  # Welch-Satterthwaite
+    df = error**4 / sum(finite) if finite and sum(finite) > 0 else math.inf
+    half = (stats.t_quantile(0.975, df) if df != math.inf else stats.normal_quantile(0.975)) * error
     floors = [r["noise_floor"]["aa_p95"] for r in (ra, rb) if r["noise_floor"]["aa_p95"] is not None]
     delta = max([margin, *floors])
     flags = [flag(f["name"], f"{r['name']}: {f['message']}") for r in (ra, rb) for f in r["flags"]]
@@ -230,6 +233,15 @@ def compare(a: Any, b: Any, margin: float = 0.01) -> dict[str, Any]:
         "ci95": [math.exp(centre - half), math.exp(centre + half)],
         "flags": flags,  # both results' flags, each naming its result, and the comparison's own
     }
+
+
+def _error(record: dict[str, Any]) -> tuple[float, float]:
+    """A result's standard error of log latency and its degrees of freedom (infinite for one
+    process, whose interval is a bootstrap over rounds)."""
+    count = record["processes"]["count"]
+    df = count - 1 if count > 1 else math.inf
+    quantile = stats.t_quantile(0.975, df) if count > 1 else stats.normal_quantile(0.975)
+    return math.log(record["latency"]["ci95"][1] / record["latency"]["ci95"][0]) / (2 * quantile), df
 
 
 def _one(value: Any) -> dict[str, Any]:
