@@ -16,9 +16,9 @@ Stages (expected minutes on an H100/H200; each stops starting runs at its budget
   processes  ~4    `score --processes 10` on one pinned GEMM: max/min of process medians <= 1.02, each
                    process's CI95 covers the pooled median in >= 8 of 10; stock @triton.autotune in 10
                    fresh processes for contrast
-  soak       ~2    a process on an idle GPU and one right after a 30 s GEMM soak: each median inside
+  soak       ~3    a process on an idle GPU and one right after a 30 s GEMM soak: each median inside
                    the other's CI95 (and the requester's do_bench(warmup=10, rep=100) for contrast);
-                   each is the first of 3 processes, whose pooled results are compared too
+                   each is the first of 5 processes, whose pooled results are compared too
   thermal    ~3    the pinned GEMM's blocks back to back for 120 s from the GPU's state at the start
                    (idle on a fresh machine), 20 s idle, 30 s again; per block its time and in-band
                    clock, NVML every 0.2 s. Reports how much windows of 1, 5, 10 s vary past the
@@ -51,11 +51,11 @@ STAGES = {
     "integrity": 60,
     "overhead": 40,
     "processes": 300,
-    "soak": 170,
+    "soak": 240,
     "thermal": 200,
 }
 SHAPE, SMOKE_SHAPE = (4096, 4096, 4096), (64, 48, 40)
-SOAK_PROCESSES = 3  # per state in the soak stage: the first is the single process the check names
+SOAK_PROCESSES = 5  # per state in the soak stage, as `score` runs by default; the first is the check's
 TABLE = common.REPO / "configs" / "sm90" / "matmul.msgpack"
 
 
@@ -379,9 +379,10 @@ def stage_processes(args: argparse.Namespace, deadline: float) -> dict[str, Any]
 
 
 def stage_soak(args: argparse.Namespace, deadline: float) -> dict[str, Any]:
-    """Three processes on a GPU idle for 20 s, then three right after a 30 s GEMM soak (each
+    """Five processes on a GPU idle for 20 s, then five right after a 30 s GEMM soak (each
     process's start, a few seconds, lies between): the first of each side is the issue's pair of
-    single processes; the three pooled are what `score --processes 3` says of each state."""
+    single processes; the five pooled are what `score` (five processes by default) says of each
+    state."""
     from megatron_tuning.score import compare
 
     budget, smoke = min(args.budget_s, 5.0), ["--smoke"] if args.smoke else []
