@@ -213,9 +213,9 @@ def compare(a: Any, b: Any, margin: float = 0.01) -> dict[str, Any]:
     errors, dfs = zip(*(_error(r) for r in (ra, rb)))
     centre = math.log(ra["latency"]["median"] / rb["latency"]["median"])
     error = math.hypot(*errors)
-    finite = [e**4 / d for e, d in zip(errors, dfs) if d != math.inf]  # Welch-Satterthwaite
-    df = error**4 / sum(finite) if finite and sum(finite) > 0 else math.inf
-    half = (stats.t_quantile(0.975, df) if df != math.inf else stats.normal_quantile(0.975)) * error
+    weight = sum(e**4 / d for e, d in zip(errors, dfs))  # Welch-Satterthwaite; one process adds 0
+    df = error**4 / weight if weight > 0 else math.inf
+    half = stats.t_quantile(0.975, df) * error  # the normal quantile at infinite df
     floors = [r["noise_floor"]["aa_p95"] for r in (ra, rb) if r["noise_floor"]["aa_p95"] is not None]
     delta = max([margin, *floors])
     flags = [flag(f["name"], f"{r['name']}: {f['message']}") for r in (ra, rb) for f in r["flags"]]
@@ -240,8 +240,8 @@ def _error(record: dict[str, Any]) -> tuple[float, float]:
     process, whose interval is a bootstrap over rounds)."""
     count = record["processes"]["count"]
     df = count - 1 if count > 1 else math.inf
-    quantile = stats.t_quantile(0.975, df) if count > 1 else stats.normal_quantile(0.975)
-    return math.log(record["latency"]["ci95"][1] / record["latency"]["ci95"][0]) / (2 * quantile), df
+    low, high = record["latency"]["ci95"]
+    return math.log(high / low) / (2 * stats.t_quantile(0.975, df)), df  # normal at infinite df
 
 
 def _one(value: Any) -> dict[str, Any]:
