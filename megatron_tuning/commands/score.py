@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import sys
 import tempfile
@@ -126,7 +127,7 @@ def _score_job(
     try:
         for index in range(processes):
             if processes > 1:
-                print(f"score: process {index + 1} of {processes}: {' '.join(argv)}", file=sys.stderr)
+                print(f"score: process {index + 1} of {processes}: {shlex.join(argv)}", file=sys.stderr)
             environment = {**updates, ENV_SCORE: json.dumps({**job, "dir": str(work)})}
             code, diverged = run_armed(argv, environment, "score")
             codes.append(code)

@@ -11,6 +11,7 @@ import argparse
 import json
 import math
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -120,7 +121,7 @@ def _your_job(command: list[str], timeout: float, keep: str | None) -> int:
     job's output goes to a log per run (its ranks' tracebacks would make a passing CI log look failed)."""
     logs = Path(keep or tempfile.mkdtemp(prefix="megatron_tuning_selftest_"))
     logs.mkdir(parents=True, exist_ok=True)
-    print(f"megatron_tuning selftest: your job, deterministic then chaos: {' '.join(command)}", flush=True)
+    print(f"megatron_tuning selftest: your job, deterministic then chaos: {shlex.join(command)}", flush=True)
     for mode in ("deterministic", "chaos"):
         start, log = time.monotonic(), logs / f"{mode}.log"
         with open(log, "wb") as output:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import shutil
 import socket
 import sys
@@ -146,7 +147,7 @@ def _run_job(
         updates[knobs.ENV_NUMERICS] = args.numerics
         updates[knobs.ENV_TABLE] = ":".join(filter(None, (keep, os.environ.get(knobs.ENV_TABLE))))
     argv = job_argv(command)
-    print(f"tune: running {' '.join(argv)} (per-process results in {work})", file=sys.stderr)
+    print(f"tune: running {shlex.join(argv)} (per-process results in {work})", file=sys.stderr)
     returncode, _ = run_armed(argv, updates, "tune", launcher="tune", folder=work)
     logs = [(str(f), read_decisions(f)) for f in sorted(work.glob(f"{PROCESS_PREFIX}*.json"))]
     decisions = [d for _, ds in logs for d in ds if d.source == "tuned"]

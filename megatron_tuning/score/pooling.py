@@ -195,7 +195,10 @@ def _decide(
 
 def load(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """The results in a file: a record, a list of records, or the ``score`` command's file."""
-    data = json.loads(Path(path).read_text(encoding="utf-8"))
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not JSON ({exc}); give a file that score or measure() wrote") from None
     records = data["results"] if isinstance(data, dict) and data.get("format") == RUN_FORMAT else data
     records = records if isinstance(records, list) else [records]
     if not records or not all(isinstance(r, dict) and r.get("format") == FORMAT for r in records):

@@ -132,6 +132,9 @@ def test_score_compare_refuses_what_is_not_a_score(
     (tmp_path / "x.json").write_text("[]")
     assert cli.main(["score", "compare", str(tmp_path / "x.json"), str(tmp_path / "x.json")]) == 2
     assert "not a score result" in capsys.readouterr().err
+    (tmp_path / "cut.json").write_text('{"format":')  # a file cut short: named, not a bare parser message
+    assert cli.main(["score", "compare", str(tmp_path / "cut.json"), str(tmp_path / "x.json")]) == 2
+    assert f"{tmp_path / 'cut.json'}: not JSON (Expecting value" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
