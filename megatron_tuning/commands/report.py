@@ -148,13 +148,15 @@ def plot_decision(d: Decision, path: Path) -> None:
         colors = [green if r[3] == d.signature else light if r[3] in tied else "#9e9e9e" for r in rows]
         spread = [[r[0] - r[1] for r in rows], [r[2] - r[0] for r in rows]]
         axes.barh(range(len(rows)), [r[0] for r in rows], xerr=spread, color=colors, height=0.7, capsize=3)
-    labels = [("★ " if r[3] == d.signature else "") + r[3] for r in rows] + [f"{s} (failed)" for s in failed]
+    # Names come from a log file: escaped, as every human output (a control character has no glyph).
+    labels = [("★ " if r[3] == d.signature else "") + printable(r[3]) for r in rows]
+    labels += [f"{printable(s)} (failed)" for s in failed]
     axes.set_yticks(range(len(labels)))
     axes.set_yticklabels(labels, fontsize=7)
     axes.invert_yaxis()  # fastest on top
     axes.set_xlabel(f"median time per launch ({timings.get('unit', 'ms')}), bars: p20-p80")
-    key_lines = textwrap.wrap(d.key, 120) or [""]
-    figure.suptitle("\n".join([f"{d.kernel} (rank {d.rank})", *key_lines]), fontsize=8)
+    key_lines = textwrap.wrap(printable(d.key), 120) or [""]
+    figure.suptitle("\n".join([f"{printable(d.kernel)} (rank {d.rank})", *key_lines]), fontsize=8)
     figure.legend(handles=handles, fontsize=7, ncol=3, loc="lower center")
     figure.tight_layout(rect=(0.0, 0.4 / height, 1.0, 1.0 - (0.2 + 0.14 * len(key_lines)) / height))
     image = io.BytesIO()

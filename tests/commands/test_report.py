@@ -122,7 +122,7 @@ def test_a_file_that_is_not_a_decision_log_exits_2(capsys, tmp_path, text, probl
     assert code == 2 and problem in err and str(path) in err
 
 
-def test_plots_stay_inside_their_folder(capsys, tmp_path):
+def test_plots_stay_inside_their_folder(capsys, tmp_path, recwarn):
     pytest.importorskip("matplotlib")
     outside = tmp_path / "outside"
     outside.mkdir()
@@ -141,6 +141,8 @@ def test_plots_stay_inside_their_folder(capsys, tmp_path):
     everything = {p for p in tmp_path.rglob("*") if p.is_file()}
     assert everything == {path} | {plots / name for name in written}
     assert "\x1b" not in out
+    # a control character in a name is escaped on the plot too (matplotlib warns of a missing glyph)
+    assert not [w for w in recwarn if "Glyph" in str(w.message)]
 
 
 def test_the_results_writer_refuses_a_fifo(tmp_path):
