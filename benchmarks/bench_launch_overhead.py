@@ -4,17 +4,19 @@
     PYTHONPATH=. python benchmarks/bench_launch_overhead.py --cpu --out cpu.json     # any machine
     PYTHONPATH=. python benchmarks/bench_launch_overhead.py --smoke                  # plumbing check
 
-**GPU mode** (default): one process, one 1024-element add-one kernel (the GPU work is negligible,
-so launches/s measures host overhead), every path launched with the same callable grid:
-``bare`` (the ``@triton.jit`` twin with a fixed block size), ``bare_same_config`` (the twin
-launched as a hand-written launch of the pinned config: its block size, and its compile options
-where they differ from Triton's defaults), ``triton_hit`` (stock ``@triton.autotune`` after its
-first call), ``one_config`` (a one-config ``@triton.autotune``, no key built), ``pinned`` (the
-autotuned kernel under the interception, deterministic policy, a table entry pinning the config
-Triton chose: after its first launch, the generated hit path) and ``pinned_class_path`` (the same
-installed with ``fast_path=False``: every launch through the interception's class-level ``run``).
-Trials interleave the paths in rotating order; the interception is installed only around the
-pinned paths' trials. Goal (issue 18): pinned <= 1.05x bare per launch.
+**GPU mode** (default): one process, one 1024-element add-one kernel (the GPU work is negligible, so
+launches/s measures host overhead), every path launched with the same callable grid: ``bare`` (the
+``@triton.jit`` twin with a fixed block size), ``bare_same_config`` (the twin launched as a
+hand-written launch of the pinned config: its block size, and its compile options where they differ
+from Triton's defaults), ``own_fn_same_config`` (that hand-written launch of the autotuned kernel's
+own ``@triton.jit`` function: pinned over it is the interception's cost alone), ``triton_hit``
+(stock ``@triton.autotune`` after its first call), ``one_config`` (a one-config
+``@triton.autotune``, no key built), ``pinned`` (the autotuned kernel under the interception,
+deterministic policy, a table entry pinning the config Triton chose: after its first launch, the
+generated hit path) and ``pinned_class_path`` (the same installed with ``fast_path=False``: every
+launch through the interception's class-level ``run``). Trials interleave the paths in rotating
+order; the interception is installed only around the pinned paths' trials. Goal (issue 18): pinned
+<= 1.05x bare per launch.
 
 **CPU mode** (``--cpu``): the same kernel with its ``fn.run`` replaced by a no-op, so only the
 Python around the launch is timed: ``direct`` (the no-op called with the launch keywords),
@@ -37,7 +39,15 @@ from typing import Any
 
 import common
 
-GPU_PATHS = ("bare", "bare_same_config", "triton_hit", "one_config", "pinned", "pinned_class_path")
+GPU_PATHS = (
+    "bare",
+    "bare_same_config",
+    "own_fn_same_config",
+    "triton_hit",
+    "one_config",
+    "pinned",
+    "pinned_class_path",
+)
 CPU_PATHS = ("direct", "triton_hit", "pinned", "pinned_class_path")
 CPU_GOAL_ADDED_US = 1.5
 CPU_GOAL_SHARE = 0.2
@@ -82,6 +92,8 @@ def measure_gpu(args: argparse.Namespace) -> dict[str, list[float]]:
     calls: dict[str, Callable[[], Any]] = {
         "bare": lambda: add_one_bare_kernel[grid](x, y, n, BLOCK=BARE_BLOCK),
         "bare_same_config": lambda: add_one_bare_kernel[grid](x, y, n, **same_config),
+        # the autotuned kernel's own @triton.jit function, same config: pinned / this is our wrapper alone
+        "own_fn_same_config": lambda: tiny.add_one_kernel.fn[grid](x, y, n, **same_config),
         "triton_hit": lambda: tiny.add_one_kernel[grid](x, y, n),
         "one_config": lambda: one[grid](x, y, n),
         "pinned": lambda: tiny.add_one_kernel[grid](x, y, n),
@@ -173,6 +185,12 @@ def summarize_gpu(per_launch: dict[str, list[float]]) -> dict[str, Any]:
     same = median["pinned"] / median["bare_same_config"]
     goal["pinned_vs_bare_same_config"] = same
     print(f"pinned vs a hand-written launch of the same config: {same:.3f}x")
+    own = common.spread([p / o for p, o in zip(per_launch["pinned"], per_launch["own_fn_same_config"])])
+    goal["pinned_vs_own_fn_same_config_paired"] = own
+    print(
+        f"pinned / the kernel's own function launched by hand, same config, within a trial: "
+        f"median {own['median']:.3f}x ({own['min']:.3f}-{own['max']:.3f}x)"
+    )
     return {"summary": summary, "goal": goal}
 
 

@@ -60,7 +60,9 @@ def test_run_gpu_stages_in_one_call(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     for stage in ("overhead", "nearest"):
         assert f"== {stage}: exit 0" in summary, summary
-    assert json.loads((out / "overhead.json").read_text())["summary"]["pinned"]["vs_bare"] > 0
+    overhead = json.loads((out / "overhead.json").read_text())
+    assert overhead["summary"]["pinned"]["vs_bare"] > 0
+    assert overhead["goal"]["pinned_vs_own_fn_same_config_paired"]["median"] > 0  # the wrapper alone
     # The host-only CPU mode: the four launch paths (the pinned one with and without the generated
     # hit path), each timed once per repeat.
     cpu = json.loads((out / "overhead_cpu.json").read_text())
