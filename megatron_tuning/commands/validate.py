@@ -10,12 +10,12 @@ import json
 import os
 import sys
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from ..core import identity
-from ..core.decisions import Decision
+from ..core.decisions import SOURCES, Decision
 from ..core.errors import printable
 from ..core.policy import parse_int
 from ..tables.entry import Entry, entry_order
@@ -39,22 +39,13 @@ class ValidationReport:
     notes: list[str] = field(default_factory=list)
 
 
-def _wrappers(obj: Any) -> Iterator[Any]:
-    """``obj``, then what it wraps (``.fn``), down a bounded chain."""
-    for _ in range(8):  # heuristics/autotune decorators stacked on one kernel: far above real use
-        if obj is None:
-            return
-        yield obj
-        obj = getattr(obj, "fn", None)
-
-
 def find_autotuners(module: Any) -> list[Any]:
     """Triton ``Autotuner`` objects reachable from ``module``'s globals (through wrappers)."""
     from triton.runtime.autotuner import Autotuner
 
     found: list[Any] = []
     for value in list(vars(module).values()):
-        for obj in _wrappers(value):
+        for obj in identity.wrappers(value):
             if isinstance(obj, Autotuner) and not any(obj is f for f in found):
                 found.append(obj)
     return found
@@ -109,7 +100,7 @@ def _resolve_kernel(kernel: str) -> Any:
     obj: Any = sys.modules.get(module_name)
     for part in qualname.split("."):
         obj = getattr(obj, part, None)
-    found = next((o for o in _wrappers(obj) if isinstance(o, Autotuner)), None)
+    found = next((o for o in identity.wrappers(obj) if isinstance(o, Autotuner)), None)
     # A ``@digest`` id names a module-level autotuner, found by the scan or nowhere.
     return found if found is not None and identity.kernel_id(found) == kernel else None
 
@@ -209,8 +200,7 @@ def run_validate(args: argparse.Namespace) -> int:
 
 
 STATUS = {"table": "hit", "cheapest": "fallback"}  # other sources keep their own name
-_IN_SCOPE = ("hit", "override", "single", "tuned", "adopted", "recorded", "nearest", "fallback", "chaos")
-STATUS_ORDER = (*_IN_SCOPE, "out_of_scope", "other")  # the summary's order
+STATUS_ORDER = (*(STATUS.get(s, s) for s in SOURCES), "other")  # the summary's order
 PINNED_WITHOUT_TABLE = ("override", "single")  # --require-table accepts them besides a hit
 
 
@@ -259,7 +249,7 @@ def coverage_of(logs: list[tuple[str, list[Decision]]]) -> tuple[list[str], list
             if label not in labels:
                 labels.append(label)
             row = rows.setdefault((d.kernel, d.key), Row(d.kernel, d.key))
-            status = STATUS.get(d.source, d.source if d.source in STATUS_ORDER else "other")
+            status = STATUS.get(d.source, d.source if d.source in SOURCES else "other")
             twin = d.entry_kernel if d.matched_by == "content" else None
             # The first decision per (kernel, key) in a process is the one that launched.
             row.cells.setdefault(label, Cell(status, d.signature, d.origin, twin, d.nearest_key))

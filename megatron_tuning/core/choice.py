@@ -10,7 +10,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from . import notices
 from .errors import BlockSizeOverrideError, PolicyError, TableMissError
-from .fallback import as_block_sizes, cheapest, filter_configs_by_block_sizes, nearest_keys, pick_neighbour
+from .fallback import cheapest, filter_configs_by_block_sizes, nearest_keys, pick_neighbour
 from .identity import (
     arch_tag,
     config_data,
@@ -141,7 +141,7 @@ def choose(
             reason = "the table marks its config non-deterministic on its own"  # auto re-tunes it
         else:
             return _from_hit(live, "table", hit)
-    override = as_block_sizes(block_sizes)
+    override = dict(block_sizes)
     if override:
         notices.override_names(kernel, candidates)
         matching = filter_configs_by_block_sizes(candidates, override)

@@ -11,17 +11,17 @@ from typing import Any
 from .errors import printable
 from .key import Key, text_key_error
 
-# Where a decision's config came from.
+# Where a decision's config came from, in the order `coverage` summarizes them.
 SOURCES = (
     "table",  # a tuning-table entry, matched back to a live candidate
     "override",  # an explicit block-size override
-    "nearest",  # a miss: the table entry of the nearest comparable shape (``nearest_key``)
-    "cheapest",  # a miss: the cheapest live candidate by static cost
     "single",  # only one live candidate (no choice to make)
-    "chaos",  # chaos mode: a per-rank different pick, on purpose
     "tuned",  # tune/auto mode: measured here by the noise-aware tuner
     "adopted",  # auto mode: the decision another rank of this job published
     "recorded",  # record mode: Triton's own autotune winner
+    "nearest",  # a miss: the table entry of the nearest comparable shape (``nearest_key``)
+    "cheapest",  # a miss: the cheapest live candidate by static cost
+    "chaos",  # chaos mode: a per-rank different pick, on purpose
     "out_of_scope",  # passed through to Triton untouched (key is "*")
 )
 

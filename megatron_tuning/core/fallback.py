@@ -52,16 +52,12 @@ def cheapest(configs: Sequence[Any]) -> Any:
     return order_by_cost(configs)[0]
 
 
-def as_block_sizes(block_sizes: Mapping[str, int] | Iterable[tuple[str, int]]) -> dict[str, int]:
-    return dict(block_sizes.items() if isinstance(block_sizes, Mapping) else block_sizes)
-
-
 def filter_configs_by_block_sizes(
     configs: Sequence[Any], block_sizes: Mapping[str, int] | Iterable[tuple[str, int]] = ()
 ) -> list[Any]:
     """Configs whose kwargs match every override name these configs use; names no config has are
     ignored (an override for one kernel family must not break the others)."""
-    relevant = {k: v for k, v in as_block_sizes(block_sizes).items() if any(k in c.kwargs for c in configs)}
+    relevant = {k: v for k, v in dict(block_sizes).items() if any(k in c.kwargs for c in configs)}
     return [
         c
         for c in configs

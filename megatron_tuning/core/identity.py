@@ -15,7 +15,7 @@ import textwrap
 import threading
 import types
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from .errors import PolicyError
@@ -161,14 +161,21 @@ def _compute_kernel_id(wrapper: Any) -> str:
     return base if home == {mine} and "<locals>" not in fn.__qualname__ else f"{base}@{mine}"
 
 
-def _autotuner_in(wrapper: Any) -> Any:
-    obj = wrapper
+def wrappers(obj: Any) -> Iterator[Any]:
+    """``obj``, then what it wraps (``.fn``), down a bounded chain."""
     for _ in range(_MAX_WRAPPERS):
-        if obj is None or inspect.isfunction(obj):
+        if obj is None:
+            return
+        yield obj
+        obj = getattr(obj, "fn", None)
+
+
+def _autotuner_in(wrapper: Any) -> Any:
+    for obj in wrappers(wrapper):
+        if inspect.isfunction(obj):
             return None
         if isinstance(getattr(obj, "configs", None), (list, tuple)):
             return obj
-        obj = getattr(obj, "fn", None)
     return None
 
 

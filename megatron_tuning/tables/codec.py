@@ -29,7 +29,7 @@ from .entry import (
     entry_from_data,
     make_entry,
 )
-from .files import check_json_budget, json_text
+from .files import load_json
 from .keys import key_columns, key_from_text, keys_from_columns
 
 FORMAT = "megatron_tuning.table"
@@ -297,23 +297,12 @@ def encode_json(library_version: str, meta: dict[str, str], entries: Sequence[En
 
 
 def decode_json(text: str | bytes) -> Decoded:
-    size = len(text) if isinstance(text, bytes) else None
-    text = json_text(text)
-    if not text.strip():
-        raise Invalid("empty file")
-    # ~450 bytes an entry, spread over its three maps at least (entry, config, kwargs).
-    check_json_budget(text, per_object=150, size=size)
-
     def no_constants(name: str) -> Any:
         raise Invalid(f"non-finite number {name} is not allowed")
 
+    # ~450 bytes an entry, spread over its three maps at least (entry, config, kwargs).
     hook = partial(unique_map, what="JSON field")
-    try:
-        doc = json.loads(text, object_pairs_hook=hook, parse_constant=no_constants)
-    except Invalid:
-        raise
-    except (ValueError, RecursionError) as exc:
-        raise Invalid(f"not valid JSON: {exc}") from None
+    doc = load_json(text, per_object=150, object_pairs_hook=hook, parse_constant=no_constants)
     if type(doc) is not dict or doc.get("format") != FORMAT:
         raise Invalid(f'not a {FORMAT} JSON document (missing "format": "{FORMAT}")')
     if extra := doc.keys() - {"format", "schema", "library_version", "meta", "entries"}:

@@ -7,11 +7,13 @@ from __future__ import annotations
 import codecs
 import contextlib
 import errno
+import json
 import logging
 import os
 import secrets
 import stat
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import filelock
 
@@ -190,11 +192,13 @@ def json_text(data: str | bytes) -> str:
         raise Invalid(f"not UTF-8 (byte {exc.start}: {exc.reason}); JSON files here are UTF-8") from None
 
 
-def check_json_budget(text: str, *, per_object: int = 0, size: int | None = None) -> None:
-    """Refuse JSON whose decoded form could need more than ``BUDGET_FACTOR`` times its size (plus
-    ``BUDGET_SLACK``), before parsing it: every value but the first follows a ``,`` or ``:`` and
-    every container opens with a bracket."""
-    size = len(text) if size is None else size
+def load_json(data: str | bytes, *, per_object: int = 0, **options: Any) -> Any:
+    """A JSON file's document (``Invalid`` says what is wrong), refused unread where decoding could
+    need more than ``BUDGET_FACTOR`` times its size (plus ``BUDGET_SLACK``): every value but the first
+    follows a ``,`` or ``:`` and every container opens with a bracket."""
+    size, text = len(data), json_text(data)
+    if not text.strip():
+        raise Invalid("empty file")
     containers = text.count("[") + text.count("{")
     values = text.count(",") + text.count(":") + 1
     estimate = 2 * size + (80 + per_object) * containers + 96 * values  # a value: up to a ~90-byte str
@@ -204,6 +208,12 @@ def check_json_budget(text: str, *, per_object: int = 0, size: int | None = None
             f"(limit: {BUDGET_FACTOR}x the file size + {BUDGET_SLACK // 2**20} MiB), so it is refused "
             "unread, as a hostile file would be; split a genuine table this large into several files"
         )
+    try:
+        return json.loads(text, **options)
+    except Invalid:
+        raise
+    except (ValueError, RecursionError) as exc:  # json's errors are ValueErrors
+        raise Invalid(f"not valid JSON ({type(exc).__name__}: {exc})") from None
 
 
 @contextlib.contextmanager

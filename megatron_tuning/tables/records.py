@@ -14,7 +14,7 @@ from ..core.decisions import Decision, get_decisions
 from ..core.errors import TableError
 from ..core.identity import content_name, current_rank
 from .entry import Invalid, Numerics, check_numerics, key_from_data
-from .files import check_json_budget, json_text, read_regular_file, write_atomic
+from .files import load_json, read_regular_file, write_atomic
 from .keys import key_from_text
 from .search import installed_triton_version
 from .table import Entry, Table, Timing, update_table
@@ -35,15 +35,10 @@ def write_decisions(path: str | os.PathLike[str], decisions: Iterable[Decision] 
 
 def read_decisions(path: str | os.PathLike[str]) -> list[Decision]:
     name = os.fspath(path)
-    raw = read_regular_file(name, error=_log_error)
     try:
-        text = json_text(raw)
-        check_json_budget(text, size=len(raw))
-        data = json.loads(text)
+        data = load_json(read_regular_file(name, error=_log_error))
     except Invalid as exc:
         raise _log_error(name, f"not a readable decision log: {exc}") from None
-    except (ValueError, RecursionError) as exc:  # json errors are ValueErrors
-        raise _log_error(name, f"not a readable decision log ({type(exc).__name__}: {exc})") from None
     if not isinstance(data, dict) or data.get("format") != DECISIONS_FORMAT:
         raise _log_error(name, "not a megatron_tuning decision log (wrong or missing 'format')")
     rows, version = data.get("decisions"), data.get("version", 1)
