@@ -35,7 +35,8 @@ logger = logging.getLogger(__name__)
 
 CLOSE_TIMEOUT_S = 60.0  # the final check at close waits at most this long (or the policy's timeout)
 FIELD_BYTES = (256, 768, 512)  # kernel, key, signature text in a fixed-size naming row
-TEXT_BYTES = sum(FIELD_BYTES)
+_TEXT = struct.Struct("".join(f"{size}s" for size in FIELD_BYTES))
+TEXT_BYTES = _TEXT.size
 MAX_NAMED = 8  # differing entries named by verify_agreement; the rest are counted
 MAX_SIGNATURES_NAMED = 4  # distinct logs whose configs are listed per named entry
 _HEADER = struct.Struct("<16sQII")  # log digest, row count, session number, call number (0: at close)
@@ -103,8 +104,8 @@ def compare_logs(group: Any, timeout_s: float | None, checker: Any, *, at_close:
     parsed = [_HEADER.unpack(h) for h in headers]
     # Every rank sees every header, so all raise the same error. Session 0 (a rank that started
     # none, e.g. one that never imported Triton under `run`) pairs with any: only its log counts.
-    if len({p[2] for p in parsed} - {0}) > 1 or len({p[3] for p in parsed}) > 1:
-        calls.broken = _mispaired(seq, ranks, parsed)
+    calls.broken = _mispaired(seq, ranks, parsed)
+    if calls.broken is not None:
         raise calls.broken
     groups: dict[bytes, list[int]] = {}
     for index, (log_digest, *_) in enumerate(parsed):
@@ -172,7 +173,7 @@ def _compare_sharded(
     return total_shared, total_differing, named[:MAX_NAMED]
 
 
-def _mispaired(seq: int, ranks: list[int], parsed: list[tuple[Any, ...]]) -> InputMismatchError:
+def _mispaired(seq: int, ranks: list[int], parsed: list[tuple[Any, ...]]) -> InputMismatchError | None:
     """Ranks met at one check from other sessions, or other calls (one of them a check at close)."""
     differences = {}
     sessions = {r: p[2] for r, p in zip(ranks, parsed)}
@@ -181,7 +182,7 @@ def _mispaired(seq: int, ranks: list[int], parsed: list[tuple[Any, ...]]) -> Inp
     calls = {r: f"#{p[3]}" if p[3] else "the check at close" for r, p in zip(ranks, parsed)}
     if len(set(calls.values())) > 1:
         differences["verify_agreement calls"] = calls
-    return InputMismatchError(f"verify_agreement call #{seq}", ranks, differences)
+    return InputMismatchError(f"verify_agreement call #{seq}", ranks, differences) if differences else None
 
 
 def _divergence(
@@ -260,16 +261,13 @@ def pack_text(kernel: str, key: str, signature: str) -> bytes:
         raw = text.encode()
         if len(raw) > size:
             raw = raw[: size - 14].decode("utf-8", "ignore").encode() + b"...[truncated]"
-        parts.append(raw.ljust(size, b"\0"))
-    return b"".join(parts)
+        parts.append(raw)
+    return _TEXT.pack(*parts)
 
 
 def unpack_text(row: bytes) -> tuple[str, str, str]:
-    fields, start = [], 0
-    for size in FIELD_BYTES:
-        fields.append(row[start : start + size].rstrip(b"\0").decode("utf-8", "replace"))
-        start += size
-    return fields[0], fields[1], fields[2]
+    kernel, key, signature = (field.rstrip(b"\0").decode("utf-8", "replace") for field in _TEXT.unpack(row))
+    return kernel, key, signature
 
 
 def all_gather_bytes(data: bytes, group: Any) -> list[bytes]:
@@ -294,11 +292,7 @@ def all_to_all_bytes(chunks: Sequence[bytes], group: Any) -> list[bytes]:
     dist.all_to_all_single(
         recv, send, output_split_sizes=incoming, input_split_sizes=[len(c) for c in chunks], group=group
     )
-    data, out, start = _bytes(recv), [], 0
-    for size in incoming:
-        out.append(data[start : start + size])
-        start += size
-    return out
+    return [_bytes(chunk) for chunk in recv.cpu().split(incoming)]
 
 
 def broadcast_bytes(data: bytes, size: int, source: int, group: Any) -> bytes:
