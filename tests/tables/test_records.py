@@ -148,3 +148,20 @@ def test_a_decision_with_a_text_key_is_refused_before_its_log_is_written_naming_
     out_of_scope = Decision(kernel="pkg:o", key="*", signature="", source="out_of_scope")
     write_decisions(path, [decision(32), out_of_scope])  # the one text a log holds: "*"
     assert [d.key for d in read_decisions(path)] == [M1, "*"]
+
+
+@pytest.mark.parametrize(
+    ("text", "problem"),
+    [
+        ("", "empty file"),
+        (" \n", "empty file"),
+        ('{"format": ', r"not valid JSON \(JSONDecodeError: Expecting value"),
+        ("[" * 50_000, r"not valid JSON \(RecursionError"),
+    ],
+)
+def test_an_unreadable_decision_log_names_the_file_and_the_problem(tmp_path, text, problem):
+    path = tmp_path / "decisions-rank00000.json"
+    path.write_text(text, encoding="utf-8")
+    expected = rf"decisions-rank00000\.json.*not a readable decision log: {problem}"
+    with pytest.raises(TableError, match=expected):
+        read_decisions(path)
