@@ -46,6 +46,8 @@ def test_every_stage_runs_and_writes_one_json_each(tmp_path: Path) -> None:
     assert soak["cold"]["pinning"]["configs"][0]["source"] == "table"  # the `score` job pinned from the table
     assert [len(soak["pooled"][s]["per_process"]) for s in ("cold", "hot")] == [1, 1]  # smoke: 1 a side
     assert soak["pooled"]["hot"]["results"][0]["processes"]["count"] == 1
+    processes = json.loads((tmp_path / "processes.json").read_text())
+    assert [sorted(r["clocks"]) for r in processes["records"]] == [sorted(soak["cold"]["clocks"])]  # counted
     assert "hot/cold, pooled (1 per state)" in done.stdout
     table = done.stdout[done.stdout.index("bench_score on") :]
     assert all(stage in table for stage in stages) and "records with in-band and NVML clocks" in table
