@@ -21,6 +21,9 @@ def test_every_stage_runs_and_writes_one_json_each(tmp_path: Path) -> None:
         if not k.startswith("MEGATRON_TUNING_") and k != "TRITON_INTERPRET"
     }
     env["PYTHONPATH"] = str(REPO)
+    # One torch thread, as scripts/test.sh sets: on a busy 2-core host, OpenMP's spinning threads
+    # stalled one interpreted launch for seconds, past the smoke's 0.3 s budgets.
+    env["OMP_NUM_THREADS"] = "1"
     done = subprocess.run(
         [
             sys.executable,
