@@ -292,7 +292,11 @@ def all_to_all_bytes(chunks: Sequence[bytes], group: Any) -> list[bytes]:
     dist.all_to_all_single(
         recv, send, output_split_sizes=incoming, input_split_sizes=[len(c) for c in chunks], group=group
     )
-    return [_bytes(chunk) for chunk in recv.cpu().split(incoming)]
+    data, out, start = _bytes(recv), [], 0  # one copy to the host, then slices: one per rank
+    for size in incoming:
+        out.append(data[start : start + size])
+        start += size
+    return out
 
 
 def broadcast_bytes(data: bytes, size: int, source: int, group: Any) -> bytes:
