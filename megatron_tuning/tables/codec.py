@@ -300,8 +300,8 @@ def decode_json(text: str | bytes) -> Decoded:
     def no_constants(name: str) -> Any:
         raise Invalid(f"non-finite number {name} is not allowed")
 
-    # ~450 bytes an entry, spread over its three maps at least (entry, config, kwargs).
     hook = partial(unique_map, what="JSON field")
+    # ~450 bytes an entry, spread over its three maps at least (entry, config, kwargs).
     doc = load_json(text, per_object=150, object_pairs_hook=hook, parse_constant=no_constants)
     if type(doc) is not dict or doc.get("format") != FORMAT:
         raise Invalid(f'not a {FORMAT} JSON document (missing "format": "{FORMAT}")')
