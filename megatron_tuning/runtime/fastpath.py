@@ -59,7 +59,13 @@ def _generate(
     """``run`` for ``len(args)`` positional arguments: ``state.launch_key``'s tuple slot by slot."""
     n = len(args)
     names = [f"a{i}" for i in range(n)]
-    slots = [f"{names[i]}.__class__, {names[i]}" if i < n else "None, None" for _, i in state.key_index]
+    # ``pinning.launch_value``, with an int (the common key value) checked inline.
+    slots = [
+        f"{names[i]}.__class__, {names[i]} if {names[i]}.__class__ is int else value({names[i]})"
+        if i < n
+        else "None, None"
+        for _, i in state.key_index
+    ]
     for i in range(len(state.arg_names)):
         if i >= n:
             slots.append("None")
@@ -75,7 +81,7 @@ def run(*args, grid=_ABSENT, warmup=_ABSENT, **kwargs):
     {unpack}
     try:
         launch = get(({"".join(slot + ", " for slot in slots)}))
-    except AttributeError:  # no dtype where the call that armed this had one
+    except (AttributeError, TypeError):  # no dtype where the arming call had one; an unhashable value
         return slow(args, grid, warmup, kwargs)
     if launch is None:  # a key not decided yet: the class path decides it
         return slow(args, grid, warmup, kwargs)
@@ -97,6 +103,7 @@ def run(*args, grid=_ABSENT, warmup=_ABSENT, **kwargs):
         autotuner=autotuner,
         get=state.launches.get,
         pinning=pinning,
+        value=pinning.launch_value,
         serves=installation,
         slow=slow,
     )

@@ -28,7 +28,7 @@ from ..core.identity import (
     kernel_module,
     kernel_source_hash,
 )
-from ..core.key import Key, call_key
+from ..core.key import Key, call_key, render
 from ..core.policy import TuningPolicy
 
 logger = logging.getLogger("megatron_tuning.runtime.interception")
@@ -103,15 +103,28 @@ class AutotunerState:
 
     def launch_key(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
         """What each launch looks its ``Launch`` up by, without building a ``Key``: each ``key=``
-        value with its type (``True``, ``1``, ``1.0`` apart), then each parameter's dtype. Equal
-        launch keys have equal ``Key``s; ``fastpath`` computes the same tuple from positions."""
+        value with its type (``True``, ``1``, ``1.0`` apart) and ``launch_value``, then each
+        parameter's dtype. Equal launch keys have equal ``Key``s; ``fastpath`` computes the same
+        tuple from positions."""
         named = dict(zip(self.arg_names, args))
         named.update((name, value) for name, value in kwargs.items() if name in self.arg_names)
         parts: list[Any] = []
         for name, _ in self.key_index:
-            parts += (named[name].__class__, named[name]) if name in named else (None, None)
+            value = named.get(name)
+            parts += (value.__class__, launch_value(value)) if name in named else (None, None)
         parts += [getattr(named.get(name), "dtype", None) for name in self.arg_names]
         return tuple(parts)
+
+
+# Types whose values are equal only where their key text is: for them a launch key holds the value
+# itself (a dict lookup by it is the cheapest). Others may be equal and render apart (0.0 and -0.0,
+# (1, 2) and (1.0, 2.0)), so they enter as their text.
+_EXACT_KEY_TYPES = frozenset((int, bool, str, type(None)))
+
+
+def launch_value(value: Any) -> Any:
+    """A ``key=`` value in a launch key, after its type: itself, or the text the ``Key`` renders."""
+    return value if value.__class__ in _EXACT_KEY_TYPES else render(value)
 
 
 active: Installation | None = None  # read at every launch; changed only through ``set_active``

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import sys
 import threading
 import warnings
@@ -53,7 +54,10 @@ def _calls() -> st.SearchStrategy[tuple[tuple[Any, ...], dict[str, Any]]]:
     arguments, the shape the generated ``run`` serves once armed."""
     tensor = st.sampled_from((torch.float32, torch.float16)).map(lambda dtype: torch.empty(1, dtype=dtype))
     pointer = st.one_of(tensor, tensor, st.none(), st.just(0))
-    key_value = st.sampled_from([8, 9, True, 1, 1.0, 8.0, "8", None])
+    # Values equal in Python that the key keeps apart (0.0 and -0.0, (1, 2) and (1.0, 2.0)), NaN, a list.
+    key_value = st.sampled_from(
+        [8, 9, True, 1, 1.0, 8.0, "8", None, 0.0, -0.0, (1, 2), (1.0, 2.0), math.nan, [1, 2]]
+    )
     values = st.tuples(pointer, pointer, pointer, key_value, st.sampled_from([0.5, 1]))
 
     def split(drawn: tuple[tuple[Any, ...], int, int, bool]) -> tuple[tuple[Any, ...], dict[str, Any]]:
