@@ -149,6 +149,20 @@ def content_name(kernel: str) -> str:
     return kernel.partition(":")[2]
 
 
+def shared_kernel_id(kernel: str, config_list_digest: str | None, source_hash: str | None = None) -> str:
+    """The name ranks key a kernel's shared records by: ``module:qualname@<config_list_digest>``
+    whether ``kernel_id`` chose the plain id or not (that choice reads the module's globals at the
+    first launch, which can differ between ranks). With ``source_hash``, the content identity
+    ``qualname@<config_list_digest>#<source_hash>``, without the module (``auto``'s consensus:
+    docs/agreement.md). The one derivation every cross-rank caller uses."""
+    module, qualname, digest = split_kernel_id(kernel)
+    digest = config_list_digest or digest
+    name = (qualname if source_hash is not None else f"{module}:{qualname}") + (
+        f"@{digest}" if digest else ""
+    )
+    return name if source_hash is None else f"{name}#{source_hash}"
+
+
 def _compute_kernel_id(wrapper: Any) -> str:
     base = base_kernel_id(wrapper)
     autotuner = _autotuner_in(wrapper)

@@ -187,7 +187,7 @@ class AgreementChecker:
         """Listener: compare ``decision`` with the other ranks (raises ``DivergenceError``)."""
         if self.mode in ("off", "verify") or decision.source in self.unchecked:
             return
-        ident = kv.identity_digest(decision.kernel, decision.key, decision.arch)
+        ident = kv.decision_digest(decision)
         with self._lock:
             if ident in self._seen:
                 return
@@ -230,7 +230,7 @@ class AgreementChecker:
 
     def _store_check(self, d: Decision) -> None:
         what = f"the store check of kernel {d.kernel} with key {d.key}"
-        name = "k/" + kv.identity_digest(d.kernel, d.key, d.arch).hex()
+        name = "k/" + kv.decision_digest(d).hex()
         first = kv.claim(self._store, name, {"rank": self.rank, "signature": d.signature}, what)
         first_rank = kv.rank_of(first, what, self.world)
         first_signature = kv.field(first, "signature", str, what)
@@ -253,7 +253,7 @@ class AgreementChecker:
         self._seq += 1
         what = f"kernel {d.kernel} with key {d.key} (allgather check #{self._seq})"
         kv.arrive(self._store, f"ag/{self._seq}", self.rank, self.ranks, what, self.timeout_s)
-        row = kv.identity_digest(d.kernel, d.key, d.arch) + kv.signature_digest(d.signature)
+        row = kv.decision_digest(d) + kv.signature_digest(d.signature)
         rows = all_gather_bytes(row, self.group)
         if all(r == rows[0] for r in rows):
             return

@@ -19,7 +19,9 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 
 from ..core.chaos import ChaosClaim
+from ..core.decisions import Decision
 from ..core.errors import AgreementTimeoutError, ConsensusError, PolicyError, StoreError
+from ..core.identity import shared_kernel_id
 from ..core.notices import warn_once
 
 PREFIX = "megatron_tuning/v2"
@@ -53,6 +55,12 @@ def job_namespace() -> str:
 def identity_digest(kernel: str, key: str, arch: str) -> bytes:
     """32-byte digest of what must agree (arch too); JSON, so no field can fake a boundary."""
     return hashlib.sha256(json.dumps([kernel, key, arch]).encode()).digest()
+
+
+def decision_digest(d: Decision) -> bytes:
+    """What the agreement checks and ``verify`` compare a decision under: its kernel's shared id
+    (``module:qualname@<config_list_digest>``), key and arch."""
+    return identity_digest(shared_kernel_id(d.kernel, d.config_list_digest), d.key, d.arch)
 
 
 def signature_digest(signature: str) -> bytes:
@@ -252,18 +260,28 @@ class StoreConsensus:
         self.rank = dist.get_rank() if rank is None else int(rank)
         self.world = world if world is not None or not dist.is_initialized() else dist.get_world_size()
 
-    def lookup(self, kernel: str, key: str, arch: str) -> Published | None:
-        """The decision published for (arch, kernel, key), or ``None``; one request, never waits."""
-        name = "d/" + identity_digest(kernel, key, arch).hex()
+    def lookup(self, kernel: str, key: str, arch: str, *, identity: str | None = None) -> Published | None:
+        """The decision published for (arch, kernel, key), or ``None``; one request, never waits.
+        ``identity``: what the record is keyed by (``shared_kernel_id``; default ``kernel``), while
+        messages name ``kernel``."""
+        name = "d/" + identity_digest(identity or kernel, key, arch).hex()
         what = f"the auto lookup of kernel {kernel} with key {key}"
         raw = request(what, lambda: self._store.compare_set(name, "", ""))
         return self._published(raw, kernel, key) if bytes(raw) else None
 
     def publish(
-        self, kernel: str, key: str, arch: str, config: Mapping[str, Any], signature: str, timings: Any = None
+        self,
+        kernel: str,
+        key: str,
+        arch: str,
+        config: Mapping[str, Any],
+        signature: str,
+        timings: Any = None,
+        *,
+        identity: str | None = None,
     ) -> Published:
         """Publish ours (and our ``timings``) unless a rank was first; return the decision to launch."""
-        name = "d/" + identity_digest(kernel, key, arch).hex()
+        name = "d/" + identity_digest(identity or kernel, key, arch).hex()
         record = {"config": dict(config), "signature": signature, "rank": self.rank, "timings": timings}
         try:
             mine = json.dumps(record, sort_keys=True, allow_nan=False)

@@ -96,7 +96,7 @@ def compare_logs(group: Any, timeout_s: float | None, checker: Any, *, at_close:
     unchecked = unchecked_sources(policy.mode if policy is not None else None)
     checked = [d for d in decision_log().decisions() if d.source not in unchecked]
     # By identity in first-use order; after a re-install the latest decision of a key (what launches now).
-    table = {kv.identity_digest(d.kernel, d.key, d.arch): d for d in checked}
+    table = {kv.decision_digest(d): d for d in checked}
     idents = list(table)  # launch order, so the first divergence named is the earliest one
     rows = sorted(i[:16] + kv.signature_digest(table[i].signature)[:16] for i in idents)
     digest = hashlib.sha256(b"".join(rows)).digest()[:16]

@@ -27,6 +27,7 @@ from ..core.identity import (
     kernel_id,
     kernel_module,
     kernel_source_hash,
+    shared_kernel_id,
 )
 from ..core.key import Key, call_key, render
 from ..core.policy import TuningPolicy
@@ -51,10 +52,20 @@ class Consensus(Protocol):
 
     rank: int
 
-    def lookup(self, kernel: str, key: str, arch: str) -> PublishedDecision | None: ...
+    def lookup(
+        self, kernel: str, key: str, arch: str, *, identity: str | None = None
+    ) -> PublishedDecision | None: ...
 
     def publish(
-        self, kernel: str, key: str, arch: str, config: Mapping[str, Any], signature: str, timings: Any = None
+        self,
+        kernel: str,
+        key: str,
+        arch: str,
+        config: Mapping[str, Any],
+        signature: str,
+        timings: Any = None,
+        *,
+        identity: str | None = None,
     ) -> PublishedDecision: ...
 
 
@@ -228,11 +239,15 @@ def decide(
         kernel, policy, arch = state.kernel, installation.policy, installation.arch  # arch: once per decision
         launchable, call, consensus = may_measure and not capturing, (args, kwargs), installation.consensus
         measure = measure or installation.measure
+        shared = shared_kernel_id(kernel, state.config_list_digest)  # what the job's records key on
 
         def adopt_or_tune(reason: str) -> Choice | None:
             """``auto``'s step for a key no table pins: adopt the decision another rank published, else
             tune and publish it (the first writer wins); ``None`` where nothing may be measured."""
-            if consensus is not None and (published := consensus.lookup(kernel, key, arch)) is not None:
+            if (
+                consensus is not None
+                and (published := consensus.lookup(kernel, key, arch, identity=shared)) is not None
+            ):
                 return _adopt(published, live, kernel, key, consensus.rank)
             if not launchable or measure is None:
                 if defer and measure is not None:
@@ -242,7 +257,7 @@ def decide(
             if consensus is None:
                 return Choice(config, "tuned", timings=timings)
             mine = config_signature(config)
-            winner = consensus.publish(kernel, key, arch, config_data(config), mine, timings)
+            winner = consensus.publish(kernel, key, arch, config_data(config), mine, timings, identity=shared)
             if winner.rank == consensus.rank and winner.signature == mine:
                 return Choice(config, "tuned", timings=timings)
             # Another rank published first (maybe the same config): launch its config, cache its timings.
@@ -250,8 +265,9 @@ def decide(
 
         if policy.mode == "chaos":
             offline, coordinator = capturing, installation.chaos
+            # Claimed under the id the agreement check compares, so the first claim is what it pairs.
             choice = choose_chaos(
-                kernel, key, live, rank=current_rank(), arch=arch, coordinator=coordinator, offline=offline
+                shared, key, live, rank=current_rank(), arch=arch, coordinator=coordinator, offline=offline
             )
         elif policy.mode == "tune" and len(live) > 1 and launchable:
             assert measure is not None
@@ -277,7 +293,9 @@ def decide(
             cache_file = getattr(installation.table, "cache_file", None)
             if auto and consensus is not None and cache_file is not None and choice.origin == cache_file:
                 mine = config_signature(choice.config)
-                winner = consensus.publish(kernel, key, arch, config_data(choice.config), mine)
+                winner = consensus.publish(
+                    kernel, key, arch, config_data(choice.config), mine, identity=shared
+                )
                 if winner.signature != mine:
                     choice = _adopt(winner, live, kernel, key, consensus.rank)
         signature = config_signature(choice.config)

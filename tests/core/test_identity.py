@@ -18,6 +18,7 @@ from megatron_tuning.core.identity import (
     content_name,
     kernel_id,
     kernel_source_hash,
+    shared_kernel_id,
     split_kernel_id,
 )
 from megatron_tuning.runtime.interception import lazy_benchmarker
@@ -44,6 +45,22 @@ def test_two_autotuners_over_one_function_are_two_kernels():
         assert content_name(kernel) == f"twin_body@{digest}"
     # One function, one source: the hash is shared; only the config lists differ.
     assert kernel_source_hash(sk.twin_small) == kernel_source_hash(sk.twin_large)
+
+
+def test_the_shared_id_does_not_depend_on_the_plain_or_digest_choice():
+    # kernel_id's choice reads the module's globals at the first launch, which can differ by rank.
+    plain, digested = "pkg.ops:body", "pkg.ops:body@0123456789ab"
+    assert shared_kernel_id(plain, "0123456789ab") == shared_kernel_id(digested, "0123456789ab")
+    assert shared_kernel_id(plain, "0123456789ab") == "pkg.ops:body@0123456789ab"
+    assert shared_kernel_id(plain, "ba9876543210") != shared_kernel_id(plain, "0123456789ab")
+    assert shared_kernel_id(plain, None) == plain  # a decision without a digest keeps its id
+    # With the source hash: the content identity, the same under any module name.
+    assert shared_kernel_id(plain, "0123456789ab", "f" * 64) == shared_kernel_id(
+        "candidate_1:body", "0123456789ab", "f" * 64
+    )
+    assert shared_kernel_id(plain, "0123456789ab", "f" * 64) != shared_kernel_id(
+        plain, "0123456789ab", "e" * 64
+    )
 
 
 def test_config_list_digest_ignores_order_and_duplicates_but_not_content():

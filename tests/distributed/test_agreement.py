@@ -112,6 +112,24 @@ def test_auto_compares_tuned_decisions() -> None:
     assert "tuned" in verify.unchecked_sources("deterministic")
 
 
+def test_a_kernel_named_plain_on_one_rank_and_digest_on_another_is_compared() -> None:
+    """Whether a kernel id gets ``@digest`` depends on the module's autotuners at its first launch,
+    which can differ by rank: the check compares module, qualname and config list digest."""
+    first, second = _ranks(2)
+    digest = "0123456789ab"
+    first.check(Decision(KERNEL, KEY, SIG_A, "table", config_list_digest=digest))
+    with pytest.raises(DivergenceError) as raised:
+        second.check(Decision(f"{KERNEL}@{digest}", KEY, SIG_B, "cheapest", config_list_digest=digest))
+    assert raised.value.signatures == {0: SIG_A, 1: SIG_B}
+    # Another config list over the same function is another kernel: not compared.
+    first, second = _ranks(2)
+    first.check(Decision(KERNEL, KEY, SIG_A, "table", config_list_digest=digest))
+    second.check(
+        Decision(f"{KERNEL}@ba9876543210", KEY, SIG_B, "cheapest", config_list_digest="ba9876543210")
+    )
+    second.poll()
+
+
 def test_keys_differing_only_by_arch_are_not_compared() -> None:
     first, second = _ranks(2)
     first.check(Decision(kernel=KERNEL, key=KEY, signature=SIG_A, source="table", arch="sm90"))

@@ -381,11 +381,19 @@ class _PeerWon:
     def __init__(self) -> None:
         self.published: list[str] = []
 
-    def lookup(self, kernel: str, key: str, arch: str) -> Any:
+    def lookup(self, kernel: str, key: str, arch: str, *, identity: str | None = None) -> Any:
         return None
 
     def publish(
-        self, kernel: str, key: str, arch: str, config: Any, signature: str, timings: Any = None
+        self,
+        kernel: str,
+        key: str,
+        arch: str,
+        config: Any,
+        signature: str,
+        timings: Any = None,
+        *,
+        identity: str | None = None,
     ) -> Any:
         self.published.append(signature)
         peer = next(c for c in sk.scale_add.configs if c.kwargs["BLOCK_SIZE"] == 16)

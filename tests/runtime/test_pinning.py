@@ -283,6 +283,24 @@ def test_chaos_through_the_coordinator_records_how_each_rank_picked(monkeypatch)
     assert (second.source, second.chaos, second.origin) == ("chaos", "differs", "moved off rank 0's claim")
 
 
+def test_chaos_claims_under_the_id_the_agreement_check_compares(monkeypatch):
+    """Rank 0 named the kernel plain, rank 1 with its digest: still one claim, so rank 1 differs."""
+    claims: dict[tuple[str, str, str], ChaosClaim] = {}
+    digest, arg_names, x = "0123456789ab", tuple(sk.scale_add.arg_names), torch.zeros(100)
+    for rank, kernel in ((0, KERNEL), (1, f"{KERNEL}@{digest}")):
+        monkeypatch.setenv("RANK", str(rank))
+        installation = pinning.Installation(
+            TuningPolicy(mode="chaos"), None, None, 0, chaos=_Claims(rank, claims)
+        )
+        state = pinning.AutotunerState(0, True, kernel, (("n", arg_names.index("n")),), arg_names)
+        state.config_list_digest = digest
+        args = (x, x, x, 100, 0.5)
+        pinning.decide(
+            sk.scale_add, state, installation, key(100), args, {}, candidates=lambda: sk.ADD_CONFIGS
+        )
+    assert [d.chaos for d in get_decisions()] == ["first", "differs"]
+
+
 def test_chaos_with_one_distinct_config_says_it_proves_nothing():
     interception.install(TuningPolicy(mode="chaos"), chaos=_Claims(0, {}))
     x = torch.arange(40, dtype=torch.float32)
@@ -377,13 +395,22 @@ def store_pair() -> tuple[StoreConsensus, StoreConsensus]:
 
 
 def choose(
-    consensus: StoreConsensus, measure: FakeMeasure, n: int = 100, *, table: Any = None, live: Any = None
+    consensus: StoreConsensus,
+    measure: FakeMeasure,
+    n: int = 100,
+    *,
+    table: Any = None,
+    live: Any = None,
+    kernel: str = KERNEL,
+    code: tuple[str | None, str | None] = (None, None),
 ) -> tuple[Choice, Any]:
     """``auto``'s decision for ``scale_add`` with ``n`` on the rank of ``consensus``, as a fresh
-    process makes it (``pinning.decide``), and the timings it logs."""
+    process makes it (``pinning.decide``), and the timings it logs. ``kernel``: the id this process
+    gave it; ``code``: its (config list digest, source hash), unknown by default."""
     installation = pinning.Installation(TuningPolicy(mode="auto"), table, measure, 0, consensus)
     arg_names = tuple(sk.scale_add.arg_names)
-    state = pinning.AutotunerState(0, True, KERNEL, (("n", arg_names.index("n")),), arg_names)
+    state = pinning.AutotunerState(0, True, kernel, (("n", arg_names.index("n")),), arg_names)
+    state.config_list_digest, state.source_hash = code
     x = torch.zeros(n)
     candidates = lambda: list(sk.ADD_CONFIGS if live is None else live)  # noqa: E731
     config = pinning.decide(
@@ -432,6 +459,20 @@ def test_a_published_config_this_rank_cannot_launch_is_an_error_naming_it():
     with pytest.raises(ConsensusError, match="rank 1 published BLOCK_SIZE=128") as caught:
         choose(rank0, FakeMeasure(), live=live)
     assert caught.value.kernel == KERNEL and caught.value.key == key(100)
+
+
+def test_a_kernel_named_plain_on_one_rank_and_digest_on_another_shares_one_decision():
+    rank0, rank1 = store_pair()
+    digest = "0123456789ab"
+    choose(rank0, FakeMeasure(block=64), code=(digest, None))
+    measure = FakeMeasure(block=16)
+    adopted, _ = choose(rank1, measure, kernel=f"{KERNEL}@{digest}", code=(digest, None))
+    assert (adopted.source, block(adopted), measure.calls) == ("adopted", 64, [])
+    # Another config list over the same function is another kernel: it tunes for itself.
+    other, _ = choose(
+        rank1, FakeMeasure(block=16), kernel=f"{KERNEL}@ba9876543210", code=("ba9876543210", None)
+    )
+    assert (other.source, block(other)) == ("tuned", 16)
 
 
 def test_lookup_never_waits_for_a_key_nobody_published():
