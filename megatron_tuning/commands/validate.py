@@ -144,9 +144,12 @@ def _entry_problems(
     if module not in covered:
         return problems
     autotuner = kernels.get(entry.kernel) or _resolve_kernel(entry.kernel)
+    # Autotuners with different config lists over one function are told apart by ``@digest``; a plain
+    # entry that stored one's digest is that one's (as lookups use it).
+    split = sorted(k for k in kernels if k.startswith(entry.kernel + "@")) if autotuner is None else []
+    if entry.config_list_digest and f"{entry.kernel}@{entry.config_list_digest}" in split:
+        autotuner = kernels[f"{entry.kernel}@{entry.config_list_digest}"]
     if autotuner is None:
-        # Autotuners with different config lists over one function are told apart by ``@digest``.
-        split = sorted(k for k in kernels if k.startswith(entry.kernel + "@"))
         if split:
             problems.append(
                 f"{len(split)} autotuners with different config lists wrap this function, so they are "

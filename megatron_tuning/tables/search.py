@@ -175,10 +175,18 @@ class TableSet:
         if hit is not None:
             return [hit]
         module, qualname, digest = split_kernel_id(kernel)
-        found = None if digest is None else self._index.get((arch, f"{module}:{qualname}", key))
-        if found is not None:
-            notices.ambiguous_entry(f"{module}:{qualname}", kernel, key, found[1])
-        return []
+        plain = (arch, f"{module}:{qualname}", key)
+        if digest is None or plain not in self._index:
+            return []
+        # A plain-id entry that stored this kernel's own config list digest was tuned for it (its id
+        # was plain where it was tuned, or on a rank that launched it before a variant existed).
+        mine = config_list_digest or digest
+        found = self._all_for(plain)
+        ours = [(e, origin) for e, origin in found if e.config_list_digest == mine]
+        hit = self._pick(plain, ours, source_hash, self.stale_entries) if ours else None
+        if hit is None and any(e.config_list_digest is None for e, _ in found):  # another list's: not ours
+            notices.ambiguous_entry(plain[1], kernel, key, self._index[plain][1])
+        return [] if hit is None else [hit]
 
     def _neighbours(
         self, kernel: str, key: Key, arch: str, source_hash: str | None, digest: str | None

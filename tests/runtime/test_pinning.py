@@ -33,6 +33,7 @@ from megatron_tuning.core.identity import (
     arch_tag,
     base_kernel_id,
     config_data,
+    config_list_digest,
     config_signature,
     kernel_id,
     kernel_source_hash,
@@ -118,6 +119,20 @@ def test_a_plain_id_entry_for_a_function_with_two_autotuners_is_named_ambiguous_
     message = " ".join(notices.messages)
     assert f"entry for kernel {base}" in message and kernel_id(sk.twin_small) in message
     assert "cannot say which autotuner it was tuned for" in message and "Re-tune" in message
+
+
+def test_a_plain_id_entry_that_stored_the_kernels_own_digest_is_used_by_it_alone(tmp_path, notices):
+    key = tuning_key(sk.twin_small, (torch.zeros(40), torch.zeros(40), 40), {})
+    base, digest = base_kernel_id(sk.twin_small), config_list_digest(sk.twin_small)
+    config = config_data(sk.ADD_CONFIGS[1])
+    entry = Entry(arch="unknown", kernel=base, key=key, config=config, config_list_digest=digest)
+    path = tmp_path / "tuned.msgpack"
+    save_table(Table([entry]), path)
+    interception.install(TuningPolicy(mode="deterministic", on_miss="min_cost"), table=TableSet([path]))
+    assert _run_twin(sk.twin_small, 40) == 16  # the entry's config, not the cheapest 8
+    _run_twin(sk.twin_large, 40)
+    assert [d.source for d in get_decisions()] == ["table", "cheapest"]  # the other list's: a miss
+    assert notices.matching("cannot say which autotuner") == []
 
 
 def test_a_plain_entry_of_a_one_autotuner_kernel_still_hits_with_no_warning(tmp_path, caplog, notices):

@@ -70,6 +70,23 @@ def test_hit_reports_config_and_origin(tmp_path):
     assert find(tables, KERNEL, tag("other key"), arch="sm90") is None
 
 
+def test_a_plain_entry_that_stored_the_kernels_own_digest_answers_its_digest_id(tmp_path, notices):
+    """Whether a kernel id gets ``@digest`` can depend on launch order; the stored digest decides."""
+    mine, other = "0123456789ab", "ba9876543210"
+    tables = TableSet(
+        [write(tmp_path / "t.msgpack", entry(32, config_list_digest=mine))], triton_version="3.6.0"
+    )
+    code = {"arch": "sm90", "source_hash": HASH}
+    hit = find(tables, f"{KERNEL}@{mine}", KEY, config_list_digest=mine, **code)
+    assert hit is not None and hit.config["kwargs"] == {"BLOCK": 32}
+    assert find(tables, f"{KERNEL}@{other}", KEY, config_list_digest=other, **code) is None  # another list's
+    assert notices.matching("several autotuners") == []
+    # An entry without a stored digest cannot say whose it is: ambiguous, as before.
+    old = TableSet([write(tmp_path / "old.msgpack", entry(32))], triton_version="3.6.0")
+    assert find(old, f"{KERNEL}@{mine}", KEY, config_list_digest=mine, **code) is None
+    assert len(notices.matching("several autotuners")) == 1
+
+
 def test_wrong_arch_never_applies(tmp_path):
     path = write(tmp_path / "a.msgpack", entry(64, arch="sm80"))
     tables = TableSet([path], triton_version="3.6.0", stale_entries="use")
