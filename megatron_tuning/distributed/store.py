@@ -60,6 +60,10 @@ def identity_digest(kernel: str, key: str, arch: str) -> bytes:
 def decision_digest(d: Decision) -> bytes:
     """What the agreement checks and ``verify`` compare a decision under: its kernel's shared id
     (``module:qualname@<config_list_digest>``), key and arch."""
+    # With the module, not by content as auto's decisions are: one process may hold one source under
+    # two module names whose tables pin different entries, rightly; by content they would be one
+    # identity and a false DivergenceError. Ranks loading it under per-rank names agree anyway: by
+    # their compared inputs in deterministic mode, by the content-keyed consensus in auto.
     return identity_digest(shared_kernel_id(d.kernel, d.config_list_digest), d.key, d.arch)
 
 

@@ -239,14 +239,17 @@ def decide(
         kernel, policy, arch = state.kernel, installation.policy, installation.arch  # arch: once per decision
         launchable, call, consensus = may_measure and not capturing, (args, kwargs), installation.consensus
         measure = measure or installation.measure
-        shared = shared_kernel_id(kernel, state.config_list_digest)  # what the job's records key on
+        shared = shared_kernel_id(kernel, state.config_list_digest)  # what agreement and chaos compare
+        # auto's decisions: by content where the source is known (one per qualname, config list and
+        # source, whatever the module name, as the auto cache keeps them), else by ``shared``.
+        decided = shared_kernel_id(kernel, state.config_list_digest, state.source_hash)
 
         def adopt_or_tune(reason: str) -> Choice | None:
             """``auto``'s step for a key no table pins: adopt the decision another rank published, else
             tune and publish it (the first writer wins); ``None`` where nothing may be measured."""
             if (
                 consensus is not None
-                and (published := consensus.lookup(kernel, key, arch, identity=shared)) is not None
+                and (published := consensus.lookup(kernel, key, arch, identity=decided)) is not None
             ):
                 return _adopt(published, live, kernel, key, consensus.rank)
             if not launchable or measure is None:
@@ -257,7 +260,9 @@ def decide(
             if consensus is None:
                 return Choice(config, "tuned", timings=timings)
             mine = config_signature(config)
-            winner = consensus.publish(kernel, key, arch, config_data(config), mine, timings, identity=shared)
+            winner = consensus.publish(
+                kernel, key, arch, config_data(config), mine, timings, identity=decided
+            )
             if winner.rank == consensus.rank and winner.signature == mine:
                 return Choice(config, "tuned", timings=timings)
             # Another rank published first (maybe the same config): launch its config, cache its timings.
@@ -294,7 +299,7 @@ def decide(
             if auto and consensus is not None and cache_file is not None and choice.origin == cache_file:
                 mine = config_signature(choice.config)
                 winner = consensus.publish(
-                    kernel, key, arch, config_data(choice.config), mine, identity=shared
+                    kernel, key, arch, config_data(choice.config), mine, identity=decided
                 )
                 if winner.signature != mine:
                     choice = _adopt(winner, live, kernel, key, consensus.rank)

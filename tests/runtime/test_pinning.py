@@ -490,6 +490,19 @@ def test_a_kernel_named_plain_on_one_rank_and_digest_on_another_shares_one_decis
     assert (other.source, block(other)) == ("tuned", 16)
 
 
+def test_one_source_under_per_rank_module_names_shares_one_decision_by_content():
+    """An eval pipeline loads one file as ``candidate_<rank>``: one kernel, tuned once per job."""
+    rank0, rank1 = store_pair()
+    code = ("0123456789ab", "f" * 64)
+    choose(rank0, FakeMeasure(block=64), kernel="candidate_0:scale_add", code=code)
+    measure = FakeMeasure(block=16)
+    adopted, _ = choose(rank1, measure, kernel="candidate_1:scale_add", code=code)
+    assert (adopted.source, block(adopted), measure.calls) == ("adopted", 64, [])
+    # Other source under the same qualname: another kernel, tuned for itself.
+    other, _ = choose(rank1, FakeMeasure(block=16), kernel="candidate_2:scale_add", code=(code[0], "e" * 64))
+    assert (other.source, block(other)) == ("tuned", 16)
+
+
 def test_lookup_never_waits_for_a_key_nobody_published():
     rank0, _ = store_pair()
     assert rank0.lookup(KERNEL, key(100), ARCH) is None  # a blocking get would hang here
