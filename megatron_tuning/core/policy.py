@@ -190,7 +190,8 @@ class TuningPolicy:
     """Table files or folders, searched in order before the shipped tables."""
 
     use_shipped_tables: bool = default(ENV_SHIPPED_TABLES)
-    """Search the tables shipped in the package's ``configs/<arch>/`` last."""
+    """Search the tables shipped in the package's ``configs/<arch>/``, after ``tables``, before ``auto``'s
+    cache."""
 
     agreement: str | None = default(ENV_AGREEMENT)
     """Cross-rank check: store, allgather, verify or off; None: store up to 64 ranks, verify above."""

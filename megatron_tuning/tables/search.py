@@ -1,5 +1,5 @@
-"""The table search path behind one ``lookup``: the policy's tables, ``auto``'s cache, then the
-shipped ``configs/<arch>/`` (lazily), earlier wins. A kernel id without a fresh entry of its own is
+"""The table search path behind one ``lookup``: the policy's tables, the shipped ``configs/<arch>/``
+(lazily), then ``auto``'s cache, earlier wins. A kernel id without a fresh entry of its own is
 answered by one of the same code under another module name; a stale entry is warned about once per
 cause, then used, skipped or raised (``stale_entries``)."""
 
@@ -100,7 +100,8 @@ class TableSet:
         triton_version: str | None = None,
         cache: tuple[str, Table] | None = None,
     ) -> None:
-        # ``cache``: ``auto``'s (path, content), searched before the shipped tables; its stale entries miss.
+        # ``cache``: ``auto``'s (path, content), searched last: the tables before it are inputs every
+        # rank compared, a node's cache is not, so it must not shadow them. Its stale entries miss.
         self.stale_entries = stale_entries
         self.triton_version = triton_version if triton_version is not None else installed_triton_version()
         self._shipped_dir = Path(shipped_dir) if shipped_dir is not None else None
@@ -112,15 +113,16 @@ class TableSet:
             raise TableError(exc.path, exc.problem + hint) from None
         self._tables: list[tuple[str, Table]] = [(name, load_table(name)) for name in names]
         self.cache_file: str | None = None  # auto's: its hits are this node's, proposed to the job
+        self._cache: list[tuple[str, Table]] = []  # after every table, shipped ones loaded later too
         if cache is not None and os.path.realpath(cache[0]) not in {os.path.realpath(n) for n in names}:
             self.cache_file = cache[0]
-            self._tables.append(cache)
+            self._cache.append(cache)
         self._shipped_archs: set[str] = set()
         # First wins, O(1); later files' entries for an ident are scanned only when it is stale.
         self._index: dict[Ident, tuple[Entry, str]] = {}
         self._keys: dict[tuple[str, str], list[Key]] = {}  # (arch, kernel) -> keys, for nearest
         self._content: dict[tuple[str, str], list[str]] | None = None  # (arch, content name) -> ids
-        for name, table in self._tables:
+        for name, table in self._tables + self._cache:
             self._add_to_index(name, table)
         logger.info("Tuning tables: %s", ", ".join(self.files) or "(none)")
 
@@ -143,7 +145,7 @@ class TableSet:
     @property
     def files(self) -> list[str]:
         """Loaded table files in search order (shipped ones appear once loaded)."""
-        return [name for name, _ in self._tables]
+        return [name for name, _ in self._tables + self._cache]
 
     def lookup(
         self,
@@ -262,15 +264,17 @@ class TableSet:
 
     def _all_for(self, ident: Ident) -> list[tuple[Entry, str]]:
         with self._lock:
-            tables = list(self._tables)
+            tables = self._tables + self._cache
         return [(entry, name) for name, table in tables if (entry := table.get(*ident)) is not None]
 
     def _add_to_index(self, name: str, table: Table) -> None:
         self._content = None  # rebuilt from _keys on the next content query
         for entry in table.values():
-            if entry.ident not in self._index:
-                self._index[entry.ident] = (entry, name)
+            first = self._index.get(entry.ident)
+            if first is None:
                 self._keys.setdefault((entry.arch, entry.kernel), []).append(entry.key)
+            if first is None or (first[1] == self.cache_file and name != self.cache_file):
+                self._index[entry.ident] = (entry, name)  # a shipped table loaded later beats the cache
 
     def _load_shipped(self, arch: str) -> None:
         if self._shipped_dir is None or arch in self._shipped_archs:
@@ -279,7 +283,7 @@ class TableSet:
             if arch in self._shipped_archs:
                 return
             folder = self._shipped_dir / arch
-            loaded = {os.path.realpath(name) for name, _ in self._tables}
+            loaded = {os.path.realpath(name) for name, _ in self._tables + self._cache}
             for name in sorted(str(p) for p in folder.glob("*.msgpack") if p.is_file()):
                 if os.path.realpath(name) not in loaded:
                     table = load_table(name)

@@ -772,6 +772,20 @@ def test_an_explicit_table_hit_is_an_input_every_rank_shares_and_is_not_proposed
     assert (choice.source, block(choice), counting.calls) == ("table", 64, 0)
 
 
+def test_a_cache_entry_never_shadows_a_shipped_one_so_no_rank_asks_the_job(tmp_path: Any) -> None:
+    """Shipped tables are compared inputs: a node whose cache holds the key launches the shipped
+    entry too, with no request, as a node without it does."""
+    (tmp_path / "shipped" / ARCH).mkdir(parents=True)
+    save_table(cache_table({100: 64}), tmp_path / "shipped" / ARCH / "ref.msgpack")
+    cache = (str(tmp_path / "cache0.msgpack"), cache_table({100: 16}))
+    table = TableSet([], shipped_dir=tmp_path / "shipped", cache=cache)
+    (r0,) = ranks(1)
+    counting = r0._store = Counting(r0._store)
+    choice, _ = choose(r0, FakeMeasure(block=8), table=table)
+    assert (choice.source, block(choice), counting.calls) == ("table", 64, 0)
+    assert str(choice.origin).endswith("ref.msgpack")
+
+
 def test_auto_refuses_a_job_above_its_cap_naming_the_flow(monkeypatch: Any) -> None:
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_world_size", lambda: kv.AUTO_MAX_RANKS + 1)
