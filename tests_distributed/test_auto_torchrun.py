@@ -5,7 +5,8 @@ rank, arriving in rank order, in reverse, all at once, and with one rank 5 s lat
 Every rank must launch one config per key (the first publisher's), no rank may wait for another's
 tuning, and a second job reading the cache the first one wrote measures nothing. At 2 ranks, ranks
 whose caches differ (one holds the keys; the other's is empty, corrupt, a folder or off) still
-launch one config per key, and a default-size cache (50,000 entries) starts the job.
+launch one config per key, a default-size cache (50,000 entries) starts the job, and one kernel file
+loaded under a per-rank module name is tuned once per job.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def _jobs(nproc: int, tmp: Path, plan: list[tuple[str, list[str]]]) -> dict[str,
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """2 ranks, two jobs: run 1 races, and runs the split-cache and table scenarios; run 2 reads the cache."""
-    plan = [("run1", RACES + ["table_vs_published", *SPLITS, "full_cache"]), ("run2", RACES)]
+    plan = [("run1", RACES + ["table_vs_published", *SPLITS, "full_cache", "module_names"]), ("run2", RACES)]
     return _jobs(2, tmp_path_factory.mktemp("auto_2"), plan)
 
 
@@ -177,3 +178,17 @@ def test_a_default_size_cache_starts_a_multi_rank_job(runs):
         r.get("message") for r in results
     ]
     assert all(d["source"] == "table" for r in results for d in r["decisions"])
+
+
+def test_one_file_under_per_rank_module_names_is_tuned_once_per_job(runs):
+    """An eval pipeline's ``spec_from_file_location(f"candidate_{rank}", path)``: auto's decisions
+    key on content, so one rank tunes each key and the others adopt it."""
+    results = rows(runs, "run1", "module_names")
+    assert all(r["error"] is None for r in results), [r.get("message") for r in results]
+    for n in (0, 1, 2):
+        decisions = [r["decisions"][n] for r in results]
+        assert len({d["signature"] for d in decisions}) == 1, decisions
+        assert sorted(d["source"] for d in decisions) == ["adopted", "tuned"], decisions
+    # The agreement check keeps module names (one process may hold two, rightly pinned apart):
+    # per-rank names share no entry there; the consensus above is what makes them agree.
+    assert all(r["shared"] == 0 for r in results)

@@ -4,7 +4,8 @@ Each scenario launches the "add" kernel on fresh keys (its own n values) under `
 measurement is a fake that picks a *different* config on consecutive ranks (rank % (candidates -
 1)) after a short "tuning" sleep, so ranks agree only if the consensus works. The ``split_*``
 scenarios give each rank a cache of its own: rank 0's holds the keys, the others' is empty,
-corrupt, a folder or off. Results go to ``<out>/rank<r>.json`` for
+corrupt, a folder or off. ``module_names`` loads the kernels' file under a per-rank module name,
+as an eval pipeline does. Results go to ``<out>/rank<r>.json`` for
 ``tests_distributed/test_auto_torchrun.py`` to judge.
 """
 
@@ -46,6 +47,7 @@ SCENARIOS = (
     "split_folder",
     "split_off",
     "full_cache",
+    "module_names",
 )
 CACHED = {"kwargs": {"BLOCK": 128}, "num_warps": 4, "num_stages": 3, "num_ctas": 1, "maxnreg": None}
 """What rank 0's cache holds in the split scenarios: a config the fake measurement never picks."""
@@ -122,6 +124,18 @@ def run_scenario(scenario: str, cache: str, tables: tuple[str, ...]) -> dict[str
     from tests.support_kernels import (
         run,  # after the interception is installed: Triton 3.3 decorates lazily then
     )
+
+    if scenario == "module_names":  # one file, one module name per rank: one kernel to the job
+        import importlib.util
+
+        import tests.support_kernels
+
+        spec = importlib.util.spec_from_file_location(f"candidate_{RANK}", tests.support_kernels.__file__)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+        run = module.run
 
     try:
         dist.barrier()
