@@ -12,7 +12,7 @@ from typing import Any
 
 from ..core.decisions import Decision, get_decisions
 from ..core.errors import TableError
-from ..core.identity import content_name, current_rank
+from ..core.identity import current_rank, shared_kernel_id
 from .entry import Invalid, Numerics, check_numerics, key_from_data
 from .files import load_json, read_regular_file, write_atomic
 from .keys import key_from_text
@@ -92,11 +92,16 @@ def _row_problem(row: Any) -> str | None:
 
 
 def content_ident(entry: Entry) -> tuple[str | None, ...]:
-    """What makes entries under different module names one (kernel, key): the id without its module,
-    the source hash and config list. Without a source hash, an entry is only its own ident."""
+    """What makes entries under different module names, or under a plain and an ``@digest`` id of one
+    config list, one (kernel, key): ``shared_kernel_id`` by content. Without a source hash, an entry
+    is only its own ident."""
     if entry.source_hash is None:
         return entry.ident
-    return (entry.arch, content_name(entry.kernel), entry.key, entry.source_hash, entry.config_list_digest)
+    return (
+        entry.arch,
+        shared_kernel_id(entry.kernel, entry.config_list_digest, entry.source_hash),
+        entry.key,
+    )
 
 
 def entry_from_decision(decision: Decision, *, triton_version: str | None = None) -> Entry | None:

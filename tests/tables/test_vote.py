@@ -128,6 +128,14 @@ def test_one_source_under_two_module_names_votes_as_one_kernel_only_with_one_con
     assert changes["removed"] and not changes["changed"]  # cand_a is not cand_b renamed
 
 
+def test_one_kernel_named_plain_in_one_run_and_digest_in_another_votes_as_one():
+    # The plain/@digest choice reads the module at the first launch: one kernel, two names by run.
+    plain = entry_with(entry(32, source_hash="aa" * 32), kernel="cand:matmul", config_list_digest="a" * 12)
+    split = entry_with(plain, kernel=f"cand:matmul@{'a' * 12}", config=config(64))
+    result = vote_tables(inputs([plain], [split]))
+    assert [(e.kernel, e.votes) for e in result.table] == [("cand:matmul", (1, 2))] and result.disagreements
+
+
 def test_mixed_source_hashes_are_reported():
     result = vote_tables(inputs([entry(64, source_hash="aa" * 32)], [entry(64, source_hash="bb" * 32)]))
     assert result.disagreements == []
