@@ -16,10 +16,11 @@ from pathlib import Path
 
 from ..core import policy as knobs
 from ..core.decisions import Decision, decision_log, get_decisions
+from ..core.errors import TableError
 from ..core.notices import TuningWarning
 from ..tables.files import output_file_problem, output_folder_problem, write_atomic
 from ..tables.records import read_decisions, recording_table, write_decisions
-from ..tables.table import add_entries
+from ..tables.table import add_entries, load_table
 from ..tables.vote import vote_tables
 from . import EXIT_USAGE
 from .bootstrap import ENV_JOB_DIR, print_progress
@@ -104,6 +105,11 @@ def _check_outputs(args: argparse.Namespace) -> None:
         problem = output_file_problem(str(path)) if parent.is_dir() else output_folder_problem(str(parent))
         if problem:
             raise _Refused(f"cannot write {flag} {path}: {problem}")
+    if os.path.exists(args.out):
+        try:  # merged into after the job: a file it could not read would lose the job's work
+            load_table(args.out)
+        except TableError as exc:
+            raise _Refused(f"--out {exc}; name another file, or move this one aside") from None
     if args.plot:
         try:
             require_matplotlib()  # before the long run, not after it
@@ -157,6 +163,8 @@ def _run_job(
         print(f"tune: the job recorded no tuned (kernel, key). {why} {scope}", file=sys.stderr)
         return returncode or 1, []
     merged = vote_tables([(name, recording_table(ds)) for name, ds in logs])
+    for path in (args.results, args.out):  # folders checked creatable before the job
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
     write_decisions(args.results, decisions)
     add_entries(args.out, merged.table.entries())
     print(summary(decisions))

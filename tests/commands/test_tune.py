@@ -19,6 +19,7 @@ from megatron_tuning.core.decisions import Decision
 from megatron_tuning.core.identity import config_data, config_signature
 from megatron_tuning.core.key import Key
 from megatron_tuning.tables.records import read_decisions, recording_table, write_decisions
+from megatron_tuning.tables.table import load_table
 from megatron_tuning.tables.vote import vote_tables
 from megatron_tuning.tuning.stats import TuneSettings, analyze_configs
 
@@ -291,6 +292,26 @@ def test_an_unwritable_output_fails_before_the_job(
     err = capsys.readouterr().err
     assert shown in err and ("--results" if which == "results-dir" else "--out") in err
     assert calls == []  # no hour-long job that ends in "cannot write"
+
+
+def test_outputs_in_folders_that_do_not_exist_yet_are_written_there(
+    monkeypatch: MonkeyPatch, tmp_path: Path
+) -> None:
+    _fake_job(monkeypatch)
+    out, results = tmp_path / "new" / "sub" / "t.msgpack", tmp_path / "other" / "r.json"
+    assert run(_parse(["--out", str(out), "--results", str(results), "--", "job.py"])) == 0
+    assert len(load_table(out)) == 1 and read_decisions(results)  # the folders were made, nothing lost
+
+
+def test_an_existing_out_that_cannot_be_read_fails_before_the_job(
+    monkeypatch: MonkeyPatch, tmp_path: Path, capsys: CaptureFixture[str]
+) -> None:
+    calls = _fake_job(monkeypatch)
+    out = tmp_path / "t.msgpack"
+    out.write_bytes(b"\x94garbage")
+    assert run(_parse(["--out", str(out), "--", "job.py"])) == 2
+    assert str(out) in capsys.readouterr().err and calls == []  # merged into at the end: read it now
+    assert out.read_bytes() == b"\x94garbage"
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
