@@ -96,6 +96,7 @@ def run_armed(
     try:
         env = {**job_environment(work, launcher), **updates}
         held = hold_lifeline(work / "bootstrap")
+        own_group = not _owns_terminal()
         try:
             try:
                 process = subprocess.Popen(
@@ -103,12 +104,14 @@ def run_armed(
                     env=env,
                     stdout=output,
                     stderr=None if output is None else subprocess.STDOUT,
-                    preexec_fn=_die_with_launcher(),
+                    # Outside an interactive shell's foreground the job leads its own group, so a
+                    # signal to the launcher's group (timeout(1), a harness) reaches it once, passed on.
+                    preexec_fn=_preexec(own_group),
                 )
             except OSError as exc:  # vanished since the check, or a bad #! interpreter
                 print(f"{prog}: cannot run {argv[0]!r}: {exc.strerror or exc}", file=sys.stderr)
                 return (EXIT_NOT_FOUND if isinstance(exc, FileNotFoundError) else EXIT_CANNOT_EXECUTE), 0
-            code = _wait_passing_signals(process, timeout)
+            code = _wait_passing_signals(process, timeout, own_group=own_group)
         finally:
             os.close(held)  # armed processes of the job still running die now
         if code is None:  # past the timeout; a first process that is not armed is stopped here
@@ -131,27 +134,46 @@ def run_armed(
     return 128 - code, caught
 
 
-def _die_with_launcher() -> Callable[[], None] | None:
-    """Popen's ``preexec_fn`` on Linux: the job's first process gets SIGKILL when the launcher dies."""
-    if not sys.platform.startswith("linux"):
+def _owns_terminal() -> bool:
+    """Whether this process's group is its terminal's foreground group (an interactive shell's)."""
+    for fd in (0, 1, 2):
+        try:
+            return os.tcgetpgrp(fd) == os.getpgrp()
+        except OSError:  # not a terminal
+            continue
+    return False
+
+
+def _preexec(own_group: bool) -> Callable[[], None] | None:
+    """Popen's ``preexec_fn``: with ``own_group``, the job leads a process group of its own; on Linux
+    its first process gets SIGKILL when the launcher dies."""
+    linux = sys.platform.startswith("linux")
+    if not (linux or own_group):
         return None
     import ctypes
 
-    prctl, launcher = ctypes.CDLL(None, use_errno=True).prctl, os.getpid()
+    prctl = ctypes.CDLL(None, use_errno=True).prctl if linux else None
+    launcher = os.getpid()
 
     def arm() -> None:  # in the child, between fork and exec
-        prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG; kept across exec
-        if os.getppid() != launcher:  # it died before that line
-            os.kill(os.getpid(), signal.SIGKILL)
+        if own_group:
+            os.setpgid(0, 0)
+        if prctl is not None:
+            prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG; kept across exec
+            if os.getppid() != launcher:  # it died before that line
+                os.kill(os.getpid(), signal.SIGKILL)
 
     return arm
 
 
-def _wait_passing_signals(process: subprocess.Popen[bytes], timeout: float | None = None) -> int | None:
-    """Wait for the job (``None`` when ``timeout`` seconds pass first), passing on each signal a program
-    sends the launcher (``kill``: SIGINT from a scheduler or a notebook, SIGTERM...). What the terminal
-    sends (Ctrl-C, Ctrl-\\, hang-up) has reached the job's process group already: ``si_code`` tells
-    them apart, so none arrives twice."""
+def _wait_passing_signals(
+    process: subprocess.Popen[bytes], timeout: float | None = None, *, own_group: bool = False
+) -> int | None:
+    """Wait for the job (``None`` when ``timeout`` seconds pass first), passing on each signal sent to
+    the launcher (SIGINT from a scheduler or a notebook, SIGTERM...), to the job's first process, once.
+    A job in the launcher's group (``own_group`` false: it owns the terminal) already got what the
+    terminal sends (Ctrl-C, Ctrl-\\, hang-up), which ``si_code`` tells apart from a program's ``kill``;
+    a job of its own group got nothing, so every signal is passed on (a harness's group kill too)."""
     deadline = math.inf if timeout is None else time.monotonic() + timeout
     if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "sigtimedwait"):
         try:  # signals can only be taken from the main thread
@@ -174,7 +196,8 @@ def _wait_passing_signals(process: subprocess.Popen[bytes], timeout: float | Non
                 return None
             info = signal.sigtimedwait(passed | {signal.SIGCHLD}, min(left, 0.5))
             # si_code <= 0: sent by a process (SI_USER, SI_QUEUE, SI_TKILL); > 0: by the kernel (a tty)
-            if info is not None and info.si_signo in passed and info.si_code <= 0 and process.poll() is None:
+            by_program = own_group or (info is not None and info.si_code <= 0)
+            if info is not None and info.si_signo in passed and by_program and process.poll() is None:
                 process.send_signal(info.si_signo)
         while signal.sigtimedwait(passed, 0) is not None:
             pass  # arrived as the job ended: nobody left to pass them to

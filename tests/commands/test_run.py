@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -321,6 +322,44 @@ def test_a_signal_a_program_sends_the_launcher_reaches_the_job(tmp_path: Path, n
     finally:
         if process.poll() is None:
             process.kill()
+            process.wait()
+
+
+@pytest.mark.parametrize("name", ["SIGTERM", "SIGINT"])
+def test_a_signal_sent_to_the_launchers_process_group_reaches_the_job_once(tmp_path: Path, name: str) -> None:
+    """GNU timeout, Slurm and killpg-based harnesses signal the whole group the launcher leads."""
+    ready = tmp_path / "ready"
+    job = _script(
+        tmp_path,
+        f"""
+        import signal, sys, time
+        got = []
+        signal.signal(signal.{name}, lambda *a: got.append(1))
+        open({str(ready)!r}, "w").close()
+        end = time.monotonic() + 60
+        while not got and time.monotonic() < end:
+            time.sleep(0.01)
+        time.sleep(1.0)  # a second delivery would land here
+        sys.exit(40 + len(got))
+        """,
+    )
+    process = subprocess.Popen(
+        [sys.executable, "-m", "megatron_tuning", "run", "--", job],
+        env=_env(tmp_path),
+        stdin=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,  # its own group, as a harness starts it: killpg reaches only it
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not ready.exists() and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ready.exists(), process.stderr.read() if process.stderr else ""
+        os.killpg(process.pid, getattr(signal, name))
+        assert process.wait(timeout=30) == 41  # once, not once from the group and once passed on
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
             process.wait()
 
 
