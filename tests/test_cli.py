@@ -98,6 +98,30 @@ def test_python_dash_m_reports_bad_input_without_traceback(tmp_path):
 
 
 # -- show / export / import --------------------------------------------------------
+def test_a_reader_that_stops_early_gives_141_not_a_pass(tmp_path, table_path):
+    """``diff a b | head -1`` under pipefail: output cut short is not "no differences" (0)."""
+    other = tmp_path / "other.msgpack"
+    save_table(Table([entry(256, key=ma(n)) for n in range(1, 4000)]), other)
+    script = f"set -o pipefail; {sys.executable} -m megatron_tuning diff {table_path} {other} | head -c 10"
+    done = subprocess.run(
+        ["bash", "-c", script], capture_output=True, env={**os.environ, "PYTHONPATH": str(REPO)}
+    )
+    assert done.returncode == 141 and b"Traceback" not in done.stderr, done.stderr
+
+
+def test_ctrl_c_exits_130_without_a_traceback(monkeypatch, capsys):
+    def interrupted(args):  # noqa: ANN001, ANN202
+        raise KeyboardInterrupt
+
+    parser = cli.build_parser(["cache"])
+    parsed = parser.parse_args(["cache"])
+    parsed.handler = interrupted
+    monkeypatch.setattr(parser, "parse_args", lambda argv: parsed)
+    monkeypatch.setattr(cli, "build_parser", lambda argv: parser)
+    assert cli.main(["cache"]) == 130
+    assert "Traceback" not in capsys.readouterr().err
+
+
 def test_show_lists_entries_with_provenance_and_filters(capsys, table_path):
     code, out, _ = run(capsys, "show", table_path)
     assert code == 0

@@ -11,12 +11,14 @@ import contextlib
 import importlib
 import logging
 import os
+import signal
 import sys
 from collections.abc import Sequence
 
 from ..core.errors import MegatronTuningError, printable
 
 EXIT_OK, EXIT_FOUND, EXIT_USAGE = 0, 1, 2
+EXIT_SIGNAL = 128  # + N: ended by signal N, as a shell reports it
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "show": ("tables", "print the entries of tables in readable form"),
@@ -43,7 +45,8 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="megatron-tuning",
         description="Deterministic Triton autotuning: tables, pinned jobs, tuning and checks.",
-        epilog="Exit codes: 0 ok, 1 differences/problems found, 2 usage error or bad input, 3 divergence.",
+        epilog="Exit codes: 0 ok, 1 differences/problems found, 2 usage error or bad input, 3 divergence, "
+        "128+N ended by signal N (130 Ctrl-C, 141 output cut short by a closed pipe).",
     )
     parser.add_argument(
         "-v", "--verbose", action="count", default=0, help="more logging (-v info, -vv debug)"
@@ -77,9 +80,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         message = f"megatron-tuning {args.command}: {exc}"
         print("\n".join(map(printable, message.split("\n"))), file=sys.stderr)
         return EXIT_USAGE
-    except BrokenPipeError:  # `megatron-tuning show ... | head`: not an error
+    except BrokenPipeError:  # `... | head`: as a shell reports a death by SIGPIPE, never a pass
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return EXIT_OK
+        return EXIT_SIGNAL + signal.SIGPIPE
+    except KeyboardInterrupt:  # Ctrl-C: the shell's status for SIGINT, no traceback
+        print(file=sys.stderr)
+        return EXIT_SIGNAL + signal.SIGINT
     except OSError as exc:  # e.g. an output path that cannot be written: bad input, not a crash
         print(f"megatron-tuning {args.command}: {exc}", file=sys.stderr)
         return EXIT_USAGE
