@@ -111,17 +111,17 @@ def is_site_dir(path: str) -> bool:
     return os.path.realpath(path) in {os.path.realpath(c) for c in candidates if c}
 
 
-def hold_lifeline(bootstrap: Path) -> int:
-    """Lock ``bootstrap``'s ``sitecustomize.py`` exclusively and return the fd: every armed process of
-    the job dies once it is closed, by the launcher or by the kernel when the launcher dies (SIGKILL
-    included). A lock, not a pid: torchrun's workers live in sessions of their own, and a killed
-    launcher runs no code."""
-    fd = os.open(bootstrap / "sitecustomize.py", os.O_RDONLY)
+def hold_lifeline(lifeline: Path) -> int:
+    """Lock the file ``lifeline`` exclusively and return the fd: every process of the job that called
+    ``stop_with_launcher(lifeline)`` dies once it is closed, by the launcher or by the kernel when the
+    launcher dies (SIGKILL included). A lock, not a pid: torchrun's workers live in sessions of their
+    own, and a killed launcher runs no code."""
+    fd = os.open(lifeline, os.O_RDONLY)
     fcntl.flock(fd, fcntl.LOCK_EX)
     return fd
 
 
-def _stop_with_launcher(lifeline: str) -> None:
+def stop_with_launcher(lifeline: str) -> None:
     """Kill this process once its launcher lets go of ``lifeline`` (a shared lock is granted only
     then). SIGKILL, so no exit handler runs: nothing reaches a cache after the launcher is gone."""
 
@@ -137,8 +137,8 @@ def bootstrap_process(sitecustomize_file: str) -> None:
     """Run from a launcher's ``sitecustomize``: tie this process (and its forks) to the launcher, arm
     it, then chain any other sitecustomize."""
     lifeline = os.path.abspath(sitecustomize_file)
-    _stop_with_launcher(lifeline)
-    os.register_at_fork(after_in_child=functools.partial(_stop_with_launcher, lifeline))
+    stop_with_launcher(lifeline)
+    os.register_at_fork(after_in_child=functools.partial(stop_with_launcher, lifeline))
     _chain_sitecustomize(os.path.dirname(lifeline))
     if os.environ.get(ENV_JOB_DIR):  # the session marks there, at exit, the DivergenceErrors raised
         mark = functools.partial(_mark_divergences, os.environ[ENV_JOB_DIR])

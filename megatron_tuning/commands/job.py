@@ -95,7 +95,7 @@ def run_armed(
     work = folder or Path(tempfile.mkdtemp(prefix=f"megatron_tuning_{launcher}_"))
     try:
         env = {**job_environment(work, launcher), **updates}
-        held = hold_lifeline(work / "bootstrap")
+        held = hold_lifeline(work / "bootstrap" / "sitecustomize.py")
         own_group = not _owns_terminal()
         try:
             try:
@@ -106,7 +106,7 @@ def run_armed(
                     stderr=None if output is None else subprocess.STDOUT,
                     # Outside an interactive shell's foreground the job leads its own group, so a
                     # signal to the launcher's group (timeout(1), a harness) reaches it once, passed on.
-                    preexec_fn=_preexec(own_group),
+                    preexec_fn=preexec(own_group),
                 )
             except OSError as exc:  # vanished since the check, or a bad #! interpreter
                 print(f"{prog}: cannot run {argv[0]!r}: {exc.strerror or exc}", file=sys.stderr)
@@ -144,7 +144,7 @@ def _owns_terminal() -> bool:
     return False
 
 
-def _preexec(own_group: bool) -> Callable[[], None] | None:
+def preexec(own_group: bool) -> Callable[[], None] | None:
     """Popen's ``preexec_fn``: with ``own_group``, the job leads a process group of its own; on Linux
     its first process gets SIGKILL when the launcher dies."""
     linux = sys.platform.startswith("linux")

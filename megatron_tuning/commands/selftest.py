@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -26,8 +27,8 @@ from ..core.decisions import CHAOS_NO_OTHER_CONFIG
 from ..core.policy import AGREEMENT_MODES, ENV_MODE, MAX_AGREEMENT_TIMEOUT_S, PREFIX
 from ..tables.files import write_atomic
 from . import EXIT_USAGE
-from .bootstrap import PACKAGE_PARENT, PLUMBING
-from .job import EXIT_TIMEOUT, add_job_argument, job_argv, job_command, run_armed
+from .bootstrap import PACKAGE_PARENT, PLUMBING, hold_lifeline, stop_with_launcher
+from .job import EXIT_TIMEOUT, add_job_argument, job_argv, job_command, preexec, run_armed
 
 KERNEL_MODULE = "megatron_tuning.kernels"
 CPU_SHAPES = ((37, 29, 45), (64, 48, 40))  # interpreted launches cost ~0.2 s: small, odd shapes
@@ -159,6 +160,24 @@ def _judge_your_job(mode: str, code: int, caught: int) -> tuple[bool, str]:
     )
 
 
+def _signals_raise(*numbers: int) -> Callable[[], None]:
+    """Until the returned function is called, each of these signals ends this process as an exception
+    (``SystemExit(128 + N)``), so cleanup runs; a no-op outside the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def stop(number: int, frame: object) -> None:
+        raise SystemExit(128 + number)
+
+    saved = {number: signal.signal(number, stop) for number in numbers}
+
+    def restore() -> None:
+        for number, handler in saved.items():
+            signal.signal(number, handler)
+
+    return restore
+
+
 def _print_tail(title: str, text: str, lines: int = 25) -> None:
     print(f"    {title} (tail):")
     for line in text.splitlines()[-lines:]:
@@ -172,13 +191,26 @@ def _launch(args: argparse.Namespace, mode: str, folder: str, interpret: bool) -
     env.setdefault("OMP_NUM_THREADS", "1")
     # The job must import this very copy of the package, installed or not.
     env["PYTHONPATH"] = os.pathsep.join(p for p in (PACKAGE_PARENT, env.get("PYTHONPATH", "")) if p)
+    lifeline = Path(folder, "lifeline")
+    lifeline.touch()
     worker = {"mode": mode, "out": folder, "agreement": args.agreement, "timeout": args.timeout}
+    worker["lifeline"] = str(lifeline)
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}"]
     command = [*argv, "-m", __name__, json.dumps(worker)]
     start = time.monotonic()
-    # A session of its own, so a timeout kills torchrun and its ranks, not only the launcher.
+    # Tied to this process, as `run`'s jobs are: torchrun by the parent-death signal, its ranks (in
+    # sessions of their own) by the lifeline; a session of its own, so a timeout or a signal to this
+    # process kills torchrun and its ranks with it.
+    held = hold_lifeline(lifeline)
+    stopped = _signals_raise(signal.SIGTERM, signal.SIGHUP)
     with subprocess.Popen(
-        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        command,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        preexec_fn=preexec(own_group=False),
     ) as process:
         returncode: int | None
         try:
@@ -188,6 +220,12 @@ def _launch(args: argparse.Namespace, mode: str, folder: str, interpret: bool) -
             os.killpg(process.pid, signal.SIGKILL)
             output, _ = process.communicate()
             returncode = None
+        except BaseException:  # Ctrl-C, SIGTERM (``_signals_raise``): the job goes with this process
+            os.killpg(process.pid, signal.SIGKILL)
+            raise
+        finally:
+            os.close(held)
+            stopped()
     write_atomic(os.path.join(folder, "torchrun.log"), output.encode("utf-8"))  # never through a planted link
     files = {r: Path(folder, f"rank{r}.json") for r in range(args.nproc)}
     ranks = {r: json.loads(path.read_text(encoding="utf-8")) for r, path in files.items() if path.exists()}
@@ -261,6 +299,7 @@ def _worker(argv: list[str]) -> int:  # argv: the parent's settings, one JSON ob
     import torch.distributed as dist
 
     args = argparse.Namespace(**json.loads(argv[0]))
+    stop_with_launcher(args.lifeline)
     rank_tag = f"[rank{os.environ.get('RANK', '?')}]"
     logging.basicConfig(level=logging.WARNING, format=f"{rank_tag} %(levelname)s %(name)s: %(message)s")
     dist.init_process_group("gloo", timeout=timedelta(seconds=max(args.timeout, 10.0)))

@@ -210,3 +210,49 @@ def test_the_timeout_stops_a_hung_job_and_its_armed_processes(
     finally:
         if _alive(grandchild):
             os.kill(grandchild, 9)
+
+
+def _tagged(tag: str) -> list[int]:
+    """Pids of live processes whose environment holds ``MT_TEST_TAG=tag``."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if f"MT_TEST_TAG={tag}".encode() in f.read().split(b"\0"):
+                    found.append(int(pid))
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and the parent-death signal")
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM"])
+def test_the_builtin_job_dies_with_a_killed_selftest(tmp_path: Path, how: str) -> None:
+    """A harness's timeout kills `selftest --nproc 2`: torchrun and its ranks must not outlive it."""
+    import signal
+    import subprocess
+    import time
+
+    tag = f"{os.getpid()}-{how}"
+    env = {**os.environ, "MT_TEST_TAG": tag, "TMPDIR": str(tmp_path)}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "megatron_tuning", "selftest", "--nproc", "2"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while len(_tagged(tag)) < 4 and time.monotonic() < deadline:  # selftest, torchrun, 2 ranks
+            time.sleep(0.1)
+        assert len(_tagged(tag)) >= 4, "the selftest job never started"
+        process.send_signal(getattr(signal, how))
+        assert process.wait(timeout=30) == (-9 if how == "SIGKILL" else 143)
+        deadline = time.monotonic() + 3  # tied to it: gone at once, not when a store call fails
+        while _tagged(tag) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _tagged(tag) == []
+    finally:
+        for pid in _tagged(tag):
+            os.kill(pid, signal.SIGKILL)
