@@ -17,7 +17,7 @@ from typing import Any
 from ..core import policy as knobs
 from ..core.errors import EXIT_DIVERGENCE, MegatronTuningError, PolicyError
 from ..core.notices import TuningWarning, warn_once
-from ..tables.files import output_folder_problem, write_atomic
+from ..tables.files import output_file_problem, output_folder_problem, write_atomic
 from . import EXIT_USAGE
 from .bootstrap import ENV_SCORE, PTH_MARKER, PTH_NAME, is_site_dir, pth_text
 from .job import add_job_argument, job_argv, job_command, run_armed
@@ -112,6 +112,10 @@ def run_run(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     updates[knobs.ENV_MODE] = policy.mode  # the default mode, spelled out for every process
     if args.score_do_bench:  # every process scores its do_bench calls into this one file (docs/score.md)
+        problem = _score_out_problem(args.score_do_bench)
+        if problem:
+            print(f"run: --score-do-bench {args.score_do_bench}: {problem}", file=sys.stderr)
+            return EXIT_USAGE
         out = {"do_bench": True, "out": os.path.abspath(args.score_do_bench), "run": uuid.uuid4().hex}
         updates[ENV_SCORE] = json.dumps(out)
     code, caught = run_armed(job_argv(command), updates, "run")
@@ -119,6 +123,21 @@ def run_run(args: argparse.Namespace) -> int:
         message = f"{caught} process(es) of the job raised DivergenceError: ranks launched different"
         print(f"run: {message} configs (exit status {EXIT_DIVERGENCE})", file=sys.stderr)
     return EXIT_DIVERGENCE if caught else code
+
+
+def _score_out_problem(path: str) -> str | None:
+    """Why the job's processes could not write their scores to ``path``: checked before the job, as
+    each process would otherwise fail inside its first ``do_bench`` call."""
+    problem = output_file_problem(path)
+    if problem or not os.path.exists(path):
+        return problem
+    from ..score import pooling
+
+    try:  # an earlier score file is replaced; anything else is not ours to overwrite
+        pooling.load(path)
+    except (OSError, ValueError) as exc:
+        return f"holds something other than scores ({exc}); name another file"
+    return None
 
 
 def validated_policy(updates: dict[str, str]) -> knobs.TuningPolicy:

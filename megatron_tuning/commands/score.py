@@ -170,6 +170,9 @@ def _compare(words: list[str]) -> int:
     parser.add_argument("b", help="a score JSON (the baseline)")
     parser.add_argument("--margin", type=float, default=0.01, help="same within this fraction (default 0.01)")
     args = parser.parse_args(words)
+    if not 0 <= args.margin < 1:  # NaN too
+        print(f"score compare: --margin {args.margin}: give a fraction in [0, 1), e.g. 0.01", file=sys.stderr)
+        return EXIT_USAGE
     try:
         left, right = pooling.load(args.a), pooling.load(args.b)
     except (OSError, ValueError) as exc:

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -152,6 +153,35 @@ def test_bad_options_are_usage_errors(
 ) -> None:
     assert cli.main(["score", *words]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("margin", ["-1", "nan", "1", "inf"])
+def test_score_compare_refuses_a_margin_outside_0_to_1(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], margin: str
+) -> None:
+    new, old = _write(tmp_path, "new.json", 0.50, 1), _write(tmp_path, "old.json", 0.53, 2)
+    assert cli.main(["score", "compare", str(new), str(old), "--margin", margin]) == 2
+    assert "--margin" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("content", "shown"), [("hello", "not JSON"), ("[1, 2]", "not a score result")])
+def test_run_score_do_bench_refuses_an_out_that_holds_something_else_before_the_job(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    content: str,
+    shown: str,
+) -> None:
+    from megatron_tuning.commands import launch
+
+    ran: list[Any] = []
+    monkeypatch.setattr(launch, "run_armed", lambda *a, **k: ran.append(a) or (0, 0))
+    out = tmp_path / "bench.json"
+    out.write_text(content)
+    assert cli.main(["run", "--score-do-bench", str(out), "--", "x.py"]) == 2
+    assert shown in capsys.readouterr().err and ran == [] and out.read_text() == content
+    assert cli.main(["run", "--score-do-bench", str(tmp_path / "no" / "b.json"), "--", "x.py"]) == 2
+    assert "does not exist" in capsys.readouterr().err and ran == []
 
 
 def test_score_compare_exits_4_when_a_side_is_flagged(
