@@ -77,6 +77,7 @@ def run_armed(
     folder: Path | None = None,
     timeout: float | None = None,
     output: IO[bytes] | None = None,
+    passed: list[int] | None = None,
 ) -> tuple[int, int]:
     """Run the job to its end, each Python process armed for ``launcher``, ``updates`` set and
     ``folder`` (default: a temporary one, removed) its job folder. Return the status a shell would
@@ -86,7 +87,8 @@ def run_armed(
     The job dies with this process, even by SIGKILL (a harness's timeout): its first process by a
     parent-death signal, each armed process below it (torchrun's workers) once its bootstrap, the
     lifeline, is let go (``bootstrap.hold_lifeline``). Past ``timeout`` seconds both are done on
-    purpose: exit status 124, as timeout(1). ``output`` gets the job's stdout and stderr.
+    purpose: exit status 124, as timeout(1). ``output`` gets the job's stdout and stderr; ``passed``
+    each signal sent to this process while the job ran (a launcher of several jobs stops there).
     """
     problem = command_problem(argv, os.environ)
     if problem is not None:
@@ -111,7 +113,7 @@ def run_armed(
             except OSError as exc:  # vanished since the check, or a bad #! interpreter
                 print(f"{prog}: cannot run {argv[0]!r}: {exc.strerror or exc}", file=sys.stderr)
                 return (EXIT_NOT_FOUND if isinstance(exc, FileNotFoundError) else EXIT_CANNOT_EXECUTE), 0
-            code = _wait_passing_signals(process, timeout, own_group=own_group)
+            code = _wait_passing_signals(process, timeout, own_group=own_group, passed=passed)
         finally:
             os.close(held)  # armed processes of the job still running die now
         if code is None:  # past the timeout; a first process that is not armed is stopped here
@@ -132,6 +134,11 @@ def run_armed(
         name = f"signal {-code}"
     print(f"{prog}: the job was killed by {name} (exit status {128 - code})", file=sys.stderr)
     return 128 - code, caught
+
+
+PASSED_SIGNALS = frozenset(
+    getattr(signal, name) for name in ("SIGINT", "SIGQUIT", "SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2")
+)  # what a launcher passes on to its job
 
 
 def _owns_terminal() -> bool:
@@ -167,7 +174,11 @@ def preexec(own_group: bool) -> Callable[[], None] | None:
 
 
 def _wait_passing_signals(
-    process: subprocess.Popen[bytes], timeout: float | None = None, *, own_group: bool = False
+    process: subprocess.Popen[bytes],
+    timeout: float | None = None,
+    *,
+    own_group: bool = False,
+    passed: list[int] | None = None,
 ) -> int | None:
     """Wait for the job (``None`` when ``timeout`` seconds pass first), passing on each signal sent to
     the launcher (SIGINT from a scheduler or a notebook, SIGTERM...), to the job's first process, once.
@@ -180,27 +191,29 @@ def _wait_passing_signals(
             return process.wait(timeout)
         except subprocess.TimeoutExpired:
             return None
-    names = ("SIGINT", "SIGQUIT", "SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2")
-    passed = {getattr(signal, name) for name in names}
+    got = passed if passed is not None else []
 
     def forward(number: int, frame: object) -> None:  # delivered to another thread: sender unknown
+        got.append(number)
         if process.poll() is None:
             process.send_signal(number)
 
-    saved = {number: signal.signal(number, forward) for number in passed}
-    mask = signal.pthread_sigmask(signal.SIG_BLOCK, passed | {signal.SIGCHLD})
+    saved = {number: signal.signal(number, forward) for number in PASSED_SIGNALS}
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, PASSED_SIGNALS | {signal.SIGCHLD})
     try:
         while process.poll() is None:
             left = deadline - time.monotonic()
             if left <= 0:
                 return None
-            info = signal.sigtimedwait(passed | {signal.SIGCHLD}, min(left, 0.5))
+            info = signal.sigtimedwait(PASSED_SIGNALS | {signal.SIGCHLD}, min(left, 0.5))
+            if info is None or info.si_signo not in PASSED_SIGNALS:
+                continue
+            got.append(info.si_signo)
             # si_code <= 0: sent by a process (SI_USER, SI_QUEUE, SI_TKILL); > 0: by the kernel (a tty)
-            by_program = own_group or (info is not None and info.si_code <= 0)
-            if info is not None and info.si_signo in passed and by_program and process.poll() is None:
+            if (own_group or info.si_code <= 0) and process.poll() is None:
                 process.send_signal(info.si_signo)
-        while signal.sigtimedwait(passed, 0) is not None:
-            pass  # arrived as the job ended: nobody left to pass them to
+        while (info := signal.sigtimedwait(PASSED_SIGNALS, 0)) is not None:
+            got.append(info.si_signo)  # arrived as the job ended: nobody left to pass them to
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         for number, handler in saved.items():

@@ -9,9 +9,11 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import sys
 import tempfile
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +22,9 @@ from ..core.errors import MegatronTuningError, printable
 from ..score import pooling
 from ..score.report import line
 from ..tables.files import output_file_problem, write_atomic
-from . import EXIT_USAGE
+from . import EXIT_SIGNAL, EXIT_USAGE
 from .bootstrap import ENV_SCORE
-from .job import add_job_argument, command_problem, job_argv, job_command
+from .job import PASSED_SIGNALS, add_job_argument, command_problem, job_argv, job_command
 from .launch import run_armed, validated_policy
 
 EXIT_INCORRECT, EXIT_DEMOTED = 3, 4
@@ -124,20 +126,26 @@ def _score_job(
         return EXIT_USAGE
     work = Path(tempfile.mkdtemp(prefix="megatron_tuning_score_"))
     codes: list[int] = []
+    stop: list[int] = []  # signals sent to `score`: the series ends there, with what was measured
+    restore = _collect_signals(stop)
     try:
         for index in range(processes):
+            if stop:
+                break
             if processes > 1:
                 print(f"score: process {index + 1} of {processes}: {shlex.join(argv)}", file=sys.stderr)
             environment = {**updates, ENV_SCORE: json.dumps({**job, "dir": str(work)})}
-            code, diverged = run_armed(argv, environment, "score")
+            code, diverged = run_armed(argv, environment, "score", passed=stop)
             codes.append(code)
             if diverged:
                 print(f"score: {diverged} process(es) raised DivergenceError", file=sys.stderr)
-            if codes[-1]:
-                print(f"score: process {index + 1} exited with status {codes[-1]}; stopping", file=sys.stderr)
+            if codes[-1] or stop:
+                why = f"score was sent {signal.Signals(stop[0]).name}" if stop else f"status {codes[-1]}"
+                print(f"score: process {index + 1} ended ({why}); stopping", file=sys.stderr)
                 break
         per_process = pooling.read_job(work)
     finally:
+        restore()
         shutil.rmtree(work, ignore_errors=True)
     results = pooling.pool(per_process)
     report = {
@@ -153,6 +161,8 @@ def _score_job(
     for result in results:
         print(printable(line(result)))
     print(f"score: {len(results)} result(s) from {len(per_process)} process(es) in {out}")
+    if stop:  # as a shell reports a death by that signal: a partial series is no pass
+        return EXIT_SIGNAL + stop[0]
     if codes[-1]:
         return codes[-1]
     if not results:
@@ -162,6 +172,20 @@ def _score_job(
         return 1
     statuses = {r["status"] for r in results}
     return EXIT_INCORRECT if "incorrect" in statuses else EXIT_DEMOTED if "demoted" in statuses else 0
+
+
+def _collect_signals(into: list[int]) -> Callable[[], None]:
+    """Until the returned function is called, each signal a launcher passes on is appended to ``into``
+    instead of ending this process (between jobs; ``run_armed`` collects them during one)."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    saved = {n: signal.signal(n, lambda number, frame: into.append(number)) for n in PASSED_SIGNALS}
+
+    def restore() -> None:
+        for number, handler in saved.items():
+            signal.signal(number, handler)
+
+    return restore
 
 
 def _compare(words: list[str]) -> int:

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -104,6 +106,42 @@ def test_run_score_do_bench_asks_every_process_for_its_do_bench_records(tmp_path
     assert (
         asked["do_bench"] is True and asked["out"] == str(tmp_path / "bench.json") and len(asked["run"]) == 32
     )
+
+
+@pytest.mark.slow
+def test_a_sigterm_to_score_ends_the_series_keeps_what_was_measured_and_exits_143(tmp_path: Path) -> None:
+    """An eval harness's timeout: the job (which exits 0 on SIGTERM) and the series stop there."""
+    job = tmp_path / "job.py"
+    job.write_text(
+        "import os, runpy, signal, sys, time\n"
+        "signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))\n"
+        f"sys.argv = [{CHILD!r}, 'ok']\n"
+        f"runpy.run_path({CHILD!r})\n"
+        "open(f'ready.{os.getpid()}', 'w').close()\n"
+        "time.sleep(60)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRON_TUNING_")}
+    env["PYTHONPATH"] = str(REPO)
+    out = tmp_path / "score.json"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "megatron_tuning", "score", "--processes", "4", "--out", str(out),
+         "--", str(job)],
+        env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not list(tmp_path.glob("ready.*")) and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        process.terminate()
+        _, err = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == 143, err[-2000:]
+    report = json.loads(out.read_text())
+    assert report["exit_codes"] == [0] and len(report["results"]) == 1  # one process, kept
+    assert "process 1 ended (score was sent SIGTERM); stopping" in err
 
 
 def _write(tmp_path: Path, name: str, ms: float, seed: int) -> Path:
