@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import dataclasses
 import logging
 import os
 import sys
@@ -24,7 +23,7 @@ from .core.errors import (
 from .core.identity import arch_tag, current_rank, node_arch
 from .core.notices import warn_once
 from .core.policy import ENV_DECISION_LOG, ENV_RECORD_DIR, TuningPolicy
-from .runtime import interception, pinning
+from .runtime import interception
 from .runtime.pinning import Measure
 from .tables.cache import open_cache
 from .tables.files import output_file_problem, output_folder_problem
@@ -50,7 +49,7 @@ class TuningHandle:
         self.table = table
         self.cache = cache  # auto mode's tables.cache.AutoCache
         self._agreement = agreement
-        self._late: _LateAttach | None = None
+        self._late: Any = None  # a distributed.attach.LateAttach while waiting for a process group
         self._closed = False
         if cache is not None:  # kill-safe: each key this rank measures reaches the file at once
             decision_log().add_listener(cache.on_decision)
@@ -74,8 +73,9 @@ class TuningHandle:
             return
         self._closed = True
         try:
-            if self._late is not None:
-                self._late.cancel()
+            if self._late is not None:  # attaches now if the group exists: the checks below cover it
+                self._late.finish()
+                self._agreement = self._late.agreement or self._agreement
             if self._agreement is not None:
                 self._agreement.stop(final_check=final_check)
             self.persist()
@@ -120,7 +120,8 @@ def init_deterministic_tuning(
     """Install deterministic tuning for this process; calling it again replaces the previous session.
 
     Call it after ``init_process_group`` when you can; called before, it attaches to the default group
-    at the first new (kernel, key) launched once the group exists, and checks the earlier decisions.
+    at the first new (kernel, key) launched once the group exists, at ``verify_agreement()`` or at
+    close, whichever comes first, and checks the earlier decisions.
     ``policy`` defaults to ``TuningPolicy.from_env()``. ``table`` overrides the policy's tables (a
     ``ConfigTable`` or ``{(kernel, key): config}``; ``auto`` still writes its cache). ``group``: the
     process group of the checks and chaos (default: world). ``measure``: what ``tune`` and ``auto``
@@ -151,11 +152,16 @@ def _init(policy: TuningPolicy | None, table: Any, group: Any, measure: Measure 
     with _active_lock:
         previous = _active
     if previous is not None:
-        from .distributed.agreement import checked_mode
+        from .distributed.agreement import CLOSE_CHECKED, checked_mode
 
-        # A re-init runs no check of its own where the new session's check at close covers the log:
-        # a rank that re-inits more often than the others must not pair that check with their calls.
-        previous._close(final_check=checked_mode(policy, group) != "verify")
+        # A re-init runs no check at close of its own (the new session's, or verify_agreement, covers the
+        # log): a rank that re-inits more often must not pair that check with the others' calls. Only a
+        # verify session replaced by one that runs none at close does, as its per-key checks are none.
+        final = (
+            checked_mode(previous.policy, group) == "verify"
+            and checked_mode(policy, group) not in CLOSE_CHECKED
+        )
+        previous._close(final_check=final)
     cache = open_cache(policy, _cache_arch) if policy.mode == "auto" else None
     consensus: Any = None  # a distributed.store.StoreConsensus: pinning's Consensus
     chaos = None
@@ -185,10 +191,10 @@ def _init(policy: TuningPolicy | None, table: Any, group: Any, measure: Measure 
         interception.uninstall()
         raise
     handle = TuningHandle(policy, resolved_table, agreement, cache)
-    # What crosses ranks (the agreement check, auto's consensus) waits for a group that does not exist yet.
-    checks = policy.mode in ("deterministic", "chaos") and policy.agreement != "off"
-    if (policy.mode == "auto" or checks) and not _group_exists():
-        handle._late = _LateAttach(handle, group)
+    if not _group_exists():  # what crosses ranks (inputs, checks, auto's consensus) waits for the group
+        from .distributed.attach import LateAttach
+
+        handle._late = LateAttach(policy, resolved_table, group, _launcher_world_size())
     with _active_lock:
         _active = handle
     files = getattr(resolved_table, "files", None)
@@ -247,111 +253,25 @@ def _launcher_world_size() -> int:
     return int(raw) if raw.isdigit() else 1
 
 
-class _LateAttach:
-    """Attach a session started before ``init_process_group`` to the group, at the first new (kernel,
-    key) decision once it exists (``pinning.before_decision``): start what crosses ranks, check the
-    earlier decisions, and leave. If that fails, each later new key raises the same error, and so
-    do the rank's checks (``FailedAgreement``): the rank never runs on unchecked or unshared."""
-
-    def __init__(self, handle: TuningHandle, group: Any) -> None:
-        self.handle = handle
-        self.group = group
-        self.first_decision = len(get_decisions())  # the log is per process: ours start here
-        self.attached = False
-        self.error: Exception | None = None
-        self._lock = threading.Lock()
-        self.world_size = _launcher_world_size()
-        if self.world_size > 1:
-            logger.info(
-                "megatron_tuning: no process group yet (WORLD_SIZE=%d): the %s start at the first new "
-                "kernel key launched after init_process_group",
-                self.world_size,
-                _what_attaches(handle.policy),
-            )
-        pinning.before_decision.append(self)
-
-    def __call__(self, installation: pinning.Installation) -> pinning.Installation:
-        if self.attached or not _group_exists():
-            return installation
-        with self._lock:
-            if self.error is not None:
-                raise self.error
-            if self.attached:
-                return installation
-            policy, attached = self.handle.policy, installation
-            try:
-                if policy.mode == "auto":  # it started without a group, so without the job's consensus
-                    from .distributed.store import start_consensus
-
-                    consensus: Any = start_consensus()  # a StoreConsensus: pinning's Consensus
-                    attached = dataclasses.replace(installation, consensus=consensus)
-                self.handle._agreement = agreement = _start_agreement(policy, self.group, self.handle.table)
-            except Exception as error:
-                from .distributed.agreement import FailedAgreement
-
-                self.error = error
-                self.handle._agreement = FailedAgreement(error, policy, self.group)
-                raise
-            self.attached = True
-            self.cancel()
-            pinning.set_active(attached, replacing=installation)  # before a check below can raise
-            earlier = get_decisions()[self.first_decision :]
-            logger.info(
-                "megatron_tuning: attached to the process group (rank %d); checking %d earlier decision(s)",
-                current_rank(),
-                len(earlier),
-            )
-            check = getattr(agreement, "check", None)
-            if check is not None:
-                for decision in earlier:
-                    check(decision)
-        return attached
-
-    def cancel(self) -> None:
-        """Stop waiting for a group; at close, say which checks never ran."""
-        with contextlib.suppress(ValueError):
-            pinning.before_decision.remove(self)
-        if self.attached or self.error is not None or self.world_size <= 1:
-            return  # a failed attach raised already, and its checks raise it again
-        unchecked = [d for d in get_decisions()[self.first_decision :] if d.source != "out_of_scope"]
-        if unchecked:
-            warn_once(
-                ("late_attach_never", os.getpid()),
-                "megatron_tuning: the %s never ran in this process (rank %d of WORLD_SIZE=%d): no "
-                "process group existed at any of its %d kernel decisions. Create the process group "
-                "before the first launch of an autotuned kernel, or call "
-                "megatron_tuning.verify_agreement() on every rank once it exists.",
-                _what_attaches(self.handle.policy),
-                current_rank(),
-                self.world_size,
-                len(unchecked),
-            )
-
-
-def _what_attaches(policy: TuningPolicy) -> str:
-    checks = "agreement check" if policy.agreement != "off" else ""
-    shared = "auto mode's shared decisions" if policy.mode == "auto" else ""
-    return " and ".join(p for p in (checks, shared) if p) or "cross-rank checks"
-
-
 @atexit.register
 def close_at_exit(*, join: bool = False) -> None:
     """Close the session. A divergence or input mismatch the process died of, or that the check at
     close found, makes it exit ``EXIT_DIVERGENCE``; any other error closing it, 1. Either skips later
     exit handlers (Python's status is fixed by then). ``join``: the bootstrap's call for an armed
-    process that never imported Triton (so started no session): where its session would run verify's
-    check at close, it joins the other ranks' one with an empty log, so theirs does not time out."""
+    process that never imported Triton (so started no session): where its session would run a check
+    at close, it joins the other ranks' one with an empty log, so theirs does not time out."""
     error = getattr(sys, "last_value", None)  # what the process died of, if anything
     failed = False
     handle = _active
     try:
         if join:
-            from .distributed.agreement import checked_mode
+            from .distributed.agreement import CLOSE_CHECKED, checked_mode
             from .distributed.verify import verify_at_close
 
             policy = TuningPolicy.from_env_if_asked()
-            if checked_mode(policy) == "verify":
-                verify_at_close(None, policy.agreement_timeout_s)
+            mode = checked_mode(policy)
+            if mode in CLOSE_CHECKED:
+                verify_at_close(None, policy.agreement_timeout_s, rows=mode == "verify")
         elif handle is not None and not handle.closed:
             handle.close()
     except Exception as exc:  # told once: never a traceback storm at a clean interpreter exit

@@ -55,9 +55,9 @@ def _spy_on_checks(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     checked: list[str] = []
     real = agreement.AgreementChecker.check
 
-    def check(self: Any, decision: Any) -> None:
+    def check(self: Any, decision: Any, **options: Any) -> None:
         checked.append(decision.key.split(" |")[0])
-        real(self, decision)
+        real(self, decision, **options)
 
     monkeypatch.setattr(agreement.AgreementChecker, "check", check)
     return checked
@@ -81,6 +81,48 @@ def test_init_before_the_group_attaches_at_the_next_new_key_and_checks_what_came
     assert checked == ["n=30", "n=31"]  # the attach checks n=30; n=31 comes through the decision log
     handle.close()
     assert agreement.active_checker() is None
+
+
+@pytest.mark.parametrize("attach_at", ["verify_agreement", "close"])
+def test_a_session_whose_keys_were_all_decided_before_the_group_attaches_at_a_check(
+    monkeypatch: pytest.MonkeyPatch, one_rank_group: Any, attach_at: str
+) -> None:
+    """Before, only a new key attached: a rank that warmed up before ``init_process_group`` got only
+    hits afterwards, so it never claimed its inputs nor checked its decisions, and exited 0."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    checked = _spy_on_checks(monkeypatch)
+    handle = megatron_tuning.init_deterministic_tuning(megatron_tuning.TuningPolicy())
+    _launch(30)  # the warm-up, before the group
+    one_rank_group()
+    _launch(30)  # a hit: the launch path stays as it was
+    assert checked == [] and agreement.active_checker() is None
+    if attach_at == "verify_agreement":
+        megatron_tuning.verify_agreement()
+        assert isinstance(agreement.active_checker(), agreement.AgreementChecker)
+        assert pinning.before_decision == [] and agreement.before_verify == []
+    handle.close()
+    assert checked == ["n=30"] and agreement.before_verify == []
+
+
+@pytest.mark.parametrize("attach_at", ["verify_agreement", "close"])
+def test_inputs_that_differ_at_an_attach_at_a_check_raise_there_after_the_collective(
+    monkeypatch: pytest.MonkeyPatch, one_rank_group: Any, attach_at: str
+) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    handle = megatron_tuning.init_deterministic_tuning(megatron_tuning.TuningPolicy())
+    _launch(30)
+    one_rank_group()
+    other = megatron_tuning.TuningPolicy(block_sizes={"BLOCK_SIZE": 64})  # "another rank" claims first
+    from megatron_tuning.distributed import verify
+
+    agreement.AgreementChecker(other, session=verify._sessions + 1).compare_inputs(
+        agreement.describe_inputs(other)
+    )
+    first, *then = (megatron_tuning.verify_agreement, handle.close)[attach_at == "close" :]
+    with pytest.raises(megatron_tuning.InputMismatchError, match="policy.block_sizes: rank 0:"):
+        first()
+    for check in then:  # before, the close raised the error verify_agreement had raised again
+        check()
 
 
 def test_auto_gets_the_jobs_consensus_at_the_attach(
@@ -119,31 +161,35 @@ def test_auto_past_its_rank_cap_at_the_attach_fails_every_later_key_and_check(
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     monkeypatch.setattr(store, "AUTO_MAX_RANKS", 0)
     policy = megatron_tuning.TuningPolicy(mode="auto", cache="off", use_shipped_tables=False)
-    with megatron_tuning.init_deterministic_tuning(policy, measure=_first_config):
-        one_rank_group()
-        raised = []
-        for check in (lambda: _launch(40), lambda: _launch(41), megatron_tuning.verify_agreement):
-            with pytest.raises(megatron_tuning.PolicyError, match="in a job of 1 ranks") as caught:
-                check()
-            raised.append(caught.value)
-        assert raised[0] is raised[1] is raised[2]
-        assert megatron_tuning.get_decisions() == []  # nothing launched unshared
+    handle = megatron_tuning.init_deterministic_tuning(policy, measure=_first_config)
+    one_rank_group()
+    raised = []
+    for check in (lambda: _launch(40), lambda: _launch(41), megatron_tuning.verify_agreement):
+        with pytest.raises(megatron_tuning.PolicyError, match="in a job of 1 ranks") as caught:
+            check()
+        raised.append(caught.value)
+    assert raised[0] is raised[1] is raised[2]
+    handle.close()  # its caller has it: the close does not raise it again
+    assert megatron_tuning.get_decisions() == []  # nothing launched unshared
 
 
 def _first_config(autotuner: Any, candidates: list[Any], *rest: Any) -> tuple[Any, dict[str, Any]]:
     return candidates[0], {"format": "fake"}
 
 
+@pytest.mark.parametrize("rank", [0, 1])
 def test_a_session_that_never_sees_its_group_warns_that_the_checks_never_ran(
-    monkeypatch: pytest.MonkeyPatch, notices: Any
+    monkeypatch: pytest.MonkeyPatch, notices: Any, rank: int
 ) -> None:
+    """On every rank: before, rank 1's notice was an INFO record (a job's notices are rank 0's),
+    though only that rank knows that its own checks never ran."""
     monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setenv("RANK", "0")  # the rank that gives a job's notices
+    monkeypatch.setenv("RANK", str(rank))
     with megatron_tuning.init_deterministic_tuning(megatron_tuning.TuningPolicy()):
         _launch(30)
         _launch(31)
     (warning,) = notices.matching("never ran")
-    assert "agreement check never ran in this process (rank 0 of WORLD_SIZE=2)" in warning
+    assert f"agreement check never ran in this process (rank {rank} of WORLD_SIZE=2)" in warning
     assert "its 2 kernel decisions" in warning and "Create the process group before" in warning
     assert pinning.before_decision == []
 

@@ -253,11 +253,17 @@ def _late(tmp: Path, mode: str, timeout_s: float = 240) -> dict[int, dict[str, A
 def test_init_before_the_group_still_catches_chaos(tmp_path: Path) -> None:
     results = _late(tmp_path, "chaos")
     assert "DivergenceError" in {results[r]["error"] for r in range(NPROC)}, results
+    # Every rank raises it once: at a launch, or (one that claimed first and never checked again) at
+    # close. Before, the close raised it again on a rank whose caller had caught it at a launch.
+    for r in range(NPROC):
+        raised = [results[r]["error"], (results[r]["close"] or {}).get("error")]
+        assert sorted(raised, key=str) == ["DivergenceError", None], (r, results[r])
 
 
 def test_init_before_the_group_still_shares_auto_decisions(tmp_path: Path) -> None:
     results = _late(tmp_path, "auto")
     assert [results[r]["error"] for r in range(NPROC)] == [None] * NPROC, results
+    assert [results[r]["close"] for r in range(NPROC)] == [None] * NPROC, results
     for n in (101, 102, 103):
         rows = [d for r in range(NPROC) for d in results[r]["decisions"] if d["key"].startswith(f"n={n} ")]
         assert sorted(d["source"] for d in rows) == ["adopted", "tuned"], rows  # before: tuned, tuned
@@ -280,7 +286,8 @@ def test_a_failed_late_attach_fails_that_ranks_later_keys_and_checks_and_hangs_n
     results = failed_job
     failed = results[1]["attach"]  # rank 1's policy differs: its attach compares the inputs second
     assert results[0]["attach"] is None
-    assert failed["error"] == "InputMismatchError" and "block_sizes=BLOCK=64" in failed["message"], failed
+    assert failed["error"] == "InputMismatchError", failed
+    assert "policy.block_sizes: rank 0: -; rank 1: BLOCK=64" in failed["message"], failed
     # Before: rank 1's next key ran unchecked, and its verify_agreement died of a gloo timeout.
     assert results[1]["next_key"] == failed and results[1]["verify"] == failed, results[1]
     assert results[0]["next_key"] == failed and results[0]["verify"] == failed, results[0]  # the store flag

@@ -22,6 +22,8 @@ SCENARIOS = [
     "session_equal_store",
     "session_reinit_verify",
     "verify_extra_call",
+    "session_extra_store_close",
+    "inputs_agreement_off",
 ]
 NPROC = 2
 SESSION_TIMEOUT_S = 4.0  # session_extra_allgather's agreement timeout (worker's SESSION_TIMEOUT_S)
@@ -52,8 +54,9 @@ def test_another_policy_in_the_same_session_number_fails_at_init(job):
     rank0, rank1 = _rows(job, "session_extra_other_policy")
     assert rank1["error"] == "InputMismatchError" and rank1["mismatch_ranks"] == [0, 1]
     message = rank1["message"]
-    assert "at tuning session #1" in message and "policy: rank 0: mode=deterministic" in message
-    assert "rank 1: mode=chaos" in message and "the same number of times" in message
+    assert "at tuning session #1" in message
+    assert "policy.mode: rank 0: deterministic; rank 1: chaos" in message
+    assert "the same number of times" in message
     # Rank 0 went on to its session #2, where nobody meets it: verify_agreement names the counts.
     for row in (rank0, rank1):
         assert row["verify_error"] == "InputMismatchError"
@@ -62,8 +65,10 @@ def test_another_policy_in_the_same_session_number_fails_at_init(job):
 
 def test_an_extra_init_with_the_same_policy_is_named_by_verify(job):
     rows = _rows(job, "session_extra_same_policy")
-    assert [row["error"] for row in rows] == [None, None]  # first use cannot tell it from a slow rank
     messages = {row["verify_message"] for row in rows}
+    # First use cannot tell it from a slow rank. The store session's check at close does not raise
+    # verify's error again: the caller had it (before, the close raised it a second time).
+    assert [row["error"] for row in rows] == [None, None], rows
     assert len(messages) == 1  # every rank raises the same error
     message = messages.pop()
     assert "verify_agreement call" in message
@@ -106,3 +111,21 @@ def test_an_extra_verify_call_meeting_the_check_at_close_fails_both_ranks(job):
     assert "verify_agreement calls: rank 0: #2; rank 1: the check at close" in rank1["message"]
     assert "the same number of times" in rank1["message"]
     assert rank0["close_s"] < 1.0 and rank0["error"] == "InputMismatchError"
+
+
+def test_an_extra_init_in_store_mode_fails_every_rank_at_close(job):
+    """Before: rank 0's keys were claimed in session #2 and rank 1's in #1, so the store check
+    compared nothing, store mode has no verify_agreement call of its own, and both ranks passed."""
+    rows = _rows(job, "session_extra_store_close")
+    assert [row["error"] for row in rows] == ["InputMismatchError"] * NPROC, rows
+    messages = {row["message"] for row in rows}
+    assert len(messages) == 1 and "tuning sessions started: rank 0: 2; rank 1: 1" in messages.pop()
+
+
+def test_a_rank_whose_own_policy_turns_checks_off_fails_the_job(job):
+    """Before: a rank with agreement off claimed nothing, so it and the others compared with nobody."""
+    rows = _rows(job, "inputs_agreement_off")
+    assert [row["error"] for row in rows] == ["InputMismatchError"] * NPROC, rows
+    assert rows[0]["message"] == rows[1]["message"]  # rank 0 at its start, rank 1 at its close
+    assert "policy.agreement: rank 0: store; rank 1: off" in rows[0]["message"]
+    assert "policy.block_sizes: rank 0: -; rank 1: BLOCK_M=64" in rows[0]["message"]

@@ -278,15 +278,23 @@ class TuningPolicy:
     def replace(self, **changes: Any) -> TuningPolicy:
         return dataclasses.replace(self, **changes)
 
+    def summary_fields(self) -> dict[str, str]:
+        """Every field that changes a choice but the tables, as text: what the inputs check compares."""
+        return {
+            "mode": self.mode,
+            "agreement": str(self.agreement),
+            "scope": ",".join(self.scope) or "all",
+            "on_miss": self.on_miss,
+            "block_sizes": ",".join(f"{k}={v}" for k, v in self.block_sizes) or "-",
+            "stale_entries": self.effective_stale_entries,
+            "numerics": self.numerics,
+            "tune_rounds": str(self.tune_rounds),
+            "tune_tie_band": f"{self.tune_tie_band:g}",
+            "audit_runs": str(self.audit_runs),
+        }
+
     def summary(self) -> str:
-        """Every field that changes a choice but the tables: what the inputs check compares."""
-        blocks = ",".join(f"{k}={v}" for k, v in self.block_sizes) or "-"
-        return (
-            f"mode={self.mode} agreement={self.agreement} scope={','.join(self.scope) or 'all'} "
-            f"on_miss={self.on_miss} block_sizes={blocks} stale_entries={self.effective_stale_entries} "
-            f"numerics={self.numerics} tune_rounds={self.tune_rounds} tune_tie_band={self.tune_tie_band:g} "
-            f"audit_runs={self.audit_runs}"
-        )
+        return " ".join(f"{name}={value}" for name, value in self.summary_fields().items())
 
     def describe(self) -> str:
         """One line for logs: the summary, the tables and (in ``auto``) the cache."""

@@ -1,42 +1,42 @@
-"""Cross-rank agreement (docs/agreement.md): the inputs check at init, then ``policy.agreement``'s
-per-key checks (``store``, ``allgather``) or ``verify``'s; nothing runs inside a CUDA graph capture.
-The running session's checks (an ``Agreement``) are registered here: ``verify_agreement`` flushes them.
+"""Cross-rank agreement (docs/agreement.md): the inputs check at every session's start, then
+``policy.agreement``'s per-key checks (``store``, ``allgather``) or ``verify``'s, and (``store``,
+``verify``) a bounded check at close; nothing runs inside a CUDA graph capture. The running
+session's checks (an ``Agreement``) are registered here: ``verify_agreement`` flushes them.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
+import logging
 import threading
-from collections.abc import Mapping, Sequence
-from pathlib import Path
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
-import torch
 import torch.distributed as dist
 
-from ..core import __version__
 from ..core.decisions import Decision, decision_log, unchecked_sources
-from ..core.errors import DivergenceError, InputMismatchError, StoreError, TableError
+from ..core.errors import DivergenceError, InputMismatchError, MegatronTuningError, StoreError
 from ..core.policy import TuningPolicy
 from ..runtime.pinning import is_capturing
-from ..tables.search import expand_table_paths, installed_triton_version, shipped_tables_dir
 from . import store as kv
 from . import verify
+from .inputs import describe_inputs
 from .verify import all_gather_bytes, pack_text, unpack_text
 
 STORE_UP_TO_RANKS = 64
 """Worlds up to this size check each key at first use (``store``); larger ones use ``verify``."""
-CHECKED_MODES = ("deterministic", "chaos", "auto")  # the policy modes whose ranks must agree
+CHECKED_MODES = ("deterministic", "chaos", "auto")  # the policy modes whose ranks must agree per key
+CLOSE_CHECKED = ("store", "verify")  # agreement modes whose session ends with ``verify.verify_at_close``
+logger = logging.getLogger(__name__)
 
 
 class Agreement(Protocol):
     """What a session's cross-rank checks provide (``AgreementChecker``, ``FailedAgreement``)."""
 
-    mode: str  # "store", "allgather" or "verify"
+    mode: str  # "store", "allgather", "verify", or "inputs" (the inputs claim only)
     timeout_s: float  # how long a check waits for the other ranks
 
     def check(self, decision: Decision) -> None: ...  # compare a new (kernel, key) with the others
+    def note(self, error: BaseException) -> None: ...  # this rank raised ``error`` to its caller
 
     def flush(self) -> None: ...  # run checks deferred by a graph capture, then ``poll``
 
@@ -47,6 +47,7 @@ class Agreement(Protocol):
 
 _active: Agreement | None = None
 _active_lock = threading.Lock()
+before_verify: list[Callable[[], None]] = []  # a session still waiting for its group attaches here
 
 
 def active_checker() -> Agreement | None:
@@ -66,7 +67,36 @@ def verify_agreement(group: Any = None, *, timeout_s: float | None = None) -> in
     job); return how many entries two or more ranks observed. Every rank raises the same error: a
     ``DivergenceError``, an ``AgreementTimeoutError`` naming the missing ranks, or an
     ``InputMismatchError`` where calls pair with another session's or call (docs/agreement.md)."""
-    return verify.compare_logs(group, timeout_s, _active)
+    for attach in tuple(before_verify):  # ``attach.LateAttach``: never raises, its checker does
+        attach()
+    checker = _active
+    try:
+        return verify.compare_logs(group, timeout_s, checker)
+    except MegatronTuningError as error:
+        if checker is not None:
+            checker.note(error)
+        raise
+
+
+class RaisedErrors:
+    """What a session's checks raised to this rank's caller, so that its close does not raise it again
+    (a caller that caught it, a chaos run, handled it). By text: a flag's error is rebuilt each time."""
+
+    def __init__(self) -> None:
+        self._raised: set[str] = set()
+
+    def note(self, error: BaseException) -> None:
+        self._raised.add(f"{type(error).__name__}: {error}")
+
+    def raise_new(self, error: BaseException | None) -> None:
+        """Raise ``error`` unless this session raised the same one before (then log it at INFO)."""
+        if error is None:
+            return
+        if f"{type(error).__name__}: {error}" in self._raised:
+            logger.info("megatron_tuning: at close, not raised again: %s", type(error).__name__)
+            return
+        self.note(error)
+        raise error
 
 
 def resolve_mode(policy: TuningPolicy, group: Any = None) -> str:
@@ -86,16 +116,19 @@ def checked_mode(policy: TuningPolicy, group: Any = None) -> str | None:
     return mode if grouped and mode != "off" and policy.mode in CHECKED_MODES else None
 
 
-class FailedAgreement:
+class FailedAgreement(RaisedErrors):
     """Stands in for the checks of a rank whose late attach failed (its inputs differ, ``auto``'s rank
-    cap...): each later check raises that error; ``verify_agreement`` joins the collective first."""
+    cap...): each later check raises that error; ``verify_agreement`` joins the collective first.
+    Its close raises it only where no check raised it yet (``verify``: after the check at close)."""
 
     def __init__(self, error: Exception, policy: TuningPolicy, group: Any = None) -> None:
-        self.error, self.group, self.mode = error, group, resolve_mode(policy, group)
+        super().__init__()
+        self.error, self.group, self.mode = error, group, checked_mode(policy, group) or "inputs"
         self.timeout_s = policy.agreement_timeout_s
         set_active_checker(self)
 
-    def check(self, decision: Decision | None = None) -> None:
+    def check(self, decision: Decision | None = None, *, defer: bool = False) -> None:
+        self.note(self.error)
         raise self.error
 
     flush = poll = check
@@ -103,28 +136,33 @@ class FailedAgreement:
     def stop(self, *, final_check: bool = True) -> None:
         set_active_checker(None, replacing=self)
         if final_check and self.mode == "verify":  # the others' check at close meets this rank's
-            verify.verify_at_close(self.group, self.timeout_s)
+            verify.verify_at_close(self.group, self.timeout_s, self)  # and raises the error after it
+        elif final_check:  # store: the recorded flag (or the same failure) spares the others' wait
+            self.raise_new(self.error)
 
 
 def start_agreement(
     policy: TuningPolicy, group: Any = None, *, inputs: Mapping[str, str] | None = None
 ) -> AgreementChecker | None:
     """Start cross-rank checks for ``policy`` and make them the active ones; ``None`` without a process
-    group, with agreement ``off``, or in a measuring mode. ``inputs`` that differ from the first
-    rank's raise ``InputMismatchError`` here, and on that rank at its next check."""
-    mode = checked_mode(policy, group)
-    if mode is None:
+    group. Every session with a group claims its inputs, whatever its policy: one whose mode or
+    agreement checks nothing per key (mode "inputs") still fails a job whose other ranks check.
+    ``inputs`` that differ from the first rank's raise ``InputMismatchError`` here, and on that rank
+    at its next check (an "inputs" session: at ``verify_agreement`` and at close)."""
+    if not (dist.is_available() and dist.is_initialized()):
         return None
+    mode = checked_mode(policy, group) or "inputs"
     if _active is not None:
         _active.stop(final_check=False)
     checker = AgreementChecker(policy, group, session=verify.next_session(), mode=mode)
     checker.compare_inputs(inputs if inputs is not None else describe_inputs(policy))
-    decision_log().add_listener(checker.check)
+    if mode in ("store", "allgather"):
+        decision_log().add_listener(checker.check)
     set_active_checker(checker)
     return checker
 
 
-class AgreementChecker:
+class AgreementChecker(RaisedErrors):
     """Decision-log listener comparing each new (kernel, key) with the other ranks. ``store``,
     ``rank`` and ``ranks`` let tests drive it without a process group."""
 
@@ -139,6 +177,7 @@ class AgreementChecker:
         rank: int | None = None,
         ranks: Sequence[int] | None = None,
     ) -> None:
+        super().__init__()
         self.mode: str = mode or policy.agreement or "store"
         self.policy = policy
         self.timeout_s = policy.agreement_timeout_s
@@ -175,45 +214,85 @@ class AgreementChecker:
             raise error
 
     def stop(self, *, final_check: bool = True) -> None:
-        """Detach; in ``verify`` mode run the bounded final check (may raise ``DivergenceError``)."""
+        """Detach. ``verify``: the bounded final check (``verify_agreement`` again, whole logs).
+        ``store``: the deferred checks and the flag, then, if no rank recorded an error, the bounded
+        meeting that tells ranks that started different numbers of sessions apart. An "inputs"
+        session reads the flag. Other than ``verify``, an error this session raised before is not
+        raised again (``RaisedErrors``)."""
         decision_log().remove_listener(self.check)
         set_active_checker(None, replacing=self)
-        if self._pending and not is_capturing():
-            self.flush()
         if final_check and self.mode == "verify":
-            verify.verify_at_close(self.group, self.timeout_s)
+            verify.verify_at_close(self.group, self.timeout_s, self)
+        elif final_check and self.mode == "store":
+            self.raise_new(self._store_close())
+        elif self._pending or (final_check and self.mode == "inputs"):
+            self.raise_new(self._attempt(self._flush))
 
-    def check(self, decision: Decision) -> None:
-        """Listener: compare ``decision`` with the other ranks (raises ``DivergenceError``)."""
-        if self.mode in ("off", "verify") or decision.source in self.unchecked:
+    def _store_close(self) -> Exception | None:
+        if not (dist.is_available() and dist.is_initialized()):
+            logger.info("megatron_tuning: no process group at close: the check at close did not run")
+            return None
+        recorded = self._attempt(self._flush)
+        if recorded is not None:  # every rank reads it: none waits for the meeting, all skip it
+            return recorded
+        paired = self._attempt(lambda: verify.verify_at_close(self.group, self.timeout_s, rows=False))
+        return paired or self._attempt(self._poll)  # a flag recorded while this rank waited
+
+    @staticmethod
+    def _attempt(action: Callable[[], Any]) -> Exception | None:
+        try:
+            action()
+        except MegatronTuningError as error:
+            return error
+        return None
+
+    def check(self, decision: Decision, *, defer: bool = False) -> None:
+        """Listener: compare ``decision`` with the other ranks (raises ``DivergenceError``); ``defer``:
+        at the next ``flush`` (a late attach at ``verify_agreement`` or close)."""
+        if self.mode not in ("store", "allgather") or decision.source in self.unchecked:
             return
         ident = kv.decision_digest(decision)
         with self._lock:
             if ident in self._seen:
                 return
             self._seen.add(ident)
-            if is_capturing():
+            if defer or is_capturing():
                 self._pending.append(decision)
                 return
             try:
                 self._run_pending()
                 self._check_one(decision)
-            except BaseException:
+            except BaseException as error:
                 # Nothing is pinned when a listener raises: the next launch of this key comes back
                 # here and must fail again, not pass as "already seen".
                 self._seen.discard(ident)
+                self.note(error)
                 raise
 
     def flush(self) -> None:
         """Run checks deferred by a CUDA graph capture, and raise a divergence another rank recorded."""
-        with self._lock:
-            if not is_capturing():
-                self._run_pending()
-                self.poll()
+        try:
+            self._flush()
+        except MegatronTuningError as error:
+            self.note(error)
+            raise
 
     def poll(self) -> None:
         """Raise the divergence (or input mismatch) another rank recorded in the store, if any."""
-        if self.mode == "store":
+        try:
+            self._poll()
+        except MegatronTuningError as error:
+            self.note(error)
+            raise
+
+    def _flush(self) -> None:
+        with self._lock:
+            if not is_capturing():
+                self._run_pending()
+                self._poll()
+
+    def _poll(self) -> None:
+        if self.mode in ("store", "inputs"):
             record = kv.peek(self._store, "flag", "the agreement's divergence flag")
             if record is not None:
                 raise _error_from_flag(record)
@@ -237,7 +316,7 @@ class AgreementChecker:
         if first_signature != d.signature:
             signatures = {first_rank: first_signature, self.rank: d.signature}
             raise self._divergence(d, signatures, "Found by the store check at first use.")
-        self.poll()
+        self._poll()
 
     def _divergence(self, d: Decision, signatures: dict[int, str], detail: str) -> Exception:
         record: dict[str, Any] = {"kind": "divergence", "kernel": d.kernel, "key": d.key, "detail": detail}
@@ -296,45 +375,3 @@ def _error_from_flag(record: Mapping[str, Any]) -> Exception:
         kv.field(record, "detail", str, what),
         record.get("planted") is True,
     )
-
-
-def describe_inputs(policy: TuningPolicy, table: Any = None) -> dict[str, str]:
-    """What this rank's choices depend on, as short comparable text per input. Table files are
-    compared by content, so the same tables at different paths on different nodes agree."""
-    inputs = {
-        "policy": policy.summary(),
-        "megatron_tuning": __version__,
-        "triton": installed_triton_version() or "not installed",
-        "torch": str(torch.__version__),
-    }
-    if table is None or hasattr(table, "files"):  # a TableSet reads the policy's tables
-        try:
-            inputs["tables"] = _digest_of([Path(name) for name in expand_table_paths(policy.tables)])
-        except TableError as exc:  # the table search path reports it too, naming the file
-            inputs["tables"] = f"unreadable ({exc})"
-    elif isinstance(table, Mapping):
-        rows = sorted(
-            json.dumps([list(k), dict(v) if isinstance(v, Mapping) else repr(v)], sort_keys=True, default=str)
-            for k, v in table.items()
-        )
-        inputs["tables"] = (
-            f"{len(rows)} in-memory entries@{hashlib.sha256(chr(10).join(rows).encode()).hexdigest()[:12]}"
-        )
-    else:
-        inputs["tables"] = f"a {type(table).__name__} object (not compared)"
-    if policy.use_shipped_tables:
-        folder = shipped_tables_dir()
-        files = sorted(p for p in folder.rglob("*.msgpack") if p.is_file()) if folder.is_dir() else []
-        inputs["shipped tables"] = _digest_of(files, folder)
-    return inputs
-
-
-def _digest_of(files: Sequence[Path], root: Path | None = None) -> str:
-    hasher = hashlib.sha256()
-    for path in files:
-        name = str(path.relative_to(root)) if root is not None else path.name
-        try:
-            hasher.update(name.encode() + b"\0" + path.read_bytes())
-        except OSError as exc:
-            return f"{path} unreadable ({exc.strerror or exc})"
-    return f"{len(files)} files@{hasher.hexdigest()[:12]}" if files else "(none)"

@@ -66,9 +66,12 @@ def next_session() -> int:
         return _sessions
 
 
-def compare_logs(group: Any, timeout_s: float | None, checker: Any, *, at_close: bool = False) -> int:
+def compare_logs(
+    group: Any, timeout_s: float | None, checker: Any, *, at_close: bool = False, compare_rows: bool = True
+) -> int:
     """``verify_agreement`` over ``group``: flush ``checker`` (the session's ``agreement.Agreement``,
-    or ``None``) first, then compare every rank's decision log; return how many entries were shared."""
+    or ``None``) first, then compare every rank's decision log; return how many entries were shared.
+    ``compare_rows=False`` (``store``'s check at close, on every rank alike): headers only, no log rows."""
     if not (dist.is_available() and dist.is_initialized()):
         return 0
     ranks = kv.group_ranks(group)
@@ -91,6 +94,11 @@ def compare_logs(group: Any, timeout_s: float | None, checker: Any, *, at_close:
     seq, call = calls.paired, 0 if at_close else calls.user
     store = kv.prefixed(f"verify/{kv.job_namespace()}/{scope}")
     kv.arrive(store, str(seq), dist.get_rank(), ranks, f"verify_agreement call #{seq}", timeout_s)
+    if late_error is None and checker is not None:
+        try:  # every rank flushed before the barrier: a divergence or mismatch one recorded is here now
+            checker.poll()
+        except MegatronTuningError as error:
+            late_error = error
 
     policy = current_policy()
     unchecked = unchecked_sources(policy.mode if policy is not None else None)
@@ -111,17 +119,12 @@ def compare_logs(group: Any, timeout_s: float | None, checker: Any, *, at_close:
     for index, (log_digest, *_) in enumerate(parsed):
         groups.setdefault(log_digest, []).append(index)
     shared = parsed[0][1] if len(ranks) >= 2 else 0
-    if len(groups) > 1:
+    if compare_rows and len(groups) > 1:
         weight = {members[0]: len(members) for members in groups.values()}  # representative -> ranks
         me = ranks.index(dist.get_rank())
         rows_to_send = idents if me in weight else []  # only one rank per distinct log sends its rows
         shared, differing, named = _compare_sharded(table, rows_to_send, weight, len(ranks), group)
         if differing:
-            if late_error is None and checker is not None:
-                try:  # a rank the store check caught first recorded it before joining us: raise that
-                    checker.poll()
-                except MegatronTuningError as error:
-                    late_error = error
             found = _divergence(named, differing, shared, table, groups, ranks, group)  # every rank joins
             if late_error is not None:
                 raise late_error
@@ -235,10 +238,15 @@ def _ranks_text(ranks: list[int]) -> str:
     return f"{shown}{more}"
 
 
-def verify_at_close(group: Any, timeout_s: float) -> None:
-    """The final check of a ``verify`` session: bounded (``CLOSE_TIMEOUT_S``), so a rank that died
-    or never closes cannot hang it; then it says so, naming the ranks. A divergence raises."""
+def verify_at_close(group: Any, timeout_s: float, checker: Any = None, *, rows: bool = True) -> None:
+    """The final check of a ``verify`` session (``checker``, flushed first), or with ``rows=False``
+    the meeting of a ``store`` session's: bounded (``CLOSE_TIMEOUT_S``), so a rank that died or never
+    closes cannot hang it; then it says so, naming the ranks. A divergence (``verify``), or ranks
+    that started different numbers of sessions, raise."""
     if not (dist.is_available() and dist.is_initialized()):
+        if not rows:  # store: its per-key checks ran at first use
+            logger.info("megatron_tuning: no process group at close: the check at close did not run")
+            return
         warn_once(
             ("close-check-no-group",),
             "the final agreement check did not run: the process group was destroyed before the tuning "
@@ -247,7 +255,7 @@ def verify_at_close(group: Any, timeout_s: float) -> None:
         )
         return
     try:
-        compare_logs(group, min(timeout_s, CLOSE_TIMEOUT_S), None, at_close=True)
+        compare_logs(group, min(timeout_s, CLOSE_TIMEOUT_S), checker, at_close=True, compare_rows=rows)
     except (AgreementTimeoutError, StoreError) as exc:
         warn_once(
             ("close-check", type(exc).__name__), "the final agreement check at close did not run: %s", exc

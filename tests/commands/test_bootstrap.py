@@ -181,7 +181,7 @@ def test_a_job_that_starts_its_own_session_replaces_the_armed_one(
             from megatron_tuning import session
             from megatron_tuning.runtime import interception, pinning
             handle = megatron_tuning.init_deterministic_tuning(megatron_tuning.TuningPolicy(mode="chaos"))
-            hooks = [hook.handle is handle for hook in pinning.before_decision]
+            hooks = [hook is handle._late for hook in pinning.before_decision]
             print("policy:", interception.current_policy().mode, "hooks of the active session:", hooks)
         """)
     )

@@ -188,9 +188,9 @@ def test_describe_inputs_compares_table_contents_not_paths(tmp_path: Any) -> Non
     assert a == b
     (tmp_path / "b" / "t.msgpack").write_bytes(b"other bytes")
     c = agreement.describe_inputs(TuningPolicy(tables=[str(tmp_path / "b" / "t.msgpack")]))
-    assert c["tables"] != a["tables"] and c["policy"] == a["policy"]
+    assert c["tables"] != a["tables"] and c["policy.on_miss"] == a["policy.on_miss"]
     d = agreement.describe_inputs(TuningPolicy(tables=[str(tmp_path / "a" / "t.msgpack")], on_miss="error"))
-    assert d["policy"] != a["policy"]
+    assert {name for name in d if d[name] != a[name]} == {"policy.on_miss"}  # named field by field
 
 
 def test_pack_text_is_fixed_size_and_marks_truncation() -> None:
@@ -211,10 +211,43 @@ def test_no_process_group_means_no_checks() -> None:
     assert agreement.verify_agreement() == 0
 
 
-@pytest.mark.parametrize("changes", [{"agreement": "off"}, {"mode": "record"}, {"mode": "tune"}])
-def test_start_is_a_no_op_when_nothing_must_agree(one_rank_group: None, changes: dict[str, Any]) -> None:
-    assert agreement.start_agreement(TuningPolicy(**changes)) is None
-    assert agreement.active_checker() is None
+@pytest.mark.parametrize(
+    "changes", [{"agreement": "off"}, {"mode": "record"}, {"mode": "tune"}, {"mode": "off"}]
+)
+def test_a_session_that_checks_no_key_still_claims_its_inputs(
+    one_rank_group: None, changes: dict[str, Any]
+) -> None:
+    """Before, such a session claimed nothing: a rank whose own environment turned checks off was
+    compared with nobody, and the other ranks compared with nobody either."""
+    claims = dist.HashStore()
+    checker = agreement.start_agreement(TuningPolicy(**changes))
+    assert isinstance(checker, agreement.AgreementChecker) and checker.mode == "inputs"
+    assert agreement.active_checker() is checker and checker.check not in decision_log()._listeners
+    first = agreement.AgreementChecker(TuningPolicy(), store=claims, rank=0, ranks=[0, 1])
+    first.compare_inputs(agreement.describe_inputs(TuningPolicy()))
+    unchecked = agreement.AgreementChecker(
+        TuningPolicy(**changes), store=claims, rank=1, ranks=[0, 1], mode="inputs"
+    )
+    with pytest.raises(InputMismatchError) as raised:
+        unchecked.compare_inputs(agreement.describe_inputs(TuningPolicy(**changes)))
+    (field, value), *_ = changes.items()
+    assert raised.value.differences[f"policy.{field}"][1] == value  # named field by field
+    assert f"policy.{field}: rank 0: " in str(raised.value)
+    with pytest.raises(InputMismatchError):  # the checked rank learns at its next check
+        first.poll()
+
+
+def test_an_unchecked_rank_that_claimed_first_learns_of_the_mismatch_at_close() -> None:
+    claims = dist.HashStore()
+    off = TuningPolicy(agreement="off")
+    unchecked = agreement.AgreementChecker(off, store=claims, rank=0, ranks=[0, 1], mode="inputs")
+    unchecked.compare_inputs(agreement.describe_inputs(off))
+    checked = agreement.AgreementChecker(TuningPolicy(), store=claims, rank=1, ranks=[0, 1])
+    with pytest.raises(InputMismatchError, match="policy.agreement: rank 0: off; rank 1: None"):
+        checked.compare_inputs(agreement.describe_inputs(TuningPolicy()))
+    unchecked.check(_decision(SIG_A))  # no per-key check, no traffic
+    with pytest.raises(InputMismatchError, match="policy.agreement: rank 0: off; rank 1: None"):
+        unchecked.stop()
 
 
 def test_start_attaches_and_stop_detaches(one_rank_group: None) -> None:
@@ -228,16 +261,73 @@ def test_start_attaches_and_stop_detaches(one_rank_group: None) -> None:
     assert agreement.active_checker() is None
 
 
-def test_a_verify_session_checks_once_more_at_close(one_rank_group: None, monkeypatch: Any) -> None:
-    calls: list[tuple[float | None, bool]] = []
+def _recording_compare_logs(monkeypatch: Any) -> list[tuple[float | None, bool, bool]]:
+    calls: list[tuple[float | None, bool, bool]] = []
     monkeypatch.setattr(
         verify,
         "compare_logs",
-        lambda group, timeout_s, checker, *, at_close: calls.append((timeout_s, at_close)),
+        lambda group, timeout_s, checker, *, at_close, compare_rows: calls.append(
+            (timeout_s, at_close, compare_rows)
+        ),
     )
+    return calls
+
+
+def test_a_verify_session_checks_once_more_at_close(one_rank_group: None, monkeypatch: Any) -> None:
+    calls = _recording_compare_logs(monkeypatch)
     handle = agreement.start_agreement(TuningPolicy(agreement="verify", agreement_timeout_s=500))
     handle.stop()
-    assert calls == [(verify.CLOSE_TIMEOUT_S, True)]  # bounded even when the policy allows longer
+    assert calls == [(verify.CLOSE_TIMEOUT_S, True, True)]  # bounded even when the policy allows longer
+
+
+def test_a_store_session_meets_at_close_to_pair_sessions_but_compares_no_rows(
+    one_rank_group: None, monkeypatch: Any
+) -> None:
+    """Its keys were compared at first use: the meeting at close exchanges headers only."""
+    calls = _recording_compare_logs(monkeypatch)
+    handle = agreement.start_agreement(TuningPolicy(agreement="store", agreement_timeout_s=500))
+    handle.stop()
+    assert calls == [(verify.CLOSE_TIMEOUT_S, True, False)]
+
+
+def test_close_does_not_raise_again_what_a_check_raised_but_raises_what_this_rank_never_did(
+    one_rank_group: None, monkeypatch: Any
+) -> None:
+    """Before, every store rank's close raised the divergence again, after the caller (a chaos run, a
+    harness) had caught it: the job died at close. A rank that recorded the flag spares the meeting."""
+    calls = _recording_compare_logs(monkeypatch)
+    first, second = _ranks(2)
+    first.check(_decision(SIG_A))  # claims first and never polls: it has raised nothing
+    with pytest.raises(DivergenceError) as raised:
+        second.check(_decision(SIG_B))
+    second.stop()  # raised at its launch: not again
+    with pytest.raises(DivergenceError) as at_close:
+        first.stop()
+    assert str(at_close.value) == str(raised.value)
+    assert calls == []  # the flag is recorded: no rank waits for a meeting
+
+
+def test_an_inputs_session_and_a_failed_attach_raise_at_close_only_what_they_did_not_raise() -> None:
+    claims = dist.HashStore()
+    off = TuningPolicy(agreement="off")
+    unchecked = agreement.AgreementChecker(off, store=claims, rank=0, ranks=[0, 1], mode="inputs")
+    unchecked.compare_inputs(agreement.describe_inputs(off))
+    checked = agreement.AgreementChecker(TuningPolicy(), store=claims, rank=1, ranks=[0, 1])
+    with pytest.raises(InputMismatchError):
+        checked.compare_inputs(agreement.describe_inputs(TuningPolicy()))
+    with pytest.raises(InputMismatchError):
+        unchecked.poll()  # what verify_agreement() reads
+    unchecked.stop()
+    error = InputMismatchError("tuning session #1", [0, 1], {"tables": {0: "a", 1: "b"}})
+    for raised_before in (True, False):
+        failed = agreement.FailedAgreement(error, TuningPolicy())
+        if raised_before:
+            with pytest.raises(InputMismatchError):
+                failed.check()  # its next new key
+            failed.stop()
+        else:
+            with pytest.raises(InputMismatchError):
+                failed.stop()  # attached at close: raised there first
 
 
 def test_the_close_check_says_so_when_the_group_is_gone() -> None:

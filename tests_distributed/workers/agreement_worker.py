@@ -346,6 +346,29 @@ def session_extra_allgather(result: dict[str, Any]) -> None:
         result["elapsed_s"] = time.monotonic() - start
 
 
+def session_extra_store_close(result: dict[str, Any]) -> None:
+    """Rank 0 calls init once more, with another policy, and nobody calls verify_agreement: its keys
+    are claimed in session #2, where nobody meets them. The check at close names the counts."""
+    _fresh_sessions("store_close")
+    if RANK == 0:
+        agreement.start_agreement(_policy("store"))
+    blocks = {"BLOCK_M": 64} if RANK == 0 else {}
+    _guarded(result, lambda: agreement.start_agreement(_policy("store", block_sizes=blocks)))
+    _guarded(result, lambda: _record(MATMUL, KEY, _chaos_signature()))  # the worker's stop: the close
+
+
+def inputs_agreement_off(result: dict[str, Any]) -> None:
+    """Rank 1's own environment turns its checks off (and pins another block size). It claims its
+    inputs first: rank 0 raises at its start, rank 1 (which checks no key) at its close."""
+    _fresh_sessions("agreement_off")
+    policy = _policy("off", block_sizes={"BLOCK_M": 64}) if RANK == 1 else _policy("store")
+    for turn in (1, 0):
+        if turn == RANK:
+            _guarded(result, lambda: agreement.start_agreement(policy))
+        dist.barrier()
+    _guarded(result, lambda: _record(MATMUL, KEY, _chaos_signature()))
+
+
 def session_lagging_allgather(result: dict[str, Any]) -> None:
     """Quiet control: a rank that starts its next session late is waited for, not blamed."""
     _fresh_sessions("lagging")
@@ -425,8 +448,9 @@ def _kernel_run(result: dict[str, Any], mode: str, agreement_mode: str) -> None:
         use_shipped_tables=False,
     )
     handle = megatron_tuning.init_deterministic_tuning(policy)
-    # init_deterministic_tuning itself starts the check (and only when it applies).
-    assert (agreement.active_checker() is None) == (agreement_mode == "off")
+    # init_deterministic_tuning itself starts the check; agreement off claims the inputs only.
+    checker = agreement.active_checker()
+    assert checker is not None and checker.mode == ("inputs" if agreement_mode == "off" else agreement_mode)
     from tests import support_kernels as _kernels
 
     try:
@@ -552,6 +576,8 @@ SCENARIOS: dict[str, Callable[[dict[str, Any]], None]] = {
     "session_extra_same_policy": session_extra_same_policy,
     "session_extra_allgather": session_extra_allgather,
     "session_lagging_allgather": session_lagging_allgather,
+    "session_extra_store_close": session_extra_store_close,
+    "inputs_agreement_off": inputs_agreement_off,
     "session_equal_store": session_equal_store,
     "session_reinit_verify": session_reinit_verify,
     "verify_extra_call": verify_extra_call,

@@ -1,0 +1,59 @@
+"""What a rank's choices depend on, compared across ranks at each session's start (``agreement``):
+the policy field by field, the versions, and the contents of the tables."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..core import __version__
+from ..core.errors import TableError
+from ..core.policy import TuningPolicy
+from ..tables.search import expand_table_paths, installed_triton_version, shipped_tables_dir
+
+
+def describe_inputs(policy: TuningPolicy, table: Any = None) -> dict[str, str]:
+    """What this rank's choices depend on, as short comparable text per input. Table files are
+    compared by content, so the same tables at different paths on different nodes agree."""
+    inputs = {f"policy.{name}": value for name, value in policy.summary_fields().items()}
+    inputs |= {
+        "megatron_tuning": __version__,
+        "triton": installed_triton_version() or "not installed",
+        "torch": str(torch.__version__),
+    }
+    if table is None or hasattr(table, "files"):  # a TableSet reads the policy's tables
+        try:
+            inputs["tables"] = _digest_of([Path(name) for name in expand_table_paths(policy.tables)])
+        except TableError as exc:  # the table search path reports it too, naming the file
+            inputs["tables"] = f"unreadable ({exc})"
+    elif isinstance(table, Mapping):
+        rows = sorted(
+            json.dumps([list(k), dict(v) if isinstance(v, Mapping) else repr(v)], sort_keys=True, default=str)
+            for k, v in table.items()
+        )
+        inputs["tables"] = (
+            f"{len(rows)} in-memory entries@{hashlib.sha256(chr(10).join(rows).encode()).hexdigest()[:12]}"
+        )
+    else:
+        inputs["tables"] = f"a {type(table).__name__} object (not compared)"
+    if policy.use_shipped_tables:
+        folder = shipped_tables_dir()
+        files = sorted(p for p in folder.rglob("*.msgpack") if p.is_file()) if folder.is_dir() else []
+        inputs["shipped tables"] = _digest_of(files, folder)
+    return inputs
+
+
+def _digest_of(files: Sequence[Path], root: Path | None = None) -> str:
+    hasher = hashlib.sha256()
+    for path in files:
+        name = str(path.relative_to(root)) if root is not None else path.name
+        try:
+            hasher.update(name.encode() + b"\0" + path.read_bytes())
+        except OSError as exc:
+            return f"{path} unreadable ({exc.strerror or exc})"
+    return f"{len(files)} files@{hasher.hexdigest()[:12]}" if files else "(none)"
