@@ -543,6 +543,10 @@ def test_coverage_bad_input_exits_2(capsys, tmp_path):
     assert run(capsys, "coverage", tmp_path / "absent.json")[0] == 2
     bad.write_text('{"format": "megatron_tuning.decisions", "decisions": [{"nope": 1}]}')
     assert run(capsys, "coverage", bad)[0] == 2
+    table = tmp_path / "auto.msgpack"  # the auto cache, say: named as a table, with what to give instead
+    save_table(Table([entry(64)]), table)
+    code, _, err = run(capsys, "coverage", table)
+    assert code == 2 and "a tuning table, not a decision log" in err and "--decision-log" in err
 
 
 @pytest.mark.parametrize(

@@ -35,8 +35,12 @@ def write_decisions(path: str | os.PathLike[str], decisions: Iterable[Decision] 
 
 def read_decisions(path: str | os.PathLike[str]) -> list[Decision]:
     name = os.fspath(path)
+    raw = read_regular_file(name, error=_log_error)
+    if raw[:1] in (b"\x94", b"\xdc"):  # a msgpack array: a table file, not a log
+        fix = "give the decision logs a run wrote (`run --decision-log`); `show` or `validate` read tables"
+        raise _log_error(name, f"a tuning table, not a decision log; {fix}")
     try:
-        data = load_json(read_regular_file(name, error=_log_error))
+        data = load_json(raw)
     except Invalid as exc:
         raise _log_error(name, f"not a readable decision log: {exc}") from None
     if not isinstance(data, dict) or data.get("format") != DECISIONS_FORMAT:
