@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO
 
+from ..core.errors import printable
 from . import EXIT_USAGE
 from .bootstrap import hold_lifeline, job_environment
 
@@ -68,6 +69,11 @@ def command_problem(argv: Sequence[str], env: Mapping[str, str]) -> tuple[int, s
     return None
 
 
+def say(prog: str, message: str) -> None:
+    """One line to stderr from a launcher, escaped: it quotes the user's words and paths."""
+    print(printable(f"{prog}: {message}"), file=sys.stderr)
+
+
 def run_armed(
     argv: Sequence[str],
     updates: Mapping[str, str],
@@ -92,7 +98,7 @@ def run_armed(
     """
     problem = command_problem(argv, os.environ)
     if problem is not None:
-        print(f"{prog}: {problem[1]}", file=sys.stderr)
+        say(prog, problem[1])
         return problem[0], 0
     work = folder or Path(tempfile.mkdtemp(prefix=f"megatron_tuning_{launcher}_"))
     try:
@@ -111,7 +117,7 @@ def run_armed(
                     preexec_fn=preexec(own_group),
                 )
             except OSError as exc:  # vanished since the check, or a bad #! interpreter
-                print(f"{prog}: cannot run {argv[0]!r}: {exc.strerror or exc}", file=sys.stderr)
+                say(prog, f"cannot run {argv[0]!r}: {exc.strerror or exc}")
                 return (EXIT_NOT_FOUND if isinstance(exc, FileNotFoundError) else EXIT_CANNOT_EXECUTE), 0
             code = _wait_passing_signals(process, timeout, own_group=own_group, passed=passed)
         finally:

@@ -20,7 +20,7 @@ from ..core.notices import TuningWarning, warn_once
 from ..tables.files import output_file_problem, output_folder_problem, write_atomic
 from . import EXIT_USAGE
 from .bootstrap import ENV_SCORE, PTH_MARKER, PTH_NAME, is_site_dir, pth_text
-from .job import add_job_argument, job_argv, job_command, run_armed
+from .job import add_job_argument, job_argv, job_command, run_armed, say
 
 RUN_MODES = ("deterministic", "auto", "chaos", "record", "off")  # `tune` pools in its own command
 
@@ -108,13 +108,13 @@ def run_run(args: argparse.Namespace) -> int:
     except MegatronTuningError as exc:
         name = str(getattr(exc, "name", ""))
         flag = next((f for f, (v, _) in _OPTIONS.items() if v in updates and v in name), None)
-        print(f"run: {flag + ': ' if flag else ''}{exc}", file=sys.stderr)
+        say("run", f"{flag + ': ' if flag else ''}{exc}")
         return EXIT_USAGE
     updates[knobs.ENV_MODE] = policy.mode  # the default mode, spelled out for every process
     if args.score_do_bench:  # every process scores its do_bench calls into this one file (docs/score.md)
         problem = _score_out_problem(args.score_do_bench)
         if problem:
-            print(f"run: --score-do-bench {args.score_do_bench}: {problem}", file=sys.stderr)
+            say("run", f"--score-do-bench {args.score_do_bench}: {problem}")
             return EXIT_USAGE
         out = {"do_bench": True, "out": os.path.abspath(args.score_do_bench), "run": uuid.uuid4().hex}
         updates[ENV_SCORE] = json.dumps(out)

@@ -24,7 +24,7 @@ from ..score.report import line
 from ..tables.files import output_file_problem, write_atomic
 from . import EXIT_SIGNAL, EXIT_USAGE
 from .bootstrap import ENV_SCORE
-from .job import PASSED_SIGNALS, add_job_argument, command_problem, job_argv, job_command
+from .job import PASSED_SIGNALS, add_job_argument, command_problem, job_argv, job_command, say
 from .launch import run_armed, validated_policy
 
 EXIT_INCORRECT, EXIT_DEMOTED = 3, 4
@@ -122,7 +122,7 @@ def _score_job(
     them into ``out``."""
     problem = output_file_problem(out)
     if problem:
-        print(f"score: cannot write {out}: {problem}", file=sys.stderr)
+        say("score", f"cannot write {out}: {problem}")
         return EXIT_USAGE
     work = Path(tempfile.mkdtemp(prefix="megatron_tuning_score_"))
     codes: list[int] = []

@@ -24,7 +24,7 @@ from ..tables.table import add_entries, load_table
 from ..tables.vote import vote_tables
 from . import EXIT_USAGE
 from .bootstrap import ENV_JOB_DIR, print_progress
-from .job import add_job_argument, command_problem, job_argv, job_command, run_armed
+from .job import add_job_argument, command_problem, job_argv, job_command, run_armed, say
 from .report import plot_into, require_matplotlib, summary
 
 PROCESS_PREFIX = "tuned-"  # per-process decision logs: tuned-<host>-<pid>.json
@@ -69,7 +69,7 @@ def run_tune(args: argparse.Namespace) -> int:
         policy = knobs.TuningPolicy.from_env(**{k: v for k, v in options if v is not None})
     problem = command_problem(job_argv(command), os.environ)
     if problem is not None:
-        print(f"tune: {problem[1]}", file=sys.stderr)
+        say("tune", problem[1])
         return problem[0]
     out = Path(args.out)
     args.results = args.results or str(out.with_name(out.name.split(".")[0] + ".tuning.json"))
@@ -77,7 +77,7 @@ def run_tune(args: argparse.Namespace) -> int:
         _check_outputs(args)  # written after the job: a path that cannot be written fails now
         work, temporary = _job_folder(args.work_dir)
     except _Refused as exc:
-        print(f"tune: {exc}", file=sys.stderr)
+        say("tune", str(exc))
         return EXIT_USAGE
     try:
         returncode, decisions = _run_job(command, work, policy, args)

@@ -363,6 +363,11 @@ def test_a_signal_sent_to_the_launchers_process_group_reaches_the_job_once(tmp_p
             process.wait()
 
 
+def test_a_command_name_with_control_characters_is_shown_escaped(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = _main(capsys, "--", "evil\x1b[2J\nname")
+    assert code == 127 and "\x1b" not in err and "\\x1b[2J" in err and err.count("\n") == 1
+
+
 def test_the_users_pythonpath_comes_before_the_checkout(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ) -> None:
