@@ -13,7 +13,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import IO
 
@@ -147,6 +147,21 @@ PASSED_SIGNALS = frozenset(
 )  # what a launcher passes on to its job
 
 
+def handle_signals(numbers: Iterable[int], handler: Callable[[int], None]) -> Callable[[], None]:
+    """Until the returned function is called, ``handler(number)`` runs for each signal of ``numbers``
+    this process gets (between jobs: ``run_armed`` passes them on during one); a no-op outside the
+    main thread, where no handler can be set."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    saved = {n: signal.signal(n, lambda number, frame: handler(number)) for n in numbers}
+
+    def restore() -> None:
+        for number, previous in saved.items():
+            signal.signal(number, previous)
+
+    return restore
+
+
 def _owns_terminal() -> bool:
     """Whether this process's group is its terminal's foreground group (an interactive shell's)."""
     for fd in (0, 1, 2):
@@ -199,12 +214,12 @@ def _wait_passing_signals(
             return None
     got = passed if passed is not None else []
 
-    def forward(number: int, frame: object) -> None:  # delivered to another thread: sender unknown
+    def forward(number: int) -> None:  # delivered to another thread: sender unknown
         got.append(number)
         if process.poll() is None:
             process.send_signal(number)
 
-    saved = {number: signal.signal(number, forward) for number in PASSED_SIGNALS}
+    restore = handle_signals(PASSED_SIGNALS, forward)
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, PASSED_SIGNALS | {signal.SIGCHLD})
     try:
         while process.poll() is None:
@@ -222,6 +237,5 @@ def _wait_passing_signals(
             got.append(info.si_signo)  # arrived as the job ended: nobody left to pass them to
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-        for number, handler in saved.items():
-            signal.signal(number, handler)
+        restore()
     return process.returncode

@@ -12,8 +12,7 @@ import shutil
 import signal
 import sys
 import tempfile
-import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +23,7 @@ from ..score.report import line
 from ..tables.files import output_file_problem, write_atomic
 from . import EXIT_SIGNAL, EXIT_USAGE
 from .bootstrap import ENV_SCORE
-from .job import PASSED_SIGNALS, add_job_argument, command_problem, job_argv, job_command, say
+from .job import PASSED_SIGNALS, add_job_argument, command_problem, handle_signals, job_argv, job_command, say
 from .launch import run_armed, validated_policy
 
 EXIT_INCORRECT, EXIT_DEMOTED = 3, 4
@@ -127,7 +126,7 @@ def _score_job(
     work = Path(tempfile.mkdtemp(prefix="megatron_tuning_score_"))
     codes: list[int] = []
     stop: list[int] = []  # signals sent to `score`: the series ends there, with what was measured
-    restore = _collect_signals(stop)
+    restore = handle_signals(PASSED_SIGNALS, stop.append)
     try:
         for index in range(processes):
             if stop:
@@ -172,20 +171,6 @@ def _score_job(
         return 1
     statuses = {r["status"] for r in results}
     return EXIT_INCORRECT if "incorrect" in statuses else EXIT_DEMOTED if "demoted" in statuses else 0
-
-
-def _collect_signals(into: list[int]) -> Callable[[], None]:
-    """Until the returned function is called, each signal a launcher passes on is appended to ``into``
-    instead of ending this process (between jobs; ``run_armed`` collects them during one)."""
-    if threading.current_thread() is not threading.main_thread():
-        return lambda: None
-    saved = {n: signal.signal(n, lambda number, frame: into.append(number)) for n in PASSED_SIGNALS}
-
-    def restore() -> None:
-        for number, handler in saved.items():
-            signal.signal(number, handler)
-
-    return restore
 
 
 def _compare(words: list[str]) -> int:

@@ -17,7 +17,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -28,7 +27,7 @@ from ..core.policy import AGREEMENT_MODES, ENV_MODE, MAX_AGREEMENT_TIMEOUT_S, PR
 from ..tables.files import write_atomic
 from . import EXIT_USAGE
 from .bootstrap import PACKAGE_PARENT, PLUMBING, hold_lifeline, stop_with_launcher
-from .job import EXIT_TIMEOUT, add_job_argument, job_argv, job_command, preexec, run_armed
+from .job import EXIT_TIMEOUT, add_job_argument, handle_signals, job_argv, job_command, preexec, run_armed
 
 KERNEL_MODULE = "megatron_tuning.kernels"
 CPU_SHAPES = ((37, 29, 45), (64, 48, 40))  # interpreted launches cost ~0.2 s: small, odd shapes
@@ -160,22 +159,8 @@ def _judge_your_job(mode: str, code: int, caught: int) -> tuple[bool, str]:
     )
 
 
-def _signals_raise(*numbers: int) -> Callable[[], None]:
-    """Until the returned function is called, each of these signals ends this process as an exception
-    (``SystemExit(128 + N)``), so cleanup runs; a no-op outside the main thread."""
-    if threading.current_thread() is not threading.main_thread():
-        return lambda: None
-
-    def stop(number: int, frame: object) -> None:
-        raise SystemExit(128 + number)
-
-    saved = {number: signal.signal(number, stop) for number in numbers}
-
-    def restore() -> None:
-        for number, handler in saved.items():
-            signal.signal(number, handler)
-
-    return restore
+def _exit_by(number: int) -> None:
+    raise SystemExit(128 + number)  # cleanup runs, as for Ctrl-C
 
 
 def _print_tail(title: str, text: str, lines: int = 25) -> None:
@@ -202,7 +187,7 @@ def _launch(args: argparse.Namespace, mode: str, folder: str, interpret: bool) -
     # sessions of their own) by the lifeline; a session of its own, so a timeout or a signal to this
     # process kills torchrun and its ranks with it.
     held = hold_lifeline(lifeline)
-    stopped = _signals_raise(signal.SIGTERM, signal.SIGHUP)
+    stopped = handle_signals((signal.SIGTERM, signal.SIGHUP), _exit_by)
     with subprocess.Popen(
         command,
         env=env,
@@ -220,7 +205,7 @@ def _launch(args: argparse.Namespace, mode: str, folder: str, interpret: bool) -
             os.killpg(process.pid, signal.SIGKILL)
             output, _ = process.communicate()
             returncode = None
-        except BaseException:  # Ctrl-C, SIGTERM (``_signals_raise``): the job goes with this process
+        except BaseException:  # Ctrl-C, SIGTERM (``_exit_by``): the job goes with this process
             os.killpg(process.pid, signal.SIGKILL)
             raise
         finally:
