@@ -25,7 +25,7 @@ from typing import Any
 from ..core.decisions import CHAOS_NO_OTHER_CONFIG
 from ..core.policy import AGREEMENT_MODES, ENV_MODE, MAX_AGREEMENT_TIMEOUT_S, PREFIX
 from ..tables.files import write_atomic
-from . import EXIT_USAGE
+from . import EXIT_USAGE, job
 from .bootstrap import PACKAGE_PARENT, PLUMBING, hold_lifeline, stop_with_launcher
 from .job import EXIT_TIMEOUT, add_job_argument, handle_signals, job_argv, job_command, preexec, run_armed
 
@@ -119,6 +119,10 @@ def _your_job(command: list[str], timeout: float, keep: str | None) -> int:
     """The user's job under ``run``'s launcher, deterministic then chaos, each within ``timeout``: 0
     only when the first exits 0 and in the second some process raised a ``DivergenceError``. The
     job's output goes to a log per run (its ranks' tracebacks would make a passing CI log look failed)."""
+    problem = job.command_problem(job_argv(command), os.environ)
+    if problem is not None:  # as `run` says it, with its status (127, 126)
+        job.say("selftest", problem[1])
+        return problem[0]
     logs = Path(keep or tempfile.mkdtemp(prefix="megatron_tuning_selftest_"))
     logs.mkdir(parents=True, exist_ok=True)
     print(f"megatron_tuning selftest: your job, deterministic then chaos: {shlex.join(command)}", flush=True)

@@ -98,6 +98,7 @@ def _fake_job(monkeypatch: pytest.MonkeyPatch, ends: dict[str, tuple[int, int]],
         return ends[mode]
 
     monkeypatch.setattr(selftest, "run_armed", fake_run_armed)
+    monkeypatch.setattr(selftest.job, "command_problem", lambda argv, env: None)  # train.py is pretend
     return modes
 
 
@@ -256,3 +257,10 @@ def test_the_builtin_job_dies_with_a_killed_selftest(tmp_path: Path, how: str) -
     finally:
         for pid in _tagged(tag):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_a_job_command_that_is_not_found_exits_127_as_run_does(capsys: pytest.CaptureFixture[str]) -> None:
+    from megatron_tuning import commands as cli
+
+    assert cli.main(["selftest", "--", "/no/such/command"]) == 127
+    assert "no such program: /no/such/command" in capsys.readouterr().err
