@@ -39,7 +39,9 @@ examples:
 
 Every process is pinned (deterministic, a table miss is an error). Exit status: 0 ok; 3 a
 correctness check failed; 4 a clock or integrity flag demoted a result; the job's own status when
-it failed; 2 for bad options. See docs/score.md.
+it failed; 1 when no process called measure(); 128+N when score was sent signal N (what was
+measured is written); 2 for bad options. `score compare` exits 4 when either side carries a
+demoting flag. See docs/score.md.
 """
 
 
