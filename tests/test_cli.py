@@ -619,6 +619,9 @@ def test_cache_prints_the_auto_cache_path_and_its_size(tmp_path, monkeypatch, ca
     monkeypatch.setenv("MEGATRON_TUNING_CACHE", "off")
     code, out, _ = run(capsys, "cache")
     assert code == 0 and "off" in out
+    monkeypatch.setenv("MEGATRON_TUNING_CACHE", str(tmp_path))  # a folder: auto would run without one
+    code, out, _ = run(capsys, "cache")
+    assert code == 2 and "not a file" in out and "not written yet" not in out
 
 
 def test_show_and_export_read_a_cache_over_the_table_read_limit_on_request(tmp_path, monkeypatch, capsys):

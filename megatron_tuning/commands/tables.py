@@ -17,7 +17,7 @@ from ..core.errors import MegatronTuningError, printable
 from ..core.identity import config_signature
 from ..core.policy import parse_int
 from ..tables.entry import entry_order
-from . import EXIT_FOUND, EXIT_OK, write_utf8
+from . import EXIT_FOUND, EXIT_OK, EXIT_USAGE, write_utf8
 
 
 def add_show(p: argparse.ArgumentParser) -> None:
@@ -256,6 +256,9 @@ def run_cache(args: argparse.Namespace) -> int:
         print("auto cache: off (MEGATRON_TUNING_CACHE=off)")
     elif os.path.isfile(path):
         print(f"{path}\t{len(load_table(path))} entries")
+    elif os.path.lexists(path):  # what `auto` refuses at start-up ("running without a cache")
+        print(f"{path}\t(not a file: auto runs without a cache; name a file in MEGATRON_TUNING_CACHE)")
+        return EXIT_USAGE
     else:
         print(f"{path}\t(not written yet)")
     return EXIT_OK
