@@ -170,8 +170,9 @@ def test_non_utf8_terminal_gets_escapes_and_json_stays_utf8(tmp_path):
     assert cli_bytes("show", path, "--json").stdout == exported.stdout
 
 
-def test_export_refuses_a_msgpack_output_name(capsys, tmp_path, table_path):
-    target = tmp_path / "view.msgpack"
+@pytest.mark.parametrize("name", ["view.msgpack", "view.txt"])  # show would read either as msgpack
+def test_export_refuses_an_output_name_other_than_json(capsys, tmp_path, table_path, name):
+    target = tmp_path / name
     code, _, err = run(capsys, "export", table_path, target)
     assert code == 2 and "name it .json" in err and not target.exists()
 

@@ -73,9 +73,9 @@ def run_export(args: argparse.Namespace) -> int:
     from ..tables.review import review_view
     from ..tables.table import load_table
 
-    if args.out.endswith(".msgpack"):  # load_table reads a .msgpack name as msgpack
+    if args.out != "-" and not args.out.endswith(".json"):  # the table commands read other names as msgpack
         fix = "name it .json (import converts JSON back to msgpack)"
-        raise MegatronTuningError(f"{args.out} ends in .msgpack, but export writes the JSON view; {fix}")
+        raise MegatronTuningError(f"{args.out} does not end in .json, but export writes the JSON view; {fix}")
     table = load_table(args.table, max_bytes=args.max_size)
     text = (review_view(table) if args.no_provenance else table).to_json()
     if args.out == "-":

@@ -153,7 +153,7 @@ def test_outputs_refuse_to_replace_a_fifo(tmp_path, capsys):
 
     table = tmp_path / "t.msgpack"
     save_table(Table([_entry(1)]), table)
-    fifo = tmp_path / "fakenull"
+    fifo = tmp_path / "fakenull.json"  # a name export takes: the FIFO is what is refused
     os.mkfifo(fifo)
     for argv in (["export", str(table), str(fifo)], ["merge", str(fifo), str(table)]):
         assert main(argv) == 2
