@@ -620,6 +620,9 @@ def test_cache_prints_the_auto_cache_path_and_its_size(tmp_path, monkeypatch, ca
     monkeypatch.setenv("MEGATRON_TUNING_CACHE", "off")
     code, out, _ = run(capsys, "cache")
     assert code == 0 and "off" in out
+    with pytest.raises(SystemExit) as usage:  # a name, never a path out of the cache folder
+        run(capsys, "cache", "--arch", "../../x")
+    assert usage.value.code == 2 and "not an arch tag" in capsys.readouterr().err
     monkeypatch.setenv("MEGATRON_TUNING_CACHE", str(tmp_path))  # a folder: auto would run without one
     code, out, _ = run(capsys, "cache")
     assert code == 2 and "not a file" in out and "not written yet" not in out

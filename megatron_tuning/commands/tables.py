@@ -10,6 +10,7 @@ import argparse
 import fnmatch
 import json
 import os
+import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -240,7 +241,16 @@ def add_cache(p: argparse.ArgumentParser) -> None:
         "<user cache dir>/megatron_tuning/<arch>/auto.msgpack) and its entry count. Review it with "
         "show/export/validate like any table."
     )
-    p.add_argument("--arch", help="the arch (default: this machine's; 'unknown' without a GPU)")
+    p.add_argument(
+        "--arch", type=_arch_name, help="the arch (default: this machine's; 'unknown' without a GPU)"
+    )
+
+
+def _arch_name(text: str) -> str:
+    """An arch tag as the cache path uses it (``sm90``): one plain name, never a path."""
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.+-]*", text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not an arch tag; give one such as sm90 or unknown")
+    return text
 
 
 def run_cache(args: argparse.Namespace) -> int:
