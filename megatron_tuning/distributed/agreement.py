@@ -271,19 +271,16 @@ class AgreementChecker(RaisedErrors):
 
     def flush(self) -> None:
         """Run checks deferred by a CUDA graph capture, and raise a divergence another rank recorded."""
-        try:
-            self._flush()
-        except MegatronTuningError as error:
-            self.note(error)
-            raise
+        self._raise_noted(self._attempt(self._flush))
 
     def poll(self) -> None:
         """Raise the divergence (or input mismatch) another rank recorded in the store, if any."""
-        try:
-            self._poll()
-        except MegatronTuningError as error:
+        self._raise_noted(self._attempt(self._poll))
+
+    def _raise_noted(self, error: Exception | None) -> None:
+        if error is not None:  # raised to the caller: its close will not raise it again
             self.note(error)
-            raise
+            raise error
 
     def _flush(self) -> None:
         with self._lock:
