@@ -35,6 +35,8 @@ from .keys import key_columns, key_from_text, keys_from_columns
 FORMAT = "megatron_tuning.table"
 SCHEMA = 2
 SCHEMAS = (1, 2)  # read; 1 stored keys as text
+# The first bytes of every table file: the 4-item array ``encode`` writes, then FORMAT.
+FILE_PREFIX = msgpack.packb([FORMAT, None, None, None])[:-3]
 MAX_ENTRIES = 1_000_000  # as many as auto's cache may be allowed to keep
 
 Decoded = tuple[str, dict[str, str], dict[Ident, Entry]]  # library version, header meta, entries

@@ -13,6 +13,7 @@ from typing import Any
 from ..core.decisions import Decision, get_decisions
 from ..core.errors import TableError
 from ..core.identity import current_rank, shared_kernel_id
+from .codec import FILE_PREFIX
 from .entry import Invalid, Numerics, check_numerics, key_from_data
 from .files import load_json, read_regular_file, write_atomic
 from .keys import key_from_text
@@ -36,7 +37,7 @@ def write_decisions(path: str | os.PathLike[str], decisions: Iterable[Decision] 
 def read_decisions(path: str | os.PathLike[str]) -> list[Decision]:
     name = os.fspath(path)
     raw = read_regular_file(name, error=_log_error)
-    if raw[:1] in (b"\x94", b"\xdc"):  # a msgpack array: a table file, not a log
+    if raw.startswith(FILE_PREFIX):  # a table file, not a log
         fix = "give the decision logs a run wrote (`run --decision-log`); `show` or `validate` read tables"
         raise _log_error(name, f"a tuning table, not a decision log; {fix}")
     try:
