@@ -239,7 +239,6 @@ def decide(
         kernel, policy, arch = state.kernel, installation.policy, installation.arch  # arch: once per decision
         launchable, call, consensus = may_measure and not capturing, (args, kwargs), installation.consensus
         measure = measure or installation.measure
-        shared = shared_kernel_id(kernel, state.config_list_digest)  # what agreement and chaos compare
         # auto's decisions: by content where the source is known (one per qualname, config list and
         # source, whatever the module name, as the auto cache keeps them), else by ``shared``.
         decided = shared_kernel_id(kernel, state.config_list_digest, state.source_hash)
@@ -271,6 +270,7 @@ def decide(
         if policy.mode == "chaos":
             offline, coordinator = capturing, installation.chaos
             # Claimed under the id the agreement check compares, so the first claim is what it pairs.
+            shared = shared_kernel_id(kernel, state.config_list_digest)
             choice = choose_chaos(
                 shared, key, live, rank=current_rank(), arch=arch, coordinator=coordinator, offline=offline
             )
