@@ -107,6 +107,28 @@ with lazy_benchmarker():
     twin_small = triton.autotune(configs=TWIN_SMALL_CONFIGS, key=["n"], do_bench=counting_do_bench)(twin_body)
     twin_large = triton.autotune(configs=TWIN_LARGE_CONFIGS, key=["n"], do_bench=counting_do_bench)(twin_body)
 
+    # A constexpr that is a jit function (an activation), as kernels take one: the two configs differ
+    # in nothing else, so only the function's name tells them apart.
+    @triton.jit
+    def negate(x):
+        return -x
+
+    @triton.jit
+    def double(x):
+        return x * 2
+
+    ACT_CONFIGS = [
+        triton.Config({"BLOCK_SIZE": 16, "ACT": negate}, num_warps=1),
+        triton.Config({"BLOCK_SIZE": 16, "ACT": double}, num_warps=1),
+    ]
+
+    @triton.autotune(configs=ACT_CONFIGS, key=["n"], do_bench=counting_do_bench)
+    @triton.jit
+    def activate(x_ptr, out_ptr, n, BLOCK_SIZE: tl.constexpr, ACT: tl.constexpr):
+        offsets = tl.program_id(0) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+        mask = offsets < n
+        tl.store(out_ptr + offsets, ACT(tl.load(x_ptr + offsets, mask=mask)), mask=mask)
+
     # The torchrun workers' kernels: y = x + 1 ("add"), y = 2x ("scale"), y = x + 3 (factory-made).
     BLOCK_CONFIGS = [
         triton.Config({"BLOCK": 16}, num_warps=1),

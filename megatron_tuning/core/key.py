@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+import types
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,7 +32,7 @@ _KINDS = frozenset((type(None), bool, int, float, str, Shown))
 
 
 def render(value: Any) -> str:
-    """Stable text for one value: keeps type distinctions (``True`` is not ``1``)."""
+    """Stable text for one value: keeps type distinctions (``True`` is not ``1``), never an address."""
     kind = type(value)
     if kind is int:
         return str(value)
@@ -47,8 +48,25 @@ def render(value: Any) -> str:
     if dtype is not None and shape is not None:
         return f"tensor({list(shape)}, {dtype})"
     text = repr(value)
-    # A default repr carries a memory address, which differs between processes.
-    return type(value).__name__ if " at 0x" in text else text
+    if " at 0x" not in text:
+        return text
+    # A default repr carries a memory address, which differs between processes. A function, class
+    # or jit function is named where it is defined instead, the same in every process, so ``relu``
+    # and ``gelu`` stay apart. Anything else is its type alone: ``config_list_digest`` refuses a
+    # kernel whose configs that leaves equal.
+    name = _defined_at(value)
+    return f"{type(value).__name__}({name})" if name else type(value).__name__
+
+
+def _defined_at(value: Any) -> str | None:
+    """``module:qualname`` of a function or class, or of the function a wrapper holds (``.fn``: the
+    interpreter's jit function); ``None`` for anything else."""
+    fn = getattr(value, "fn", None)
+    for obj in (value, fn) if isinstance(fn, types.FunctionType) else (value,):
+        module, qualname = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
+        if type(module) is str and type(qualname) is str:
+            return f"{module}:{qualname}"
+    return None
 
 
 def key_value(value: Any) -> Value:

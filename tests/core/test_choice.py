@@ -11,6 +11,7 @@ from megatron_tuning.core.choice import (
     InMemoryTable,
     choose,
     deterministic_choice,
+    match_live,
     warn_if_mamba_env_ignored,
 )
 from megatron_tuning.core.errors import TableMissError
@@ -214,3 +215,9 @@ def test_on_miss_error_names_every_way_out():
     assert KERNEL in message and key(100) in message
     for way in ("MEGATRON_TUNING_MODE=auto", "python -m megatron_tuning tune", "ON_MISS=nearest", "min_cost"):
         assert way in message
+
+
+def test_an_entry_matches_the_live_config_it_names_when_configs_differ_only_in_a_function():
+    negate, double = sk.ACT_CONFIGS
+    assert match_live(config_data(double), [negate, double]) is double
+    assert match_live(config_data(negate), [double, negate]) is negate

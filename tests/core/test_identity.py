@@ -77,6 +77,15 @@ def test_config_list_digest_ignores_order_and_duplicates_but_not_content():
     assert sorted({config_signature(c) for c in sk.ADD_CONFIGS})  # the digest's input is the signatures
 
 
+def test_configs_apart_only_in_a_function_sign_apart_and_so_do_their_lists():
+    negate, double = (config_signature(c) for c in sk.ACT_CONFIGS)
+    assert negate != double
+    assert f"({sk.__name__}:negate)" in negate and "0x" not in negate  # no address: the same in every process
+    with lazy_benchmarker():
+        one, other = (triton.autotune(configs=[c], key=["n"])(sk.activate.fn) for c in sk.ACT_CONFIGS)
+    assert config_list_digest(one) != config_list_digest(other)
+
+
 def test_an_autotuner_made_outside_the_module_is_told_apart_from_the_modules_own():
     # The module's own autotuner sees no other in its module: its id (and its tables) stay.
     with lazy_benchmarker():

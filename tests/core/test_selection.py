@@ -351,7 +351,7 @@ _PROBE = textwrap.dedent(
     out = {"key": s.tuning_key(sk.scale_add, args, {}), "id": s.kernel_id(sk.copy_hooked),
            "hash": s.kernel_source_hash(sk.scale_add),
            "twins": [s.kernel_id(sk.twin_small), s.kernel_id(sk.twin_large)],
-           "sigs": [s.config_signature(c) for c in sk.ADD_CONFIGS],
+           "sigs": [s.config_signature(c) for c in sk.ADD_CONFIGS + sk.ACT_CONFIGS],
            "cheapest": s.config_signature(s.deterministic_choice(sk.scale_add, sk.ADD_CONFIGS, args, {})),
            "order": [s.config_signature(c) for c in s.order_by_cost(list(reversed(sk.ADD_CONFIGS)))],
            "chaos": []}
@@ -379,5 +379,6 @@ def test_results_identical_across_fresh_processes():
         outputs.append(json.loads(done.stdout.strip().splitlines()[-1]))
     assert outputs[0] == outputs[1]
     assert len(set(outputs[0]["chaos"])) >= 2
+    assert len(set(outputs[0]["sigs"])) == len(sk.ADD_CONFIGS + sk.ACT_CONFIGS)  # a function by its name
     small, large = outputs[0]["twins"]  # the config-list digest is the same in every process
     assert small != large and small.startswith(f"{sk.__name__}:twin_body@")

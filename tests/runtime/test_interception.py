@@ -29,7 +29,7 @@ def _clean_state():
     sk.PRE_HOOK_CALLS.clear()
     decision_log().clear()
     reset_warnings()
-    for kernel in (sk.scale_add, sk.copy_hooked, sk.maybe_double.fn, sk.single_config_copy):
+    for kernel in (sk.scale_add, sk.copy_hooked, sk.maybe_double.fn, sk.single_config_copy, sk.activate):
         kernel.cache.clear()
     yield
     interception.uninstall()
@@ -88,6 +88,17 @@ def test_table_entry_pins_the_config():
     assert (decision.key, decision.source, decision.origin) == (key, "table", "<memory>")
     assert decision.signature == config_signature(sk.ADD_CONFIGS[3])
     assert sk.scale_add.best_config is sk.ADD_CONFIGS[3]  # matched back to the live object
+
+
+def test_a_table_entry_pins_a_config_that_differs_from_another_only_in_a_function():
+    negate, double = sk.ACT_CONFIGS
+    key = "n=8 | x_ptr:torch.float32, out_ptr:torch.float32"
+    interception.install(TuningPolicy(mode="deterministic"), table={(kernel_id(sk.activate), key): double})
+    x, out = torch.arange(8, dtype=torch.float32), torch.full((8,), float("nan"))
+    sk.activate[grid(8)](x, out, 8)
+    torch.testing.assert_close(out, x * 2)  # the entry's ``double``, not ``negate``
+    assert sk.activate.best_config is double
+    assert get_decisions()[0].signature == config_signature(double) != config_signature(negate)
 
 
 def test_on_miss_error_names_kernel_and_key():

@@ -446,6 +446,31 @@ def test_a_published_decision_is_adopted_without_measuring():
     assert adopted.config is sk.ADD_CONFIGS[1]  # the live Config object, hooks and all
 
 
+def test_an_adopting_rank_launches_the_published_config_when_configs_differ_only_in_a_function():
+    negate, double = sk.ACT_CONFIGS
+    # Rank 1's decision from a fake job store: the real one sends the config as JSON, which has no
+    # form for a function.
+    published = kv.Published(config_data(double), config_signature(double), 1, None)
+
+    class Job:
+        rank = 0
+
+        def lookup(self, *args: Any, **kwargs: Any) -> kv.Published:
+            return published
+
+    installation = pinning.Installation(TuningPolicy(mode="auto"), None, None, 0, Job())  # type: ignore[arg-type]
+    arg_names = tuple(sk.activate.arg_names)
+    state = pinning.AutotunerState(0, True, kernel_id(sk.activate), (("n", 2),), arg_names)
+    x = torch.arange(8, dtype=torch.float32)
+    call = (x, x, 8)
+    live = lambda: [negate, double]  # noqa: E731
+    config = pinning.decide(
+        sk.activate, state, installation, tuning_key(sk.activate, call, {}), call, {}, candidates=live
+    )
+    assert config is double  # adopted by signature: the config rank 1 launched, not the first listed
+    assert get_decisions()[-1].source == "adopted"
+
+
 def test_the_loser_of_a_race_launches_the_winners_config_says_so_and_keeps_its_timings(caplog):
     rank0, rank1 = store_pair()
 
