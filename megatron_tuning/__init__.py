@@ -18,6 +18,7 @@ from .core import __version__
 from .core.decisions import Decision, get_decisions
 from .core.errors import (
     AgreementTimeoutError,
+    AmbiguousConfigError,
     BenchmarkForbiddenError,
     BlockSizeOverrideError,
     CompiledLaunchNotPinnedError,
@@ -52,6 +53,7 @@ logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 __all__ = [  # and the seed API, listed once in selection.py
     "AgreementTimeoutError",
+    "AmbiguousConfigError",
     "BenchmarkForbiddenError",
     "BlockSizeOverrideError",
     "ConsensusError",

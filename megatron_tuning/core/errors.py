@@ -62,6 +62,21 @@ class BlockSizeOverrideError(MegatronTuningError, ValueError):
         )
 
 
+class AmbiguousConfigError(MegatronTuningError, ValueError):
+    """Two configs of one kernel have one signature but launch differently: a table entry, a published
+    decision or a chaos claim names a config by its signature, so it could launch the wrong one."""
+
+    def __init__(self, kernel: str, signature: str, fields: Sequence[str]) -> None:
+        self.kernel, self.signature, self.fields = kernel, signature, list(fields)
+        super().__init__(
+            f"Kernel {kernel} has two configs with the signature {signature!r} that differ in "
+            f"{', '.join(self.fields)}: a value there has no text that tells it apart (a lambda, a "
+            "function a factory made, an object with Python's default repr), so a config chosen by "
+            "signature could launch the other. Give each such value its own name (a module-level def or "
+            "class) or a __repr__ that differs between them and is the same in every process."
+        )
+
+
 class BenchmarkForbiddenError(MegatronTuningError, RuntimeError):
     """Something tried to benchmark an in-scope kernel under a policy that never measures."""
 

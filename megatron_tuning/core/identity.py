@@ -15,10 +15,10 @@ import textwrap
 import threading
 import types
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
-from .errors import PolicyError
+from .errors import AmbiguousConfigError, PolicyError
 from .key import render
 from .policy import TRUE_WORDS, parse_int
 
@@ -106,8 +106,22 @@ _ids_lock = threading.Lock()
 
 def config_list_digest(autotuner: Any) -> str:
     """12 hex digits naming the autotuner's declared configs (not their order, duplicates or hooks)
-    and, for a function made in another function, the values it closes over."""
-    parts = sorted({config_signature(c) for c in autotuner.configs})
+    and, for a function made in another function, the values it closes over. Every in-scope
+    kernel's list passes here before the library picks from it by signature, so here two configs
+    that sign alike but launch differently raise ``AmbiguousConfigError``."""
+    by_signature: dict[str, dict[str, Any]] = {}
+    for config in autotuner.configs:
+        data = config_data(config)
+        first = by_signature.setdefault(config_signature(data), data)
+        if data != first:  # an equal duplicate launches the same: harmless
+            fields = [k for k in first["kwargs"] if first["kwargs"][k] != data["kwargs"].get(k)]
+            fields += [k for k in first if k != "kwargs" and first[k] != data.get(k)]
+            raise AmbiguousConfigError(base_kernel_id(autotuner), config_signature(data), fields)
+    return _digest(autotuner, by_signature)
+
+
+def _digest(autotuner: Any, signatures: Iterable[str]) -> str:
+    parts = sorted(signatures)
     fn = _user_function(autotuner)
     for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
         with contextlib.suppress(ValueError):  # an unbound cell has no contents
@@ -168,11 +182,16 @@ def _compute_kernel_id(wrapper: Any) -> str:
     autotuner = _autotuner_in(wrapper)
     if autotuner is None:  # a bare @triton.jit (or heuristics) function: nothing to tell apart
         return base
-    fn, mine = _user_function(autotuner), config_list_digest(autotuner)
+    fn, mine = _user_function(autotuner), _unchecked_digest(autotuner)
     # Plain only for what the function's own module holds (alone, or with others of its config
     # list): an autotuner built anywhere else, or over a function made by a factory, is told apart.
-    home = {config_list_digest(o) for o in _module_autotuners_over(fn)}
+    # Unchecked: an out-of-scope kernel (or a sibling) with an ambiguous list still gets its name.
+    home = {_unchecked_digest(o) for o in _module_autotuners_over(fn)}
     return base if home == {mine} and "<locals>" not in fn.__qualname__ else f"{base}@{mine}"
+
+
+def _unchecked_digest(autotuner: Any) -> str:
+    return _digest(autotuner, {config_signature(c) for c in autotuner.configs})
 
 
 def wrappers(obj: Any) -> Iterator[Any]:

@@ -194,9 +194,9 @@ def state_for(autotuner: Any, installation: Installation) -> AutotunerState:
         kernel=kernel,
         key_index=tuple((name, arg_names.index(name)) for name in autotuner.keys if name in arg_names),
         arg_names=tuple(arg_names),
-        config_list_digest=config_list_digest(autotuner),
     )
-    if new.in_scope:
+    if new.in_scope:  # out of scope, Triton picks among the configs itself: nothing to check
+        new.config_list_digest = config_list_digest(autotuner)
         new.source_hash = kernel_source_hash(autotuner)
     with _active_lock:  # ordered with set_active, and a WeakSet is not iterated while it grows
         if installation is active:

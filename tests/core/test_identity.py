@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import importlib.util
+import pickle
 import sys
 import textwrap
 from pathlib import Path
 from typing import Any
 
+import pytest
 import triton
 
+from megatron_tuning.core.errors import AmbiguousConfigError
 from megatron_tuning.core.identity import (
     DIGEST_CHARS,
     base_kernel_id,
@@ -84,6 +87,50 @@ def test_configs_apart_only_in_a_function_sign_apart_and_so_do_their_lists():
     with lazy_benchmarker():
         one, other = (triton.autotune(configs=[c], key=["n"])(sk.activate.fn) for c in sk.ACT_CONFIGS)
     assert config_list_digest(one) != config_list_digest(other)
+
+
+class _Act:  # Python's default repr: an address, so only its type name signs
+    def __call__(self, x: Any) -> Any:
+        return x
+
+
+def _scaled(factor: float) -> Any:
+    def scale(x: Any) -> Any:
+        return x * factor
+
+    return scale
+
+
+def _activate_over(*acts: Any) -> Any:
+    with lazy_benchmarker():
+        configs = [triton.Config({"BLOCK_SIZE": 16, "ACT": act}, num_warps=1) for act in acts]
+        return triton.autotune(configs=configs, key=["n"])(sk.activate.fn)
+
+
+@pytest.mark.parametrize(
+    "acts",
+    [(lambda x: -x, lambda x: x * 2), (_scaled(2.0), _scaled(3.0)), (_Act(), _Act())],
+    ids=["lambdas", "factory-functions", "default-repr-objects"],
+)
+def test_configs_that_sign_alike_but_launch_differently_are_refused_naming_kernel_and_fix(acts):
+    autotuner = _activate_over(*acts)
+    signature = config_signature(autotuner.configs[0])
+    assert config_signature(autotuner.configs[1]) == signature  # nothing in their text tells them apart
+    with pytest.raises(AmbiguousConfigError) as info:
+        config_list_digest(autotuner)
+    message = str(info.value)
+    assert f"Kernel {sk.__name__}:activate has two configs with the signature {signature!r}" in message
+    assert "differ in ACT:" in message and "__repr__" in message and "its own name" in message
+    assert str(pickle.loads(pickle.dumps(info.value))) == message  # crosses processes whole
+    assert kernel_id(autotuner)  # naming it never refuses: an out-of-scope kernel is Triton's to pick
+
+
+def test_equal_duplicate_configs_are_not_ambiguous():
+    assert config_list_digest(_activate_over(sk.negate, sk.negate)) == config_list_digest(
+        _activate_over(sk.negate)
+    )
+    relu = _scaled(1.0)
+    assert config_list_digest(_activate_over(relu, relu))  # one object twice: either launches the same
 
 
 def test_an_autotuner_made_outside_the_module_is_told_apart_from_the_modules_own():

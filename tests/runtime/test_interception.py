@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
+import triton
 
 from megatron_tuning.core.decisions import decision_log, get_decisions
-from megatron_tuning.core.errors import BenchmarkForbiddenError, TableMissError
+from megatron_tuning.core.errors import AmbiguousConfigError, BenchmarkForbiddenError, TableMissError
 from megatron_tuning.core.identity import config_signature, kernel_id
 from megatron_tuning.core.notices import reset_warnings
 from megatron_tuning.core.policy import TuningPolicy
@@ -99,6 +100,21 @@ def test_a_table_entry_pins_a_config_that_differs_from_another_only_in_a_functio
     torch.testing.assert_close(out, x * 2)  # the entry's ``double``, not ``negate``
     assert sk.activate.best_config is double
     assert get_decisions()[0].signature == config_signature(double) != config_signature(negate)
+
+
+def test_configs_that_sign_alike_but_launch_differently_stop_an_in_scope_kernel_only():
+    with interception.lazy_benchmarker():
+        configs = [triton.Config({"BLOCK_SIZE": 16, "ACT": act}) for act in (lambda x: -x, lambda x: x * 2)]
+        ambiguous = triton.autotune(configs=configs, key=["n"], do_bench=sk.counting_do_bench)(sk.activate.fn)
+    x, out = torch.arange(8, dtype=torch.float32), torch.full((8,), float("nan"))
+    interception.install(TuningPolicy(mode="deterministic"))
+    with pytest.raises(AmbiguousConfigError, match=f"Kernel {sk.__name__}:activate has two configs"):
+        ambiguous[grid(8)](x, out, 8)
+    assert get_decisions() == [] and sk.BENCH_CALLS == []
+    interception.install(TuningPolicy(mode="deterministic", scope=("some.other.package",)))
+    ambiguous[grid(8)](x, out, 8)  # out of scope: Triton times and picks, as without the library
+    torch.testing.assert_close(out, -x)
+    assert len(sk.BENCH_CALLS) == 2
 
 
 def test_on_miss_error_names_kernel_and_key():
