@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 from ..core import identity
 from ..core.decisions import SOURCES, Decision
-from ..core.errors import printable
+from ..core.errors import MegatronTuningError, printable
 from ..core.policy import parse_int
 from ..tables.entry import Entry, entry_order
 from ..tables.search import installed_triton_version
@@ -51,7 +51,7 @@ def find_autotuners(module: Any) -> list[Any]:
     return found
 
 
-def _import_kernels(modules: Sequence[str], report: ValidationReport) -> tuple[set[str], dict[str, Any]]:
+def _import_kernels(modules: Sequence[str]) -> tuple[set[str], dict[str, Any]]:
     from ..runtime.interception import lazy_benchmarker  # Triton 3.2/3.3 without a GPU needs it
 
     covered: set[str] = set()
@@ -60,9 +60,8 @@ def _import_kernels(modules: Sequence[str], report: ValidationReport) -> tuple[s
         try:
             with lazy_benchmarker():
                 module = _import(name)
-        except (Exception, SystemExit) as exc:  # a finding about the user's code, not a crash
-            report.problems.append(Problem("-", "-", f"{name}:*", "-", f"cannot import module: {exc!r}"))
-            continue
+        except (Exception, SystemExit) as exc:  # bad input (exit 2), never a table problem nor an exit
+            raise MegatronTuningError(_import_failure(name, exc)) from exc
         # A package that re-exports some kernels of a submodule: scan that submodule too, so its
         # other kernels are not reported missing. Only scanned modules count as covered.
         pending = [(module.__name__, module)]
@@ -77,6 +76,23 @@ def _import_kernels(modules: Sequence[str], report: ValidationReport) -> tuple[s
                     pending.append((home, sys.modules[home]))
                 kernels[identity.kernel_id(autotuner)] = autotuner
     return covered, kernels
+
+
+def _import_failure(name: str, exc: BaseException) -> str:
+    """What went wrong importing ``--import name``, and the fix: a missing module or file is not the
+    same fix as a module that raised while it was imported."""
+    missing = getattr(exc, "name", None) if isinstance(exc, ModuleNotFoundError) else None
+    if missing is not None and (name == missing or name.startswith(missing + ".")):
+        return (
+            f"--import {name}: no module named {missing!r} on this Python's path. Check the name, install "
+            "its package or add its folder to PYTHONPATH, or pass the path of its .py file"
+        )
+    if name.endswith(".py") and not os.path.isfile(name):
+        return f"--import {name}: no such file. Pass the path of an existing .py file, or a module name"
+    return (
+        f"--import {name}: importing it raised {exc!r}. Fix the module (or install what it needs) so that "
+        "it imports, then validate again"
+    )
 
 
 def _import(name: str) -> Any:
@@ -112,7 +128,8 @@ def validate_tables(
     triton_version: str | None = None,
     modules: Sequence[str] = (),
 ) -> ValidationReport:
-    """Check every entry of the tables at ``paths``; unreadable tables raise ``TableError``."""
+    """Check every entry of the tables at ``paths``; unreadable tables raise ``TableError``, a module of
+    ``modules`` that cannot be imported ``MegatronTuningError`` (bad input, not a table problem)."""
     report = ValidationReport()
     if arch is None:
         arch = identity.arch_tag()
@@ -122,7 +139,7 @@ def validate_tables(
     version = triton_version if triton_version is not None else installed_triton_version()
     if version is None:
         report.notes.append("Triton version not checked: Triton is not installed (pass --triton-version)")
-    covered, kernels = _import_kernels(modules, report)
+    covered, kernels = _import_kernels(modules)
     for path in paths:
         table = load_table(path)
         for entry in table.entries():
@@ -175,7 +192,8 @@ def add_validate(p: argparse.ArgumentParser) -> None:
     p.description = (
         "Check every entry: its arch is this machine's (or --arch), it was tuned with the installed Triton, "
         "and, for kernels in modules given with --import, the kernel exists, its source hash matches and the "
-        "config is one it declares. Exit 1 when a problem is found."
+        "config is one it declares. Exit 1 when a problem is found; exit 2 for bad input: a table that "
+        "cannot be read, or a --import module that cannot be imported (named on stderr, with the fix)."
     )
     p.add_argument("tables", nargs="+", metavar="TABLE")
     p.add_argument("--arch", help="the arch to check against (default: this machine's; skipped when unknown)")
