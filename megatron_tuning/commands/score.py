@@ -40,8 +40,9 @@ examples:
 Every process is pinned (deterministic, a table miss is an error). Exit status: 0 ok; 3 a
 correctness check failed; 4 a clock or integrity flag demoted a result; the job's own status when
 it failed; 1 when no process called measure(); 128+N when score was sent signal N (what was
-measured is written); 2 for bad options. `score compare` exits 4 when either side carries a
-demoting flag. See docs/score.md.
+measured is written); 2 for bad options. When nothing was measured, --out is not written (a file
+already there is kept). `score compare` exits 4 when either side carries a demoting flag. See
+docs/score.md.
 """
 
 
@@ -62,7 +63,11 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
         "--budget-s", type=float, help="each measure call's time budget (overrides the job's)"
     )
     parser.add_argument("--target-ci", type=float, help="stop at this 95%% half-width (overrides the job's)")
-    parser.add_argument("--out", default="score.json", help="the pooled JSON (default score.json)")
+    parser.add_argument(
+        "--out",
+        default="score.json",
+        help="the pooled JSON (default score.json); not written when nothing was measured",
+    )
     parser.add_argument(
         "--do-bench", action="store_true", help="score the job's triton.testing.do_bench calls"
     )
@@ -149,6 +154,8 @@ def _score_job(
         restore()
         shutil.rmtree(work, ignore_errors=True)
     results = pooling.pool(per_process)
+    if not results:  # nothing measured: an --out already there (an earlier series) is not replaced
+        return _nothing_measured(out, codes, stop)
     report = {
         "format": pooling.RUN_FORMAT,
         "command": list(argv),
@@ -166,13 +173,21 @@ def _score_job(
         return EXIT_SIGNAL + stop[0]
     if codes[-1]:
         return codes[-1]
-    if not results:
-        print(
-            "score: the job called measure() nowhere (an unedited harness? add --do-bench)", file=sys.stderr
-        )
-        return 1
     statuses = {r["status"] for r in results}
     return EXIT_INCORRECT if "incorrect" in statuses else EXIT_DEMOTED if "demoted" in statuses else 0
+
+
+def _nothing_measured(out: str, codes: list[int], stop: list[int]) -> int:
+    """Say why no record came, and that ``out`` is not written; the status as when something was."""
+    kept = f"{out} is left as it was" if os.path.exists(out) else f"{out} is not written"
+    if stop:
+        why, status = f"score was sent {signal.Signals(stop[0]).name}", EXIT_SIGNAL + stop[0]
+    elif codes and codes[-1]:
+        why, status = f"process {len(codes)} ended with status {codes[-1]}", codes[-1]
+    else:
+        why, status = "the job called measure() nowhere (an unedited harness? add --do-bench)", 1
+    say("score", f"nothing was measured: {why}; {kept}")
+    return status
 
 
 def _compare(words: list[str]) -> int:

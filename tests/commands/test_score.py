@@ -23,8 +23,10 @@ REPO = Path(__file__).resolve().parents[2]
 CHILD = str(Path(__file__).with_name("score_child.py"))
 
 
-def _score(tmp_path: Path, *words: str) -> tuple[subprocess.CompletedProcess[str], dict]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MEGATRON_TUNING_")}
+def _score(
+    tmp_path: Path, *words: str, env: dict[str, str] | None = None
+) -> tuple[subprocess.CompletedProcess[str], dict]:
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("MEGATRON_TUNING_")}, **(env or {})}
     env["PYTHONPATH"] = str(REPO)
     out = tmp_path / "score.json"
     done = subprocess.run(
@@ -142,6 +144,39 @@ def test_a_sigterm_to_score_ends_the_series_keeps_what_was_measured_and_exits_14
     report = json.loads(out.read_text())
     assert report["exit_codes"] == [0] and len(report["results"]) == 1  # one process, kept
     assert "process 1 ended (score was sent SIGTERM); stopping" in err
+
+
+@pytest.mark.slow
+def test_a_series_that_measured_nothing_keeps_an_existing_out_and_a_partial_one_is_written(
+    tmp_path: Path,
+) -> None:
+    """Nothing already written is lost: --out used to be replaced by a file of 0 results."""
+    job = tmp_path / "job.py"  # measures in its first process and fails in the next ones
+    job.write_text(
+        "import os, runpy, sys\n"
+        "if os.path.exists('measured') or os.environ.get('FAIL_FIRST'):\n"
+        "    sys.exit(5)\n"
+        "open('measured', 'w').close()\n"
+        f"sys.argv = [{CHILD!r}, 'ok']\n"
+        f"runpy.run_path({CHILD!r})\n"
+    )
+    nothing = tmp_path / "nothing.py"
+    nothing.write_text("print('no measure() here')\n")
+    out = tmp_path / "score.json"
+    earlier = '{"format": "an earlier series"}'
+    out.write_text(earlier)
+    done, _ = _score(tmp_path, "--processes", "3", "--", str(job), env={"FAIL_FIRST": "1"})
+    assert done.returncode == 5 and out.read_text() == earlier, done.stderr[-3000:]
+    assert (
+        f"score: nothing was measured: process 1 ended with status 5; {out} is left as it was" in done.stderr
+    )
+    done, _ = _score(tmp_path, "--", str(nothing))
+    assert done.returncode == 1 and out.read_text() == earlier, done.stderr[-3000:]
+    assert "the job called measure() nowhere" in done.stderr and "is left as it was" in done.stderr
+    done, report = _score(tmp_path, "--processes", "3", "--", str(job))  # measured, then a failure
+    assert done.returncode == 5, done.stderr[-3000:]
+    assert report["exit_codes"] == [0, 5] and len(report["results"]) == 1
+    assert f"score: 1 result(s) from 1 process(es) in {out}" in done.stdout
 
 
 def _write(tmp_path: Path, name: str, ms: float, seed: int) -> Path:
