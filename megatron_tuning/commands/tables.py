@@ -201,12 +201,15 @@ def run_diff(args: argparse.Namespace) -> int:
 
 def add_merge(p: argparse.ArgumentParser) -> None:
     p.description = (
-        "Merge recordings (one per rank) or tables: one vote per input for each (arch, kernel, key); ties go "
+        "Merge recordings (one per rank), tables, or decision logs of measuring runs (tune's per-process "
+        "tuned-*.json or its --results, a record-mode decision log: one vote per process, stamped with the "
+        "installed Triton, as tune stamps them): one vote per input for each (arch, kernel, key); ties go "
         "to the lowest median time, then the lowest static cost, then the signature. Prints every entry "
         "where inputs disagreed. OUT is replaced; list it among INPUTS to keep its entries as one vote."
     )
     p.add_argument("out", metavar="OUT")
-    p.add_argument("inputs", nargs="+", metavar="INPUT", help="table files or folders of recordings")
+    help = "table files, folders of recordings (their *.msgpack), or decision logs (named one by one)"
+    p.add_argument("inputs", nargs="+", metavar="INPUT", help=help)
     p.add_argument("--json", action="store_true", help="print the disagreement report as JSON")
     p.add_argument("--strict", action="store_true", help="exit 1 when any inputs disagreed")
 

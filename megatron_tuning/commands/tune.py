@@ -49,8 +49,9 @@ def add_tune(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--numerics", choices=knobs.NUMERICS, help=numerics)
     parser.add_argument(
         "--work-dir",
-        help="keep per-process results in a new subfolder of this folder for each job (a new or empty "
-        "folder, or one tune used before; default: a temp dir, removed)",
+        help="keep per-process results (tuned-<host>-<pid>.json: `merge` votes them into a table) in a new "
+        "subfolder of this folder for each job (a new or empty folder, or one tune used before; default: "
+        "a temp dir, removed)",
     )
     add_job_argument(parser)
 
@@ -84,7 +85,8 @@ def run_tune(args: argparse.Namespace) -> int:
     except BaseException:
         # Writing the table failed, or the run was interrupted: what was measured stays on disk.
         if temporary and any(work.glob(f"{PROCESS_PREFIX}*.json")):
-            print(f"tune: per-process results kept in {work}", file=sys.stderr)
+            table = f"python -m megatron_tuning merge OUT {shlex.quote(str(work))}/{PROCESS_PREFIX}*.json"
+            say("tune", f"per-process results kept in {work}; `{table}` votes them into a table")
             temporary = False
         raise
     finally:

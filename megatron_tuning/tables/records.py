@@ -193,6 +193,36 @@ def recording_table(
     return table
 
 
+def is_decision_log(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` holds a JSON document of the decision-log format (unreadable: ``False``)."""
+    try:
+        data = load_json(read_regular_file(path))
+    except (TableError, Invalid):
+        return False
+    return isinstance(data, dict) and data.get("format") == DECISIONS_FORMAT
+
+
+def decision_votes(path: str | os.PathLike[str]) -> list[tuple[str, Table]]:
+    """A decision log as ``vote_tables`` inputs: its measured winners, one vote per process, as ``tune``
+    pools its per-process logs. A pooled log (``tune --results``) holds one decision per process for a
+    (kernel, key): the n-th votes in the n-th table. Stamped with the installed Triton, as ``tune``
+    stamps them (a log does not say which Triton measured it)."""
+    name, version = os.fspath(path), installed_triton_version()
+    tables: list[Table] = []
+    for decision in read_decisions(name):
+        entry = entry_from_decision(decision, triton_version=version)
+        if entry is None:
+            continue
+        table = next((t for t in tables if entry.ident not in t), None)
+        if table is None:
+            tables.append(table := Table(meta={"kind": "recording"}))
+        table.add(entry)
+    if not tables:
+        fix = "a pinned run's log has nothing to merge (`coverage` reads those)"
+        raise _log_error(name, f"holds no tuned or recorded decision; {fix}")
+    return [(name if len(tables) == 1 else f"{name}#{n}", t) for n, t in enumerate(tables, 1)]
+
+
 def recording_path(directory: str | os.PathLike[str], rank: int) -> Path:
     return Path(directory) / f"{RECORDING_PREFIX}{int(rank):05d}.msgpack"
 

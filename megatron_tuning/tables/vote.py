@@ -1,6 +1,7 @@
-"""The vote: recordings and tables of many runs into one table, one vote per input for each ident.
-The majority wins; ties go to the lowest median time, static cost, then signature text, so inputs in
-any order give the same bytes. Every disagreement is reported."""
+"""The vote: recordings, tables and decision logs of many runs into one table, one vote per input (a
+decision log: per process) for each ident. The majority wins; ties go to the lowest median time,
+static cost, then signature text, so inputs in any order give the same bytes. Every disagreement is
+reported."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from ..core.errors import TableError
 from ..core.fallback import estimate_config_cost
 from ..core.identity import config_signature
 from .files import LOCK_TIMEOUT_S, locked
-from .records import content_ident
+from .records import content_ident, decision_votes, is_decision_log
 from .search import expand_table_paths
 from .table import Entry, Table, entry_with, load_table, save_table
 
@@ -128,19 +129,31 @@ def _provenance_order(voter: tuple[str, Entry]) -> tuple[float, bytes]:
     return (math.inf if median is None else median, msgpack.packb(voter[1].to_data()))
 
 
+def _votes(name: str) -> list[tuple[str, Table]]:
+    """One input's votes: a table's, or a decision log's measured winners (one per process)."""
+    try:
+        return [(name, load_table(name))]
+    except TableError:
+        if not is_decision_log(name):  # told by its content, whatever the file's name
+            raise
+    return decision_votes(name)
+
+
 def vote_files(
     out: str | os.PathLike[str],
     inputs: Iterable[str | os.PathLike[str]],
     *,
     timeout_s: float = LOCK_TIMEOUT_S,
 ) -> VoteResult:
-    """Vote recordings/tables (folders: their ``*.msgpack``) into ``out``. To keep what ``out`` holds,
-    list it among ``inputs``: it votes once, and the merge holds its lock."""
+    """Vote recordings/tables (folders: their ``*.msgpack``) and decision logs of measuring runs (named
+    one by one) into ``out``. To keep what ``out`` holds, list it among ``inputs``: it votes once, and
+    the merge holds its lock."""
     target, inputs = os.fspath(out), list(inputs)
     listed = any(os.path.realpath(os.fspath(p)) == os.path.realpath(target) for p in inputs)
     with locked(target, timeout_s=timeout_s) if listed else contextlib.nullcontext():
         skip = set() if listed else {os.path.realpath(target)}
-        loaded = [(n, load_table(n)) for n in expand_table_paths(inputs) if os.path.realpath(n) not in skip]
+        names = [n for n in expand_table_paths(inputs) if os.path.realpath(n) not in skip]
+        loaded = [vote for name in names for vote in _votes(name)]
         if not loaded:  # e.g. a folder holding only an earlier output: never write an empty table
             where = ", ".join(os.fspath(p) for p in inputs)
             raise TableError(where, f"no input tables to merge besides {target}")

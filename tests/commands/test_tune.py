@@ -203,7 +203,34 @@ def test_tune_keeps_the_measurements_when_the_table_cannot_be_written(
     with pytest.raises(OSError):
         run(args)
     (kept,) = temp.glob("megatron_tuning_tune_*/tuned-*.json")
-    assert str(kept.parent) in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"per-process results kept in {kept.parent}" in err
+    assert f"python -m megatron_tuning merge OUT {kept.parent}/tuned-*.json" in err
+
+
+def test_merge_votes_a_jobs_kept_per_process_results_as_tune_did(
+    monkeypatch: MonkeyPatch, tmp_path: Path, capsys: CaptureFixture[str]
+) -> None:
+    # --work-dir keeps each process's tuned-<host>-<pid>.json; `merge` refused them (not a table).
+    from megatron_tuning import commands as cli
+    from megatron_tuning.commands import tune as tune_command
+
+    def two_processes(argv: list[str], updates: Any, prog: str, *, launcher: str, folder: Path) -> Any:
+        for decision in tiny_records(tie_band=0.0):  # two processes, two near-tied winners
+            write_decisions(folder / f"tuned-host-{decision.rank}.json", [decision])
+        return 0, 0
+
+    monkeypatch.setattr(tune_command, "command_problem", lambda argv, env: None)
+    monkeypatch.setattr(tune_command, "run_armed", two_processes)
+    out, work, merged = tmp_path / "t.msgpack", tmp_path / "work", tmp_path / "m.msgpack"
+    assert run(_parse(["--out", str(out), "--work-dir", str(work), "--", "job.py"])) == 0
+    kept = sorted(str(p) for p in work.glob("job-*/tuned-*.json"))
+    assert len(kept) == 2 and load_table(out).entries()[0].votes == (1, 2)
+    for inputs in (kept, [str(tmp_path / "t.tuning.json")]):  # the kept logs, or --results
+        capsys.readouterr()
+        assert cli.main(["merge", str(merged), *inputs]) == 0
+        assert "1 with disagreement" in capsys.readouterr().out
+        assert load_table(merged).entries() == load_table(out).entries()
 
 
 def test_tune_removes_its_temp_dir_after_a_successful_run(monkeypatch: MonkeyPatch, tmp_path: Path) -> None:

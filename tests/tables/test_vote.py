@@ -17,7 +17,7 @@ from megatron_tuning.core.key import Key
 from megatron_tuning.core.policy import TuningPolicy
 from megatron_tuning.runtime import interception
 from megatron_tuning.tables.entry import Entry, Timing, entry_with
-from megatron_tuning.tables.records import recording_path, write_recording
+from megatron_tuning.tables.records import read_decisions, recording_path, write_decisions, write_recording
 from megatron_tuning.tables.review import diff_tables
 from megatron_tuning.tables.search import TableSet
 from megatron_tuning.tables.table import Table, load_table
@@ -168,6 +168,47 @@ def test_vote_files_refuses_to_write_an_empty_table(tmp_path):
     with pytest.raises(TableError, match="no input tables to merge"):
         vote_files(only_out, [tmp_path / "only"])
     assert only_out.read_bytes() == before and not out.exists()
+
+
+def test_vote_files_reads_decision_logs_one_vote_per_process(tmp_path):
+    # What `tune` keeps per process (its tuned-<host>-<pid>.json) and its pooled --results: `merge`
+    # refused both as "not a megatron_tuning.table JSON document".
+    logs = [tmp_path / f"tuned-host-{rank}.json" for rank in range(3)]
+    for rank, (path, block) in enumerate(zip(logs, (64, 64, 128))):
+        write_decisions(path, [decision(block, rank=rank, source="tuned"), decision(32, key=M2, rank=rank)])
+    pooled = tmp_path / "t.tuning.json"  # one decision per process for each key, as --results holds
+    write_decisions(pooled, [d for path in logs for d in read_decisions(path)])
+    per_process, from_pooled = (
+        vote_files(tmp_path / "a.msgpack", logs),
+        vote_files(tmp_path / "b.msgpack", [pooled]),
+    )
+    assert per_process.inputs == [str(p) for p in logs]
+    assert from_pooled.inputs == [f"{pooled}#{n}" for n in (1, 2, 3)]
+    for path in ("a.msgpack", "b.msgpack"):
+        table = load_table(tmp_path / path)
+        assert table.get("sm90", KERNEL, M1).votes == (2, 3) and chosen_block(table) == 64
+        assert table.get("sm90", KERNEL, M2).votes == (3, 3)
+        assert table.get("sm90", KERNEL, M1).how == "tuned"
+    assert per_process.table == from_pooled.table
+    renamed = tmp_path / "decisions.log"  # told by content, as `run --decision-log` may name it
+    renamed.write_bytes(logs[0].read_bytes())
+    assert vote_files(tmp_path / "c.msgpack", [renamed]).inputs == [str(renamed)]
+
+
+def chosen_block(table: Table) -> int:
+    return table.get("sm90", KERNEL, M1).config["kwargs"]["BLOCK"]
+
+
+def test_vote_files_refuses_a_decision_log_without_measurements(tmp_path):
+    pinned = tmp_path / "decisions-rank0.json"
+    write_decisions(pinned, [decision(64, source="table")])
+    with pytest.raises(TableError, match="holds no tuned or recorded decision; a pinned run's log"):
+        vote_files(tmp_path / "out.msgpack", [pinned])
+    other = tmp_path / "other.json"  # JSON that is neither a table nor a log: the table reader's word
+    other.write_text('{"format": "something else"}')
+    with pytest.raises(TableError, match='missing "format": "megatron_tuning.table"'):
+        vote_files(tmp_path / "out.msgpack", [other])
+    assert not (tmp_path / "out.msgpack").exists()
 
 
 def test_merging_into_a_listed_output_holds_its_lock(tmp_path, monkeypatch):
