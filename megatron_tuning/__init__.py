@@ -31,6 +31,7 @@ from .core.errors import (
     StoreError,
     TableError,
     TableMissError,
+    UnstorableConfigError,
     UnsupportedTritonError,
 )
 from .core.notices import TuningWarning
@@ -70,6 +71,7 @@ __all__ = [  # and the seed API, listed once in selection.py
     "TuningHandle",
     "TuningPolicy",
     "TuningWarning",
+    "UnstorableConfigError",
     "UnsupportedTritonError",
     "__version__",
     "get_decisions",

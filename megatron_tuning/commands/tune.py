@@ -159,11 +159,14 @@ def _run_job(
     returncode, _ = run_armed(argv, updates, "tune", launcher="tune", folder=work)
     logs = [(str(f), read_decisions(f)) for f in sorted(work.glob(f"{PROCESS_PREFIX}*.json"))]
     decisions = [d for _, ds in logs for d in ds if d.source == "tuned"]
+    if not decisions and returncode:  # the job's own error (above) says why: no guess added to it
+        print(f"tune: the job exited with status {returncode} before it tuned anything", file=sys.stderr)
+        return returncode, []
     if not decisions:
         why = "Did it launch an in-scope autotuned kernel with more than one live config?"
         scope = "(MEGATRON_TUNING_SCOPE limits the scope.)"
         print(f"tune: the job recorded no tuned (kernel, key). {why} {scope}", file=sys.stderr)
-        return returncode or 1, []
+        return 1, []
     merged = vote_tables([(name, recording_table(ds)) for name, ds in logs])
     for path in (args.results, args.out):  # folders checked creatable before the job
         Path(path).parent.mkdir(parents=True, exist_ok=True)

@@ -77,6 +77,29 @@ class AmbiguousConfigError(MegatronTuningError, ValueError):
         )
 
 
+class UnstorableConfigError(MegatronTuningError, ValueError):
+    """A mode that stores or shares the configs it decides (``auto``, ``record``, ``tune``) met a
+    kernel with a config value no table or job store can hold; ``problem`` names the field and type."""
+
+    _STORES: ClassVar[dict[str, str]] = {
+        "auto": "persists each decision in its cache table and shares it with the job's ranks through "
+        "the job's store",
+        "record": "writes each recorded winner to a table file (its recording)",
+        "tune": "writes each tuned winner to a table",
+    }
+
+    def __init__(self, kernel: str, mode: str, problem: str) -> None:
+        self.kernel, self.mode, self.problem = kernel, mode, problem
+        stores = self._STORES.get(mode, "stores the configs it decides")
+        super().__init__(
+            f"Kernel {kernel} cannot run in mode {mode!r}, which {stores}: {problem}, so nothing "
+            "measured for this kernel could be kept. Pass such a value to the kernel as a launch "
+            "argument rather than as a config constexpr, or use mode 'deterministic', where a key "
+            "without a table entry launches the miss rule's config, chosen without measuring, and "
+            "nothing is stored."
+        )
+
+
 class BenchmarkForbiddenError(MegatronTuningError, RuntimeError):
     """Something tried to benchmark an in-scope kernel under a policy that never measures."""
 

@@ -17,7 +17,7 @@ from ..core import notices
 from ..core.chaos import ChaosCoordinator, choose_chaos
 from ..core.choice import Choice, ConfigTable, choose
 from ..core.decisions import Decision, decision_log
-from ..core.errors import ConsensusError
+from ..core.errors import ConsensusError, UnstorableConfigError
 from ..core.identity import (
     arch_tag,
     config_data,
@@ -31,6 +31,7 @@ from ..core.identity import (
 )
 from ..core.key import Key, call_key, render
 from ..core.policy import TuningPolicy
+from ..tables.entry import Invalid, check_config
 
 logger = logging.getLogger("megatron_tuning.runtime.interception")
 progress = logging.getLogger("megatron_tuning.tuning.tuner.progress")
@@ -38,6 +39,7 @@ progress = logging.getLogger("megatron_tuning.tuning.tuner.progress")
 Measure = Callable[[Any, list[Any], tuple[Any, ...], dict[str, Any], str, str], tuple[Any, dict[str, Any]]]
 
 STATE_ATTR = "_megatron_tuning_state"
+STORING_MODES = ("auto", "record", "tune")  # they store or share the configs they decide
 
 
 class PublishedDecision(Protocol):
@@ -198,6 +200,8 @@ def state_for(autotuner: Any, installation: Installation) -> AutotunerState:
     if new.in_scope:  # out of scope, Triton picks among the configs itself: nothing to check
         new.config_list_digest = config_list_digest(autotuner)
         new.source_hash = kernel_source_hash(autotuner)
+        if installation.policy.mode in STORING_MODES:
+            _check_storable(autotuner, kernel, installation.policy.mode)
     with _active_lock:  # ordered with set_active, and a WeakSet is not iterated while it grows
         if installation is active:
             autotuner.__dict__[STATE_ATTR] = new
@@ -207,6 +211,15 @@ def state_for(autotuner: Any, installation: Installation) -> AutotunerState:
             Decision(kernel, "*", "", "out_of_scope", arch=installation.arch, rank=current_rank())
         )
     return new
+
+
+def _check_storable(autotuner: Any, kernel: str, mode: str) -> None:
+    """Refuse, before anything is measured, a kernel any of whose configs a table could not hold."""
+    for config in autotuner.configs:
+        try:
+            check_config(config_data(config))
+        except Invalid as exc:
+            raise UnstorableConfigError(kernel, mode, str(exc)) from None
 
 
 def decide(

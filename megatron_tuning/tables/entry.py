@@ -229,7 +229,7 @@ def check_config(config: Any) -> dict[str, Any]:
         # Triton launches at most 1024 threads' worth of warps; -2**63 is no config at all.
         if not low <= value <= _MAX_WARPS_OR_STAGES:
             raise Invalid(f"config.{name}={value} is outside {low}..{_MAX_WARPS_OR_STAGES}")
-    canonical = _canonical(config, 0)
+    canonical = _canonical(config, 0, "config")
     if len(_INTERNED) >= _INTERN_LIMIT:
         _INTERNED.clear()
     interned = _INTERNED.setdefault(msgpack.packb(canonical, use_bin_type=True, strict_types=True), canonical)
@@ -238,15 +238,16 @@ def check_config(config: Any) -> dict[str, Any]:
     return interned  # type: ignore[no-any-return]
 
 
-def _canonical(value: Any, depth: int) -> Any:
-    """A msgpack/JSON-safe value validated, every map's keys sorted."""
+def _canonical(value: Any, depth: int, field: str) -> Any:
+    """A msgpack/JSON-safe value validated, every map's keys sorted. ``field``: the name of the map
+    entry it is in (a list's items are in their list's), what a refusal names."""
     kind = type(value)
     if kind is str:
         check_text("config string", value)
     elif kind is int and not INT_MIN <= value <= INT_MAX:
-        raise Invalid(f"integer {value} is outside msgpack's range")
+        raise Invalid(f"integer {value} in config field {field} is outside msgpack's range")
     elif kind is float and not math.isfinite(value):
-        raise Invalid(f"non-finite number {value!r} in config")
+        raise Invalid(f"non-finite number {value!r} in config field {field}")
     elif kind in (str, bool, int, float) or value is None:
         pass
     elif depth >= _MAX_DEPTH:
@@ -256,11 +257,14 @@ def _canonical(value: Any, depth: int) -> Any:
             if type(k) is not str:
                 raise Invalid(f"config map keys must be strings, got {k!r}")
             check_text("config key", k)
-        return {k: _canonical(value[k], depth + 1) for k in sorted(value)}
+        return {k: _canonical(value[k], depth + 1, k) for k in sorted(value)}
     elif kind is list or kind is tuple:  # tuples become lists: that is what a reload gives
-        return [_canonical(item, depth + 1) for item in value]
+        return [_canonical(item, depth + 1, field) for item in value]
     else:
-        raise Invalid(f"config value of type {kind.__name__} cannot be stored")
+        raise Invalid(
+            f"config field {field} holds a value of type {kind.__name__}, which cannot be stored (tables "
+            "and the job's store hold int, float, bool, str and None, and lists and maps of them)"
+        )
     return value
 
 

@@ -129,6 +129,34 @@ def test_tune_reports_a_job_that_tuned_nothing(tmp_path: Path, capsys: pytest.Ca
     assert "recorded no tuned" in capsys.readouterr().err
 
 
+def test_tune_refuses_a_kernel_whose_config_cannot_be_stored_before_measuring(
+    tmp_path: Path, capfd: CaptureFixture[str]
+) -> None:
+    # The kernel's configs hold a jit function: no table could hold its winner.
+    script = tmp_path / "job.py"
+    script.write_text(
+        textwrap.dedent(f"""
+            import sys
+            import torch
+            sys.path.insert(0, {str(Path(__file__).parents[2])!r})
+            from tests import support_kernels as sk
+
+            x = torch.arange(8, dtype=torch.float32)
+            sk.activate[sk.grid(8)](x, torch.empty(8), 8)
+            print("measured", len(sk.BENCH_CALLS))
+        """)
+    )
+    out = tmp_path / "t.msgpack"
+    assert run(_parse(["--out", str(out), "--rounds", "1", "--", str(script)])) == 1
+    captured = capfd.readouterr()
+    assert "UnstorableConfigError: Kernel tests.support_kernels:activate cannot run in mode 'tune'" in (
+        captured.err
+    )
+    assert "config field ACT" in captured.err and "as a launch argument" in captured.err
+    assert "the job exited with status 1 before it tuned anything" in captured.err
+    assert "measured" not in captured.out and not out.exists()
+
+
 def test_ranks_pool_through_the_vote_merge_uses_whatever_the_order() -> None:
     # Two ranks tuned one key and picked different winners (near-tied): one entry, two votes, the
     # same bytes in either order; equal medians, so the tie goes to the lower static cost.
