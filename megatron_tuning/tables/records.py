@@ -13,6 +13,7 @@ from typing import Any
 from ..core.decisions import Decision, get_decisions
 from ..core.errors import TableError
 from ..core.identity import current_rank, shared_kernel_id
+from ..core.key import render
 from .codec import FILE_PREFIX
 from .entry import Invalid, Numerics, check_numerics, key_from_data
 from .files import load_json, read_regular_file, write_atomic
@@ -28,10 +29,12 @@ _HOW = {"recorded": "recorded", "tuned": "tuned", "adopted": "tuned"}
 
 
 def write_decisions(path: str | os.PathLike[str], decisions: Iterable[Decision] | None = None) -> None:
-    """Write decisions (default: this process's log) as JSON: what ``coverage`` reads."""
+    """Write decisions (default: this process's log) as JSON: what ``coverage`` reads. A config value
+    JSON has no form for (a jit function as a constexpr: only modes that store nothing launch one) is
+    written as its text, as in the signature; no table entry is made from such a decision."""
     rows = [d.to_json() for d in (get_decisions() if decisions is None else decisions)]
     doc = {"format": DECISIONS_FORMAT, "version": 2, "decisions": rows}  # not sort_keys: keys keep order
-    write_atomic(path, json.dumps(doc, indent=1).encode("utf-8"), error=_log_error)
+    write_atomic(path, json.dumps(doc, indent=1, default=render).encode("utf-8"), error=_log_error)
 
 
 def read_decisions(path: str | os.PathLike[str]) -> list[Decision]:

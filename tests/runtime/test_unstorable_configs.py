@@ -1,8 +1,8 @@
 """A kernel whose config holds a value no table can store (a jit function as a constexpr): the modes
 that store or share decisions (``auto``, ``record``, ``tune``) refuse it at its first in-scope
 launch, before measuring, with one error naming the kernel, the field, the type and the fix; the
-modes that store nothing launch it as before. Real launches in the interpreter; measurements are
-fakes that count their calls."""
+modes that store nothing launch it as before, and a decision log writes the value as its text. Real
+launches in the interpreter; measurements are fakes that count their calls."""
 
 from __future__ import annotations
 
@@ -18,11 +18,12 @@ import megatron_tuning
 from megatron_tuning.core.decisions import decision_log, get_decisions
 from megatron_tuning.core.errors import UnstorableConfigError
 from megatron_tuning.core.identity import config_signature, kernel_id
+from megatron_tuning.core.key import render
 from megatron_tuning.core.notices import reset_warnings
 from megatron_tuning.core.policy import TuningPolicy
 from megatron_tuning.distributed.store import StoreConsensus
 from megatron_tuning.runtime import interception
-from megatron_tuning.tables.records import recording_path
+from megatron_tuning.tables.records import read_decisions, recording_path
 from megatron_tuning.tables.table import load_table
 
 from .. import support_kernels as sk
@@ -132,3 +133,13 @@ def test_deterministic_without_a_table_launches_the_cheapest_without_measuring()
     assert sk.activate.best_config is double and sk.BENCH_CALLS == []
     (decision,) = get_decisions()
     assert (decision.source, decision.signature) == ("cheapest", config_signature(double))
+
+
+def test_a_deterministic_decision_log_writes_such_a_value_as_its_text(tmp_path: Path) -> None:
+    log = tmp_path / "decisions.json"
+    policy = TuningPolicy(mode="deterministic", decision_log=str(log), use_shipped_tables=False)
+    with megatron_tuning.init_deterministic_tuning(policy):
+        _activate()
+    (decision,) = read_decisions(log)
+    assert decision.source == "cheapest" and decision.signature == config_signature(sk.ACT_CONFIGS[1])
+    assert decision.config["kwargs"]["ACT"] == render(sk.double)
