@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import torch.distributed as dist
 
@@ -27,22 +27,6 @@ STORE_UP_TO_RANKS = 64
 CHECKED_MODES = ("deterministic", "chaos", "auto")  # the policy modes whose ranks must agree per key
 CLOSE_CHECKED = ("store", "verify")  # agreement modes whose session ends with ``verify.verify_at_close``
 logger = logging.getLogger(__name__)
-
-
-class Agreement(Protocol):
-    """What a session's cross-rank checks provide (``AgreementChecker``, ``FailedAgreement``)."""
-
-    mode: str  # "store", "allgather", "verify", or "inputs" (the inputs claim only)
-    timeout_s: float  # how long a check waits for the other ranks
-
-    def check(self, decision: Decision) -> None: ...  # compare a new (kernel, key) with the others
-    def note(self, error: BaseException) -> None: ...  # this rank raised ``error`` to its caller
-
-    def flush(self) -> None: ...  # run checks deferred by a graph capture, then ``poll``
-
-    def poll(self) -> None: ...  # raise the divergence or input mismatch another rank recorded
-
-    def stop(self, *, final_check: bool = True) -> None: ...  # end; ``verify``: the check at close
 
 
 _active: Agreement | None = None
@@ -178,7 +162,7 @@ class AgreementChecker(RaisedErrors):
         ranks: Sequence[int] | None = None,
     ) -> None:
         super().__init__()
-        self.mode: str = mode or policy.agreement or "store"
+        self.mode: str = mode or policy.agreement or "store"  # or "verify", "allgather", "inputs"
         self.policy = policy
         self.timeout_s = policy.agreement_timeout_s
         self.unchecked = unchecked_sources(policy.mode)
@@ -349,6 +333,9 @@ class AgreementChecker(RaisedErrors):
             )
         signatures = {self.ranks[i]: texts[i][2] for i in same}
         raise DivergenceError(texts[0][0], texts[0][1], signatures, detail, self.policy.mode == "chaos")
+
+
+Agreement = AgreementChecker | FailedAgreement  # a session's cross-rank checks: ``active_checker()``
 
 
 def _error_from_flag(record: Mapping[str, Any]) -> Exception:

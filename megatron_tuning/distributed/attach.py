@@ -36,7 +36,7 @@ class LateAttach:
     def __init__(self, policy: TuningPolicy, table: Any, group: Any, world_size: int) -> None:
         self.policy, self.table, self.group, self.world_size = policy, table, group, world_size
         self.first_decision = len(get_decisions())  # the log is per process: ours start here
-        self.agreement: Any = None  # the session's checks once attached (``agreement.Agreement``)
+        self.agreement: agreement.Agreement | None = None  # the session's checks once attached
         self.attached = False
         self.error: Exception | None = None
         self._lock = threading.Lock()
