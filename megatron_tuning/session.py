@@ -20,7 +20,7 @@ from .core.errors import (
     MegatronTuningError,
     PolicyError,
 )
-from .core.identity import arch_tag, current_rank, node_arch
+from .core.identity import arch_tag, current_rank, group_exists, node_arch
 from .core.notices import warn_once
 from .core.policy import ENV_DECISION_LOG, ENV_RECORD_DIR, TuningPolicy
 from .runtime import interception
@@ -145,7 +145,7 @@ def _init(policy: TuningPolicy | None, table: Any, group: Any, measure: Measure 
     policy = policy if policy is not None else TuningPolicy.from_env()
     check_output_paths(policy)  # outputs are written at close: a bad path must fail now, not then
     warn_if_mamba_env_ignored(policy)
-    if policy.mode == "auto" and not _group_exists() and _launcher_world_size() > 1:  # else: at the attach
+    if policy.mode == "auto" and not group_exists() and _launcher_world_size() > 1:  # else: at the attach
         from .distributed.store import check_auto_world
 
         check_auto_world(_launcher_world_size())
@@ -191,7 +191,7 @@ def _init(policy: TuningPolicy | None, table: Any, group: Any, measure: Measure 
         interception.uninstall()
         raise
     handle = TuningHandle(policy, resolved_table, agreement, cache)
-    if not _group_exists():  # what crosses ranks (inputs, checks, auto's consensus) waits for the group
+    if not group_exists():  # what crosses ranks (inputs, checks, auto's consensus) waits for the group
         from .distributed.attach import LateAttach
 
         handle._late = LateAttach(policy, resolved_table, group, _launcher_world_size())
@@ -239,12 +239,6 @@ def _start_agreement(policy: TuningPolicy, group: Any, table: Any) -> Any:
 
     # Tables and versions are compared once here, so a rank with other tables fails at init.
     return start_agreement(policy, group, inputs=describe_inputs(policy, table))
-
-
-def _group_exists() -> bool:
-    import torch.distributed as dist
-
-    return bool(dist.is_available() and dist.is_initialized())
 
 
 def _launcher_world_size() -> int:

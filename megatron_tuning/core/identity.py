@@ -285,14 +285,20 @@ def config_signature(config: Any) -> str:
     return ", ".join(parts)
 
 
-def current_rank() -> int:
+def group_exists() -> bool:
+    """Whether this process has a ``torch.distributed`` process group."""
     try:
         import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            return int(dist.get_rank())
     except ImportError:
-        pass
+        return False
+    return bool(dist.is_available() and dist.is_initialized())
+
+
+def current_rank() -> int:
+    if group_exists():
+        import torch.distributed as dist
+
+        return int(dist.get_rank())
     raw = os.environ.get("RANK", "").strip()
     if not raw:
         return 0

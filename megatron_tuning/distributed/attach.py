@@ -15,10 +15,8 @@ import os
 import threading
 from typing import Any
 
-import torch.distributed as dist
-
 from ..core.decisions import get_decisions
-from ..core.identity import current_rank
+from ..core.identity import current_rank, group_exists
 from ..core.notices import warn_once
 from ..core.policy import TuningPolicy
 from ..runtime import pinning
@@ -52,7 +50,7 @@ class LateAttach:
 
     def __call__(self, installation: pinning.Installation) -> pinning.Installation:
         """At a new key: attach, checking the earlier decisions now (a divergence raises here)."""
-        if self.attached or not _group_exists():
+        if self.attached or not group_exists():
             return installation
         with self._lock:
             if self.error is not None:
@@ -63,7 +61,7 @@ class LateAttach:
         """At ``verify_agreement`` and at close: attach if the group exists. The earlier decisions wait
         for that check's flush, and a failed attach for its ``FailedAgreement``: both raise after the
         check's collective, so no other rank waits for this one."""
-        if self.attached or self.error is not None or not _group_exists():
+        if self.attached or self.error is not None or not group_exists():
             return
         with self._lock:
             if not self.attached and self.error is None:
@@ -127,10 +125,6 @@ class LateAttach:
             pinning.before_decision.remove(self)
         with contextlib.suppress(ValueError):
             agreement.before_verify.remove(self.attach_now)
-
-
-def _group_exists() -> bool:
-    return bool(dist.is_available() and dist.is_initialized())
 
 
 def _expects_checks(policy: TuningPolicy) -> bool:
