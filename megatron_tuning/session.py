@@ -185,7 +185,10 @@ def _init(policy: TuningPolicy | None, table: Any, group: Any, measure: Measure 
     try:
         if policy.print_decisions:  # before the check's listener: the line comes before its error
             decision_log().add_listener(print_decision)
-        agreement = _start_agreement(policy, group, resolved_table)
+        from .distributed.agreement import describe_inputs, start_agreement
+
+        # Tables and versions are compared once here, so a rank with other tables fails at init.
+        agreement = start_agreement(policy, group, inputs=describe_inputs(policy, resolved_table))
     except BaseException:
         decision_log().remove_listener(print_decision)
         interception.uninstall()
@@ -232,13 +235,6 @@ def _cache_arch() -> str:
         current,
     )
     return current
-
-
-def _start_agreement(policy: TuningPolicy, group: Any, table: Any) -> Any:
-    from .distributed.agreement import describe_inputs, start_agreement
-
-    # Tables and versions are compared once here, so a rank with other tables fails at init.
-    return start_agreement(policy, group, inputs=describe_inputs(policy, table))
 
 
 def _launcher_world_size() -> int:
