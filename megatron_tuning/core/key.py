@@ -85,12 +85,18 @@ def _checked(value: Any) -> Value:
         raise ValueError(f"key value {value!r}: a number beyond what a table stores as one")
     if kind not in _KINDS:
         raise ValueError(f"key value {value!r}: expected None, bool, int, float or str")
-    if kind is str and not value.isascii():
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:  # what a JSON "\\ud800" escape gives: no UTF-8 form
-            raise ValueError(f"key value {value!r} is not valid Unicode (lone surrogate)") from None
+    if kind is str and not has_utf8(value):
+        raise ValueError(f"key value {value!r} is not valid Unicode (lone surrogate)")
     return value  # type: ignore[no-any-return]
+
+
+def has_utf8(text: str) -> bool:
+    """Whether ``text`` has a UTF-8 form (one msgpack can store): a lone surrogate, what a JSON
+    ``\\ud800`` escape gives, has none."""
+    try:
+        return text.isascii() or bool(text.encode("utf-8"))  # never empty: the text is not ASCII
+    except UnicodeEncodeError:
+        return False
 
 
 class Key(str):

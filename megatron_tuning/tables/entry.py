@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 import msgpack
 
 from ..core.identity import CONFIG_FIELDS
-from ..core.key import INT_MAX, INT_MIN, Key
+from ..core.key import INT_MAX, INT_MIN, Key, has_utf8
 
 HOW_VALUES = ("tuned", "recorded", "hand")
 Ident = tuple[str, str, str]  # (arch, kernel id, key): what a table holds one entry of
@@ -191,12 +191,9 @@ def entry_from_data(row: Any) -> Entry:
 
 
 def check_text(name: str, text: str) -> None:
-    """Refuse text msgpack cannot store: a lone surrogate (a JSON ``\\ud800``) has no UTF-8 form."""
-    if not text.isascii():
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError:
-            raise Invalid(f"{name} {text!r} is not valid Unicode (lone surrogate)") from None
+    """Refuse text msgpack cannot store (``has_utf8``)."""
+    if not has_utf8(text):
+        raise Invalid(f"{name} {text!r} is not valid Unicode (lone surrogate)")
 
 
 # Canonical configs are interned: entries share one read-only dict per config, which is validated
