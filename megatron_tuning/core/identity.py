@@ -77,12 +77,11 @@ def _arch_for_device(index: int) -> str:
 
 def _user_function(autotuner: Any) -> Any:
     base = getattr(autotuner, "base_fn", None)
-    fn = base if inspect.isfunction(base) else autotuner
-    for _ in range(16):  # wrappers nest a few levels at most; bound the walk against cycles
-        if inspect.isfunction(fn):
-            return fn
-        fn = getattr(fn, "fn", None)
-    raise TypeError(f"cannot find the Python function behind {autotuner!r}")
+    start = base if inspect.isfunction(base) else autotuner
+    fn = next((obj for obj in wrappers(start) if inspect.isfunction(obj)), None)
+    if fn is None:
+        raise TypeError(f"cannot find the Python function behind {autotuner!r}")
+    return fn
 
 
 def kernel_name(autotuner: Any) -> str:
