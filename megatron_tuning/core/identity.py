@@ -246,9 +246,13 @@ def _source_hash_of(fn: Any) -> str | None:
         return None
     # Hash from the ``def`` line on, so decorator arguments (the config list) do not count and
     # the hash is the same for a JITFunction and the interpreter's InterpretedFunction.
+    return hashlib.sha256((from_def_line(source) or source).encode("utf-8")).hexdigest()
+
+
+def from_def_line(source: str) -> str | None:
+    """A function's source from its first top-level ``def`` line on (no decorators), else ``None``."""
     match = re.search(r"^def\s+\w+\s*\(", source, re.MULTILINE)
-    body = source[match.start() :] if match else source
-    return hashlib.sha256(body.encode("utf-8")).hexdigest()
+    return source[match.start() :] if match else None
 
 
 def kernel_source_hash(autotuner: Any) -> str | None:

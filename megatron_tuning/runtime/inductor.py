@@ -17,7 +17,7 @@ import weakref
 from typing import Any
 
 from ..core.errors import CompiledLaunchNotPinnedError, MegatronTuningError
-from ..core.identity import config_signature
+from ..core.identity import config_signature, from_def_line
 from ..core.notices import warn_once
 from ..core.policy import TuningPolicy
 from . import fastpath, pinning
@@ -340,10 +340,10 @@ def _generated_name(fn: Any) -> str:
 
 def _body_digest(source: str) -> str | None:
     """sha256 of a kernel's source from its ``def`` line on, its name blanked (a copy's is ``name_N``)."""
-    match = re.search(r"^def\s+\w+\s*\(", source, re.MULTILINE)
-    if match is None:
+    body = from_def_line(source)
+    if body is None:
         return None
-    body = re.sub(r"^def\s+\w+", "def _", source[match.start() :], count=1)
+    body = re.sub(r"^def\s+\w+", "def _", body, count=1)
     return hashlib.sha256("\n".join(line.rstrip() for line in body.strip().splitlines()).encode()).hexdigest()
 
 
