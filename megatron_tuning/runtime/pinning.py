@@ -256,6 +256,17 @@ def decide(
         # source, whatever the module name, as the auto cache keeps them), else by ``shared``.
         decided = shared_kernel_id(kernel, state.config_list_digest, state.source_hash)
 
+        def publish(choice: Choice, consensus: Consensus) -> Choice:
+            """Publish ``choice`` and its timings (the first writer wins); return it, or the decision
+            another rank published first. A tuned choice then adopts even the same config (to cache
+            that rank's timings); a hit in this node's cache keeps its origin."""
+            mine = config_signature(choice.config)
+            data = config_data(choice.config)
+            winner = consensus.publish(kernel, key, arch, data, mine, choice.timings, identity=decided)
+            if winner.signature == mine and (winner.rank == consensus.rank or choice.source != "tuned"):
+                return choice
+            return _adopt(winner, live, kernel, key, consensus.rank)
+
         def adopt_or_tune(reason: str) -> Choice | None:
             """``auto``'s step for a key no table pins: adopt the decision another rank published, else
             tune and publish it (the first writer wins); ``None`` where nothing may be measured."""
@@ -269,16 +280,8 @@ def decide(
                     raise Deferred
                 return None
             config, timings = measure(autotuner, live, *call, kernel, key)
-            if consensus is None:
-                return Choice(config, "tuned", timings=timings)
-            mine = config_signature(config)
-            winner = consensus.publish(
-                kernel, key, arch, config_data(config), mine, timings, identity=decided
-            )
-            if winner.rank == consensus.rank and winner.signature == mine:
-                return Choice(config, "tuned", timings=timings)
-            # Another rank published first (maybe the same config): launch its config, cache its timings.
-            return _adopt(winner, live, kernel, key, consensus.rank)
+            tuned = Choice(config, "tuned", timings=timings)
+            return tuned if consensus is None else publish(tuned, consensus)
 
         if policy.mode == "chaos":
             offline, coordinator = capturing, installation.chaos
@@ -310,12 +313,7 @@ def decide(
             # caches never split ranks.
             cache_file = getattr(installation.table, "cache_file", None)
             if auto and consensus is not None and cache_file is not None and choice.origin == cache_file:
-                mine = config_signature(choice.config)
-                winner = consensus.publish(
-                    kernel, key, arch, config_data(choice.config), mine, identity=decided
-                )
-                if winner.signature != mine:
-                    choice = _adopt(winner, live, kernel, key, consensus.rank)
+                choice = publish(choice, consensus)
         signature = config_signature(choice.config)
         notices.check_numerics(policy.numerics, kernel, key, choice, signature)  # may raise: nothing pinned
         log(state, key, choice, arch)  # listeners (agreement) may raise: nothing is pinned
