@@ -7,7 +7,6 @@ import argparse
 import dataclasses
 import json
 import os
-import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -17,7 +16,7 @@ from ..core import policy as knobs
 from ..core.errors import MegatronTuningError
 from ..tables.files import output_file_problem, write_atomic
 from . import EXIT_USAGE
-from .job import add_job_argument, command_problem, job_argv, job_command, run_armed
+from .job import WorkFolder, add_job_argument, command_problem, job_argv, job_command, run_armed
 from .launch import validated_policy
 from .tune import start_job_session
 
@@ -64,8 +63,8 @@ def run_audit(args: argparse.Namespace) -> int:
     if problem:
         print(f"audit: {problem if isinstance(problem, str) else problem[1]}", file=sys.stderr)
         return EXIT_USAGE if isinstance(problem, str) else problem[0]
-    work = Path(tempfile.mkdtemp(prefix="megatron_tuning_audit_"))
-    try:
+    with WorkFolder(Path(tempfile.mkdtemp(prefix="megatron_tuning_audit_")), _say_kept) as folder:
+        work = folder.path
         returncode, _ = run_armed(job_argv(command), updates, "audit", launcher="audit", folder=work)
         entries = [e for f in sorted(work.glob("audited-*.json")) for e in json.loads(f.read_text())]
         report = {"format": "megatron_tuning.audit/2", "mode": mode, "runs": runs, "command": command}
@@ -77,11 +76,7 @@ def run_audit(args: argparse.Namespace) -> int:
         except (OSError, MegatronTuningError) as exc:  # its folder went since the check, a full disk...
             written, unwritable = work / "audit.json", str(exc)  # kept with the per-process reports
             write_atomic(written, text)
-    except BaseException:
-        print(f"audit: stopped; the job's per-process reports are kept in {work}", file=sys.stderr)
-        raise
-    if unwritable is None:
-        shutil.rmtree(work, ignore_errors=True)
+            folder.keep = True
     print(audit_table(entries, mode))
     if args.table and entries:
         print(f"audit: numerics recorded in {record_numerics(args.table, entries)} entries of {args.table}")
@@ -93,6 +88,11 @@ def run_audit(args: argparse.Namespace) -> int:
         )
     print(f"audit: {len(entries)} (kernel, key) audited; report in {written}")
     return returncode or (1 if unwritable or not entries else 0)
+
+
+def _say_kept(work: Path) -> bool:
+    print(f"audit: stopped; the job's per-process reports are kept in {work}", file=sys.stderr)
+    return True
 
 
 def activate() -> None:

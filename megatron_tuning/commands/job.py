@@ -142,6 +142,23 @@ def run_armed(
     return 128 - code, caught
 
 
+class WorkFolder:
+    """``with``: a job's folder, removed at the end where ``temporary`` unless the block set ``keep``
+    or raised and ``on_failure(path)``, which says where the files are kept, returned true."""
+
+    def __init__(self, path: Path, on_failure: Callable[[Path], bool], *, temporary: bool = True) -> None:
+        self.path, self.keep, self._on_failure = path, not temporary, on_failure
+
+    def __enter__(self) -> WorkFolder:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *rest: object) -> None:
+        if kind is not None and not self.keep:
+            self.keep = self._on_failure(self.path)
+        if not self.keep:
+            shutil.rmtree(self.path, ignore_errors=True)
+
+
 PASSED_SIGNALS = frozenset(
     getattr(signal, name) for name in ("SIGINT", "SIGQUIT", "SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2")
 )  # what a launcher passes on to its job

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
-import shutil
 import socket
 import sys
 import tempfile
@@ -24,7 +23,7 @@ from ..tables.table import add_entries, load_table
 from ..tables.vote import vote_tables
 from . import EXIT_USAGE
 from .bootstrap import ENV_JOB_DIR, print_progress
-from .job import add_job_argument, command_problem, job_argv, job_command, run_armed, say
+from .job import WorkFolder, add_job_argument, command_problem, job_argv, job_command, run_armed, say
 from .report import plot_into, require_matplotlib, summary
 
 PROCESS_PREFIX = "tuned-"  # per-process decision logs: tuned-<host>-<pid>.json
@@ -80,18 +79,8 @@ def run_tune(args: argparse.Namespace) -> int:
     except _Refused as exc:
         say("tune", str(exc))
         return EXIT_USAGE
-    try:
+    with WorkFolder(work, _keep_results, temporary=temporary):  # then in --out and --results
         returncode, decisions = _run_job(command, work, policy, args)
-    except BaseException:
-        # Writing the table failed, or the run was interrupted: what was measured stays on disk.
-        if temporary and any(work.glob(f"{PROCESS_PREFIX}*.json")):
-            table = f"python -m megatron_tuning merge OUT {shlex.quote(str(work))}/{PROCESS_PREFIX}*.json"
-            say("tune", f"per-process results kept in {work}; `{table}` votes them into a table")
-            temporary = False
-        raise
-    finally:
-        if temporary:
-            shutil.rmtree(work, ignore_errors=True)  # everything kept is in --out and --results now
     if decisions and args.plot:
         plot_into(decisions, args.plot, prog="tune")
     if decisions and returncode:
@@ -120,6 +109,15 @@ def _check_outputs(args: argparse.Namespace) -> None:
         problem = output_folder_problem(args.plot)
         if problem:
             raise _Refused(f"cannot write plots into --plot {args.plot}: {problem}")
+
+
+def _keep_results(work: Path) -> bool:
+    """Writing the table failed, or the run was interrupted: what was measured stays on disk."""
+    if not any(work.glob(f"{PROCESS_PREFIX}*.json")):
+        return False
+    table = f"python -m megatron_tuning merge OUT {shlex.quote(str(work))}/{PROCESS_PREFIX}*.json"
+    say("tune", f"per-process results kept in {work}; `{table}` votes them into a table")
+    return True
 
 
 def _job_folder(work_dir: str | None) -> tuple[Path, bool]:
