@@ -18,7 +18,7 @@ from ..core.decisions import Decision, decision_log, get_decisions
 from ..core.errors import TableError
 from ..core.notices import TuningWarning
 from ..tables.files import output_file_problem, output_folder_problem, write_atomic
-from ..tables.records import read_decisions, recording_table, write_decisions
+from ..tables.records import log_triton_version, read_decision_file, recording_table, write_decisions
 from ..tables.table import add_entries, load_table
 from ..tables.vote import vote_tables
 from . import EXIT_USAGE
@@ -155,8 +155,8 @@ def _run_job(
     argv = job_argv(command)
     print(f"tune: running {shlex.join(argv)} (per-process results in {work})", file=sys.stderr)
     returncode, _ = run_armed(argv, updates, "tune", launcher="tune", folder=work)
-    logs = [(str(f), read_decisions(f)) for f in sorted(work.glob(f"{PROCESS_PREFIX}*.json"))]
-    decisions = [d for _, ds in logs for d in ds if d.source == "tuned"]
+    logs = [read_decision_file(f) for f in sorted(work.glob(f"{PROCESS_PREFIX}*.json"))]
+    decisions = [d for log in logs for d in log.decisions if d.source == "tuned"]
     if not decisions and returncode:  # the job's own error (above) says why: no guess added to it
         print(f"tune: the job exited with status {returncode} before it tuned anything", file=sys.stderr)
         return returncode, []
@@ -165,10 +165,21 @@ def _run_job(
         scope = "(MEGATRON_TUNING_SCOPE limits the scope.)"
         print(f"tune: the job recorded no tuned (kernel, key). {why} {scope}", file=sys.stderr)
         return 1, []
-    merged = vote_tables([(name, recording_table(ds)) for name, ds in logs])
+    # Each process's entries carry the Triton it ran, which need not be the one installed here.
+    versions = [log_triton_version(log) for log in logs]
+    merged = vote_tables(
+        [(log.path, recording_table(log.decisions, triton_version=v)) for log, v in zip(logs, versions)]
+    )
+    pooled = sorted(set(versions), key=str)
+    if len(pooled) > 1:
+        stamps = "each entry is stamped with its own process's, --results with none"
+        print(
+            f"tune: the job's processes ran different Tritons ({', '.join(map(str, pooled))}): {stamps}",
+            file=sys.stderr,
+        )
     for path in (args.results, args.out):  # folders checked creatable before the job
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-    write_decisions(args.results, decisions)
+    write_decisions(args.results, decisions, triton_version=pooled[0] if len(pooled) == 1 else None)
     add_entries(args.out, merged.table.entries())
     print(summary(decisions))
     count = len(merged.table)

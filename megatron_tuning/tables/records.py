@@ -8,14 +8,16 @@ import math
 import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from types import EllipsisType
+from typing import Any, NamedTuple
 
 from ..core.decisions import Decision, get_decisions
 from ..core.errors import TableError
 from ..core.identity import current_rank, shared_kernel_id
 from ..core.key import render
+from ..core.notices import warn_once
 from .codec import FILE_PREFIX
-from .entry import Invalid, Numerics, check_numerics, key_from_data
+from .entry import Invalid, Numerics, check_numerics, check_text, key_from_data
 from .files import load_json, read_regular_file, write_atomic
 from .keys import key_from_text
 from .search import installed_triton_version
@@ -28,16 +30,38 @@ RECORDING_PREFIX = "recording-rank"
 _HOW = {"recorded": "recorded", "tuned": "tuned", "adopted": "tuned"}
 
 
-def write_decisions(path: str | os.PathLike[str], decisions: Iterable[Decision] | None = None) -> None:
+def write_decisions(
+    path: str | os.PathLike[str],
+    decisions: Iterable[Decision] | None = None,
+    *,
+    triton_version: str | None | EllipsisType = ...,
+) -> None:
     """Write decisions (default: this process's log) as JSON: what ``coverage`` reads. A config value
     JSON has no form for (a jit function as a constexpr: only modes that store nothing launch one) is
-    written as its text, as in the signature; no table entry is made from such a decision."""
+    written as its text, as in the signature; no table entry is made from such a decision.
+    ``triton_version``: the Triton that made them, which the entries made of them are stamped with
+    (default: the installed one; ``None``: not one known)."""
     rows = [d.to_json() for d in (get_decisions() if decisions is None else decisions)]
-    doc = {"format": DECISIONS_FORMAT, "version": 2, "decisions": rows}  # not sort_keys: keys keep order
+    version = installed_triton_version() if triton_version is ... else triton_version
+    # not sort_keys: keys keep order
+    doc = {"format": DECISIONS_FORMAT, "version": 2, "triton_version": version, "decisions": rows}
     write_atomic(path, json.dumps(doc, indent=1, default=render).encode("utf-8"), error=_log_error)
 
 
+class DecisionFile(NamedTuple):
+    """A decision log as read."""
+
+    path: str
+    decisions: list[Decision]
+    triton_version: str | None  # the Triton that made the decisions, as the log says (None: not known)
+    versioned: bool  # False: written before logs said which Triton made them
+
+
 def read_decisions(path: str | os.PathLike[str]) -> list[Decision]:
+    return read_decision_file(path).decisions
+
+
+def read_decision_file(path: str | os.PathLike[str]) -> DecisionFile:
     name = os.fspath(path)
     raw = read_regular_file(name, error=_log_error)
     if raw.startswith(FILE_PREFIX):  # a table file, not a log
@@ -52,6 +76,13 @@ def read_decisions(path: str | os.PathLike[str]) -> list[Decision]:
     rows, version = data.get("decisions"), data.get("version", 1)
     if type(rows) is not list or type(version) is not int or version not in (1, 2):
         raise _log_error(name, "not a readable decision log ('decisions' must be a list, 'version' 1 or 2)")
+    triton = data.get("triton_version")
+    if triton is not None and type(triton) is not str:
+        raise _log_error(name, f"'triton_version' must be a string or null, got {triton!r}")
+    try:
+        check_text("triton_version", triton or "")
+    except Invalid as exc:
+        raise _log_error(name, str(exc)) from None
     decisions = []
     for index, row in enumerate(rows):
         problem = _row_problem(row)
@@ -64,7 +95,24 @@ def read_decisions(path: str | os.PathLike[str]) -> list[Decision]:
         if problem:
             raise _log_error(name, f"decision {index}: {problem}")
         decisions.append(Decision(**row))
-    return decisions
+    return DecisionFile(name, decisions, triton, "triton_version" in data)
+
+
+def log_triton_version(log: DecisionFile) -> str | None:
+    """The Triton version to stamp the entries of ``log`` with: the one it records. A log written
+    before logs recorded it is read as it was then, stamped with the installed Triton, and that is
+    said once: merged elsewhere, its entries would claim a Triton that did not measure them."""
+    if log.versioned:
+        return log.triton_version
+    installed = installed_triton_version()
+    stamped = f"the installed Triton {installed}" if installed else "no Triton version (none is installed)"
+    message = (
+        "decision log %s (and any other written before logs recorded their Triton) does not say which "
+        "Triton measured it: its entries are stamped with %s. Merge such logs where they were tuned, or "
+        'add "triton_version": "<the version that tuned it>" next to its "format"'
+    )
+    warn_once(("unversioned-decision-log",), message, log.path, stamped)
+    return installed
 
 
 def _log_error(path: str, problem: str) -> TableError:
@@ -208,11 +256,12 @@ def is_decision_log(path: str | os.PathLike[str]) -> bool:
 def decision_votes(path: str | os.PathLike[str]) -> list[tuple[str, Table]]:
     """A decision log as ``vote_tables`` inputs: its measured winners, one vote per process, as ``tune``
     pools its per-process logs. A pooled log (``tune --results``) holds one decision per process for a
-    (kernel, key): the n-th votes in the n-th table. Stamped with the installed Triton, as ``tune``
-    stamps them (a log does not say which Triton measured it)."""
-    name, version = os.fspath(path), installed_triton_version()
+    (kernel, key): the n-th votes in the n-th table. Stamped with the Triton the log says measured it
+    (``log_triton_version``), as ``tune`` stamps them."""
+    log = read_decision_file(path)
+    name, version = log.path, log_triton_version(log)
     tables: list[Table] = []
-    for decision in read_decisions(name):
+    for decision in log.decisions:
         entry = entry_from_decision(decision, triton_version=version)
         if entry is None:
             continue

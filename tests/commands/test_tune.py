@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
@@ -389,3 +390,33 @@ def test_a_job_killed_by_sigkill_exits_137_and_says_so(tmp_path: Path, capsys: C
     script.write_text("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n")
     assert run(_parse(["--out", str(tmp_path / "t.msgpack"), "--", str(script)])) == 137
     assert "the job was killed by SIGKILL (exit status 137)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("versions", [("2.0.0", "2.0.0"), ("2.0.0", "2.1.0")])
+def test_tune_stamps_each_entry_with_the_triton_its_process_ran(
+    monkeypatch: MonkeyPatch, tmp_path: Path, capsys: CaptureFixture[str], versions: tuple[str, str]
+) -> None:
+    # The job's processes may run another Triton than the one installed where tune runs: the entries
+    # claimed the installed one.
+    from megatron_tuning.commands import tune as tune_command
+
+    decisions = tiny_records(tie_band=0.0)  # two processes, two winners
+
+    def processes(argv: list[str], updates: Any, prog: str, *, launcher: str, folder: Path) -> Any:
+        for decision, version in zip(decisions, versions):
+            write_decisions(folder / f"tuned-host-{decision.rank}.json", [decision], triton_version=version)
+        return 0, 0
+
+    monkeypatch.setattr(tune_command, "command_problem", lambda argv, env: None)
+    monkeypatch.setattr(tune_command, "run_armed", processes)
+    out, results = tmp_path / "t.msgpack", tmp_path / "r.json"
+    assert run(_parse(["--out", str(out), "--results", str(results), "--", "job.py"])) == 0
+    (entry,) = load_table(out).entries()
+    assert (
+        entry.triton_version
+        == dict(zip((d.signature for d in decisions), versions))[config_signature(entry.config)]
+    )
+    different = "tune: the job's processes ran different Tritons (2.0.0, 2.1.0): each entry is stamped"
+    assert (different in capsys.readouterr().err) == (len(set(versions)) > 1)
+    pooled = json.loads(results.read_text())["triton_version"]
+    assert pooled == (versions[0] if len(set(versions)) == 1 else None)

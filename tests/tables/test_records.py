@@ -16,6 +16,7 @@ from megatron_tuning.core.key import Key
 from megatron_tuning.tables.entry import Timing
 from megatron_tuning.tables.records import (
     entry_from_decision,
+    read_decision_file,
     read_decisions,
     recording_path,
     recording_table,
@@ -23,6 +24,7 @@ from megatron_tuning.tables.records import (
     write_decisions,
     write_recording,
 )
+from megatron_tuning.tables.search import installed_triton_version
 from megatron_tuning.tables.table import load_table
 
 from ..keys import tag
@@ -130,6 +132,25 @@ def test_a_decision_log_keeps_each_keys_order_and_types_and_an_older_log_reads_a
         TableError, match="decision 0: key of kernel 'pkg.kernels:matmul': key 'n=40, flag=Tr"
     ):
         read_decisions(path)
+
+
+def test_a_decision_log_records_the_triton_that_made_its_decisions(tmp_path):
+    path = tmp_path / "d.json"
+    write_decisions(path, [decision(64)])  # this process's: the installed Triton
+    log = read_decision_file(path)
+    assert (log.path, log.triton_version, log.versioned) == (str(path), installed_triton_version(), True)
+    assert list(json.loads(path.read_text()))[:3] == ["format", "version", "triton_version"]
+    write_decisions(path, [decision(64)], triton_version="2.0.0")  # pooled from processes that ran it
+    assert read_decision_file(path)[2:] == ("2.0.0", True)
+    write_decisions(path, [decision(64)], triton_version=None)  # not one Triton: none recorded
+    assert read_decision_file(path)[2:] == (None, True)
+    old = read_decision_file(Path(__file__).parent / "fixtures" / "schema1" / "decisions.json")
+    assert (old.triton_version, old.versioned) == (None, False)  # written before logs said
+    doc = json.loads(path.read_text())
+    for bad, problem in ((3.9, "must be a string or null, got 3.9"), ("3.9\ud800", "lone surrogate")):
+        path.write_text(json.dumps({**doc, "triton_version": bad}))
+        with pytest.raises(TableError, match=rf"d\.json.*triton_version.*{problem}"):
+            read_decisions(path)
 
 
 def test_a_decision_with_a_text_key_is_refused_before_its_log_is_written_naming_the_fix(tmp_path):

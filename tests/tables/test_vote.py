@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from megatron_tuning.runtime import interception
 from megatron_tuning.tables.entry import Entry, Timing, entry_with
 from megatron_tuning.tables.records import read_decisions, recording_path, write_decisions, write_recording
 from megatron_tuning.tables.review import diff_tables
-from megatron_tuning.tables.search import TableSet
+from megatron_tuning.tables.search import TableSet, installed_triton_version
 from megatron_tuning.tables.table import Table, load_table
 from megatron_tuning.tables.vote import vote_files, vote_tables
 
@@ -193,6 +194,43 @@ def test_vote_files_reads_decision_logs_one_vote_per_process(tmp_path):
     renamed = tmp_path / "decisions.log"  # told by content, as `run --decision-log` may name it
     renamed.write_bytes(logs[0].read_bytes())
     assert vote_files(tmp_path / "c.msgpack", [renamed]).inputs == [str(renamed)]
+
+
+def test_a_merged_decision_log_stamps_its_entries_with_the_triton_that_measured_them(tmp_path, notices):
+    # Merged on another machine or after a Triton upgrade, its entries claimed the installed Triton.
+    tuned_with, out = "2.0.0", tmp_path / "out.msgpack"
+    assert installed_triton_version() != tuned_with
+    log, pooled = tmp_path / "tuned-host-0.json", tmp_path / "t.tuning.json"
+    write_decisions(log, [decision(64, source="tuned")], triton_version=tuned_with)
+    write_decisions(
+        pooled, [decision(64, rank=r, source="tuned") for r in range(2)], triton_version=tuned_with
+    )
+    unknown = tmp_path / "mixed.tuning.json"  # --results of a job whose processes ran different Tritons
+    write_decisions(unknown, [decision(64, source="tuned")], triton_version=None)
+    for path, stamped in ((log, tuned_with), (pooled, tuned_with), (unknown, None)):
+        vote_files(out, [path])
+        assert load_table(out).get("sm90", KERNEL, M1).triton_version == stamped
+    assert notices.messages == []
+
+
+def test_a_decision_log_written_before_logs_recorded_their_triton_is_stamped_with_the_installed_one(
+    tmp_path, notices
+):
+    logs = [tmp_path / f"tuned-host-{rank}.json" for rank in range(2)]
+    for rank, path in enumerate(logs):
+        write_decisions(path, [decision(64, rank=rank, source="tuned")])
+        doc = json.loads(path.read_text())
+        del doc["triton_version"]  # as logs were written before
+        path.write_text(json.dumps(doc))
+    vote_files(tmp_path / "out.msgpack", logs)
+    assert (
+        load_table(tmp_path / "out.msgpack").get("sm90", KERNEL, M1).triton_version
+        == installed_triton_version()
+    )
+    (message,) = notices.messages  # once, for all such logs
+    assert f"decision log {logs[0]} (and any other written before" in message
+    assert f"stamped with the installed Triton {installed_triton_version()}" in message
+    assert 'Merge such logs where they were tuned, or add "triton_version"' in message
 
 
 def chosen_block(table: Table) -> int:
