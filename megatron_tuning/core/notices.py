@@ -121,6 +121,17 @@ FIX_AN_AUTO_MISS = (
 )
 
 
+def fix_an_unstorable_miss(problem: str) -> str:
+    """The advice for a kernel whose configs no table can hold (``problem``: which field and why):
+    auto, record and tune refuse it, so ``FIX_A_MISS`` would send its user into an error."""
+    return (
+        "first make its configs storable, since auto, record and tune refuse this kernel as it is: "
+        f"{problem}; pass such a value to the kernel as a launch argument rather than as a config "
+        "constexpr, then use MEGATRON_TUNING_MODE=auto or build a table with `python -m megatron_tuning "
+        "tune -- <your command>`"
+    )
+
+
 def entry_matches_nothing(kernel: str, key: str, origin: str, entry: str, live: Sequence[str]) -> None:
     offered = "; ".join(live[:8]) + "; ..." * (len(live) > 8)
     message = (

@@ -110,6 +110,7 @@ class AutotunerState:
     lock: threading.Lock = field(default_factory=threading.Lock)
     source_hash: str | None = None
     config_list_digest: str | None = None
+    storing_problem: str | None = None  # why no table could hold one of its configs (``_storing_problem``)
 
     def key(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Key:
         return call_key(self.arg_names, [name for name, _ in self.key_index], args, kwargs)
@@ -200,8 +201,9 @@ def state_for(autotuner: Any, installation: Installation) -> AutotunerState:
     if new.in_scope:  # out of scope, Triton picks among the configs itself: nothing to check
         new.config_list_digest = config_list_digest(autotuner)
         new.source_hash = kernel_source_hash(autotuner)
-        if installation.policy.mode in STORING_MODES:
-            _check_storable(autotuner, kernel, installation.policy.mode)
+        new.storing_problem = _storing_problem(autotuner)
+        if installation.policy.mode in STORING_MODES and new.storing_problem:
+            raise UnstorableConfigError(kernel, installation.policy.mode, new.storing_problem)
     with _active_lock:  # ordered with set_active, and a WeakSet is not iterated while it grows
         if installation is active:
             autotuner.__dict__[STATE_ATTR] = new
@@ -213,13 +215,15 @@ def state_for(autotuner: Any, installation: Installation) -> AutotunerState:
     return new
 
 
-def _check_storable(autotuner: Any, kernel: str, mode: str) -> None:
-    """Refuse, before anything is measured, a kernel any of whose configs a table could not hold."""
+def _storing_problem(autotuner: Any) -> str | None:
+    """Why a table could not hold one of ``autotuner``'s configs (``None``: it could hold them all).
+    A storing mode refuses such a kernel before anything is measured."""
     for config in autotuner.configs:
         try:
             check_config(config_data(config))
         except Invalid as exc:
-            raise UnstorableConfigError(kernel, mode, str(exc)) from None
+            return str(exc)
+    return None
 
 
 def decide(
@@ -298,6 +302,11 @@ def decide(
             if policy.mode == "tune" and len(live) > 1:
                 notices.cannot_measure(kernel, key)
             auto = policy.mode == "auto"
+            # A miss's advice (use auto, a table or tune) holds only for configs a table can store;
+            # auto never gets here with others.
+            fix = notices.FIX_AN_AUTO_MISS if auto else notices.FIX_A_MISS
+            if state.storing_problem:
+                fix = notices.fix_an_unstorable_miss(state.storing_problem)
             choice = choose(
                 autotuner,
                 live,
@@ -307,7 +316,7 @@ def decide(
                 block_sizes=policy.block_sizes,
                 numerics=policy.numerics,
                 unpinned=adopt_or_tune if auto else None,
-                fix=notices.FIX_AN_AUTO_MISS if auto else notices.FIX_A_MISS,
+                fix=fix,
             )
             # A hit in this node's own cache (auto's, in a TableSet) is proposed to the job: per-node
             # caches never split ranks.

@@ -125,7 +125,7 @@ def test_modes_that_store_nothing_launch_such_a_kernel(mode: str) -> None:
     torch.testing.assert_close(out, x * 2 if act is sk.double else -x)
 
 
-def test_deterministic_without_a_table_launches_the_cheapest_without_measuring() -> None:
+def test_deterministic_without_a_table_launches_the_cheapest_without_measuring(notices: Any) -> None:
     negate, double = sk.ACT_CONFIGS
     interception.install(TuningPolicy(mode="deterministic", use_shipped_tables=False))
     out = _activate()
@@ -133,6 +133,18 @@ def test_deterministic_without_a_table_launches_the_cheapest_without_measuring()
     assert sk.activate.best_config is double and sk.BENCH_CALLS == []
     (decision,) = get_decisions()
     assert (decision.source, decision.signature) == ("cheapest", config_signature(double))
+    # Its notice advised auto, a table or tune: each refuses this kernel. It says what to change first.
+    (message,) = notices.matching(f"kernel {KERNEL} has no tuned config")
+    fix = "To be pinned and fast, first make its configs storable, since auto, record and tune refuse"
+    assert f"{fix} this kernel as it is: config field ACT holds a value of type" in message
+    assert (
+        "as a launch argument rather than as a config constexpr, then use MEGATRON_TUNING_MODE=auto"
+        in message
+    )
+    x = torch.randn(30)
+    sk.scale_add[grid(30)](x, x, torch.empty(30), 30, 0.5)  # storable configs: the usual advice
+    (usual,) = notices.matching(f"kernel {kernel_id(sk.scale_add)} has no tuned config")
+    assert "To be pinned and fast, use MEGATRON_TUNING_MODE=auto" in usual and "storable" not in usual
 
 
 def test_a_deterministic_decision_log_writes_such_a_value_as_its_text(tmp_path: Path) -> None:
