@@ -10,6 +10,9 @@ from typing import Any, ClassVar
 # Exit status of a process that died of (or noticed at exit) a DivergenceError, and of a `run` job
 # any of whose processes raised one; Python itself uses 1 and 2.
 EXIT_DIVERGENCE = 3
+# ``triton.Config`` fields that hold code run around the launch, which no signature holds (on Triton
+# 3.3-3.9 only ``pre_hook``: ``post_hook`` is the autotuner's, one for all its configs).
+CONFIG_HOOKS = ("pre_hook",)
 
 
 class MegatronTuningError(Exception):
@@ -68,12 +71,23 @@ class AmbiguousConfigError(MegatronTuningError, ValueError):
 
     def __init__(self, kernel: str, signature: str, fields: Sequence[str]) -> None:
         self.kernel, self.signature, self.fields = kernel, signature, list(fields)
+        if any(field in CONFIG_HOOKS for field in self.fields):
+            why = (
+                "a signature leaves hooks out, so a config chosen by signature (a table entry, a decision "
+                "another rank published) could run without the hook the deciding rank ran, or with another. "
+                "Keep one config of each signature, with the hook it needs, or give the hooked one a value "
+                "of its own (a constexpr the kernel takes) so that its signature differs."
+            )
+        else:
+            why = (
+                "a value there has no text that tells it apart (a lambda, a function a factory made, an "
+                "object with Python's default repr), so a config chosen by signature could launch the "
+                "other. Give each such value its own name (a module-level def or class) or a __repr__ "
+                "that differs between them and is the same in every process."
+            )
         super().__init__(
             f"Kernel {kernel} has two configs with the signature {signature!r} that differ in "
-            f"{', '.join(self.fields)}: a value there has no text that tells it apart (a lambda, a "
-            "function a factory made, an object with Python's default repr), so a config chosen by "
-            "signature could launch the other. Give each such value its own name (a module-level def or "
-            "class) or a __repr__ that differs between them and is the same in every process."
+            f"{', '.join(self.fields)}: {why}"
         )
 
 

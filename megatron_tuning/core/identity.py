@@ -18,7 +18,7 @@ import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
-from .errors import AmbiguousConfigError, PolicyError
+from .errors import CONFIG_HOOKS, AmbiguousConfigError, PolicyError
 from .key import render
 from .policy import TRUE_WORDS, parse_int
 
@@ -107,14 +107,15 @@ def config_list_digest(autotuner: Any) -> str:
     """12 hex digits naming the autotuner's declared configs (not their order, duplicates or hooks)
     and, for a function made in another function, the values it closes over. Every in-scope
     kernel's list passes here before the library picks from it by signature, so here two configs
-    that sign alike but launch differently raise ``AmbiguousConfigError``."""
-    by_signature: dict[str, dict[str, Any]] = {}
+    that sign alike but launch differently, or run different hooks, raise ``AmbiguousConfigError``."""
+    by_signature: dict[str, tuple[dict[str, Any], tuple[Any, ...]]] = {}
     for config in autotuner.configs:
-        data = config_data(config)
-        first = by_signature.setdefault(config_signature(data), data)
-        if data != first:  # an equal duplicate launches the same: harmless
+        data, hooks = config_data(config), tuple(getattr(config, name, None) for name in CONFIG_HOOKS)
+        first, first_hooks = by_signature.setdefault(config_signature(data), (data, hooks))
+        if data != first or hooks != first_hooks:  # an equal duplicate launches the same: harmless
             fields = [k for k in first["kwargs"] if first["kwargs"][k] != data["kwargs"].get(k)]
             fields += [k for k in first if k != "kwargs" and first[k] != data.get(k)]
+            fields += [name for name, a, b in zip(CONFIG_HOOKS, first_hooks, hooks) if a != b]
             raise AmbiguousConfigError(base_kernel_id(autotuner), config_signature(data), fields)
     return _digest(autotuner, by_signature)
 

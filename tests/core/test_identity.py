@@ -125,6 +125,37 @@ def test_configs_that_sign_alike_but_launch_differently_are_refused_naming_kerne
     assert kernel_id(autotuner)  # naming it never refuses: an out-of-scope kernel is Triton's to pick
 
 
+def _zero_out(nargs: dict[str, Any]) -> None:
+    nargs["out_ptr"].zero_()
+
+
+def _fill_out(nargs: dict[str, Any]) -> None:
+    nargs["out_ptr"].fill_(1.0)
+
+
+@pytest.mark.parametrize(
+    "hooks", [(None, _zero_out), (_zero_out, _fill_out)], ids=["with-and-without", "two-hooks"]
+)
+def test_configs_apart_only_in_their_pre_hook_are_refused_naming_the_hook(hooks):
+    # A signature leaves hooks out, so a rank adopting another's decision (or a table entry) by
+    # signature could launch the first of them, without the hook the deciding rank ran.
+    with lazy_benchmarker():
+        configs = [triton.Config({"BLOCK_SIZE": 16}, num_warps=4, pre_hook=hook) for hook in hooks]
+        autotuner = triton.autotune(configs=configs, key=["n"])(sk.twin_body)
+    signature = config_signature(configs[0])
+    assert config_signature(configs[1]) == signature
+    with pytest.raises(AmbiguousConfigError) as info:
+        config_list_digest(autotuner)
+    message = str(info.value)
+    assert info.value.fields == ["pre_hook"]
+    assert f"Kernel {sk.__name__}:twin_body has two configs with the signature {signature!r}" in message
+    assert "differ in pre_hook: a signature leaves hooks out" in message and "Keep one config" in message
+    assert str(pickle.loads(pickle.dumps(info.value))) == message
+    with lazy_benchmarker():  # one hook object on both: an equal duplicate, launching the same
+        same = [triton.Config({"BLOCK_SIZE": 16}, num_warps=4, pre_hook=_zero_out) for _ in range(2)]
+        assert config_list_digest(triton.autotune(configs=same, key=["n"])(sk.twin_body))
+
+
 def test_equal_duplicate_configs_are_not_ambiguous():
     assert config_list_digest(_activate_over(sk.negate, sk.negate)) == config_list_digest(
         _activate_over(sk.negate)

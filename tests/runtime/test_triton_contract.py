@@ -13,6 +13,8 @@ import torch
 import triton
 from triton.runtime.autotuner import Autotuner, Heuristics
 
+from megatron_tuning.core.errors import CONFIG_HOOKS
+from megatron_tuning.core.identity import CONFIG_FIELDS
 from megatron_tuning.core.key import tuning_key
 from megatron_tuning.runtime import interception
 
@@ -85,6 +87,9 @@ def test_config_fields_and_all_kwargs():
         assert hasattr(config, name), name
     merged = config.all_kwargs()
     assert merged["B"] == 4 and merged["num_warps"] == 2 and merged["num_stages"] == 1
+    # Each field a signature holds, or a hook that config_list_digest compares: a new field (a
+    # per-config post_hook, say) must be placed in one of them before configs differing in it pass.
+    assert set(vars(config)) <= {*CONFIG_FIELDS, *CONFIG_HOOKS}, set(vars(config)) - {*CONFIG_FIELDS}
 
 
 def test_stock_run_sets_best_config_and_timings():
