@@ -91,6 +91,23 @@ class AmbiguousConfigError(MegatronTuningError, ValueError):
         )
 
 
+class LaunchOptionError(MegatronTuningError, TypeError):
+    """A call of an autotuned kernel passes a keyword its launched config also sets (``num_warps=8``):
+    the TypeError stock Triton raises there (the call's keywords and the config's reach the kernel
+    together), with the fix. ``options``: each such keyword and the call's value, as text."""
+
+    def __init__(self, kernel: str, options: Mapping[str, str], signature: str) -> None:
+        self.kernel, self.options, self.signature = kernel, dict(options), signature
+        passed = ", ".join(f"{name}={value}" for name, value in self.options.items())
+        super().__init__(
+            f"Kernel {kernel} was called with {passed}, which its config ({signature}) also sets: an "
+            "autotuned kernel takes these from the triton.Config it launches, and stock Triton raises "
+            "TypeError (got multiple values for keyword argument) for this call too. Put the value in the "
+            "kernel's triton.Config(...) list instead (e.g. triton.Config({...}, num_warps=8)) and drop "
+            "it from the call."
+        )
+
+
 class UnstorableConfigError(MegatronTuningError, ValueError):
     """A mode that stores or shares the configs it decides (``auto``, ``record``, ``tune``) met a
     kernel with a config value no table or job store can hold; ``problem`` names the field and type."""

@@ -16,8 +16,9 @@ from typing import Any
 
 from ..core.chaos import ChaosCoordinator
 from ..core.choice import Choice, as_config_table
-from ..core.errors import BenchmarkForbiddenError, UnsupportedTritonError
-from ..core.identity import config_signature
+from ..core.errors import BenchmarkForbiddenError, LaunchOptionError, UnsupportedTritonError
+from ..core.identity import config_signature, kernel_id
+from ..core.key import render
 from ..core.notices import report_policy_end, reset_warnings
 from ..core.policy import TuningPolicy
 from . import fastpath, inductor, pinning
@@ -140,6 +141,8 @@ def _make_run(original: Any) -> Any:
         launch = _pin(self, installation, args, kwargs)
         if kwargs.keys() == _LAUNCH_KEYWORDS:
             fastpath.arm(self, state, installation, args)
+        else:  # keywords of the call's own, which the generated run never takes
+            _refuse_clashes(self, launch[0], kwargs)
         return _launch(self, launch, args, kwargs)
 
     return run
@@ -171,6 +174,16 @@ def _launch(autotuner: Any, launch: Launch, args: Args, kwargs: Kwargs) -> Any:
     if config.pre_hook is not None:
         config.pre_hook({**dict(zip(autotuner.arg_names, args)), **kwargs, **config.all_kwargs()})
     return autotuner.fn.run(*args, **kwargs, **options)
+
+
+def _refuse_clashes(autotuner: Any, config: Any, kwargs: Kwargs) -> None:
+    """Raise where the call passes a keyword the config sets, as stock Triton's launch does: a pinned
+    launch's options leave out what equals the backend's defaults, so the call's ``num_warps`` would
+    launch instead. (A compiled graph's copy passes all its config's: Python itself refuses there.)"""
+    sets = config.all_kwargs()
+    clashes = {name: render(kwargs[name]) for name in kwargs if name in sets}
+    if clashes:
+        raise LaunchOptionError(kernel_id(autotuner), clashes, config_signature(config))
 
 
 def _record(

@@ -4,6 +4,7 @@ a user's own ``run``, subclasses, compiled copies, threads, notices)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import math
@@ -19,6 +20,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from megatron_tuning.core.decisions import decision_log, get_decisions
+from megatron_tuning.core.errors import LaunchOptionError
 from megatron_tuning.core.identity import config_data, kernel_id
 from megatron_tuning.core.key import Key, tuning_key
 from megatron_tuning.core.notices import reset_warnings
@@ -60,16 +62,24 @@ def _calls() -> st.SearchStrategy[tuple[tuple[Any, ...], dict[str, Any]]]:
     )
     values = st.tuples(pointer, pointer, pointer, key_value, st.sampled_from([0.5, 1]))
 
-    def split(drawn: tuple[tuple[Any, ...], int, int, bool]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        args, count, dropped, shuffle = drawn
+    def split(
+        drawn: tuple[tuple[Any, ...], int, int, bool, dict[str, Any]],
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        args, count, dropped, shuffle, options = drawn
         passed = max(count, 5 - dropped)  # the last `dropped` arguments left out (their defaults)
-        kwargs = dict(zip(_NAMES[count:passed], args[count:passed]))
+        kwargs = {**dict(zip(_NAMES[count:passed], args[count:passed])), **options}
         if shuffle:
             kwargs = dict(reversed(kwargs.items()))
         return tuple(args[:count]), kwargs
 
     count = st.one_of(st.just(5), st.just(5), st.integers(0, 5))
-    return st.tuples(values, count, st.sampled_from([0, 0, 1, 2]), st.booleans()).map(split)
+    # Now and then a keyword the decided config also sets (refused, as by stock Triton) or one it
+    # leaves unset (passed on).
+    options = st.one_of(st.just({}), st.sampled_from(_OPTIONS))
+    return st.tuples(values, count, st.sampled_from([0, 0, 1, 2]), st.booleans(), options).map(split)
+
+
+_OPTIONS = ({"num_warps": 4}, {"num_warps": 8, "num_stages": 1}, {"BLOCK_SIZE": 16}, {"maxnreg": 64})
 
 
 def _tuner(salt: int) -> Callable[..., Any]:
@@ -135,11 +145,18 @@ def _launch_all(actions: list[Any], *, fast_path: bool) -> tuple[list[Any], list
                     expected = sk.ADD_CONFIGS[(sum(map(ord, key)) + salt) % len(sk.ADD_CONFIGS)]
                     decided.add((pinning.active.generation, key))
                     dtypes = tuple(hasattr(a, "dtype") for a in args)
+                    clashes = sorted(kwargs.keys() & expected.all_kwargs().keys())
                     for repeat in (False, True):
                         served = fastpath.serving(sk.scale_add) is pinning.active
-                        entered = _entered_the_class_path(
-                            lambda a=args, k=kwargs: sk.scale_add[(1,)](*a, **k)
-                        )
+                        refused = pytest.raises(LaunchOptionError) if clashes else contextlib.nullcontext()
+                        with refused as raised:
+                            entered = _entered_the_class_path(
+                                lambda a=args, k=kwargs: sk.scale_add[(1,)](*a, **k)
+                            )
+                        if raised is not None:  # refused, by either path alike
+                            assert sorted(raised.value.options) == clashes
+                            seen.append(("raised", str(raised.value)))
+                            continue
                         assert sk.scale_add.best_config is expected  # its own key's decision
                         # Its shape: as many arguments, a dtype where the arming call had one.
                         shape = armed_by is not None and len(dtypes) == len(armed_by) and not kwargs

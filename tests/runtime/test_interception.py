@@ -4,6 +4,7 @@ Triton's autotuner. The generated hit path has its own tests (``test_fastpath.py
 from __future__ import annotations
 
 import os
+import pickle
 import subprocess
 import sys
 import threading
@@ -14,11 +15,16 @@ import torch
 import triton
 
 from megatron_tuning.core.decisions import decision_log, get_decisions
-from megatron_tuning.core.errors import AmbiguousConfigError, BenchmarkForbiddenError, TableMissError
+from megatron_tuning.core.errors import (
+    AmbiguousConfigError,
+    BenchmarkForbiddenError,
+    LaunchOptionError,
+    TableMissError,
+)
 from megatron_tuning.core.identity import config_signature, kernel_id
 from megatron_tuning.core.notices import reset_warnings
 from megatron_tuning.core.policy import TuningPolicy
-from megatron_tuning.runtime import interception, pinning
+from megatron_tuning.runtime import fastpath, interception, pinning
 
 from .. import support_kernels as sk
 from ..support_kernels import grid
@@ -303,6 +309,35 @@ def test_pinned_launch_leaves_tritons_cache_and_best_config_as_its_hit_path_does
     assert sk.scale_add.cache == {(40, "torch.float32", "torch.float32", "torch.float32"): sk.ADD_CONFIGS[3]}
     _run_scale_add(40)  # the key is in Triton's cache now; the pinned launch still never benchmarks
     assert sk.BENCH_CALLS == [] and len(get_decisions()) == 1
+
+
+@pytest.mark.parametrize("fast_path", [True, False], ids=["generated", "class"])
+def test_a_call_passing_an_option_its_config_sets_raises_as_stock_triton_does(monkeypatch, fast_path):
+    # A GPU backend's defaults (the interpreter has none): the pinned launch leaves num_warps=4 and
+    # num_stages=3 out, so a caller's num_warps=8 used to reach the kernel in their place, silently.
+    config = sk.ADD_CONFIGS[2]  # BLOCK_SIZE=32, num_warps=4
+    defaults = {"num_warps": 4, "num_stages": config.num_stages, "num_ctas": 1, "maxnreg": None}
+    monkeypatch.setattr(fastpath, "_launch_option_defaults", lambda: defaults)
+    launched = sk.record_block_sizes(monkeypatch, (sk.scale_add.fn,))
+    key = "n=40 | x_ptr:torch.float32, y_ptr:torch.float32, out_ptr:torch.float32"
+    table = {(kernel_id(sk.scale_add), key): config}
+    interception.install(TuningPolicy(mode="deterministic"), table=table, fast_path=fast_path)
+    x = torch.zeros(40)
+    sk.scale_add[grid(40)](x, x, x, 40, 0.5)
+    sk.scale_add[grid(40)](x, x, x, 40, 0.5)  # served by the generated run where it is on
+    for options in ({"num_warps": 8, "num_stages": 1}, {"BLOCK_SIZE": 16}):
+        with pytest.raises(TypeError) as info:
+            sk.scale_add[grid(40)](x, x, x, 40, 0.5, **options)
+        error, names = info.value, ", ".join(f"{k}={v}" for k, v in options.items())
+        assert isinstance(error, LaunchOptionError)
+        assert error.options == {k: str(v) for k, v in options.items()}
+        message = str(error)
+        assert f"Kernel {sk.__name__}:scale_add was called with {names}, which its config" in message
+        assert config_signature(config) in message and "triton.Config" in message
+        assert str(pickle.loads(pickle.dumps(error))) == message
+    assert launched == [32, 32]  # nothing else reached the kernel
+    sk.scale_add[grid(40)](x, x, x, 40, 0.5, maxnreg=128)  # an option the config leaves unset: as stock
+    assert launched == [32, 32, 32] and len(get_decisions()) == 1
 
 
 def test_keyword_arguments_follow_tritons_key_order():

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import inspect
 
+import pytest
 import torch
 import triton
 from triton.runtime.autotuner import Autotuner, Heuristics
@@ -90,6 +91,34 @@ def test_config_fields_and_all_kwargs():
     # Each field a signature holds, or a hook that config_list_digest compares: a new field (a
     # per-config post_hook, say) must be placed in one of them before configs differing in it pass.
     assert set(vars(config)) <= {*CONFIG_FIELDS, *CONFIG_HOOKS}, set(vars(config)) - {*CONFIG_FIELDS}
+
+
+_MULTIPLE = "got multiple values for keyword argument '{}'"
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "on_miss", "miss_text"),
+    [
+        ("num_warps", 8, TypeError, _MULTIPLE),
+        ("num_stages", 1, TypeError, _MULTIPLE),
+        ("BLOCK_SIZE", 16, ValueError, "Conflicting meta-parameters: {}"),  # _bench refuses it first
+    ],
+)
+def test_stock_run_refuses_a_call_keyword_its_config_also_sets(name, value, on_miss, miss_text):
+    # What LaunchOptionError stands in for: Triton's launch passes the call's keywords and the
+    # config's together.
+    interception.uninstall()
+    sk.scale_add.cache.clear()
+    x = torch.zeros(16)
+    try:
+        with pytest.raises(on_miss, match=miss_text.format(name)):
+            sk.scale_add[grid(16)](x, x, x, 16, 1.0, **{name: value})
+        sk.scale_add[grid(16)](x, x, x, 16, 1.0)
+        with pytest.raises(TypeError, match=_MULTIPLE.format(name)):  # a hit
+            sk.scale_add[grid(16)](x, x, x, 16, 1.0, **{name: value})
+    finally:
+        sk.scale_add.cache.clear()
+        sk.BENCH_CALLS.clear()
 
 
 def test_stock_run_sets_best_config_and_timings():
