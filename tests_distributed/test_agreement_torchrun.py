@@ -14,8 +14,16 @@ from typing import Any
 import pytest
 from _launch import WORKERS, gloo_available, gpu_count, read_results, run_torchrun
 
+from megatron_tuning.core.errors import FIX_A_CONFIG_LIST
 from megatron_tuning.distributed.verify import MAX_NAMED
 
+CONFIG_LIST_SCENARIOS = [
+    "config_list_store_deterministic",
+    "config_list_allgather_deterministic",
+    "config_list_verify_deterministic",
+    "config_list_store_chaos",
+    "config_list_store_auto",
+]
 SCENARIOS = [
     "store_agree",
     "store_chaos",
@@ -45,6 +53,7 @@ SCENARIOS = [
     "verify_chaos_strided",
     "verify_chaos_pair",
     "verify_close_chaos",
+    *CONFIG_LIST_SCENARIOS,
 ]
 GPU_SCENARIOS = ["cuda_graph_agree", "cuda_graph_chaos"]  # real CUDA graph capture
 MISSING_TIMEOUT_S = 2.0  # the allgather_missing scenario's agreement timeout
@@ -286,3 +295,17 @@ def test_the_check_at_close_catches_chaos_when_the_job_never_verifies(job: tuple
     assert [row["error"] for row in rows] == ["DivergenceError"] * len(rows)
     assert all("Found by verify_agreement" in row["message"] and "key M=3" in row["message"] for row in rows)
     assert all(row["close_s"] < 30 for row in rows)
+
+
+@pytest.mark.parametrize("name", CONFIG_LIST_SCENARIOS)
+def test_ranks_whose_config_lists_differ_raise_naming_the_lists(job: tuple[int, Results], name: str) -> None:
+    """Rank 0 offers one config more: each rank's records of the kernel carry its own list's digest,
+    so they never pair; the comparison of the lists fires in every mode, chaos and auto included."""
+    rows = _scenario(job, name)
+    assert [_raised(row) for row in rows] == ["DivergenceError"] * len(rows), rows
+    messages = {row.get("message") or row["verify_message"] for row in rows}
+    assert len(messages) == 1, messages
+    message = messages.pop()
+    assert "Ranks offer different config lists for kernel tests.support_kernels:write_block_kernel" in message
+    assert "only rank(s) [0]: BLOCK=256, num_warps=4" in message and "(none)" in message
+    assert FIX_A_CONFIG_LIST in message and "Planted" not in message

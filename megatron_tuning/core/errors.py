@@ -194,35 +194,58 @@ class NumericsError(MegatronTuningError, RuntimeError):
         )
 
 
+CONFIG_LIST_KEY = "(config list)"
+"""The key a kernel's config list is compared under across ranks, its "signature" the list's digest
+and its configs' signatures (``distributed.store.config_list_row``)."""
+FIX_A_CONFIG_LIST = (
+    "Make this kernel's config list the same on every rank: build it from fixed values, never from the "
+    "node's device (shared memory, SM count, a MIG slice), environment variables or package versions."
+)
+
+
 class DivergenceError(MegatronTuningError, RuntimeError):
     """Ranks launched different configs for the same (kernel, key); ``signatures``: rank -> config.
-    ``planted``: chaos mode made them differ on purpose."""
+    ``planted``: chaos mode made them differ on purpose. With ``key`` ``CONFIG_LIST_KEY``, ranks offer
+    different config lists for the kernel (never planted), ``signatures``: rank -> its list."""
 
     raised: ClassVar[int] = 0  # how many this process built (each is raised): tells a launcher it fired
 
     def __init__(
         self, kernel: str, key: str, signatures: Mapping[int, str], detail: str = "", planted: bool = False
     ) -> None:
-        self.kernel, self.key, self.detail, self.planted = kernel, key, detail, bool(planted)
+        listing = key == CONFIG_LIST_KEY
+        self.kernel, self.key, self.detail, self.planted = kernel, key, detail, bool(planted) and not listing
         self.signatures = {int(r): s for r, s in signatures.items()}
         DivergenceError.raised += 1
         groups: dict[str, list[int]] = {}
         for rank in sorted(self.signatures):
             groups.setdefault(self.signatures[rank], []).append(rank)
         ordered = sorted(groups.items(), key=lambda item: item[1][0])
-        lines = [f"Ranks launched different configs for kernel {kernel} with key {key}:"]
-        lines += [f"  Rank(s) {ranks} ran {signature}" for signature, ranks in ordered]
+        if listing:
+            lines = [
+                f"Ranks offer different config lists for kernel {kernel}, so any of its keys can differ:"
+            ]
+            lines += [f"  Rank(s) {ranks} offer {signature}" for signature, ranks in ordered]
+        else:
+            lines = [f"Ranks launched different configs for kernel {kernel} with key {key}:"]
+            lines += [f"  Rank(s) {ranks} ran {signature}" for signature, ranks in ordered]
         if len(ordered) >= 2:
-            lines.append("  diff: " + _signature_diff(ordered[0][0], ordered[1][0]))
+            diff = _list_diff if listing else _signature_diff
+            lines.append("  diff: " + diff(ordered[0], ordered[1]))
         if detail:
             lines.append(f"  {detail}")
-        lines.append(
-            "  Planted by chaos mode (ranks pick different configs on purpose): the check works and "
-            "nothing needs fixing."
-            if planted
-            else "  Pin this kernel with a tuning table (MEGATRON_TUNING_TABLE) or make every rank use the "
-            "same policy and table."
-        )
+        if listing:
+            lines.append(f"  {FIX_A_CONFIG_LIST}")
+        elif self.planted:
+            lines.append(
+                "  Planted by chaos mode (ranks pick different configs on purpose): the check works and "
+                "nothing needs fixing."
+            )
+        else:
+            lines.append(
+                "  Pin this kernel with a tuning table (MEGATRON_TUNING_TABLE) or make every rank use the "
+                "same policy and table."
+            )
         super().__init__("\n".join(lines))
 
 
@@ -283,16 +306,30 @@ class StoreError(MegatronTuningError, RuntimeError):
         )
 
 
-def _signature_diff(first: str, second: str) -> str:
+def _signature_diff(first: tuple[str, list[int]], second: tuple[str, list[int]]) -> str:
     """Field-by-field difference of two ``config_signature`` strings."""
-    a = dict(part.split("=", 1) for part in first.split(", ") if "=" in part)
-    b = dict(part.split("=", 1) for part in second.split(", ") if "=" in part)
+    a = dict(part.split("=", 1) for part in first[0].split(", ") if "=" in part)
+    b = dict(part.split("=", 1) for part in second[0].split(", ") if "=" in part)
     changed = [
         f"{k}: {a.get(k, '-')} -> {b.get(k, '-')}"
         for k in sorted(a.keys() | b.keys())
         if a.get(k) != b.get(k)
     ]
     return "; ".join(changed) or "(signatures differ only in formatting)"
+
+
+def _list_diff(first: tuple[str, list[int]], second: tuple[str, list[int]]) -> str:
+    """The configs only one of two listings (``<digest>: <signature>; ...``) offers."""
+    texts = (first[0], second[0])
+    if any(text.endswith("[truncated]") or ": " not in text for text in texts):
+        return "their digests differ"  # a listing cut short (verify's rows) or unknown
+    a, b = (set(text.partition(": ")[2].split("; ")) for text in texts)
+    if a == b:
+        return "the same configs; their digests differ in what the function closes over"
+    return " | ".join(
+        f"only rank(s) {ranks}: {'; '.join(sorted(mine - theirs)) or '(none)'}"
+        for mine, theirs, ranks in ((a, b, first[1]), (b, a, second[1]))
+    )
 
 
 def printable(text: str) -> str:

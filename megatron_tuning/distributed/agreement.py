@@ -14,7 +14,13 @@ from typing import Any
 import torch.distributed as dist
 
 from ..core.decisions import Decision, decision_log, unchecked_sources
-from ..core.errors import DivergenceError, InputMismatchError, MegatronTuningError, StoreError
+from ..core.errors import (
+    CONFIG_LIST_KEY,
+    DivergenceError,
+    InputMismatchError,
+    MegatronTuningError,
+    StoreError,
+)
 from ..core.policy import TuningPolicy
 from ..runtime.pinning import is_capturing
 from . import store as kv
@@ -175,6 +181,7 @@ class AgreementChecker(RaisedErrors):
         self._store = kv.prefixed(f"agreement/{kv.job_namespace()}/e{session}/{scope}", store)
         self._lock = threading.RLock()  # allgather checks must not interleave within a process
         self._seen: set[bytes] = set()
+        self._lists: set[bytes] = set()  # config lists this rank's store check compared
         self._pending: list[Decision] = []
         self._seq = 0
 
@@ -289,6 +296,14 @@ class AgreementChecker(RaisedErrors):
             self._allgather_check(decision)
 
     def _store_check(self, d: Decision) -> None:
+        listing = kv.config_list_row(d)  # the kernel's config list: once per kernel, before its keys
+        if listing is not None and (ident := kv.decision_digest(listing)) not in self._lists:
+            self._claim(listing)
+            self._lists.add(ident)
+        self._claim(d)
+        self._poll()
+
+    def _claim(self, d: Decision) -> None:
         what = f"the store check of kernel {d.kernel} with key {d.key}"
         name = "k/" + kv.decision_digest(d).hex()
         first = kv.claim(self._store, name, {"rank": self.rank, "signature": d.signature}, what)
@@ -297,7 +312,6 @@ class AgreementChecker(RaisedErrors):
         if first_signature != d.signature:
             signatures = {first_rank: first_signature, self.rank: d.signature}
             raise self._divergence(d, signatures, "Found by the store check at first use.")
-        self._poll()
 
     def _divergence(self, d: Decision, signatures: dict[int, str], detail: str) -> Exception:
         record: dict[str, Any] = {"kind": "divergence", "kernel": d.kernel, "key": d.key, "detail": detail}
@@ -321,6 +335,13 @@ class AgreementChecker(RaisedErrors):
         texts = [unpack_text(t) for t in all_gather_bytes(packed, self.group)]
         same = [i for i, r in enumerate(rows) if r[:32] == rows[0][:32]]
         detail = f"Found by allgather check #{self._seq} over ranks {self.ranks}."
+        if len({r[:32] for r in rows}) > 1 and len({t[:2] for t in texts}) == 1:
+            # One kernel name and key on every rank, other identities: its config lists may differ.
+            listing = kv.config_list_row(d)
+            mine = ("", "", "") if listing is None else (listing.kernel, listing.key, listing.signature)
+            lists = [unpack_text(t)[2] for t in all_gather_bytes(pack_text(*mine), self.group)]
+            if all(lists) and len(set(lists)) > 1:
+                raise DivergenceError(texts[0][0], CONFIG_LIST_KEY, dict(zip(self.ranks, lists)), detail)
         elsewhere = [
             f"rank {self.ranks[i]} was at kernel {t[0]} with key {t[1]}"
             for i, t in enumerate(texts)

@@ -20,9 +20,10 @@ import torch.distributed as dist
 
 from ..core.chaos import ChaosClaim
 from ..core.decisions import Decision
-from ..core.errors import AgreementTimeoutError, ConsensusError, PolicyError, StoreError
+from ..core.errors import CONFIG_LIST_KEY, AgreementTimeoutError, ConsensusError, PolicyError, StoreError
 from ..core.identity import shared_kernel_id
 from ..core.notices import warn_once
+from ..runtime.pinning import config_listing
 
 PREFIX = "megatron_tuning/v2"
 SLOW_REQUEST_S = 5.0  # a slower request is reported once per purpose (a paused or overloaded store)
@@ -65,6 +66,18 @@ def decision_digest(d: Decision) -> bytes:
     # identity and a false DivergenceError. Ranks loading it under per-rank names agree anyway: by
     # their compared inputs in deterministic mode, by the content-keyed consensus in auto.
     return identity_digest(shared_kernel_id(d.kernel, d.config_list_digest), d.key, d.arch)
+
+
+def config_list_row(d: Decision) -> Decision | None:
+    """What ranks compare ``d``'s kernel's config list as: a decision of ``module:qualname`` under
+    ``CONFIG_LIST_KEY`` whose signature is the list's digest and configs. Only for a plain id (the one
+    list over its function in its module); a factory's kernels and twins are told apart by their
+    digest, so each rank's lists of those are other kernels, not one that differs."""
+    if d.config_list_digest is None or "@" in d.kernel:
+        return None
+    listing = config_listing(d.config_list_digest)
+    signature = d.config_list_digest if listing is None else f"{d.config_list_digest}: {listing}"
+    return Decision(d.kernel, CONFIG_LIST_KEY, signature, d.source, arch=d.arch, rank=d.rank)
 
 
 def signature_digest(signature: str) -> bytes:

@@ -41,8 +41,9 @@ MAX_NAMED = 8  # differing entries named by verify_agreement; the rest are count
 MAX_SIGNATURES_NAMED = 4  # distinct logs whose configs are listed per named entry
 _HEADER = struct.Struct("<16sQII")  # log digest, row count, session number, call number (0: at close)
 _ROW = struct.Struct("<16s16sI")  # identity, signature, position in the sender's log
+_LIST_ROW = 1 << 31  # a row's position flag: a kernel's config list, not a (kernel, key) entry
 _NAMED = struct.Struct("<16sII")  # identity, first observer's group index, its log position
-_SUMMARY = struct.Struct("<QQ")  # shared entries, differing entries (this owner's)
+_SUMMARY = struct.Struct("<QII")  # shared entries, differing entries and lists, shared lists (this owner's)
 
 
 @dataclass
@@ -104,11 +105,19 @@ def compare_logs(
     unchecked = unchecked_sources(policy.mode if policy is not None else None)
     checked = [d for d in decision_log().decisions() if d.source not in unchecked]
     # By identity in first-use order; after a re-install the latest decision of a key (what launches now).
-    table = {kv.decision_digest(d): d for d in checked}
+    # Each plain kernel's config list is a row too, before its first key's (``kv.config_list_row``).
+    table: dict[bytes, Decision] = {}
+    lists: set[bytes] = set()
+    for d in checked:
+        listing = kv.config_list_row(d)
+        if listing is not None and (ident := kv.decision_digest(listing)) not in table:
+            table[ident] = listing
+            lists.add(ident)
+        table[kv.decision_digest(d)] = d
     idents = list(table)  # launch order, so the first divergence named is the earliest one
     rows = sorted(i[:16] + kv.signature_digest(table[i].signature)[:16] for i in idents)
     digest = hashlib.sha256(b"".join(rows)).digest()[:16]
-    headers = all_gather_bytes(_HEADER.pack(digest, len(idents), _sessions, call), group)
+    headers = all_gather_bytes(_HEADER.pack(digest, len(idents) - len(lists), _sessions, call), group)
     parsed = [_HEADER.unpack(h) for h in headers]
     # Every rank sees every header, so all raise the same error. Session 0 (a rank that started
     # none, e.g. one that never imported Triton under `run`) pairs with any: only its log counts.
@@ -123,9 +132,11 @@ def compare_logs(
         weight = {members[0]: len(members) for members in groups.values()}  # representative -> ranks
         me = ranks.index(dist.get_rank())
         rows_to_send = idents if me in weight else []  # only one rank per distinct log sends its rows
-        shared, differing, named = _compare_sharded(table, rows_to_send, weight, len(ranks), group)
-        if differing:
-            found = _divergence(named, differing, shared, table, groups, ranks, group)  # every rank joins
+        shared, listed, differing, named = _compare_sharded(
+            table, rows_to_send, weight, len(ranks), group, lists
+        )
+        if differing:  # every rank joins; config lists count as shared entries in the message
+            found = _divergence(named, differing, shared + listed, table, groups, ranks, group)
             if late_error is not None:
                 raise late_error
             raise DivergenceError(*found, planted=policy is not None and policy.mode == "chaos")
@@ -141,39 +152,48 @@ def _compare_sharded(
     weight: dict[int, int],
     world: int,
     group: Any,
-) -> tuple[int, int, list[tuple[bytes, int, int]]]:
-    """Owners compare the representatives' rows; every rank gets the same (shared, differing, named)."""
+    lists: set[bytes],
+) -> tuple[int, int, int, list[tuple[bytes, int, int]]]:
+    """Owners compare the representatives' rows; every rank gets the same (shared entries, shared
+    config lists, differing rows, named). A config-list row (of ``lists``) carries a flag."""
     chunks: list[list[bytes]] = [[] for _ in range(world)]
     for position, ident in enumerate(idents):
         owner = int.from_bytes(ident[:8], "little") % world
         signature = kv.signature_digest(table[ident].signature)[:16]
-        chunks[owner].append(_ROW.pack(ident[:16], signature, position))
+        chunks[owner].append(
+            _ROW.pack(ident[:16], signature, position | (_LIST_ROW if ident in lists else 0))
+        )
     received = all_to_all_bytes([b"".join(c) for c in chunks], group)
     holders: dict[bytes, dict[bytes, tuple[int, int]]] = {}  # ident -> signature -> (index, position)
     count: dict[bytes, int] = {}
+    listed: set[bytes] = set()
     for index, blob in enumerate(received):
         for offset in range(0, len(blob), _ROW.size):
             ident, signature, position = _ROW.unpack_from(blob, offset)
-            holders.setdefault(ident, {}).setdefault(signature, (index, position))
+            if position & _LIST_ROW:
+                listed.add(ident)
+            holders.setdefault(ident, {}).setdefault(signature, (index, position & ~_LIST_ROW))
             count[ident] = count.get(ident, 0) + weight.get(index, 0)
-    shared = sum(1 for ident in holders if count[ident] >= 2)
+    shared = [ident for ident in holders if count[ident] >= 2]
     differing = sorted(
         (min(observers.values()), ident) for ident, observers in holders.items() if len(observers) > 1
     )
-    mine = _SUMMARY.pack(shared, len(differing)) + b"".join(
+    lists_shared = sum(1 for ident in shared if ident in listed)
+    mine = _SUMMARY.pack(len(shared) - lists_shared, len(differing), lists_shared) + b"".join(
         _NAMED.pack(ident, index, position) for (index, position), ident in differing[:MAX_NAMED]
     )
     summaries = all_gather_bytes(mine.ljust(_SUMMARY.size + MAX_NAMED * _NAMED.size, b"\0"), group)
-    total_shared = total_differing = 0
+    total_shared = total_differing = total_lists = 0
     named: list[tuple[bytes, int, int]] = []
     for blob in summaries:
-        owner_shared, owner_differing = _SUMMARY.unpack_from(blob)
+        owner_shared, owner_differing, owner_lists = _SUMMARY.unpack_from(blob)
         total_shared += owner_shared
         total_differing += owner_differing
+        total_lists += owner_lists
         for n in range(min(owner_differing, MAX_NAMED)):
             named.append(_NAMED.unpack_from(blob, _SUMMARY.size + n * _NAMED.size))
     named.sort(key=lambda item: (item[1], item[2], item[0]))
-    return total_shared, total_differing, named[:MAX_NAMED]
+    return total_shared, total_lists, total_differing, named[:MAX_NAMED]
 
 
 def _mispaired(seq: int, ranks: list[int], parsed: list[tuple[Any, ...]]) -> InputMismatchError | None:

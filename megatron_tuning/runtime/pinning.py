@@ -183,6 +183,16 @@ def current_policy() -> TuningPolicy | None:
     return None if installation is None else installation.policy
 
 
+# Each in-scope config list's configs, by its digest: what ranks compare of a kernel's list
+# (``distributed.store.config_list_row``). Sorted, as the digest ignores their order.
+_listings: dict[str, str] = {}
+
+
+def config_listing(digest: str) -> str | None:
+    """The signatures of the configs of the list with ``digest``, ``"; "``-joined; ``None`` if unseen."""
+    return _listings.get(digest)
+
+
 def state_for(autotuner: Any, installation: Installation) -> AutotunerState:
     """``autotuner``'s state under ``installation``, made at its first launch under it; kept only while
     ``installation`` is active, so a launch racing ``install``/``uninstall`` cannot outlive it."""
@@ -200,6 +210,9 @@ def state_for(autotuner: Any, installation: Installation) -> AutotunerState:
     )
     if new.in_scope:  # out of scope, Triton picks among the configs itself: nothing to check
         new.config_list_digest = config_list_digest(autotuner)
+        if new.config_list_digest not in _listings:
+            signatures = sorted({config_signature(config) for config in autotuner.configs})
+            _listings[new.config_list_digest] = "; ".join(signatures)
         new.source_hash = kernel_source_hash(autotuner)
         new.storing_problem = _storing_problem(autotuner)
         if installation.policy.mode in STORING_MODES and new.storing_problem:

@@ -18,9 +18,18 @@ import pytest
 dist = pytest.importorskip("torch.distributed")
 
 from megatron_tuning.core.decisions import Decision, decision_log
-from megatron_tuning.core.errors import DivergenceError, InputMismatchError
+from megatron_tuning.core.errors import (
+    CONFIG_LIST_KEY,
+    FIX_A_CONFIG_LIST,
+    DivergenceError,
+    InputMismatchError,
+)
+from megatron_tuning.core.identity import config_signature
 from megatron_tuning.core.policy import TuningPolicy
 from megatron_tuning.distributed import agreement, store, verify
+from megatron_tuning.runtime import pinning
+
+from .. import support_kernels as sk
 
 KERNEL = "pkg.kernels:matmul"
 KEY = "M=64, N=48, K=40 | a_ptr:torch.float32"
@@ -128,6 +137,54 @@ def test_a_kernel_named_plain_on_one_rank_and_digest_on_another_is_compared() ->
         Decision(f"{KERNEL}@ba9876543210", KEY, SIG_B, "cheapest", config_list_digest="ba9876543210")
     )
     second.poll()
+
+
+def test_ranks_offering_other_config_lists_for_a_kernel_raise_at_its_first_key() -> None:
+    """Each rank's records of a kernel carry its own list's digest, so they never pair: the store
+    check compares the kernel's list once, under its plain name, and names both."""
+    first, second = _ranks(2)
+    first.check(Decision(KERNEL, KEY, SIG_A, "table", config_list_digest="0123456789ab"))
+    with pytest.raises(DivergenceError) as raised:
+        second.check(Decision(KERNEL, KEY, SIG_B, "cheapest", config_list_digest="ba9876543210"))
+    error = raised.value
+    assert (error.kernel, error.key, error.planted) == (KERNEL, CONFIG_LIST_KEY, False)
+    assert error.signatures == {0: "0123456789ab", 1: "ba9876543210"}
+    assert f"Ranks offer different config lists for kernel {KERNEL}" in str(error)
+    assert FIX_A_CONFIG_LIST in str(error)
+    with pytest.raises(DivergenceError) as raised_first:  # the first rank, at its next check
+        first.poll()
+    assert str(raised_first.value) == str(error)
+
+
+def test_the_config_list_is_named_by_its_configs() -> None:
+    """A list the process met carries its configs' signatures: the error says what only one offers
+    (here the lists of the twins over ``twin_body``, as if each rank held one under the plain name)."""
+    installation = pinning.Installation(TuningPolicy(scope=("tests.support_kernels",)), None, None, 0)
+    digests = [pinning.state_for(k, installation).config_list_digest for k in (sk.twin_large, sk.twin_small)]
+    first, second = _ranks(2)
+    kernel = "tests.support_kernels:twin_body"
+    first.check(Decision(kernel, KEY, SIG_A, "table", config_list_digest=digests[0]))
+    with pytest.raises(DivergenceError) as raised:
+        second.check(Decision(kernel, KEY, SIG_A, "table", config_list_digest=digests[1]))
+    large = "; ".join(sorted(config_signature(c) for c in sk.TWIN_LARGE_CONFIGS))
+    assert f"Rank(s) [0] offer {digests[0]}: {large}" in str(raised.value)
+    only = "BLOCK_SIZE=128, num_warps=8, num_stages=3; BLOCK_SIZE=64, num_warps=8, num_stages=3"
+    assert f"diff: only rank(s) [0]: {only} | only rank(s) [1]: BLOCK_SIZE=8, num_warps=2" in str(
+        raised.value
+    )
+
+
+def test_kernels_told_apart_by_their_list_never_compare_lists() -> None:
+    """A factory's kernels and twins over one function carry ``@digest`` ids: each list is another
+    kernel, so ranks holding other lists of them (or launching them in other orders) are not wrong."""
+    for kernel in (f"{KERNEL}@", "pkg.kernels:make.<locals>.matmul@"):
+        first, second = _ranks(2)
+        first.check(Decision(kernel + "0123456789ab", KEY, SIG_A, "table", config_list_digest="0123456789ab"))
+        second.check(
+            Decision(kernel + "ba9876543210", KEY, SIG_B, "table", config_list_digest="ba9876543210")
+        )
+        second.poll()
+        first.poll()
 
 
 def test_keys_differing_only_by_arch_are_not_compared() -> None:

@@ -514,6 +514,34 @@ def kernels_factory(result: dict[str, Any]) -> None:
         handle.close()
 
 
+def _config_list_run(result: dict[str, Any], mode: str, agreement_mode: str) -> None:
+    """``write_block_kernel`` offers BLOCK=256 on rank 0 only, as a config list built from the node's
+    device, an environment variable or a package version would: every check must name the lists."""
+    import torch
+
+    import megatron_tuning
+    from tests import support_kernels as _kernels
+
+    kernel, full = _kernels.write_block_kernel, _kernels.write_block_kernel.configs
+    kernel.configs = full if RANK == 0 else full[1:]
+    policy = TuningPolicy(
+        mode=mode,
+        scope=("tests.support_kernels",),
+        agreement=agreement_mode,
+        agreement_timeout_s=30.0,
+        use_shipped_tables=False,
+        cache="off",
+    )
+    handle = megatron_tuning.init_deterministic_tuning(policy)
+    try:
+        _guarded(result, lambda: _kernels.write_block(torch.zeros(64, device=DEVICE)))
+        dist.barrier()
+        _verify_into(result)  # the store check's first rank, and verify, raise here
+    finally:
+        kernel.configs = full
+        _guarded(result, handle.close)
+
+
 def _cuda_graph_run(result: dict[str, Any], mode: str) -> None:
     """A kernel's first use inside a real CUDA graph capture: checked after it, never during."""
     import torch
@@ -591,6 +619,16 @@ SCENARIOS: dict[str, Callable[[dict[str, Any]], None]] = {
 }
 SCENARIOS["cuda_graph_agree"] = lambda result: _cuda_graph_run(result, "deterministic")
 SCENARIOS["cuda_graph_chaos"] = lambda result: _cuda_graph_run(result, "chaos")
+for _mode, _agreement_mode in (
+    ("deterministic", "store"),
+    ("deterministic", "allgather"),
+    ("deterministic", "verify"),
+    ("chaos", "store"),
+    ("auto", "store"),
+):
+    SCENARIOS[f"config_list_{_agreement_mode}_{_mode}"] = lambda result, m=_mode, a=_agreement_mode: (
+        _config_list_run(result, m, a)
+    )
 for _agreement_mode in ("store", "allgather", "verify", "off"):
     for _mode in ("deterministic", "chaos"):
         SCENARIOS[f"kernels_{_agreement_mode}_{_mode}"] = _kernel_scenario(_mode, _agreement_mode)
