@@ -13,6 +13,7 @@ import torch
 
 from ..core import __version__
 from ..core.errors import TableError
+from ..core.identity import config_signature
 from ..core.policy import TuningPolicy
 from ..tables.search import expand_table_paths, installed_triton_version, shipped_tables_dir
 
@@ -32,10 +33,7 @@ def describe_inputs(policy: TuningPolicy, table: Any = None) -> dict[str, str]:
         except TableError as exc:  # the table search path reports it too, naming the file
             inputs["tables"] = f"unreadable ({exc})"
     elif isinstance(table, Mapping):
-        rows = sorted(
-            json.dumps([list(k), dict(v) if isinstance(v, Mapping) else repr(v)], sort_keys=True, default=str)
-            for k, v in table.items()
-        )
+        rows = sorted(json.dumps([list(k), _launch_text(v)], default=str) for k, v in table.items())
         inputs["tables"] = (
             f"{len(rows)} in-memory entries@{hashlib.sha256(chr(10).join(rows).encode()).hexdigest()[:12]}"
         )
@@ -46,6 +44,14 @@ def describe_inputs(policy: TuningPolicy, table: Any = None) -> dict[str, str]:
         files = sorted(p for p in folder.rglob("*.msgpack") if p.is_file()) if folder.is_dir() else []
         inputs["shipped tables"] = _digest_of(files, folder)
     return inputs
+
+
+def _launch_text(config: Any) -> str:
+    """What an in-memory entry launches, as the lookup matches it: its config signature (a
+    ``triton.Config``'s repr holds its address), else, for a mapping that is no config, its JSON."""
+    if isinstance(config, Mapping) and "kwargs" not in config:
+        return json.dumps(dict(config), sort_keys=True, default=str)
+    return config_signature(config)
 
 
 def _digest_of(files: Sequence[Path], root: Path | None = None) -> str:
