@@ -15,11 +15,12 @@ from ..core import __version__
 from ..core.errors import TableError
 from ..core.identity import config_signature
 from ..core.policy import TuningPolicy
-from ..tables.search import expand_table_paths, installed_triton_version, shipped_tables_dir
+from ..tables.search import TableSet, expand_table_paths, installed_triton_version, shipped_tables_dir
 
 
 def describe_inputs(policy: TuningPolicy, table: Any = None) -> dict[str, str]:
-    """What this rank's choices depend on, as short comparable text per input. Table files are
+    """What this rank's choices depend on, as short comparable text per input. ``table``: what the
+    session searches (a ``TableSet``, a mapping); ``None``: the policy's tables. Table files are
     compared by content, so the same tables at different paths on different nodes agree."""
     inputs = {f"policy.{name}": value for name, value in policy.summary_fields().items()}
     inputs |= {
@@ -27,7 +28,11 @@ def describe_inputs(policy: TuningPolicy, table: Any = None) -> dict[str, str]:
         "triton": installed_triton_version() or "not installed",
         "torch": str(torch.__version__),
     }
-    if table is None or hasattr(table, "files"):  # a TableSet reads the policy's tables
+    shipped = shipped_tables_dir() if policy.use_shipped_tables else None
+    if isinstance(table, TableSet):  # what the session searches: the policy's tables or others
+        inputs["tables"] = _digest_of([Path(name) for name in table.named_files])
+        shipped = table.shipped_dir
+    elif table is None:
         try:
             inputs["tables"] = _digest_of([Path(name) for name in expand_table_paths(policy.tables)])
         except TableError as exc:  # the table search path reports it too, naming the file
@@ -39,10 +44,9 @@ def describe_inputs(policy: TuningPolicy, table: Any = None) -> dict[str, str]:
         )
     else:
         inputs["tables"] = f"a {type(table).__name__} object (not compared)"
-    if policy.use_shipped_tables:
-        folder = shipped_tables_dir()
-        files = sorted(p for p in folder.rglob("*.msgpack") if p.is_file()) if folder.is_dir() else []
-        inputs["shipped tables"] = _digest_of(files, folder)
+    if shipped is not None:
+        files = sorted(p for p in shipped.rglob("*.msgpack") if p.is_file()) if shipped.is_dir() else []
+        inputs["shipped tables"] = _digest_of(files, shipped)
     return inputs
 
 

@@ -112,6 +112,7 @@ class TableSet:
             hint = " (check the policy's tables / MEGATRON_TUNING_TABLE)"
             raise TableError(exc.path, exc.problem + hint) from None
         self._tables: list[tuple[str, Table]] = [(name, load_table(name)) for name in names]
+        self.named_files = tuple(names)  # what the session's ranks compare (with ``shipped_dir``)
         self.cache_file: str | None = None  # auto's: its hits are this node's, proposed to the job
         self._cache: list[tuple[str, Table]] = []  # after every table, shipped ones loaded later too
         if cache is not None and os.path.realpath(cache[0]) not in {os.path.realpath(n) for n in names}:
@@ -141,6 +142,11 @@ class TableSet:
             triton_version=triton_version,
             cache=cache,
         )
+
+    @property
+    def shipped_dir(self) -> Path | None:
+        """The folder of shipped per-arch tables this set searches, if any."""
+        return self._shipped_dir
 
     @property
     def files(self) -> list[str]:

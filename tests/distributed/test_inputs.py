@@ -3,13 +3,19 @@ different where they could differ, whatever form the table takes."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 triton = pytest.importorskip("triton")
 
+from megatron_tuning.core.identity import config_data
 from megatron_tuning.core.key import Key
 from megatron_tuning.core.policy import TuningPolicy
 from megatron_tuning.distributed.inputs import describe_inputs
+from megatron_tuning.tables.entry import Entry
+from megatron_tuning.tables.search import TableSet
+from megatron_tuning.tables.table import Table, save_table
 
 KEY = Key({"n": 100}, {"out_ptr": "torch.int32"})
 
@@ -42,3 +48,30 @@ def test_an_in_memory_table_of_configs_is_compared_by_their_launch_options() -> 
     assert inputs(64) != inputs(32)
     assert inputs(64) != inputs(64, num_stages=2)
     assert inputs(64).startswith("1 in-memory entries@")
+
+
+def _table_file(path: Path, block: int) -> Path:
+    entry = Entry(
+        arch="unknown", kernel="pkg:kernel", key=KEY, config=config_data(triton.Config({"BLOCK": block}))
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_table(Table([entry]), path)
+    return path
+
+
+def test_a_table_set_is_compared_by_the_files_it_searches_not_the_policys(tmp_path: Path) -> None:
+    """Before, ``table=TableSet(paths)`` was described by ``policy.tables`` (here none): ranks whose
+    table files differed passed the inputs check, and a key only they hold was never compared."""
+    policy = TuningPolicy()
+    here = _table_file(tmp_path / "here" / "t.msgpack", 64)
+    there = _table_file(tmp_path / "there" / "t.msgpack", 64)  # the same table on another node
+    drifted = _table_file(tmp_path / "drifted" / "t.msgpack", 32)
+    mine = describe_inputs(policy, TableSet([here]))
+    assert mine["tables"] == describe_inputs(policy, TableSet([there]))["tables"] != "(none)"
+    assert describe_inputs(policy, TableSet([drifted]))["tables"] != mine["tables"]
+    assert describe_inputs(policy, TableSet([]))["tables"] == "(none)"
+    # Its own shipped folder, not the policy's setting, is what it searches.
+    assert "shipped tables" not in describe_inputs(TuningPolicy(use_shipped_tables=True), TableSet([here]))
+    shipped = _table_file(tmp_path / "shipped" / "unknown" / "t.msgpack", 64).parent.parent
+    with_shipped = describe_inputs(TuningPolicy(use_shipped_tables=False), TableSet([], shipped_dir=shipped))
+    assert with_shipped["shipped tables"].startswith("1 files@")
