@@ -291,6 +291,12 @@ class InputMismatchError(MegatronTuningError, RuntimeError):
             "init_deterministic_tuning and verify_agreement the same number of times on each (compare "
             "tables with `python -m megatron_tuning show TABLE`)."
         )
+        if "arch" in self.differences:  # no setting makes two GPU archs launch one config
+            lines.append(
+                "  Tables hold one entry per GPU arch and no check compares ranks of two archs: run one "
+                "GPU arch per job, or set MEGATRON_TUNING_AGREEMENT=off (agreement='off') for a "
+                "mixed-arch job: each rank then launches its own arch's entries, and no key is compared."
+            )
         super().__init__("\n".join(lines))
 
 

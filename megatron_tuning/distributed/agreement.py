@@ -25,12 +25,11 @@ from ..core.policy import TuningPolicy
 from ..runtime.pinning import is_capturing
 from . import store as kv
 from . import verify
-from .inputs import describe_inputs
+from .inputs import CHECKED_MODES, describe_inputs
 from .verify import all_gather_bytes, pack_text, unpack_text
 
 STORE_UP_TO_RANKS = 64
 """Worlds up to this size check each key at first use (``store``); larger ones use ``verify``."""
-CHECKED_MODES = ("deterministic", "chaos", "auto")  # the policy modes whose ranks must agree per key
 CLOSE_CHECKED = ("store", "verify")  # agreement modes whose session ends with ``verify.verify_at_close``
 logger = logging.getLogger(__name__)
 

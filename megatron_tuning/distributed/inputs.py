@@ -1,5 +1,6 @@
 """What a rank's choices depend on, compared across ranks at each session's start (``agreement``):
-the policy field by field, the versions, and the contents of the tables."""
+the policy field by field, the versions, the contents of the tables, and the GPU arch where keys
+are compared."""
 
 from __future__ import annotations
 
@@ -13,16 +14,24 @@ import torch
 
 from ..core import __version__
 from ..core.errors import TableError
-from ..core.identity import config_signature
+from ..core.identity import arch_tag, config_signature, group_exists, node_arch
 from ..core.policy import TuningPolicy
 from ..tables.search import TableSet, expand_table_paths, installed_triton_version, shipped_tables_dir
 
+CHECKED_MODES = ("deterministic", "chaos", "auto")  # the policy modes whose ranks must agree per key
 
-def describe_inputs(policy: TuningPolicy, table: Any = None) -> dict[str, str]:
+
+def describe_inputs(policy: TuningPolicy, table: Any = None, *, arch: str | None = None) -> dict[str, str]:
     """What this rank's choices depend on, as short comparable text per input. ``table``: what the
     session searches (a ``TableSet``, a mapping); ``None``: the policy's tables. Table files are
-    compared by content, so the same tables at different paths on different nodes agree."""
+    compared by content, so the same tables at different paths on different nodes agree. ``arch``
+    (default: this node's GPUs', read only with a process group) only where the policy compares
+    keys: a key's check pairs ranks of one arch, so ranks of two would launch their own entries unseen."""
     inputs = {f"policy.{name}": value for name, value in policy.summary_fields().items()}
+    if policy.mode in CHECKED_MODES and policy.agreement != "off" and (arch or group_exists()):
+        # Read only where ranks compare (one process reads no GPU at init), and maybe before this
+        # rank picked its device: the current device's only where this node's GPUs differ.
+        inputs["arch"] = arch or node_arch() or arch_tag()
     inputs |= {
         "megatron_tuning": __version__,
         "triton": installed_triton_version() or "not installed",

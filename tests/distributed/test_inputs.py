@@ -8,10 +8,13 @@ from pathlib import Path
 import pytest
 
 triton = pytest.importorskip("triton")
+dist = pytest.importorskip("torch.distributed")
 
+from megatron_tuning.core.errors import InputMismatchError
 from megatron_tuning.core.identity import config_data
 from megatron_tuning.core.key import Key
 from megatron_tuning.core.policy import TuningPolicy
+from megatron_tuning.distributed.agreement import AgreementChecker
 from megatron_tuning.distributed.inputs import describe_inputs
 from megatron_tuning.tables.entry import Entry
 from megatron_tuning.tables.search import TableSet
@@ -75,3 +78,49 @@ def test_a_table_set_is_compared_by_the_files_it_searches_not_the_policys(tmp_pa
     shipped = _table_file(tmp_path / "shipped" / "unknown" / "t.msgpack", 64).parent.parent
     with_shipped = describe_inputs(TuningPolicy(use_shipped_tables=False), TableSet([], shipped_dir=shipped))
     assert with_shipped["shipped tables"].startswith("1 files@")
+
+
+def _claim_both(policy: TuningPolicy, archs: tuple[str, str]) -> None:
+    """Rank 0, then rank 1, claim the inputs ``policy`` gives on a GPU of each of ``archs``."""
+    claims = dist.HashStore()
+    for rank, arch in enumerate(archs):
+        checker = AgreementChecker(policy, store=claims, rank=rank, ranks=[0, 1])
+        checker.compare_inputs(describe_inputs(policy, arch=arch))
+
+
+def test_ranks_on_different_archs_fail_at_init_naming_the_arch_and_the_way_out() -> None:
+    """Before, the arch was no input: ranks on two archs launched each its arch's entry (or chaos
+    picks), were never paired by a per-key check, and nothing was raised."""
+    with pytest.raises(InputMismatchError) as raised:
+        _claim_both(TuningPolicy(mode="deterministic"), ("sm90", "sm80"))
+    assert raised.value.differences == {"arch": {0: "sm90", 1: "sm80"}}
+    assert "arch: rank 0: sm90; rank 1: sm80" in str(raised.value)
+    assert "one GPU arch per job" in str(raised.value) and "MEGATRON_TUNING_AGREEMENT=off" in str(
+        raised.value
+    )
+    for mode in ("chaos", "auto"):
+        with pytest.raises(InputMismatchError, match="arch: rank 0: sm90; rank 1: sm80"):
+            _claim_both(TuningPolicy(mode=mode), ("sm90", "sm80"))
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        TuningPolicy(agreement="off"),
+        TuningPolicy(mode="auto", agreement="off"),
+        TuningPolicy(mode="tune"),
+        TuningPolicy(mode="off"),
+    ],
+)
+def test_a_policy_that_compares_no_key_runs_on_mixed_archs(policy: TuningPolicy) -> None:
+    _claim_both(policy, ("sm90", "sm80"))  # each arch launches its own entries, compared with none
+
+
+def test_the_arch_of_a_cpu_or_interpreter_run_is_unknown_and_one_process_reads_none() -> None:
+    assert "arch" not in describe_inputs(TuningPolicy())  # no process group: nothing to compare
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert describe_inputs(TuningPolicy())["arch"] == "unknown"  # TRITON_INTERPRET=1 here
+    finally:
+        dist.destroy_process_group()
+    _claim_both(TuningPolicy(), ("unknown", "unknown"))
