@@ -233,6 +233,7 @@ def _cache_arch() -> str:
         "init_deterministic_tuning after torch.cuda.set_device(local_rank), or name a cache file per "
         "arch with MEGATRON_TUNING_CACHE.",
         current,
+        rank_local=True,  # this node's GPUs: rank 0's node may hold one arch
     )
     return current
 

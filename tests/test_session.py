@@ -311,9 +311,11 @@ def test_auto_init_files_the_default_cache_by_the_nodes_arch_without_the_current
     assert not notices.matching("more than one arch")
 
 
+@pytest.mark.parametrize("rank", ["0", "1"])  # its node's GPUs: rank 0's node may hold one arch
 def test_auto_init_on_a_mixed_node_uses_the_current_device_and_says_how_to_be_sure(
-    tmp_path, monkeypatch, notices
+    tmp_path, monkeypatch, notices, rank
 ):
+    monkeypatch.setenv("RANK", rank)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     monkeypatch.delenv("MEGATRON_TUNING_CACHE", raising=False)
     _fake_gpus(monkeypatch, {0: (8, 0), 1: (9, 0)}, current=1)

@@ -1,7 +1,9 @@
 """Notices: what the user must act on, a ``TuningWarning`` at the user's frame once per cause and
 policy, by rank 0 alone unless the cause is rank-local (other ranks log it at INFO); ``-W`` and
-``warnings.filterwarnings`` filter it. Then what choosing says: fallbacks, unusable entries, numerics,
-and the policy's end, which counts the keys that fell back (the tallies)."""
+``warnings.filterwarnings`` filter it. A cause is rank-local where it follows from what this rank
+launched or found: its kernel ids (module names can differ per rank), keys and live configs, its
+table lookups, its node's GPUs; rank 0 may meet none of it. Then what choosing says: fallbacks,
+unusable entries, numerics, and the policy's end, which counts the keys that fell back (the tallies)."""
 
 from __future__ import annotations
 
@@ -140,7 +142,7 @@ def entry_matches_nothing(kernel: str, key: str, origin: str, entry: str, live: 
         "such an entry in its cache; other modes apply the miss rule). Re-tune the kernel, or fix the "
         f"entry's config to one the kernel offers: {offered}"
     )
-    warn_once(("entry-no-match", kernel, key, origin), message)
+    warn_once(("entry-no-match", kernel, key, origin), message, rank_local=True)
 
 
 def ambiguous_entry(base: str, kernel: str, key: str, origin: str) -> None:
@@ -150,7 +152,7 @@ def ambiguous_entry(base: str, kernel: str, key: str, origin: str) -> None:
         "cannot say which autotuner it was tuned for and is not used. Re-tune (tune or auto mode) to get "
         "entries under the new ids. Other keys of this kernel are skipped without another warning."
     )
-    warn_once(("ambiguous-entry", base, origin), message)
+    warn_once(("ambiguous-entry", base, origin), message, rank_local=True)
 
 
 def override_names(kernel: str, live: Sequence[Any]) -> None:
@@ -166,7 +168,7 @@ def nearest_used(kernel: str, key: str, neighbour: str, origin: str, fix: str) -
         f"shape [{neighbour}] from {origin} (on_miss='nearest'), and so will every other key of this kernel "
         f"without an entry (counted when the policy ends). To pin each shape's own best config, {fix}."
     )
-    warn_once(("nearest", kernel), message)
+    warn_once(("nearest", kernel), message, rank_local=True)
 
 
 def cheapest_used(
@@ -180,7 +182,7 @@ def cheapest_used(
         "this kernel without an entry (counted when the policy ends). That is pinned but can be slow: "
         f"{CHEAPEST_COST}. To be pinned and fast, {fix}."
     )
-    warn_once(("cheapest", kernel), message)
+    warn_once(("cheapest", kernel), message, rank_local=True)
 
 
 def cheapest_at_decoration(configs: Sequence[str], chosen: str) -> None:
@@ -199,7 +201,7 @@ def cannot_measure(kernel: str, key: str) -> None:
         "graph capture); using the deterministic choice instead of tuning it. Launch this key once eagerly, "
         "outside graph capture, before compiling or capturing, so the tuner can time it"
     )
-    warn_once(("tune-cannot-measure", kernel, key), message)
+    warn_once(("tune-cannot-measure", kernel, key), message, rank_local=True)
 
 
 def check_numerics(numerics: str, kernel: str, key: str, choice: Any, signature: str) -> None:
@@ -225,7 +227,7 @@ def check_numerics(numerics: str, kernel: str, key: str, choice: Any, signature:
         f"reproducible. Deterministic alternatives the audit found: {others}. Re-tune with "
         "MEGATRON_TUNING_NUMERICS=deterministic-only to pin one (docs/numerics.md)."
     )
-    warn_once(("nondeterministic", kernel), message)
+    warn_once(("nondeterministic", kernel), message, rank_local=True)
 
 
 def report_policy_end(policy: Any) -> None:
@@ -239,7 +241,7 @@ def report_policy_end(policy: Any) -> None:
                 f"{sum(by_kernel.values())} keys of {len(by_kernel)} kernel(s) launched {what} for lack of a "
                 f"table entry under this policy: {listing}. To pin them to their best configs, {fix}."
             )
-            warn_once(("policy-end", kind), message)
+            warn_once(("policy-end", kind), message, rank_local=True)  # this rank's tallies
     kernels = {group[1]: sorted(map(str, names)) for group, names in tallies("kernel-config-names").items()}
     if policy is None or not policy.block_sizes or not kernels:
         return  # no in-scope kernel launched with the override: nothing to compare it with

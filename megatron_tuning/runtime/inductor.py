@@ -331,7 +331,7 @@ def _report_bypass(caching_autotuner: Any, installation: Any, args: tuple[Any, .
     if installation.policy.strict:
         raise CompiledLaunchNotPinnedError(name, key, count, reason)
     message = "megatron_tuning: compiled code benchmarks %d configs of kernel %s with key %s: not pinned (%s)"
-    warn_once(("inductor-bypass", name, key), message, *(count, name, key, reason))
+    warn_once(("inductor-bypass", name, key), message, *(count, name, key, reason), rank_local=True)
 
 
 def _generated_name(fn: Any) -> str:

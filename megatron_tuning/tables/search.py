@@ -262,7 +262,7 @@ class TableSet:
                     f"{'Re-tune to refresh it. ' if use else ''}Other keys of this kernel stale for the same "
                     f"reason are {'used' if use else 'ignored'} without another warning."
                 )
-                warn_once(("stale-entry", arch, kernel, origin, detail), message)
+                warn_once(("stale-entry", arch, kernel, origin, detail), message, rank_local=True)
                 if not use:
                     continue
             return TableHit(MappingProxyType(entry.config), origin, entry.key, numerics=entry.numerics)

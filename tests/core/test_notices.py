@@ -5,22 +5,24 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import types
 import warnings
 from pathlib import Path
 
 import pytest
 
+from megatron_tuning.core import notices as notice
 from megatron_tuning.core.notices import TuningWarning, reset_warnings, tallies, tally, warn_once
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _python(code: str, *flags: str) -> subprocess.CompletedProcess[str]:
+def _python(code: str, *flags: str, rank: int = 0) -> subprocess.CompletedProcess[str]:
     """A fresh interpreter with no logging or warnings setup of its own: what a user's script gets."""
     return subprocess.run(
         [sys.executable, *flags, "-c", textwrap.dedent(code)],
         cwd=REPO,
-        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "TRITON_INTERPRET": "1"},
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "TRITON_INTERPRET": "1", "RANK": str(rank)},
         capture_output=True,
         text=True,
         timeout=180,
@@ -150,3 +152,57 @@ def test_tallies_count_distinct_items_per_group_until_reset():
     assert tallies("cheapest") == {("cheapest", "k:a"): frozenset({"n=1", "n=2"})}
     reset_warnings()
     assert tallies("cheapest") == {}
+
+
+RANK_LOCAL_AND_JOB_WIDE = """
+    from megatron_tuning.core import notices
+    notices.cheapest_used("candidate_1:kern", "n=1", "no table entry", "cheapest", "BLOCK=16", 3, "tune it")
+    notices.warn_once(("job-wide",), "a cause every rank meets")
+"""
+
+
+def test_a_notice_only_this_rank_may_meet_reaches_stderr_on_a_rank_other_than_0():
+    """Before, every notice on a rank other than 0 was an INFO record (no output by default): a rank
+    whose lookup fell back (its kernel id under its own module name) said nothing anywhere."""
+    result = _python(RANK_LOCAL_AND_JOB_WIDE, rank=1)
+    assert result.returncode == 0, result.stderr
+    assert "TuningWarning: megatron_tuning: kernel candidate_1:kern has no tuned config" in result.stderr
+    assert "a cause every rank meets" not in result.stderr  # said once per job, by rank 0
+    assert "a cause every rank meets" in _python(RANK_LOCAL_AND_JOB_WIDE, rank=0).stderr
+
+
+_FOUND = types.SimpleNamespace(
+    origin="t.msgpack", numerics=types.SimpleNamespace(deterministic=False, alternatives=["BLOCK=8"])
+)
+
+
+def _fallback_on_two_keys() -> None:
+    for n in (1, 2):
+        tally(("cheapest", "m:k"), f"n={n}")
+    notice.report_policy_end(None)
+
+
+@pytest.mark.parametrize(
+    ("say", "text"),
+    [
+        (
+            lambda: notice.entry_matches_nothing("m:k", "n=1", "t.msgpack", "BLOCK=8", ["BLOCK=16"]),
+            "matches none",
+        ),
+        (lambda: notice.ambiguous_entry("m:k", "m:k@0123456789ab", "n=1", "t.msgpack"), "several autotuners"),
+        (lambda: notice.nearest_used("m:k", "n=1", "n=2", "t.msgpack", "tune it"), "nearest shape"),
+        (
+            lambda: notice.cheapest_used("m:k", "n=1", "no entry", "cheapest", "BLOCK=8", 2, "tune it"),
+            "cheapest",
+        ),
+        (lambda: notice.cannot_measure("m:k", "n=1"), "nothing can be measured"),
+        (lambda: notice.check_numerics("any", "m:k", "n=1", _FOUND, "BLOCK=16"), "non-deterministic"),
+        (_fallback_on_two_keys, "2 keys of 1 kernel(s)"),
+    ],
+)
+def test_causes_that_follow_from_this_ranks_kernels_and_lookups_are_said_on_every_rank(
+    say, text, notices, monkeypatch
+):
+    monkeypatch.setenv("RANK", "1")
+    say()
+    assert notices.matching(text), notices.messages

@@ -303,6 +303,15 @@ def test_strict_mode_raises_when_compiled_code_benchmarks_an_in_scope_kernel(tra
     assert info.value.key == error.key
 
 
+def test_tripwire_warns_on_a_rank_other_than_0(traced_scale_add, notices, monkeypatch):
+    """Which compiled kernels run is this rank's own (a pipeline stage): rank 0 may run none."""
+    monkeypatch.setenv("RANK", "1")
+    tripwire = inductor._make_benchmark_all_configs(lambda self, *args, **kwargs: None)
+    interception.install(TuningPolicy(mode="deterministic"))
+    tripwire(_generated_copy(sk.scale_add, 64), *traced_scale_add)
+    assert "benchmarks 4 configs of kernel " + kernel_id(sk.scale_add) in notices.text
+
+
 def test_tripwire_warns_without_strict_and_stays_quiet_for_what_it_does_not_own(traced_scale_add, notices):
     calls: list[Any] = []
     tripwire = inductor._make_benchmark_all_configs(lambda self, *args, **kwargs: calls.append(self))

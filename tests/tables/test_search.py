@@ -184,6 +184,15 @@ def test_a_single_path_string_is_one_path_not_its_characters(tmp_path):
     assert expand_table_paths(tmp_path) == [path]
 
 
+def test_a_stale_entry_is_said_on_a_rank_other_than_0(tmp_path, notices, monkeypatch):
+    """Staleness follows this rank's kernel id and source: rank 0 may find none (before, the other
+    ranks only logged it at INFO)."""
+    monkeypatch.setenv("RANK", "1")
+    path = write(tmp_path / "a.msgpack", entry(64))
+    assert find(TableSet([path], triton_version="3.9.0"), KERNEL, KEY, arch="sm90") is not None
+    assert any("running 3.9.0" in m for m in stale_warnings(notices))
+
+
 def test_stale_warning_once_per_cause_not_per_key(tmp_path, notices):
     keys = [Key({"M": m}, {"a": "torch.float16"}) for m in range(5)]
     path = write(
