@@ -63,8 +63,10 @@ def decision_digest(d: Decision) -> bytes:
     (``module:qualname@<config_list_digest>``), key and arch."""
     # With the module, not by content as auto's decisions are: one process may hold one source under
     # two module names whose tables pin different entries, rightly; by content they would be one
-    # identity and a false DivergenceError. Ranks loading it under per-rank names agree anyway: by
-    # their compared inputs in deterministic mode, by the content-keyed consensus in auto.
+    # identity and a false DivergenceError. So ranks loading it under per-rank names are never
+    # compared, and agree only where each rank's lookup finds the same entry (a stale or hashless
+    # entry under one rank's name pins that rank alone) or, in auto, on keys no table answers
+    # (docs/agreement.md, per-rank module names).
     return identity_digest(shared_kernel_id(d.kernel, d.config_list_digest), d.key, d.arch)
 
 
