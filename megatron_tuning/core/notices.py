@@ -49,8 +49,9 @@ def warn_once(cause: tuple[Any, ...], message: str, *args: Any, rank_local: bool
             return False
         _warned.add(cause)
     text = message % args if args else message
-    if not text.startswith(PREFIX):
-        text = PREFIX + text
+    text = text.removeprefix(PREFIX)
+    rank = _job_rank() if rank_local else None  # each rank says it: which one, in a job's merged log
+    text = (PREFIX if rank is None else f"{PREFIX}rank {rank}: ") + text
     if not rank_local and _other_rank():  # once per job, not per rank: ranks meet the same causes
         logger.info("%s", text)
         return True
@@ -104,10 +105,18 @@ def _main_program() -> str:
 
 
 def _other_rank() -> bool:
+    rank = _job_rank()
+    return rank is not None and rank != "0"
+
+
+def _job_rank() -> str | None:
+    """This process's rank in a job of more than one process (``None``: no such job)."""
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
-        return bool(dist.get_rank() != 0)
-    return os.environ.get("RANK", "0").strip() not in ("", "0")
+        return str(dist.get_rank()) if dist.get_world_size() > 1 else None
+    rank, world = os.environ.get("RANK", "").strip(), os.environ.get("WORLD_SIZE", "").strip()
+    in_job = rank not in ("", "0") or world not in ("", "0", "1")  # before init_process_group
+    return (rank or "0") if in_job else None
 
 
 # What the cheapest-config rule costs, measured (benchmarks/RESULTS.md).
