@@ -12,11 +12,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from ..core.errors import PolicyError
 from ..tables.files import locked, write_atomic
-from . import stats
+from . import pooled, stats
 from .clocks import ARM_OFFSET, candidate_clock
 from .integrity import flag
 from .report import FORMAT, Score
@@ -95,102 +93,17 @@ def read_job(folder: Path) -> list[list[dict[str, Any]]]:
     return [json.loads(path.read_text()) for path in sorted(folder.glob(f"{PREFIX}*.json"))]
 
 
-def pool(processes: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """One record per result name: processes pooled (``stats.pooled_interval``), the verdict decided
-    on the pooled ratio at 95%, flags and correctness gathered from every process."""
-    names: dict[str, list[dict[str, Any]]] = {}
-    for records in processes:
-        for record in records:
-            names.setdefault(record["name"], []).append(record)
-    return [_pool_one(group) for group in names.values()]
-
-
-def _kept(record: dict[str, Any], key: str) -> np.ndarray:
-    return np.asarray(record["samples"][key], dtype=float)[np.asarray(record["samples"]["kept"], dtype=bool)]
-
-
-def _pool_one(group: list[dict[str, Any]]) -> dict[str, Any]:
-    if len(group) == 1:
-        return group[0]
-    first = group[0]
-    medians = [r["latency"]["median"] for r in group]
-    latency = stats.pooled_interval([_kept(r, "candidate_ms") for r in group])
-    flags = [
-        {**f, "message": f"process {i}: {f['message']}"} for i, r in enumerate(group) for f in r["flags"]
+def pool(processes: list[list[dict[str, Any]]], requested: int | None = None) -> list[dict[str, Any]]:
+    """One record per result name, its processes pooled (``pooled.pool_result``): ``processes`` holds
+    each process's records; ``requested`` is how many processes the series asked for, when known."""
+    names: dict[str, list[pooled.Member]] = {}
+    for p, records in enumerate(processes):
+        for j, record in enumerate(records):
+            names.setdefault(record["name"], []).append((p, j, record))
+    return [
+        pooled.pool_result(members, name=name, requested=requested, notes=[])
+        for name, members in names.items()
     ]
-    pooled: dict[str, Any] = {
-        **first,
-        "latency": {
-            **_fields(latency),
-            "unit": "ms",
-            "min": min(r["latency"]["min"] for r in group),
-            "iqr": [float(np.median([r["latency"]["iqr"][j] for r in group])) for j in (0, 1)],
-        },
-        "processes": {
-            "count": len(group),
-            "medians_ms": medians,
-            "between_cv": float(np.std(medians, ddof=1) / np.mean(medians)),
-        },
-        "rounds": {
-            **first["rounds"],
-            "used": sum(r["rounds"]["used"] for r in group),
-            "discarded": sum(r["rounds"]["discarded"] for r in group),
-            "seconds": sum(r["rounds"]["seconds"] for r in group),
-        },
-        "flags": flags,
-        "correctness": _worst_correctness([r["correctness"] for r in group]),
-        "samples": None,  # every process's are in the file's per_process
-    }
-    if all(r["ratio"] is not None for r in group):
-        found = stats.pooled_interval([_kept(r, "candidate_ms") / _kept(r, "reference_ms") for r in group])
-        fields = _fields(found)
-        pooled["ratio"] = {
-            "estimate": fields["median"],
-            "ci95": fields["ci95"],
-            "half_width": fields["half_width"],
-        }
-        delta = max(r["verdict"]["delta"] for r in group)
-        pooled["verdict"] = _decide(found.low, found.high, delta, first["verdict"]["margin"], flags)
-    demoted = "demoted" if any(f["demotes"] for f in flags) else "ok"
-    pooled["status"] = "incorrect" if "fail" in pooled["correctness"].values() else demoted
-    return pooled
-
-
-def _fields(found: stats.Interval) -> dict[str, Any]:
-    return {
-        "median": float(found.estimate),
-        "ci95": [float(found.low), float(found.high)],
-        "half_width": float(stats.half_width(found)),
-    }
-
-
-def _worst_correctness(checks: list[dict[str, Any]]) -> dict[str, Any]:
-    worst = dict(checks[0])
-    for key in ("before", "after"):
-        values = [c[key] for c in checks]
-        worst[key] = "fail" if "fail" in values else "pass" if "pass" in values else None
-    worst["message"] = next((c["message"] for c in checks if c["message"]), None)
-    return worst
-
-
-def _decide(
-    low: Any, high: Any, delta: float, margin: float, flags: list[dict[str, Any]], what: str = "pooled ratio"
-) -> dict[str, Any]:
-    outcome = str(stats.verdict(np.asarray(low), np.asarray(high), delta))
-    demoted = [f["name"] for f in flags if f["demotes"]]
-    reason = f"{what} interval [{float(low):.4f}, {float(high):.4f}] at 95% against 1 +/- {delta:.2%}"
-    if demoted and outcome != "inconclusive":
-        reason += f"; was {outcome}, demoted by {', '.join(sorted(set(demoted)))}"
-    return {
-        "outcome": "inconclusive" if demoted else outcome,
-        "demoted_from": outcome if demoted and outcome != "inconclusive" else None,
-        "margin": margin,
-        "delta": delta,
-        "level": 0.95,
-        "reason": reason,
-        "cycle_outcome": None,
-        "rounds_to_decide": None,
-    }
 
 
 def load(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
@@ -227,7 +140,9 @@ def compare(a: Any, b: Any, margin: float = 0.01) -> dict[str, Any]:
         source, (mhz_a, mhz_b) = clocks
         message = f"{ra['name']} ran at {mhz_a:.0f} MHz, {rb['name']} at {mhz_b:.0f} MHz ({source} SM clock)"
         flags.append(flag("clock_offset", message))
-    verdict = _decide(math.exp(centre - half), math.exp(centre + half), delta, margin, flags, "latency ratio")
+    verdict = pooled.decide(
+        math.exp(centre - half), math.exp(centre + half), delta, margin, flags, "latency ratio"
+    )
     return {
         **verdict,
         "a": ra["name"],

@@ -383,8 +383,8 @@ def line(record: dict[str, Any]) -> str:
             f"(delta {v['delta']:.1%})"
         )
     processes = record["processes"]["count"]
-    parts.append(
-        f"{rounds['used']} rounds ({rounds['stopped_by']})"
+    parts.append(  # a pooled record's stopped_by is null where its processes stopped differently
+        f"{rounds['used']} rounds ({rounds['stopped_by'] or 'stopped per process'})"
         + (f" x {processes} processes" if processes > 1 else "")
     )
     clock = clk.candidate_clock(record)

@@ -146,11 +146,43 @@ def rounds_to_decide(rounds: int, estimate: float, low: float, high: float, delt
     return max(rounds, math.ceil(rounds * (half / gap) ** 2))
 
 
-def minimum_detectable(low: float, high: float, level: float = 0.95, power: float = 0.8) -> float:
-    """The smallest true ratio difference this interval detects with ``power``: (z_level + z_power)
-    standard errors, the error read off the interval's log half-width."""
-    error = (math.log(high) - math.log(low)) / 2 / normal_quantile(0.5 + level / 2)
-    return math.expm1((normal_quantile(0.5 + level / 2) + normal_quantile(power)) * error)
+def processes_to_decide(
+    processes: int, estimate: float, low: float, high: float, delta: float, cap: int = 10_000
+) -> int | None:
+    """Processes likely to decide an inconclusive pooled ratio: its interval is ``t_{P-1}`` standard
+    errors wide and the error narrows as ``1/sqrt(P)``, until the half-width clears the margin on the
+    estimate's side; ``None`` when the estimate sits on it or ``cap`` processes would not do."""
+    bound, centre = math.log1p(delta), math.log(estimate)
+    gap = abs(abs(centre) - bound)
+    spread = (math.log(high) - math.log(low)) / 2 / t_quantile(0.975, processes - 1) * math.sqrt(processes)
+    if gap < 1e-4 or spread <= 0:
+        return None
+    enough = (n for n in range(processes, cap + 1) if t_quantile(0.975, n - 1) * spread / math.sqrt(n) <= gap)
+    return next(enough, None)
+
+
+def minimum_detectable(
+    low: float, high: float, level: float = 0.95, power: float = 0.8, df: float = math.inf
+) -> float:
+    """The smallest true ratio difference this interval detects with ``power``: (t_level + t_power)
+    standard errors on ``df`` degrees of freedom (normal quantiles at the default, one process's
+    rounds; ``P - 1`` for P pooled processes), the error read off the interval's log half-width."""
+    wide = t_quantile(0.5 + level / 2, df)
+    error = (math.log(high) - math.log(low)) / 2 / wide
+    return math.expm1((wide + t_quantile(power, df)) * error)
+
+
+def aa_reach(centres: np.ndarray, halves: np.ndarray, level: float = 0.95) -> float:
+    """How far from 1 one process's A/A interval reaches, at ``level`` across processes, from P >= 2
+    processes' A/A log-ratio medians (``centres``) and log half-widths (``halves``): the prediction
+    bound for a further process's median, ``|mean| + t_{P-1} s sqrt(1 + 1/P)``, plus the median
+    half-width. It estimates a quantile of the spread, so unlike a pooled interval it does not
+    shrink as processes are added; returned as a fraction (``expm1``)."""
+    logs = np.asarray(centres, dtype=float)
+    count = logs.shape[-1]
+    spread = np.std(logs, ddof=1) * math.sqrt(1 + 1 / count)
+    reach = abs(float(np.mean(logs))) + t_quantile(0.5 + level / 2, count - 1) * float(spread)
+    return math.expm1(reach + float(np.median(halves)))
 
 
 def half_width(interval: Interval) -> np.ndarray:

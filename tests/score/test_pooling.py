@@ -17,7 +17,7 @@ import torch
 from megatron_tuning.core.decisions import Decision, decision_log
 from megatron_tuning.score import compare, load, measure, pooling, stats
 from megatron_tuning.score.report import FORMAT, line
-from tests.score.fakes import FakeDevice, seams
+from tests.score.fakes import FakeDevice, FakeNvml, seams
 
 GOLDEN = Path(__file__).with_name("score_schema.json")
 
@@ -81,9 +81,161 @@ def test_processes_pool_by_name_with_their_spread() -> None:
     assert low < pooled["latency"]["median"] < high
 
 
-def test_one_process_pools_to_itself() -> None:
+def test_one_process_pools_to_its_own_numbers_without_samples() -> None:
+    """The docs promise a pooled record's ``samples`` null (they are in ``per_process``); one
+    process's record came back whole, samples and all."""
     (record,) = _records(1)
-    assert pooling.pool([[record]]) == [record]
+    (pooled,) = pooling.pool([[record]])
+    assert pooled["samples"] is None and record["samples"] is not None
+    assert pooled["per_process"] == [
+        {
+            "process": 0,
+            "record": 0,
+            "name": "k",
+            "status": record["status"],
+            "median_ms": record["latency"]["median"],
+            "ratio": record["ratio"]["estimate"],
+            "outcome": record["verdict"]["outcome"],
+            "stopped_by": record["rounds"]["stopped_by"],
+            "aa_p95": None,
+        }
+    ]
+    assert pooled["processes"] == {**record["processes"], "requested": None}
+    assert pooled["verdict"] == {**record["verdict"], "processes_to_decide": None}
+    same = set(record) - {"samples", "processes", "verdict"}
+    assert {k: pooled[k] for k in same} == {k: record[k] for k in same}
+
+
+def _leaves(value: Any, path: tuple[Any, ...] = ()) -> Any:
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield from _leaves(item, (*path, key))
+    else:
+        yield path, value
+
+
+def _at(record: Any, path: tuple[Any, ...]) -> Any:
+    for key in path:
+        record = record[key]
+    return record
+
+
+def test_no_field_of_a_pooled_record_is_process_0_s() -> None:
+    """It started from process 0's record and recomputed a few fields: its noise floor, mde, margin,
+    looks, stopping reason, settle phase, clocks and pinning were process 0's alone. Now every
+    field a process differs on is pooled (a min the lowest, a max the highest, a median over all
+    rounds) or null, each process's own value one lookup away (``per_process``)."""
+    records = []
+    for seed, (margin, target_ci, others) in enumerate([(0.01, 0.002, 0), (0.03, 0.01, 2), (0.02, 0.05, 1)]):
+        dev = FakeDevice(seed=seed, noise=0.004 * (1 + seed), mhz_at=lambda t, s=seed: 1980 - 7 * s)
+        sources = seams(dev, nvml=FakeNvml(dev, others=others))
+        sources["nvml"] = sources["backend"].clock_sources()[0]
+        score = measure(
+            dev.kernel(0.5),
+            reference=dev.kernel(0.515),
+            name="k",
+            margin=margin,
+            target_ci=target_ci,
+            **sources,
+        )
+        records.append(score.record)
+    (pooled,) = pooling.pool([[r] for r in records])
+    extremes = {
+        ("latency", "min"): min,
+        ("clocks", "other_processes"): max,
+        ("clocks", "processes_on_gpu"): max,
+    }
+    extremes |= {("verdict", "margin"): max, ("verdict", "delta"): max}
+    for path, value in _leaves({k: v for k, v in pooled.items() if k not in ("pinning", "per_process")}):
+        try:
+            values = [_at(r, path) for r in records]
+        except (KeyError, TypeError):
+            continue  # a field of pooled records only (processes.requested, verdict.processes_to_decide)
+        if value is None or all(v == values[0] for v in values) or path[0] in ("name", "samples", "flags"):
+            continue
+        pick = extremes.get(path, min if path[-1] == "min" else max if path[-1] == "max" else None)
+        if pick is not None:
+            assert value == pick(values), path
+        else:
+            assert value != values[0], f"{'.'.join(map(str, path))} is process 0's: {value}"
+    assert pooled["verdict"]["margin"] == 0.03 and pooled["clocks"]["other_processes"] == 2
+    assert pooled["timing"]["target_ci"] is None and pooled["timing"]["settle"] is None
+    assert pooled["noise_floor"]["mde"] == pytest.approx(
+        stats.minimum_detectable(*pooled["ratio"]["ci95"], df=2)
+    )
+    kept = [v for r in records for v, k in zip(r["samples"]["candidate_mhz"], r["samples"]["kept"]) if k]
+    assert pooled["clocks"]["inband"]["candidate"]["median"] == pytest.approx(float(np.median(kept)))
+    assert pooled["verdict"]["cycle_outcome"] == pooled["verdict"]["outcome"]  # every process read in-band
+    assert [e["stopped_by"] for e in pooled["per_process"]] == [r["rounds"]["stopped_by"] for r in records]
+    assert pooled["rounds"]["stopped_by"] is None and " rounds (stopped per process) x 3 processes" in line(
+        pooled
+    )
+
+
+def test_a_pooled_inconclusive_verdict_says_how_many_processes_would_decide_it() -> None:
+    records = _records(3, offset=0.006)  # 0.53 ms against 0.5: 6% apart, within 0.6% of each other
+    for r in records:
+        r["samples"]["reference_ms"] = [v * 1.009 for v in r["samples"]["candidate_ms"]]  # 0.9%: near 1%
+    (pooled,) = pooling.pool([[r] for r in records])
+    verdict = pooled["verdict"]
+    assert verdict["rounds_to_decide"] is None  # a pooled interval narrows with processes, not rounds
+    if verdict["outcome"] == "inconclusive":
+        assert verdict["processes_to_decide"] >= 3
+    low, high = pooled["ratio"]["ci95"]
+    needed = stats.processes_to_decide(3, pooled["ratio"]["estimate"], low, high, verdict["delta"])
+    assert verdict["processes_to_decide"] == (needed if verdict["outcome"] == "inconclusive" else None)
+
+
+def test_pooled_pinning_and_environment_name_each_process_s_difference() -> None:
+    records = _records(3)
+    decision = {"kernel": "m:k", "key": "8", "source": "table", "origin": None, "in_measure": False}
+    for p, r in enumerate(records):
+        r["pinning"]["configs"] = [{**decision, "signature": "w8" if p == 1 else "w4"}]
+    records[2]["environment"]["gpu"] = {"name": "another GPU", "capability": "9.0"}
+    (pooled,) = pooling.pool([[r] for r in records])
+    assert [c["signature"] for c in pooled["pinning"]["configs"]] == ["w4", "w8"]
+    found = {f["name"]: f["message"] for f in pooled["flags"]}
+    assert found["configs_differ"] == "m:k at key 8 launched w4 in process(es) 0, 2; w8 in process(es) 1"
+    assert found["environment_differs"].startswith("the processes pooled ran on different gpu: process 0 {")
+    assert (
+        pooled["environment"]["gpu"] is None
+        and pooled["environment"]["host"] == records[0]["environment"]["host"]
+    )
+    assert pooled["status"] == "demoted" and pooled["verdict"]["outcome"] == "inconclusive"
+
+
+def _aa_record(dev: FakeDevice, bias: float, seed: int) -> dict[str, Any]:
+    """An A/A run whose two instances differ by ``bias`` in this process (their buffers, say)."""
+    made = []
+
+    def make_inputs() -> torch.Tensor:
+        made.append(len(made))
+        return torch.full((1,), float(len(made)))
+
+    def copy(x: torch.Tensor) -> None:  # the first instance (candidate) 0.5 ms, the second off by bias
+        dev.kernel(0.5 * (1 + bias * (float(x[0]) == 2.0)))()
+
+    return measure(copy, reference=copy, make_inputs=make_inputs, check=None, name="aa", **seams(dev)).record
+
+
+def test_the_pooled_noise_floor_is_the_a_a_spread_between_processes_and_compare_clears_it() -> None:
+    """Pooled, an A/A run's ``aa_p95`` was process 0's (0.0108 where process 1 gave 0.0046), and
+    ``compare`` widened later verdicts by that one process's floor. Now it is how far one process's
+    A/A interval reaches at the 95th percentile across processes (``stats.aa_reach``)."""
+    biases = [0.004, -0.003, 0.0, 0.006, -0.001]
+    records = [_aa_record(FakeDevice(seed=s, noise=0.002), b, s) for s, b in enumerate(biases)]
+    (pooled,) = pooling.pool([[r] for r in records])
+    centres = [np.log(r["ratio"]["estimate"]) for r in records]
+    halves = [np.log(r["ratio"]["ci95"][1] / r["ratio"]["ci95"][0]) / 2 for r in records]
+    floor = pooled["noise_floor"]["aa_p95"]
+    assert floor == pytest.approx(stats.aa_reach(np.array(centres), np.array(halves)))
+    assert floor > max(r["noise_floor"]["aa_p95"] for r in records) > 0.006  # the spread is not one process's
+    assert pooled["per_process"][1]["aa_p95"] == records[1]["noise_floor"]["aa_p95"]
+    dev = FakeDevice(seed=9, noise=0.002)  # two results apart by more than the margin, less than the floor
+    gap = (0.01 + floor) / 2
+    a, b = (measure(dev.kernel(ms), name=f"{ms}", **seams(dev)).record for ms in (0.5, 0.5 * (1 + gap)))
+    assert compare(a, b)["outcome"] == "faster"
+    assert compare(a, {**b, "noise_floor": pooled["noise_floor"]})["outcome"] != "faster"
 
 
 def test_compare_gives_faster_slower_same() -> None:

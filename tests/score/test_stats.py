@@ -173,3 +173,42 @@ def test_pooled_interval_over_processes_covers_with_between_process_variation() 
         found = stats.pooled_interval(groups, seed=int(rng.integers(1 << 30)), draws=400)
         hits += bool(found.low <= 1.0 <= found.high)
     assert 0.90 <= hits / 300 <= 0.99
+
+
+@pytest.mark.parametrize("processes", [3, 5, 10])
+def test_the_pooled_a_a_floor_bounds_one_more_process_in_95_percent_and_does_not_shrink(
+    processes: int,
+) -> None:
+    """A pooled A/A's floor must hold for the next process (a later single-process verdict, or one
+    side of ``compare``): 0.35% between processes (RESULTS §32), 0.1% within. The reach of the pooled
+    interval, a mean's, shrinks as processes are added and undercovers; ``aa_reach`` does not."""
+    rng = np.random.default_rng(5)
+    between, half = 0.0035, 0.001
+    floors, hits, mean_hits = [], 0, 0
+    for _ in range(RUNS):
+        centres = rng.normal(0, between, processes)
+        floor = stats.aa_reach(centres, np.full(processes, half))
+        fresh = math.expm1(abs(rng.normal(0, between)) + half)
+        width = stats.t_quantile(0.975, processes - 1) * np.std(centres, ddof=1) / math.sqrt(processes)
+        floors.append(floor)
+        hits += fresh <= floor
+        mean_hits += fresh <= math.expm1(abs(np.mean(centres)) + width + half)
+    assert 0.95 <= hits / RUNS <= 0.995, hits / RUNS
+    if processes >= 5:
+        assert mean_hits / RUNS < 0.9, mean_hits / RUNS
+    if processes == 10:  # 1.25x the true 95th percentile, |N(0, 0.35%)| + 0.1% = 0.79% (1.09x at 40)
+        assert 1.0 <= np.median(floors) / math.expm1(1.96 * between + half) <= 1.4
+
+
+def test_processes_to_decide_is_the_first_count_whose_interval_clears_the_margin() -> None:
+    low, high = 0.9457, 1.0574  # two processes' pooled A/A ratio (review of 2026-12): t_1 = 12.7 wide
+    needed = stats.processes_to_decide(2, 1.0, low, high, 0.01)
+    spread = math.log(high / low) / 2 / stats.t_quantile(0.975, 1) * math.sqrt(2)
+    clears = lambda n: stats.t_quantile(0.975, n - 1) * spread / math.sqrt(n) <= math.log1p(0.01)
+    assert needed is not None and clears(needed) and not clears(needed - 1) and needed < 10
+    assert stats.processes_to_decide(5, 1.01, 0.99, 1.03, 0.01) is None  # the estimate sits on the margin
+    # a pooled interval is t_{P-1} errors wide: its error, and the power, read with t (0.941 at 80%, 4 df)
+    half = -math.log(0.99) / stats.t_quantile(0.975, 4)
+    assert stats.minimum_detectable(0.99, 1 / 0.99, df=4) == pytest.approx(
+        math.expm1(half * (2.776 + 0.941)), rel=1e-3
+    )
