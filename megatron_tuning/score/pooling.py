@@ -1,5 +1,6 @@
 """Score records across processes: what a ``score`` job asks of each process, each process's records
-written as they come (kill-safe), pooled by name (hierarchically over processes), and compared.
+written as they come (kill-safe), pooled by result (name and inputs, hierarchically over
+processes), and compared.
 """
 
 from __future__ import annotations
@@ -13,10 +14,11 @@ from pathlib import Path
 from typing import Any
 
 from ..core.errors import PolicyError
+from ..core.notices import warn_once
 from ..tables.files import locked, write_atomic
 from . import pooled, stats
 from .clocks import ARM_OFFSET, candidate_clock
-from .integrity import flag
+from .integrity import Flag, flag
 from .report import FORMAT, Score
 
 RUN_FORMAT = "megatron_tuning.score-run/1"  # the `score` command's file: pooled results, every process's
@@ -94,16 +96,57 @@ def read_job(folder: Path) -> list[list[dict[str, Any]]]:
 
 
 def pool(processes: list[list[dict[str, Any]]], requested: int | None = None) -> list[dict[str, Any]]:
-    """One record per result name, its processes pooled (``pooled.pool_result``): ``processes`` holds
-    each process's records; ``requested`` is how many processes the series asked for, when known."""
-    names: dict[str, list[pooled.Member]] = {}
+    """One pooled record per result (``pooled.pool_result``): ``processes`` holds each process's
+    records; ``requested`` is how many processes the series asked for, when known.
+
+    A result is a name and the inputs' shapes: the k-th record of that name and shape in a process
+    pools with the k-th of every other process. Records of one name, measured on other shapes or
+    more than once in a process (a default name such as ``add`` or ``<lambda>`` in a loop), are kept
+    apart, never pooled as if they were processes: each gets a name of its own, the shapes in
+    brackets and ``#k`` for the k-th, the same in every run of the harness (``score compare`` matches
+    files by name), with a ``renamed`` flag that says so."""
+    groups: dict[tuple[str, str, int], list[pooled.Member]] = {}
     for p, records in enumerate(processes):
+        seen: dict[tuple[str, str], int] = {}
         for j, record in enumerate(records):
-            names.setdefault(record["name"], []).append((p, j, record))
-    return [
-        pooled.pool_result(members, name=name, requested=requested, notes=[])
-        for name, members in names.items()
+            key = (record["name"], _inputs(record["shape"]))
+            seen[key] = seen.get(key, 0) + 1
+            groups.setdefault((*key, seen[key]), []).append((p, j, record))
+    shapes: dict[str, set[str]] = {}
+    for name, inputs, _ in groups:
+        shapes.setdefault(name, set()).add(inputs)
+    taken = {name for name, _, _ in groups}
+    results = []
+    for (name, inputs, k), members in groups.items():
+        unique = name + (f"[{inputs}]" if len(shapes[name]) > 1 else "") + (f"#{k}" if k > 1 else "")
+        notes = []
+        if unique != name:
+            while unique in taken:  # a name given that reads like one made here
+                unique += "'"
+            taken.add(unique)
+            notes.append(_renamed(name, unique, len(shapes[name]) > 1, k))
+        results.append(pooled.pool_result(members, name=unique, requested=requested, notes=notes))
+    return results
+
+
+def _inputs(shape: list[dict[str, Any]] | None) -> str:
+    """A result's inputs as text: each tensor's shape and dtype (``4096x512 bfloat16``)."""
+    if shape is None:
+        return "no inputs"
+    parts = [
+        f"{'x'.join(map(str, s['shape'])) or 'scalar'} {s['dtype'].removeprefix('torch.')}" for s in shape
     ]
+    return ", ".join(parts) or "no tensors"
+
+
+def _renamed(name: str, unique: str, shapes: bool, k: int) -> Flag:
+    why = " and ".join(w for w in ("on other inputs" * shapes, "more than once in a process" * (k > 1)) if w)
+    message = (
+        f"more than one result was named {name!r} ({why}): this one is {unique!r}, kept apart; "
+        f"pass measure(..., name=...) to name each"
+    )
+    warn_once(("score-renamed", name, unique), "score: %s", message)
+    return {"name": "renamed", "message": message, "demotes": False}
 
 
 def load(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
@@ -134,7 +177,7 @@ def compare(a: Any, b: Any, margin: float = 0.01) -> dict[str, Any]:
     half = stats.t_quantile(0.975, df) * error  # the normal quantile at infinite df
     floors = [r["noise_floor"]["aa_p95"] for r in (ra, rb) if r["noise_floor"]["aa_p95"] is not None]
     delta = max([margin, *floors])
-    flags = [flag(f["name"], f"{r['name']}: {f['message']}") for r in (ra, rb) for f in r["flags"]]
+    flags = [{**f, "message": f"{r['name']}: {f['message']}"} for r in (ra, rb) for f in r["flags"]]
     clocks = candidate_clock(ra, rb)
     if clocks and abs(clocks[1][0] / clocks[1][1] - 1) > ARM_OFFSET:  # e.g. a cold GPU and a hot one
         source, (mhz_a, mhz_b) = clocks

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from megatron_tuning import commands as cli
 from megatron_tuning.core.decisions import Decision, decision_log
 from megatron_tuning.score import compare, load, measure, pooling, stats
 from megatron_tuning.score.report import FORMAT, line
@@ -202,6 +203,73 @@ def test_pooled_pinning_and_environment_name_each_process_s_difference() -> None
         and pooled["environment"]["host"] == records[0]["environment"]["host"]
     )
     assert pooled["status"] == "demoted" and pooled["verdict"]["outcome"] == "inconclusive"
+
+
+def _shapes_harness(seed: int, sizes: tuple[int, ...] = (4096, 16384)) -> list[dict[str, Any]]:
+    """One process of /tmp/eval1/eval_shapes.py: ``measure(add, ...)`` in a loop over sizes, the
+    default name (``add``) for every size; 0.1 ms per 4096 elements."""
+    dev = FakeDevice(seed=seed, noise=0.002)
+    found = []
+    for n in sizes:
+
+        def add(x: torch.Tensor, y: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+            dev.kernel(0.1 * x.numel() / 4096)()
+            return torch.add(x, y, out=out)
+
+        add.__qualname__ = "add"  # as the review's module-level function
+        make_inputs = lambda n=n: (torch.ones(n), torch.ones(n), torch.empty(n))
+        found.append(measure(add, make_inputs=make_inputs, **seams(dev)).record)
+    return found
+
+
+def test_one_name_on_two_shapes_in_one_process_is_two_results_never_two_processes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Pooled by name alone, the review's loop over two sizes came out as one result "measured in 2
+    processes" from one process, medians 17 and 64 ms, the shape of the first. A result is now a name
+    and its inputs: the two stay apart, named by their shapes alike in every run, so that ``score
+    compare`` matches them up file to file."""
+    with pytest.warns(UserWarning, match="more than one result was named 'add' \\(on other inputs\\)"):
+        one = pooling.pool([_shapes_harness(0)])
+    small, large = (
+        "add[4096 float32, 4096 float32, 4096 float32]",
+        "add[16384 float32, 16384 float32, 16384 float32]",
+    )
+    assert [r["name"] for r in one] == [small, large]
+    assert [r["processes"]["count"] for r in one] == [1, 1]
+    assert one[0]["latency"]["median"] == pytest.approx(0.1, rel=0.01)
+    assert one[1]["latency"]["median"] == pytest.approx(0.4, rel=0.01)
+    assert [r["shape"][0]["shape"] for r in one] == [[4096], [16384]]
+    (renamed,) = one[1]["flags"][-1:]
+    assert renamed == {
+        "name": "renamed",
+        "message": f"more than one result was named 'add' (on other inputs): this one is {large!r}, kept "
+        "apart; pass measure(..., name=...) to name each",
+        "demotes": False,
+    }
+    assert [r["status"] for r in one] == [
+        r["per_process"][0]["status"] for r in one
+    ]  # renamed demotes nothing
+    two = pooling.pool([_shapes_harness(1), _shapes_harness(2)])
+    assert [(r["name"], r["processes"]["count"]) for r in two] == [(small, 2), (large, 2)]
+    assert [e["record"] for e in two[1]["per_process"]] == [1, 1]
+    for name, records in (("new.json", one), ("old.json", two)):
+        (tmp_path / name).write_text(json.dumps({"format": pooling.RUN_FORMAT, "results": records}))
+    assert cli.main(["score", "compare", str(tmp_path / "new.json"), str(tmp_path / "old.json")]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert [p.split(": ")[0] for p in printed] == [small, large] and all(" of add[" in p for p in printed)
+
+
+def test_one_name_twice_on_one_shape_pools_first_with_first_and_a_shape_change_stays_apart() -> None:
+    records = [_records(2), _records(2)]  # two processes, each measuring "k" twice on no inputs
+    with pytest.warns(UserWarning, match="'k' \\(more than once in a process\\): this one is 'k#2'"):
+        first, second = pooling.pool(records)
+    assert (first["name"], second["name"]) == ("k", "k#2")
+    assert [(e["process"], e["record"]) for e in second["per_process"]] == [(0, 1), (1, 1)]
+    assert [f["name"] for f in first["flags"]] == [] and first["processes"]["count"] == 2
+    moved = [_shapes_harness(0, (4096,)), _shapes_harness(1, (8192,))]  # the size changed between processes
+    with pytest.warns(UserWarning, match="'add' \\(on other inputs\\)"):
+        assert [r["processes"]["count"] for r in pooling.pool(moved)] == [1, 1]
 
 
 def _aa_record(dev: FakeDevice, bias: float, seed: int) -> dict[str, Any]:
