@@ -153,7 +153,7 @@ def _score_job(
     finally:
         restore()
         shutil.rmtree(work, ignore_errors=True)
-    results = pooling.pool(per_process)
+    results = pooling.pool(per_process, requested=processes)
     if not results:  # nothing measured: an --out already there (an earlier series) is not replaced
         return _nothing_measured(out, codes, stop)
     report = {

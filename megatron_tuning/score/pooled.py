@@ -57,6 +57,17 @@ def pool_result(
             pooled["verdict"] = {**record["verdict"], "processes_to_decide": None}
     else:
         pooled = _pool_many(members, flags)
+    if requested is not None and len(records) < requested:  # a partial series, or a result some skipped
+        scope = "its rounds only" if len(records) == 1 else f"{len(records)} processes"
+        notes = [
+            *notes,
+            {
+                "name": "fewer_processes",
+                "message": f"measured in {len(records)} of the {requested} processes requested: "
+                f"its interval covers {scope}",
+                "demotes": False,
+            },
+        ]
     pooled.update(name=name, processes=processes, flags=flags + notes, samples=None, per_process=summary)
     demoted = "demoted" if any(f["demotes"] for f in pooled["flags"]) else "ok"
     incorrect = "fail" in (pooled["correctness"]["before"], pooled["correctness"]["after"])

@@ -91,8 +91,10 @@ def publish(record: dict[str, Any], job: dict[str, Any]) -> None:
 
 
 def read_job(folder: Path) -> list[list[dict[str, Any]]]:
-    """Every process's records in a job's folder, one list per process, in file order."""
-    return [json.loads(path.read_text()) for path in sorted(folder.glob(f"{PREFIX}*.json"))]
+    """Every process's records in a job's folder, one list per process that measured, in the order
+    they ran (their files' last writes; a job's processes run one after another)."""
+    files = sorted(folder.glob(f"{PREFIX}*.json"), key=lambda path: (path.stat().st_mtime_ns, path.name))
+    return [json.loads(path.read_text()) for path in files]
 
 
 def pool(processes: list[list[dict[str, Any]]], requested: int | None = None) -> list[dict[str, Any]]:

@@ -176,6 +176,7 @@ def test_a_series_that_measured_nothing_keeps_an_existing_out_and_a_partial_one_
     done, report = _score(tmp_path, "--processes", "3", "--", str(job))  # measured, then a failure
     assert done.returncode == 5, done.stderr[-3000:]
     assert report["exit_codes"] == [0, 5] and len(report["results"]) == 1
+    assert report["results"][0]["processes"]["requested"] == 3  # measured in 1 of the 3 asked for
     assert f"score: 1 result(s) from 1 process(es) in {out}" in done.stdout
 
 

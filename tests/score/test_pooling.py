@@ -7,6 +7,7 @@ After a deliberate format change: bump ``report.FORMAT`` and rewrite the golden 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -420,6 +421,29 @@ def test_each_process_record_is_appended_to_its_own_file(tmp_path: Path) -> None
     pooling.publish(second, {"dir": str(tmp_path)})
     pooling.publish(first, {})  # not a score job: nothing written
     assert pooling.read_job(tmp_path) == [[first, second]]
+
+
+def test_a_job_s_processes_are_read_in_the_order_they_ran_not_by_pid(tmp_path: Path) -> None:
+    """Sorted by file name, pid 10001 (run second) came before pid 9999 (run first)."""
+    first, second = _records(2)
+    for pid, record, when in ((9999, first, 1_000), (10001, second, 2_000)):
+        path = tmp_path / f"{pooling.PREFIX}host-{pid}.json"
+        path.write_text(json.dumps([record]))
+        os.utime(path, ns=(when * 10**9, when * 10**9))
+    assert pooling.read_job(tmp_path) == [[first], [second]]
+
+
+def test_a_result_measured_in_fewer_processes_than_requested_says_so() -> None:
+    """A series stopped in process 2 of 3 recorded 'processes: 2' and the 3 asked for nowhere."""
+    records = _records(2)
+    (pooled,) = pooling.pool([[r] for r in records], requested=3)
+    assert pooled["processes"]["count"] == 2 and pooled["processes"]["requested"] == 3
+    assert pooled["flags"][-1] == {
+        "name": "fewer_processes",
+        "message": "measured in 2 of the 3 processes requested: its interval covers 2 processes",
+        "demotes": False,
+    }
+    assert pooled["status"] == "ok" and pooling.pool([[r] for r in records], requested=2)[0]["flags"] == []
 
 
 @pytest.mark.parametrize("raw", ["{", '{"budget_s": "10"}', '{"dirs": "x"}', "[1]"])
