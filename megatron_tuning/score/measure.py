@@ -116,12 +116,6 @@ def measure(
     settle_cap = min(SETTLE_CAP_S, SETTLE_SHARE * budget_s)
     settle = _settle(lambda: _block(backend, ib, arms[0], cold), clock, settle_cap, nv, ib)
     delta = max(margin, report.aa_p95(noise_floor) or 0.0)
-    if clock() - started + settle["block_s"] * 2 * len(arms) > budget_s:
-        round_s = settle["block_s"] * 2 * len(arms)
-        raise ValueError(
-            f"budget_s={budget_s:g} holds no round: one takes about {round_s:.3g} s after "
-            f"{settle['seconds']:.3g} s of settling the clock; raise budget_s"
-        )
     run = _rounds(
         lambda i: _block(backend, ib, arms[i], cold),
         len(arms),
@@ -135,6 +129,8 @@ def measure(
     )
     samples, analysis = run.samples, run.analysis
     flags = _integrity(backend, calls[0], arms, samples, analysis, aa)
+    if run.seconds > budget_s:  # a candidate too slow for one round in the budget: scored on one
+        flags.append(_over_budget(budget_s, settle["seconds"], run.seconds - settle["seconds"]))
     correctness.update(integrity.check_after(fn, reference, make_inputs, inputs, check, correctness, flags))
     record = report.build(
         name=name or _name(fn),
@@ -326,6 +322,19 @@ def _rounds(
         analysis = analyse(samples, look_level(planned))
     assert analysis is not None
     return _Run(samples, analysis, looks, planned, stopped_by, seconds)
+
+
+def _over_budget(budget_s: float, settle_s: float, round_s: float) -> dict[str, Any]:
+    """Past the budget by one round: the flag says by how much and what budget holds a verdict's
+    rounds (``few_rounds``, which demotes, comes with it)."""
+    needed = settle_s + 1.5 * FIRST_LOOK * round_s  # the loop stops 1.5 rounds short of the budget
+    return {
+        "name": "over_budget",
+        "message": f"settling the clock took {settle_s:.3g} s and one round {round_s:.3g} s, past "
+        f"budget_s={budget_s:g}: scored on that round; {FIRST_LOOK} rounds need budget_s of about "
+        f"{needed:.2g}",
+        "demotes": False,
+    }
 
 
 def _stop(analysis: dict[str, Any], target_ci: float, correctness: dict[str, Any]) -> str | None:

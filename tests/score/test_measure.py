@@ -164,6 +164,28 @@ def test_a_budget_that_times_fewer_than_10_launches_is_flagged() -> None:
     )
 
 
+@pytest.mark.parametrize(("candidate_ms", "over"), [(150.0, False), (300.0, True)])
+def test_a_candidate_too_slow_for_the_budget_is_scored_on_the_rounds_it_took(
+    candidate_ms: float, over: bool
+) -> None:
+    """budget_s=0.5 raised "holds no round" for a slow candidate (its blocks' time taken for the
+    reference's too, so also for a round that fit): a pipeline got an error, not a score. Now the
+    rounds run, at least one, past the budget by at most that round (flagged), and few_rounds demotes."""
+    dev = FakeDevice(noise=0.002)
+    score = measure(dev.kernel(candidate_ms), reference=dev.kernel(1.0), budget_s=0.5, **seams(dev))
+    record = score.record
+    assert record["rounds"]["used"] == 1 and record["rounds"]["stopped_by"] == "budget"
+    assert "few_rounds" in _names(score) and score.status == "demoted"
+    assert score.verdict == "inconclusive" and record["verdict"]["demoted_from"] == "slower"
+    assert score.median_ms == pytest.approx(candidate_ms, rel=0.01)
+    assert (record["rounds"]["seconds"] > 0.5) == over and ("over_budget" in _names(score)) == over
+    if over:
+        (flag,) = [f for f in record["flags"] if f["name"] == "over_budget"]
+        assert not flag["demotes"] and flag["message"].endswith(
+            "past budget_s=0.5: scored on that round; 8 rounds need budget_s of about 7.5"
+        )
+
+
 def test_the_host_clock_works_and_is_flagged() -> None:
     score = measure(lambda: sum(range(200)), budget_s=0.3, backend=HostBackend())
     assert score.record["timing"]["timer"] == "host-clock" and "host_clock" in _names(score)
