@@ -118,7 +118,8 @@ def pool(processes: list[list[dict[str, Any]]], requested: int | None = None) ->
     for name, inputs, _ in groups:
         shapes.setdefault(name, set()).add(inputs)
     taken = {name for name, _, _ in groups}
-    results = []
+    results: list[dict[str, Any]] = []
+    renamed: dict[str, list[str]] = {}
     for (name, inputs, k), members in groups.items():
         unique = name + (f"[{inputs}]" if len(shapes[name]) > 1 else "") + (f"#{k}" if k > 1 else "")
         notes = []
@@ -127,7 +128,11 @@ def pool(processes: list[list[dict[str, Any]]], requested: int | None = None) ->
                 unique += "'"
             taken.add(unique)
             notes.append(_renamed(name, unique, len(shapes[name]) > 1, k))
+            renamed.setdefault(name, []).append(unique)
         results.append(pooled.pool_result(members, name=unique, requested=requested, notes=notes))
+    for name, names in renamed.items():
+        kept = ", ".join(map(repr, names))
+        warn_once(("score-renamed", name), "score: results named %r kept apart as %s: %s", name, kept, _FIX)
     return results
 
 
@@ -141,13 +146,12 @@ def _inputs(shape: list[dict[str, Any]] | None) -> str:
     return ", ".join(parts) or "no tensors"
 
 
+_FIX = "pass measure(..., name=...) to name each"
+
+
 def _renamed(name: str, unique: str, shapes: bool, k: int) -> Flag:
     why = " and ".join(w for w in ("on other inputs" * shapes, "more than once in a process" * (k > 1)) if w)
-    message = (
-        f"more than one result was named {name!r} ({why}): this one is {unique!r}, kept apart; "
-        f"pass measure(..., name=...) to name each"
-    )
-    warn_once(("score-renamed", name, unique), "score: %s", message)
+    message = f"more than one result was named {name!r} ({why}): this one is {unique!r}, kept apart; {_FIX}"
     return {"name": "renamed", "message": message, "demotes": False}
 
 

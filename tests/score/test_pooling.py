@@ -230,12 +230,14 @@ def test_one_name_on_two_shapes_in_one_process_is_two_results_never_two_processe
     processes" from one process, medians 17 and 64 ms, the shape of the first. A result is now a name
     and its inputs: the two stay apart, named by their shapes alike in every run, so that ``score
     compare`` matches them up file to file."""
-    with pytest.warns(UserWarning, match="more than one result was named 'add' \\(on other inputs\\)"):
+    small = "add[4096 float32, 4096 float32, 4096 float32]"
+    large = "add[16384 float32, 16384 float32, 16384 float32]"
+    with pytest.warns(UserWarning) as warned:
         one = pooling.pool([_shapes_harness(0)])
-    small, large = (
-        "add[4096 float32, 4096 float32, 4096 float32]",
-        "add[16384 float32, 16384 float32, 16384 float32]",
-    )
+    assert [str(w.message) for w in warned] == [
+        f"megatron_tuning: score: results named 'add' kept apart as {small!r}, {large!r}: "
+        "pass measure(..., name=...) to name each"
+    ]
     assert [r["name"] for r in one] == [small, large]
     assert [r["processes"]["count"] for r in one] == [1, 1]
     assert one[0]["latency"]["median"] == pytest.approx(0.1, rel=0.01)
@@ -263,13 +265,14 @@ def test_one_name_on_two_shapes_in_one_process_is_two_results_never_two_processe
 
 def test_one_name_twice_on_one_shape_pools_first_with_first_and_a_shape_change_stays_apart() -> None:
     records = [_records(2), _records(2)]  # two processes, each measuring "k" twice on no inputs
-    with pytest.warns(UserWarning, match="'k' \\(more than once in a process\\): this one is 'k#2'"):
+    with pytest.warns(UserWarning, match="results named 'k' kept apart as 'k#2': pass measure"):
         first, second = pooling.pool(records)
+    assert second["flags"][-1]["message"].startswith("more than one result was named 'k' (more than once in")
     assert (first["name"], second["name"]) == ("k", "k#2")
     assert [(e["process"], e["record"]) for e in second["per_process"]] == [(0, 1), (1, 1)]
     assert [f["name"] for f in first["flags"]] == [] and first["processes"]["count"] == 2
     moved = [_shapes_harness(0, (4096,)), _shapes_harness(1, (8192,))]  # the size changed between processes
-    with pytest.warns(UserWarning, match="'add' \\(on other inputs\\)"):
+    with pytest.warns(UserWarning, match="results named 'add' kept apart"):
         assert [r["processes"]["count"] for r in pooling.pool(moved)] == [1, 1]
 
 
