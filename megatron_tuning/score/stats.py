@@ -172,17 +172,16 @@ def minimum_detectable(
     return math.expm1((wide + t_quantile(power, df)) * error)
 
 
-def aa_reach(centres: np.ndarray, halves: np.ndarray, level: float = 0.95) -> float:
-    """How far from 1 one process's A/A interval reaches, at ``level`` across processes, from P >= 2
-    processes' A/A log-ratio medians (``centres``) and log half-widths (``halves``): the prediction
-    bound for a further process's median, ``|mean| + t_{P-1} s sqrt(1 + 1/P)``, plus the median
-    half-width. It estimates a quantile of the spread, so unlike a pooled interval it does not
-    shrink as processes are added; returned as a fraction (``expm1``)."""
+def aa_reach(centres: np.ndarray, level: float = 0.95) -> float:
+    """How far from 1 one more process's A/A ratio lies, at ``level``, from P >= 2 processes' A/A
+    log-ratio medians (``centres``): the prediction bound ``|mean| + t_{P-1} s sqrt(1 + 1/P)``,
+    ``s`` their spread (which holds each median's own noise too). It estimates a quantile of the
+    spread, so unlike a pooled interval's reach it does not shrink as processes are added; returned
+    as a fraction (``expm1``)."""
     logs = np.asarray(centres, dtype=float)
     count = logs.shape[-1]
-    spread = np.std(logs, ddof=1) * math.sqrt(1 + 1 / count)
-    reach = abs(float(np.mean(logs))) + t_quantile(0.5 + level / 2, count - 1) * float(spread)
-    return math.expm1(reach + float(np.median(halves)))
+    spread = float(np.std(logs, ddof=1)) * math.sqrt(1 + 1 / count)
+    return math.expm1(abs(float(np.mean(logs))) + t_quantile(0.5 + level / 2, count - 1) * spread)
 
 
 def half_width(interval: Interval) -> np.ndarray:

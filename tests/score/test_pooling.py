@@ -292,15 +292,13 @@ def _aa_record(dev: FakeDevice, bias: float, seed: int) -> dict[str, Any]:
 
 def test_the_pooled_noise_floor_is_the_a_a_spread_between_processes_and_compare_clears_it() -> None:
     """Pooled, an A/A run's ``aa_p95`` was process 0's (0.0108 where process 1 gave 0.0046), and
-    ``compare`` widened later verdicts by that one process's floor. Now it is how far one process's
-    A/A interval reaches at the 95th percentile across processes (``stats.aa_reach``)."""
-    biases = [0.004, -0.003, 0.0, 0.006, -0.001]
+    ``compare`` widened later verdicts by that one process's floor. Now it is how far one more
+    process's A/A ratio lies from 1, at 95%, from the spread of the processes' (``stats.aa_reach``)."""
+    biases = [0.008, -0.006, 0.0, 0.012, -0.002]
     records = [_aa_record(FakeDevice(seed=s, noise=0.002), b, s) for s, b in enumerate(biases)]
     (pooled,) = pooling.pool([[r] for r in records])
-    centres = [np.log(r["ratio"]["estimate"]) for r in records]
-    halves = [np.log(r["ratio"]["ci95"][1] / r["ratio"]["ci95"][0]) / 2 for r in records]
     floor = pooled["noise_floor"]["aa_p95"]
-    assert floor == pytest.approx(stats.aa_reach(np.array(centres), np.array(halves)))
+    assert floor == pytest.approx(stats.aa_reach(np.log([r["ratio"]["estimate"] for r in records])))
     assert floor > max(r["noise_floor"]["aa_p95"] for r in records) > 0.006  # the spread is not one process's
     assert pooled["per_process"][1]["aa_p95"] == records[1]["noise_floor"]["aa_p95"]
     dev = FakeDevice(seed=9, noise=0.002)  # two results apart by more than the margin, less than the floor
