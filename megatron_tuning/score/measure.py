@@ -130,7 +130,9 @@ def measure(
     samples, analysis = run.samples, run.analysis
     flags = _integrity(backend, calls[0], arms, samples, analysis, aa)
     if run.seconds > budget_s:  # a candidate too slow for one round in the budget: scored on one
-        flags.append(_over_budget(budget_s, settle["seconds"], run.seconds - settle["seconds"]))
+        flags.append(
+            _over_budget(budget_s, settle["seconds"], run.seconds - settle["seconds"], len(samples["nvml"]))
+        )
     correctness.update(integrity.check_after(fn, reference, make_inputs, inputs, check, correctness, flags))
     record = report.build(
         name=name or _name(fn),
@@ -324,15 +326,14 @@ def _rounds(
     return _Run(samples, analysis, looks, planned, stopped_by, seconds)
 
 
-def _over_budget(budget_s: float, settle_s: float, round_s: float) -> dict[str, Any]:
-    """Past the budget by one round: the flag says by how much and what budget holds a verdict's
-    rounds (``few_rounds``, which demotes, comes with it)."""
-    needed = settle_s + 1.5 * FIRST_LOOK * round_s  # the loop stops 1.5 rounds short of the budget
+def _over_budget(budget_s: float, settle_s: float, rounds_s: float, rounds: int) -> dict[str, Any]:
+    """Past the budget by a round (the first always runs; a later one can run long): the flag says
+    by how much and what budget holds a verdict's rounds (``few_rounds``, which demotes, comes with it)."""
+    needed = settle_s + 1.5 * FIRST_LOOK * rounds_s / rounds  # the loop stops 1.5 rounds short of the budget
     return {
         "name": "over_budget",
-        "message": f"settling the clock took {settle_s:.3g} s and one round {round_s:.3g} s, past "
-        f"budget_s={budget_s:g}: scored on that round; {FIRST_LOOK} rounds need budget_s of about "
-        f"{needed:.2g}",
+        "message": f"settling the clock took {settle_s:.3g} s and {rounds} round(s) {rounds_s:.3g} s, past "
+        f"budget_s={budget_s:g}: scored on those; {FIRST_LOOK} rounds need budget_s of about {needed:.2g}",
         "demotes": False,
     }
 

@@ -182,8 +182,16 @@ def test_a_candidate_too_slow_for_the_budget_is_scored_on_the_rounds_it_took(
     if over:
         (flag,) = [f for f in record["flags"] if f["name"] == "over_budget"]
         assert not flag["demotes"] and flag["message"].endswith(
-            "past budget_s=0.5: scored on that round; 8 rounds need budget_s of about 7.5"
+            "and 1 round(s) 0.604 s, past budget_s=0.5: scored on those; 8 rounds need budget_s of about 7.5"
         )
+
+
+def test_a_round_that_runs_long_past_the_budget_is_counted_in_the_flag() -> None:
+    """The second round ran 10x slower (a throttle): it passed the budget, and the flag counts it."""
+    dev = FakeDevice(noise=0.002, drift=lambda t: 1.0 if t < 0.5 else 10.0)  # from within round 2
+    score = measure(dev.kernel(50.0), reference=dev.kernel(1.0), budget_s=0.5, **seams(dev))
+    (flag,) = [f for f in score.record["flags"] if f["name"] == "over_budget"]
+    assert score.record["rounds"]["used"] == 2 and " and 2 round(s) " in flag["message"]
 
 
 def test_the_host_clock_works_and_is_flagged() -> None:
