@@ -65,7 +65,8 @@ def run_audit(args: argparse.Namespace) -> int:
         return EXIT_USAGE if isinstance(problem, str) else problem[0]
     with WorkFolder(Path(tempfile.mkdtemp(prefix="megatron_tuning_audit_")), _say_kept) as folder:
         work = folder.path
-        returncode, _ = run_armed(job_argv(command), updates, "audit", launcher="audit", folder=work)
+        job = job_argv(command)  # its folder is removed by the job's watcher should `audit` be killed
+        returncode, _ = run_armed(job, updates, "audit", launcher="audit", folder=work, leftovers=[work])
         entries = [e for f in sorted(work.glob("audited-*.json")) for e in json.loads(f.read_text())]
         report = {"format": "megatron_tuning.audit/2", "mode": mode, "runs": runs, "command": command}
         report.update(exit_status=returncode, entries=entries)

@@ -4,6 +4,7 @@ argv, and its process: armed, signals passed on, a timeout, its death with the l
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import shutil
@@ -13,12 +14,12 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO
 
 from ..core.errors import printable
-from . import EXIT_USAGE
+from . import EXIT_USAGE, watcher
 from .bootstrap import hold_lifeline, job_environment
 
 EXIT_TIMEOUT, EXIT_CANNOT_EXECUTE, EXIT_NOT_FOUND = 124, 126, 127  # as timeout(1), the shell, env(1)
@@ -84,6 +85,7 @@ def run_armed(
     timeout: float | None = None,
     output: IO[bytes] | None = None,
     passed: list[int] | None = None,
+    leftovers: Sequence[Path] = (),
 ) -> tuple[int, int]:
     """Run the job to its end, each Python process armed for ``launcher``, ``updates`` set and
     ``folder`` (default: a temporary one, removed) its job folder. Return the status a shell would
@@ -92,9 +94,12 @@ def run_armed(
 
     The job dies with this process, even by SIGKILL (a harness's timeout): its first process by a
     parent-death signal, each armed process below it (torchrun's workers) once its bootstrap, the
-    lifeline, is let go (``bootstrap.hold_lifeline``). Past ``timeout`` seconds both are done on
-    purpose: exit status 124, as timeout(1). ``output`` gets the job's stdout and stderr; ``passed``
-    each signal sent to this process while the job ran (a launcher of several jobs stops there).
+    lifeline, is let go (``bootstrap.hold_lifeline``), and every process of its group (programs it
+    started, Python or not) by its watcher (``job_group``), which also removes the job's
+    temporary folder and ``leftovers``. When the first process ends, the rest of its group is killed
+    too. Past ``timeout`` seconds all is done on purpose: exit status 124, as timeout(1). ``output``
+    gets the job's stdout and stderr; ``passed`` each signal sent to this process while the job ran
+    (a launcher of several jobs stops there).
     """
     problem = command_problem(argv, os.environ)
     if problem is not None:
@@ -104,24 +109,22 @@ def run_armed(
     try:
         env = {**job_environment(work, launcher), **updates}
         held = hold_lifeline(work / "bootstrap" / "sitecustomize.py")
-        own_group = not _owns_terminal()
         try:
-            try:
-                process = subprocess.Popen(
-                    list(argv),
-                    env=env,
-                    stdout=output,
-                    stderr=None if output is None else subprocess.STDOUT,
-                    # Outside an interactive shell's foreground the job leads its own group, so a
-                    # signal to the launcher's group (timeout(1), a harness) reaches it once, passed on.
-                    preexec_fn=preexec(own_group),
-                )
-            except OSError as exc:  # vanished since the check, or a bad #! interpreter
-                say(prog, f"cannot run {argv[0]!r}: {exc.strerror or exc}")
-                return (EXIT_NOT_FOUND if isinstance(exc, FileNotFoundError) else EXIT_CANNOT_EXECUTE), 0
-            code = _wait_passing_signals(process, timeout, own_group=own_group, passed=passed)
+            with job_group(not _owns_terminal(), [*([] if folder else [work]), *leftovers]) as group:
+                try:
+                    process = subprocess.Popen(
+                        list(argv),
+                        env=env,
+                        stdout=output,
+                        stderr=None if output is None else subprocess.STDOUT,
+                        preexec_fn=preexec(group),
+                    )
+                except (OSError, subprocess.SubprocessError) as exc:  # vanished since the check, a bad #!
+                    say(prog, f"cannot run {argv[0]!r}: {getattr(exc, 'strerror', None) or exc}")
+                    return (EXIT_NOT_FOUND if isinstance(exc, FileNotFoundError) else EXIT_CANNOT_EXECUTE), 0
+                code = _wait_passing_signals(process, timeout, group=group, passed=passed)
         finally:
-            os.close(held)  # armed processes of the job still running die now
+            os.close(held)  # armed processes of the job outside its group (torchrun's workers) die now
         if code is None:  # past the timeout; a first process that is not armed is stopped here
             process.kill()
             process.wait()
@@ -189,11 +192,11 @@ def _owns_terminal() -> bool:
     return False
 
 
-def preexec(own_group: bool) -> Callable[[], None] | None:
-    """Popen's ``preexec_fn``: with ``own_group``, the job leads a process group of its own; on Linux
-    its first process gets SIGKILL when the launcher dies."""
+def preexec(group: int | None) -> Callable[[], None] | None:
+    """Popen's ``preexec_fn``: the job joins process group ``group`` (``None``: it stays in the
+    launcher's); on Linux its first process gets SIGKILL when the launcher dies."""
     linux = sys.platform.startswith("linux")
-    if not (linux or own_group):
+    if not (linux or group is not None):
         return None
     import ctypes
 
@@ -201,8 +204,8 @@ def preexec(own_group: bool) -> Callable[[], None] | None:
     launcher = os.getpid()
 
     def arm() -> None:  # in the child, between fork and exec
-        if own_group:
-            os.setpgid(0, 0)
+        if group is not None:
+            os.setpgid(0, group)
         if prctl is not None:
             prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG; kept across exec
             if os.getppid() != launcher:  # it died before that line
@@ -211,18 +214,44 @@ def preexec(own_group: bool) -> Callable[[], None] | None:
     return arm
 
 
+@contextlib.contextmanager
+def job_group(own_group: bool, folders: Sequence[Path]) -> Iterator[int | None]:
+    """``with``: the process group to start the job in (``preexec``): with ``own_group``, a new one,
+    else ``None`` (the launcher's: an interactive shell's, never signalled here). Its watcher, a
+    process that outlives this one (``watcher.watch``), leads it, so its id stays the job's
+    while the watcher is not reaped; once this process dies (SIGKILL included) the watcher kills
+    the group and removes ``folders``. At the end of the block the rest of the group is killed: the
+    job is over."""
+    command = [sys.executable, "-I", "-S", watcher.__file__, "group" if own_group else "-"]
+    watching = subprocess.Popen(
+        [*command, *map(str, folders)],
+        stdin=subprocess.PIPE,  # the kernel closes this process's end when it dies: the watcher's cue
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,  # it holds no harness's pipe open
+        preexec_fn=os.setpgrp if own_group else None,
+    )
+    try:
+        yield watching.pid if own_group else None
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(watching.pid, signal.SIGKILL) if own_group else watching.kill()
+        watching.wait()
+        watching.stdin.close()  # type: ignore[union-attr]
+
+
 def _wait_passing_signals(
     process: subprocess.Popen[bytes],
     timeout: float | None = None,
     *,
-    own_group: bool = False,
+    group: int | None = None,
     passed: list[int] | None = None,
 ) -> int | None:
     """Wait for the job (``None`` when ``timeout`` seconds pass first), passing on each signal sent to
-    the launcher (SIGINT from a scheduler or a notebook, SIGTERM...), to the job's first process, once.
-    A job in the launcher's group (``own_group`` false: it owns the terminal) already got what the
-    terminal sends (Ctrl-C, Ctrl-\\, hang-up), which ``si_code`` tells apart from a program's ``kill``;
-    a job of its own group got nothing, so every signal is passed on (a harness's group kill too)."""
+    the launcher (SIGINT from a scheduler or a notebook, SIGTERM...) once: to the job's process
+    ``group``, as a group kill or a terminal would have sent it, else to its first process. A job in
+    the launcher's group (no ``group``: it owns the terminal) already got what the terminal sends
+    (Ctrl-C, Ctrl-\\, hang-up), which ``si_code`` tells apart from a program's ``kill``; a job of its
+    own group got nothing, so every signal is passed on (a harness's group kill too)."""
     deadline = math.inf if timeout is None else time.monotonic() + timeout
     if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "sigtimedwait"):
         try:  # signals can only be taken from the main thread
@@ -231,10 +260,13 @@ def _wait_passing_signals(
             return None
     got = passed if passed is not None else []
 
+    def send(number: int) -> None:
+        if process.poll() is None:
+            os.killpg(group, number) if group is not None else process.send_signal(number)
+
     def forward(number: int) -> None:  # delivered to another thread: sender unknown
         got.append(number)
-        if process.poll() is None:
-            process.send_signal(number)
+        send(number)
 
     restore = handle_signals(PASSED_SIGNALS, forward)
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, PASSED_SIGNALS | {signal.SIGCHLD})
@@ -248,8 +280,8 @@ def _wait_passing_signals(
                 continue
             got.append(info.si_signo)
             # si_code <= 0: sent by a process (SI_USER, SI_QUEUE, SI_TKILL); > 0: by the kernel (a tty)
-            if (own_group or info.si_code <= 0) and process.poll() is None:
-                process.send_signal(info.si_signo)
+            if group is not None or info.si_code <= 0:
+                send(info.si_signo)
         while (info := signal.sigtimedwait(PASSED_SIGNALS, 0)) is not None:
             got.append(info.si_signo)  # arrived as the job ended: nobody left to pass them to
     finally:

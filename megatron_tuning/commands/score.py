@@ -141,7 +141,8 @@ def _score_job(
             if processes > 1:
                 print(f"score: process {index + 1} of {processes}: {shlex.join(argv)}", file=sys.stderr)
             environment = {**updates, ENV_SCORE: json.dumps({**job, "dir": str(work)})}
-            code, diverged = run_armed(argv, environment, "score", passed=stop)
+            # The job's watcher removes `work` too should `score` be killed (a harness's timeout).
+            code, diverged = run_armed(argv, environment, "score", passed=stop, leftovers=[work])
             codes.append(code)
             if diverged:
                 print(f"score: {diverged} process(es) raised DivergenceError", file=sys.stderr)

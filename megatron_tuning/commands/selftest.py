@@ -199,7 +199,7 @@ def _launch(args: argparse.Namespace, mode: str, folder: str, interpret: bool) -
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,
-        preexec_fn=preexec(own_group=False),
+        preexec_fn=preexec(None),
     ) as process:
         returncode: int | None
         try:

@@ -80,7 +80,7 @@ def run_tune(args: argparse.Namespace) -> int:
         say("tune", str(exc))
         return EXIT_USAGE
     with WorkFolder(work, _keep_results, temporary=temporary):  # then in --out and --results
-        returncode, decisions = _run_job(command, work, policy, args)
+        returncode, decisions = _run_job(command, work, policy, args, temporary=temporary)
     if decisions and args.plot:
         plot_into(decisions, args.plot, prog="tune")
     if decisions and returncode:
@@ -142,7 +142,7 @@ def _job_folder(work_dir: str | None) -> tuple[Path, bool]:
 
 
 def _run_job(
-    command: list[str], work: Path, policy: knobs.TuningPolicy, args: argparse.Namespace
+    command: list[str], work: Path, policy: knobs.TuningPolicy, args: argparse.Namespace, *, temporary: bool
 ) -> tuple[int, list[Decision]]:
     """Run the job, pool its per-process results, write ``--results`` and merge into ``--out``."""
     updates = {knobs.ENV_MODE: "tune", knobs.ENV_RECORD_DIR: str(work / "recordings")}
@@ -154,7 +154,8 @@ def _run_job(
         updates[knobs.ENV_TABLE] = ":".join(filter(None, (keep, os.environ.get(knobs.ENV_TABLE))))
     argv = job_argv(command)
     print(f"tune: running {shlex.join(argv)} (per-process results in {work})", file=sys.stderr)
-    returncode, _ = run_armed(argv, updates, "tune", launcher="tune", folder=work)
+    leftovers = [work] if temporary else []  # removed by the job's watcher should `tune` be killed
+    returncode, _ = run_armed(argv, updates, "tune", launcher="tune", folder=work, leftovers=leftovers)
     logs = [read_decision_file(f) for f in sorted(work.glob(f"{PROCESS_PREFIX}*.json"))]
     decisions = [d for log in logs for d in log.decisions if d.source == "tuned"]
     if not decisions and returncode:  # the job's own error (above) says why: no guess added to it

@@ -181,7 +181,9 @@ def _fake_job(monkeypatch: MonkeyPatch, returncode: int = 0, n: int = 100) -> li
 
     calls: list[list[str]] = []
 
-    def fake_run_armed(argv: list[str], updates: Any, prog: str, *, launcher: str, folder: Path) -> Any:
+    def fake_run_armed(
+        argv: list[str], updates: Any, prog: str, *, launcher: str, folder: Path, **_: Any
+    ) -> Any:
         calls.append(argv)
         # One file name per process (the real names carry the pid), so jobs do not overwrite each other.
         write_decisions(folder / f"tuned-host-{n}.json", tiny_records(n=n)[:1])
@@ -244,7 +246,9 @@ def test_merge_votes_a_jobs_kept_per_process_results_as_tune_did(
     from megatron_tuning import commands as cli
     from megatron_tuning.commands import tune as tune_command
 
-    def two_processes(argv: list[str], updates: Any, prog: str, *, launcher: str, folder: Path) -> Any:
+    def two_processes(
+        argv: list[str], updates: Any, prog: str, *, launcher: str, folder: Path, **_: Any
+    ) -> Any:
         for decision in tiny_records(tie_band=0.0):  # two processes, two near-tied winners
             write_decisions(folder / f"tuned-host-{decision.rank}.json", [decision])
         return 0, 0
@@ -402,7 +406,7 @@ def test_tune_stamps_each_entry_with_the_triton_its_process_ran(
 
     decisions = tiny_records(tie_band=0.0)  # two processes, two winners
 
-    def processes(argv: list[str], updates: Any, prog: str, *, launcher: str, folder: Path) -> Any:
+    def processes(argv: list[str], updates: Any, prog: str, *, launcher: str, folder: Path, **_: Any) -> Any:
         for decision, version in zip(decisions, versions):
             write_decisions(folder / f"tuned-host-{decision.rank}.json", [decision], triton_version=version)
         return 0, 0
