@@ -25,10 +25,10 @@ PREFIX, ENV_MODE = "MEGATRON_TUNING_", "MEGATRON_TUNING_MODE"
 # The launchers' plumbing, set for their job's processes and read by commands/ alone: no knobs, so
 # outside the knobs' prefix. ENV_LAUNCHER names the activation to run (the .pth then stands down).
 PLUMBING = "_MEGATRON_TUNING_"
-ENV_LAUNCHER = PLUMBING + "LAUNCHER"  # run, tune or audit
+ENV_LAUNCHER = PLUMBING + "LAUNCHER"  # run, score, tune or audit
 ENV_JOB_DIR = PLUMBING + "JOB_DIR"  # the launcher's folder: its bootstrap, and what its processes write
 ENV_SCORE = PLUMBING + "SCORE"  # what `score` (or `run --score-do-bench`) asks of each process: JSON
-LAUNCHERS = {"run": "launch", "tune": "tune", "audit": "audit"}  # launcher -> its commands module
+LAUNCHERS = {"run": "launch", "score": "launch", "tune": "tune", "audit": "audit"}  # -> its commands module
 
 _HERE = os.path.abspath(__file__)
 PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(_HERE)))
@@ -188,7 +188,7 @@ def arm(launcher: str) -> None:
         # included, would be slow and pointless: wait until the process imports Triton itself.
         finder = _AfterImport("triton", lambda triton: activate())
         sys.meta_path.insert(0, finder)
-        if launcher in ("run", "enable"):
+        if launcher in ("run", "score", "enable"):
             atexit.register(_join_at_exit, finder)
 
 

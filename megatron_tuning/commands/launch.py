@@ -30,7 +30,11 @@ _OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
         knobs.ENV_MODE,
         {"choices": RUN_MODES, "help": f"default {knobs.default(knobs.ENV_MODE)} unless the variable is set"},
     ),
-    "--table": (knobs.ENV_TABLE, {"action": "append", "metavar": "PATH", "help": "a table file or folder"}),
+    # Resolved where they are checked: a job that changes folder still finds them.
+    "--table": (
+        knobs.ENV_TABLE,
+        {"action": "append", "type": os.path.abspath, "metavar": "PATH", "help": "a table file or folder"},
+    ),
     "--no-shipped-tables": (
         knobs.ENV_SHIPPED_TABLES,
         {"action": "store_const", "const": "0", "help": "do not search the tables shipped with the package"},

@@ -89,7 +89,9 @@ def run_score(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     problem = _options_problem(args)
     updates = {knobs.ENV_MODE: "deterministic", knobs.ENV_ON_MISS: "error"}
+    # Resolved here, where they are checked: a harness that changes folder still finds them.
     tables = [*(args.table or []), *filter(None, os.environ.get(knobs.ENV_TABLE, "").split(":"))]
+    tables = [os.path.abspath(table) for table in tables]
     if tables:
         updates[knobs.ENV_TABLE] = ":".join(tables)
     try:
@@ -142,7 +144,9 @@ def _score_job(
                 print(f"score: process {index + 1} of {processes}: {shlex.join(argv)}", file=sys.stderr)
             environment = {**updates, ENV_SCORE: json.dumps({**job, "dir": str(work)})}
             # The job's watcher removes `work` too should `score` be killed (a harness's timeout).
-            code, diverged = run_armed(argv, environment, "score", passed=stop, leftovers=[work])
+            code, diverged = run_armed(
+                argv, environment, "score", launcher="score", passed=stop, leftovers=[work]
+            )
             codes.append(code)
             if diverged:
                 print(f"score: {diverged} process(es) raised DivergenceError", file=sys.stderr)

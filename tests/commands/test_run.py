@@ -114,6 +114,17 @@ def test_run_pins_an_unedited_script(tmp_path: Path, form: str) -> None:
     ], done.stderr
 
 
+@pytest.mark.slow
+def test_a_relative_table_is_found_by_a_job_that_changes_folder(tmp_path: Path) -> None:
+    """Checked relative to `run`'s folder, it was passed on as given: a job that changed folder
+    before `import triton` stopped with "no such file" (status 2, a bad option's)."""
+    (tmp_path / "evaljob.py").write_text("import os\nos.chdir('/')\n" + EVAL)
+    _table_for_double(tmp_path / "pins.msgpack")
+    done = _cli(tmp_path, "run", "--table", "pins.msgpack", "--", "evaljob.py")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "benchmark calls: 0; library loaded: True" in done.stdout
+
+
 def test_the_same_script_without_run_autotunes(tmp_path: Path) -> None:
     """The control: the counter above does count, so "0" means nothing was benchmarked."""
     (tmp_path / "evaljob.py").write_text(EVAL)

@@ -67,6 +67,36 @@ def test_score_pools_three_fresh_processes_and_exits_0(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_a_relative_table_is_found_by_a_harness_that_changes_folder(tmp_path: Path) -> None:
+    """The review's eval_chdir.py: before, each process stopped at `import triton` with "Tuning table
+    t.msgpack: no such file (relative to /)", status 2, though `score` had checked it."""
+    from megatron_tuning.tables.table import Table, save_table
+
+    save_table(Table([]), tmp_path / "t.msgpack")
+    job = tmp_path / "job.py"
+    job.write_text(
+        "import os, runpy, sys\nos.chdir('/')\nimport triton\n"
+        f"sys.argv = [{CHILD!r}, 'ok']\nrunpy.run_path({CHILD!r})\n"
+    )
+    done, report = _score(tmp_path, "--processes", "1", "--table", "t.msgpack", "--", str(job))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert report["per_process"][0][0]["pinning"]["policy"]["tables"] == [str(tmp_path / "t.msgpack")]
+
+
+@pytest.mark.slow
+def test_a_process_that_cannot_be_pinned_says_score_stopped_it(tmp_path: Path) -> None:
+    """Its message named `run`, a command the user never typed."""
+    from megatron_tuning.tables.table import Table, save_table
+
+    save_table(Table([]), tmp_path / "t.msgpack")
+    job = tmp_path / "job.py"
+    job.write_text("import os\nos.remove('t.msgpack')\nimport triton\n")  # gone since the check
+    done, _ = _score(tmp_path, "--processes", "1", "--table", "t.msgpack", "--", str(job))
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "megatron_tuning score: cannot pin this process's kernels, stopping it" in done.stderr
+
+
+@pytest.mark.slow
 def test_a_failed_correctness_check_exits_3(tmp_path: Path) -> None:
     done, report = _score(tmp_path, "--processes", "1", "--", CHILD, "incorrect")
     assert done.returncode == 3, done.stderr[-3000:]
