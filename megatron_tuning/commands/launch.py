@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core import policy as knobs
-from ..core.errors import EXIT_DIVERGENCE, MegatronTuningError, PolicyError
+from ..core.errors import EXIT_DIVERGENCE, MegatronTuningError, PolicyError, TableMissError
 from ..core.notices import TuningWarning, warn_once
 from ..tables.files import output_file_problem, output_folder_problem, write_atomic
 from . import EXIT_USAGE
@@ -162,6 +162,15 @@ def validated_policy(updates: dict[str, str]) -> knobs.TuningPolicy:
     return policy
 
 
+SCORE_MISS_REMEDY = (
+    "`score` pins every kernel from a table and makes a miss an error (its own mode and miss rule: "
+    "MEGATRON_TUNING_MODE and MEGATRON_TUNING_ON_MISS do not apply), so that nothing is timed in a "
+    "config no table holds. Tune the candidate first, on the GPU it is scored on: `python -m "
+    "megatron_tuning tune --out T.msgpack -- <the same command>`, then `python -m megatron_tuning score "
+    '--table T.msgpack -- <the same command>` (docs/score.md, "Tune, then score").'
+)
+
+
 def activate(launcher: str = "run") -> None:
     """At ``import triton`` in a ``run`` job's or ``enable``d process: start tuning with the job's policy.
 
@@ -174,6 +183,8 @@ def activate(launcher: str = "run") -> None:
 
     if session.initializing():
         return
+    if launcher == "score":  # score sets the mode and the miss rule: the usual advice cannot work
+        TableMissError.remedy = SCORE_MISS_REMEDY
     try:
         if launcher == "enable" and knobs.TuningPolicy.from_env_if_asked().mode == "off":
             return  # the mode is unset: nothing asked (a misspelt variable was named)

@@ -29,15 +29,17 @@ from .launch import run_armed, validated_policy
 EXIT_INCORRECT, EXIT_DEMOTED = 3, 4
 EXAMPLES = """\
 examples:
+  python -m megatron_tuning tune --out t.msgpack -- eval.py --candidate k.py
   python -m megatron_tuning score --processes 5 --table t.msgpack --out score.json -- eval.py --candidate k.py
-      eval.py calls megatron_tuning.score.measure(...): 5 fresh processes, every record pooled
+      tune the candidate's kernels once, then score: eval.py calls megatron_tuning.score.measure(...):
+      5 fresh processes, every record pooled
   python -m megatron_tuning score --do-bench -- eval.py
       an unedited harness: each triton.testing.do_bench call is scored by measure
   python -m megatron_tuning score noise-floor --processes 5 -- eval.py
       A/A: each measure call times its candidate against an independent instance of itself
   python -m megatron_tuning score compare new.json old.json --margin 0.02
 
-Every process is pinned (deterministic, a table miss is an error). Exit status: 0 ok; 3 a
+Every process is pinned (deterministic, a table miss is an error: tune first). Exit status: 0 ok; 3 a
 correctness check failed; 4 a clock or integrity flag demoted a result; the job's own status when
 it failed; 1 when no process called measure(); 128+N when score was sent signal N (what was
 measured is written); 2 for bad options. When nothing was measured, --out is not written (a file

@@ -39,17 +39,20 @@ class UnsupportedTritonError(MegatronTuningError, RuntimeError):
 
 
 class TableMissError(MegatronTuningError, LookupError):
-    """``on_miss='error'``: no usable table entry for this kernel and key."""
+    """``on_miss='error'``: no usable table entry for this kernel and key. ``remedy`` says how to get
+    one; a launcher that sets the policy itself (``score``) replaces it in its job's processes."""
+
+    remedy: ClassVar[str] = (
+        "To pin it: build a table entry with `python -m megatron_tuning tune -- <your command>`, or "
+        "set MEGATRON_TUNING_MODE=auto (tunes a missing key once per job and caches it); to launch "
+        "something anyway, set MEGATRON_TUNING_ON_MISS=nearest (the nearest shape's entry, else the "
+        "cheapest config) or min_cost (the cheapest config by static cost)."
+    )
 
     def __init__(self, kernel: str, key: str, reason: str = "no table entry") -> None:
         self.kernel, self.key, self.reason = kernel, key, reason
-        super().__init__(
-            f"No tuned config for kernel {kernel} with key {key} ({reason}), and on_miss='error'. "
-            "To pin it: build a table entry with `python -m megatron_tuning tune -- <your command>`, or "
-            "set MEGATRON_TUNING_MODE=auto (tunes a missing key once per job and caches it); to launch "
-            "something anyway, set MEGATRON_TUNING_ON_MISS=nearest (the nearest shape's entry, else the "
-            "cheapest config) or min_cost (the cheapest config by static cost)."
-        )
+        miss = f"No tuned config for kernel {kernel} with key {key} ({reason}), and on_miss='error'."
+        super().__init__(f"{miss} {self.remedy}")
 
 
 class BlockSizeOverrideError(MegatronTuningError, ValueError):

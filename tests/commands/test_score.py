@@ -97,6 +97,19 @@ def test_a_process_that_cannot_be_pinned_says_score_stopped_it(tmp_path: Path) -
 
 
 @pytest.mark.slow
+def test_a_kernel_without_an_entry_is_told_to_tune_then_score(tmp_path: Path) -> None:
+    """A new candidate: its miss advised MEGATRON_TUNING_MODE=auto or ON_MISS=nearest, both of which
+    `score` overrides, so neither worked."""
+    from tests.commands.test_run import EVAL
+
+    (tmp_path / "evaljob.py").write_text(EVAL)
+    done, _ = _score(tmp_path, "--processes", "1", "--", "evaljob.py")
+    assert done.returncode == 1 and "TableMissError" in done.stderr, done.stderr[-3000:]
+    assert "Tune the candidate first" in done.stderr and "MEGATRON_TUNING_ON_MISS=nearest" not in done.stderr
+    assert "megatron_tuning tune --out T.msgpack -- <the same command>" in done.stderr
+
+
+@pytest.mark.slow
 def test_a_failed_correctness_check_exits_3(tmp_path: Path) -> None:
     done, report = _score(tmp_path, "--processes", "1", "--", CHILD, "incorrect")
     assert done.returncode == 3, done.stderr[-3000:]
