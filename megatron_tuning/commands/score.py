@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -27,6 +28,7 @@ from .job import PASSED_SIGNALS, add_job_argument, command_problem, handle_signa
 from .launch import run_armed, validated_policy
 
 EXIT_INCORRECT, EXIT_DEMOTED = 3, 4
+COMPARE_FORMAT = "megatron_tuning.score-compare/1"
 EXAMPLES = """\
 examples:
   python -m megatron_tuning tune --out t.msgpack -- eval.py --candidate k.py
@@ -38,13 +40,15 @@ examples:
   python -m megatron_tuning score noise-floor --processes 5 -- eval.py
       A/A: each measure call times its candidate against an independent instance of itself
   python -m megatron_tuning score compare new.json old.json --margin 0.02
+  python -m megatron_tuning score compare --json new.json old.json > verdict.json
+      the same verdict as one JSON document (or --out FILE); schema in docs/score.md
 
 Every process is pinned (deterministic, a table miss is an error: tune first). Exit status: 0 ok; 3 a
 correctness check failed; 4 a clock or integrity flag demoted a result; the job's own status when
 it failed; 1 when no process called measure(); 128+N when score was sent signal N (what was
 measured is written); 2 for bad options. When nothing was measured, --out is not written (a file
-already there is kept). `score compare` exits 4 when either side carries a demoting flag. See
-docs/score.md.
+already there is kept). `score compare` exits 4 when a demoting flag is raised, 2 for bad options
+or files. See docs/score.md.
 """
 
 
@@ -60,15 +64,13 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--table", action="append", metavar="PATH", help="pin from this table first; repeatable"
     )
-    parser.add_argument("--processes", type=int, default=5, help="fresh processes to run (default 5)")
+    parser.add_argument("--processes", type=int, help="fresh processes to run (default 5)")
     parser.add_argument(
         "--budget-s", type=float, help="each measure call's time budget (overrides the job's)"
     )
     parser.add_argument("--target-ci", type=float, help="stop at this 95%% half-width (overrides the job's)")
     parser.add_argument(
-        "--out",
-        default="score.json",
-        help="the pooled JSON (default score.json); not written when nothing was measured",
+        "--out", help="the pooled JSON (default score.json); not written when nothing was measured"
     )
     parser.add_argument(
         "--do-bench", action="store_true", help="score the job's triton.testing.do_bench calls"
@@ -78,7 +80,7 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
 def run_score(args: argparse.Namespace) -> int:
     words = list(args.job or [])
     if words[:1] == ["compare"]:
-        return _compare(words[1:])
+        return _compare(words[1:], args)
     noise = words[:1] == ["noise-floor"]
     if noise:
         sub = argparse.ArgumentParser(prog="megatron-tuning score noise-floor")
@@ -89,6 +91,8 @@ def run_score(args: argparse.Namespace) -> int:
     command = job_command(args, "score", "score --processes 5 -- eval.py")
     if command is None:
         return EXIT_USAGE
+    args.processes = 5 if args.processes is None else args.processes
+    args.out = args.out or "score.json"
     problem = _options_problem(args)
     updates = {knobs.ENV_MODE: "deterministic", knobs.ENV_ON_MISS: "error"}
     # Resolved here, where they are checked: a harness that changes folder still finds them.
@@ -197,19 +201,31 @@ def _nothing_measured(out: str, codes: list[int], stop: list[int]) -> int:
     return status
 
 
-def _compare(words: list[str]) -> int:
+def _compare(words: list[str], given: argparse.Namespace) -> int:
+    """``score compare A B``: each result of A against B's of its name; text, or one JSON document
+    (``--json`` to stdout, ``--out`` to a file: ``COMPARE_FORMAT``, docs/score.md)."""
     parser = argparse.ArgumentParser(prog="megatron-tuning score compare")
     parser.add_argument("a", help="a score JSON (the candidate)")
     parser.add_argument("b", help="a score JSON (the baseline)")
     parser.add_argument("--margin", type=float, default=0.01, help="same within this fraction (default 0.01)")
+    parser.add_argument("--json", action="store_true", help="print one JSON document instead of text")
+    parser.add_argument("--out", default=given.out, help="write that JSON document to this file too")
     args = parser.parse_args(words)
+    series = [f"--{k.replace('_', '-')}" for k in _SERIES_OPTIONS if getattr(given, k) not in (None, False)]
+    problem = (
+        f"{', '.join(series)}: an option of a series (score -- COMMAND), not of compare" if series else None
+    )
     if not 0 <= args.margin < 1:  # NaN too
-        print(f"score compare: --margin {args.margin}: give a fraction in [0, 1), e.g. 0.01", file=sys.stderr)
+        problem = f"--margin {args.margin}: give a fraction in [0, 1), e.g. 0.01"
+    if args.out and (unwritable := output_file_problem(args.out)):
+        problem = f"cannot write {args.out}: {unwritable}"
+    if problem:
+        say("score compare", problem)
         return EXIT_USAGE
     try:
         left, right = pooling.load(args.a), pooling.load(args.b)
     except (OSError, ValueError) as exc:
-        print(f"score compare: {exc}", file=sys.stderr)
+        say("score compare", str(exc))
         return EXIT_USAGE
     by_name = {r["name"]: r for r in right}
     # Two single results compare whatever their names; files of several match results by name.
@@ -217,17 +233,76 @@ def _compare(words: list[str]) -> int:
     pairs = (
         [(left[0], right[0])] if single else [(r, by_name[r["name"]]) for r in left if r["name"] in by_name]
     )
+    names = {r["name"] for r in left}
+    unmatched = {
+        "a": [] if single else [r["name"] for r in left if r["name"] not in by_name],
+        "b": [] if single else [r["name"] for r in right if r["name"] not in names],
+    }
     if not pairs:
-        print(f"score compare: no result name is in both {args.a} and {args.b}", file=sys.stderr)
+        say("score compare", f"no result name is in both {args.a} and {args.b}")
         return EXIT_USAGE
-    demoted = False
-    for a, b in pairs:
-        verdict = pooling.compare(a, b, margin=args.margin)
-        demoting = [f for f in verdict["flags"] if f["demotes"]]
-        demoted |= bool(demoting)
-        low, high = verdict["ci95"]
-        text = f"{a['name']}: {verdict['ratio']:.4f} [{low:.4f}, {high:.4f}] of {b['name']}"
-        print(printable(f"{text} -> {verdict['outcome']} ({verdict['reason']})"))
-        for found in demoting:
-            print(printable(f"  {found['name']}: {found['message']}"))
-    return EXIT_DEMOTED if demoted else 0
+    comparisons = [_comparison(a, b, args.a, args.b, args.margin) for a, b in pairs]
+    status = EXIT_DEMOTED if any(f["demotes"] for c in comparisons for f in c["flags"]) else 0
+    for side, path in (("a", args.a), ("b", args.b)):
+        if unmatched[side]:
+            say("score compare", f"not compared, only in {path}: {', '.join(unmatched[side])}")
+    document = {
+        "format": COMPARE_FORMAT,
+        "a": args.a,
+        "b": args.b,
+        "margin": args.margin,
+        "comparisons": comparisons,
+        "unmatched": unmatched,
+        "exit_status": status,
+    }
+    if args.out:
+        write_atomic(args.out, json.dumps(document, indent=1).encode())
+    if args.json:
+        print(json.dumps(document, indent=1))
+        return status
+    for c in comparisons:
+        low, high = c["ci95"]
+        text = f"{c['a']}: {c['ratio']:.4f} [{low:.4f}, {high:.4f}] of {c['b']}"
+        print(printable(f"{text} -> {c['outcome']} ({c['reason']})"))
+        for found in (f for f in c["flags"] if f["demotes"]):
+            print(printable(_flag_line(found)))
+    return status
+
+
+def _flag_line(found: dict[str, Any]) -> str:
+    """``  name (file, processes 0, 1, 2): message``; the comparison's own flags name no file."""
+    where = [found["file"]] if found["file"] else []
+    if found["processes"]:
+        where.append("processes " + ", ".join(map(str, found["processes"])))
+    return f"  {found['name']}{' (' + ', '.join(where) + ')' if where else ''}: {found['message']}"
+
+
+_SERIES_OPTIONS = ("table", "processes", "budget_s", "target_ci", "do_bench")
+_PROCESS = re.compile(r"process (\d+): ")
+
+
+def _comparison(
+    a: dict[str, Any], b: dict[str, Any], file_a: str, file_b: str, margin: float
+) -> dict[str, Any]:
+    """``pooling.compare``'s verdict, its flags each naming the file it came from (null: the comparison's
+    own) and, once per flag, the processes of a pooled result that raised it."""
+    verdict = pooling.compare(a, b, margin=margin)
+    own = verdict["flags"][len(a["flags"]) + len(b["flags"]) :]  # after both results' own, in order
+    flags: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for file, found in [*((file_a, f) for f in a["flags"]), *((file_b, f) for f in b["flags"])]:
+        match = _PROCESS.match(found["message"])
+        message = found["message"][match.end() :] if match else found["message"]
+        entry = flags.setdefault(
+            (file, found["name"], message, found["demotes"]),
+            {
+                "name": found["name"],
+                "message": message,
+                "demotes": found["demotes"],
+                "file": file,
+                "processes": None,
+            },
+        )
+        if match:
+            entry["processes"] = [*(entry["processes"] or []), int(match.group(1))]
+    own_flags = [{**f, "file": None, "processes": None} for f in own]
+    return {**verdict, "flags": [*flags.values(), *own_flags]}

@@ -349,3 +349,54 @@ def test_score_compare_exits_4_and_says_why_when_the_clocks_differ(
     out = capsys.readouterr().out
     assert "-> inconclusive" in out and "demoted by clock_offset" in out
     assert "\n  clock_offset: k ran at 1890 MHz, k at 1980 MHz (nvml SM clock)\n" in out
+
+
+def _two_files_with_names_in_one_only(tmp_path: Path) -> tuple[Path, Path]:
+    """new.json: "k" flagged by processes 0 and 1 of a pooled result, and "only_new"; old.json: "k"
+    and "only_old"."""
+    new, old = _write(tmp_path, "new.json", 0.50, 1), _write(tmp_path, "old.json", 0.53, 2)
+    for path, extra in ((new, "only_new"), (old, "only_old")):
+        report = json.loads(path.read_text())
+        (k,) = report["results"]
+        if path == new:
+            k["flags"] = [
+                {"name": "host_clock", "message": f"process {p}: host", "demotes": True} for p in (0, 1)
+            ]
+        report["results"].append({**k, "name": extra})
+        path.write_text(json.dumps(report))
+    return new, old
+
+
+def test_score_compare_json_names_each_flags_file_once_and_the_unmatched_names(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before: no machine-readable form, a flag line per process per side naming neither file, and
+    names in one file only skipped without a word."""
+    new, old = _two_files_with_names_in_one_only(tmp_path)
+    assert cli.main(["score", "compare", "--json", str(new), str(old)]) == 4
+    out, err = capsys.readouterr()
+    document = json.loads(out)
+    (comparison,) = document["comparisons"]
+    assert document["format"] == "megatron_tuning.score-compare/1" and document["exit_status"] == 4
+    assert document["unmatched"] == {"a": ["only_new"], "b": ["only_old"]}
+    assert comparison["a"] == comparison["b"] == "k" and comparison["outcome"] == "inconclusive"
+    assert comparison["flags"] == [
+        {"name": "host_clock", "message": "host", "demotes": True, "file": str(new), "processes": [0, 1]}
+    ]
+    assert f"not compared, only in {new}: only_new" in err and f"only in {old}: only_old" in err
+    assert cli.main(["score", "compare", str(new), str(old)]) == 4
+    out, _ = capsys.readouterr()
+    assert out.count("  host_clock") == 1 and f"  host_clock ({new}, processes 0, 1): host\n" in out
+
+
+def test_score_compare_writes_its_json_to_out_and_refuses_a_series_option(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`score --out x compare a b` ignored --out without a word."""
+    new, old = _write(tmp_path, "new.json", 0.50, 1), _write(tmp_path, "old.json", 0.53, 2)
+    verdict = tmp_path / "verdict.json"
+    assert cli.main(["score", "--out", str(verdict), "compare", str(new), str(old)]) == 0
+    assert "-> faster" in capsys.readouterr().out
+    assert json.loads(verdict.read_text())["comparisons"][0]["outcome"] == "faster"
+    assert cli.main(["score", "--processes", "3", "compare", str(new), str(old)]) == 2
+    assert "--processes: an option of a series (score -- COMMAND), not of compare" in capsys.readouterr().err
