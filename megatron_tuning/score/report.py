@@ -4,14 +4,11 @@ clock and integrity flags that demote it, and the ``Score`` a caller gets. Field
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import platform
 import socket
 from collections.abc import Sequence
 from importlib import metadata
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -21,6 +18,7 @@ from ..core.decisions import Decision
 from . import clocks as clk
 from . import stats
 from .integrity import flag
+from .pinned import pinning, stale_flags
 
 FORMAT = "megatron_tuning.score/1"
 
@@ -166,7 +164,8 @@ def build(
 ) -> dict[str, Any]:
     """The JSON record of one process's measurement (``analysis`` of at least one round)."""
     assert analysis is not None
-    flags = flags + clock_flags(analysis)
+    pinned = pinning(decisions, new_decisions)
+    flags = flags + clock_flags(analysis) + stale_flags(pinned)
     latency = {"unit": "ms", **analysis["latency"]}
     median_s = latency["median"] * 1e-3
     ratio = analysis["ratio"]
@@ -204,7 +203,7 @@ def build(
         },
         "clocks": _clocks(analysis, samples, nvml),
         "environment": environment(device, nvml),
-        "pinning": pinning(decisions, new_decisions),
+        "pinning": pinned,
         "correctness": correctness,
         "flags": flags,
         "status": "incorrect"
@@ -310,38 +309,6 @@ def environment(device: dict[str, Any], nvml: Any) -> dict[str, Any]:
         "megatron_tuning": __version__,
         "host": socket.gethostname(),
         **versions,
-    }
-
-
-def pinning(decisions: Sequence[Decision], first_new: int) -> dict[str, Any]:
-    """The active policy, and every decision of this process (``in_measure``: first made during it),
-    with a digest of each table file a decision came from."""
-    from ..runtime.pinning import current_policy
-
-    policy = current_policy()
-    origins = dict.fromkeys(d.origin for d in decisions if d.origin and os.path.isfile(d.origin))
-    tables = [{"path": o, "sha256": hashlib.sha256(Path(o).read_bytes()).hexdigest()} for o in origins]
-    return {
-        "policy": None
-        if policy is None
-        else {
-            "mode": policy.mode,
-            "on_miss": policy.on_miss,
-            "tables": list(policy.tables),
-            "scope": list(policy.scope),
-        },
-        "configs": [
-            {
-                "kernel": d.kernel,
-                "key": d.key,
-                "signature": d.signature,
-                "source": d.source,
-                "origin": d.origin,
-                "in_measure": i >= first_new,
-            }
-            for i, d in enumerate(decisions)
-        ],
-        "tables": tables,
     }
 
 

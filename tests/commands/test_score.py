@@ -110,6 +110,36 @@ def test_a_kernel_without_an_entry_is_told_to_tune_then_score(tmp_path: Path) ->
 
 
 @pytest.mark.slow
+def test_a_stale_table_entry_is_flagged_and_demotes(tmp_path: Path) -> None:
+    """The review's candidate whose entry was tuned for another source: before, a warning on stderr
+    and a record whose pinning said source "table" as for a fresh entry, status ok, exit 0."""
+    import triton
+
+    from megatron_tuning.core.identity import config_data
+    from megatron_tuning.core.key import Key
+    from megatron_tuning.tables.entry import Entry
+    from megatron_tuning.tables.table import Table, save_table
+    from tests.commands.test_run import DOUBLE, EVAL
+
+    config = config_data(triton.Config({"BLOCK": 64}, num_warps=2))
+    dtypes = {"x_ptr": "torch.float32", "y_ptr": "torch.float32"}
+    stale = [
+        Entry(arch="unknown", kernel=DOUBLE, key=Key({"n": n}, dtypes), config=config, source_hash="cd" * 32)
+        for n in (100, 37)
+    ]
+    save_table(Table(stale), tmp_path / "t.msgpack")
+    job = tmp_path / "job.py"
+    job.write_text(EVAL + f"import runpy\nsys.argv = [{CHILD!r}, 'ok']\nrunpy.run_path({CHILD!r})\n")
+    done, report = _score(tmp_path, "--processes", "1", "--table", "t.msgpack", "--", str(job))
+    assert done.returncode == 4, done.stderr[-3000:]
+    (result,) = report["results"]
+    assert [f["name"] for f in result["flags"]] == ["stale_entry", "stale_entry"]
+    configs = report["per_process"][0][0]["pinning"]["configs"]
+    assert all(c["stale"].startswith("kernel source hash cdcdcdcdcdcd in the table") for c in configs)
+    assert result["verdict"]["demoted_from"] == "faster"
+
+
+@pytest.mark.slow
 def test_a_failed_correctness_check_exits_3(tmp_path: Path) -> None:
     done, report = _score(tmp_path, "--processes", "1", "--", CHILD, "incorrect")
     assert done.returncode == 3, done.stderr[-3000:]
