@@ -28,6 +28,7 @@ PLUMBING = "_MEGATRON_TUNING_"
 ENV_LAUNCHER = PLUMBING + "LAUNCHER"  # run, score, tune or audit
 ENV_JOB_DIR = PLUMBING + "JOB_DIR"  # the launcher's folder: its bootstrap, and what its processes write
 ENV_SCORE = PLUMBING + "SCORE"  # what `score` (or `run --score-do-bench`) asks of each process: JSON
+ENV_QUIET = PLUMBING + "QUIET"  # `score -q`: a job's process prints no line of its own per result
 LAUNCHERS = {"run": "launch", "score": "launch", "tune": "tune", "audit": "audit"}  # -> its commands module
 
 _HERE = os.path.abspath(__file__)
@@ -150,9 +151,11 @@ def bootstrap_process(sitecustomize_file: str) -> None:
 
 
 def _join_score(job: str, score: Any) -> None:
-    """A ``score`` job's process: take part in the job, and print each result's line to stderr."""
+    """A ``score`` job's process: take part in the job, and print each result's line to stderr (unless
+    ``score -q``)."""
     score.pooling.join_job(job, ENV_SCORE)
-    print_progress("megatron_tuning.score.measure.progress")
+    if not os.environ.get(ENV_QUIET):
+        print_progress("megatron_tuning.score.measure.progress")
 
 
 def print_progress(name: str) -> None:

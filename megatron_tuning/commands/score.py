@@ -23,7 +23,7 @@ from ..score import pooling
 from ..score.report import line
 from ..tables.files import output_file_problem, write_atomic
 from . import EXIT_SIGNAL, EXIT_USAGE
-from .bootstrap import ENV_SCORE
+from .bootstrap import ENV_QUIET, ENV_SCORE
 from .job import PASSED_SIGNALS, add_job_argument, command_problem, handle_signals, job_argv, job_command, say
 from .launch import run_armed, validated_policy
 
@@ -75,6 +75,12 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--do-bench", action="store_true", help="score the job's triton.testing.do_bench calls"
     )
+    parser.add_argument(
+        "-q",
+        "--quiet",
+        action="store_true",
+        help="no line per process (its start, its results' lines on stderr); the pooled ones still print",
+    )
 
 
 def run_score(args: argparse.Namespace) -> int:
@@ -100,6 +106,8 @@ def run_score(args: argparse.Namespace) -> int:
     tables = [os.path.abspath(table) for table in tables]
     if tables:
         updates[knobs.ENV_TABLE] = ":".join(tables)
+    if args.quiet:
+        updates[ENV_QUIET] = "1"
     try:
         validated_policy(updates)  # a table that does not load fails now, not in every process
     except MegatronTuningError as exc:
@@ -146,7 +154,7 @@ def _score_job(
         for index in range(processes):
             if stop:
                 break
-            if processes > 1:
+            if processes > 1 and ENV_QUIET not in updates:
                 print(f"score: process {index + 1} of {processes}: {shlex.join(argv)}", file=sys.stderr)
             environment = {**updates, ENV_SCORE: json.dumps({**job, "dir": str(work)})}
             # The job's watcher removes `work` too should `score` be killed (a harness's timeout).
@@ -277,7 +285,7 @@ def _flag_line(found: dict[str, Any]) -> str:
     return f"  {found['name']}{' (' + ', '.join(where) + ')' if where else ''}: {found['message']}"
 
 
-_SERIES_OPTIONS = ("table", "processes", "budget_s", "target_ci", "do_bench")
+_SERIES_OPTIONS = ("table", "processes", "budget_s", "target_ci", "do_bench", "quiet")
 _PROCESS = re.compile(r"process (\d+): ")
 
 

@@ -140,6 +140,15 @@ def test_a_stale_table_entry_is_flagged_and_demotes(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_quiet_prints_no_line_per_process(tmp_path: Path) -> None:
+    """A pipeline's log got a start line and a result line per process, with no way to turn them off."""
+    done, report = _score(tmp_path, "-q", "--processes", "2", "--", CHILD, "ok")
+    assert done.returncode == 0 and len(report["per_process"]) == 2, done.stderr[-3000:]
+    assert "score: process" not in done.stderr and "twice: 0." not in done.stderr
+    assert done.stdout.startswith("twice: 0.") and "x 2 processes" in done.stdout
+
+
+@pytest.mark.slow
 def test_a_failed_correctness_check_exits_3(tmp_path: Path) -> None:
     done, report = _score(tmp_path, "--processes", "1", "--", CHILD, "incorrect")
     assert done.returncode == 3, done.stderr[-3000:]

@@ -329,7 +329,7 @@ def test_the_bootstrap_repeats_the_registrys_names_and_keeps_its_plumbing_apart(
     from megatron_tuning.core.policy import ENV_MODE
 
     assert (bootstrap.PREFIX, bootstrap.ENV_MODE) == (PREFIX, ENV_MODE)
-    plumbing = {bootstrap.ENV_LAUNCHER, bootstrap.ENV_JOB_DIR, bootstrap.ENV_SCORE}
+    plumbing = {bootstrap.ENV_LAUNCHER, bootstrap.ENV_JOB_DIR, bootstrap.ENV_SCORE, bootstrap.ENV_QUIET}
     assert not any(name.startswith(PREFIX) for name in plumbing)  # no knobs: no unknown-variable notice
 
 
