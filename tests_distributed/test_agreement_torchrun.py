@@ -304,6 +304,14 @@ def test_ranks_whose_config_lists_differ_raise_naming_the_lists(job: tuple[int, 
     rows = _scenario(job, name)
     assert [_raised(row) for row in rows] == ["DivergenceError"] * len(rows), rows
     messages = {row.get("message") or row["verify_message"] for row in rows}
+    if name.endswith("_chaos"):
+        # Ranks sharing a list also differ by chaos, on purpose: which divergence is found first
+        # depends on the order of the claims, and every rank raises the first one. So with more than
+        # two ranks it may be the planted one: the control fired; a run without chaos names the lists.
+        planted = {m for m in messages if "Ranks offer different config lists" not in m}
+        assert all("Planted by chaos mode" in m for m in planted), planted
+        if planted:
+            return
     assert len(messages) == 1, messages
     message = messages.pop()
     assert "Ranks offer different config lists for kernel tests.support_kernels:write_block_kernel" in message
