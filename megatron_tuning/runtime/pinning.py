@@ -215,7 +215,7 @@ def state_for(autotuner: Any, installation: Installation) -> AutotunerState:
             _listings[new.config_list_digest] = "; ".join(signatures)
         new.source_hash = kernel_source_hash(autotuner)
         new.storing_problem = _storing_problem(autotuner)
-        if installation.policy.mode in STORING_MODES and new.storing_problem:
+        if new.storing_problem and _would_store(installation.policy.mode, autotuner):
             raise UnstorableConfigError(kernel, installation.policy.mode, new.storing_problem)
     with _active_lock:  # ordered with set_active, and a WeakSet is not iterated while it grows
         if installation is active:
@@ -226,6 +226,13 @@ def state_for(autotuner: Any, installation: Installation) -> AutotunerState:
             Decision(kernel, "*", "", "out_of_scope", arch=installation.arch, rank=current_rank())
         )
     return new
+
+
+def _would_store(mode: str, autotuner: Any) -> bool:
+    """Whether ``mode`` could store or share one of ``autotuner``'s configs: ``auto`` and ``tune``
+    only measure among several (the only config launches as it is, source ``single``); ``record``
+    logs Triton's pick even of one, and its recording keeps it."""
+    return mode in STORING_MODES and (mode == "record" or len(autotuner.configs) > 1)
 
 
 def _storing_problem(autotuner: Any) -> str | None:

@@ -1,8 +1,9 @@
 """A kernel whose config holds a value no table can store (a jit function as a constexpr): the modes
 that store or share decisions (``auto``, ``record``, ``tune``) refuse it at its first in-scope
 launch, before measuring, with one error naming the kernel, the field, the type and the fix; the
-modes that store nothing launch it as before, and a decision log writes the value as its text. Real
-launches in the interpreter; measurements are fakes that count their calls."""
+modes that store nothing launch it as before (``auto`` and ``tune`` too where it is the only config),
+and a decision log writes the value as its text. Real launches in the interpreter; measurements are
+fakes that count their calls."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ def _clean_state():
     sk.BENCH_CALLS.clear()
     decision_log().clear()
     reset_warnings()
-    for kernel in (sk.activate, sk.scale_add):
+    for kernel in (sk.activate, sk.activate_one, sk.scale_add):
         kernel.cache.clear()
     yield
     interception.uninstall()
@@ -155,3 +156,30 @@ def test_a_deterministic_decision_log_writes_such_a_value_as_its_text(tmp_path: 
     (decision,) = read_decisions(log)
     assert decision.source == "cheapest" and decision.signature == config_signature(sk.ACT_CONFIGS[1])
     assert decision.config["kwargs"]["ACT"] == render(sk.double)
+
+
+def _activate_one() -> torch.Tensor:
+    x = torch.arange(8, dtype=torch.float32)
+    out = torch.full((8,), float("nan"))
+    sk.activate_one[grid(8)](x, out, 8)
+    return out
+
+
+@pytest.mark.parametrize("mode", ["auto", "tune"])
+def test_the_only_config_launches_in_auto_and_tune_as_nothing_is_measured_or_stored(
+    mode: str, tmp_path: Path
+) -> None:
+    cache, measure = tmp_path / "auto.msgpack", CountingMeasure()
+    policy = TuningPolicy(mode=mode, cache=str(cache), use_shipped_tables=False)
+    with megatron_tuning.init_deterministic_tuning(policy, measure=measure):
+        torch.testing.assert_close(_activate_one(), -torch.arange(8, dtype=torch.float32))
+    assert measure.calls == 0 and sk.BENCH_CALLS == [] and not cache.exists()
+    (decision,) = [d for d in get_decisions() if d.kernel == kernel_id(sk.activate_one)]
+    assert decision.source == "single"
+
+
+def test_record_refuses_the_only_config_too_as_its_recording_would_keep_it(tmp_path: Path) -> None:
+    policy = TuningPolicy(mode="record", record_dir=str(tmp_path))
+    with megatron_tuning.init_deterministic_tuning(policy), pytest.raises(UnstorableConfigError) as info:
+        _activate_one()
+    assert info.value.kernel == kernel_id(sk.activate_one) and info.value.mode == "record"
