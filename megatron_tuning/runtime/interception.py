@@ -138,11 +138,12 @@ def _make_run(original: Any) -> Any:
             return original(self, *args, **kwargs)
         if installation.policy.mode == "record":
             return _record(original, self, state, installation.arch, args, kwargs)
+        armable = kwargs.keys() == _LAUNCH_KEYWORDS  # else keywords of the call's own, never generated
+        if not armable and not state.config_keywords.isdisjoint(kwargs):
+            _refuse_clashes(self, kwargs)  # before deciding: nothing measured, logged or cached
         launch = _pin(self, installation, args, kwargs)
-        if kwargs.keys() == _LAUNCH_KEYWORDS:
+        if armable:
             fastpath.arm(self, state, installation, args)
-        else:  # keywords of the call's own, which the generated run never takes
-            _refuse_clashes(self, launch[0], kwargs)
         return _launch(self, launch, args, kwargs)
 
     return run
@@ -176,14 +177,16 @@ def _launch(autotuner: Any, launch: Launch, args: Args, kwargs: Kwargs) -> Any:
     return autotuner.fn.run(*args, **kwargs, **options)
 
 
-def _refuse_clashes(autotuner: Any, config: Any, kwargs: Kwargs) -> None:
-    """Raise where the call passes a keyword the config sets, as stock Triton's launch does: a pinned
-    launch's options leave out what equals the backend's defaults, so the call's ``num_warps`` would
-    launch instead. (A compiled graph's copy passes all its config's: Python itself refuses there.)"""
-    sets = config.all_kwargs()
-    clashes = {name: render(kwargs[name]) for name in kwargs if name in sets}
-    if clashes:
-        raise LaunchOptionError(kernel_id(autotuner), clashes, config_signature(config))
+def _refuse_clashes(autotuner: Any, kwargs: Kwargs) -> None:
+    """Raise for the call's keywords that one of the configs sets, as stock Triton does (its tuner for
+    a meta-parameter, its launch for an option): a pinned launch's options leave out what equals the
+    backend's defaults, so the call's ``num_warps`` would launch instead. Named: the first config that
+    sets one. (A compiled graph's copy passes all its config's: Python itself refuses there.)"""
+    for config in autotuner.configs:
+        sets = config.all_kwargs()
+        clashes = {name: render(kwargs[name]) for name in kwargs if name in sets}
+        if clashes:
+            raise LaunchOptionError(kernel_id(autotuner), clashes, config_signature(config))
 
 
 def _record(

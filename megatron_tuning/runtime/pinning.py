@@ -111,6 +111,8 @@ class AutotunerState:
     source_hash: str | None = None
     config_list_digest: str | None = None
     storing_problem: str | None = None  # why no table could hold one of its configs (``_storing_problem``)
+    # The keywords any of its configs sets (``Config.all_kwargs()``): a call passing one is refused.
+    config_keywords: frozenset[str] = frozenset()
 
     def key(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Key:
         return call_key(self.arg_names, [name for name, _ in self.key_index], args, kwargs)
@@ -214,6 +216,7 @@ def state_for(autotuner: Any, installation: Installation) -> AutotunerState:
             signatures = sorted({config_signature(config) for config in autotuner.configs})
             _listings[new.config_list_digest] = "; ".join(signatures)
         new.source_hash = kernel_source_hash(autotuner)
+        new.config_keywords = frozenset(name for config in autotuner.configs for name in config.all_kwargs())
         new.storing_problem = _storing_problem(autotuner)
         if new.storing_problem and _would_store(installation.policy.mode, autotuner):
             raise UnstorableConfigError(kernel, installation.policy.mode, new.storing_problem)

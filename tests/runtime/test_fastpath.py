@@ -143,9 +143,11 @@ def _launch_all(actions: list[Any], *, fast_path: bool) -> tuple[list[Any], list
                     args, kwargs = action
                     key = tuning_key(sk.scale_add, args, kwargs)
                     expected = sk.ADD_CONFIGS[(sum(map(ord, key)) + salt) % len(sk.ADD_CONFIGS)]
-                    decided.add((pinning.active.generation, key))
                     dtypes = tuple(hasattr(a, "dtype") for a in args)
-                    clashes = sorted(kwargs.keys() & expected.all_kwargs().keys())
+                    # Any config's keyword is refused before the key is decided.
+                    clashes = sorted({k for c in sk.ADD_CONFIGS for k in c.all_kwargs()} & kwargs.keys())
+                    if not clashes:
+                        decided.add((pinning.active.generation, key))
                     for repeat in (False, True):
                         served = fastpath.serving(sk.scale_add) is pinning.active
                         refused = pytest.raises(LaunchOptionError) if clashes else contextlib.nullcontext()

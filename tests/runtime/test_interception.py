@@ -333,11 +333,35 @@ def test_a_call_passing_an_option_its_config_sets_raises_as_stock_triton_does(mo
         assert error.options == {k: str(v) for k, v in options.items()}
         message = str(error)
         assert f"Kernel {sk.__name__}:scale_add was called with {names}, which its config" in message
-        assert config_signature(config) in message and "triton.Config" in message
+        assert config_signature(sk.ADD_CONFIGS[0]) in message and "triton.Config" in message  # sets it first
         assert str(pickle.loads(pickle.dumps(error))) == message
     assert launched == [32, 32]  # nothing else reached the kernel
     sk.scale_add[grid(40)](x, x, x, 40, 0.5, maxnreg=128)  # an option the config leaves unset: as stock
     assert launched == [32, 32, 32] and len(get_decisions()) == 1
+
+
+@pytest.mark.parametrize("options", [{"num_warps": 8}, {"BLOCK_SIZE": 16}], ids=["launch", "meta"])
+@pytest.mark.parametrize("mode", ["auto", "tune"])
+def test_a_clashing_keyword_is_refused_before_anything_is_measured_logged_or_cached(
+    mode, options, tmp_path: Path
+):
+    measured: list[str] = []
+
+    def measure(autotuner, candidates, *rest):
+        measured.append(rest[-1])
+        return candidates[0], {}
+
+    cache = tmp_path / "auto.msgpack"
+    policy = TuningPolicy(mode=mode, cache=str(cache), use_shipped_tables=False)
+    interception.install(policy, measure=measure)
+    x = torch.zeros(40)
+    with pytest.raises(LaunchOptionError) as info:  # not the tuner's ValueError, for a meta-parameter
+        sk.scale_add[grid(40)](x, x, x, 40, 0.5, **options)
+    assert info.value.options == {k: str(v) for k, v in options.items()}
+    assert measured == [] and sk.BENCH_CALLS == [] and get_decisions() == []
+    assert sk.scale_add.cache == {}
+    interception.uninstall()
+    assert not cache.exists()
 
 
 def test_keyword_arguments_follow_tritons_key_order():
