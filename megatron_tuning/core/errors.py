@@ -95,19 +95,20 @@ class AmbiguousConfigError(MegatronTuningError, ValueError):
 
 
 class LaunchOptionError(MegatronTuningError, TypeError):
-    """A call of an autotuned kernel passes a keyword its launched config also sets (``num_warps=8``):
-    the TypeError stock Triton raises there (the call's keywords and the config's reach the kernel
-    together), with the fix. ``options``: each such keyword and the call's value, as text."""
+    """A call of an autotuned kernel passes a keyword one of its configs also sets (``num_warps=8``):
+    stock Triton refuses it too (its tuner with a ValueError for a meta-parameter, its launch with a
+    TypeError for a launch option), here with the fix. ``options``: each such keyword and the call's
+    value, as text; ``signature``: the first config that sets one."""
 
     def __init__(self, kernel: str, options: Mapping[str, str], signature: str) -> None:
         self.kernel, self.options, self.signature = kernel, dict(options), signature
         passed = ", ".join(f"{name}={value}" for name, value in self.options.items())
         super().__init__(
             f"Kernel {kernel} was called with {passed}, which its config ({signature}) also sets: an "
-            "autotuned kernel takes these from the triton.Config it launches, and stock Triton raises "
-            "TypeError (got multiple values for keyword argument) for this call too. Put the value in the "
-            "kernel's triton.Config(...) list instead (e.g. triton.Config({...}, num_warps=8)) and drop "
-            "it from the call."
+            "autotuned kernel takes these from the triton.Config it launches, and stock Triton refuses "
+            "this call too (ValueError for a meta-parameter, TypeError for a launch option). Put the "
+            "value in the kernel's triton.Config(...) list instead (e.g. triton.Config({...}, "
+            "num_warps=8)) and drop it from the call."
         )
 
 

@@ -334,6 +334,7 @@ def test_a_call_passing_an_option_its_config_sets_raises_as_stock_triton_does(mo
         message = str(error)
         assert f"Kernel {sk.__name__}:scale_add was called with {names}, which its config" in message
         assert config_signature(sk.ADD_CONFIGS[0]) in message and "triton.Config" in message  # sets it first
+        assert "refuses this call too (ValueError for a meta-parameter, TypeError for a" in message
         assert str(pickle.loads(pickle.dumps(error))) == message
     assert launched == [32, 32]  # nothing else reached the kernel
     sk.scale_add[grid(40)](x, x, x, 40, 0.5, maxnreg=128)  # an option the config leaves unset: as stock
