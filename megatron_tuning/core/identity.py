@@ -112,12 +112,50 @@ def config_list_digest(autotuner: Any) -> str:
     for config in autotuner.configs:
         data, hooks = config_data(config), tuple(getattr(config, name, None) for name in CONFIG_HOOKS)
         first, first_hooks = by_signature.setdefault(config_signature(data), (data, hooks))
-        if data != first or hooks != first_hooks:  # an equal duplicate launches the same: harmless
+        same_hooks = all(map(_same_hook, first_hooks, hooks))
+        if data != first or not same_hooks:  # an equal duplicate launches the same: harmless
             fields = [k for k in first["kwargs"] if first["kwargs"][k] != data["kwargs"].get(k)]
             fields += [k for k in first if k != "kwargs" and first[k] != data.get(k)]
-            fields += [name for name, a, b in zip(CONFIG_HOOKS, first_hooks, hooks) if a != b]
+            fields += [name for name, a, b in zip(CONFIG_HOOKS, first_hooks, hooks) if not _same_hook(a, b)]
             raise AmbiguousConfigError(base_kernel_id(autotuner), config_signature(data), fields)
     return _digest(autotuner, by_signature)
+
+
+def _same_hook(a: Any, b: Any) -> bool:
+    """Whether two hooks run alike: one object, or functions of one code with equal defaults and
+    closed-over values, as a factory makes anew per config (``pre_hook=init_to_zero("C")``)."""
+    if a is b:
+        return True
+    if not (inspect.isfunction(a) and inspect.isfunction(b)) or a.__code__ != b.__code__:
+        return False
+    cells = [(_cell_value(x), _cell_value(y)) for x, y in zip(a.__closure__ or (), b.__closure__ or ())]
+    pairs = [*cells, (a.__defaults__, b.__defaults__), (a.__kwdefaults__, b.__kwdefaults__)]
+    return all(_same_value(x, y) for x, y in pairs)
+
+
+_UNBOUND = object()
+
+
+def _cell_value(cell: Any) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:  # an unbound cell
+        return _UNBOUND
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    """Equal and of one type (``1``, ``1.0`` and ``True`` apart); a function as ``_same_hook``; a value
+    whose ``==`` is no plain answer (a tensor) only as itself."""
+    if a is b or (inspect.isfunction(a) and _same_hook(a, b)):
+        return True
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, tuple):
+        return len(a) == len(b) and all(map(_same_value, a, b))
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - a comparison that raises: not known to be the same
+        return False
 
 
 def _digest(autotuner: Any, signatures: Iterable[str]) -> str:

@@ -156,6 +156,32 @@ def test_configs_apart_only_in_their_pre_hook_are_refused_naming_the_hook(hooks)
         assert config_list_digest(triton.autotune(configs=same, key=["n"])(sk.twin_body))
 
 
+def _init_to(name: str, value: float = 0.0) -> Any:
+    """A hook factory, as mamba_ssm's and Triton's tutorials' ``init_to_zero("C")``: a new closure
+    per call."""
+
+    def hook(nargs: dict[str, Any]) -> None:
+        nargs[name].fill_(value)
+
+    return hook
+
+
+def test_factory_made_hooks_alike_are_one_hook_and_unlike_ones_are_refused():
+    with lazy_benchmarker():
+
+        def autotuner_with(*hooks: Any) -> Any:
+            configs = [triton.Config({"BLOCK_SIZE": 16}, num_warps=4, pre_hook=hook) for hook in hooks]
+            return triton.autotune(configs=configs, key=["n"])(sk.twin_body)
+
+        alike = autotuner_with(_init_to("out_ptr"), _init_to("out_ptr"))
+        assert config_list_digest(alike) == config_list_digest(autotuner_with(_init_to("out_ptr")))
+        # Closed over apart, or other code: a hook of its own.
+        for other in (_init_to("x_ptr"), _init_to("out_ptr", 1.0), _zero_out):
+            with pytest.raises(AmbiguousConfigError) as info:
+                config_list_digest(autotuner_with(_init_to("out_ptr"), other))
+            assert info.value.fields == ["pre_hook"]
+
+
 def test_equal_duplicate_configs_are_not_ambiguous():
     assert config_list_digest(_activate_over(sk.negate, sk.negate)) == config_list_digest(
         _activate_over(sk.negate)
