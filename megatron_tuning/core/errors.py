@@ -114,7 +114,8 @@ class LaunchOptionError(MegatronTuningError, TypeError):
 
 class UnstorableConfigError(MegatronTuningError, ValueError):
     """A mode that stores or shares the configs it decides (``auto``, ``record``, ``tune``) met a
-    kernel with a config value no table or job store can hold; ``problem`` names the field and type."""
+    kernel with a config value no table or job store can hold; ``problem`` names the field and what is
+    wrong; ``wrong_type``: its type (a jit function), not its value (out of range), is."""
 
     _STORES: ClassVar[dict[str, str]] = {
         "auto": "persists each decision in its cache table and shares it with the job's ranks through "
@@ -123,16 +124,28 @@ class UnstorableConfigError(MegatronTuningError, ValueError):
         "tune": "writes each tuned winner to a table",
     }
 
-    def __init__(self, kernel: str, mode: str, problem: str) -> None:
-        self.kernel, self.mode, self.problem = kernel, mode, problem
+    def __init__(self, kernel: str, mode: str, problem: str, wrong_type: bool = True) -> None:
+        self.kernel, self.mode, self.problem, self.wrong_type = kernel, mode, problem, wrong_type
         stores = self._STORES.get(mode, "stores the configs it decides")
         super().__init__(
             f"Kernel {kernel} cannot run in mode {mode!r}, which {stores}: {problem}, so nothing "
-            "measured for this kernel could be kept. Pass such a value to the kernel as a launch "
-            "argument rather than as a config constexpr, or use mode 'deterministic', where a key "
+            f"measured for this kernel could be kept. {_sentence(storable_fix(wrong_type))}, or use "
+            "mode 'deterministic', where a key "
             "without a table entry launches the miss rule's config, chosen without measuring, and "
             "nothing is stored."
         )
+
+
+def _sentence(text: str) -> str:
+    return text[:1].upper() + text[1:]
+
+
+def storable_fix(wrong_type: bool) -> str:
+    """How to make a config value storable: a value of another type moves out of the config, one out
+    of range (an integer past 64 bits, NaN, a lone surrogate, num_warps=4096) changes in place."""
+    if wrong_type:
+        return "pass such a value to the kernel as a launch argument rather than as a config constexpr"
+    return "change it in the kernel's triton.Config(...) list to a value a table can hold"
 
 
 class BenchmarkForbiddenError(MegatronTuningError, RuntimeError):

@@ -17,7 +17,7 @@ import warnings
 from collections.abc import Hashable, Sequence
 from typing import Any
 
-from .errors import NumericsError
+from .errors import NumericsError, storable_fix
 
 PREFIX = "megatron_tuning: "
 
@@ -132,14 +132,14 @@ FIX_AN_AUTO_MISS = (
 )
 
 
-def fix_an_unstorable_miss(problem: str) -> str:
-    """The advice for a kernel whose configs no table can hold (``problem``: which field and why):
-    auto, record and tune refuse it, so ``FIX_A_MISS`` would send its user into an error."""
+def fix_an_unstorable_miss(problem: str, *, wrong_type: bool = True) -> str:
+    """The advice for a kernel whose configs no table can hold (``problem``: which field and why;
+    ``wrong_type``: a value's type, not its range): auto, record and tune refuse it, so
+    ``FIX_A_MISS`` would send its user into an error."""
     return (
         "first make its configs storable, since auto, record and tune refuse this kernel as it is: "
-        f"{problem}; pass such a value to the kernel as a launch argument rather than as a config "
-        "constexpr, then use MEGATRON_TUNING_MODE=auto or build a table with `python -m megatron_tuning "
-        "tune -- <your command>`"
+        f"{problem}; {storable_fix(wrong_type)}, then use MEGATRON_TUNING_MODE=auto or build a table "
+        "with `python -m megatron_tuning tune -- <your command>`"
     )
 
 

@@ -31,7 +31,7 @@ from ..core.identity import (
 )
 from ..core.key import Key, call_key, render
 from ..core.policy import TuningPolicy
-from ..tables.entry import Invalid, check_config
+from ..tables.entry import Invalid, InvalidType, check_config
 
 logger = logging.getLogger("megatron_tuning.runtime.interception")
 progress = logging.getLogger("megatron_tuning.tuning.tuner.progress")
@@ -111,6 +111,7 @@ class AutotunerState:
     source_hash: str | None = None
     config_list_digest: str | None = None
     storing_problem: str | None = None  # why no table could hold one of its configs (``_storing_problem``)
+    storing_wrong_type: bool = False  # that problem is a value's type, not its range
     # The keywords any of its configs sets (``Config.all_kwargs()``): a call passing one is refused.
     config_keywords: frozenset[str] = frozenset()
 
@@ -217,9 +218,10 @@ def state_for(autotuner: Any, installation: Installation) -> AutotunerState:
             _listings[new.config_list_digest] = "; ".join(signatures)
         new.source_hash = kernel_source_hash(autotuner)
         new.config_keywords = frozenset(name for config in autotuner.configs for name in config.all_kwargs())
-        new.storing_problem = _storing_problem(autotuner)
+        new.storing_problem, new.storing_wrong_type = _storing_problem(autotuner)
         if new.storing_problem and _would_store(installation.policy.mode, autotuner):
-            raise UnstorableConfigError(kernel, installation.policy.mode, new.storing_problem)
+            mode = installation.policy.mode
+            raise UnstorableConfigError(kernel, mode, new.storing_problem, new.storing_wrong_type)
     with _active_lock:  # ordered with set_active, and a WeakSet is not iterated while it grows
         if installation is active:
             autotuner.__dict__[STATE_ATTR] = new
@@ -238,15 +240,16 @@ def _would_store(mode: str, autotuner: Any) -> bool:
     return mode in STORING_MODES and (mode == "record" or len(autotuner.configs) > 1)
 
 
-def _storing_problem(autotuner: Any) -> str | None:
-    """Why a table could not hold one of ``autotuner``'s configs (``None``: it could hold them all).
-    A storing mode refuses such a kernel before anything is measured."""
+def _storing_problem(autotuner: Any) -> tuple[str | None, bool]:
+    """Why a table could not hold one of ``autotuner``'s configs (``None``: it could hold them all),
+    and whether a value's type is why. A storing mode refuses such a kernel before anything is
+    measured."""
     for config in autotuner.configs:
         try:
             check_config(config_data(config))
         except Invalid as exc:
-            return str(exc)
-    return None
+            return str(exc), isinstance(exc, InvalidType)
+    return None, False
 
 
 def decide(
@@ -329,7 +332,9 @@ def decide(
             # auto never gets here with others.
             fix = notices.FIX_AN_AUTO_MISS if auto else notices.FIX_A_MISS
             if state.storing_problem:
-                fix = notices.fix_an_unstorable_miss(state.storing_problem)
+                fix = notices.fix_an_unstorable_miss(
+                    state.storing_problem, wrong_type=state.storing_wrong_type
+                )
             choice = choose(
                 autotuner,
                 live,

@@ -31,6 +31,10 @@ class Invalid(ValueError):
     """A validation problem: a ``TableError`` naming the file when loading, else a ``ValueError``."""
 
 
+class InvalidType(Invalid):
+    """A config value of a type no table holds (a jit function): no other value of it would do."""
+
+
 class Timing(NamedTuple):
     median_ms: float | None = None
     spread_ms: float | None = None  # inter-quantile spread (p80 - p20) of the winner's samples
@@ -252,13 +256,13 @@ def _canonical(value: Any, depth: int, field: str) -> Any:
     elif kind is dict:
         for k in value:
             if type(k) is not str:
-                raise Invalid(f"config map keys must be strings, got {k!r}")
+                raise InvalidType(f"config map keys must be strings, got {k!r}")
             check_text("config key", k)
         return {k: _canonical(value[k], depth + 1, k) for k in sorted(value)}
     elif kind is list or kind is tuple:  # tuples become lists: that is what a reload gives
         return [_canonical(item, depth + 1, field) for item in value]
     else:
-        raise Invalid(
+        raise InvalidType(
             f"config field {field} holds a value of type {kind.__name__}, which cannot be stored (tables "
             "and the job's store hold int, float, bool, str and None, and lists and maps of them)"
         )

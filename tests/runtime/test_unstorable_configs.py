@@ -14,8 +14,10 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+import triton
 
 import megatron_tuning
+from megatron_tuning.core import notices
 from megatron_tuning.core.decisions import decision_log, get_decisions
 from megatron_tuning.core.errors import UnstorableConfigError
 from megatron_tuning.core.identity import config_signature, kernel_id
@@ -183,3 +185,29 @@ def test_record_refuses_the_only_config_too_as_its_recording_would_keep_it(tmp_p
     with megatron_tuning.init_deterministic_tuning(policy), pytest.raises(UnstorableConfigError) as info:
         _activate_one()
     assert info.value.kernel == kernel_id(sk.activate_one) and info.value.mode == "record"
+
+
+@pytest.mark.parametrize(
+    ("config", "problem"),
+    [
+        (triton.Config({"BLOCK_SIZE": 2**70}, num_warps=1), "integer 1180591620717411303424 in config field"),
+        (triton.Config({"BLOCK_SIZE": 16, "SCALE": float("nan")}, num_warps=1), "non-finite number nan"),
+        (triton.Config({"BLOCK_SIZE": 16, "TAG": "\ud800"}, num_warps=1), "is not valid Unicode"),
+        (triton.Config({"BLOCK_SIZE": 16}, num_warps=4096), "config.num_warps=4096 is outside"),
+    ],
+    ids=["int", "float", "text", "num-warps"],
+)
+def test_a_value_out_of_range_is_advised_to_change_not_to_move_to_a_launch_argument(config, problem):
+    with interception.lazy_benchmarker():
+        autotuner = triton.autotune(configs=[sk.ADD_CONFIGS[0], config], key=["n"])(sk.twin_body)
+    measure = CountingMeasure()
+    interception.install(TuningPolicy(mode="tune"), measure=measure)
+    x = torch.zeros(8)
+    with pytest.raises(UnstorableConfigError) as info:
+        autotuner[grid(8)](x, x, 8)
+    message = str(info.value)
+    assert problem in message and "launch argument" not in message
+    assert "Change it in the kernel's triton.Config(...) list to a value a table can hold" in message
+    assert str(pickle.loads(pickle.dumps(info.value))) == message and measure.calls == 0
+    fix = notices.fix_an_unstorable_miss(info.value.problem, wrong_type=False)
+    assert "launch argument" not in fix and "triton.Config(...) list" in fix
