@@ -111,13 +111,15 @@ def choose(
     numerics: str = "any",
     unpinned: Callable[[str], Choice | None] | None = None,
     fix: str = notices.FIX_A_MISS,
+    list_digest: str | None = None,
 ) -> Choice:
     """The deterministic rule, for ``deterministic_choice``, every pinning mode and ``auto``: the
     table entry, matched back to a live candidate (so its ``pre_hook`` survives); the block-size
     override; the only config. A key none of them pins goes to ``unpinned(why)`` where given
     (``auto``: adopt the job's decision or tune; under ``numerics='deterministic-only'`` an entry the
     audit found non-deterministic counts as unpinned there), then to the miss rule. ``fix``: how to
-    pin the key instead, quoted in the notice.
+    pin the key instead, quoted in the notice. ``list_digest``: the autotuner's checked
+    ``config_list_digest``, where the caller has it (else computed, and checked, here).
     """
     if on_miss not in ON_MISS:
         raise PolicyError("on_miss", on_miss, "one of " + "|".join(ON_MISS))
@@ -125,7 +127,7 @@ def choose(
     if not candidates:
         raise ValueError(f"no live configs for kernel {kernel}")
     code: dict[str, Any] = {"source_hash": kernel_source_hash(autotuner)}
-    code["config_list_digest"] = config_list_digest(autotuner)
+    code["config_list_digest"] = list_digest or config_list_digest(autotuner)
     reason = "no table configured" if lookup is None else "no table entry"
     for hit in lookup.lookup(kernel, key, arch=arch_tag(), **code) if lookup is not None else ():
         live = match_live(hit.config, candidates)

@@ -106,8 +106,14 @@ _ids_lock = threading.Lock()
 def config_list_digest(autotuner: Any) -> str:
     """12 hex digits naming the autotuner's declared configs (not their order, duplicates or hooks)
     and, for a function made in another function, the values it closes over. Every in-scope
-    kernel's list passes here before the library picks from it by signature, so here two configs
-    that sign alike but launch differently, or run different hooks, raise ``AmbiguousConfigError``."""
+    kernel's list passes here before the library picks from it by signature."""
+    check_unambiguous(autotuner)
+    return _unchecked_digest(autotuner)
+
+
+def check_unambiguous(autotuner: Any) -> None:
+    """Raise ``AmbiguousConfigError`` for two configs that sign alike but launch differently, or run
+    different hooks."""
     by_signature: dict[str, tuple[dict[str, Any], tuple[Any, ...]]] = {}
     for config in autotuner.configs:
         data, hooks = config_data(config), tuple(getattr(config, name, None) for name in CONFIG_HOOKS)
@@ -118,7 +124,6 @@ def config_list_digest(autotuner: Any) -> str:
             fields += [k for k in first if k != "kwargs" and first[k] != data.get(k)]
             fields += [name for name, a, b in zip(CONFIG_HOOKS, first_hooks, hooks) if not _same_hook(a, b)]
             raise AmbiguousConfigError(base_kernel_id(autotuner), config_signature(data), fields)
-    return _digest(autotuner, by_signature)
 
 
 def _same_hook(a: Any, b: Any) -> bool:

@@ -345,6 +345,7 @@ def decide(
                 numerics=policy.numerics,
                 unpinned=adopt_or_tune if auto else None,
                 fix=fix,
+                list_digest=state.config_list_digest,
             )
             # A hit in this node's own cache (auto's, in a TableSet) is proposed to the job: per-node
             # caches never split ranks.

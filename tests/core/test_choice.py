@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
 
 from megatron_tuning.core.choice import (
     Choice,
@@ -14,11 +15,12 @@ from megatron_tuning.core.choice import (
     match_live,
     warn_if_mamba_env_ignored,
 )
-from megatron_tuning.core.errors import TableMissError
+from megatron_tuning.core.errors import AmbiguousConfigError, TableMissError
 from megatron_tuning.core.identity import config_data, config_signature, kernel_id
-from megatron_tuning.core.key import tuning_key
+from megatron_tuning.core.key import Key, tuning_key
 from megatron_tuning.core.notices import report_policy_end, reset_warnings
 from megatron_tuning.core.policy import TuningPolicy
+from megatron_tuning.runtime.interception import lazy_benchmarker
 
 from .. import support_kernels as sk
 
@@ -221,3 +223,14 @@ def test_an_entry_matches_the_live_config_it_names_when_configs_differ_only_in_a
     negate, double = sk.ACT_CONFIGS
     assert match_live(config_data(double), [negate, double]) is double
     assert match_live(config_data(negate), [double, negate]) is negate
+
+
+def test_choose_takes_the_checked_digest_its_caller_has_and_checks_none_again():
+    with lazy_benchmarker():  # two configs that sign alike: refused where the digest is computed
+        acts = (lambda x: -x, lambda x: x)
+        configs = [triton.Config({"BLOCK_SIZE": 16, "ACT": act}, num_warps=1) for act in acts]
+        autotuner = triton.autotune(configs=configs, key=["n"])(sk.activate.fn)
+    key = Key({"n": 8})
+    with pytest.raises(AmbiguousConfigError):
+        choose(autotuner, configs, key)
+    assert choose(autotuner, configs, key, list_digest="0" * 12).source == "cheapest"
