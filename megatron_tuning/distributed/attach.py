@@ -21,7 +21,7 @@ from ..core.notices import warn_once
 from ..core.policy import TuningPolicy
 from ..runtime import pinning
 from . import agreement
-from .inputs import describe_inputs
+from .inputs import compares_keys, describe_inputs
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ class LateAttach:
 
 def _expects_checks(policy: TuningPolicy) -> bool:
     """Whether the policy asked for something beyond the inputs check: per-key checks or ``auto``."""
-    return policy.mode == "auto" or (policy.mode in agreement.CHECKED_MODES and policy.agreement != "off")
+    return policy.mode == "auto" or compares_keys(policy)
 
 
 def _what_attaches(policy: TuningPolicy) -> str:

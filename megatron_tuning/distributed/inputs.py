@@ -21,6 +21,11 @@ from ..tables.search import TableSet, expand_table_paths, installed_triton_versi
 CHECKED_MODES = ("deterministic", "chaos", "auto")  # the policy modes whose ranks must agree per key
 
 
+def compares_keys(policy: TuningPolicy) -> bool:
+    """Whether ranks of ``policy`` compare their decisions key by key (agreement not ``off``)."""
+    return policy.mode in CHECKED_MODES and policy.agreement != "off"
+
+
 def describe_inputs(policy: TuningPolicy, table: Any = None, *, arch: str | None = None) -> dict[str, str]:
     """What this rank's choices depend on, as short comparable text per input. ``table``: what the
     session searches (a ``TableSet``, a mapping); ``None``: the policy's tables. Table files are
@@ -28,7 +33,7 @@ def describe_inputs(policy: TuningPolicy, table: Any = None, *, arch: str | None
     (default: this node's GPUs', read only with a process group) only where the policy compares
     keys: a key's check pairs ranks of one arch, so ranks of two would launch their own entries unseen."""
     inputs = {f"policy.{name}": value for name, value in policy.summary_fields().items()}
-    if policy.mode in CHECKED_MODES and policy.agreement != "off" and (arch or group_exists()):
+    if compares_keys(policy) and (arch or group_exists()):
         # Read only where ranks compare (one process reads no GPU at init), and maybe before this
         # rank picked its device: the current device's only where this node's GPUs differ.
         inputs["arch"] = arch or node_arch() or arch_tag()
