@@ -202,7 +202,8 @@ def run_diff(args: argparse.Namespace) -> int:
 def add_merge(p: argparse.ArgumentParser) -> None:
     p.description = (
         "Merge recordings (one per rank), tables, or decision logs of measuring runs (tune's per-process "
-        "tuned-*.json or its --results, a record-mode decision log: one vote per process, stamped with the "
+        "tuned-*.json or its --results, a record-mode decision log: one vote per process, its first decision "
+        "per key, as tune counts them, stamped with the "
         "Triton the log says measured it, as tune stamps them; a log from before logs said so, with the "
         "installed one): one vote per input for each (arch, kernel, key); ties go "
         "to the lowest median time, then the lowest static cost, then the signature. Prints every entry "

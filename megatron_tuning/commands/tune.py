@@ -157,7 +157,8 @@ def _run_job(
     leftovers = [work] if temporary else []  # removed by the job's watcher should `tune` be killed
     returncode, _ = run_armed(argv, updates, "tune", launcher="tune", folder=work, leftovers=leftovers)
     logs = [read_decision_file(f) for f in sorted(work.glob(f"{PROCESS_PREFIX}*.json"))]
-    decisions = [d for log in logs for d in log.decisions if d.source == "tuned"]
+    per_process = [[d for d in log.decisions if d.source == "tuned"] for log in logs]
+    decisions = [d for tuned in per_process for d in tuned]
     if not decisions and returncode:  # the job's own error (above) says why: no guess added to it
         print(f"tune: the job exited with status {returncode} before it tuned anything", file=sys.stderr)
         return returncode, []
@@ -180,7 +181,12 @@ def _run_job(
         )
     for path in (args.results, args.out):  # folders checked creatable before the job
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-    write_decisions(args.results, decisions, triton_version=pooled[0] if len(pooled) == 1 else None)
+    write_decisions(
+        args.results,
+        decisions,
+        triton_version=pooled[0] if len(pooled) == 1 else None,
+        processes=[len(tuned) for tuned in per_process],  # `merge` gives each process its vote, as here
+    )
     add_entries(args.out, merged.table.entries())
     print(summary(decisions))
     count = len(merged.table)

@@ -6,7 +6,7 @@ import json
 import logging
 import math
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from types import EllipsisType
 from typing import Any, NamedTuple
@@ -35,16 +35,24 @@ def write_decisions(
     decisions: Iterable[Decision] | None = None,
     *,
     triton_version: str | None | EllipsisType = ...,
+    processes: Sequence[int] | None = None,
 ) -> None:
     """Write decisions (default: this process's log) as JSON: what ``coverage`` reads. A config value
     JSON has no form for (a jit function as a constexpr: only modes that store nothing launch one) is
     written as its text, as in the signature; no table entry is made from such a decision.
     ``triton_version``: the Triton that made them, which the entries made of them are stamped with
-    (default: the installed one; ``None``: not one known)."""
+    (default: the installed one; ``None``: not one known). ``processes``: a log pooled from several
+    processes (``tune --results``) gives how many decisions each contributed, in order: ``merge``
+    gives each process its vote, as ``tune`` did."""
     rows = [d.to_json() for d in (get_decisions() if decisions is None else decisions)]
     version = installed_triton_version() if triton_version is ... else triton_version
+    if processes is not None and (any(n < 0 for n in processes) or sum(processes) != len(rows)):
+        raise ValueError(f"processes {list(processes)} must count the {len(rows)} decisions, in order")
     # not sort_keys: keys keep order
-    doc = {"format": DECISIONS_FORMAT, "version": 2, "triton_version": version, "decisions": rows}
+    doc: dict[str, Any] = {"format": DECISIONS_FORMAT, "version": 2, "triton_version": version}
+    if processes is not None:
+        doc["processes"] = list(processes)
+    doc["decisions"] = rows
     write_atomic(path, json.dumps(doc, indent=1, default=render).encode("utf-8"), error=_log_error)
 
 
@@ -55,6 +63,7 @@ class DecisionFile(NamedTuple):
     decisions: list[Decision]
     triton_version: str | None  # the Triton that made the decisions, as the log says (None: not known)
     versioned: bool  # False: written before logs said which Triton made them
+    processes: tuple[int, ...] | None = None  # a pooled log's decisions per process, in order; None: one's
 
 
 def read_decisions(path: str | os.PathLike[str]) -> list[Decision]:
@@ -83,6 +92,15 @@ def read_decision_file(path: str | os.PathLike[str]) -> DecisionFile:
         check_text("triton_version", triton or "")
     except Invalid as exc:
         raise _log_error(name, str(exc)) from None
+    processes = data.get("processes")
+    if processes is not None and (
+        type(processes) is not list
+        or any(type(n) is not int or n < 0 for n in processes)
+        or sum(processes) != len(rows)
+    ):
+        raise _log_error(
+            name, f"'processes' must count its {len(rows)} decisions per process, got {processes!r}"
+        )
     decisions = []
     for index, row in enumerate(rows):
         problem = _row_problem(row)
@@ -95,7 +113,8 @@ def read_decision_file(path: str | os.PathLike[str]) -> DecisionFile:
         if problem:
             raise _log_error(name, f"decision {index}: {problem}")
         decisions.append(Decision(**row))
-    return DecisionFile(name, decisions, triton, "triton_version" in data)
+    pooled = None if processes is None else tuple(processes)
+    return DecisionFile(name, decisions, triton, "triton_version" in data, pooled)
 
 
 def log_triton_version(log: DecisionFile) -> str | None:
@@ -232,10 +251,14 @@ def _quantiles(timing: Any) -> list[float]:
 
 
 def recording_table(
-    decisions: Iterable[Decision], *, rank: int | None = None, triton_version: str | None = None
+    decisions: Iterable[Decision],
+    *,
+    rank: int | None = None,
+    triton_version: str | None | EllipsisType = ...,
 ) -> Table:
-    """The measured winners in ``decisions``, first per ident, stamped with ``triton_version``."""
-    version = triton_version or installed_triton_version()
+    """The measured winners in ``decisions``, first per ident, stamped with ``triton_version``
+    (default: the installed one; ``None``: not one known)."""
+    version = installed_triton_version() if triton_version is ... else triton_version
     table = Table(meta={"kind": "recording"} if rank is None else {"kind": "recording", "rank": str(rank)})
     for decision in decisions:
         entry = entry_from_decision(decision, triton_version=version)
@@ -254,25 +277,23 @@ def is_decision_log(path: str | os.PathLike[str]) -> bool:
 
 
 def decision_votes(path: str | os.PathLike[str]) -> list[tuple[str, Table]]:
-    """A decision log as ``vote_tables`` inputs: its measured winners, one vote per process, as ``tune``
-    pools its per-process logs. A pooled log (``tune --results``) holds one decision per process for a
-    (kernel, key): the n-th votes in the n-th table. Stamped with the Triton the log says measured it
-    (``log_triton_version``), as ``tune`` stamps them."""
+    """A decision log as ``vote_tables`` inputs, as ``tune`` pools its per-process logs: one vote per
+    process, its first measured winner per ident (``recording_table``). A log pooled from several
+    processes (``tune --results``, which says how many decisions each gave) votes once per process;
+    any other, once. Stamped with the Triton the log says measured it (``log_triton_version``)."""
     log = read_decision_file(path)
     name, version = log.path, log_triton_version(log)
-    tables: list[Table] = []
-    for decision in log.decisions:
-        entry = entry_from_decision(decision, triton_version=version)
-        if entry is None:
-            continue
-        table = next((t for t in tables if entry.ident not in t), None)
-        if table is None:
-            tables.append(table := Table(meta={"kind": "recording"}))
-        table.add(entry)
+    chunks, start = [], 0
+    for count in log.processes or (len(log.decisions),):
+        chunks.append(log.decisions[start : start + count])
+        start += count
+    tables = [t for t in (recording_table(c, triton_version=version) for c in chunks) if len(t)]
     if not tables:
         fix = "a pinned run's log has nothing to merge (`coverage` reads those)"
         raise _log_error(name, f"holds no tuned or recorded decision; {fix}")
-    return [(name if len(tables) == 1 else f"{name}#{n}", t) for n, t in enumerate(tables, 1)]
+    if len(tables) == 1:
+        return [(name, tables[0])]
+    return [(f"{name}#{n}", t) for n, t in enumerate(tables, 1)]
 
 
 def recording_path(directory: str | os.PathLike[str], rank: int) -> Path:

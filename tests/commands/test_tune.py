@@ -249,8 +249,10 @@ def test_merge_votes_a_jobs_kept_per_process_results_as_tune_did(
     def two_processes(
         argv: list[str], updates: Any, prog: str, *, launcher: str, folder: Path, **_: Any
     ) -> Any:
-        for decision in tiny_records(tie_band=0.0):  # two processes, two near-tied winners
-            write_decisions(folder / f"tuned-host-{decision.rank}.json", [decision])
+        first, second = tiny_records(tie_band=0.0)  # two processes, two near-tied winners
+        # the first ran two sessions: its log holds two decisions for the key, and it votes once
+        write_decisions(folder / "tuned-host-0.json", [first, second])
+        write_decisions(folder / "tuned-host-1.json", [second])
         return 0, 0
 
     monkeypatch.setattr(tune_command, "command_problem", lambda argv, env: None)
@@ -396,9 +398,9 @@ def test_a_job_killed_by_sigkill_exits_137_and_says_so(tmp_path: Path, capsys: C
     assert "the job was killed by SIGKILL (exit status 137)" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("versions", [("2.0.0", "2.0.0"), ("2.0.0", "2.1.0")])
+@pytest.mark.parametrize("versions", [("2.0.0", "2.0.0"), ("2.0.0", "2.1.0"), (None, None)])
 def test_tune_stamps_each_entry_with_the_triton_its_process_ran(
-    monkeypatch: MonkeyPatch, tmp_path: Path, capsys: CaptureFixture[str], versions: tuple[str, str]
+    monkeypatch: MonkeyPatch, tmp_path: Path, capsys: CaptureFixture[str], versions: tuple[str | None, ...]
 ) -> None:
     # The job's processes may run another Triton than the one installed where tune runs: the entries
     # claimed the installed one.
@@ -423,4 +425,4 @@ def test_tune_stamps_each_entry_with_the_triton_its_process_ran(
     different = "tune: the job's processes ran different Tritons (2.0.0, 2.1.0): each entry is stamped"
     assert (different in capsys.readouterr().err) == (len(set(versions)) > 1)
     pooled = json.loads(results.read_text())["triton_version"]
-    assert pooled == (versions[0] if len(set(versions)) == 1 else None)
+    assert pooled == (versions[0] if len(set(versions)) == 1 else None)  # null: none known, none stamped

@@ -141,9 +141,9 @@ def test_a_decision_log_records_the_triton_that_made_its_decisions(tmp_path):
     assert (log.path, log.triton_version, log.versioned) == (str(path), installed_triton_version(), True)
     assert list(json.loads(path.read_text()))[:3] == ["format", "version", "triton_version"]
     write_decisions(path, [decision(64)], triton_version="2.0.0")  # pooled from processes that ran it
-    assert read_decision_file(path)[2:] == ("2.0.0", True)
+    assert read_decision_file(path)[2:4] == ("2.0.0", True)
     write_decisions(path, [decision(64)], triton_version=None)  # not one Triton: none recorded
-    assert read_decision_file(path)[2:] == (None, True)
+    assert read_decision_file(path)[2:4] == (None, True)
     old = read_decision_file(Path(__file__).parent / "fixtures" / "schema1" / "decisions.json")
     assert (old.triton_version, old.versioned) == (None, False)  # written before logs said
     doc = json.loads(path.read_text())
@@ -151,6 +151,28 @@ def test_a_decision_log_records_the_triton_that_made_its_decisions(tmp_path):
         path.write_text(json.dumps({**doc, "triton_version": bad}))
         with pytest.raises(TableError, match=rf"d\.json.*triton_version.*{problem}"):
             read_decisions(path)
+
+
+def test_a_pooled_decision_log_says_how_many_decisions_each_process_gave(tmp_path):
+    path = tmp_path / "d.json"
+    write_decisions(path, [decision(64), decision(64, rank=1), decision(32)], processes=[2, 0, 1])
+    assert read_decision_file(path).processes == (2, 0, 1)
+    write_decisions(path, [decision(64)])  # one process's: no count
+    assert "processes" not in json.loads(path.read_text()) and read_decision_file(path).processes is None
+    with pytest.raises(ValueError, match=r"processes \[2\] must count the 1 decisions"):
+        write_decisions(path, [decision(64)], processes=[2])
+    doc = json.loads(path.read_text())
+    for bad in ([2], [-1, 2], "1", [True]):
+        path.write_text(json.dumps({**doc, "processes": bad}))
+        with pytest.raises(TableError, match=r"d\.json.*'processes' must count its 1 decisions per process"):
+            read_decisions(path)
+
+
+def test_recording_table_keeps_an_explicit_triton_version_of_none(tmp_path):
+    # A log whose header says "triton_version": null (processes that ran different Tritons) was
+    # stamped by `tune` with the installed Triton, and by `merge` with none.
+    assert recording_table([decision(64)], triton_version=None).entries()[0].triton_version is None
+    assert recording_table([decision(64)]).entries()[0].triton_version == installed_triton_version()
 
 
 def test_a_decision_with_a_text_key_is_refused_before_its_log_is_written_naming_the_fix(tmp_path):

@@ -178,7 +178,7 @@ def test_vote_files_reads_decision_logs_one_vote_per_process(tmp_path):
     for rank, (path, block) in enumerate(zip(logs, (64, 64, 128))):
         write_decisions(path, [decision(block, rank=rank, source="tuned"), decision(32, key=M2, rank=rank)])
     pooled = tmp_path / "t.tuning.json"  # one decision per process for each key, as --results holds
-    write_decisions(pooled, [d for path in logs for d in read_decisions(path)])
+    write_decisions(pooled, [d for path in logs for d in read_decisions(path)], processes=[2, 2, 2])
     per_process, from_pooled = (
         vote_files(tmp_path / "a.msgpack", logs),
         vote_files(tmp_path / "b.msgpack", [pooled]),
@@ -194,6 +194,21 @@ def test_vote_files_reads_decision_logs_one_vote_per_process(tmp_path):
     renamed = tmp_path / "decisions.log"  # told by content, as `run --decision-log` may name it
     renamed.write_bytes(logs[0].read_bytes())
     assert vote_files(tmp_path / "c.msgpack", [renamed]).inputs == [str(renamed)]
+
+
+def test_a_decision_log_not_pooled_votes_once_its_first_decision_per_key_as_tune_counts_it(tmp_path):
+    # One process that ran two sessions logs two decisions for a key: `tune` counts it once (its
+    # first); `merge` counted each repeat as a vote of its own.
+    twice, once = tmp_path / "tuned-host-0.json", tmp_path / "tuned-host-1.json"
+    write_decisions(twice, [decision(64, source="tuned"), decision(128, source="tuned")])
+    write_decisions(once, [decision(128, rank=1, source="tuned")])
+    result = vote_files(tmp_path / "out.msgpack", [twice, once])
+    assert result.inputs == [str(twice), str(once)]
+    assert load_table(tmp_path / "out.msgpack").get("sm90", KERNEL, M1).votes == (1, 2)
+    pooled = tmp_path / "t.tuning.json"  # tune's --results of that job: each process's vote kept
+    write_decisions(pooled, [*read_decisions(twice), *read_decisions(once)], processes=[2, 1])
+    assert vote_files(tmp_path / "pooled.msgpack", [pooled]).inputs == [f"{pooled}#1", f"{pooled}#2"]
+    assert load_table(tmp_path / "pooled.msgpack") == load_table(tmp_path / "out.msgpack")
 
 
 def test_a_merged_decision_log_stamps_its_entries_with_the_triton_that_measured_them(tmp_path, notices):
