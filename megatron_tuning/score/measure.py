@@ -130,9 +130,7 @@ def measure(
     samples, analysis = run.samples, run.analysis
     flags = _integrity(backend, calls[0], arms, samples, analysis, aa)
     if run.seconds > budget_s:  # a candidate too slow for one round in the budget: scored on one
-        flags.append(
-            _over_budget(budget_s, settle["seconds"], run.seconds - settle["seconds"], len(samples["nvml"]))
-        )
+        flags.append(_over_budget(budget_s, settle, run.seconds - settle["seconds"], len(samples["nvml"])))
     correctness.update(integrity.check_after(fn, reference, make_inputs, inputs, check, correctness, flags))
     record = report.build(
         name=name or _name(fn),
@@ -326,16 +324,33 @@ def _rounds(
     return _Run(samples, analysis, looks, planned, stopped_by, seconds)
 
 
-def _over_budget(budget_s: float, settle_s: float, rounds_s: float, rounds: int) -> dict[str, Any]:
+def _over_budget(budget_s: float, settle: dict[str, Any], rounds_s: float, rounds: int) -> dict[str, Any]:
     """Past the budget by a round (the first always runs; a later one can run long): the flag says
     by how much and what budget holds a verdict's rounds (``few_rounds``, which demotes, comes with it)."""
-    needed = settle_s + 1.5 * FIRST_LOOK * rounds_s / rounds  # the loop stops 1.5 rounds short of the budget
+    settle_s = settle["seconds"]
+    # The loop runs another round while the time spent and 1.5 rounds fit in the budget: FIRST_LOOK
+    # rounds need the settle phase and FIRST_LOOK + 0.5 rounds. A settle phase cut off at its cap
+    # runs to the larger cap a larger budget gives it, min(SETTLE_CAP_S, SETTLE_SHARE * budget),
+    # and past it by up to a block.
+    needed = (FIRST_LOOK + 0.5) * rounds_s / rounds
+    if settle["steady"]:
+        needed += settle_s
+    else:
+        needed += settle["block_s"]
+        needed = min(needed / (1 - SETTLE_SHARE), needed + SETTLE_CAP_S)
     return {
         "name": "over_budget",
         "message": f"settling the clock took {settle_s:.3g} s and {rounds} round(s) {rounds_s:.3g} s, past "
-        f"budget_s={budget_s:g}: scored on those; {FIRST_LOOK} rounds need budget_s of about {needed:.2g}",
+        f"budget_s={budget_s:g}: scored on those; {FIRST_LOOK} rounds need budget_s of about "
+        f"{_round_up(needed)}",
         "demotes": False,
     }
+
+
+def _round_up(seconds: float) -> str:
+    """``seconds`` to two significant digits, rounded up: a budget that falls short by rounding is no help."""
+    step = 10.0 ** (math.floor(math.log10(seconds)) - 1)
+    return f"{math.ceil(round(seconds / step, 6)) * step:.3g}"
 
 
 def _stop(analysis: dict[str, Any], target_ci: float, correctness: dict[str, Any]) -> str | None:

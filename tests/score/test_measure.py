@@ -3,6 +3,7 @@ clock evidence, and each integrity flag firing on its fake and staying quiet on 
 
 from __future__ import annotations
 
+import importlib
 import json
 from typing import Any
 
@@ -12,6 +13,8 @@ import torch
 from megatron_tuning.score import measure, noise_floor, pooling
 from megatron_tuning.score.timers import HostBackend, elapsed_time_problem
 from tests.score.fakes import MAX_MHZ, FakeDevice, FakeNvml, seams
+
+measure_module = importlib.import_module("megatron_tuning.score.measure")  # `measure` is the function too
 
 
 def _names(score) -> list[str]:
@@ -182,8 +185,25 @@ def test_a_candidate_too_slow_for_the_budget_is_scored_on_the_rounds_it_took(
     if over:
         (flag,) = [f for f in record["flags"] if f["name"] == "over_budget"]
         assert not flag["demotes"] and flag["message"].endswith(
-            "and 1 round(s) 0.604 s, past budget_s=0.5: scored on those; 8 rounds need budget_s of about 7.5"
+            "and 1 round(s) 0.604 s, past budget_s=0.5: scored on those; 8 rounds need budget_s of about 7.3"
         )
+        # that budget holds them: settled to its larger cap, the loop runs a round while 1.5 fit
+        again = FakeDevice(noise=0.002)
+        enough = measure(
+            again.kernel(candidate_ms), reference=again.kernel(1.0), budget_s=7.3, **seams(again)
+        )
+        assert enough.record["rounds"]["looks"][0] == 8 and "over_budget" not in _names(enough)
+
+
+def test_the_budget_over_budget_suggests_counts_the_settle_phase_and_eight_and_a_half_rounds() -> None:
+    # It counted 12 rounds (1.5 * 8), not the 8.5 the loop needs; a settle phase cut off at its cap
+    # grows with the budget: a quarter of it, at most 2 s, and a block past that.
+    def needed(settle: dict[str, object], rounds_s: float, rounds: int) -> str:
+        return measure_module._over_budget(0.5, settle, rounds_s, rounds)["message"].rsplit(" ", 1)[1]
+
+    assert needed({"seconds": 0.4, "steady": True, "block_s": 0.1}, 2.0, 2) == "8.9"  # 0.4 + 8.5 * 1
+    assert needed({"seconds": 0.1, "steady": False, "block_s": 0.1}, 0.4, 1) == "4.7"  # (3.4 + .1) / .75
+    assert needed({"seconds": 0.1, "steady": False, "block_s": 0.1}, 1.0, 1) == "11"  # 8.5 + .1 + 2, up
 
 
 def test_a_round_that_runs_long_past_the_budget_is_counted_in_the_flag() -> None:
