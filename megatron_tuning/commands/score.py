@@ -156,7 +156,7 @@ def _score_job(
                 break
             if processes > 1 and ENV_QUIET not in updates:
                 print(f"score: process {index + 1} of {processes}: {shlex.join(argv)}", file=sys.stderr)
-            environment = {**updates, ENV_SCORE: json.dumps({**job, "dir": str(work)})}
+            environment = {**updates, ENV_SCORE: json.dumps({**job, "dir": str(work), "index": index})}
             # The job's watcher removes `work` too should `score` be killed (a harness's timeout).
             code, diverged = run_armed(
                 argv, environment, "score", launcher="score", passed=stop, leftovers=[work]

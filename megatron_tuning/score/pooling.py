@@ -25,6 +25,7 @@ RUN_FORMAT = "megatron_tuning.score-run/1"  # the `score` command's file: pooled
 PREFIX = "score-"  # per-process record files: score-<host>-<pid>.json
 _JOB_KEYS: dict[str, type | tuple[type, ...]] = {
     "dir": str,
+    "index": int,  # the process's place in the series (0 first): how its records are ordered
     "budget_s": (int, float),
     "target_ci": (int, float),
     "noise_floor": bool,
@@ -67,8 +68,11 @@ def publish(record: dict[str, Any], job: dict[str, Any]) -> None:
     me = f"{socket.gethostname()}-{os.getpid()}"
     if job.get("dir"):
         path = Path(job["dir"]) / f"{PREFIX}{me}.json"
-        records = json.loads(path.read_text()) if path.exists() else []
-        write_atomic(path, json.dumps([*records, record]).encode())
+        records = _read_process(path)[1] if path.exists() else []
+        doc: Any = [*records, record]
+        if "index" in job:
+            doc = {"index": job["index"], "records": doc}
+        write_atomic(path, json.dumps(doc).encode())
     if job.get("out"):
         with locked(job["out"]):
             report = json.loads(Path(job["out"]).read_text()) if os.path.exists(job["out"]) else {}
@@ -92,9 +96,17 @@ def publish(record: dict[str, Any], job: dict[str, Any]) -> None:
 
 def read_job(folder: Path) -> list[list[dict[str, Any]]]:
     """Every process's records in a job's folder, one list per process that measured, in the order
-    they ran (their files' last writes; a job's processes run one after another)."""
-    files = sorted(folder.glob(f"{PREFIX}*.json"), key=lambda path: (path.stat().st_mtime_ns, path.name))
-    return [json.loads(path.read_text()) for path in files]
+    they ran: the place in the series each file records (file times tie on a coarse file system or
+    under concurrent writers; pids say nothing); a file that records none, by its last write."""
+    files = [(path, *_read_process(path)) for path in folder.glob(f"{PREFIX}*.json")]
+    files.sort(key=lambda f: (f[1] is None, f[1] or 0, f[0].stat().st_mtime_ns, f[0].name))
+    return [records for _, _, records in files]
+
+
+def _read_process(path: Path) -> tuple[int | None, list[dict[str, Any]]]:
+    """A per-process file: its place in the series (``None``: not recorded) and its records."""
+    data = json.loads(path.read_text())
+    return (data["index"], data["records"]) if isinstance(data, dict) else (None, data)
 
 
 def pool(processes: list[list[dict[str, Any]]], requested: int | None = None) -> list[dict[str, Any]]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -432,6 +433,21 @@ def test_a_job_s_processes_are_read_in_the_order_they_ran_not_by_pid(tmp_path: P
         path.write_text(json.dumps([record]))
         os.utime(path, ns=(when * 10**9, when * 10**9))
     assert pooling.read_job(tmp_path) == [[first], [second]]
+
+
+def test_a_job_s_processes_are_read_in_their_series_order_whatever_the_file_times(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a file system with 1-2 s timestamps (NFS, FAT), or under concurrent writers, the processes'
+    files tied on time and were read by name: pid 10001 (run second) before pid 9999 (run first)."""
+    records = _records(3)
+    for index, pid in ((1, 10001), (0, 9999), (2, 10000)):
+        job = {"dir": str(tmp_path), "index": index}
+        monkeypatch.setattr(os, "getpid", lambda pid=pid: pid)
+        pooling.publish(records[index], job)
+        pooling.publish(records[index], job)  # appended, the place kept
+        os.utime(tmp_path / f"{pooling.PREFIX}{socket.gethostname()}-{pid}.json", ns=(10**9, 10**9))
+    assert pooling.read_job(tmp_path) == [[r, r] for r in records]
 
 
 def test_a_result_measured_in_fewer_processes_than_requested_says_so() -> None:
