@@ -276,8 +276,11 @@ def _nvml_arm(arms: list[dict[str, Any]]) -> dict[str, Any]:
 def _environment(members: list[Member], flags: list[Flag]) -> dict[str, Any]:
     environments = [r["environment"] for _, _, r in members]
     agreed = _agreed(environments)
+    # not all equal: a value one process could not read (None) differs from another's too
     differ = [
-        k for k in TIMED_ENVIRONMENT if k in agreed and agreed[k] is None and environments[0][k] is not None
+        k
+        for k in TIMED_ENVIRONMENT
+        if k in agreed and any(e.get(k) != environments[0][k] for e in environments)
     ]
     if differ:
         values = "; ".join(

@@ -144,7 +144,7 @@ def pool(processes: list[list[dict[str, Any]]], requested: int | None = None) ->
         results.append(pooled.pool_result(members, name=unique, requested=requested, notes=notes))
     for name, names in renamed.items():
         kept = ", ".join(map(repr, names))
-        warn_once(("score-renamed", name), "score: results named %r kept apart as %s: %s", name, kept, _FIX)
+        warn_once(("score-renamed", name), "results named %r kept apart as %s: %s", name, kept, _FIX)
     return results
 
 

@@ -207,6 +207,20 @@ def test_pooled_pinning_and_environment_name_each_process_s_difference() -> None
     assert pooled["status"] == "demoted" and pooled["verdict"]["outcome"] == "inconclusive"
 
 
+def test_an_environment_value_process_0_could_not_read_differs_from_another_s() -> None:
+    # None in process 0 against "H100" elsewhere went unflagged: only a value of process 0's was.
+    records = _records(2)
+    records[0]["environment"]["gpu"] = None
+    (pooled,) = pooling.pool([[r] for r in records])
+    found = {f["name"]: f["message"] for f in pooled["flags"]}
+    assert found["environment_differs"].startswith(
+        "the processes pooled ran on different gpu: process 0 None, "
+    )
+    assert pooled["environment"]["gpu"] is None
+    (same,) = pooling.pool([[r] for r in _records(2)])
+    assert "environment_differs" not in {f["name"] for f in same["flags"]}
+
+
 def _shapes_harness(seed: int, sizes: tuple[int, ...] = (4096, 16384)) -> list[dict[str, Any]]:
     """One process of /tmp/eval1/eval_shapes.py: ``measure(add, ...)`` in a loop over sizes, the
     default name (``add``) for every size; 0.1 ms per 4096 elements."""
@@ -236,7 +250,7 @@ def test_one_name_on_two_shapes_in_one_process_is_two_results_never_two_processe
     with pytest.warns(UserWarning) as warned:
         one = pooling.pool([_shapes_harness(0)])
     assert [str(w.message) for w in warned] == [
-        f"megatron_tuning: score: results named 'add' kept apart as {small!r}, {large!r}: "
+        f"megatron_tuning: results named 'add' kept apart as {small!r}, {large!r}: "
         "pass measure(..., name=...) to name each"
     ]
     assert [r["name"] for r in one] == [small, large]
