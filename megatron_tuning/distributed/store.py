@@ -23,7 +23,7 @@ from ..core.decisions import Decision
 from ..core.errors import CONFIG_LIST_KEY, AgreementTimeoutError, ConsensusError, PolicyError, StoreError
 from ..core.identity import shared_kernel_id
 from ..core.notices import warn_once
-from ..runtime.pinning import config_listing
+from ..runtime.config_list import config_listing
 
 PREFIX = "megatron_tuning/v2"
 SLOW_REQUEST_S = 5.0  # a slower request is reported once per purpose (a paused or overloaded store)

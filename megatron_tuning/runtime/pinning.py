@@ -17,11 +17,10 @@ from ..core import notices
 from ..core.chaos import ChaosCoordinator, choose_chaos
 from ..core.choice import Choice, ConfigTable, choose
 from ..core.decisions import Decision, decision_log
-from ..core.errors import ConsensusError, UnstorableConfigError
+from ..core.errors import ConsensusError
 from ..core.identity import (
     arch_tag,
     config_data,
-    config_list_digest,
     config_signature,
     current_rank,
     kernel_id,
@@ -31,7 +30,7 @@ from ..core.identity import (
 )
 from ..core.key import Key, call_key, render
 from ..core.policy import TuningPolicy
-from ..tables.entry import Invalid, InvalidType, check_config
+from .config_list import examine
 
 logger = logging.getLogger("megatron_tuning.runtime.interception")
 progress = logging.getLogger("megatron_tuning.tuning.tuner.progress")
@@ -39,7 +38,6 @@ progress = logging.getLogger("megatron_tuning.tuning.tuner.progress")
 Measure = Callable[[Any, list[Any], tuple[Any, ...], dict[str, Any], str, str], tuple[Any, dict[str, Any]]]
 
 STATE_ATTR = "_megatron_tuning_state"
-STORING_MODES = ("auto", "record", "tune")  # they store or share the configs they decide
 
 
 class PublishedDecision(Protocol):
@@ -109,11 +107,11 @@ class AutotunerState:
     launches: dict[tuple[Any, ...], Launch] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
     source_hash: str | None = None
+    # In scope, what ``config_list.examine`` found of its configs (see ``ConfigList``).
     config_list_digest: str | None = None
-    storing_problem: str | None = None  # why no table could hold one of its configs (``_storing_problem``)
-    storing_wrong_type: bool = False  # that problem is a value's type, not its range
-    # The keywords any of its configs sets (``Config.all_kwargs()``): a call passing one is refused.
     config_keywords: frozenset[str] = frozenset()
+    storing_problem: str | None = None
+    storing_wrong_type: bool = False
 
     def key(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Key:
         return call_key(self.arg_names, [name for name, _ in self.key_index], args, kwargs)
@@ -186,16 +184,6 @@ def current_policy() -> TuningPolicy | None:
     return None if installation is None else installation.policy
 
 
-# Each in-scope config list's configs, by its digest: what ranks compare of a kernel's list
-# (``distributed.store.config_list_row``). Sorted, as the digest ignores their order.
-_listings: dict[str, str] = {}
-
-
-def config_listing(digest: str) -> str | None:
-    """The signatures of the configs of the list with ``digest``, ``"; "``-joined; ``None`` if unseen."""
-    return _listings.get(digest)
-
-
 def state_for(autotuner: Any, installation: Installation) -> AutotunerState:
     """``autotuner``'s state under ``installation``, made at its first launch under it; kept only while
     ``installation`` is active, so a launch racing ``install``/``uninstall`` cannot outlive it."""
@@ -212,16 +200,10 @@ def state_for(autotuner: Any, installation: Installation) -> AutotunerState:
         arg_names=tuple(arg_names),
     )
     if new.in_scope:  # out of scope, Triton picks among the configs itself: nothing to check
-        new.config_list_digest = config_list_digest(autotuner)
-        if new.config_list_digest not in _listings:
-            signatures = sorted({config_signature(config) for config in autotuner.configs})
-            _listings[new.config_list_digest] = "; ".join(signatures)
+        checked = examine(autotuner, kernel, installation.policy.mode)
+        new.config_list_digest, new.config_keywords = checked.digest, checked.keywords
+        new.storing_problem, new.storing_wrong_type = checked.storing_problem, checked.storing_wrong_type
         new.source_hash = kernel_source_hash(autotuner)
-        new.config_keywords = frozenset(name for config in autotuner.configs for name in config.all_kwargs())
-        new.storing_problem, new.storing_wrong_type = _storing_problem(autotuner)
-        if new.storing_problem and _would_store(installation.policy.mode, autotuner):
-            mode = installation.policy.mode
-            raise UnstorableConfigError(kernel, mode, new.storing_problem, new.storing_wrong_type)
     with _active_lock:  # ordered with set_active, and a WeakSet is not iterated while it grows
         if installation is active:
             autotuner.__dict__[STATE_ATTR] = new
@@ -231,25 +213,6 @@ def state_for(autotuner: Any, installation: Installation) -> AutotunerState:
             Decision(kernel, "*", "", "out_of_scope", arch=installation.arch, rank=current_rank())
         )
     return new
-
-
-def _would_store(mode: str, autotuner: Any) -> bool:
-    """Whether ``mode`` could store or share one of ``autotuner``'s configs: ``auto`` and ``tune``
-    only measure among several (the only config launches as it is, source ``single``); ``record``
-    logs Triton's pick even of one, and its recording keeps it."""
-    return mode in STORING_MODES and (mode == "record" or len(autotuner.configs) > 1)
-
-
-def _storing_problem(autotuner: Any) -> tuple[str | None, bool]:
-    """Why a table could not hold one of ``autotuner``'s configs (``None``: it could hold them all),
-    and whether a value's type is why. A storing mode refuses such a kernel before anything is
-    measured."""
-    for config in autotuner.configs:
-        try:
-            check_config(config_data(config))
-        except Invalid as exc:
-            return str(exc), isinstance(exc, InvalidType)
-    return None, False
 
 
 def decide(
