@@ -124,11 +124,15 @@ def hold_lifeline(lifeline: Path) -> int:
 
 def stop_with_launcher(lifeline: str) -> None:
     """Kill this process once its launcher lets go of ``lifeline`` (a shared lock is granted only
-    then). SIGKILL, so no exit handler runs: nothing reaches a cache after the launcher is gone."""
+    then). SIGKILL, so no exit handler runs: nothing reaches a cache after the launcher is gone. A
+    process leading its own process group (a torchrun worker: a session of its own) kills that group,
+    so what it started dies with it, as the launcher's watcher kills the job's group."""
 
     def watch() -> None:
         with contextlib.suppress(OSError):  # no file: the launcher has ended and removed it
             fcntl.flock(os.open(lifeline, os.O_RDONLY), fcntl.LOCK_SH)
+        if os.getpgrp() == os.getpid():  # its own group, made for it: only what it started is there
+            os.killpg(os.getpid(), signal.SIGKILL)
         os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=watch, name="megatron_tuning launcher watch", daemon=True).start()

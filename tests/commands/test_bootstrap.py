@@ -230,3 +230,43 @@ def test_a_run_jobs_process_marks_each_divergence_it_raised(tmp_path: Path, monk
     DivergenceError("k", "n=1", {0: "a", 1: "b"})  # each one built is raised
     bootstrap._mark_divergences(str(tmp_path))
     assert (tmp_path / f"divergence-{os.getpid()}").read_bytes() == b"1"
+
+
+LEADER = textwrap.dedent("""
+    import os, subprocess, sys, time
+    from megatron_tuning.commands import bootstrap
+    os.setsid()  # as torchrun starts each worker
+    bootstrap.stop_with_launcher(sys.argv[1])
+    child = subprocess.Popen(["sleep", "300"])
+    print(child.pid, flush=True)
+    time.sleep(300)
+""")
+
+
+def test_a_worker_leading_its_own_group_takes_what_it_started_with_it(tmp_path: Path) -> None:
+    """torchrun puts each worker in a session of its own, out of reach of the launcher's group kill:
+    before, a worker died with its launcher but the `sleep` it started lived on, reparented to init."""
+    lifeline = tmp_path / "lifeline"
+    lifeline.write_text("")
+    fd = bootstrap.hold_lifeline(lifeline)
+    worker = subprocess.Popen(
+        [sys.executable, "-c", LEADER, str(lifeline)], stdout=subprocess.PIPE, text=True, env=_env(tmp_path)
+    )
+    try:
+        assert worker.stdout is not None
+        grandchild = int(worker.stdout.readline())
+        os.close(fd)  # the launcher lets go (or dies)
+        assert worker.wait(timeout=30) == -9
+        for _ in range(300):
+            try:
+                os.kill(grandchild, 0)
+            except ProcessLookupError:
+                break
+            if Path(f"/proc/{grandchild}/stat").read_text().split(") ")[1].startswith("Z"):
+                break  # killed, waiting for its reaper
+            __import__("time").sleep(0.05)
+        else:
+            pytest.fail(f"the worker's child {grandchild} outlived it")
+    finally:
+        worker.kill()
+        worker.wait()
