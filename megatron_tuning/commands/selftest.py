@@ -86,33 +86,35 @@ def run_selftest(args: argparse.Namespace, *, launch: Launch | None = None) -> i
 
     interpret = args.interpret or not torch.cuda.is_available()
     root = args.keep or tempfile.mkdtemp(prefix="megatron_tuning_selftest_")
-    passed: bool | None = None  # None: interrupted before a verdict
-    try:
-        where = "Triton interpreter on CPU" if interpret else "GPU"
-        print(
-            f"megatron_tuning selftest: {args.nproc} ranks, agreement={args.agreement}, {where}, gloo",
-            flush=True,
-        )
-        verdicts = []
-        for mode in ("deterministic", "chaos"):
-            outcome = (launch or _launch)(args, mode, os.path.join(root, mode), interpret)
-            ok, summary = _judge(mode, outcome, args.nproc)
-            verdicts.append(ok)
-            print(f"  {mode:<13} {'PASS' if ok else 'FAIL'}  {summary} ({outcome['seconds']:.1f}s)")
-            if args.show:
-                _show(mode, outcome)
-            if not ok and outcome.get("output"):
-                _print_tail("torchrun output", outcome["output"])
-        passed = all(verdicts)
-        verdict = "passed: deterministic runs agree and chaos is detected." if passed else "FAILED."
-        print(f"selftest {verdict}")
-        if args.keep or not passed:
-            print(f"results kept in {root}")
-        return 0 if passed else 1
-    finally:
-        # A temp root goes unless a finished run failed: then its logs are what the user needs.
-        if not args.keep and passed is not False:
-            shutil.rmtree(root, ignore_errors=True)
+    # A watcher removes a temp root if this process is killed (SIGKILL included), as `run` does.
+    with job.job_group(False, [] if args.keep else [Path(root)]):
+        passed: bool | None = None  # None: interrupted before a verdict
+        try:
+            where = "Triton interpreter on CPU" if interpret else "GPU"
+            print(
+                f"megatron_tuning selftest: {args.nproc} ranks, agreement={args.agreement}, {where}, gloo",
+                flush=True,
+            )
+            verdicts = []
+            for mode in ("deterministic", "chaos"):
+                outcome = (launch or _launch)(args, mode, os.path.join(root, mode), interpret)
+                ok, summary = _judge(mode, outcome, args.nproc)
+                verdicts.append(ok)
+                print(f"  {mode:<13} {'PASS' if ok else 'FAIL'}  {summary} ({outcome['seconds']:.1f}s)")
+                if args.show:
+                    _show(mode, outcome)
+                if not ok and outcome.get("output"):
+                    _print_tail("torchrun output", outcome["output"])
+            passed = all(verdicts)
+            verdict = "passed: deterministic runs agree and chaos is detected." if passed else "FAILED."
+            print(f"selftest {verdict}")
+            if args.keep or not passed:
+                print(f"results kept in {root}")
+            return 0 if passed else 1
+        finally:
+            # A temp root goes unless a finished run failed: then its logs are what the user needs.
+            if not args.keep and passed is not False:
+                shutil.rmtree(root, ignore_errors=True)
 
 
 def _your_job(command: list[str], timeout: float, keep: str | None) -> int:
