@@ -25,6 +25,34 @@ def flag(name: str, message: str) -> Flag:
     return {"name": name, "message": message, "demotes": True}
 
 
+def demoted_verdict(
+    outcome: str,
+    reason: str,
+    demoted: list[str],
+    *,
+    margin: float,
+    delta: float,
+    level: float,
+    cycle_outcome: str | None,
+    rounds_to_decide: int | None,
+) -> dict[str, Any]:
+    """A record's verdict: ``outcome``, unless a flag of ``demoted`` (their names, as the reason
+    lists them) demotes it to inconclusive, the outcome it had kept in ``demoted_from``."""
+    demotes = bool(demoted) and outcome != "inconclusive"
+    if demotes:
+        reason += f"; was {outcome}, demoted by {', '.join(demoted)}"
+    return {
+        "outcome": "inconclusive" if demoted else outcome,
+        "demoted_from": outcome if demotes else None,
+        "margin": margin,
+        "delta": delta,
+        "level": level,
+        "reason": reason,
+        "cycle_outcome": cycle_outcome,
+        "rounds_to_decide": rounds_to_decide,
+    }
+
+
 def outputs_problem(output: Any, expected: Any, check: Check | str) -> str | None:
     """Why ``output`` fails the check against ``expected``; ``None`` when it passes. ``check``:
     ``"reference"`` (close within ``RTOL``/``ATOL``, element by element) or a callable returning truthy."""

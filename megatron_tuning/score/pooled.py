@@ -12,7 +12,7 @@ import numpy as np
 
 from . import clocks as clk
 from . import stats
-from .integrity import Flag, flag
+from .integrity import Flag, demoted_verdict, flag
 
 # (process index, record index in that process's list, the record)
 Member = tuple[int, int, dict[str, Any]]
@@ -174,20 +174,17 @@ def decide(
 ) -> dict[str, Any]:
     """A verdict at 95% on an interval, demoted to inconclusive by any demoting flag."""
     outcome = str(stats.verdict(np.asarray(low), np.asarray(high), delta))
-    demoted = [f["name"] for f in flags if f["demotes"]]
     reason = f"{what} interval [{float(low):.4f}, {float(high):.4f}] at 95% against 1 +/- {delta:.2%}"
-    if demoted and outcome != "inconclusive":
-        reason += f"; was {outcome}, demoted by {', '.join(sorted(set(demoted)))}"
-    return {
-        "outcome": "inconclusive" if demoted else outcome,
-        "demoted_from": outcome if demoted and outcome != "inconclusive" else None,
-        "margin": margin,
-        "delta": delta,
-        "level": 0.95,
-        "reason": reason,
-        "cycle_outcome": cycle_outcome,
-        "rounds_to_decide": None,  # an interval of processes or of two results: not a count of rounds
-    }
+    return demoted_verdict(
+        outcome,
+        reason,
+        sorted({f["name"] for f in flags if f["demotes"]}),  # pooled: one name per flag, not per process
+        margin=margin,
+        delta=delta,
+        level=0.95,
+        cycle_outcome=cycle_outcome,
+        rounds_to_decide=None,  # an interval of processes or of two results: not a count of rounds
+    )
 
 
 def _cycle_outcome(records: list[dict[str, Any]], delta: float) -> str | None:

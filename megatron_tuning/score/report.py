@@ -17,7 +17,7 @@ from ..core import __version__
 from ..core.decisions import Decision
 from . import clocks as clk
 from . import stats
-from .integrity import flag
+from .integrity import demoted_verdict, flag
 from .pinned import pinning, stale_flags
 
 FORMAT = "megatron_tuning.score/1"
@@ -226,21 +226,18 @@ def build(
 def _verdict(decided: Any, delta: float, margin: float, flags: list[dict[str, Any]]) -> dict[str, Any] | None:
     if decided is None:
         return None
-    outcome, demoted = decided["outcome"], [f["name"] for f in flags if f["demotes"]]
     low, high = decided["interval"]
     reason = f"ratio interval [{low:.4f}, {high:.4f}] at {decided['level']:.2%} against 1 +/- {delta:.2%}"
-    if demoted and outcome != "inconclusive":
-        reason += f"; was {outcome}, demoted by {', '.join(demoted)}"
-    return {
-        "outcome": "inconclusive" if demoted else outcome,
-        "demoted_from": outcome if demoted and outcome != "inconclusive" else None,
-        "margin": margin,
-        "delta": delta,
-        "level": decided["level"],
-        "reason": reason,
-        "cycle_outcome": decided["cycle_outcome"],
-        "rounds_to_decide": decided["rounds_to_decide"],
-    }
+    return demoted_verdict(
+        decided["outcome"],
+        reason,
+        [f["name"] for f in flags if f["demotes"]],
+        margin=margin,
+        delta=delta,
+        level=decided["level"],
+        cycle_outcome=decided["cycle_outcome"],
+        rounds_to_decide=decided["rounds_to_decide"],
+    )
 
 
 def _noise(ratio: Any, latency: dict[str, Any], aa: bool) -> dict[str, Any]:
