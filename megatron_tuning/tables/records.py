@@ -46,7 +46,7 @@ def write_decisions(
     gives each process its vote, as ``tune`` did."""
     rows = [d.to_json() for d in (get_decisions() if decisions is None else decisions)]
     version = installed_triton_version() if triton_version is ... else triton_version
-    if processes is not None and (any(n < 0 for n in processes) or sum(processes) != len(rows)):
+    if processes is not None and not _counts(processes, len(rows)):
         raise ValueError(f"processes {list(processes)} must count the {len(rows)} decisions, in order")
     # not sort_keys: keys keep order
     doc: dict[str, Any] = {"format": DECISIONS_FORMAT, "version": 2, "triton_version": version}
@@ -54,6 +54,11 @@ def write_decisions(
         doc["processes"] = list(processes)
     doc["decisions"] = rows
     write_atomic(path, json.dumps(doc, indent=1, default=render).encode("utf-8"), error=_log_error)
+
+
+def _counts(processes: Sequence[Any], total: int) -> bool:
+    """Whether ``processes`` counts ``total`` decisions per process: whole numbers, none negative."""
+    return all(type(n) is int and n >= 0 for n in processes) and sum(processes) == total
 
 
 class DecisionFile(NamedTuple):
@@ -93,11 +98,7 @@ def read_decision_file(path: str | os.PathLike[str]) -> DecisionFile:
     except Invalid as exc:
         raise _log_error(name, str(exc)) from None
     processes = data.get("processes")
-    if processes is not None and (
-        type(processes) is not list
-        or any(type(n) is not int or n < 0 for n in processes)
-        or sum(processes) != len(rows)
-    ):
+    if processes is not None and not (type(processes) is list and _counts(processes, len(rows))):
         raise _log_error(
             name, f"'processes' must count its {len(rows)} decisions per process, got {processes!r}"
         )
