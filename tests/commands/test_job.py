@@ -65,11 +65,11 @@ def _start(
     return subprocess.Popen(argv, env=env, cwd=tmp_path, **popen)  # type: ignore[call-overload, no-any-return]
 
 
-def test_a_killed_launcher_takes_every_process_of_the_jobs_group_and_its_folder(tmp_path: Path) -> None:
-    """A harness's timeout SIGKILLs `run` alone. Before, the job's ``sleep`` (a program it started,
-    which no lifeline reaches) ran on, reparented to init, and ``megatron_tuning_run_*`` stayed."""
+def killed_launcher_leaves_nothing(tmp_path: Path, command: str) -> None:
+    """SIGKILL ``python -m megatron_tuning COMMAND -- <a job that starts a sleep>`` alone, as a
+    harness's timeout does: no process of the job and no launcher folder may be left."""
     job, pids_file = _leaving_a_sleeper(tmp_path, "time.sleep(600)")
-    launcher = _start(tmp_path, "run", "--", job, stdin=subprocess.DEVNULL, start_new_session=True)
+    launcher = _start(tmp_path, command, "--", job, stdin=subprocess.DEVNULL, start_new_session=True)
     pids = _pids(pids_file, launcher)
     try:
         launcher.kill()
@@ -82,6 +82,12 @@ def test_a_killed_launcher_takes_every_process_of_the_jobs_group_and_its_folder(
     finally:
         for pid in filter(_alive, pids):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_a_killed_launcher_takes_every_process_of_the_jobs_group_and_its_folder(tmp_path: Path) -> None:
+    """A harness's timeout SIGKILLs `run` alone. Before, the job's ``sleep`` (a program it started,
+    which no lifeline reaches) ran on, reparented to init, and ``megatron_tuning_run_*`` stayed."""
+    killed_launcher_leaves_nothing(tmp_path, "run")
 
 
 @pytest.mark.parametrize("ending", ["a group SIGTERM", "the job's own exit"])

@@ -3,7 +3,6 @@ compare``; the do_bench route (``score --do-bench``, ``run --score-do-bench``); 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -234,23 +233,9 @@ def test_a_sigterm_to_score_ends_the_series_keeps_what_was_measured_and_exits_14
 def test_a_score_killed_on_timeout_leaves_no_process_and_no_folder(tmp_path: Path) -> None:
     """The review's spawner candidate under `timeout -s KILL`: before, its ``sleep`` ran on, and the
     series' folder (``megatron_tuning_score_*``) stayed in the temp folder."""
-    from tests.commands.test_job import _gone, _leaving_a_sleeper, _pids, _start
+    from tests.commands.test_job import killed_launcher_leaves_nothing
 
-    job, pids_file = _leaving_a_sleeper(tmp_path, "time.sleep(600)")
-    score = _start(tmp_path, "score", "--", job, stdin=subprocess.DEVNULL, start_new_session=True)
-    pids = _pids(pids_file, score)
-    try:
-        score.kill()
-        score.wait()
-        assert _gone(pids) == []
-        deadline = time.monotonic() + 2.0
-        while list((tmp_path / "tmp").iterdir()) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert list((tmp_path / "tmp").iterdir()) == []
-    finally:
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+    killed_launcher_leaves_nothing(tmp_path, "score")
 
 
 @pytest.mark.slow
