@@ -294,7 +294,9 @@ def test_a_session_that_checks_no_key_still_claims_its_inputs(
         first.poll()
 
 
-def test_an_unchecked_rank_that_claimed_first_learns_of_the_mismatch_at_close() -> None:
+def _inputs_only_rank_claiming_first() -> agreement.AgreementChecker:
+    """Rank 0 with agreement off (an inputs-only session) claims its inputs first; rank 1, checked,
+    finds the mismatch at its own claim. Returns rank 0's session, which has raised nothing yet."""
     claims = dist.HashStore()
     off = TuningPolicy(agreement="off")
     unchecked = agreement.AgreementChecker(off, store=claims, rank=0, ranks=[0, 1], mode="inputs")
@@ -302,6 +304,11 @@ def test_an_unchecked_rank_that_claimed_first_learns_of_the_mismatch_at_close() 
     checked = agreement.AgreementChecker(TuningPolicy(), store=claims, rank=1, ranks=[0, 1])
     with pytest.raises(InputMismatchError, match="policy.agreement: rank 0: off; rank 1: None"):
         checked.compare_inputs(agreement.describe_inputs(TuningPolicy()))
+    return unchecked
+
+
+def test_an_unchecked_rank_that_claimed_first_learns_of_the_mismatch_at_close() -> None:
+    unchecked = _inputs_only_rank_claiming_first()
     unchecked.check(_decision(SIG_A))  # no per-key check, no traffic
     with pytest.raises(InputMismatchError, match="policy.agreement: rank 0: off; rank 1: None"):
         unchecked.stop()
@@ -365,13 +372,7 @@ def test_close_does_not_raise_again_what_a_check_raised_but_raises_what_this_ran
 
 
 def test_an_inputs_session_and_a_failed_attach_raise_at_close_only_what_they_did_not_raise() -> None:
-    claims = dist.HashStore()
-    off = TuningPolicy(agreement="off")
-    unchecked = agreement.AgreementChecker(off, store=claims, rank=0, ranks=[0, 1], mode="inputs")
-    unchecked.compare_inputs(agreement.describe_inputs(off))
-    checked = agreement.AgreementChecker(TuningPolicy(), store=claims, rank=1, ranks=[0, 1])
-    with pytest.raises(InputMismatchError):
-        checked.compare_inputs(agreement.describe_inputs(TuningPolicy()))
+    unchecked = _inputs_only_rank_claiming_first()
     with pytest.raises(InputMismatchError):
         unchecked.poll()  # what verify_agreement() reads
     unchecked.stop()
